@@ -1,0 +1,248 @@
+"""The fleet and cost model: one pydantic model, loadable from YAML, validated at start-up.
+
+Every default states its source. Units are in field names (``_s``, ``_bytes``, ``_gbps``
+= gigabits per second, ``_gbyte_s`` = gigabytes per second, ``_flops``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from controlplane.errors import ConfigError
+
+GIB = 1 << 30
+TIB = 1 << 40
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ModelProfile(_Frozen):
+    """A served model: KV geometry and compute.
+
+    KV bytes per token = 2 (K and V) x layers x kv_heads x head_dim x dtype_bytes.
+    """
+
+    name: str
+    parameters: float = Field(gt=0, description="P, total parameters")
+    layers: int = Field(gt=0)
+    kv_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    d_model: int = Field(gt=0)
+    dtype_bytes: int = Field(gt=0, le=8)
+    #: Memory-bound decode latency per output token at moderate batch (seconds).
+    decode_s_per_token: float = Field(gt=0)
+    #: Context window. Longer trace requests are clamped to it by the simulator (the
+    #: Claude Code traces come from a model with a larger window).
+    max_context_tokens: int = Field(131072, gt=0)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    def prefill_flops(self, new_tokens: int, cached_tokens: int) -> float:
+        """FLOPs to prefill ``new_tokens`` after ``cached_tokens`` of reused context:
+        2*P*n (weights) + 4*layers*d_model*(n*c + n^2/2) (attention scores and values)."""
+        n, c = float(new_tokens), float(cached_tokens)
+        return 2.0 * self.parameters * n + 4.0 * self.layers * self.d_model * (n * c + n * n / 2)
+
+
+class NodeProfile(_Frozen):
+    """One serving node = one engine instance (one GPU, or a tensor-parallel group)."""
+
+    gpus: int = Field(1, gt=0)
+    #: Dense bf16 peak per GPU. H100 SXM: 989 TFLOP/s (NVIDIA H100 datasheet).
+    peak_flops_per_gpu: float = Field(989e12, gt=0)
+    #: Prefill model-FLOPs utilisation; 0.4-0.6 is typical (ARCHITECTURE.md, cost model).
+    prefill_mfu: float = Field(0.5, gt=0, le=1)
+    hbm_kv_bytes: int = Field(gt=0, description="HBM left for KV after weights/activations")
+    dram_tier_bytes: int = Field(ge=0, description="node-local CPU DRAM tier (LMCache L1)")
+    #: NIC bandwidth per node: 100-400 Gb/s is common for GPU nodes (ARCHITECTURE.md).
+    nic_gbps: float = Field(100.0, gt=0)
+    #: Host-to-GPU copy bandwidth; PCIe 5 x16 gives ~25-50 GB/s in practice (ARCHITECTURE.md).
+    h2d_gbyte_s: float = Field(25.0, gt=0)
+
+    @property
+    def prefill_flops_per_s(self) -> float:
+        return self.gpus * self.peak_flops_per_gpu * self.prefill_mfu
+
+    @property
+    def nic_bytes_per_s(self) -> float:
+        return self.nic_gbps * 1e9 / 8
+
+
+class RemoteStoreProfile(_Frozen):
+    """The remote token store: Valkey (hot, in front of) S3 (cold, durable)."""
+
+    #: Valkey per-request latency: sub-millisecond on a local network (ARCHITECTURE.md).
+    valkey_latency_s: float = Field(0.0005, ge=0)
+    #: Valkey throughput one node can pull with several connections and striped values.
+    #: One connection reads ~1.3-1.7 GB/s of 4 MiB values (LMCache's valkey adapter and a
+    #: plain GET loop, measured on loopback; see the token-store issue); a few shards and
+    #: connections per node reach ~5 GB/s before the server side saturates.
+    valkey_gbyte_s_per_node: float = Field(5.0, gt=0)
+    #: Total Valkey memory for KV, shared by the fleet (4 shards x 128 GiB); LRU beyond
+    #: it, and older objects are read from S3.
+    valkey_capacity_bytes: int = Field(512 * GIB, ge=0)
+    #: S3 first-byte latency: tens of ms for S3 standard (AWS S3 performance guidelines).
+    s3_first_byte_s: float = Field(0.030, ge=0)
+    #: ~100 MB/s per connection (AWS S3 performance guidelines), many ranged GETs in parallel.
+    s3_gbyte_s_per_connection: float = Field(0.1, gt=0)
+    s3_connections: int = Field(64, gt=0)
+
+
+class RouterConfig(_Frozen):
+    """Request routing: estimated TTFT per node with a bonus for the session's home node."""
+
+    #: A node other than the session's home must be better by this much to win (seconds).
+    affinity_margin_s: float = Field(0.25, ge=0)
+
+
+class PlannerConfig(_Frozen):
+    """The prefetch planner of the ``predictive`` policy."""
+
+    #: Plan for the arrival quantile at this level: early quantiles start transfers sooner
+    #: (fewer late prefetches, more DRAM occupied).
+    arrival_quantile: float = Field(0.1, gt=0, lt=1)
+    #: Finish this long before the chosen arrival quantile (seconds).
+    safety_margin_s: float = Field(0.5, ge=0)
+    #: Skip prefetches for sessions less likely than this to return within the horizon.
+    min_p_return: float = Field(0.3, ge=0, le=1)
+    #: Skip prefetches whose forecast is less confident than this (0 = always trust).
+    min_confidence: float = Field(0.7, ge=0, le=1)
+    #: Do not plan further ahead than this (seconds); such sessions are re-planned later.
+    max_lead_s: float = Field(3600.0, gt=0)
+
+
+class FleetConfig(_Frozen):
+    """The modelled GPU fleet: N identical nodes serving one model from one remote store."""
+
+    nodes: int = Field(4, gt=0, le=4096)
+    model: ModelProfile
+    node: NodeProfile
+    remote: RemoteStoreProfile = RemoteStoreProfile()
+    router: RouterConfig = RouterConfig()
+    planner: PlannerConfig = PlannerConfig()
+
+    @model_validator(mode="after")
+    def _check_capacity(self) -> FleetConfig:
+        if self.node.hbm_kv_bytes < 1024 * self.model.kv_bytes_per_token:
+            raise ValueError(
+                "node.hbm_kv_bytes holds fewer than 1024 tokens of KV for model "
+                f"{self.model.name!r} ({self.model.kv_bytes_per_token} bytes/token)"
+            )
+        return self
+
+    @property
+    def local_capacity_bytes(self) -> int:
+        """HBM KV + DRAM tier over all nodes: what local tiers can hold at once."""
+        return self.nodes * (self.node.hbm_kv_bytes + self.node.dram_tier_bytes)
+
+    def prefill_s(self, new_tokens: int, cached_tokens: int) -> float:
+        return self.model.prefill_flops(new_tokens, cached_tokens) / self.node.prefill_flops_per_s
+
+
+# ---------------------------------------------------------------------------------------------
+# Presets
+# ---------------------------------------------------------------------------------------------
+
+#: Llama-3.1-8B: 32 layers, 8 KV heads, head_dim 128, d_model 4096, 8.03e9 parameters
+#: (Meta's model card / config.json); bf16 KV = 128 KiB per token. Decode ~8 ms/token on one
+#: H100 at moderate batch (vLLM benchmarks report 6-12 ms TPOT for 8B models).
+LLAMA_8B = ModelProfile(
+    name="llama-3.1-8b", parameters=8.03e9, layers=32, kv_heads=8, head_dim=128,
+    d_model=4096, dtype_bytes=2, decode_s_per_token=0.008,
+)
+#: Llama-3.1-70B: 80 layers, 8 KV heads, head_dim 128, d_model 8192, 70.6e9 parameters
+#: (Meta's model card); bf16 KV = 320 KiB per token. Decode ~20 ms/token with TP=8 on H100.
+LLAMA_70B = ModelProfile(
+    name="llama-3.1-70b", parameters=70.6e9, layers=80, kv_heads=8, head_dim=128,
+    d_model=8192, dtype_bytes=2, decode_s_per_token=0.020,
+)
+
+MODELS: dict[str, ModelProfile] = {m.name: m for m in (LLAMA_8B, LLAMA_70B)}
+MODEL_ALIASES: dict[str, str] = {"8b": LLAMA_8B.name, "70b": LLAMA_70B.name}
+
+#: One H100-80GB per 8B engine: 80 GB - 16 GB bf16 weights - activations/graphs leaves
+#: ~48 GiB for KV (vLLM's default gpu_memory_utilization=0.9). DRAM tier: 64 GiB of the
+#: node's host memory per GPU for LMCache's L1 (a DGX H100 has 2 TiB for 8 GPUs, shared
+#: with everything else on the host). NIC: 100 Gb/s per GPU.
+H100_FOR_8B = NodeProfile(gpus=1, hbm_kv_bytes=48 * GIB, dram_tier_bytes=64 * GIB, nic_gbps=100)
+#: 8 x H100 with TP=8 per 70B engine: 640 GB - 141 GB weights - activations leaves ~400 GiB
+#: for KV; 512 GiB DRAM tier; 400 Gb/s NIC (one 400G NIC per node is common).
+H100X8_FOR_70B = NodeProfile(
+    gpus=8, hbm_kv_bytes=400 * GIB, dram_tier_bytes=512 * GIB, nic_gbps=400, h2d_gbyte_s=50.0
+)
+
+NODE_PRESETS: dict[str, NodeProfile] = {LLAMA_8B.name: H100_FOR_8B, LLAMA_70B.name: H100X8_FOR_70B}
+
+
+def default_fleet(model: str = "8b", nodes: int = 4) -> FleetConfig:
+    """The default fleet for a model preset (``8b`` or ``70b``, or a full preset name)."""
+    name = MODEL_ALIASES.get(model, model)
+    if name not in MODELS:
+        known = ", ".join(sorted([*MODEL_ALIASES, *MODELS]))
+        raise ConfigError(f"unknown model {model!r}; known: {known}")
+    return FleetConfig(nodes=nodes, model=MODELS[name], node=NODE_PRESETS[name])
+
+
+def _format_validation_error(exc: ValidationError, source: str) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "(root)"
+        parts.append(f"{source}: field {loc!r}: {err['msg']}")
+    return "; ".join(parts)
+
+
+def load_fleet(path: str | Path, *, overrides: dict[str, Any] | None = None) -> FleetConfig:
+    """Load a fleet from YAML. ``model`` may be a preset name (``8b``/``70b``) or a full
+    profile; ``node`` defaults to the model's preset and may override single fields.
+
+    Raises :class:`ConfigError` naming the file and the offending field.
+    """
+    p = Path(path)
+    try:
+        raw = yaml.safe_load(p.read_text())
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{p}: fleet config not found") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p}: not valid YAML: {exc}") from exc
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{p}: expected a mapping at the top level, got {type(raw).__name__}")
+    raw = {**raw, **(overrides or {})}
+    return fleet_from_dict(raw, source=str(p))
+
+
+def fleet_from_dict(raw: dict[str, Any], *, source: str = "fleet config") -> FleetConfig:
+    """Build a fleet from a plain mapping (see :func:`load_fleet`)."""
+    data = dict(raw)
+    model_spec = data.get("model", "8b")
+    try:
+        if isinstance(model_spec, str):
+            name = MODEL_ALIASES.get(model_spec, model_spec)
+            if name not in MODELS:
+                known = ", ".join(sorted([*MODEL_ALIASES, *MODELS]))
+                raise ConfigError(f"{source}: field 'model': unknown preset {model_spec!r}; "
+                                  f"known: {known}")
+            model = MODELS[name]
+        else:
+            model = ModelProfile.model_validate(model_spec)
+        node_base = NODE_PRESETS.get(model.name, H100_FOR_8B).model_dump()
+        node_over = data.get("node") or {}
+        if not isinstance(node_over, dict):
+            raise ConfigError(f"{source}: field 'node': expected a mapping")
+        data["model"] = model
+        data["node"] = {**node_base, **node_over}
+        return FleetConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc, source)) from exc
+
+
+PolicyName = Literal["recompute", "local-lru", "ondemand", "queue", "predictive", "oracle"]

@@ -1,0 +1,53 @@
+"""The one exception hierarchy of kvprefetch.
+
+Every error a user can provoke (a bad trace, a bad config, an unknown plugin) and every
+dependency failure at the edges (valkey, botocore, ray) is raised as a subclass of
+:class:`KvPrefetchError`, so callers can catch one type and still tell causes apart.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class KvPrefetchError(Exception):
+    """Base class of every error raised by kvprefetch."""
+
+
+class ConfigError(KvPrefetchError):
+    """A fleet or service configuration is invalid; the message names the field."""
+
+
+class TraceFormatError(KvPrefetchError):
+    """A trace file cannot be read; the message names the file, the line and the field."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | Path | None = None,
+        line: int | None = None,
+        field: str | None = None,
+    ) -> None:
+        self.path = str(path) if path is not None else None
+        self.line = line
+        self.field = field
+        where = []
+        if self.path is not None:
+            where.append(self.path if line is None else f"{self.path}:{line}")
+        if field is not None:
+            where.append(f"field {field!r}")
+        prefix = ", ".join(where)
+        super().__init__(f"{prefix}: {message}" if prefix else message)
+
+
+class UnknownFormatError(KvPrefetchError):
+    """A trace format name or file could not be matched; the message lists known formats."""
+
+
+class PluginError(KvPrefetchError):
+    """A pluggable part (predictor, policy) could not be found or loaded."""
+
+
+class PredictorError(KvPrefetchError):
+    """A predictor cannot be trained, loaded or used (too little data, bad artifact...)."""

@@ -1,0 +1,77 @@
+"""The six policies compared everywhere (ARCHITECTURE.md, "Policies compared everywhere").
+
+A policy is a small frozen record of capabilities, not code: the simulator and the live
+service read the flags, so the differences between policies come from the flags alone.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from controlplane.errors import ConfigError
+
+
+class LoadStart(enum.Enum):
+    """When missing remote KV is loaded for a request that needs it."""
+
+    NEVER = "never"  # no remote store: recompute what is not local
+    ON_SCHEDULE = "on_schedule"  # when the GPU picks the request up (blocking the GPU)
+    ON_ARRIVAL = "on_arrival"  # as soon as the request arrives, overlapped with queue wait
+
+
+class EvictionKind(enum.Enum):
+    """How the node-local DRAM tier chooses victims."""
+
+    LRU = "lru"
+    PREDICTED_USE = "predicted_use"  # furthest predicted next use first (Belady w/ oracle)
+
+
+@dataclass(frozen=True, slots=True)
+class PolicySpec:
+    name: str
+    dram_tier: bool
+    remote: bool
+    load_start: LoadStart
+    eviction: EvictionKind
+    prefetch: bool
+    #: Predictor this policy always uses (the oracle reads the future); None = the user's.
+    predictor: str | None = None
+    #: Overrides the planner's safety margin (the oracle finishes exactly in time).
+    safety_margin_s: float | None = None
+    modelled_on: str = ""
+
+
+POLICIES: dict[str, PolicySpec] = {
+    p.name: p
+    for p in (
+        PolicySpec("recompute", False, False, LoadStart.NEVER, EvictionKind.LRU, False,
+                   modelled_on="plain vLLM prefix cache"),
+        PolicySpec("local-lru", True, False, LoadStart.NEVER, EvictionKind.LRU, False,
+                   modelled_on="LMCache local CPU backend"),
+        PolicySpec("ondemand", True, True, LoadStart.ON_SCHEDULE, EvictionKind.LRU, False,
+                   modelled_on="LMCache + remote backend"),
+        PolicySpec("queue", True, True, LoadStart.ON_ARRIVAL, EvictionKind.LRU, False,
+                   modelled_on="SGLang HiCache, CachedAttention"),
+        PolicySpec("predictive", True, True, LoadStart.ON_ARRIVAL, EvictionKind.PREDICTED_USE,
+                   True, modelled_on="kvprefetch"),
+        PolicySpec("oracle", True, True, LoadStart.ON_ARRIVAL, EvictionKind.PREDICTED_USE, True,
+                   predictor="oracle", safety_margin_s=0.0, modelled_on="the physical limit"),
+    )
+}
+
+POLICY_NAMES: tuple[str, ...] = tuple(POLICIES)
+
+
+def parse_policies(spec: str | None) -> tuple[PolicySpec, ...]:
+    """Parse a comma-separated list of policy names (None or "all" = all six, in order)."""
+    if spec is None or spec.strip() in ("", "all"):
+        return tuple(POLICIES.values())
+    out: list[PolicySpec] = []
+    for raw in spec.split(","):
+        name = raw.strip()
+        if name not in POLICIES:
+            raise ConfigError(f"unknown policy {name!r}; known: {', '.join(POLICY_NAMES)}")
+        if POLICIES[name] not in out:
+            out.append(POLICIES[name])
+    return tuple(out)

@@ -1,0 +1,100 @@
+"""Summaries of a policy run, with the metric names of ARCHITECTURE.md ("Metrics")."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from controlplane.types import Trace
+
+from .simulator import PolicyRun, RequestRecord
+
+
+def _round(x: float) -> float:
+    # Rounded so that the JSON is byte-identical across runs and platforms' last-bit noise.
+    return float(round(x, 6))
+
+
+def ttft_summary(records: list[RequestRecord]) -> dict[str, Any]:
+    if not records:
+        return {"requests": 0, "ttft_mean_s": 0.0, "ttft_p50_s": 0.0, "ttft_p90_s": 0.0,
+                "ttft_p99_s": 0.0}
+    ttft = np.fromiter((r.ttft_s for r in records), dtype=np.float64, count=len(records))
+    p50, p90, p99 = np.percentile(ttft, [50, 90, 99])
+    return {
+        "requests": len(records),
+        "ttft_mean_s": _round(float(ttft.mean())),
+        "ttft_p50_s": _round(float(p50)),
+        "ttft_p90_s": _round(float(p90)),
+        "ttft_p99_s": _round(float(p99)),
+    }
+
+
+def summarize(run: PolicyRun) -> dict[str, Any]:
+    """The per-policy JSON block (the shape of `kvprefetch sim --json`)."""
+    records = sorted(run.records, key=lambda r: (r.arrival_s, r.session_id, r.turn))
+    returning = [r for r in records if r.returning]
+    out = ttft_summary(records)
+    out["returning"] = ttft_summary(returning)
+    out["stall_s"] = _round(sum(r.stall_s for r in records))
+    out["prefetched_bytes"] = int(run.prefetched_bytes)
+    out["wasted_bytes"] = int(run.wasted_bytes)
+    out["remote_bytes"] = int(run.remote_bytes)
+    out["prefetches"] = run.prefetches
+    out["prefetches_dropped"] = run.prefetches_dropped
+    out["prefetches_cancelled"] = run.prefetches_cancelled
+    out["local_hit_fraction"] = _round(
+        sum(r.reused_local_tokens for r in returning) / max(1, sum(r.reused_tokens
+                                                                    for r in returning))
+    )
+    if run.ttlb_s:
+        t = np.asarray(run.ttlb_s)
+        out["ttlb_mean_s"] = _round(float(t.mean()))
+        out["ttlb_p90_s"] = _round(float(np.percentile(t, 90)))
+    if run.lateness_s:
+        lat = np.asarray(run.lateness_s)
+        out["lateness_p50_s"] = _round(float(np.percentile(lat, 50)))
+        out["prefetch_in_time_fraction"] = _round(float((lat <= 0).mean()))
+    out["events"] = run.events
+    return out
+
+
+def gap_closure(policies: dict[str, dict[str, Any]]) -> float | None:
+    """(ondemand - predictive) / (ondemand - oracle) on returning-request mean TTFT."""
+    try:
+        on = policies["ondemand"]["returning"]["ttft_mean_s"]
+        pr = policies["predictive"]["returning"]["ttft_mean_s"]
+        orc = policies["oracle"]["returning"]["ttft_mean_s"]
+    except KeyError:
+        return None
+    if on - orc <= 1e-12:
+        return None
+    return _round((on - pr) / (on - orc))
+
+
+def working_set_peak_bytes(trace: Trace, kv_bytes_per_token: int) -> int:
+    """Peak, over time, of the summed KV size of live sessions (between a session's first
+    arrival and its last request), on the trace's own timeline. Each session counts with
+    the context it holds after each turn, from that turn's arrival on."""
+    deltas: list[tuple[float, int]] = []
+    for s in trace.sessions:
+        finish = s.start_s
+        held = 0
+        for r in s.requests:
+            if r.turn == 0 or r.gap_s is None:
+                arrival = s.start_s + r.offset_s
+            else:
+                arrival = finish + r.gap_s
+            size = r.context_tokens_after * kv_bytes_per_token
+            if size != held:
+                deltas.append((arrival, size - held))
+                held = size
+            finish = arrival + (r.api_time_s or 0.0)
+        deltas.append((finish, -held))
+    deltas.sort(key=lambda d: (d[0], d[1]))
+    cur = peak = 0
+    for _, d in deltas:
+        cur += d
+        peak = max(peak, cur)
+    return peak

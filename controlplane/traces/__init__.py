@@ -1,0 +1,46 @@
+"""Trace loaders: real LLM-serving traces as :class:`~controlplane.types.Trace` records.
+
+Formats (see each module's docstring for the exact mapping):
+
+* ``claude-code``: multi-turn agentic sessions with sub-agents, one JSON file per session
+  (:mod:`.claude_code`); start times from a seeded arrival process (:mod:`.arrivals`);
+* ``mooncake``: prefix-hash JSONL without session ids, sessions rebuilt from prefix
+  relations with a shared-prefix guard (:mod:`.mooncake`);
+* ``azure``: arrivals and lengths only, one request per session (:mod:`.azure`);
+* ``journal``: kvprefetch's own event journal, written by :class:`JournalWriter`
+  (:mod:`.journal`).
+"""
+
+from controlplane.traces.arrivals import DEFAULT_SESSION_RATE_PER_S, ArrivalOptions
+from controlplane.traces.azure import load_azure
+from controlplane.traces.bundled import BUNDLED_TRACES, bundled_trace_path
+from controlplane.traces.claude_code import load_claude_code
+from controlplane.traces.detect import FORMATS, detect_format
+from controlplane.traces.journal import (
+    JournalWriter,
+    event_from_dict,
+    event_to_dict,
+    load_journal,
+    read_journal_events,
+)
+from controlplane.traces.loader import load_trace
+from controlplane.traces.mooncake import DEFAULT_SHARED_PREFIX_FANOUT, load_mooncake
+
+__all__ = [
+    "BUNDLED_TRACES",
+    "DEFAULT_SESSION_RATE_PER_S",
+    "DEFAULT_SHARED_PREFIX_FANOUT",
+    "FORMATS",
+    "ArrivalOptions",
+    "JournalWriter",
+    "bundled_trace_path",
+    "detect_format",
+    "event_from_dict",
+    "event_to_dict",
+    "load_azure",
+    "load_claude_code",
+    "load_journal",
+    "load_mooncake",
+    "load_trace",
+    "read_journal_events",
+]

@@ -1,0 +1,83 @@
+"""``load_trace``: one entry point over every trace format."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from controlplane.errors import UnknownFormatError
+from controlplane.traces.arrivals import ArrivalOptions
+from controlplane.traces.azure import load_azure
+from controlplane.traces.claude_code import load_claude_code
+from controlplane.traces.detect import FORMATS, detect_format, known_formats_text
+from controlplane.traces.journal import load_journal
+from controlplane.traces.mooncake import load_mooncake
+from controlplane.types import Trace
+
+
+def _claude_code(
+    path: Path, arrivals: ArrivalOptions | None, seed: int, limit: int | None, progress: bool
+) -> Trace:
+    return load_claude_code(
+        path, arrivals=arrivals, seed=seed, limit_sessions=limit, progress=progress
+    )
+
+
+def _mooncake(
+    path: Path, arrivals: ArrivalOptions | None, seed: int, limit: int | None, progress: bool
+) -> Trace:
+    return load_mooncake(path, limit_sessions=limit, progress=progress)
+
+
+def _azure(
+    path: Path, arrivals: ArrivalOptions | None, seed: int, limit: int | None, progress: bool
+) -> Trace:
+    return load_azure(path, limit_sessions=limit, progress=progress)
+
+
+def _journal(
+    path: Path, arrivals: ArrivalOptions | None, seed: int, limit: int | None, progress: bool
+) -> Trace:
+    return load_journal(path, limit_sessions=limit, progress=progress)
+
+
+_Loader = Callable[[Path, ArrivalOptions | None, int, int | None, bool], Trace]
+_LOADERS: dict[str, _Loader] = {
+    "claude-code": _claude_code,
+    "mooncake": _mooncake,
+    "azure": _azure,
+    "journal": _journal,
+}
+assert tuple(_LOADERS) == FORMATS
+
+
+def load_trace(
+    path: str | Path,
+    fmt: str = "auto",
+    *,
+    arrivals: ArrivalOptions | None = None,
+    seed: int = 0,
+    limit_sessions: int | None = None,
+    progress: bool = False,
+) -> Trace:
+    """Load a trace of any known format as a :class:`~controlplane.types.Trace`.
+
+    ``fmt`` is one of :data:`FORMATS` or ``"auto"`` (guess from the name and first line).
+    ``arrivals`` and ``seed`` place sessions on the replay clock for formats without a shared
+    clock (claude-code); the others keep their timestamps (0 = first one). Sessions come
+    sorted by ``(start_s, session_id)``. ``limit_sessions`` keeps the first N sessions: by
+    file name before start times are drawn for claude-code (so the choice does not depend on
+    the seed; their sub-agents come along), by start time otherwise.
+
+    Raises :class:`~controlplane.errors.UnknownFormatError` for an unknown ``fmt`` or an
+    undetectable file, :class:`~controlplane.errors.TraceFormatError` for a missing path,
+    an empty trace or a malformed record (naming file, line and field).
+    """
+    source = Path(path)
+    name = detect_format(source) if fmt == "auto" else fmt
+    loader = _LOADERS.get(name)
+    if loader is None:
+        raise UnknownFormatError(
+            f"unknown trace format {fmt!r}; known formats: {known_formats_text()} (or 'auto')"
+        )
+    return loader(source, arrivals, seed, limit_sessions, progress)
