@@ -37,6 +37,11 @@ def summarize(run: PolicyRun) -> dict[str, Any]:
     returning = [r for r in records if r.returning]
     out = ttft_summary(records)
     out["returning"] = ttft_summary(returning)
+    if returning:
+        ttft = np.fromiter((r.ttft_s for r in returning), dtype=np.float64, count=len(returning))
+        out["returning_ttft_quantiles_s"] = [
+            _round(float(q)) for q in np.percentile(ttft, np.linspace(0, 100, 101))
+        ]
     out["stall_s"] = _round(sum(r.stall_s for r in records))
     out["prefetched_bytes"] = int(run.prefetched_bytes)
     out["wasted_bytes"] = int(run.wasted_bytes)

@@ -1,0 +1,75 @@
+"""The ``kvprefetch`` command line. Each sub-command lives in its own module exposing
+``add_arguments(parser)`` and ``run(args) -> int``; heavy imports happen inside ``run``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+from controlplane.errors import KvPrefetchError
+
+#: sub-command -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "sim": ("controlplane.cli.sim", "replay a trace over a modelled fleet, compare policies"),
+}
+#: `kvprefetch bench <what>`
+BENCHES: dict[str, tuple[str, str]] = {}
+
+
+def _optional(table: dict[str, tuple[str, str]], name: str, module: str, help_: str) -> None:
+    if importlib.util.find_spec(module) is not None:
+        table[name] = (module, help_)
+
+
+_optional(COMMANDS, "train", "controlplane.cli.train", "train a predictor on a trace")
+_optional(COMMANDS, "eval-predictor", "controlplane.cli.eval_predictor",
+          "evaluate predictors side by side on held-out gaps")
+_optional(BENCHES, "store", "controlplane.cli.bench_store",
+          "TTLB of one session-sized object from Valkey / S3 / tiered into the DRAM tier")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvprefetch",
+        description="Prefetch-scheduling control plane for LLM inference KV caches.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module, help_) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        mod = importlib.import_module(module)
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    if BENCHES:
+        bench = sub.add_parser("bench", help="benchmarks", description="benchmarks")
+        bsub = bench.add_subparsers(dest="bench", metavar="WHAT", required=True)
+        for name, (module, help_) in BENCHES.items():
+            p = bsub.add_parser(name, help=help_, description=help_)
+            mod = importlib.import_module(module)
+            mod.add_arguments(p)
+            p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args._run(args))
+    except KvPrefetchError as exc:
+        print(f"kvprefetch: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("kvprefetch: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
