@@ -87,10 +87,8 @@ def working_set_peak_bytes(trace: Trace, kv_bytes_per_token: int) -> int:
         finish = s.start_s
         held = 0
         for r in s.requests:
-            if r.turn == 0 or r.gap_s is None:
-                arrival = s.start_s + r.offset_s
-            else:
-                arrival = finish + r.gap_s
+            closed = r.turn > 0 and r.gap_s is not None
+            arrival = finish + (r.gap_s or 0.0) if closed else s.start_s + r.offset_s
             size = r.context_tokens_after * kv_bytes_per_token
             if size != held:
                 deltas.append((arrival, size - held))

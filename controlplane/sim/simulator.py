@@ -20,6 +20,7 @@ import heapq
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from controlplane.config import FleetConfig
 from controlplane.planner import (
@@ -218,7 +219,7 @@ class Simulation:
                     self._push(s.start_s + r.offset_s, _ARRIVE, _Req(r, s, s.start_s + r.offset_s))
         if self.clear_tiers_at_s is not None:
             self._push(self.clear_tiers_at_s, _CLEAR, None)
-        handlers = {
+        handlers: dict[int, Callable[[Any], None]] = {
             _ARRIVE: self._on_arrive,
             _XFER_DONE: self._on_transfer_done,
             _PREFILL_DONE: self._on_prefill_done,
@@ -350,6 +351,8 @@ class Simulation:
             self.out.prefetches_cancelled += 1
 
     def _on_transfer_done(self, payload: object) -> None:
+        xfer: Transfer
+        version: int
         xfer, version = payload  # type: ignore[misc]
         if xfer.version != version or xfer.cancelled:
             return

@@ -1,0 +1,39 @@
+# kvprefetch: the two commands of the README are `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+EXTRAS ?= dev,plot,stores,ml
+
+.PHONY: setup demo test lint sim-full clean
+
+# torch is pinned to the CPU build for CPU machines (an open range would pull a multi-GB
+# CUDA build); GPU users install their own CUDA torch and then `pip install -e .[ml]`.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	mkdir -p out
+	$(VENV)/bin/kvprefetch sim --json out/sim.json --plot out/sim.png
+
+test: setup
+	$(PY) -m ruff check controlplane predictors agents tests examples
+	$(PY) -m mypy
+	$(PY) -m pytest -q
+
+lint: setup
+	$(PY) -m ruff check controlplane predictors agents tests examples
+	$(PY) -m mypy
+
+# The shared Claude Code set (../shared/traces), all six policies.
+sim-full: setup
+	mkdir -p out
+	$(VENV)/bin/kvprefetch sim --trace ../shared/traces/claude-code --json out/sim-full.json --plot out/sim-full.png
+
+clean:
+	rm -rf $(VENV) out .pytest_cache .mypy_cache .ruff_cache

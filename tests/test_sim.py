@@ -1,0 +1,276 @@
+"""Cost model, scheduling-core and simulator tests (pure logic: no servers)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from controlplane.config import (
+    GIB,
+    LLAMA_8B,
+    LLAMA_70B,
+    default_fleet,
+    fleet_from_dict,
+    load_fleet,
+)
+from controlplane.errors import ConfigError
+from controlplane.planner import TransferEstimate, plan_prefetch
+from controlplane.policies import POLICIES, parse_policies
+from controlplane.router import NodeView, RouteRequest, route
+from controlplane.sim import SimOptions, Simulation, run_policies
+from controlplane.sim.link import DEMAND, PREFETCH, Link, Transfer
+from controlplane.sim.scenarios import cold_start
+from controlplane.tiers import LruEviction, Tier, TierEntry
+from controlplane.traces import ArrivalOptions, bundled_trace_path, load_trace
+from controlplane.types import ArrivalForecast, Trace, TraceRequest, TraceSession
+from predictors.registry import load as load_predictor
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------ cost model
+def test_kv_bytes_per_token_of_presets() -> None:
+    assert LLAMA_8B.kv_bytes_per_token == 128 * 1024  # 2 * 32 * 8 * 128 * 2
+    assert LLAMA_70B.kv_bytes_per_token == 320 * 1024  # 2 * 80 * 8 * 128 * 2
+
+
+def test_prefill_flops_formula() -> None:
+    m = LLAMA_8B
+    n, c = 1000, 4000
+    expected = 2 * m.parameters * n + 4 * m.layers * m.d_model * (n * c + n * n / 2)
+    assert m.prefill_flops(n, c) == pytest.approx(expected)
+    fleet = default_fleet("8b")
+    # 8B, 1000 new tokens, no cache: ~1.7e13 FLOPs at 0.5 x 989 TFLOP/s ~ 35 ms.
+    assert fleet.prefill_s(1000, 0) == pytest.approx(m.prefill_flops(1000, 0) / (989e12 * 0.5))
+    # Cached context makes new tokens dearer (attention over the prefix), never cheaper.
+    assert fleet.prefill_s(1000, 100_000) > fleet.prefill_s(1000, 0)
+
+
+def test_fleet_yaml_and_bad_field(tmp_path: Path) -> None:
+    good = tmp_path / "fleet.yaml"
+    good.write_text("nodes: 2\nmodel: 70b\nnode:\n  dram_tier_bytes: 1000000000000\n")
+    fleet = load_fleet(good)
+    assert fleet.nodes == 2 and fleet.model.name == "llama-3.1-70b"
+    assert fleet.node.dram_tier_bytes == 10**12 and fleet.node.gpus == 8
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("nodes: 2\nnode:\n  nic_gbps: -5\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: field 'node.nic_gbps'"):
+        load_fleet(bad)
+    with pytest.raises(ConfigError, match="unknown preset"):
+        fleet_from_dict({"model": "13b"})
+    with pytest.raises(ConfigError, match="field 'bogus'"):
+        fleet_from_dict({"bogus": 1})
+
+
+# ------------------------------------------------------------------ tiers, router, planner
+def test_tier_never_exceeds_capacity_and_evicts_lru() -> None:
+    tier = Tier("t", 100, LruEviction())
+    tier.put(TierEntry("a", 1, 40, last_use_s=1.0))
+    tier.put(TierEntry("b", 1, 40, last_use_s=2.0))
+    victims = tier.victims_for(50, 3.0)
+    assert [v.session_id for v in victims or []] == ["a"]
+    with pytest.raises(ValueError):
+        tier.put(TierEntry("c", 1, 50, last_use_s=3.0))
+    assert tier.used_bytes == 80
+    tier.get("b").pinned = 1  # type: ignore[union-attr]
+    assert tier.victims_for(90, 3.0) is None  # b is pinned: cannot make room
+
+
+def test_router_prefers_locality_then_load() -> None:
+    fleet = default_fleet("8b", 2)
+    req = RouteRequest("s", 100_000, 99_000, home_node=0, remote_tokens=99_000,
+                       remote_s_per_byte=1 / 12.5e9, remote_latency_s=0.001)
+    local = NodeView(0, queue_wait_s=0.0, hbm_tokens=99_000, dram_tokens=99_000)
+    remote = NodeView(1, queue_wait_s=0.0, hbm_tokens=0, dram_tokens=0)
+    assert route(req, [local, remote], fleet).node == 0
+    busy_home = NodeView(0, queue_wait_s=60.0, hbm_tokens=99_000, dram_tokens=99_000)
+    assert route(req, [busy_home, remote], fleet).node == 1
+
+
+def test_planner_finishes_before_deadline_and_skips_unlikely() -> None:
+    fleet = default_fleet("8b")
+    fc = ArrivalForecast("s", 100.0, (10.0, 20.0, 40.0), 0.9, 3600.0, 0.9)
+    est = TransferEstimate(latency_s=0.03, s_per_byte=1e-9, backlog_s=1.0)
+    order = plan_prefetch(fc, session_id="s", node=0, tokens=1000, nbytes=2 * 10**9,
+                          now_s=100.0, transfer=est, cfg=fleet.planner)
+    assert order is not None
+    assert order.deadline_s == pytest.approx(110.0)  # q10 arrival
+    ttlb = est.ttlb_s(2 * 10**9)
+    assert order.start_at_s + ttlb + fleet.planner.safety_margin_s <= order.deadline_s + 1e-9
+    unlikely = ArrivalForecast("s", 100.0, (10.0, 20.0, 40.0), 0.05, 3600.0, 0.9)
+    assert plan_prefetch(unlikely, session_id="s", node=0, tokens=1000, nbytes=10**9,
+                         now_s=100.0, transfer=est, cfg=fleet.planner) is None
+
+
+def test_link_preempts_prefetch_for_demand_and_never_exceeds_rate() -> None:
+    link = Link(0)
+    link.record = []
+    pf = Transfer(1, "a", 0, 1, 1000, 0.01, 0.0, PREFETCH, 100.0, 0.0)
+    assert link.submit(pf, 0.0) == (pytest.approx(10.0), pf)
+    dm = Transfer(2, "b", 0, 1, 100, 0.01, 0.0, DEMAND, 0.0, 2.0)
+    t, cur = link.submit(dm, 2.0)  # type: ignore[misc]
+    assert cur is dm and t == pytest.approx(3.0)
+    t2, nxt = link.complete(dm, 3.0)  # type: ignore[misc]
+    assert nxt is pf and t2 == pytest.approx(3.0 + 8.0)  # 200 of 1000 bytes were done
+    link.complete(pf, t2)
+    for start, end, moved in link.record:
+        assert moved <= (end - start) / 0.01 + 1e-6
+
+
+# ------------------------------------------------------------------ simulator
+def _session(sid: str, start: float, turns: list[tuple[int, int, float]]) -> TraceSession:
+    reqs = []
+    prev_ctx = 0
+    for i, (new, out, gap) in enumerate(turns):
+        inp = prev_ctx + new
+        reqs.append(TraceRequest(sid, i, 0.0, inp, out, prev_ctx, None if i == 0 else gap,
+                                 "tool_use", 1.0))
+        prev_ctx = inp + out
+    return TraceSession(sid, start, tuple(reqs))
+
+
+def _tiny_trace() -> Trace:
+    sessions = [
+        _session(f"s{i}", 5.0 * i, [(20_000 + 1000 * i, 200, 0.0), (2000, 100, 30.0 + i),
+                                    (1500, 50, 200.0), (1000, 50, 5.0)])
+        for i in range(12)
+    ]
+    return Trace("tiny", tuple(sessions), "test")
+
+
+def _small_fleet(**node: int) -> object:
+    return fleet_from_dict({"nodes": 2, "node": {"hbm_kv_bytes": 4 * GIB,
+                                                 "dram_tier_bytes": 6 * GIB, **node}})
+
+
+def _run(policy: str, trace: Trace, fleet: object, **kw: object) -> Simulation:
+    pol = POLICIES[policy]
+    sim = Simulation(trace, fleet, pol, load_predictor(pol.predictor or "last-gap",  # type: ignore[arg-type]
+                                                       trace=trace), record_links=True, **kw)  # type: ignore[arg-type]
+    sim.run()
+    return sim
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_invariants_under_pressure(policy: str) -> None:
+    trace = _tiny_trace()
+    fleet = _small_fleet()
+    sim = _run(policy, trace, fleet)
+    assert len(sim.out.records) == trace.requests
+    nic = fleet.node.nic_bytes_per_s  # type: ignore[attr-defined]
+    for node in sim.nodes:
+        assert node.hbm.used_bytes <= node.hbm.capacity_bytes
+        assert node.dram.used_bytes <= node.dram.capacity_bytes
+        for start, end, moved in node.link.record or []:
+            assert moved <= (end - start) * nic * 1.000001 + 1
+    for rec in sim.out.records:
+        # Never served before its KV was ready; TTFT at least the prefill of the new tokens.
+        assert rec.arrival_s <= rec.start_s <= rec.kv_ready_s < rec.first_token_s
+        assert rec.reused_local_tokens <= rec.reused_tokens
+    assert sim.out.wasted_bytes <= sim.out.prefetched_bytes
+
+
+def test_pressure_makes_remote_policies_beat_recompute() -> None:
+    trace = _tiny_trace()
+    fleet = _small_fleet()
+    rep = run_policies(trace, fleet, parse_policies(None), SimOptions())  # type: ignore[arg-type]
+    ret = {k: v["returning"]["ttft_mean_s"] for k, v in rep["policies"].items()}
+    assert ret["ondemand"] < ret["recompute"]
+    assert ret["oracle"] <= ret["ondemand"]
+    assert rep["policies"]["recompute"]["remote_bytes"] == 0
+    assert rep["policies"]["ondemand"]["remote_bytes"] > 0
+
+
+def test_same_seed_same_json(tmp_path: Path) -> None:
+    trace = load_trace(bundled_trace_path("claude-code"), limit_sessions=10,
+                       arrivals=ArrivalOptions(session_rate_per_s=0.05), seed=3)
+    fleet = default_fleet("8b", 2)
+    reports = []
+    for workers in (1, 2):
+        rep = run_policies(trace, fleet, parse_policies(None), SimOptions(seed=3, workers=workers))
+        rep["meta"].pop("wall_s")
+        reports.append(json.dumps(rep, sort_keys=True))
+    assert reports[0] == reports[1]
+
+
+def test_cold_start_scenario_clears_tiers() -> None:
+    trace, clear_at = cold_start(_tiny_trace())
+    assert all(len(s.requests) == 2 for s in trace.sessions)
+    assert all(s.requests[1].offset_s > clear_at - s.start_s for s in trace.sessions)
+    fleet = fleet_from_dict({"nodes": 2})
+    rec = _run("local-lru", trace, fleet, clear_tiers_at_s=clear_at).out.records
+    second = [r for r in rec if r.turn == 1]
+    assert second and all(r.reused_local_tokens == 0 for r in second)
+    rec = _run("ondemand", trace, fleet, clear_tiers_at_s=clear_at).out.records
+    assert all(r.reused_local_tokens == r.reused_tokens for r in rec if r.turn == 1)
+
+
+turn_st = st.tuples(st.integers(100, 30_000), st.integers(1, 300), st.floats(0.0, 120.0))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.floats(0, 60), st.lists(turn_st, min_size=1, max_size=4)),
+                min_size=1, max_size=6))
+def test_property_oracle_and_ondemand_bounds(spec: list) -> None:
+    sessions = tuple(_session(f"p{i}", start, turns) for i, (start, turns) in enumerate(spec))
+    trace = Trace("prop", tuple(sorted(sessions, key=lambda s: (s.start_s, s.session_id))),
+                  "test")
+    # Ample tiers; transfers (100 Gb/s) far faster than prefill of the same tokens.
+    fleet = fleet_from_dict({"nodes": 2, "node": {"hbm_kv_bytes": 400 * GIB,
+                                                  "dram_tier_bytes": 400 * GIB}})
+
+    def mean(policy: str) -> float:
+        recs = _run(policy, trace, fleet).out.records
+        return sum(r.ttft_s for r in recs) / len(recs)
+
+    assert mean("oracle") <= mean("ondemand") + 1e-9
+    assert mean("ondemand") <= mean("recompute") + 1e-9
+
+
+# ------------------------------------------------------------------ CLI
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "controlplane", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_cli_sim_writes_json_and_plot(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    png = tmp_path / "r.png"
+    res = _cli("sim", "--limit-sessions", "6", "--no-progress", "--json", str(out),
+               "--plot", str(png), "--workers", "1")
+    assert res.returncode == 0, res.stderr
+    data = json.loads(out.read_text())
+    assert set(data["meta"]) >= {"trace", "requests", "sessions", "seed", "wall_s",
+                                 "working_set_peak_bytes", "local_capacity_bytes"}
+    for name in POLICIES:
+        p = data["policies"][name]
+        assert set(p) >= {"requests", "ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s",
+                          "returning", "stall_s", "prefetched_bytes", "wasted_bytes",
+                          "remote_bytes"}
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "gap_closure" in res.stdout and "pressure" in res.stdout
+
+
+def test_cli_bad_input_leaves_no_json(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n'
+                   '{"timestamp": 5, "input_length": "x"}\n')
+    res = _cli("sim", "--trace", str(bad), "--json", str(out), "--no-progress")
+    assert res.returncode == 2
+    assert "bad.jsonl:2" in res.stderr
+    assert not out.exists()
+    res = _cli("sim", "--trace", str(bad), "--trace-format", "parquet", "--json", str(out))
+    assert res.returncode == 2 and "claude-code" in res.stderr and not out.exists()
+    res = _cli("sim", "--policies", "ondemand,magic")
+    assert res.returncode == 2 and "unknown policy 'magic'" in res.stderr
+    fleet = tmp_path / "f.yaml"
+    fleet.write_text("nodes: 0\n")
+    res = _cli("sim", "--fleet", str(fleet), "--json", str(out))
+    assert res.returncode == 2 and "field 'nodes'" in res.stderr and not out.exists()
