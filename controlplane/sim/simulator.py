@@ -607,8 +607,13 @@ class Simulation:
         self._prefetch_count[sid] = self._prefetch_count.get(sid, 0) + 1
 
     def _on_clear(self, _: object) -> None:
+        """Every node restarts cold; the planner then re-plans every idle session."""
         for n in self.nodes:
             n.hbm.clear()
             for e in n.dram.clear():
                 if e.prefetched_unused:
                     self.out.wasted_bytes += e.nbytes
+        if self.policy.prefetch:
+            for sid in sorted(self._home):
+                if sid not in self._in_flight:
+                    self._plan(sid)
