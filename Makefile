@@ -22,12 +22,12 @@ demo: setup
 	$(VENV)/bin/kvprefetch sim --json out/sim.json --plot out/sim.png
 
 test: setup
-	$(PY) -m ruff check controlplane predictors agents tests examples
+	$(PY) -m ruff check .
 	$(PY) -m mypy
 	$(PY) -m pytest -q
 
 lint: setup
-	$(PY) -m ruff check controlplane predictors agents tests examples
+	$(PY) -m ruff check .
 	$(PY) -m mypy
 
 # The shared Claude Code set (../shared/traces), all six policies.

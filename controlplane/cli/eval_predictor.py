@@ -1,0 +1,128 @@
+"""``kvprefetch eval-predictor``: compare predictors side by side on held-out gaps.
+
+The trace is split by session group (``--split session``, default) or by time; predictors
+that need training and come without an artifact (``gbm``, ``survival``, ``torch-seq``,
+``empirical``) are trained on the train side; every predictor is scored on the test side
+(:mod:`predictors.evaluate`). ``last-gap`` and ``empirical`` are always included.
+Artifacts (``gbm:FILE``) are used as they are: train them with ``kvprefetch train`` and the
+same ``--split/--test-fraction/--seed`` so that they never saw the test sessions (a warning
+is printed when an artifact's training sessions overlap the test side).
+
+Example (one command, trains and compares)::
+
+    kvprefetch eval-predictor --trace shared/traces/claude-code \\
+        --predictor survival gbm torch-seq --json out/predictors.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+BASELINES = ("last-gap", "empirical")
+TABLE_COLUMNS = (
+    ("gaps", "gaps", "{:d}"),
+    ("mae_log_gap", "mae_log", "{:.3f}"),
+    ("pinball_q10", "pin_q10", "{:.2f}"),
+    ("pinball_q50", "pin_q50", "{:.2f}"),
+    ("pinball_q90", "pin_q90", "{:.2f}"),
+    ("mean_pinball", "pin_mean", "{:.2f}"),
+    ("mean_pinball_log", "pin_log", "{:.4f}"),
+    ("coverage_80", "cov80", "{:.3f}"),
+    ("auc_return_60s", "auc60", "{:.3f}"),
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trace", required=True, help="trace file or folder")
+    parser.add_argument("--format", default="auto", help="trace format (default: auto)")
+    parser.add_argument("--predictor", nargs="*", default=[], metavar="SPEC",
+                        help="predictors: NAME, NAME:ARTIFACT or module:Class")
+    parser.add_argument("--split", choices=("session", "time"), default="session")
+    parser.add_argument("--test-fraction", type=float, default=0.25,
+                        help="share of session groups held out for scoring (default 0.25)")
+    parser.add_argument("--seed", type=int, default=0, help="split and training seed")
+    parser.add_argument("--limit-sessions", type=int, default=None, help="first N sessions")
+    parser.add_argument("--json", default=None, metavar="OUT", help="write the metrics here")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def run(args: argparse.Namespace) -> int:
+    from controlplane.errors import PredictorError
+    from controlplane.traces import load_trace
+    from predictors import registry
+    from predictors.evaluate import evaluate
+    from predictors.splits import split_trace
+
+    progress = not args.no_progress and sys.stderr.isatty()
+    if not 0.0 < args.test_fraction < 1.0:
+        raise PredictorError(f"--test-fraction must be in (0, 1), got {args.test_fraction}")
+    specs = list(dict.fromkeys([*BASELINES, *args.predictor]))
+    trace = load_trace(args.trace, args.format, seed=args.seed,
+                       limit_sessions=args.limit_sessions, progress=progress)
+    split = split_trace(trace, args.split, args.test_fraction, args.seed)
+    test_groups = {s.parent_id or s.session_id for s in split.test.sessions}
+    results: dict[str, dict[str, Any]] = {}
+    for spec in specs:
+        model = registry.create(spec)
+        trained_here = False
+        if not getattr(model, "fitted", True):
+            model.fit(split.train, seed=args.seed, progress=progress)  # type: ignore[attr-defined]
+            trained_here = True
+        else:
+            seen = set(getattr(model, "train_info", {}).get("train_groups", ()))
+            if seen & test_groups:
+                print(f"warning: {spec!r} was trained on {len(seen & test_groups)} of the "
+                      f"{len(test_groups)} test session groups: its scores are optimistic",
+                      file=sys.stderr)
+        metrics = evaluate(model, split.test)
+        metrics["trained_on_train_split"] = trained_here
+        results[spec] = metrics
+    print(format_table(results))
+    if args.json:
+        write_json_atomic(Path(args.json), {"predictors": results, **split.describe(),
+                                            "trace": trace.name})
+    return 0
+
+
+def format_table(results: dict[str, dict[str, Any]]) -> str:
+    width = max([len("predictor"), *(len(n) for n in results)])
+    head = "predictor".ljust(width) + "".join(f"{c:>10}" for _, c, _ in TABLE_COLUMNS)
+    lines = [head, "-" * len(head)]
+    for name, m in results.items():
+        cells = []
+        for key, _, fmt in TABLE_COLUMNS:
+            v = m.get(key)
+            cells.append(f"{'nan' if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v):>10}")
+        lines.append(name.ljust(width) + "".join(cells))
+    return "\n".join(lines)
+
+
+def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(_finite(data), fh, indent=2, sort_keys=False)
+            fh.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _finite(value: Any) -> Any:
+    """NaN/inf are not JSON: write them as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value

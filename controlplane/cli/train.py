@@ -1,0 +1,61 @@
+"""``kvprefetch train``: fit a predictor on a trace and write its artifact.
+
+The trace is split first (``--split session|time``, ``--test-fraction``, ``--seed``); the
+model trains on the train side only and is scored on the held-out side, so that
+``kvprefetch eval-predictor`` with the same split options evaluates it without leakage.
+``--test-fraction 0`` trains on everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trace", required=True, help="trace file or folder")
+    parser.add_argument("--format", default="auto", help="trace format (default: auto)")
+    parser.add_argument(
+        "--predictor", required=True,
+        help="trainable predictor: empirical, survival, gbm, torch-seq, hinted (wraps ewma), "
+        "or module:Class with fit/save",
+    )
+    parser.add_argument("--out", required=True, help="artifact file to write")
+    parser.add_argument("--split", choices=("session", "time"), default="session",
+                        help="hold out whole session groups at random, or the latest ones")
+    parser.add_argument("--test-fraction", type=float, default=0.25,
+                        help="share of session groups held out (default 0.25; 0 = none)")
+    parser.add_argument("--seed", type=int, default=0, help="split and training seed")
+    parser.add_argument("--limit-sessions", type=int, default=None, help="first N sessions")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def run(args: argparse.Namespace) -> int:
+    from controlplane.errors import PredictorError
+    from controlplane.traces import load_trace
+    from predictors import registry
+    from predictors.evaluate import evaluate
+    from predictors.splits import split_trace
+
+    progress = not args.no_progress and sys.stderr.isatty()
+    trace = load_trace(args.trace, args.format, seed=args.seed,
+                       limit_sessions=args.limit_sessions, progress=progress)
+    split = split_trace(trace, args.split, args.test_fraction, args.seed)
+    model = registry.create(args.predictor)
+    fit = getattr(model, "fit", None)
+    save = getattr(model, "save", None)
+    if fit is None or save is None:
+        raise PredictorError(f"predictor {args.predictor!r} cannot be trained (no fit/save)")
+    fit(split.train, seed=args.seed, progress=progress)
+    path = save(args.out)
+    summary: dict[str, object] = {"artifact": str(path), "predictor": model.name,
+                                  **split.describe()}
+    if split.test.sessions:
+        summary["held_out"] = {
+            k: v for k, v in evaluate(model, split.test).items()
+            if k in ("gaps", "mae_log_gap", "mean_pinball", "mean_pinball_log", "coverage_80",
+                     "auc_return_60s")
+        }
+    print(json.dumps(summary, indent=2, default=float))
+    return 0
