@@ -104,8 +104,9 @@ def run(args: argparse.Namespace) -> int:
         report = run_policies(trace, fleet, policies, options, progress=bar.update)
     print(format_table(report))
     if report["meta"]["pressure_ratio"] < 3:
-        print(f"note: pressure {report['meta']['pressure_ratio']:.2f}x < 3x: local tiers hold "
-              "most live sessions, so prefetch matters little; raise --load or lower --nodes")
+        print(f"note: pressure {report['meta']['pressure_ratio']:.2f}x is below the >= 3x of "
+              "production fleets, so local tiers hold much of the working set and prefetch "
+              "matters less; lower --nodes or replay a larger trace")
     if args.json_out:
         write_json_atomic(args.json_out, report)
         print(f"wrote {args.json_out}")
