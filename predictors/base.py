@@ -16,6 +16,25 @@ Who calls what, and how often
 
 Predictors are deterministic given their inputs and their own seed; they do no I/O after
 construction (trained artifacts are loaded by the registry before the run starts).
+
+Optional extensions (looked up with ``getattr``; the trained built-ins have them all, see
+:mod:`predictors.learned`):
+
+* ``forecast_many(session_ids, now_s) -> list[ArrivalForecast | None]`` — one vectorised
+  call for many sessions (``now_s`` one float or one per session); prefer it when
+  re-planning many idle sessions.
+* ``fit(trace, *, seed=None, progress=False) -> self`` — train (``kvprefetch train``).
+* ``save(path)`` and classmethod ``load(path)`` — one versioned artifact file; the registry
+  calls ``Class.load(path)`` for ``name:FILE`` specs.
+* ``fitted: bool`` — false for a model that still needs training; the registry's ``load``
+  refuses it at start-up.
+
+Semantics of a forecast: ``gap_quantiles_s`` are conditional on the session returning (and,
+when ``now_s`` is later than the last finish, on it not having returned yet);
+``p_return`` is the probability of returning within ``horizon_s`` of the last finish (the
+trained models use "within the next 60 s from now", so their ``horizon_s`` is
+``elapsed + 60``). :func:`predictors.distribution.prob_return_within` converts any forecast
+to another horizon.
 """
 
 from __future__ import annotations

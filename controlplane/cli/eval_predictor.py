@@ -99,7 +99,8 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
         cells = []
         for key, _, fmt in TABLE_COLUMNS:
             v = m.get(key)
-            cells.append(f"{'nan' if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v):>10}")
+            missing = v is None or (isinstance(v, float) and math.isnan(v))
+            cells.append(f"{'nan' if missing else fmt.format(v):>10}")
         lines.append(name.ljust(width) + "".join(cells))
     return "\n".join(lines)
 

@@ -8,6 +8,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from controlplane.policies import POLICIES
+
 GIB = 1 << 30
 
 
@@ -76,7 +78,7 @@ def write_plot(report: dict[str, Any], path: str | Path) -> None:
     ax1.set_title("TTFT CDF, returning requests")
     ax1.grid(True, which="both", alpha=0.3)
     ax1.legend()
-    names = [n for n, p in report["policies"].items() if p["prefetched_bytes"] > 0]
+    names = [n for n in report["policies"] if n in POLICIES and POLICIES[n].prefetch]
     useful = [(report["policies"][n]["prefetched_bytes"]
                - report["policies"][n]["wasted_bytes"]) / GIB for n in names]
     wasted = [report["policies"][n]["wasted_bytes"] / GIB for n in names]
