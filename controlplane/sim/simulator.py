@@ -23,15 +23,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from controlplane.config import FleetConfig
-from controlplane.planner import (
-    PrefetchOrder,
-    TransferEstimate,
-    plan_prefetch,
-    predicted_use_s,
-)
-from controlplane.policies import EvictionKind, LoadStart, PolicySpec
-from controlplane.router import NodeView, RouteRequest, route
-from controlplane.tiers import LruEviction, PredictedUseEviction, Tier, TierEntry
+from controlplane.planner import PrefetchOrder
+from controlplane.policies import LoadStart, PolicySpec
+from controlplane.scheduler import LoadTicket, SchedulerCore
+from controlplane.tiers import LruEviction, Tier, TierEntry
 from controlplane.types import EventKind, SessionEvent, Trace, TraceRequest, TraceSession
 from predictors.base import Predictor
 
@@ -39,11 +34,6 @@ from .link import DEMAND, PREFETCH, Link, Transfer
 
 _ARRIVE, _XFER_DONE, _PREFILL_DONE, _FINISH, _PREFETCH_START, _CLEAR = range(6)
 INF = float("inf")
-#: Prefetches of one session per idle period, so eviction ping-pong cannot loop.
-MAX_PREFETCHES_PER_IDLE = 2
-#: A prefetch timer that moved later by more than this is re-armed rather than executed.
-REPLAN_SLACK_S = 1.0
-MAX_REPLANS = 4
 
 
 @dataclass(eq=False)
@@ -66,6 +56,7 @@ class _Req:
 class _Node:
     idx: int
     hbm: Tier
+    #: The node's DRAM tier; its books are kept by the scheduling core (the same object).
     dram: Tier
     link: Link
     queue: deque[_Req] = field(default_factory=deque)
@@ -136,8 +127,10 @@ def clamp_to_window(trace: Trace, window: int) -> Trace:
 
 
 class Simulation:
-    """Replays ``trace`` on ``fleet`` under ``policy``. Deterministic: no clock, no
-    randomness beyond the trace and the predictor, ties broken by insertion order."""
+    """Replays ``trace`` on ``fleet`` under ``policy``: the physics of the fleet (GPU
+    queues, HBM, links, the remote store) around one :class:`SchedulerCore`, which makes
+    every decision. Deterministic: no clock, no randomness beyond the trace and the
+    predictor, ties broken by insertion order."""
 
     def __init__(
         self,
@@ -160,32 +153,14 @@ class Simulation:
         self._seq = 0
         self._events: list[tuple[float, int, int, object]] = []
         self._tid = 0
-        self._in_flight: dict[str, int] = {}
-        self._home: dict[str, int] = {}
         self._remote_tokens: dict[str, int] = {}
         self._valkey: OrderedDict[str, int] = OrderedDict()
         self._valkey_bytes = 0
-        self._pending: dict[str, PrefetchOrder] = {}
-        self._planned_use: dict[str, float] = {}
-        self._replans: dict[str, int] = {}
-        self._prefetch_count: dict[str, int] = {}
-        self._sessions = {s.session_id: s for s in trace.sessions}
+        self.core = SchedulerCore(fleet, policy, predictor, self)
         node_cfg = fleet.node
-        # The prefetcher admits an object only by displacing data predicted to be needed
-        # later than its own; write-backs and demand loads follow the tier's own strategy.
-        self._predicted_use = PredictedUseEviction(self._next_use)
-        dram_strategy: LruEviction | PredictedUseEviction = (
-            self._predicted_use if policy.eviction is EvictionKind.PREDICTED_USE
-            else LruEviction()
-        )
-        dram_bytes = node_cfg.dram_tier_bytes if policy.dram_tier else 0
         self.nodes = [
-            _Node(
-                i,
-                Tier(f"hbm{i}", node_cfg.hbm_kv_bytes, LruEviction()),
-                Tier(f"dram{i}", dram_bytes, dram_strategy),
-                Link(i),
-            )
+            _Node(i, Tier(f"hbm{i}", node_cfg.hbm_kv_bytes, LruEviction()), self.core.dram[i],
+                  Link(i))
             for i in range(fleet.nodes)
         ]
         if record_links:
@@ -199,6 +174,25 @@ class Simulation:
         )
         self._h2d_s_per_byte = 1.0 / (node_cfg.h2d_gbyte_s * 1e9)
 
+    # ------------------------------------------------------------------ FleetView
+    def queue_wait_s(self, node: int, now_s: float) -> float:
+        n = self.nodes[node]
+        wait = n.queued_est_s
+        if n.running is not None:
+            wait += max(0.0, n.running_end_est_s - now_s)
+        return wait
+
+    def link_backlog_s(self, node: int, now_s: float) -> float:
+        return self.nodes[node].link.backlog_s(now_s)
+
+    def hbm_tokens(self, node: int, session_id: str) -> int:
+        e = self.nodes[node].hbm.get(session_id)
+        return e.tokens if e is not None else 0
+
+    def remote_source(self, session_id: str) -> tuple[float, float]:
+        s_per_byte, latency, _ = self._source(session_id)
+        return s_per_byte, latency
+
     # ------------------------------------------------------------------ event plumbing
     def _push(self, t: float, kind: int, payload: object) -> None:
         self._seq += 1
@@ -208,6 +202,10 @@ class Simulation:
         if nxt is not None:
             t, xfer = nxt
             self._push(t, _XFER_DONE, (xfer, xfer.version))
+
+    def _arm_orders(self) -> None:
+        for order in self.core.drain_orders():
+            self._push(order.start_at_s, _PREFETCH_START, order)
 
     def run(self, progress: Callable[[int], None] | None = None) -> PolicyRun:
         self.trace = clamp_to_window(self.trace, self.fleet.model.max_context_tokens)
@@ -233,41 +231,36 @@ class Simulation:
             t, _, kind, payload = heapq.heappop(events)
             self._now = t
             handlers[kind](payload)
+            self._arm_orders()
             self.out.events += 1
             if progress is not None and len(self.out.records) - done_before >= 500:
                 progress(len(self.out.records) - done_before)
                 done_before = len(self.out.records)
         if progress is not None:
             progress(len(self.out.records) - done_before)
+        stats = self.core.stats
+        self.out.prefetches = stats.prefetches
+        self.out.prefetches_dropped = stats.prefetches_dropped
+        self.out.wasted_bytes += stats.wasted_bytes
         return self.out
 
     # ------------------------------------------------------------------ helpers
-    def _observe(self, kind: EventKind, r: _Req, node: int) -> None:
+    def _event(self, kind: EventKind, r: _Req, node: int | None) -> SessionEvent:
         req = r.req
-        self.predictor.observe(
-            SessionEvent(
-                kind=kind,
-                session_id=req.session_id,
-                time_s=self._now,
-                turn=req.turn,
-                input_tokens=req.input_tokens,
-                output_tokens=req.output_tokens if kind is EventKind.REQUEST_FINISHED else 0,
-                reused_tokens=req.reused_tokens,
-                stop_reason=req.stop_reason if kind is EventKind.REQUEST_FINISHED else None,
-                node=str(node),
-                tenant=r.session.tenant,
-                parent_id=r.session.parent_id,
-            )
+        finished = kind is EventKind.REQUEST_FINISHED
+        return SessionEvent(
+            kind=kind,
+            session_id=req.session_id,
+            time_s=self._now,
+            turn=req.turn,
+            input_tokens=req.input_tokens,
+            output_tokens=req.output_tokens if finished else 0,
+            reused_tokens=req.reused_tokens,
+            stop_reason=req.stop_reason if finished else None,
+            node=None if node is None else str(node),
+            tenant=r.session.tenant,
+            parent_id=r.session.parent_id,
         )
-
-    def _next_use(self, session_id: str, now_s: float) -> float:
-        if session_id in self._in_flight:
-            return now_s
-        planned = self._planned_use.get(session_id)
-        if planned is not None and now_s <= planned:
-            return planned  # brought in on purpose: keep it until its predicted arrival
-        return predicted_use_s(self.predictor.forecast(session_id, now_s), self.fleet.planner,
-                               now_s)
 
     def _source(self, session_id: str) -> tuple[float, float, bool]:
         """(seconds per byte, first-byte latency, from S3?) of the session's remote copy."""
@@ -275,26 +268,6 @@ class Simulation:
         if session_id in self._valkey:
             return self._valkey_s_per_byte, remote.valkey_latency_s, False
         return self._s3_s_per_byte, remote.s3_first_byte_s, True
-
-    def _local_tokens(self, node: _Node, session_id: str) -> int:
-        """Tokens of the session on the node, in HBM or DRAM (ready or arriving)."""
-        h = node.hbm.get(session_id)
-        d = node.dram.get(session_id)
-        return max(h.tokens if h else 0, d.tokens if d else 0)
-
-    def _queue_wait(self, node: _Node) -> float:
-        wait = node.queued_est_s
-        if node.running is not None:
-            wait += max(0.0, node.running_end_est_s - self._now)
-        return wait
-
-    def _evict_dram(self, node: _Node, victims: list[TierEntry]) -> None:
-        for v in victims:
-            node.dram.remove(v.session_id)
-            if v.prefetched_unused:
-                self.out.wasted_bytes += v.nbytes
-            if self.policy.prefetch and v.session_id not in self._in_flight:
-                self._plan(v.session_id)
 
     def _put_hbm(self, node: _Node, session_id: str, tokens: int, pinned: int) -> None:
         nbytes = tokens * self.bpt
@@ -307,42 +280,22 @@ class Simulation:
         node.hbm.put(TierEntry(session_id, tokens, nbytes, self._now, pinned=pinned))
 
     # ------------------------------------------------------------------ transfers
-    def _start_transfer(
-        self, node: _Node, session_id: str, tokens: int, klass: int, deadline_s: float,
-        *, min_key: float = -INF, strategy: PredictedUseEviction | None = None,
-    ) -> Transfer | None:
-        """Reserve DRAM for ``tokens`` of the session and queue the remote read."""
-        have = node.dram.get(session_id)
-        have_tokens = have.tokens if have is not None and have.ready_at_s <= self._now else 0
-        delta = tokens - have_tokens
-        if delta <= 0:
-            return None
-        nbytes = tokens * self.bpt
-        old_bytes = have.nbytes if have is not None else 0
-        victims = node.dram.victims_for(nbytes - old_bytes, self._now, exclude=session_id,
-                                        min_key=min_key, strategy=strategy)
-        if victims is None:
-            return None
-        self._evict_dram(node, victims)
-        if have is not None and have.prefetched_unused:
-            self.out.wasted_bytes += have.nbytes
-        node.dram.put(
-            TierEntry(session_id, tokens, nbytes, self._now, ready_at_s=INF, pinned=1,
-                      prefetched_unused=klass == PREFETCH)
-        )
-        s_per_byte, latency, from_s3 = self._source(session_id)
+    def _submit(self, ticket: LoadTicket) -> Transfer:
+        node = self.nodes[ticket.node]
+        s_per_byte, latency, from_s3 = self._source(ticket.session_id)
         self._tid += 1
-        xfer = Transfer(self._tid, session_id, node.idx, tokens, delta * self.bpt, s_per_byte,
-                        latency, klass, deadline_s, self._now, from_s3=from_s3,
-                        prefetch=klass == PREFETCH)
-        node.inflight[session_id] = xfer
+        klass = PREFETCH if ticket.prefetch else DEMAND
+        xfer = Transfer(self._tid, ticket.session_id, node.idx, ticket.tokens, ticket.nbytes,
+                        s_per_byte, latency, klass, ticket.deadline_s, self._now,
+                        from_s3=from_s3, prefetch=ticket.prefetch)
+        node.inflight[ticket.session_id] = xfer
         self._push_completion(node.link.submit(xfer, self._now))
         return xfer
 
     def _cancel_transfer(self, node: _Node, xfer: Transfer) -> None:
         self._push_completion(node.link.cancel(xfer, self._now))
         node.inflight.pop(xfer.session_id, None)
-        node.dram.remove(xfer.session_id)
+        self.core.transfer_cancelled(xfer.session_id, node.idx)
         moved = xfer.moved_bytes
         self.out.remote_bytes += moved
         if xfer.prefetch:
@@ -364,12 +317,8 @@ class Simulation:
         if xfer.prefetch:
             self.out.prefetched_bytes += xfer.nbytes
         self._valkey_touch(xfer.session_id)
-        entry = node.dram.get(xfer.session_id)
-        if entry is not None:
-            entry.ready_at_s = self._now
-            entry.last_use_s = self._now
-            if xfer.klass != DEMAND:
-                entry.pinned = 0  # a demand load stays pinned until its request uses it
+        self.core.transfer_done(xfer.session_id, node.idx, self._now,
+                                demand=xfer.klass == DEMAND)
         waiting = node.running
         if waiting is not None and waiting.waiting_on is xfer:
             waiting.waiting_on = None
@@ -395,59 +344,35 @@ class Simulation:
     # ------------------------------------------------------------------ requests
     def _on_arrive(self, r: _Req) -> None:
         sid = r.req.session_id
-        self._in_flight[sid] = self._in_flight.get(sid, 0) + 1
-        self._pending.pop(sid, None)
-        self._prefetch_count.pop(sid, None)
-        self._planned_use.pop(sid, None)
-        self._observe(EventKind.REQUEST_STARTED, r, -1)
-        remote_tokens = self._remote_tokens.get(sid, 0) if self.policy.remote else 0
-        s_per_byte, latency, _ = self._source(sid)
-        rr = RouteRequest(sid, r.req.input_tokens, r.req.reused_tokens, self._home.get(sid),
-                          remote_tokens, s_per_byte, latency)
-        views = []
-        for n in self.nodes:
-            h = n.hbm.get(sid)
-            d = n.dram.get(sid)
-            dram_wait = 0.0
-            if d is not None and d.ready_at_s > self._now:
-                dram_wait = n.link.backlog_s(self._now)
-            views.append(NodeView(n.idx, self._queue_wait(n), h.tokens if h else 0,
-                                  d.tokens if d else 0, dram_wait, n.link.backlog_s(self._now)))
-        decision = route(rr, views, self.fleet)
+        self.core.request_started(self._event(EventKind.REQUEST_STARTED, r, None))
+        decision = self.core.route(sid, r.req.input_tokens, r.req.reused_tokens, self._now)
         node = self.nodes[decision.node]
         r.node = node.idx
-        # A prefetch heading elsewhere is now useless; one heading here becomes a demand.
-        for other in self.nodes:
-            xfer = other.inflight.get(sid)
-            if xfer is None:
-                continue
-            if other is node:
-                r.waiting_on = xfer
-                r.prefetch_ready_s = INF if xfer.klass == PREFETCH else None
-                self._push_completion(other.link.promote(xfer, self._now))
-            elif xfer.klass == PREFETCH:
-                self._cancel_transfer(other, xfer)
-        d = node.dram.get(sid)
-        if d is not None and d.prefetched_unused and d.ready_at_s <= self._now:
-            r.prefetch_ready_s = d.ready_at_s
+        assignment = self.core.assign(sid, node.idx, self._now)
+        for other in assignment.cancel_nodes:
+            xfer = self.nodes[other].inflight.get(sid)
+            if xfer is not None:
+                self._cancel_transfer(self.nodes[other], xfer)
+        r.prefetch_ready_s = assignment.prefetch_ready_s
+        inflight = node.inflight.get(sid)
+        if inflight is not None:
+            r.waiting_on = inflight
+            if assignment.promote:
+                self._push_completion(node.link.promote(inflight, self._now))
         if self.policy.load_start is LoadStart.ON_ARRIVAL:
             self._demand_load(node, r)
-        r.est_service_s = decision.estimated_ttft_s - self._queue_wait(node)
+        r.est_service_s = decision.estimated_ttft_s - self.queue_wait_s(node.idx, self._now)
         node.queued_est_s += r.est_service_s
         node.queue.append(r)
         self._try_start(node)
 
     def _demand_load(self, node: _Node, r: _Req) -> None:
-        """Queue a remote read of the reusable KV that the node lacks."""
-        sid = r.req.session_id
         if r.waiting_on is not None:
             return
-        want = min(r.req.reused_tokens, self._remote_tokens.get(sid, 0))
-        if want <= self._local_tokens(node, sid):
-            return
-        xfer = self._start_transfer(node, sid, want, DEMAND, self._now)
-        if xfer is not None:
-            r.waiting_on = xfer
+        ticket = self.core.demand_load(r.req.session_id, node.idx, r.req.reused_tokens,
+                                       self._now)
+        if ticket is not None:
+            r.waiting_on = self._submit(ticket)
 
     def _try_start(self, node: _Node) -> None:
         if node.running is not None or not node.queue:
@@ -469,14 +394,8 @@ class Simulation:
         sid = r.req.session_id
         reuse = r.req.reused_tokens
         hbm = min(reuse, node.hbm.usable_tokens(sid, now))
-        dram = min(reuse, node.dram.usable_tokens(sid, now))
+        dram = self.core.use_local(sid, node.idx, reuse, now)
         local = max(hbm, dram)
-        d = node.dram.get(sid)
-        if d is not None:
-            d.pinned = 0
-            if dram > 0:
-                d.last_use_s = now
-                d.prefetched_unused = False
         if r.prefetch_ready_s is not None:
             self.out.lateness_s.append(r.prefetch_ready_s - r.arrival_s)
         copy_s = max(0, dram - hbm) * self.bpt * self._h2d_s_per_byte
@@ -506,19 +425,11 @@ class Simulation:
         req = r.req
         sid = req.session_id
         ctx = req.context_tokens_after
-        left = self._in_flight.get(sid, 1) - 1
-        if left:
-            self._in_flight[sid] = left
-        else:
-            self._in_flight.pop(sid, None)
-        self._home[sid] = node.idx
         self._put_hbm(node, sid, ctx, pinned=0)
         if self.policy.remote:
             self._remote_tokens[sid] = ctx
             self._valkey_touch(sid)
-        self._observe(EventKind.REQUEST_FINISHED, r, node.idx)
-        if self.policy.dram_tier and sid not in node.inflight:
-            self._write_dram(node, sid, ctx)
+        self.core.request_finished(self._event(EventKind.REQUEST_FINISHED, r, node.idx), ctx)
         nxt = req.turn + 1
         session = r.session
         if nxt < len(session.requests):
@@ -526,94 +437,14 @@ class Simulation:
             if nreq.gap_s is not None:
                 t = self._now + nreq.gap_s
                 self._push(t, _ARRIVE, _Req(nreq, session, t))
-        if self.policy.prefetch and not left:
-            self._plan(sid)
-
-    def _write_dram(self, node: _Node, sid: str, ctx: int) -> None:
-        """Write-through of a finished context into the node's DRAM tier."""
-        nbytes = ctx * self.bpt
-        old = node.dram.get(sid)
-        old_bytes = old.nbytes if old is not None else 0
-        min_key = -INF
-        if self.policy.eviction is EvictionKind.PREDICTED_USE:
-            min_key = self._next_use(sid, self._now)
-        victims = node.dram.victims_for(nbytes - old_bytes, self._now, exclude=sid,
-                                        min_key=min_key)
-        if victims is None:
-            if old is not None:
-                node.dram.remove(sid)
-                if old.prefetched_unused:
-                    self.out.wasted_bytes += old.nbytes
-            return
-        self._evict_dram(node, victims)
-        if old is not None and old.prefetched_unused:
-            self.out.wasted_bytes += old.nbytes
-        node.dram.put(TierEntry(sid, ctx, nbytes, self._now, ready_at_s=self._now))
-
-    # ------------------------------------------------------------------ prefetch planning
-    def _plan(self, sid: str) -> None:
-        """Plan (or re-plan) a prefetch of an idle session to its home node."""
-        home = self._home.get(sid)
-        tokens = self._remote_tokens.get(sid, 0)
-        if home is None or tokens <= 0 or sid in self._in_flight:
-            return
-        if self._prefetch_count.get(sid, 0) >= MAX_PREFETCHES_PER_IDLE:
-            return
-        node = self.nodes[home]
-        if self._local_tokens(node, sid) >= tokens:
-            self._pending.pop(sid, None)
-            return
-        forecast = self.predictor.forecast(sid, self._now)
-        s_per_byte, latency, _ = self._source(sid)
-        order = plan_prefetch(
-            forecast, session_id=sid, node=home, tokens=tokens, nbytes=tokens * self.bpt,
-            now_s=self._now,
-            transfer=TransferEstimate(latency, s_per_byte, node.link.backlog_s(self._now)),
-            cfg=self.fleet.planner, safety_margin_s=self.policy.safety_margin_s,
-        )
-        if order is None:
-            self._pending.pop(sid, None)
-            return
-        self._pending[sid] = order
-        self._push(order.start_at_s, _PREFETCH_START, order)
 
     def _on_prefetch_start(self, order: PrefetchOrder) -> None:
-        sid = order.session_id
-        if self._pending.get(sid) is not order or sid in self._in_flight:
-            return
-        replans = self._replans.get(sid, 0)
-        forecast = self.predictor.forecast(sid, self._now)
-        if forecast is not None and replans < MAX_REPLANS:
-            later = forecast.arrival_at(self.fleet.planner.arrival_quantile)
-            if later - order.deadline_s > REPLAN_SLACK_S:
-                self._replans[sid] = replans + 1
-                self._plan(sid)
-                return
-        self._replans.pop(sid, None)
-        del self._pending[sid]
-        node = self.nodes[order.node]
-        if self._local_tokens(node, sid) >= order.tokens:
-            return
-        min_key = max(self._now, order.predicted_use_s)
-        if forecast is not None:
-            min_key = max(self._now, forecast.arrival_at(0.5))
-        xfer = self._start_transfer(node, sid, order.tokens, PREFETCH, order.deadline_s,
-                                    min_key=min_key, strategy=self._predicted_use)
-        if xfer is None:
-            self.out.prefetches_dropped += 1
-            return
-        self.out.prefetches += 1
-        self._planned_use[sid] = min_key
-        self._prefetch_count[sid] = self._prefetch_count.get(sid, 0) + 1
+        ticket = self.core.start_prefetch(order, self._now)
+        if ticket is not None:
+            self._submit(ticket)
 
     def _on_clear(self, _: object) -> None:
-        """Every node restarts cold; the planner then re-plans every idle session."""
+        """Every node restarts cold; the core then re-plans every idle session."""
         for n in self.nodes:
             n.hbm.clear()
-            for e in n.dram.clear():
-                if e.prefetched_unused:
-                    self.out.wasted_bytes += e.nbytes
-        if self.policy.prefetch:
-            for sid in sorted(self._home):
-                if sid not in self._in_flight:
-                    self._plan(sid)
+        self.core.clear_local(self._now)
