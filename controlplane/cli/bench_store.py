@@ -20,8 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="chunk size (default 32 MiB: 256 tokens of Llama-3.1-8B)")
     parser.add_argument("--part-mib", type=float, default=4.0,
                         help="Valkey stripe / checksum part size (default 4 MiB)")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="loopback runs per figure; the best is kept (default 3)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="loopback runs per figure; the best is kept (default 5)")
     parser.add_argument("--conditions", default="loopback,link",
                         help="comma-separated: loopback, link")
     parser.add_argument("--stores", default="valkey,s3,tiered",

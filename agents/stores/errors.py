@@ -1,0 +1,76 @@
+"""The store exception hierarchy: every valkey, botocore and OS error is translated here.
+
+Callers catch :class:`StoreError` (or :class:`~controlplane.errors.KvPrefetchError`) and tell
+causes apart by subclass. A *miss* (not found, corrupt, unavailable) is an answer, not a
+failure: batched calls report it per key instead of raising.
+"""
+
+from __future__ import annotations
+
+from controlplane.errors import ConfigError, KvPrefetchError
+
+
+class StoreError(KvPrefetchError):
+    """Base class of every error raised by a token store, a local tier or the engine."""
+
+    #: True when the engine should treat the key as a miss (recompute) rather than a fault.
+    is_miss: bool = False
+
+
+class StoreConfigError(StoreError, ConfigError):
+    """A store is configured wrongly (bad endpoint, bad credentials, bad option)."""
+
+
+class StoreConnectionError(StoreError):
+    """The server could not be reached or the connection was lost mid-request."""
+
+    is_miss = True
+
+
+class StoreTimeoutError(StoreConnectionError):
+    """The server did not answer within the configured timeout."""
+
+
+class StoreUnavailableError(StoreConnectionError):
+    """No tier of a tiered store could serve the request (all are down)."""
+
+
+class ObjectNotFoundError(StoreError):
+    """The key is not in the store (or expired)."""
+
+    is_miss = True
+
+
+class CorruptObjectError(StoreError):
+    """The stored bytes fail verification (magic, version, key, length or checksum).
+
+    The object has been deleted where it was found and counted; to callers it is a miss.
+    """
+
+    is_miss = True
+
+
+class ObjectTooLargeError(StoreError):
+    """The payload exceeds the store's ``max_object_bytes``; nothing was written."""
+
+
+class TierFullError(StoreError):
+    """A local tier cannot make room for an object (after eviction); nothing was written."""
+
+
+class CancelledError(StoreError):
+    """The operation was cancelled through its :class:`~agents.stores.base.CancelToken`."""
+
+
+__all__ = [
+    "CancelledError",
+    "CorruptObjectError",
+    "ObjectNotFoundError",
+    "ObjectTooLargeError",
+    "StoreConfigError",
+    "StoreConnectionError",
+    "StoreError",
+    "StoreTimeoutError",
+    "StoreUnavailableError",
+    "TierFullError",
+]

@@ -1,0 +1,590 @@
+"""Node-local tiers: DRAM (files in ``/dev/shm``) and disk (an NVMe directory).
+
+One file per object, in the shared object format, named by a hash of the key. A write goes
+to a hidden temporary file that is space-reserved up front (``posix_fallocate``: a full tier
+fails before any payload byte is written, and tmpfs allocates its pages in one go, which is
+several times faster than growing the file write by write), then is renamed into place
+(atomic publish): readers see the whole object or nothing. ``start`` removes temporary files
+left by a killed process and re-indexes the published ones.
+
+Capacity is accounted in bytes on disk (header + payload), reservations included; room is
+made by the configured :mod:`eviction <agents.stores.eviction>` policy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import mmap
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Literal
+
+import xxhash
+from pydantic import BaseModel, ConfigDict, Field
+
+from agents.stores.base import (
+    Buffer,
+    CancelToken,
+    GetResult,
+    MemorySink,
+    MemoryWriter,
+    OpResult,
+    PayloadSink,
+    PayloadWriter,
+    StatsCounter,
+    StoreStats,
+    check_cancel,
+)
+from agents.stores.errors import (
+    CorruptObjectError,
+    ObjectNotFoundError,
+    ObjectTooLargeError,
+    StoreConfigError,
+    StoreError,
+    TierFullError,
+)
+from agents.stores.eviction import EvictionPolicy, TierEntry, make_policy
+from agents.stores.format import (
+    PREFIX_BYTES,
+    ObjectHeader,
+    decode_header,
+    header_length,
+    make_header,
+    validate_key,
+)
+
+log = logging.getLogger(__name__)
+MIB = 1 << 20
+_SUFFIX = ".kvp"
+_TMP_PREFIX = ".tmp-"
+_SPARE_PREFIX = ".spare-"
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+
+
+class LocalTierConfig(BaseModel):
+    """A node-local tier."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    #: Directory of the tier; for DRAM, a directory under ``/dev/shm``.
+    path: str
+    capacity_bytes: int = Field(gt=0)
+    kind: Literal["dram", "disk"] = "dram"
+    #: ``never``: no fsync (DRAM; a crash loses the tier anyway); ``file``: fsync each object
+    #: before publishing; ``file+dir``: also fsync the directory after the rename (disk).
+    fsync: Literal["never", "file", "file+dir"] | None = None
+    eviction: Literal["lru", "predicted"] = "lru"
+    #: Part size of checksums for objects written with ``put``.
+    part_bytes: int = Field(4 * MIB, ge=4096)
+    max_object_bytes: int | None = Field(None, gt=0)
+    #: Keep the files of evicted and deleted objects (up to the free capacity) and reuse
+    #: them for new objects: writing into memory the tier already holds is a plain copy,
+    #: while fresh tmpfs pages must be allocated and zeroed first (several times slower).
+    #: None = on for DRAM, off for disk.
+    recycle_files: bool | None = None
+    #: Files of ``prewarm_file_bytes`` created at start (up to this total) for new objects
+    #: to reuse, as an LMCache L1 preallocates its buffer. 0 = none.
+    prewarm_bytes: int = Field(0, ge=0)
+    prewarm_file_bytes: int = Field(32 * MIB + 64 * 1024, gt=0)
+
+    @property
+    def recycle(self) -> bool:
+        return self.recycle_files if self.recycle_files is not None else self.kind == "dram"
+
+    @property
+    def fsync_policy(self) -> str:
+        if self.fsync is not None:
+            return self.fsync
+        return "never" if self.kind == "dram" else "file+dir"
+
+
+def _file_name(key: str) -> str:
+    return xxhash.xxh3_128_hexdigest(key.encode("utf-8")) + _SUFFIX
+
+
+@dataclass(frozen=True, slots=True)
+class _Reservation:
+    token: str
+    size_bytes: int
+
+
+class LocalWriter:
+    """Writes one object into a temporary file mapped in memory; ``commit`` publishes it by
+    rename. Stores that can receive straight into memory use :meth:`target`."""
+
+    def __init__(self, tier: LocalTier, header: ObjectHeader, reservation: _Reservation) -> None:
+        self._tier = tier
+        self.header = header
+        self._reservation = reservation
+        self._offset = header.header_bytes
+        self.tmp_path = tier.root / f"{_TMP_PREFIX}{reservation.token}"
+        self._fd: int | None = None
+        self._map: mmap.mmap | None = None
+        self._view: memoryview | None = None
+        self._done = False
+
+    def _open(self) -> None:
+        size = self.header.total_bytes
+        try:
+            reused = self._tier.take_spare(size, self.tmp_path)
+            fd = os.open(self.tmp_path, os.O_RDWR if reused else os.O_CREAT | os.O_EXCL | os.O_RDWR,
+                         0o644)
+            self._fd = fd
+            if reused:
+                if os.fstat(fd).st_size != size:
+                    os.ftruncate(fd, size)
+                    os.posix_fallocate(fd, 0, size)
+            else:
+                os.posix_fallocate(fd, 0, size)
+            self._map = mmap.mmap(fd, size, flags=_MAP_FLAGS)
+            self._view = memoryview(self._map)
+            self._view[: self._offset] = self.header.encode()
+        except OSError as exc:
+            self.abort()
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise TierFullError(
+                    f"{self._tier.name}: no space on {self._tier.root} for {size} bytes"
+                ) from exc
+            raise StoreError(f"{self._tier.name}: cannot create {self.tmp_path}: {exc}") from exc
+
+    def write_at(self, offset: int, data: Buffer) -> None:
+        if self._view is None:
+            raise StoreError(f"{self._tier.name}: write to a closed writer")
+        start = self._offset + offset
+        self._view[start : start + len(data)] = data
+
+    def target(self, offset: int, length: int) -> memoryview | None:
+        if self._view is None:
+            raise StoreError(f"{self._tier.name}: write to a closed writer")
+        start = self._offset + offset
+        return self._view[start : start + length]
+
+    def written(self, offset: int, length: int) -> None:
+        return None
+
+    def _unmap(self, flush: bool) -> None:
+        if self._view is not None:
+            self._view.release()
+            self._view = None
+        if self._map is not None:
+            if flush:
+                self._map.flush()
+            try:
+                self._map.close()
+            except BufferError:  # a caller still holds a view; the GC unmaps it later
+                log.debug("%s: mapping of %s still exported", self._tier.name, self.tmp_path)
+            self._map = None
+
+    def commit(self) -> None:
+        if self._done or self._fd is None:
+            raise StoreError(f"{self._tier.name}: commit of a closed writer")
+        policy = self._tier.config.fsync_policy
+        try:
+            self._unmap(flush=policy != "never")
+            if policy != "never":
+                os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = None
+            final = self._tier.root / _file_name(self.header.key)
+            self._tier.publish(self.tmp_path, final, self.header, self._reservation)
+            if policy == "file+dir":
+                self._tier.fsync_dir()
+        except OSError as exc:
+            self.abort()
+            raise StoreError(f"{self._tier.name}: publish failed: {exc}") from exc
+        self._done = True
+
+    def abort(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        with contextlib.suppress(OSError):
+            self._unmap(flush=False)
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = None
+        self._tier.release(self._reservation)
+        self._tier.discard(self.tmp_path)
+
+
+class LocalTier:
+    """A DRAM or disk tier on this node; an :class:`~agents.stores.base.ObjectStore` and a
+    :class:`~agents.stores.base.PayloadSink` (``open``) for the transfer engine."""
+
+    def __init__(
+        self,
+        config: LocalTierConfig,
+        *,
+        policy: EvictionPolicy | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        name: str | None = None,
+    ) -> None:
+        self.config = config
+        self.name = name or config.kind
+        self.root = Path(config.path)
+        self.policy = policy if policy is not None else make_policy(config.eviction)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._entries: dict[str, TierEntry] = {}
+        self._reserved: dict[str, int] = {}
+        self._used_bytes = 0
+        self._stats = StatsCounter()
+        self._started = False
+        self._spares: list[tuple[int, Path]] = []  # (size, path) of reusable files
+        self._spare_bytes = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Create the directory, drop leftovers of killed writes, index published objects."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreConfigError(f"{self.name}: cannot create {self.root}: {exc}") from exc
+        now = self._clock()
+        with self._lock:
+            for path in self.root.iterdir():
+                if path.name.startswith((_TMP_PREFIX, _SPARE_PREFIX)):
+                    path.unlink(missing_ok=True)
+                    continue
+                if not path.name.endswith(_SUFFIX):
+                    continue
+                try:
+                    header = self._read_header(path)
+                    if path.stat().st_size != header.total_bytes:
+                        raise CorruptObjectError(f"{path}: truncated")
+                except (CorruptObjectError, OSError) as exc:
+                    log.warning("%s: dropping unreadable %s: %s", self.name, path, exc)
+                    path.unlink(missing_ok=True)
+                    continue
+                self._entries[header.key] = TierEntry(header.key, header.total_bytes, now, now)
+                self._used_bytes += header.total_bytes
+            self._started = True
+            self._evict_locked(0, set())
+        self._prewarm()
+
+    def _prewarm(self) -> None:
+        budget = min(self.config.prewarm_bytes, self.config.capacity_bytes - self.used_bytes)
+        size = self.config.prewarm_file_bytes
+        while budget >= size:
+            path = self.root / f"{_SPARE_PREFIX}{uuid.uuid4().hex}"
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                os.close(fd)
+                path.unlink(missing_ok=True)
+                log.warning("%s: prewarm stopped: %s", self.name, exc)
+                break
+            os.close(fd)
+            with self._lock:
+                self._spares.append((size, path))
+                self._spare_bytes += size
+            budget -= size
+
+    # -- reusable files ------------------------------------------------------------------------
+
+    def take_spare(self, size: int, dest: Path) -> bool:
+        """Move a reusable file to ``dest`` (the smallest that fits, else the largest)."""
+        with self._lock:
+            if not self._spares:
+                return False
+            fitting = [s for s in self._spares if s[0] >= size]
+            choice = min(fitting) if fitting else max(self._spares)
+            self._spares.remove(choice)
+            self._spare_bytes -= choice[0]
+        os.replace(choice[1], dest)
+        return True
+
+    def _recycle_locked(self, path: Path, size: int) -> None:
+        """Keep ``path`` for reuse if the tier has room for it, else delete it."""
+        if (self.config.recycle
+                and self._used_bytes + self._spare_bytes + size <= self.config.capacity_bytes):
+            spare = self.root / f"{_SPARE_PREFIX}{uuid.uuid4().hex}"
+            try:
+                os.replace(path, spare)
+            except FileNotFoundError:
+                return
+            self._spares.append((size, spare))
+            self._spare_bytes += size
+        else:
+            path.unlink(missing_ok=True)
+
+    def _trim_spares_locked(self) -> None:
+        while self._spares and self._used_bytes + self._spare_bytes > self.config.capacity_bytes:
+            size, path = self._spares.pop()
+            self._spare_bytes -= size
+            path.unlink(missing_ok=True)
+
+    def discard(self, tmp_path: Path) -> None:
+        """Drop an aborted write's file (kept for reuse when possible)."""
+        try:
+            size = tmp_path.stat().st_size
+        except FileNotFoundError:
+            return
+        with self._lock:
+            self._recycle_locked(tmp_path, size)
+
+    def publish(self, tmp: Path, final: Path, header: ObjectHeader,
+                reservation: _Reservation) -> None:
+        """Atomically replace ``final`` by ``tmp`` and index the object."""
+        now = self._clock()
+        with self._lock:
+            old = self._entries.pop(header.key, None)
+            if old is not None:
+                self._used_bytes -= old.size_bytes
+                self._recycle_locked(final, old.size_bytes)
+            os.replace(tmp, final)
+            self._reserved.pop(reservation.token, None)
+            self._entries[header.key] = TierEntry(header.key, reservation.size_bytes, now, now)
+            self._trim_spares_locked()
+        self._stats.add(puts=1, bytes_written=header.payload_bytes)
+
+    def close(self) -> None:
+        self._started = False
+
+    def __enter__(self) -> LocalTier:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def stats(self) -> StoreStats:
+        return self._stats.snapshot()
+
+    @property
+    def used_bytes(self) -> int:
+        with self._lock:
+            return self._used_bytes
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.config.capacity_bytes
+
+    def keys(self) -> list[str]:
+        with self._lock:
+            return list(self._entries)
+
+    def path_of(self, key: str) -> Path:
+        """Where the published object lies (for readers that map it, e.g. an LMCache L1)."""
+        return self.root / _file_name(key)
+
+    def fsync_dir(self) -> None:
+        fd = os.open(self.root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    # -- capacity ----------------------------------------------------------------------------
+
+    def _evict_locked(self, need: int, protect: set[str]) -> list[str]:
+        cap = self.config.capacity_bytes
+        if self._used_bytes + need <= cap:
+            return []
+        now = self._clock()
+        order = sorted(
+            (e for k, e in self._entries.items() if k not in protect),
+            key=lambda e: self.policy.sort_key(e, now),
+        )
+        victims: list[str] = []
+        freed = 0
+        for e in order:
+            if self._used_bytes - freed + need <= cap:
+                break
+            victims.append(e.key)
+            freed += e.size_bytes
+        if self._used_bytes - freed + need > cap:
+            return []  # cannot make room: evict nothing
+        for key in victims:
+            entry = self._entries.pop(key)
+            self._used_bytes -= entry.size_bytes
+            self._recycle_locked(self.root / _file_name(key), entry.size_bytes)
+        self._stats.add(evictions=len(victims))
+        if victims:
+            log.debug("%s: evicted %d objects (%s)", self.name, len(victims), self.policy.name)
+        return victims
+
+    def _reserve(self, header: ObjectHeader) -> _Reservation:
+        size = header.total_bytes
+        limit = self.config.max_object_bytes
+        if limit is not None and header.payload_bytes > limit:
+            raise ObjectTooLargeError(
+                f"{header.key!r}: {header.payload_bytes} bytes exceed max_object_bytes={limit}"
+            )
+        if not self._started:
+            raise StoreConfigError(f"tier {self.name!r} is not started")
+        with self._lock:
+            if size > self.config.capacity_bytes:
+                raise TierFullError(
+                    f"{self.name}: object {header.key!r} of {size} bytes exceeds the tier's "
+                    f"capacity of {self.config.capacity_bytes} bytes"
+                )
+            self._evict_locked(size, {header.key})
+            if self._used_bytes + size > self.config.capacity_bytes:
+                raise TierFullError(
+                    f"{self.name}: no room for {header.key!r} ({size} bytes): "
+                    f"{self._used_bytes} of {self.config.capacity_bytes} bytes in use by "
+                    "objects being written"
+                )
+            token = uuid.uuid4().hex
+            self._reserved[token] = size
+            self._used_bytes += size
+            # Spare files stay within the free capacity; the write may take one of them.
+            while self._spares and (self._used_bytes + self._spare_bytes - self._spares[-1][0]
+                                    > self.config.capacity_bytes):
+                spare_size, spare_path = self._spares.pop()
+                self._spare_bytes -= spare_size
+                spare_path.unlink(missing_ok=True)
+            return _Reservation(token, size)
+
+    def release(self, reservation: _Reservation) -> None:
+        with self._lock:
+            if self._reserved.pop(reservation.token, None) is not None:
+                self._used_bytes -= reservation.size_bytes
+
+    # -- sink --------------------------------------------------------------------------------
+
+    def open(self, header: ObjectHeader) -> PayloadWriter:
+        """Reserve room (evicting if needed) and open a writer for ``header``'s object.
+
+        Raises :class:`TierFullError` when room cannot be made; nothing is written then.
+        """
+        writer = LocalWriter(self, header, self._reserve(header))
+        writer._open()
+        return writer
+
+    # -- ObjectStore -------------------------------------------------------------------------
+
+    def exists(self, keys: Sequence[str], *, cancel: CancelToken | None = None) -> list[OpResult]:
+        with self._lock:
+            return [OpResult(k, k in self._entries) for k in keys]
+
+    def _read_header(self, path: Path) -> ObjectHeader:
+        with open(path, "rb") as f:
+            prefix = f.read(PREFIX_BYTES)
+            rest = f.read(header_length(prefix) - PREFIX_BYTES)
+        return decode_header(prefix + rest)
+
+    def get(
+        self,
+        keys: Sequence[str],
+        *,
+        sink: PayloadSink | None = None,
+        cancel: CancelToken | None = None,
+    ) -> list[GetResult]:
+        """Read and verify each object (every part's checksum) into ``sink`` or memory."""
+        out = []
+        for key in keys:
+            check_cancel(cancel)
+            out.append(self._stats.count_get(self._get_one(key, sink)))
+        return out
+
+    def _get_one(self, key: str, sink: PayloadSink | None) -> GetResult:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._entries[key] = replace(entry, last_access_s=self._clock())
+        if entry is None:
+            return GetResult(key, error=ObjectNotFoundError(f"{key!r} not in {self.name}"))
+        path = self.root / _file_name(key)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return GetResult(key, error=ObjectNotFoundError(f"{key!r} was just evicted"))
+        header: ObjectHeader | None = None
+        writer: PayloadWriter | None = None
+        try:
+            with os.fdopen(fd, "rb", buffering=0) as f:
+                prefix = f.read(PREFIX_BYTES)
+                head = prefix + f.read(header_length(prefix) - PREFIX_BYTES)
+                header = decode_header(head, expected_key=key)
+                writer = (sink or MemorySink()).open(header)
+                if isinstance(writer, MemoryWriter):
+                    view = memoryview(writer.buffer)
+                    if f.readinto(view) != header.payload_bytes or f.read(1):
+                        raise CorruptObjectError(f"{key!r}: file length mismatch")
+                    header.verify_payload(view)
+                else:
+                    buf = bytearray(min(header.part_bytes, header.payload_bytes))
+                    for i in range(header.parts):
+                        start, end = header.part_range(i)
+                        part = memoryview(buf)[: end - start]
+                        if f.readinto(part) != end - start:
+                            raise CorruptObjectError(f"{key!r}: truncated in part {i}")
+                        header.verify_part(i, part)
+                        writer.write_at(start, part)
+                writer.commit()
+        except CorruptObjectError as exc:
+            if writer is not None:
+                writer.abort()
+            log.warning("%s: corrupt object %r deleted: %s", self.name, key, exc)
+            self._remove(key)
+            return GetResult(key, header=header, error=exc)
+        except StoreError as exc:
+            if writer is not None:
+                writer.abort()
+            return GetResult(key, header=header, error=exc)
+        data = memoryview(writer.buffer) if isinstance(writer, MemoryWriter) else None
+        return GetResult(key, header=header, data=data, source=self.name)
+
+    def put(
+        self,
+        items: Sequence[tuple[str, Buffer]],
+        *,
+        ttl_s: float | None = None,
+        cancel: CancelToken | None = None,
+    ) -> list[OpResult]:
+        """Write each object (atomic publish). ``ttl_s`` is ignored: local tiers evict by
+        policy. Raises :class:`ObjectTooLargeError` before writing anything."""
+        headers = []
+        for key, payload in items:
+            validate_key(key)
+            headers.append(make_header(key, payload, self.config.part_bytes))
+            limit = self.config.max_object_bytes
+            if limit is not None and len(payload) > limit:
+                raise ObjectTooLargeError(
+                    f"{key!r}: {len(payload)} bytes exceed max_object_bytes={limit}"
+                )
+        out = []
+        for (key, payload), header in zip(items, headers, strict=True):
+            check_cancel(cancel)
+            try:
+                writer = self.open(header)
+                try:
+                    writer.write_at(0, payload)
+                    writer.commit()
+                except BaseException:
+                    writer.abort()
+                    raise
+            except StoreError as exc:
+                out.append(OpResult(key, False, exc))
+                continue
+            out.append(OpResult(key, True))
+        return out
+
+    def _remove(self, key: str) -> bool:
+        with self._lock:
+            entry = self._entries.pop(key, None)
+            if entry is not None:
+                self._used_bytes -= entry.size_bytes
+                self._recycle_locked(self.root / _file_name(key), entry.size_bytes)
+        return entry is not None
+
+    def delete(self, keys: Sequence[str], *, cancel: CancelToken | None = None) -> list[OpResult]:
+        out = []
+        for key in keys:
+            gone = self._remove(key)
+            if gone:
+                self._stats.add(deletes=1)
+            out.append(OpResult(key, gone))
+        return out

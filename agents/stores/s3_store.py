@@ -1,0 +1,444 @@
+"""S3 as the cold, durable tier: multipart upload, parallel ranged GETs, a bounded pool.
+
+One object per key at ``<key_prefix><key>``, in the shared object format. A read first
+fetches one range from offset 0 (the header and the first parts; the response's
+Content-Range gives the object's size), then every other range in parallel, each verified
+by the thread that received it. Objects over ``multipart_threshold_bytes`` are uploaded in
+parallel parts; a failed upload is aborted so that nothing half-written remains.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, wait
+from contextlib import contextmanager
+from functools import partial
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
+from agents.stores.base import (
+    Buffer,
+    CancelToken,
+    GetResult,
+    KeyPool,
+    MemorySink,
+    MemoryWriter,
+    OpResult,
+    PayloadSink,
+    PayloadWriter,
+    StatsCounter,
+    StoreStats,
+    check_cancel,
+)
+from agents.stores.errors import (
+    CorruptObjectError,
+    ObjectNotFoundError,
+    ObjectTooLargeError,
+    StoreConfigError,
+    StoreConnectionError,
+    StoreError,
+    StoreTimeoutError,
+)
+from agents.stores.format import ObjectHeader, decode_header, header_length, make_header
+
+log = logging.getLogger(__name__)
+MIB = 1 << 20
+
+
+class S3StoreConfig(BaseModel):
+    """Where the S3 bucket is. Credentials come from the standard boto3 chain unless given."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    bucket: str
+    endpoint_url: str | None = None
+    region: str | None = None
+    path_style: bool = True
+    access_key_id: str | None = None
+    secret_access_key: SecretStr | None = None
+    key_prefix: str = "kvp/"
+    #: Checksummed part size; ranged GETs are whole multiples of it.
+    part_bytes: int = Field(4 * MIB, ge=4096)
+    #: Bytes per ranged GET. 8 MiB is what AWS recommends for byte-range fetches.
+    range_bytes: int = Field(8 * MIB, ge=4096)
+    #: Objects larger than this are uploaded in parts of ``multipart_part_bytes``
+    #: (S3 requires at least 5 MiB per part but the last).
+    multipart_threshold_bytes: int = Field(16 * MIB, ge=5 * MIB)
+    multipart_part_bytes: int = Field(8 * MIB, ge=5 * MIB)
+    #: Parallel requests (and pooled HTTP connections).
+    connections: int = Field(16, ge=1, le=512)
+    max_object_bytes: int = Field(8 << 30, gt=0)
+    connect_timeout_s: float = Field(2.0, gt=0)
+    read_timeout_s: float = Field(10.0, gt=0)
+    #: botocore retry attempts (standard mode) for throttling and transient errors.
+    max_attempts: int = Field(2, ge=1)
+    create_bucket: bool = False
+
+
+_NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
+_BAD_CONFIG = {
+    "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "NoSuchBucket",
+    "AuthorizationHeaderMalformed", "InvalidBucketName", "403", "PermanentRedirect",
+}
+
+
+@contextmanager
+def translate_boto_errors(what: str) -> Iterator[None]:
+    """Translate botocore exceptions into :mod:`agents.stores.errors` (the store edge)."""
+    import botocore.exceptions as bex
+
+    try:
+        yield
+    except StoreError:
+        raise
+    except bex.ClientError as exc:
+        code = str(exc.response.get("Error", {}).get("Code", ""))
+        if code in _NOT_FOUND:
+            raise ObjectNotFoundError(f"s3 {what}: not found") from exc
+        if code in _BAD_CONFIG:
+            raise StoreConfigError(f"s3 {what}: {code}: {exc}") from exc
+        if code == "EntityTooLarge":
+            raise ObjectTooLargeError(f"s3 {what}: {exc}") from exc
+        raise StoreError(f"s3 {what}: {code}: {exc}") from exc
+    except (bex.ReadTimeoutError, bex.ConnectTimeoutError) as exc:
+        raise StoreTimeoutError(f"s3 {what}: timed out: {exc}") from exc
+    except (bex.EndpointConnectionError, bex.ConnectionClosedError) as exc:
+        raise StoreConnectionError(f"s3 {what}: {exc}") from exc
+    except (bex.NoCredentialsError, bex.PartialCredentialsError, bex.ParamValidationError) as exc:
+        raise StoreConfigError(f"s3 {what}: {exc}") from exc
+    except bex.BotoCoreError as exc:
+        raise StoreConnectionError(f"s3 {what}: {exc}") from exc
+    except OSError as exc:
+        raise StoreConnectionError(f"s3 {what}: {exc}") from exc
+
+
+class S3Store:
+    """The S3 cold tier (see the module docstring)."""
+
+    def __init__(self, config: S3StoreConfig, *, name: str = "s3") -> None:
+        self.config = config
+        self.name = name
+        self._client: Any = None
+        self._requests = KeyPool(config.connections, f"{name}-req")
+        self._keys = KeyPool(max(2, config.connections // 4), f"{name}-key")
+        self._stats = StatsCounter()
+        self._lock = threading.Lock()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Build the client and check the bucket is reachable with these credentials.
+
+        Raises :class:`StoreConfigError` (bad credentials, no such bucket) or
+        :class:`StoreConnectionError` (nothing at the endpoint).
+        """
+        import boto3
+        from botocore.config import Config
+
+        c = self.config
+        session = boto3.session.Session(
+            aws_access_key_id=c.access_key_id,
+            aws_secret_access_key=(
+                c.secret_access_key.get_secret_value() if c.secret_access_key else None
+            ),
+            region_name=c.region or "us-east-1",
+        )
+        cfg = Config(
+            max_pool_connections=c.connections + 4,
+            connect_timeout=c.connect_timeout_s,
+            read_timeout=c.read_timeout_s,
+            retries={"max_attempts": c.max_attempts, "mode": "standard"},
+            s3={"addressing_style": "path" if c.path_style else "auto"},
+            tcp_keepalive=True,
+        )
+        where = c.endpoint_url or "AWS"
+        try:
+            client = self._connect(session, cfg, where)
+        except ObjectNotFoundError as exc:  # HeadBucket answers 404 for a missing bucket
+            raise StoreConfigError(f"s3 {where}: no bucket {c.bucket!r}") from exc
+        self._client = client
+        log.info("s3 store %s connected to %s bucket %s", self.name, where, c.bucket)
+
+    def _connect(self, session: Any, cfg: Any, where: str) -> Any:
+        c = self.config
+        with translate_boto_errors(f"connect to {where} bucket {c.bucket!r}"):
+            client = session.client("s3", endpoint_url=c.endpoint_url, config=cfg)
+            if c.create_bucket:
+                import botocore.exceptions as bex
+
+                try:
+                    client.create_bucket(Bucket=c.bucket)
+                except bex.ClientError as exc:
+                    code = exc.response.get("Error", {}).get("Code", "")
+                    if code not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                        raise
+            try:
+                client.head_bucket(Bucket=c.bucket)
+            except Exception:
+                client.close()
+                raise
+        return client
+
+    def close(self) -> None:
+        self._requests.close()
+        self._keys.close()
+        client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+    def __enter__(self) -> S3Store:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def stats(self) -> StoreStats:
+        return self._stats.snapshot()
+
+    @property
+    def client(self) -> Any:
+        if self._client is None:
+            raise StoreConfigError(f"store {self.name!r} is not started")
+        return self._client
+
+    def object_key(self, key: str) -> str:
+        return f"{self.config.key_prefix}{key}"
+
+    # -- exists ------------------------------------------------------------------------------
+
+    def _exists_one(self, key: str) -> OpResult:
+        try:
+            with translate_boto_errors("head"):
+                self.client.head_object(Bucket=self.config.bucket, Key=self.object_key(key))
+        except ObjectNotFoundError:
+            return OpResult(key, False)
+        except StoreError as exc:
+            return OpResult(key, False, exc)
+        return OpResult(key, True)
+
+    def exists(self, keys: Sequence[str], *, cancel: CancelToken | None = None) -> list[OpResult]:
+        check_cancel(cancel)
+        return self._requests.map(self._exists_one, keys)
+
+    # -- get ---------------------------------------------------------------------------------
+
+    def _range(self, key: str, start: int, end: int) -> tuple[bytes, int]:
+        """Bytes ``[start, end)`` of the object and the object's total size."""
+        with translate_boto_errors("get"):
+            resp = self.client.get_object(
+                Bucket=self.config.bucket, Key=self.object_key(key),
+                Range=f"bytes={start}-{end - 1}",
+            )
+            body = resp["Body"]
+            try:
+                data = body.read()
+            finally:
+                body.close()
+        content_range = resp.get("ContentRange") or ""
+        total = int(content_range.rsplit("/", 1)[1]) if "/" in content_range else len(data)
+        return data, total
+
+    def get(
+        self,
+        keys: Sequence[str],
+        *,
+        sink: PayloadSink | None = None,
+        cancel: CancelToken | None = None,
+    ) -> list[GetResult]:
+        check_cancel(cancel)
+        results = self._keys.map(lambda k: self._get_one(k, sink, cancel), keys)
+        return [self._stats.count_get(r) for r in results]
+
+    def _get_one(self, key: str, sink: PayloadSink | None, cancel: CancelToken | None
+                 ) -> GetResult:
+        c = self.config
+        header: ObjectHeader | None = None
+        writer: PayloadWriter | None = None
+        try:
+            check_cancel(cancel)
+            first, total = self._range(key, 0, c.range_bytes)
+            hlen = header_length(first)
+            if hlen > len(first):  # a header longer than one range: fetch the rest of it
+                more, _ = self._range(key, len(first), hlen)
+                first += more
+            header = decode_header(first, expected_key=key)
+            if header.total_bytes != total:
+                raise CorruptObjectError(
+                    f"{key!r}: object has {total} bytes, header says {header.total_bytes}"
+                )
+            writer = (sink or MemorySink()).open(header)
+            self._fetch_payload(header, memoryview(first)[hlen:], writer, cancel)
+            writer.commit()
+        except CorruptObjectError as exc:
+            if writer is not None:
+                writer.abort()
+            log.warning("%s: corrupt object %r deleted: %s", self.name, key, exc)
+            self._delete_one(key)
+            return GetResult(key, header=header, error=exc)
+        except StoreError as exc:
+            if writer is not None:
+                writer.abort()
+            return GetResult(key, header=header, error=exc)
+        except BaseException:
+            if writer is not None:
+                writer.abort()
+            raise
+        data = memoryview(writer.buffer) if isinstance(writer, MemoryWriter) else None
+        return GetResult(key, header=header, data=data, source=self.name)
+
+    def _fetch_payload(
+        self,
+        header: ObjectHeader,
+        head_payload: memoryview,
+        writer: PayloadWriter,
+        cancel: CancelToken | None,
+    ) -> None:
+        """Verify and write the payload bytes that came with the header, then fetch the
+        remaining ranges (aligned to whole parts) in parallel."""
+        hlen, part = header.header_bytes, header.part_bytes
+        have = len(head_payload)
+        done_parts = 0
+        for i in range(header.parts):
+            start, end = header.part_range(i)
+            if end > have:
+                break
+            header.verify_part(i, head_payload[start:end])
+            done_parts = i + 1
+        if done_parts:
+            writer.write_at(0, head_payload[: header.part_range(done_parts - 1)[1]])
+        per_range = max(1, self.config.range_bytes // part)
+        ranges = [
+            (i, min(i + per_range, header.parts))
+            for i in range(done_parts, header.parts, per_range)
+        ]
+
+        def fetch(first_part: int, end_part: int) -> None:
+            check_cancel(cancel)
+            start = header.part_range(first_part)[0]
+            end = header.part_range(end_part - 1)[1]
+            data, _ = self._range(header.key, hlen + start, hlen + end)
+            view = memoryview(data)
+            for i in range(first_part, end_part):
+                s, e = header.part_range(i)
+                header.verify_part(i, view[s - start : e - start])
+            writer.write_at(start, view)
+
+        futures: list[Future[None]] = [
+            self._requests.submit(partial(fetch, *r)) for r in ranges
+        ]
+        try:
+            for f in futures:
+                f.result()
+        finally:
+            for f in futures:
+                f.cancel()
+            wait(futures)
+
+    # -- put ---------------------------------------------------------------------------------
+
+    def put(
+        self,
+        items: Sequence[tuple[str, Buffer]],
+        *,
+        ttl_s: float | None = None,
+        cancel: CancelToken | None = None,
+    ) -> list[OpResult]:
+        """Store each object (``ttl_s`` is ignored: S3 is the durable tier; use bucket
+        lifecycle rules to expire). Raises :class:`ObjectTooLargeError` before writing."""
+        limit = self.config.max_object_bytes
+        for key, payload in items:
+            if len(payload) > limit:
+                raise ObjectTooLargeError(
+                    f"{key!r}: {len(payload)} bytes exceed max_object_bytes={limit}"
+                )
+        check_cancel(cancel)
+        return self._keys.map(lambda it: self._put_one(it[0], it[1], cancel), items)
+
+    def _put_one(self, key: str, payload: Buffer, cancel: CancelToken | None) -> OpResult:
+        view = memoryview(payload).cast("B")
+        header = make_header(key, view, self.config.part_bytes)
+        encoded = header.encode()
+        try:
+            if header.total_bytes <= self.config.multipart_threshold_bytes:
+                with translate_boto_errors("put"):
+                    self.client.put_object(
+                        Bucket=self.config.bucket, Key=self.object_key(key),
+                        Body=encoded + bytes(view),
+                    )
+            else:
+                self._multipart(key, encoded, view, cancel)
+        except StoreError as exc:
+            self._stats.add(errors=1)
+            return OpResult(key, False, exc)
+        self._stats.add(puts=1, bytes_written=len(view))
+        return OpResult(key, True)
+
+    def _multipart(
+        self, key: str, encoded: bytes, view: memoryview, cancel: CancelToken | None
+    ) -> None:
+        c = self.config
+        okey = self.object_key(key)
+        total = len(encoded) + len(view)
+        size = c.multipart_part_bytes
+        with translate_boto_errors("create multipart upload"):
+            upload_id = self.client.create_multipart_upload(Bucket=c.bucket, Key=okey)["UploadId"]
+
+        def body(start: int, end: int) -> bytes:
+            # The header goes into the first part; later parts are payload slices.
+            if start == 0:
+                return encoded + bytes(view[: end - len(encoded)])
+            return bytes(view[start - len(encoded) : end - len(encoded)])
+
+        def upload(number: int, start: int, end: int) -> dict[str, Any]:
+            check_cancel(cancel)
+            with translate_boto_errors(f"upload part {number}"):
+                resp = self.client.upload_part(
+                    Bucket=c.bucket, Key=okey, UploadId=upload_id, PartNumber=number,
+                    Body=body(start, end),
+                )
+            return {"PartNumber": number, "ETag": resp["ETag"]}
+
+        bounds = [(i + 1, s, min(s + size, total)) for i, s in enumerate(range(0, total, size))]
+        futures = [self._requests.submit(partial(upload, *b)) for b in bounds]
+        try:
+            parts = [f.result() for f in futures]
+            with translate_boto_errors("complete multipart upload"):
+                self.client.complete_multipart_upload(
+                    Bucket=c.bucket, Key=okey, UploadId=upload_id,
+                    MultipartUpload={"Parts": parts},
+                )
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            wait(futures)
+            try:
+                with translate_boto_errors("abort multipart upload"):
+                    self.client.abort_multipart_upload(
+                        Bucket=c.bucket, Key=okey, UploadId=upload_id
+                    )
+            except StoreError:
+                log.warning("%s: could not abort multipart upload of %r", self.name, key)
+            raise
+
+    # -- delete ------------------------------------------------------------------------------
+
+    def _delete_one(self, key: str) -> OpResult:
+        existed = self._exists_one(key)
+        if existed.error is not None:
+            return existed
+        try:
+            with translate_boto_errors("delete"):
+                self.client.delete_object(Bucket=self.config.bucket, Key=self.object_key(key))
+        except StoreError as exc:
+            return OpResult(key, False, exc)
+        if existed.ok:
+            self._stats.add(deletes=1)
+        return OpResult(key, existed.ok)
+
+    def delete(self, keys: Sequence[str], *, cancel: CancelToken | None = None) -> list[OpResult]:
+        check_cancel(cancel)
+        return self._requests.map(self._delete_one, keys)

@@ -1,0 +1,646 @@
+"""Valkey (or Redis) as the hot tier: striped values fetched in parallel over several
+connections, pipelined batches, key prefix and TTL, standalone or cluster, TLS and AUTH.
+
+Layout of one object under ``key`` (``P`` = ``key_prefix``)::
+
+    P h:<key>        the encoded header, followed by the whole payload when it fits one part
+    P p:<key>:<i>    payload part i (``part_bytes`` each) when the object has several parts
+
+The head is written last and read first, so a reader never sees a head whose parts were not
+yet written; a part missing later (evicted, expired) makes the object a miss and the rest of
+it is deleted. Parts of one object hash to different cluster slots on purpose: a large
+object is then spread over every shard and read from all of them at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, wait
+from contextlib import contextmanager
+from functools import partial
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+
+from agents.stores.base import (
+    Buffer,
+    CancelToken,
+    GetResult,
+    KeyPool,
+    MemorySink,
+    OpResult,
+    PayloadSink,
+    StatsCounter,
+    StoreStats,
+    check_cancel,
+)
+from agents.stores.errors import (
+    CorruptObjectError,
+    ObjectNotFoundError,
+    ObjectTooLargeError,
+    StoreConfigError,
+    StoreConnectionError,
+    StoreError,
+    StoreTimeoutError,
+    TierFullError,
+)
+from agents.stores.format import ObjectHeader, decode_header, make_header, validate_key
+
+log = logging.getLogger(__name__)
+MIB = 1 << 20
+
+
+class ValkeyStoreConfig(BaseModel):
+    """Where the Valkey hot tier is and how to talk to it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(6379, gt=0, lt=65536)
+    #: Cluster mode: ``startup_nodes`` as ``host:port``; defaults to ``host:port``.
+    cluster: bool = False
+    startup_nodes: tuple[str, ...] = ()
+    db: int = Field(0, ge=0)
+    username: str | None = None
+    password: SecretStr | None = None
+    tls: bool = False
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_verify: bool = True
+    key_prefix: str = "kvp:"
+    #: Expire every key written after this long; None keeps them until evicted.
+    ttl_s: float | None = Field(None, gt=0)
+    #: Stripe size: objects larger than this are split into parts fetched in parallel.
+    #: 4 MiB: large enough that per-request overhead is small, small enough to keep the
+    #: client parser's buffers cheap (a plain GET loop slows down 3x at 32 MiB values).
+    part_bytes: int = Field(4 * MIB, ge=4096, le=512 * MIB)
+    #: Connections (and part-fetching threads) to the server.
+    connections: int = Field(4, ge=1, le=256)
+    max_object_bytes: int = Field(8 << 30, gt=0)
+    #: Receive stripes straight into the destination (standalone mode only); see
+    #: ``_BulkConnection``. Off = every value goes through valkey-py.
+    direct_reads: bool = True
+    connect_timeout_s: float = Field(1.0, gt=0)
+    socket_timeout_s: float = Field(5.0, gt=0)
+
+    @model_validator(mode="after")
+    def _check_tls(self) -> ValkeyStoreConfig:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file must be given together")
+        return self
+
+
+@contextmanager
+def translate_valkey_errors(what: str) -> Iterator[None]:
+    """Translate valkey-py exceptions into :mod:`agents.stores.errors` (the store edge)."""
+    import valkey.exceptions as vex
+
+    try:
+        yield
+    except StoreError:
+        raise
+    except vex.AuthenticationError as exc:
+        raise StoreConfigError(f"valkey {what}: authentication failed: {exc}") from exc
+    except vex.TimeoutError as exc:
+        raise StoreTimeoutError(f"valkey {what}: timed out: {exc}") from exc
+    except vex.ConnectionError as exc:
+        raise StoreConnectionError(f"valkey {what}: connection failed: {exc}") from exc
+    except vex.ResponseError as exc:
+        msg = str(exc)
+        if msg.startswith(("NOAUTH", "WRONGPASS", "NOPERM")):
+            raise StoreConfigError(f"valkey {what}: {msg}") from exc
+        if msg.startswith("OOM"):
+            raise TierFullError(f"valkey {what}: server out of memory: {msg}") from exc
+        raise StoreError(f"valkey {what}: {msg}") from exc
+    except vex.ValkeyError as exc:
+        raise StoreConnectionError(f"valkey {what}: {exc}") from exc
+    except OSError as exc:
+        raise StoreConnectionError(f"valkey {what}: {exc}") from exc
+
+
+class _BulkConnection:
+    """A minimal RESP connection that reads a GET reply straight into caller memory.
+
+    valkey-py's parsers return each value as a new ``bytes`` object (one copy more than the
+    kernel's); for multi-MiB stripes on a CPU-bound node that copy is a third of the work.
+    This reader receives the value with ``recv_into`` into the destination (a mapped local
+    tier file), so the only copy is the kernel's. It speaks just enough RESP2 for AUTH,
+    SELECT and GET; everything else goes through valkey-py.
+    """
+
+    def __init__(self, config: ValkeyStoreConfig) -> None:
+        import socket
+        import ssl
+
+        c = config
+        sock = socket.create_connection((c.host, c.port), timeout=c.connect_timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if c.tls:
+            ctx = ssl.create_default_context(cafile=c.tls_ca_file)
+            if c.tls_cert_file and c.tls_key_file:
+                ctx.load_cert_chain(c.tls_cert_file, c.tls_key_file)
+            if not c.tls_verify:
+                ctx.check_hostname = False
+                ctx.verify_mode = ssl.CERT_NONE
+            sock = ctx.wrap_socket(sock, server_hostname=c.host)
+        sock.settimeout(c.socket_timeout_s)
+        self._sock = sock
+        self._buf = bytearray()
+        self._small = bytearray(64 * 1024)
+        if c.password is not None:
+            args = [b"AUTH"]
+            if c.username:
+                args.append(c.username.encode())
+            args.append(c.password.get_secret_value().encode())
+            self._simple(args)
+        if c.db:
+            self._simple([b"SELECT", str(c.db).encode()])
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.close()
+
+    def _send(self, args: list[bytes]) -> None:
+        out = [b"*%d\r\n" % len(args)]
+        for a in args:
+            out.append(b"$%d\r\n%s\r\n" % (len(a), a))
+        self._sock.sendall(b"".join(out))
+
+    def _line(self) -> bytes:
+        while True:
+            i = self._buf.find(b"\r\n")
+            if i >= 0:
+                line = bytes(self._buf[:i])
+                del self._buf[: i + 2]
+                return line
+            n = self._sock.recv_into(self._small)
+            if n == 0:
+                raise ConnectionError("connection closed by server")
+            self._buf += self._small[:n]
+
+    def _error(self, line: bytes) -> Exception:
+        import valkey.exceptions as vex
+
+        msg = line[1:].decode(errors="replace")
+        if msg.startswith(("NOAUTH", "WRONGPASS", "NOPERM")):
+            return vex.AuthenticationError(msg)
+        return vex.ResponseError(msg)
+
+    def _simple(self, args: list[bytes]) -> None:
+        self._send(args)
+        line = self._line()
+        if line.startswith(b"-"):
+            raise self._error(line)
+
+    def _fill(self, view: memoryview) -> None:
+        have = min(len(self._buf), len(view))
+        if have:
+            view[:have] = self._buf[:have]
+            del self._buf[:have]
+        got = have
+        total = len(view)
+        while got < total:
+            n = self._sock.recv_into(view[got:], total - got)
+            if n == 0:
+                raise ConnectionError("connection closed by server")
+            got += n
+
+    def get_into(self, key: str, view: memoryview) -> bool:
+        """GET ``key`` into ``view`` (which must be exactly the value's size).
+
+        Returns False when the key does not exist; raises :class:`CorruptObjectError` (and the
+        connection must be dropped) when the value has another size.
+        """
+        self._send([b"GET", key.encode("utf-8")])
+        line = self._line()
+        if line.startswith(b"-"):
+            raise self._error(line)
+        if not line.startswith(b"$"):
+            raise ConnectionError(f"unexpected reply {line[:20]!r}")
+        n = int(line[1:])
+        if n < 0:
+            return False
+        if n != len(view):
+            raise CorruptObjectError(f"{key!r}: value of {n} bytes, expected {len(view)}")
+        self._fill(view)
+        self._fill(memoryview(bytearray(2)))
+        return True
+
+
+class _BulkPool:
+    """A bounded pool of :class:`_BulkConnection` (one per part-fetching thread)."""
+
+    def __init__(self, config: ValkeyStoreConfig) -> None:
+        self._config = config
+        self._idle: list[_BulkConnection] = []
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def connection(self) -> Iterator[_BulkConnection]:
+        with self._lock:
+            conn = self._idle.pop() if self._idle else None
+        if conn is None:
+            conn = _BulkConnection(self._config)
+        try:
+            yield conn
+        except BaseException:
+            conn.close()  # its stream position is unknown now
+            raise
+        with self._lock:
+            self._idle.append(conn)
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+
+class ValkeyStore:
+    """The Valkey hot tier (see the module docstring for the key layout)."""
+
+    def __init__(self, config: ValkeyStoreConfig, *, name: str = "valkey") -> None:
+        self.config = config
+        self.name = name
+        self._client: Any = None
+        self._parts = KeyPool(config.connections, f"{name}-part")
+        self._keys = KeyPool(max(2, config.connections // 2), f"{name}-key")
+        self._stats = StatsCounter()
+        self._lock = threading.Lock()
+        self._bulk = _BulkPool(config)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def _client_kwargs(self) -> dict[str, Any]:
+        c = self.config
+        kw: dict[str, Any] = {
+            "username": c.username,
+            "password": c.password.get_secret_value() if c.password else None,
+            "socket_connect_timeout": c.connect_timeout_s,
+            "socket_timeout": c.socket_timeout_s,
+            "socket_keepalive": True,
+        }
+        if c.tls:
+            import ssl
+
+            kw.update(
+                ssl=True,
+                ssl_ca_certs=c.tls_ca_file,
+                ssl_certfile=c.tls_cert_file,
+                ssl_keyfile=c.tls_key_file,
+                ssl_cert_reqs=ssl.CERT_REQUIRED if c.tls_verify else ssl.CERT_NONE,
+            )
+        return kw
+
+    def start(self) -> None:
+        """Connect and check the server answers (and that the credentials are right).
+
+        Raises :class:`StoreConfigError` (bad credentials, bad TLS files) or
+        :class:`StoreConnectionError` (nothing listening at the endpoint).
+        """
+        import valkey
+        from valkey.cluster import ClusterNode, ValkeyCluster
+
+        c = self.config
+        kw = self._client_kwargs()
+        where = f"{c.host}:{c.port}"
+        with translate_valkey_errors(f"connect to {where}"):
+            if c.cluster:
+                nodes = [n.rsplit(":", 1) for n in (c.startup_nodes or (where,))]
+                client: Any = ValkeyCluster(
+                    startup_nodes=[ClusterNode(h, int(p)) for h, p in nodes],
+                    max_connections=c.connections + 4,
+                    **kw,
+                )
+            else:
+                if c.tls:
+                    kw.pop("ssl")
+                    kw["connection_class"] = valkey.SSLConnection
+                pool = valkey.BlockingConnectionPool(
+                    host=c.host, port=c.port, db=c.db, max_connections=c.connections + 4,
+                    timeout=c.socket_timeout_s, **kw,
+                )
+                client = valkey.Valkey(connection_pool=pool)
+            try:
+                client.ping()
+            except Exception:
+                client.close()
+                raise
+        self._client = client
+        log.info("valkey store %s connected to %s", self.name, where)
+
+    def close(self) -> None:
+        self._parts.close()
+        self._keys.close()
+        self._bulk.close()
+        client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+    def __enter__(self) -> ValkeyStore:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def stats(self) -> StoreStats:
+        return self._stats.snapshot()
+
+    @property
+    def client(self) -> Any:
+        """The valkey-py client (for tests and the benchmark's raw baseline)."""
+        if self._client is None:
+            raise StoreConfigError(f"store {self.name!r} is not started")
+        return self._client
+
+    # -- key layout --------------------------------------------------------------------------
+
+    def head_key(self, key: str) -> str:
+        return f"{self.config.key_prefix}h:{key}"
+
+    def part_key(self, key: str, index: int) -> str:
+        return f"{self.config.key_prefix}p:{key}:{index}"
+
+    def physical_keys(self, header: ObjectHeader) -> list[str]:
+        """Every Valkey key that holds part of the object (head first)."""
+        keys = [self.head_key(header.key)]
+        if header.parts > 1:
+            keys += [self.part_key(header.key, i) for i in range(header.parts)]
+        return keys
+
+    def _px(self, ttl_s: float | None) -> int | None:
+        ttl = ttl_s if ttl_s is not None else self.config.ttl_s
+        return max(1, round(ttl * 1000)) if ttl is not None else None
+
+    # -- exists ------------------------------------------------------------------------------
+
+    def exists(self, keys: Sequence[str], *, cancel: CancelToken | None = None) -> list[OpResult]:
+        check_cancel(cancel)
+        try:
+            with translate_valkey_errors("exists"):
+                pipe = self.client.pipeline(transaction=False)
+                for k in keys:
+                    pipe.exists(self.head_key(k))
+                answers = pipe.execute()
+        except StoreError as exc:
+            return [OpResult(k, False, exc) for k in keys]
+        return [OpResult(k, bool(a)) for k, a in zip(keys, answers, strict=True)]
+
+    # -- get ---------------------------------------------------------------------------------
+
+    def _heads(self, keys: Sequence[str]) -> list[bytes | StoreError | None]:
+        try:
+            with translate_valkey_errors("get"):
+                if len(keys) == 1:
+                    return [self.client.get(self.head_key(keys[0]))]
+                pipe = self.client.pipeline(transaction=False)
+                for k in keys:
+                    pipe.get(self.head_key(k))
+                return list(pipe.execute())
+        except StoreError as exc:
+            return [exc] * len(keys)
+
+    def get(
+        self,
+        keys: Sequence[str],
+        *,
+        sink: PayloadSink | None = None,
+        cancel: CancelToken | None = None,
+    ) -> list[GetResult]:
+        """Fetch ``keys``: heads in one pipelined round trip, then every part in parallel."""
+        check_cancel(cancel)
+        heads = self._heads(keys)
+        keep = sink is None
+        use = sink if sink is not None else MemorySink()
+        pairs = list(zip(keys, heads, strict=True))
+        if len(pairs) == 1:
+            return [self._stats.count_get(self._get_one(*pairs[0], use, keep, cancel))]
+        futures = [
+            self._keys.submit(partial(self._get_one, p[0], p[1], use, keep, cancel))
+            for p in pairs
+        ]
+        return [self._stats.count_get(f.result()) for f in futures]
+
+    def _get_one(
+        self,
+        key: str,
+        head: bytes | StoreError | None,
+        sink: PayloadSink,
+        keep: bool,
+        cancel: CancelToken | None,
+    ) -> GetResult:
+        if isinstance(head, StoreError):
+            return GetResult(key, error=head)
+        if head is None:
+            return GetResult(key, error=ObjectNotFoundError(f"{key!r} not in {self.name}"))
+        try:
+            header = decode_header(head, expected_key=key)
+        except CorruptObjectError as exc:
+            self._drop_corrupt(key, None, exc)
+            return GetResult(key, error=exc)
+        inline = memoryview(head)[header.header_bytes :]
+        if header.parts > 1 and len(inline) != 0:
+            bad = CorruptObjectError(f"{key!r}: striped head carries {len(inline)} payload bytes")
+            self._drop_corrupt(key, header, bad)
+            return GetResult(key, error=bad)
+        try:
+            writer = sink.open(header)
+        except StoreError as exc:
+            return GetResult(key, header=header, error=exc)
+        try:
+            if header.parts <= 1:
+                header.verify_payload(inline)
+                if header.parts:
+                    writer.write_at(0, inline)
+            else:
+                self._fetch_parts(header, writer, cancel)
+            writer.commit()
+        except CorruptObjectError as exc:
+            writer.abort()
+            self._drop_corrupt(key, header, exc)
+            return GetResult(key, header=header, error=exc)
+        except ObjectNotFoundError as exc:
+            writer.abort()
+            self._delete_headers([header])  # a part is gone: the rest is useless
+            return GetResult(key, header=header, error=exc)
+        except StoreError as exc:
+            writer.abort()
+            return GetResult(key, header=header, error=exc)
+        except BaseException:
+            writer.abort()
+            raise
+        data = None
+        if keep:
+            data = memoryview(writer.buffer) if hasattr(writer, "buffer") else None
+        return GetResult(key, header=header, data=data, source=self.name)
+
+    def _fetch_parts(self, header: ObjectHeader, writer: Any, cancel: CancelToken | None) -> None:
+        client = self.client
+
+        direct = self.config.direct_reads and not self.config.cluster
+
+        def fetch(index: int) -> None:
+            check_cancel(cancel)
+            start, end = header.part_range(index)
+            name = self.part_key(header.key, index)
+            view = writer.target(start, end - start) if direct else None
+            if view is not None:
+                try:
+                    with translate_valkey_errors("get part"), self._bulk.connection() as conn:
+                        found = conn.get_into(name, view)
+                    if not found:
+                        raise ObjectNotFoundError(f"{header.key!r}: part {index} is gone")
+                    header.verify_part(index, view)
+                finally:
+                    view.release()
+                writer.written(start, end - start)
+                return
+            with translate_valkey_errors("get part"):
+                value = client.get(name)
+            if value is None:
+                raise ObjectNotFoundError(f"{header.key!r}: part {index} is gone")
+            header.verify_part(index, value)
+            writer.write_at(start, value)
+
+        futures: list[Future[None]] = [
+            self._parts.submit(partial(fetch, i)) for i in range(header.parts)
+        ]
+        try:
+            for f in futures:
+                f.result()
+        finally:
+            # On failure stop queued parts and wait for those on the wire before aborting.
+            for f in futures:
+                f.cancel()
+            wait(futures)
+
+    def _drop_corrupt(self, key: str, header: ObjectHeader | None, exc: StoreError) -> None:
+        log.warning("%s: corrupt object %r deleted: %s", self.name, key, exc)
+        try:
+            if header is not None:
+                self._delete_headers([header])
+            else:
+                with translate_valkey_errors("delete corrupt"):
+                    self.client.delete(self.head_key(key))
+        except StoreError:
+            log.warning("%s: could not delete corrupt object %r", self.name, key)
+
+    # -- put ---------------------------------------------------------------------------------
+
+    def put(
+        self,
+        items: Sequence[tuple[str, Buffer]],
+        *,
+        ttl_s: float | None = None,
+        cancel: CancelToken | None = None,
+    ) -> list[OpResult]:
+        """Store each ``(key, payload)``; raises :class:`ObjectTooLargeError` before writing
+        anything if any payload exceeds ``max_object_bytes``."""
+        limit = self.config.max_object_bytes
+        for key, payload in items:
+            validate_key(key)
+            if len(payload) > limit:
+                raise ObjectTooLargeError(
+                    f"{key!r}: {len(payload)} bytes exceed max_object_bytes={limit}"
+                )
+        check_cancel(cancel)
+        px = self._px(ttl_s)
+        return self._keys.map(lambda item: self._put_one(item[0], item[1], px, cancel), items)
+
+    def _put_one(self, key: str, payload: Buffer, px: int | None, cancel: CancelToken | None
+                 ) -> OpResult:
+        view = memoryview(payload).cast("B")
+        header = make_header(key, view, self.config.part_bytes)
+        encoded = header.encode()
+        try:
+            with translate_valkey_errors("put"):
+                old = self.client.get(self.head_key(key))
+                if header.parts <= 1:
+                    self.client.set(self.head_key(key), encoded + bytes(view), px=px)
+                else:
+                    self._put_parts(header, view, px, cancel)
+                    self.client.set(self.head_key(key), encoded, px=px)
+                self._drop_stale_parts(key, old, header.parts)
+        except StoreError as exc:
+            self._stats.add(errors=1)
+            return OpResult(key, False, exc)
+        self._stats.add(puts=1, bytes_written=len(view))
+        return OpResult(key, True)
+
+    def _put_parts(
+        self, header: ObjectHeader, view: memoryview, px: int | None, cancel: CancelToken | None
+    ) -> None:
+        client = self.client
+
+        def put(index: int) -> None:
+            check_cancel(cancel)
+            start, end = header.part_range(index)
+            with translate_valkey_errors("put part"):
+                client.set(self.part_key(header.key, index), view[start:end], px=px)
+
+        futures = [self._parts.submit(partial(put, i)) for i in range(header.parts)]
+        try:
+            for f in futures:
+                f.result()
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            wait(futures)
+            self._delete_headers([header])
+            raise
+
+    def _drop_stale_parts(self, key: str, old_head: bytes | None, parts_now: int) -> None:
+        if old_head is None:
+            return
+        try:
+            old = decode_header(old_head)
+        except CorruptObjectError:
+            return
+        stale = [self.part_key(key, i) for i in range(max(parts_now, 1), old.parts)]
+        if parts_now <= 1 and old.parts > 1:
+            stale.insert(0, self.part_key(key, 0))
+        if stale:
+            pipe = self.client.pipeline(transaction=False)
+            for k in stale:
+                pipe.delete(k)
+            pipe.execute()
+
+    # -- delete ------------------------------------------------------------------------------
+
+    def _delete_headers(self, headers: Sequence[ObjectHeader]) -> None:
+        with translate_valkey_errors("delete"):
+            pipe = self.client.pipeline(transaction=False)
+            for h in headers:
+                for k in self.physical_keys(h):
+                    pipe.delete(k)
+            pipe.execute()
+
+    def delete(self, keys: Sequence[str], *, cancel: CancelToken | None = None) -> list[OpResult]:
+        check_cancel(cancel)
+        heads = self._heads(keys)
+        out: list[OpResult] = []
+        for key, head in zip(keys, heads, strict=True):
+            if isinstance(head, StoreError):
+                out.append(OpResult(key, False, head))
+                continue
+            if head is None:
+                out.append(OpResult(key, False))
+                continue
+            try:
+                try:
+                    header = decode_header(head)
+                    self._delete_headers([header])
+                except CorruptObjectError:
+                    with translate_valkey_errors("delete"):
+                        self.client.delete(self.head_key(key))
+            except StoreError as exc:
+                out.append(OpResult(key, False, exc))
+                continue
+            self._stats.add(deletes=1)
+            out.append(OpResult(key, True))
+        return out

@@ -1,0 +1,70 @@
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from agents.embedded import EmbeddedS3, free_port
+from agents.stores.errors import (
+    CorruptObjectError,
+    ObjectTooLargeError,
+    StoreConfigError,
+    StoreConnectionError,
+)
+from agents.stores.s3_store import S3Store
+
+pytestmark = pytest.mark.servers
+KIB, MIB = 1024, 1 << 20
+
+
+@pytest.fixture
+def store(s3_server: EmbeddedS3, key_prefix: str) -> Iterator[S3Store]:
+    s = S3Store(s3_server.store_config(key_prefix=key_prefix, part_bytes=256 * KIB,
+                                       range_bytes=1 * MIB, max_object_bytes=32 * MIB,
+                                       multipart_threshold_bytes=6 * MIB,
+                                       multipart_part_bytes=5 * MIB, connections=6))
+    s.start()
+    yield s
+    listed = s.client.list_objects_v2(Bucket=s.config.bucket, Prefix=key_prefix)
+    for obj in listed.get("Contents", []):
+        s.client.delete_object(Bucket=s.config.bucket, Key=obj["Key"])
+    s.close()
+
+
+def test_small_and_multipart_round_trip_with_ranged_reads(store: S3Store) -> None:
+    small, big = b"tiny", os.urandom(13 * MIB + 5)  # three upload parts, 14 ranges
+    assert all(r.ok for r in store.put([("s", small), ("b", big)]))
+    got = store.get(["s", "b", "nope"])
+    assert bytes(got[0].data or b"") == small and bytes(got[1].data or b"") == big
+    assert got[2].miss
+    assert [r.ok for r in store.exists(["b", "nope"])] == [True, False]
+    assert [r.ok for r in store.delete(["b"])] == [True]
+    assert store.get(["b"])[0].miss
+
+
+def test_corrupt_object_is_a_miss_and_deleted(store: S3Store) -> None:
+    store.put([("c", os.urandom(2 * MIB))])
+    okey = store.object_key("c")
+    blob = bytearray(store.client.get_object(Bucket=store.config.bucket, Key=okey)["Body"].read())
+    blob[len(blob) // 2] ^= 1
+    store.client.put_object(Bucket=store.config.bucket, Key=okey, Body=bytes(blob))
+    r = store.get(["c"])[0]
+    assert isinstance(r.error, CorruptObjectError)
+    assert not store.exists(["c"])[0].ok and store.stats().corrupt == 1
+
+
+def test_too_large(store: S3Store) -> None:
+    with pytest.raises(ObjectTooLargeError):
+        store.put([("huge", bytes(33 * MIB))])
+    assert not store.exists(["huge"])[0].ok
+
+
+def test_wrong_credentials_and_endpoint(s3_server: EmbeddedS3) -> None:
+    with pytest.raises(StoreConfigError):
+        S3Store(s3_server.store_config(secret_access_key="wrong")).start()
+    with pytest.raises(StoreConfigError):
+        S3Store(s3_server.store_config(bucket="no-such-bucket")).start()
+    with pytest.raises(StoreConnectionError):
+        S3Store(s3_server.store_config(endpoint_url=f"http://127.0.0.1:{free_port()}",
+                                       connect_timeout_s=0.5, max_attempts=1)).start()
