@@ -115,8 +115,11 @@ class PlannerConfig(_Frozen):
     min_p_return: float = Field(0.3, ge=0, le=1)
     #: Skip prefetches whose forecast is less confident than this (0 = always trust).
     min_confidence: float = Field(0.7, ge=0, le=1)
-    #: Do not plan further ahead than this (seconds); such sessions are re-planned later.
+    #: Do not plan further ahead than this (seconds); such sessions are re-planned later,
+    #: and sessions idle for longer are no longer swept.
     max_lead_s: float = Field(3600.0, gt=0)
+    #: How often idle sessions whose KV left their node are re-planned (seconds).
+    sweep_interval_s: float = Field(10.0, gt=0)
 
 
 class FleetConfig(_Frozen):

@@ -33,7 +33,7 @@ from controlplane.planner import (
 from controlplane.policies import EvictionKind, PolicySpec
 from controlplane.router import NodeView, RouteDecision, RouteRequest, route
 from controlplane.tiers import LruEviction, PredictedUseEviction, Tier, TierEntry
-from controlplane.types import EventKind, SessionEvent
+from controlplane.types import ArrivalForecast, EventKind, SessionEvent
 from predictors.base import Predictor
 
 INF = float("inf")
@@ -95,6 +95,7 @@ class _Session:
     home: int | None = None
     remote_tokens: int = 0
     in_flight: int = 0
+    last_finish_s: float = 0.0
     pending: PrefetchOrder | None = None
     planned_use_s: float | None = None
     replans: int = 0
@@ -116,7 +117,9 @@ class SchedulerCore:
         self.stats = CoreStats()
         self._sessions: dict[str, _Session] = {}
         self._outbox: list[PrefetchOrder] = []
-        self._predicted_use = PredictedUseEviction(self._next_use)
+        #: Idle sessions whose KV is not on their home node: what :meth:`sweep` re-plans.
+        self._evicted: set[str] = set()
+        self._predicted_use = PredictedUseEviction(self._next_uses)
         strategy: LruEviction | PredictedUseEviction = (
             self._predicted_use
             if policy.eviction is EvictionKind.PREDICTED_USE
@@ -147,14 +150,32 @@ class SchedulerCore:
         return out
 
     def _next_use(self, sid: str, now_s: float) -> float:
-        s = self._sessions.get(sid)
-        if s is not None:
-            if s.in_flight:
-                return now_s
-            if s.planned_use_s is not None and now_s <= s.planned_use_s:
-                return s.planned_use_s  # brought in on purpose: keep until its predicted use
-        forecast = self.predictor.forecast(sid, now_s)
-        return predicted_use_s(forecast, self.fleet.planner, now_s)
+        return self._next_uses([sid], now_s)[0]
+
+    def _next_uses(self, sids: Sequence[str], now_s: float) -> list[float]:
+        """Predicted next use of each session: now if it is running, its planned use if a
+        prefetch brought it in, else from the predictor (one batched call)."""
+        out: list[float] = [0.0] * len(sids)
+        ask: list[int] = []
+        for i, sid in enumerate(sids):
+            s = self._sessions.get(sid)
+            if s is not None and s.in_flight:
+                out[i] = now_s
+            elif s is not None and s.planned_use_s is not None and now_s <= s.planned_use_s:
+                out[i] = s.planned_use_s  # brought in on purpose: keep until its predicted use
+            else:
+                ask.append(i)
+        if ask:
+            forecasts = self._forecasts([sids[i] for i in ask], now_s)
+            for i, fc in zip(ask, forecasts, strict=True):
+                out[i] = predicted_use_s(fc, self.fleet.planner, now_s)
+        return out
+
+    def _forecasts(self, sids: Sequence[str], now_s: float) -> list[ArrivalForecast | None]:
+        many = getattr(self.predictor, "forecast_many", None)
+        if many is not None and len(sids) > 1:
+            return list(many(list(sids), now_s))
+        return [self.predictor.forecast(sid, now_s) for sid in sids]
 
     def local_tokens(self, node: int, sid: str) -> int:
         """Tokens of the session on the node, in HBM or DRAM (ready or arriving)."""
@@ -181,6 +202,7 @@ class SchedulerCore:
         s.pending = None
         s.prefetches = 0
         s.planned_use_s = None
+        self._evicted.discard(event.session_id)
         self._observe(event)
 
     def route(self, sid: str, input_tokens: int, reused_tokens: int, now_s: float
@@ -245,6 +267,7 @@ class SchedulerCore:
         s = self._session(sid)
         s.in_flight = max(0, s.in_flight - 1)
         s.home = node
+        s.last_finish_s = now
         if self.policy.remote:
             s.remote_tokens = context_tokens
         self._observe(event)
@@ -310,7 +333,27 @@ class SchedulerCore:
         self.dram[node].remove(sid)
 
     # ------------------------------------------------------------------ prefetch planning
-    def _plan(self, sid: str, now_s: float) -> None:
+    def sweep(self, now_s: float) -> None:
+        """Re-plan idle sessions whose KV has left their home node and that have no armed
+        order: their forecasts change as their silence grows (a session that was unlikely
+        to return a minute ago may be likely now). Called every
+        ``planner.sweep_interval_s``; one batched forecast for all candidates."""
+        if not self.policy.prefetch or not self._evicted:
+            return
+        horizon = self.fleet.planner.max_lead_s
+        due: list[str] = []
+        for sid in sorted(self._evicted):
+            s = self._sessions[sid]
+            if s.in_flight or s.home is None or now_s - s.last_finish_s > horizon:
+                self._evicted.discard(sid)
+            elif s.pending is None and s.prefetches < MAX_PREFETCHES_PER_IDLE:
+                due.append(sid)
+        if not due:
+            return
+        for sid, forecast in zip(due, self._forecasts(due, now_s), strict=True):
+            self._plan(sid, now_s, forecast)
+
+    def _plan(self, sid: str, now_s: float, forecast: ArrivalForecast | None = None) -> None:
         """Plan (or re-plan) a prefetch of an idle session to its home node."""
         s = self._session(sid)
         tokens = s.remote_tokens
@@ -320,8 +363,11 @@ class SchedulerCore:
             return
         if self.local_tokens(s.home, sid) >= tokens:
             s.pending = None
+            self._evicted.discard(sid)
             return
-        forecast = self.predictor.forecast(sid, now_s)
+        self._evicted.add(sid)
+        if forecast is None:
+            forecast = self.predictor.forecast(sid, now_s)
         s_per_byte, latency = self.view.remote_source(sid)
         order = plan_prefetch(
             forecast, session_id=sid, node=s.home, tokens=tokens, nbytes=tokens * self.bpt,

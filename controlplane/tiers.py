@@ -8,7 +8,7 @@ the entry with the **largest** key is evicted first.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -29,29 +29,31 @@ class TierEntry:
 
 
 class EvictionStrategy(Protocol):
-    """Returns the eviction key of an entry at ``now_s``; the largest key goes first."""
+    """Eviction keys of entries at ``now_s``; the largest key goes first. Called once per
+    eviction decision with every candidate, so a strategy can batch its work."""
 
-    def key(self, entry: TierEntry, now_s: float) -> float: ...
+    def keys(self, entries: Sequence[TierEntry], now_s: float) -> list[float]: ...
 
 
 class LruEviction:
     """Least recently used first."""
 
-    def key(self, entry: TierEntry, now_s: float) -> float:
-        return -entry.last_use_s
+    def keys(self, entries: Sequence[TierEntry], now_s: float) -> list[float]:
+        return [-e.last_use_s for e in entries]
 
 
 class PredictedUseEviction:
     """Furthest predicted next use first (Belady's rule when the predictor is exact).
 
-    ``next_use`` maps a session to its predicted next-use time (``inf`` = never).
+    ``next_use`` maps sessions to their predicted next-use times (``inf`` = never), in one
+    call for all candidates (a learned predictor answers a batch much faster).
     """
 
-    def __init__(self, next_use: Callable[[str, float], float]) -> None:
+    def __init__(self, next_use: Callable[[Sequence[str], float], list[float]]) -> None:
         self._next_use = next_use
 
-    def key(self, entry: TierEntry, now_s: float) -> float:
-        return self._next_use(entry.session_id, now_s)
+    def keys(self, entries: Sequence[TierEntry], now_s: float) -> list[float]:
+        return self._next_use([e.session_id for e in entries], now_s)
 
 
 class Tier:
@@ -111,11 +113,9 @@ class Tier:
             return []
         if nbytes > self.capacity_bytes:
             return None
-        candidates = [
-            (strategy.key(e, now_s), e.session_id, e)
-            for e in self._entries.values()
-            if not e.pinned and e.session_id != exclude
-        ]
+        movable = [e for e in self._entries.values() if not e.pinned and e.session_id != exclude]
+        candidates = list(zip(strategy.keys(movable, now_s), (e.session_id for e in movable),
+                              movable, strict=True))
         candidates.sort(key=lambda c: (-c[0], c[1]))
         chosen: list[TierEntry] = []
         for key, _, e in candidates:

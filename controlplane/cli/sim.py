@@ -6,7 +6,9 @@ import argparse
 import os
 import sys
 
+from controlplane.errors import ConfigError
 from controlplane.policies import POLICY_NAMES
+from controlplane.types import Trace
 
 #: Default Poisson rate of session starts for the simulator: one every 75 s. On the shared
 #: Claude Code set with the default 4-node 8B fleet this puts the peak working set of live
@@ -45,6 +47,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load", type=float, default=1.0,
                    help="multiply the session arrival rate (load sweeps; default 1.0)")
     p.add_argument("--limit-sessions", type=int, help="replay only the first N sessions")
+    p.add_argument("--test-split", type=float, metavar="FRACTION",
+                   help="replay only the held-out session groups of the split that "
+                   "`kvprefetch train --test-fraction FRACTION --seed SPLIT_SEED` trains on "
+                   "the rest of (so a trained predictor is scored on sessions it never saw)")
+    p.add_argument("--split-seed", type=int, default=0, help="seed of --test-split (default 0)")
     p.add_argument("--scenario", default="default", choices=("default", "cold-start"),
                    help="cold-start: send every context once, clear all local tiers, send "
                    "them all again")
@@ -56,11 +63,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def held_out(trace: Trace, fraction: float, seed: int, predictor_spec: str) -> Trace:
+    """The test side of a session-group split; refuses a model trained on any of it."""
+    from predictors.registry import load as load_predictor
+    from predictors.splits import split_trace
+
+    test = split_trace(trace, "session", fraction, seed).test
+    groups = {s.parent_id or s.session_id for s in test.sessions}
+    if predictor_spec != "oracle":
+        model = load_predictor(predictor_spec, trace=test)
+        seen = set(getattr(model, "train_info", {}).get("train_groups", ()))
+        if seen & groups:
+            raise ConfigError(
+                f"predictor {predictor_spec!r} was trained on {len(seen & groups)} of the "
+                f"{len(groups)} held-out session groups; train it with the same "
+                "--test-fraction and --seed"
+            )
+    return test
+
+
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from controlplane.config import default_fleet, load_fleet
-    from controlplane.errors import ConfigError
     from controlplane.policies import parse_policies
     from controlplane.sim.report import format_table, write_json_atomic, write_plot
     from controlplane.sim.runner import SimOptions, run_policies
@@ -94,6 +119,8 @@ def run(args: argparse.Namespace) -> int:
     show = not args.no_progress and sys.stderr.isatty()
     trace = load_trace(path, args.trace_format, arrivals=arrivals, seed=args.seed,
                        limit_sessions=args.limit_sessions, progress=show)
+    if args.test_split is not None:
+        trace = held_out(trace, args.test_split, args.split_seed, args.predictor)
     trace, clear_at = apply_scenario(trace, args.scenario)
     trace = clamp_to_window(trace, fleet.model.max_context_tokens)
     options = SimOptions(predictor=args.predictor, seed=args.seed, clear_tiers_at_s=clear_at,

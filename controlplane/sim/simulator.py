@@ -32,7 +32,7 @@ from predictors.base import Predictor
 
 from .link import DEMAND, PREFETCH, Link, Transfer
 
-_ARRIVE, _XFER_DONE, _PREFILL_DONE, _FINISH, _PREFETCH_START, _CLEAR = range(6)
+_ARRIVE, _XFER_DONE, _PREFILL_DONE, _FINISH, _PREFETCH_START, _CLEAR, _SWEEP = range(7)
 INF = float("inf")
 
 
@@ -224,7 +224,10 @@ class Simulation:
             _FINISH: self._on_finish,
             _PREFETCH_START: self._on_prefetch_start,
             _CLEAR: self._on_clear,
+            _SWEEP: self._on_sweep,
         }
+        if self.policy.prefetch:
+            self._push(self.fleet.planner.sweep_interval_s, _SWEEP, None)
         events = self._events
         done_before = 0
         while events:
@@ -442,6 +445,11 @@ class Simulation:
         ticket = self.core.start_prefetch(order, self._now)
         if ticket is not None:
             self._submit(ticket)
+
+    def _on_sweep(self, _: object) -> None:
+        self.core.sweep(self._now)
+        if len(self._events) > 0:  # keep sweeping while anything else is left to happen
+            self._push(self._now + self.fleet.planner.sweep_interval_s, _SWEEP, None)
 
     def _on_clear(self, _: object) -> None:
         """Every node restarts cold; the core then re-plans every idle session."""
