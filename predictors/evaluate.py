@@ -165,8 +165,10 @@ def benchmark(
 
     Returns ``single_us`` (mean microseconds of one ``forecast`` call), ``batch_ms`` (best
     of ``repeats`` for one ``forecast_many`` over all of them, or a loop of ``forecast`` when
-    the predictor has no batched call) and ``sessions``.
+    the predictor has no batched call) and ``sessions``. Every timed call is cold: caches
+    of model outputs (see ``LearnedPredictor.clear_cache``) are dropped before it.
     """
+    clear = getattr(predictor, "clear_cache", lambda: None)
     scripts = [list(replay_session(s)) for s in trace.sessions if s.requests]
     ids: list[str] = []
     nows: list[float] = []
@@ -181,6 +183,7 @@ def benchmark(
         nows.append(events[2 * turns - 1].time_s)
         i += 1
     n_single = min(single_calls, len(ids))
+    clear()
     t0 = time.perf_counter()
     for sid, now in zip(ids[:n_single], nows[:n_single], strict=True):
         predictor.forecast(sid, now)
@@ -188,6 +191,7 @@ def benchmark(
     many = getattr(predictor, "forecast_many", None)
     best = math.inf
     for _ in range(repeats):
+        clear()
         t0 = time.perf_counter()
         if many is not None:
             many(ids, nows)

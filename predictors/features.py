@@ -17,6 +17,7 @@ minutes to hours for a person).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
@@ -249,7 +250,10 @@ class FeatureTracker:
         """Feature matrix (len(states), N_FEATURES) of ready sessions."""
         if not states:
             return np.zeros((0, N_FEATURES))
-        return np.array([st.row for st in states], dtype=np.float64)
+        flat = itertools.chain.from_iterable(st.row for st in states)  # type: ignore[misc]
+        return np.fromiter(flat, dtype=np.float64, count=len(states) * N_FEATURES).reshape(
+            len(states), N_FEATURES
+        )
 
 
 # ---------------------------------------------------------------------------------------------
