@@ -9,6 +9,7 @@ parallel parts; a failed upload is aborted so that nothing half-written remains.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Iterator, Sequence
@@ -42,7 +43,13 @@ from agents.stores.errors import (
     StoreError,
     StoreTimeoutError,
 )
-from agents.stores.format import ObjectHeader, decode_header, header_length, make_header
+from agents.stores.format import (
+    PREFIX_BYTES,
+    ObjectHeader,
+    decode_header,
+    header_length,
+    make_header,
+)
 
 log = logging.getLogger(__name__)
 MIB = 1 << 20
@@ -76,6 +83,10 @@ class S3StoreConfig(BaseModel):
     #: botocore retry attempts (standard mode) for throttling and transient errors.
     max_attempts: int = Field(2, ge=1)
     create_bucket: bool = False
+    #: Receive ranged GET bodies straight into the destination when it offers memory
+    #: (``PayloadWriter.target``), skipping the copies of the HTTP stack and of ``write_at``;
+    #: falls back to a plain read when the response is not a plain length-delimited body.
+    direct_reads: bool = True
 
 
 _NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
@@ -113,6 +124,119 @@ def translate_boto_errors(what: str) -> Iterator[None]:
         raise StoreConnectionError(f"s3 {what}: {exc}") from exc
     except OSError as exc:
         raise StoreConnectionError(f"s3 {what}: {exc}") from exc
+
+
+class _Body:
+    """The body of one ranged GET, read to its end or else closed (never reused half-read).
+
+    With ``direct`` on and a plain length-delimited body (no content encoding), bytes are
+    received with the HTTP response's own ``readinto``: the kernel's copy is the only one.
+    Otherwise botocore's ``read`` is used and copied.
+    """
+
+    def __init__(self, key: str, resp: dict[str, Any], *, direct: bool) -> None:
+        self.key = key
+        self._body = resp["Body"]
+        self.length = int(resp.get("ContentLength", -1))
+        content_range = str(resp.get("ContentRange") or "")
+        self.total = (int(content_range.rsplit("/", 1)[1]) if "/" in content_range
+                      else self.length)
+        self.consumed = 0
+        raw: Any = getattr(self._body, "_raw_stream", None)
+        fp: Any = getattr(raw, "_fp", None)
+        self.direct = (
+            direct and self.length >= 0 and fp is not None and hasattr(fp, "readinto")
+            and hasattr(raw, "release_conn") and not resp.get("ContentEncoding")
+            and type(self._body).__name__ == "StreamingBody"
+        )
+        self._raw, self._fp = raw, fp
+        self._ok = False
+
+    def __enter__(self) -> _Body:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is None and self.consumed == self.length:
+            if self.direct:
+                self._raw.release_conn()  # read to its end: the connection is clean
+            return
+        with contextlib.suppress(Exception):
+            self._body.close()
+
+    def readinto(self, view: memoryview) -> None:
+        """Fill ``view`` with the next ``len(view)`` bytes of the body."""
+        length = len(view)
+        if self.consumed + length > self.length:
+            raise CorruptObjectError(f"{self.key!r}: response shorter than expected")
+        if not self.direct:
+            view[:] = self.read_exact(length)
+            return
+        got = 0
+        try:
+            while got < length:
+                n = self._fp.readinto(view[got:])
+                if not n:
+                    raise StoreConnectionError(
+                        f"s3 get {self.key!r}: connection closed after {self.consumed + got} "
+                        f"of {self.length} bytes"
+                    )
+                got += n
+        except TimeoutError as exc:
+            raise StoreTimeoutError(f"s3 get {self.key!r}: timed out: {exc}") from exc
+        except OSError as exc:
+            raise StoreConnectionError(f"s3 get {self.key!r}: {exc}") from exc
+        finally:
+            self.consumed += got
+
+    def read_exact(self, n: int) -> bytes:
+        if n <= 0:
+            return b""
+        if self.direct:
+            buf = bytearray(n)
+            self.readinto(memoryview(buf))
+            return bytes(buf)
+        pieces: list[bytes] = []
+        got = 0
+        with translate_boto_errors("get"):
+            while got < n:
+                data = self._body.read(n - got)
+                if not data:
+                    raise StoreConnectionError(
+                        f"s3 get {self.key!r}: response ended after {self.consumed + got} "
+                        f"of {self.length} bytes"
+                    )
+                pieces.append(data)
+                got += len(data)
+        self.consumed += got
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+    def read_rest(self) -> bytes:
+        """The rest of the body in one plain ``read()``."""
+        with translate_boto_errors("get"):
+            data = self._body.read()
+        self.consumed += len(data)
+        if self.length < 0:
+            self.length = self.consumed
+        elif self.consumed != self.length:
+            raise StoreConnectionError(
+                f"s3 get {self.key!r}: response ended after {self.consumed} of {self.length} "
+                "bytes"
+            )
+        return bytes(data)
+
+    def drain(self) -> None:
+        """Read and drop the rest of the body."""
+        left = self.length - self.consumed
+        if left <= 0:
+            return
+        scratch = memoryview(bytearray(min(left, 1 << 20)))
+        while left > 0:
+            step = min(left, len(scratch))
+            if self.direct:
+                self.readinto(scratch[:step])
+            else:
+                self.read_exact(step)
+            left -= step
 
 
 class S3Store:
@@ -242,6 +366,25 @@ class S3Store:
         total = int(content_range.rsplit("/", 1)[1]) if "/" in content_range else len(data)
         return data, total
 
+    def _open_range(self, key: str, start: int, end: int) -> _Body:
+        """Start a ranged GET of bytes ``[start, end)`` (clipped to the object's end)."""
+        with translate_boto_errors("get"):
+            resp = self.client.get_object(
+                Bucket=self.config.bucket, Key=self.object_key(key),
+                Range=f"bytes={start}-{end - 1}",
+            )
+        return _Body(key, resp, direct=self.config.direct_reads)
+
+    def _range_into(self, key: str, start: int, view: memoryview) -> None:
+        """Bytes ``[start, start + len(view))`` of the object, received into ``view``."""
+        body = self._open_range(key, start, start + len(view))
+        with body:
+            if body.length != len(view):
+                raise CorruptObjectError(
+                    f"{key!r}: range of {body.length} bytes, expected {len(view)}"
+                )
+            body.readinto(view)
+
     def get(
         self,
         keys: Sequence[str],
@@ -260,18 +403,35 @@ class S3Store:
         writer: PayloadWriter | None = None
         try:
             check_cancel(cancel)
-            first, total = self._range(key, 0, c.range_bytes)
-            hlen = header_length(first)
-            if hlen > len(first):  # a header longer than one range: fetch the rest of it
-                more, _ = self._range(key, len(first), hlen)
-                first += more
-            header = decode_header(first, expected_key=key)
-            if header.total_bytes != total:
-                raise CorruptObjectError(
-                    f"{key!r}: object has {total} bytes, header says {header.total_bytes}"
-                )
-            writer = (sink or MemorySink()).open(header)
-            self._fetch_payload(header, memoryview(first)[hlen:], writer, cancel)
+            # The first range carries the header and the first parts. Its body is read as a
+            # stream: the header first, then the whole parts it holds straight into the
+            # writer's memory (when the writer offers it), then the rest is drained.
+            body = self._open_range(key, 0, c.range_bytes)
+            with body:
+                first = b""
+                if body.direct:
+                    prefix = body.read_exact(min(PREFIX_BYTES, body.length))
+                    hlen = header_length(prefix)
+                    head = prefix + body.read_exact(min(hlen, body.length) - len(prefix))
+                else:  # one plain read of the whole range
+                    first = body.read_rest()
+                    hlen = header_length(first)
+                    head = first[:hlen]
+                if hlen > len(head):  # a header longer than one range: fetch the rest of it
+                    more, _ = self._range(key, len(head), hlen)
+                    head += more
+                header = decode_header(head, expected_key=key)
+                if header.total_bytes != body.total:
+                    raise CorruptObjectError(
+                        f"{key!r}: object has {body.total} bytes, header says "
+                        f"{header.total_bytes}"
+                    )
+                writer = (sink or MemorySink()).open(header)
+                if body.direct:
+                    done_parts = self._first_parts(header, body, writer)
+                else:
+                    done_parts = self._head_parts(header, memoryview(first)[hlen:], writer)
+            self._fetch_payload(header, writer, cancel, done_parts)
             writer.commit()
         except CorruptObjectError as exc:
             if writer is not None:
@@ -290,26 +450,56 @@ class S3Store:
         data = memoryview(writer.buffer) if isinstance(writer, MemoryWriter) else None
         return GetResult(key, header=header, data=data, source=self.name)
 
+    @staticmethod
+    def _head_parts(header: ObjectHeader, head_payload: memoryview, writer: PayloadWriter
+                    ) -> int:
+        """Verify and write the whole parts read with the header; returns how many."""
+        done = 0
+        while done < header.parts and header.part_range(done)[1] <= len(head_payload):
+            header.verify_part(done, head_payload[slice(*header.part_range(done))])
+            done += 1
+        if done:
+            writer.write_at(0, head_payload[: header.part_range(done - 1)[1]])
+        return done
+
+    @staticmethod
+    def _first_parts(header: ObjectHeader, body: _Body, writer: PayloadWriter) -> int:
+        """Receive and verify the whole parts that follow the header in the first range;
+        drain the rest of it (a part cut by the range's end is fetched again whole).
+        Returns how many parts arrived."""
+        have = body.length - body.consumed
+        done = 0
+        while done < header.parts and header.part_range(done)[1] <= have:
+            done += 1
+        end = header.part_range(done - 1)[1] if done else 0
+        if end:
+            target = writer.target(0, end) if body.direct else None
+            if target is not None:
+                try:
+                    body.readinto(target)
+                    for i in range(done):
+                        header.verify_part(i, target[slice(*header.part_range(i))])
+                finally:
+                    target.release()
+                writer.written(0, end)
+            else:
+                data = memoryview(body.read_exact(end))
+                for i in range(done):
+                    header.verify_part(i, data[slice(*header.part_range(i))])
+                writer.write_at(0, data)
+        body.drain()
+        return done
+
     def _fetch_payload(
         self,
         header: ObjectHeader,
-        head_payload: memoryview,
         writer: PayloadWriter,
         cancel: CancelToken | None,
+        done_parts: int,
     ) -> None:
-        """Verify and write the payload bytes that came with the header, then fetch the
-        remaining ranges (aligned to whole parts) in parallel."""
+        """Fetch the parts from ``done_parts`` on in ranges (whole parts each), in parallel,
+        each verified by the thread that received it."""
         hlen, part = header.header_bytes, header.part_bytes
-        have = len(head_payload)
-        done_parts = 0
-        for i in range(header.parts):
-            start, end = header.part_range(i)
-            if end > have:
-                break
-            header.verify_part(i, head_payload[start:end])
-            done_parts = i + 1
-        if done_parts:
-            writer.write_at(0, head_payload[: header.part_range(done_parts - 1)[1]])
         per_range = max(1, self.config.range_bytes // part)
         ranges = [
             (i, min(i + per_range, header.parts))
@@ -320,6 +510,17 @@ class S3Store:
             check_cancel(cancel)
             start = header.part_range(first_part)[0]
             end = header.part_range(end_part - 1)[1]
+            target = writer.target(start, end - start) if self.config.direct_reads else None
+            if target is not None:
+                try:
+                    self._range_into(header.key, hlen + start, target)
+                    for i in range(first_part, end_part):
+                        s, e = header.part_range(i)
+                        header.verify_part(i, target[s - start : e - start])
+                finally:
+                    target.release()
+                writer.written(start, end - start)
+                return
             data, _ = self._range(header.key, hlen + start, hlen + end)
             view = memoryview(data)
             for i in range(first_part, end_part):

@@ -15,6 +15,7 @@ object is then spread over every shard and read from all of them at once.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import threading
 from collections.abc import Iterator, Sequence
@@ -170,14 +171,14 @@ class _BulkConnection:
             out.append(b"$%d\r\n%s\r\n" % (len(a), a))
         self._sock.sendall(b"".join(out))
 
-    def _line(self) -> bytes:
+    def _line(self, read_size: int = 64 * 1024) -> bytes:
         while True:
             i = self._buf.find(b"\r\n")
             if i >= 0:
                 line = bytes(self._buf[:i])
                 del self._buf[: i + 2]
                 return line
-            n = self._sock.recv_into(self._small)
+            n = self._sock.recv_into(self._small, read_size)
             if n == 0:
                 raise ConnectionError("connection closed by server")
             self._buf += self._small[:n]
@@ -216,7 +217,9 @@ class _BulkConnection:
         connection must be dropped) when the value has another size.
         """
         self._send([b"GET", key.encode("utf-8")])
-        line = self._line()
+        # Small reads for the reply line, so that the value itself lands in ``view`` (not in
+        # this connection's buffer, to be copied from there).
+        line = self._line(64)
         if line.startswith(b"-"):
             raise self._error(line)
         if not line.startswith(b"$"):
@@ -507,17 +510,35 @@ class ValkeyStore:
             header.verify_part(index, value)
             writer.write_at(start, value)
 
-        futures: list[Future[None]] = [
-            self._parts.submit(partial(fetch, i)) for i in range(header.parts)
-        ]
+        # Lanes: the calling thread and up to ``connections - 1`` pool threads each take the
+        # next part until none is left, so a chunk costs at most that many thread hand-offs
+        # (not one per part) and the caller fetches instead of waiting.
+        next_part = itertools.count()
+        failed = threading.Event()
+
+        def lane() -> None:
+            try:
+                while not failed.is_set():
+                    i = next(next_part)
+                    if i >= header.parts:
+                        return
+                    fetch(i)
+            except BaseException:
+                failed.set()  # the other lanes stop after the part they are on
+                raise
+
+        helpers = min(self.config.connections, header.parts) - 1
+        futures: list[Future[None]] = [self._parts.submit(lane) for _ in range(helpers)]
         try:
-            for f in futures:
-                f.result()
+            lane()
         finally:
-            # On failure stop queued parts and wait for those on the wire before aborting.
-            for f in futures:
-                f.cancel()
-            wait(futures)
+            if failed.is_set():
+                for f in futures:
+                    f.cancel()
+            wait(futures)  # nothing may write into the destination after this returns
+        for f in futures:
+            if not f.cancelled():
+                f.result()
 
     def _drop_corrupt(self, key: str, header: ObjectHeader | None, exc: StoreError) -> None:
         log.warning("%s: corrupt object %r deleted: %s", self.name, key, exc)

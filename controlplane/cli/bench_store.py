@@ -21,7 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--part-mib", type=float, default=4.0,
                         help="Valkey stripe / checksum part size (default 4 MiB)")
     parser.add_argument("--repeats", type=int, default=5,
-                        help="loopback runs per figure; the best is kept (default 5)")
+                        help="loopback repeats; each runs naive, engine (and for Valkey the "
+                        "raw limit) back to back; figures are medians (default 5)")
     parser.add_argument("--conditions", default="loopback,link",
                         help="comma-separated: loopback, link")
     parser.add_argument("--stores", default="valkey,s3,tiered",

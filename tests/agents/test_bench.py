@@ -16,7 +16,7 @@ def test_bench_store_small_run_writes_the_json_shape(tmp_path: Path) -> None:
     bench_store.add_arguments(parser)
     out = tmp_path / "bench.json"
     args = parser.parse_args([
-        "--object-mib", "8", "--chunk-mib", "2", "--part-mib", "0.5", "--repeats", "1",
+        "--object-mib", "8", "--chunk-mib", "2", "--part-mib", "0.5", "--repeats", "2",
         "--valkey-link", "0.0005,40", "--s3-link", "0.010,20", "--json", str(out),
         "--no-progress",
     ])
@@ -31,3 +31,8 @@ def test_bench_store_small_run_writes_the_json_shape(tmp_path: Path) -> None:
                           "fraction_of_raw"):
                 assert row[field] > 0
     assert result["conditions"]["link"]["s3"]["speedup_vs_naive"] > 1.5
+    # Loopback: naive, engine and raw interleaved, one run of each per repeat; medians.
+    valkey = result["conditions"]["loopback"]["valkey"]
+    assert len(valkey["engine_runs_mib_s"]) == len(valkey["raw_runs_mib_s"]) == 2
+    assert valkey["fraction_of_raw_paired"] > 0 and result["raw_runs"] == 2
+    assert len(result["load_avg_1m"]) == 2

@@ -123,3 +123,57 @@ def test_killed_writer_leaves_no_visible_object(tmp_path: Path) -> None:
     assert t.keys() == ["done"]
     assert not t.exists(["partial"])[0].ok
     assert not [p for p in root.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_recycled_files_keep_their_mapping_and_free_it_when_unlinked(tmp_path: Path) -> None:
+    """Writes into recycled files reuse the file's mapping (no map/unmap per object); a
+    mapping never outlives its file, and recycled writes hold the right bytes."""
+    from agents.stores.format import make_header
+
+    t = tier(tmp_path, 100 * KIB, prewarm_bytes=40 * KIB, prewarm_file_bytes=20 * KIB)
+    assert len(t._maps) == 2  # the prewarmed files are mapped once, at start
+
+    def write(key: str, payload: bytes) -> None:
+        writer = t.open(make_header(key, payload, 4 * KIB))
+        view = writer.target(0, len(payload))
+        assert view is not None
+        view[:] = payload
+        view.release()
+        writer.written(0, len(payload))
+        writer.commit()
+
+    def inodes() -> set[int]:
+        return {p.stat().st_ino for p in tmp_path.iterdir()}
+
+    for round_ in range(4):
+        payloads = {f"k{round_}-{i}": os.urandom(12 * KIB + i) for i in range(5)}
+        for key, payload in payloads.items():
+            write(key, payload)  # 5 x ~12 KiB in a 100 KiB tier: evicts and recycles
+        for key in set(t.keys()) & set(payloads):
+            assert bytes(t.get([key])[0].data or b"") == payloads[key]
+        assert set(t._maps) <= inodes()  # no mapping of an unlinked file
+        assert t.used_bytes <= 100 * KIB
+    mapped = len(t._maps)
+    assert mapped >= 2
+    t.delete(t.keys())
+    assert set(t._maps) <= inodes()
+    t.close()
+    assert not t._maps
+
+
+def test_aborted_write_into_a_recycled_file_publishes_nothing(tmp_path: Path) -> None:
+    from agents.stores.format import make_header
+
+    t = tier(tmp_path, 1 << 20, prewarm_bytes=64 * KIB, prewarm_file_bytes=32 * KIB)
+    good = os.urandom(20 * KIB)
+    t.put([("a", good)])
+    t.delete(["a"])
+    payload = os.urandom(20 * KIB)
+    writer = t.open(make_header("a", payload, 4 * KIB))
+    view = writer.target(0, 10 * KIB)
+    assert view is not None
+    view[:] = payload[: 10 * KIB]
+    view.release()
+    writer.abort()
+    assert not t.exists(["a"])[0].ok and t.used_bytes == 0
+    assert set(t._maps) <= {p.stat().st_ino for p in tmp_path.iterdir()}

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +13,7 @@ from agents.stores.errors import (
     StoreConfigError,
     StoreConnectionError,
 )
+from agents.stores.local import LocalTier, LocalTierConfig
 from agents.stores.s3_store import S3Store
 
 pytestmark = pytest.mark.servers
@@ -68,3 +70,47 @@ def test_wrong_credentials_and_endpoint(s3_server: EmbeddedS3) -> None:
     with pytest.raises(StoreConnectionError):
         S3Store(s3_server.store_config(endpoint_url=f"http://127.0.0.1:{free_port()}",
                                        connect_timeout_s=0.5, max_attempts=1)).start()
+
+
+@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize(
+    ("part", "range_bytes", "size"),
+    [
+        (4 * KIB, 4 * KIB, 300 * KIB + 7),  # a header longer than the first range
+        (256 * KIB, 700 * KIB + 5, 3 * MIB + 3),  # ranges not aligned to parts
+        (256 * KIB, 8 * MIB, 3 * MIB),  # one GET for the whole object
+        (256 * KIB, 1 * MIB, 0),
+    ],
+)
+def test_streamed_and_direct_reads_into_a_local_tier(
+    s3_server: EmbeddedS3, key_prefix: str, tmp_path: Path, direct: bool, part: int,
+    range_bytes: int, size: int,
+) -> None:
+    """Bodies received straight into the tier (direct) or read and copied: the same bytes,
+    corruption still caught, and pooled connections reused (not one per request)."""
+    s = S3Store(s3_server.store_config(key_prefix=key_prefix, part_bytes=part,
+                                       range_bytes=range_bytes, connections=3,
+                                       direct_reads=direct))
+    s.start()
+    tier = LocalTier(LocalTierConfig(path=str(tmp_path / "dram"), capacity_bytes=64 * MIB))
+    tier.start()
+    try:
+        payload = os.urandom(size)
+        assert s.put([("k", payload)])[0].ok
+        for _ in range(3):
+            tier.delete(["k"])
+            assert s.get(["k"], sink=tier)[0].ok
+            assert bytes(tier.get(["k"])[0].data or b"") == payload
+        assert bytes(s.get(["k"])[0].data or b"") == payload
+        if size:
+            okey = s.object_key("k")
+            blob = bytearray(s.client.get_object(Bucket=s.config.bucket, Key=okey)["Body"].read())
+            blob[-1] ^= 0xFF
+            s.client.put_object(Bucket=s.config.bucket, Key=okey, Body=bytes(blob))
+            tier.delete(["k"])
+            r = s.get(["k"], sink=tier)[0]
+            assert isinstance(r.error, CorruptObjectError)
+            assert not tier.exists(["k"])[0].ok and not s.exists(["k"])[0].ok
+    finally:
+        s.close()
+        tier.close()

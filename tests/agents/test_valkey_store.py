@@ -95,3 +95,30 @@ def test_wrong_endpoint_and_credentials(valkey_server: EmbeddedValkey) -> None:
         good.put([("k", payload)])
         assert bytes(good.get(["k"])[0].data or b"") == payload  # direct reads AUTH too
         good.close()
+
+
+@pytest.mark.parametrize("connections", [1, 3])
+def test_lanes_fetch_every_part_and_a_lost_part_publishes_nothing(
+    valkey_server: EmbeddedValkey, key_prefix: str, dram_dir: Path, connections: int
+) -> None:
+    """Parts are fetched by the caller plus ``connections - 1`` pool lanes; a part gone
+    mid-object makes a miss, drops the rest of the object and leaves the tier untouched."""
+    s = ValkeyStore(valkey_server.store_config(key_prefix=key_prefix, part_bytes=64 * KIB,
+                                               connections=connections))
+    s.start()
+    tier = LocalTier(LocalTierConfig(path=str(dram_dir), capacity_bytes=8 << 20))
+    tier.start()
+    try:
+        payload = os.urandom(700 * KIB + 3)  # 11 parts
+        assert s.put([("x", payload), ("y", payload)])[0].ok
+        assert s.get(["x"], sink=tier)[0].ok
+        assert bytes(tier.get(["x"])[0].data or b"") == payload
+        s.client.delete(s.part_key("y", 6))
+        r = s.get(["y"], sink=tier)[0]
+        assert r.miss and type(r.error).__name__ == "ObjectNotFoundError"
+        assert tier.keys() == ["x"] and r.header is not None
+        assert tier.used_bytes == r.header.total_bytes  # only x's bytes: y left nothing
+        assert not s.client.exists(s.head_key("y"))
+    finally:
+        s.close()
+        tier.close()
