@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-EXTRAS ?= dev,plot,stores,ml
+EXTRAS ?= dev,plot,stores,ml,serve
 
 .PHONY: setup demo test lint sim-full clean
 

@@ -51,3 +51,38 @@ class PluginError(KvPrefetchError):
 
 class PredictorError(KvPrefetchError):
     """A predictor cannot be trained, loaded or used (too little data, bad artifact...)."""
+
+
+class ServiceError(KvPrefetchError):
+    """A call to the live scheduler service was refused; the message says why."""
+
+    #: The HTTP status the API answers with.
+    http_status: int = 400
+
+
+class InvalidRequestError(ServiceError):
+    """A call's arguments fail validation (a negative token count, a bad session id...)."""
+
+    http_status = 422
+
+
+class MalformedHintError(InvalidRequestError):
+    """A hint is not one of the known kinds, or its ETA is not a sane duration."""
+
+
+class UnknownSessionError(ServiceError):
+    """The session was never started (or was closed and forgotten)."""
+
+    http_status = 404
+
+
+class WrongTenantError(ServiceError):
+    """The session belongs to another tenant, or the tenant is not allowed."""
+
+    http_status = 403
+
+
+class ServiceUnavailableError(ServiceError):
+    """The scheduler cannot be reached (not deployed, restarting, timed out)."""
+
+    http_status = 503

@@ -408,6 +408,21 @@ class SchedulerCore:
         s.prefetches += 1
         return ticket
 
+    def replan(self, sid: str, now_s: float) -> None:
+        """Plan the session again now (an order was lost, e.g. its agent died)."""
+        s = self._sessions.get(sid)
+        if s is not None and self.policy.prefetch:
+            s.pending = None
+            self._plan(sid, now_s)
+
+    def forget(self, sid: str) -> None:
+        """Drop a closed session's state and its predictor state (idempotent). Its KV may
+        stay in local tiers: with no forecast it is predicted never to be used again, so
+        it is the first to go when room is needed."""
+        self._sessions.pop(sid, None)
+        self._evicted.discard(sid)
+        self.predictor.forget(sid)
+
     def hint(self, event: SessionEvent) -> None:
         """A hint changes the forecast: re-plan the session now."""
         self._observe(event)

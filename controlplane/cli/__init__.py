@@ -28,6 +28,8 @@ def _optional(table: dict[str, tuple[str, str]], name: str, module: str, help_: 
 _optional(COMMANDS, "train", "controlplane.cli.train", "train a predictor on a trace")
 _optional(COMMANDS, "eval-predictor", "controlplane.cli.eval_predictor",
           "evaluate predictors side by side on held-out gaps")
+_optional(COMMANDS, "demo", "controlplane.cli.demo",
+          "live control plane on local Ray: ondemand vs predictive with real bytes")
 _optional(BENCHES, "store", "controlplane.cli.bench_store",
           "TTLB of one session-sized object from Valkey / S3 / tiered into the DRAM tier")
 

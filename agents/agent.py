@@ -1,0 +1,293 @@
+"""The prefetch agent: one per GPU node, carrying out the scheduler's transfer orders.
+
+It owns the node's local DRAM tier (:class:`~agents.stores.LocalTier`), a connection to
+the remote token store (Valkey in front of S3, :class:`~agents.stores.TieredStore`) and a
+:class:`~agents.transfer.TransferEngine` between them. Per order it moves the chunk keys
+into the tier (atomic publish: a chunk is visible whole or not at all, also when the agent
+is killed mid-transfer) and reports one :class:`~controlplane.wire.TransferReport` to the
+scheduler. It deletes chunks on evict advice and takes the engine's write-through of new KV.
+
+Who calls what: the scheduler sends ``execute`` (a few per second per node), ``cancel`` and
+``evict``; the node's engine calls ``wait`` (blocks until an order ends) and
+``write_local`` once per request; monitoring calls ``status``. All are thread-safe;
+``execute`` is idempotent per order id.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from agents.stores.base import ObjectStore
+from agents.stores.local import LocalTier, LocalTierConfig
+from agents.stores.s3_store import S3Store, S3StoreConfig
+from agents.stores.tiered import TieredStore, TieredStoreConfig
+from agents.stores.valkey_store import ValkeyStore, ValkeyStoreConfig
+from agents.transfer import TransferConfig, TransferEngine, TransferHandle, TransferResult
+from controlplane.errors import ConfigError
+from controlplane.wire import AgentHello, AgentStatus, TransferOrder, TransferReport
+
+log = logging.getLogger(__name__)
+
+Reporter = Callable[[TransferReport], None]
+
+
+class RemoteStoreConfig(BaseModel):
+    """The remote token store: Valkey and/or S3 (both: Valkey in front of S3)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    valkey: ValkeyStoreConfig | None = None
+    s3: S3StoreConfig | None = None
+    tiered: TieredStoreConfig = TieredStoreConfig()
+
+    def build(self) -> ObjectStore:
+        """A store object (no I/O until its ``start``)."""
+        hot = ValkeyStore(self.valkey) if self.valkey is not None else None
+        cold = S3Store(self.s3) if self.s3 is not None else None
+        if hot is not None and cold is not None:
+            return TieredStore(hot, cold, self.tiered)
+        if hot is not None:
+            return hot
+        if cold is not None:
+            return cold
+        raise ConfigError("remote store: configure valkey, s3 or both")
+
+
+class AgentConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    node: int = Field(ge=0)
+    node_name: str = ""
+    dram: LocalTierConfig
+    remote: RemoteStoreConfig
+    transfer: TransferConfig = TransferConfig()
+    #: Threads that wait on transfers and send their reports.
+    report_threads: int = Field(16, ge=1, le=256)
+
+
+@dataclass(slots=True)
+class _Running:
+    order: TransferOrder
+    handle: TransferHandle
+    done: threading.Event
+
+
+class PrefetchAgent:
+    """See the module docstring."""
+
+    def __init__(self, config: AgentConfig, *, reporter: Reporter | None = None,
+                 store: ObjectStore | None = None) -> None:
+        self.config = config
+        self.node = config.node
+        self.node_name = config.node_name or socket.gethostname()
+        self._reporter = reporter
+        self._store = store
+        self._tier: LocalTier | None = None
+        self._engine: TransferEngine | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._running: dict[int, _Running] = {}
+        self._reports: dict[int, TransferReport] = {}
+        self._seen: set[int] = set()
+        self.incarnation = uuid.uuid4().hex
+        self._done = self._failed = self._bytes = self._evicted = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> PrefetchAgent:
+        """Connect to the remote store, open the local tier (dropping partial writes of a
+        killed predecessor) and start the transfer engine."""
+        if self._engine is not None:
+            return self
+        if self._store is None:
+            self._store = self.config.remote.build()
+        self._store.start()
+        self._tier = LocalTier(self.config.dram, name=f"dram{self.node}")
+        self._tier.start()
+        self._engine = TransferEngine(self._store, self._tier, self.config.transfer,
+                                      name=f"agent{self.node}")
+        self._engine.start()
+        self._pool = ThreadPoolExecutor(self.config.report_threads,
+                                        thread_name_prefix=f"agent{self.node}-report")
+        log.info("agent %d (%s) started: tier %s, %d bytes", self.node, self.node_name,
+                 self.config.dram.path, self.config.dram.capacity_bytes)
+        return self
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+        if self._tier is not None:
+            self._tier.close()
+        if self._store is not None:
+            self._store.close()
+
+    def __enter__(self) -> PrefetchAgent:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def set_reporter(self, reporter: Reporter | None) -> None:
+        self._reporter = reporter
+
+    @property
+    def tier(self) -> LocalTier:
+        if self._tier is None:
+            raise ConfigError(f"agent {self.node} is not started")
+        return self._tier
+
+    @property
+    def store(self) -> ObjectStore:
+        if self._store is None:
+            raise ConfigError(f"agent {self.node} is not started")
+        return self._store
+
+    def hello(self) -> AgentHello:
+        return AgentHello(self.node, self.incarnation, self.node_name,
+                          tuple(self.tier.keys()), os.getpid())
+
+    # ------------------------------------------------------------------ orders
+    def execute(self, order: TransferOrder) -> None:
+        """Start moving the order's chunks (returns at once). Idempotent per order id."""
+        engine, pool = self._engine, self._pool
+        if engine is None or pool is None:
+            raise ConfigError(f"agent {self.node} is not started")
+        if order.node != self.node:
+            log.warning("agent %d: order %d is for node %d; refused", self.node,
+                        order.order_id, order.node)
+            self._report(self._empty_report(order, error=f"wrong node {self.node}"))
+            return
+        with self._lock:
+            if order.order_id in self._seen:
+                return
+            self._seen.add(order.order_id)
+        handle = engine.submit(order.keys, priority=order.priority)
+        running = _Running(order, handle, threading.Event())
+        with self._lock:
+            self._running[order.order_id] = running
+        pool.submit(self._finish, running)
+
+    def _finish(self, running: _Running) -> None:
+        order = running.order
+        try:
+            result = running.handle.result()
+            report = self._to_report(order, result)
+        except Exception as exc:  # never lose a report
+            log.exception("agent %d: order %d failed", self.node, order.order_id)
+            report = self._empty_report(order, error=f"{type(exc).__name__}: {exc}")
+        with self._lock:
+            self._running.pop(order.order_id, None)
+            self._reports[order.order_id] = report
+            if len(self._reports) > 10_000:  # bounded: oldest reports first
+                for oid in sorted(self._reports)[:5_000]:
+                    del self._reports[oid]
+            if report.complete:
+                self._done += 1
+            else:
+                self._failed += 1
+            self._bytes += report.bytes_moved
+        running.done.set()
+        self._report(report)
+
+    def _to_report(self, order: TransferOrder, r: TransferResult) -> TransferReport:
+        error = ""
+        if r.failed:
+            error = r.failed[0][1]
+        elif r.missed:
+            error = f"{len(r.missed)} chunks not in the remote store"
+        return TransferReport(
+            order.order_id, order.session_id, order.node, order.prefetch,
+            complete=r.complete and not r.cancelled, cancelled=r.cancelled,
+            bytes_moved=r.bytes_moved, keys_moved=r.keys_moved, keys_present=r.keys_present,
+            keys_missed=r.keys_missed, keys_failed=r.keys_failed, ttlb_wall_s=r.ttlb_s,
+            incarnation=self.incarnation, error=error)
+
+    def _empty_report(self, order: TransferOrder, *, error: str) -> TransferReport:
+        return TransferReport(order.order_id, order.session_id, order.node, order.prefetch,
+                              False, False, 0, 0, 0, 0, len(order.keys), 0.0,
+                              self.incarnation, error)
+
+    def _report(self, report: TransferReport) -> None:
+        if self._reporter is None:
+            return
+        try:
+            self._reporter(report)
+        except Exception:  # the scheduler may be restarting; it re-plans lost orders
+            log.warning("agent %d: could not report order %d", self.node, report.order_id,
+                        exc_info=True)
+
+    def wait(self, order_id: int, timeout_s: float | None = None) -> TransferReport | None:
+        """Block until the order ends (its report), or None after ``timeout_s`` or when
+        this agent never saw the order."""
+        with self._lock:
+            done = self._reports.get(order_id)
+            running = self._running.get(order_id)
+        if done is not None:
+            return done
+        if running is None:
+            return None
+        if not running.done.wait(timeout_s):
+            return None
+        with self._lock:
+            return self._reports.get(order_id)
+
+    def cancel(self, session_id: str, order_id: int | None = None) -> int:
+        """Cancel the session's running orders (or one of them); returns how many."""
+        with self._lock:
+            targets = [r for r in self._running.values()
+                       if r.order.session_id == session_id
+                       and (order_id is None or r.order.order_id == order_id)]
+        for r in targets:
+            r.handle.cancel("cancelled by the scheduler")
+        return len(targets)
+
+    # ------------------------------------------------------------------ the tier
+    def evict(self, prefixes: Sequence[str] = (), keys: Sequence[str] = ()) -> int:
+        """Evict advice: delete these keys and every key under these prefixes (keys of a
+        transfer still running are left alone). Returns how many were deleted."""
+        tier = self.tier
+        with self._lock:
+            busy = {k for r in self._running.values() for k in r.order.keys}
+        victims = set(keys)
+        if prefixes:
+            pre = tuple(prefixes)
+            held = tier.keys()
+            victims.update(k for k in held if k.startswith(pre))
+        victims -= busy
+        if not victims:
+            return 0
+        gone = sum(1 for r in tier.delete(sorted(victims)) if r.ok)
+        with self._lock:
+            self._evicted += gone
+        return gone
+
+    def write_local(self, items: Sequence[tuple[str, bytes]]) -> int:
+        """The engine's write-through of new KV into the local tier; returns how many
+        objects were stored (a full tier stores fewer: the remote store has them)."""
+        return sum(1 for r in self.tier.put(list(items)) if r.ok)
+
+    def inventory(self) -> tuple[str, ...]:
+        return tuple(self.tier.keys())
+
+    def has(self, keys: Sequence[str]) -> list[bool]:
+        return [r.ok for r in self.tier.exists(list(keys))]
+
+    def status(self) -> AgentStatus:
+        tier = self.tier
+        with self._lock:
+            return AgentStatus(self.node, self.node_name, self.incarnation, os.getpid(),
+                               tier.used_bytes, tier.capacity_bytes, len(tier.keys()),
+                               len(self._running), self._done, self._failed, self._bytes,
+                               self._evicted)

@@ -1,0 +1,280 @@
+"""An engine emulator for CPU-only clusters: stands in for vLLM + LMCache on one node.
+
+It serves requests with the cost model's timing (:class:`~controlplane.config.FleetConfig`),
+every duration divided by ``time_compression``, and it moves real bytes: before prefill it
+reads the reusable KV chunks from the node's local tier (files the agent published, verified
+by their checksums), after the response it writes the KV it computed back to the remote
+store and the local tier, as LMCache does. Object sizes are the modelled sizes times
+``kv_scale`` so that a laptop can carry them.
+
+A request's life (as in the simulator): FIFO queue for the GPU -> ``gpu_start`` (the
+scheduler dispatches a demand load, or points at a prefetch still arriving) -> wait for that
+transfer (the GPU stalls) -> read the local chunks -> host-to-GPU copy and prefill of the
+rest -> first token -> the GPU is free; decode -> write the new KV -> report.
+
+Who calls what: the gateway (or the demo's replayer) calls :meth:`serve` once per request,
+from many threads at once; it blocks until the response ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from agents.stores.base import ObjectStore
+from agents.stores.errors import StoreError
+from agents.stores.format import decode_object
+from agents.stores.local import LocalTier, LocalTierConfig
+from controlplane.config import FleetConfig
+from controlplane.keys import chunk_sizes, payload, session_keys
+from controlplane.tiers import LruEviction, Tier, TierEntry
+from controlplane.wire import EngineReport, GpuStartPlan, TransferReport
+
+log = logging.getLogger(__name__)
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    node: int = Field(ge=0)
+    fleet: FleetConfig
+    #: The agent's tier on this node (read-only here: the engine maps published files).
+    dram: LocalTierConfig
+    time_compression: float = Field(1.0, gt=0)
+    #: Real bytes per modelled byte of KV.
+    kv_scale: float = Field(1.0 / 1024, gt=0, le=1)
+    chunk_tokens: int = Field(256, gt=0)
+    #: Longest the GPU waits for a transfer before it recomputes instead (wall seconds).
+    load_timeout_s: float = Field(30.0, gt=0)
+    #: Whether to write computed KV to the remote store (LMCache's store path).
+    write_remote: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class ServeRequest:
+    tenant: str
+    session_id: str
+    turn: int
+    input_tokens: int
+    reused_tokens: int
+    output_tokens: int
+    #: When the request arrived at the gateway (``time.time()``, for TTFT).
+    arrival_wall_s: float
+    hashes: tuple[str, ...] | None = None
+    #: Tokens of the session's stored context (the previous turn's input + output), whose
+    #: chunks hold the reusable prefix; None = ``reused_tokens``.
+    stored_context_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ServeResult:
+    session_id: str
+    turn: int
+    node: int
+    arrival_wall_s: float
+    start_wall_s: float
+    kv_ready_wall_s: float
+    first_token_wall_s: float
+    finish_wall_s: float
+    reused_tokens: int
+    local_tokens: int
+    hbm_tokens: int
+    read_bytes: int
+    written_bytes: int
+    #: Wall seconds the GPU waited for KV (transfer wait + host-to-GPU copy).
+    stall_wall_s: float
+    error: str = ""
+
+    def ttft_s(self, compression: float) -> float:
+        """TTFT on the service clock."""
+        return (self.first_token_wall_s - self.arrival_wall_s) * compression
+
+
+GpuStart = Callable[[int, str, str, int], GpuStartPlan]
+UseLocal = Callable[[int, str, str, int, TransferReport | None], int]
+Report = Callable[[EngineReport], None]
+WaitOrder = Callable[[int, float], TransferReport | None]
+WriteLocal = Callable[[Sequence[tuple[str, bytes]]], int]
+
+
+class EngineEmulator:
+    """See the module docstring. ``gpu_start``/``use_local``/``report`` reach the scheduler,
+    ``wait_order``/``write_local`` the node's agent (plain calls, or Ray calls wrapped in
+    :mod:`agents.ray_entry`)."""
+
+    def __init__(self, config: EngineConfig, *, gpu_start: GpuStart, use_local: UseLocal,
+                 report: Report, wait_order: WaitOrder, write_local: WriteLocal,
+                 store: ObjectStore | None = None) -> None:
+        self.config = config
+        self.node = config.node
+        self._gpu_start = gpu_start
+        self._use_local = use_local
+        self._report = report
+        self._wait_order = wait_order
+        self._write_local = write_local
+        self._store = store
+        self._tier_paths = LocalTier(config.dram)  # only for path_of(): never started here
+        fleet = config.fleet
+        self._bpt = fleet.model.kv_bytes_per_token
+        self._hbm = Tier(f"hbm{self.node}", fleet.node.hbm_kv_bytes, LruEviction())
+        self._hbm_lock = threading.Lock()
+        self._cv = threading.Condition()
+        self._next_ticket = 0
+        self._serving = 0
+        self.served = 0
+        self.failed = 0
+
+    def start(self) -> EngineEmulator:
+        if self._store is not None:
+            self._store.start()
+        return self
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+
+    def _sleep(self, service_s: float) -> None:
+        if service_s > 0:
+            time.sleep(service_s / self.config.time_compression)
+
+    # ------------------------------------------------------------------ the GPU queue
+    def _enter_gpu(self) -> None:
+        with self._cv:
+            ticket = self._next_ticket
+            self._next_ticket += 1
+            while self._serving != ticket:
+                self._cv.wait()
+
+    def _leave_gpu(self) -> None:
+        with self._cv:
+            self._serving += 1
+            self._cv.notify_all()
+
+    # ------------------------------------------------------------------ serving
+    def serve(self, req: ServeRequest) -> ServeResult:
+        cfg = self.config
+        fleet = cfg.fleet
+        sid = f"{req.tenant}/{req.session_id}"
+        reuse = min(req.reused_tokens, req.input_tokens)
+        self._enter_gpu()
+        gpu_held = True
+        try:
+            start = time.time()
+            plan = GpuStartPlan()
+            try:
+                plan = self._gpu_start(self.node, req.tenant, req.session_id, reuse)
+            except Exception as exc:  # no scheduler: serve from what is local, or recompute
+                log.warning("engine %d: gpu_start failed: %s", self.node, exc)
+            done: TransferReport | None = None
+            if plan.wait_order_id is not None:
+                done = self._wait_order(plan.wait_order_id, cfg.load_timeout_s)
+            try:
+                self._use_local(self.node, req.tenant, req.session_id, reuse, done)
+            except Exception as exc:
+                log.warning("engine %d: use_local failed: %s", self.node, exc)
+            with self._hbm_lock:
+                hbm = min(reuse, self._hbm.usable_tokens(sid, float("inf")))
+            stored = max(reuse, req.stored_context_tokens or reuse)
+            keys = session_keys(req.tenant, req.session_id, stored, cfg.chunk_tokens,
+                                req.hashes)
+            dram, read_bytes = (0, 0) if hbm >= reuse else self._read_local(keys, stored,
+                                                                            reuse)
+            local = max(hbm, dram)
+            kv_ready = time.time()
+            copy_s = max(0, dram - hbm) * self._bpt / (fleet.node.h2d_gbyte_s * 1e9)
+            self._sleep(copy_s)
+            stall_wall = (kv_ready - start) + copy_s / cfg.time_compression
+            prefill_s = fleet.prefill_s(req.input_tokens - local, local)
+            self._sleep(prefill_s + fleet.model.decode_s_per_token)
+            first_token = time.time()
+            self._leave_gpu()
+            gpu_held = False
+            self._sleep(max(0, req.output_tokens - 1) * fleet.model.decode_s_per_token)
+            ctx = req.input_tokens + req.output_tokens
+            written = self._write_kv(req, local, ctx)
+            evicted = self._hbm_put(sid, ctx)
+            finish = time.time()
+            self.served += 1
+            try:
+                self._report(EngineReport(sid, self.node, ctx, local, reuse, evicted,
+                                          written, read_bytes))
+            except Exception as exc:
+                log.warning("engine %d: report failed: %s", self.node, exc)
+            return ServeResult(req.session_id, req.turn, self.node, req.arrival_wall_s, start,
+                               kv_ready, first_token, finish, reuse, local, hbm, read_bytes,
+                               written, stall_wall)
+        except Exception as exc:
+            self.failed += 1
+            log.exception("engine %d: request %s/%d failed", self.node, sid, req.turn)
+            now = time.time()
+            return ServeResult(req.session_id, req.turn, self.node, req.arrival_wall_s, now,
+                               now, now, now, reuse, 0, 0, 0, 0, 0.0,
+                               error=f"{type(exc).__name__}: {exc}")
+        finally:
+            if gpu_held:
+                self._leave_gpu()
+
+    def _read_local(self, keys: Sequence[str], stored: int, reuse: int) -> tuple[int, int]:
+        """Read and verify the leading chunks of the stored context present in the local
+        tier, as far as they cover the reused prefix: (tokens, bytes)."""
+        tokens = read = 0
+        sizes = chunk_sizes(stored, self.config.chunk_tokens)
+        for key, n in zip(keys, sizes, strict=False):
+            if tokens >= reuse:
+                break
+            path = self._tier_paths.path_of(key)
+            try:
+                with open(path, "rb") as f:
+                    data = f.read()
+                _, body = decode_object(data, expected_key=key)
+            except (OSError, StoreError):
+                break  # not there (or evicted under us): the rest is recomputed
+            read += len(body)
+            tokens += n
+        return min(tokens, reuse), read
+
+    def _write_kv(self, req: ServeRequest, local: int, ctx: int) -> int:
+        """Write the chunks this request computed (from the first one not read locally)."""
+        cfg = self.config
+        keys = session_keys(req.tenant, req.session_id, ctx, cfg.chunk_tokens, req.hashes)
+        sizes = chunk_sizes(ctx, cfg.chunk_tokens)
+        first = local // cfg.chunk_tokens
+        items = [(k, payload(k, max(1, int(n * self._bpt * cfg.kv_scale))))
+                 for k, n in zip(keys[first:], sizes[first:], strict=False)]
+        if not items:
+            return 0
+        if cfg.write_remote and self._store is not None:
+            try:
+                res = self._store.put(items)
+                bad = [r for r in res if not r.ok]
+                if bad:
+                    log.warning("engine %d: %d chunks not stored remotely: %s", self.node,
+                                len(bad), bad[0].error)
+            except StoreError as exc:
+                log.warning("engine %d: remote write failed: %s", self.node, exc)
+        try:
+            self._write_local(items)
+        except Exception as exc:
+            log.warning("engine %d: local write-through failed: %s", self.node, exc)
+        return sum(len(p) for _, p in items)
+
+    def _hbm_put(self, sid: str, ctx: int) -> tuple[str, ...]:
+        nbytes = ctx * self._bpt
+        with self._hbm_lock:
+            self._hbm.remove(sid)
+            victims = self._hbm.victims_for(nbytes, 0.0, exclude=sid)
+            if victims is None:
+                return (sid,)
+            for v in victims:
+                self._hbm.remove(v.session_id)
+            self._hbm.put(TierEntry(sid, ctx, nbytes, time.monotonic()))
+            return tuple(v.session_id for v in victims)
+
+    def pid(self) -> int:
+        return os.getpid()

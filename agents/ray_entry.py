@@ -1,0 +1,195 @@
+"""Ray entry points of the per-node parts: the one place where ``ray.remote`` wraps
+:class:`~agents.agent.PrefetchAgent` and :class:`~agents.engine_emulator.EngineEmulator`.
+
+* ``AgentActor``: one per GPU node (named ``kvprefetch-agent-<node>``), restarted by Ray
+  when it dies; on every (re)start it greets the scheduler with its incarnation and the
+  keys its tier still holds, so orders sent to a dead predecessor are re-planned.
+* ``EngineActor``: one per node on CPU-only clusters (named ``kvprefetch-engine-<node>``),
+  serving many requests at once (threads), each blocking until its response ends.
+
+Placement is chosen by the caller (:mod:`controlplane.ray_app`): node affinity on a real
+cluster, a per-node custom resource (:func:`node_resource`) on one machine.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+
+from agents.agent import AgentConfig, PrefetchAgent, RemoteStoreConfig
+from agents.engine_emulator import EngineConfig, EngineEmulator, ServeRequest, ServeResult
+from controlplane.wire import (
+    AgentHello,
+    AgentStatus,
+    EngineReport,
+    GpuStartPlan,
+    TransferOrder,
+    TransferReport,
+)
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "kvprefetch"
+SCHEDULER_NAME = "kvprefetch-scheduler"
+#: Seconds an engine waits for the scheduler before serving without its advice.
+ENGINE_CALL_TIMEOUT_S = 10.0
+
+
+def agent_name(node: int) -> str:
+    return f"kvprefetch-agent-{node}"
+
+
+def engine_name(node: int) -> str:
+    return f"kvprefetch-engine-{node}"
+
+
+def node_resource(node: int) -> str:
+    """The custom resource that marks logical node ``node`` (one machine, many nodes)."""
+    return f"kvprefetch_node_{node}"
+
+
+class _SchedulerRef:
+    """The scheduler actor's handle, looked up by name and again after it restarts."""
+
+    def __init__(self, name: str = SCHEDULER_NAME, namespace: str = NAMESPACE) -> None:
+        self._name = name
+        self._namespace = namespace
+        self._handle: Any = None
+
+    def get(self) -> Any:
+        if self._handle is None:
+            self._handle = ray.get_actor(self._name, namespace=self._namespace)
+        return self._handle
+
+    def reset(self) -> None:
+        self._handle = None
+
+
+class _AgentActor:
+    def __init__(self, config: AgentConfig, scheduler_name: str = SCHEDULER_NAME,
+                 namespace: str = NAMESPACE) -> None:
+        logging.basicConfig(level=logging.INFO)
+        self._scheduler = _SchedulerRef(scheduler_name, namespace)
+        self.agent = PrefetchAgent(config, reporter=self._report)
+        self.agent.start()
+        self.greet()
+
+    def _report(self, report: TransferReport) -> None:
+        try:
+            self._scheduler.get().report_transfer.remote(report)
+        except Exception:
+            self._scheduler.reset()
+            raise
+
+    def greet(self) -> bool:
+        """Tell the scheduler this incarnation is up (also after the scheduler restarts)."""
+        try:
+            self._scheduler.get().agent_hello.remote(self.agent.hello())
+            return True
+        except Exception as exc:
+            self._scheduler.reset()
+            log.warning("agent %d: scheduler not reachable yet: %s", self.agent.node, exc)
+            return False
+
+    def hello(self) -> AgentHello:
+        return self.agent.hello()
+
+    def execute(self, order: TransferOrder) -> None:
+        self.agent.execute(order)
+
+    def cancel(self, session_id: str, order_id: int | None = None) -> int:
+        return self.agent.cancel(session_id, order_id)
+
+    def evict(self, prefixes: Sequence[str], keys: Sequence[str]) -> int:
+        return self.agent.evict(prefixes, keys)
+
+    def wait(self, order_id: int, timeout_s: float | None = None) -> TransferReport | None:
+        return self.agent.wait(order_id, timeout_s)
+
+    def write_local(self, items: Sequence[tuple[str, bytes]]) -> int:
+        return self.agent.write_local(items)
+
+    def inventory(self) -> tuple[str, ...]:
+        return self.agent.inventory()
+
+    def has(self, keys: Sequence[str]) -> list[bool]:
+        return self.agent.has(keys)
+
+    def status(self) -> AgentStatus:
+        return self.agent.status()
+
+    def where(self) -> dict[str, Any]:
+        """The Ray node this agent runs on (for placement checks)."""
+        ctx = ray.get_runtime_context()
+        return {"node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(),
+                "node": self.agent.node, "pid": self.agent.status().pid,
+                "tier_path": self.agent.config.dram.path}
+
+    def close(self) -> None:
+        self.agent.close()
+
+
+class _EngineActor:
+    def __init__(self, config: EngineConfig, remote: RemoteStoreConfig | None,
+                 scheduler_name: str = SCHEDULER_NAME, namespace: str = NAMESPACE) -> None:
+        logging.basicConfig(level=logging.INFO)
+        self._scheduler = _SchedulerRef(scheduler_name, namespace)
+        self._agent = ray.get_actor(agent_name(config.node), namespace=namespace)
+        self.engine = EngineEmulator(
+            config, gpu_start=self._gpu_start, use_local=self._use_local, report=self._send,
+            wait_order=self._wait, write_local=self._write_local,
+            store=remote.build() if remote is not None else None)
+        self.engine.start()
+
+    def _call(self, method: str, *args: Any, timeout_s: float = ENGINE_CALL_TIMEOUT_S) -> Any:
+        try:
+            return ray.get(getattr(self._scheduler.get(), method).remote(*args),
+                           timeout=timeout_s)
+        except (ray.exceptions.RayActorError, ValueError):
+            self._scheduler.reset()
+            raise
+
+    def _gpu_start(self, node: int, tenant: str, sid: str, reused: int) -> GpuStartPlan:
+        plan: GpuStartPlan = self._call("gpu_start", node, tenant, sid, reused)
+        return plan
+
+    def _use_local(self, node: int, tenant: str, sid: str, reused: int,
+                   done: TransferReport | None) -> int:
+        # Fire and forget: it carries the report it depends on, and the GPU must not wait
+        # a round trip for book-keeping (the engine reads what its tier really holds).
+        self._scheduler.get().use_local.remote(node, tenant, sid, reused, done)
+        return 0
+
+    def _send(self, report: EngineReport) -> None:
+        self._scheduler.get().engine_report.remote(report)
+
+    def _wait(self, order_id: int, timeout_s: float) -> TransferReport | None:
+        ref: Any = self._agent.wait.remote(order_id, timeout_s)
+        report: TransferReport | None = ray.get(ref, timeout=timeout_s + 5)
+        return report
+
+    def _write_local(self, items: Sequence[tuple[str, bytes]]) -> int:
+        ref: Any = self._agent.write_local.remote(list(items))
+        return int(ray.get(ref, timeout=30))
+
+    def ping(self) -> bool:
+        return True
+
+    def serve(self, req: ServeRequest) -> ServeResult:
+        return self.engine.serve(req)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+_remote: Any = ray.remote  # the stubs do not know max_concurrency
+#: Restarted without limit. Calls are retried on the new incarnation (every agent method is
+#: idempotent: execute per order id, evict/cancel/write_local by key); an order that was
+#: running when the agent died is reported lost by the scheduler on the new greeting.
+AgentActor = _remote(max_restarts=-1, max_task_retries=-1, max_concurrency=64,
+                     num_cpus=0)(_AgentActor)
+EngineActor = _remote(max_restarts=-1, max_task_retries=0, max_concurrency=128,
+                      num_cpus=0)(_EngineActor)

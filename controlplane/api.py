@@ -1,0 +1,148 @@
+"""The gateway-facing operations as pydantic models: the one schema shared by the Python
+client, the HTTP API (and its OpenAPI document) and the scheduler service.
+
+Every call names its ``tenant``; session ids are the gateway's (unique per tenant). The
+size of a request is given as ``input_tokens``, or as ``token_ids`` (the service then keys
+the session's chunks by content, as LMCache does), or as ``input_tokens`` plus precomputed
+``chunk_hashes``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from controlplane.errors import InvalidRequestError, MalformedHintError
+
+Name = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:@+=-]+$")]
+Tokens = Annotated[int, Field(ge=0, le=100_000_000)]
+#: A hint ETA: at most one day.
+EtaSeconds = Annotated[float, Field(ge=0, le=86_400)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+#: Session ids may contain '/' (Claude Code sub-agents: ``parent/agent_002``).
+SessionName = Annotated[str, Field(min_length=1, max_length=256,
+                                   pattern=r"^[A-Za-z0-9._:@+=/-]+$")]
+
+
+class _SessionCall(_Model):
+    tenant: Name = "default"
+    session_id: SessionName
+
+
+class _Sized(_SessionCall):
+    input_tokens: Tokens | None = None
+    token_ids: list[int] | None = Field(None, max_length=10_000_000)
+    chunk_hashes: list[Annotated[str, Field(min_length=1, max_length=128,
+                                            pattern=r"^[A-Za-z0-9_-]+$")]] | None = None
+    #: Tokens of the previous context this request reuses (default: all of it).
+    reused_tokens: Tokens | None = None
+    parent_id: SessionName | None = None
+
+    @model_validator(mode="after")
+    def _size(self) -> _Sized:
+        if self.token_ids is not None:
+            if self.chunk_hashes is not None:
+                raise ValueError("give token_ids or chunk_hashes, not both")
+            if self.input_tokens is not None and self.input_tokens != len(self.token_ids):
+                raise ValueError("input_tokens disagrees with len(token_ids)")
+        elif self.input_tokens is None:
+            raise ValueError("give input_tokens (optionally with chunk_hashes) or token_ids")
+        return self
+
+    @property
+    def tokens(self) -> int:
+        return len(self.token_ids) if self.token_ids is not None else int(self.input_tokens or 0)
+
+
+class RequestStarted(_Sized):
+    """A request of the session arrived at the gateway (before routing)."""
+
+
+class RouteQuery(_Sized):
+    """Where should this request run? Records ``request_started`` too unless already sent
+    for this request."""
+
+
+class RequestFinished(_SessionCall):
+    """The response ended on ``node``; the session's context is now
+    ``input_tokens + output_tokens`` tokens (or ``context_tokens`` when given)."""
+
+    node: int = Field(ge=0)
+    input_tokens: Tokens
+    output_tokens: Tokens = 0
+    context_tokens: Tokens | None = None
+    stop_reason: Annotated[str, Field(max_length=64)] | None = None
+    #: Hashes of the whole context's chunks, when the gateway keys by content.
+    chunk_hashes: list[Annotated[str, Field(min_length=1, max_length=128,
+                                            pattern=r"^[A-Za-z0-9_-]+$")]] | None = None
+
+
+HintKindName = Literal["user_typing", "tool_running", "session_closed"]
+
+
+class Hint(_Model):
+    """A typed hint: a person typing (``eta_s`` optional), a tool call running for about
+    ``eta_s`` seconds, or the session closing."""
+
+    kind: HintKindName
+    eta_s: EtaSeconds | None = None
+
+    @model_validator(mode="after")
+    def _eta(self) -> Hint:
+        if self.kind == "session_closed" and self.eta_s is not None:
+            raise ValueError("a session_closed hint takes no eta_s")
+        return self
+
+
+class HintCall(_SessionCall):
+    hint: Hint
+
+
+class SessionClosed(_SessionCall):
+    """The session will not return: its prefetches stop and its state is freed."""
+
+
+class RouteAnswer(_Model):
+    """Where to run the request. ``node`` None means: no advice (the call timed out or the
+    scheduler is unavailable); run it anywhere, without prefetch."""
+
+    node: int | None
+    node_name: str | None = None
+    estimated_ttft_s: float | None = None
+    #: KV of the session is (or is arriving) in the chosen node's local tier.
+    local_ready: bool = False
+    timed_out: bool = False
+
+    @classmethod
+    def no_prefetch(cls, *, timed_out: bool = True) -> RouteAnswer:
+        return cls(node=None, timed_out=timed_out)
+
+
+class Ack(_Model):
+    """An event call's answer. ``accepted`` False: not recorded (timed out)."""
+
+    accepted: bool = True
+    timed_out: bool = False
+
+
+def parse(model: type[_Model], data: Any) -> Any:
+    """Validate ``data`` as ``model``; raise the typed error a caller can catch."""
+    if isinstance(data, model):
+        return data
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        parts = []
+        for err in exc.errors():
+            loc = ".".join(str(p) for p in err["loc"]) or "(root)"
+            parts.append(f"{loc}: {err['msg']}")
+        message = f"invalid {model.__name__}: " + "; ".join(parts)
+        if model is HintCall or model is Hint:
+            raise MalformedHintError(message) from None
+        raise InvalidRequestError(message) from None

@@ -1,0 +1,101 @@
+"""Chunk keys of a session's KV in the token store: namespaced by tenant, one per chunk.
+
+A session's context of ``n`` tokens is cut into chunks of ``chunk_tokens`` (LMCache's
+default is 256). Two ways to name them:
+
+* by position (the gateway only knows token counts): ``{tenant}/{session}/{i}`` for a full
+  chunk and ``{tenant}/{session}/{i}.{k}`` for a last, partial chunk of ``k`` tokens (the
+  partial chunk of the next turn is a different object, so a stale one is never served);
+* by content (the gateway sends token ids or precomputed chunk hashes, as LMCache keys its
+  chunks): ``{tenant}/h/{hash}``. :func:`chunk_hashes` computes chained hashes from token
+  ids, ``h_i = sha256(h_{i-1} || tokens of chunk i)``, so equal prefixes share keys.
+
+Pure functions, no I/O.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+from controlplane.errors import KvPrefetchError
+
+DEFAULT_CHUNK_TOKENS = 256
+_SEP = "/"
+
+
+def _check_part(value: str, what: str) -> None:
+    if not value or _SEP in value or value.strip() != value or len(value) > 256:
+        raise KvPrefetchError(f"{what} {value!r} must be 1-256 characters without '/' or "
+                              "surrounding spaces")
+
+
+def _escape(session_id: str) -> str:
+    """Session ids may contain '/' (sub-agents): escaped so that one session's key prefix
+    never covers another's."""
+    return session_id.replace("%", "%25").replace(_SEP, "%2F")
+
+
+def session_prefix(tenant: str, session_id: str) -> str:
+    """The prefix of every position-named key of the session."""
+    _check_part(tenant, "tenant")
+    if not session_id or len(session_id) > 256:
+        raise KvPrefetchError(f"session id {session_id!r} must be 1-256 characters")
+    return f"{tenant}{_SEP}{_escape(session_id)}{_SEP}"
+
+
+def chunk_count(tokens: int, chunk_tokens: int) -> int:
+    return -(-max(0, tokens) // chunk_tokens)
+
+
+def chunk_sizes(tokens: int, chunk_tokens: int) -> list[int]:
+    """Tokens in each chunk of a context of ``tokens`` tokens."""
+    full, rest = divmod(max(0, tokens), chunk_tokens)
+    return [chunk_tokens] * full + ([rest] if rest else [])
+
+
+def position_keys(tenant: str, session_id: str, tokens: int, chunk_tokens: int) -> list[str]:
+    """Keys of the first ``tokens`` tokens of a session named by position."""
+    base = session_prefix(tenant, session_id)
+    out = []
+    for i, n in enumerate(chunk_sizes(tokens, chunk_tokens)):
+        out.append(f"{base}{i}" if n == chunk_tokens else f"{base}{i}.{n}")
+    return out
+
+
+def hash_keys(tenant: str, hashes: Sequence[str]) -> list[str]:
+    """Keys of chunks named by content hash."""
+    _check_part(tenant, "tenant")
+    return [f"{tenant}{_SEP}h{_SEP}{h}" for h in hashes]
+
+
+def chunk_hashes(token_ids: Sequence[int], chunk_tokens: int, *, seed: bytes = b"") -> list[str]:
+    """Chained sha256 hashes (hex, 32 characters) of the chunks of ``token_ids``."""
+    prev = hashlib.sha256(b"kvprefetch" + seed).digest()
+    out = []
+    for start in range(0, len(token_ids), chunk_tokens):
+        chunk = token_ids[start:start + chunk_tokens]
+        try:
+            packed = struct.pack(f"<{len(chunk)}q", *chunk)
+        except struct.error as exc:
+            raise KvPrefetchError(f"token ids must be 64-bit integers: {exc}") from exc
+        prev = hashlib.sha256(prev + packed).digest()
+        out.append(prev.hex()[:32])
+    return out
+
+
+def session_keys(tenant: str, session_id: str, tokens: int, chunk_tokens: int,
+                 hashes: Sequence[str] | None = None) -> list[str]:
+    """The keys of the first ``tokens`` tokens: by content where hashes are known (as many
+    chunks as there are hashes), by position otherwise."""
+    if hashes:
+        return hash_keys(tenant, hashes[: chunk_count(tokens, chunk_tokens)])
+    return position_keys(tenant, session_id, tokens, chunk_tokens)
+
+
+def payload(key: str, nbytes: int) -> bytes:
+    """Deterministic stand-in KV bytes for ``key`` (a reader can check it got this key's)."""
+    seed = hashlib.blake2b(key.encode(), digest_size=16).digest()
+    reps, rest = divmod(nbytes, len(seed))
+    return seed * reps + seed[:rest]

@@ -1,0 +1,90 @@
+"""Prometheus metrics of the scheduler service (one private registry per service: no global
+state, several services per process are fine). Needs ``prometheus_client`` (the ``serve``
+extra); the service runs without it (:class:`~controlplane.service.NullMetrics`)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+#: Lateness = prefetch ready - request arrival (negative = in time), seconds.
+LATENESS_BUCKETS_S = (-60, -10, -3, -1, -0.3, -0.1, 0, 0.1, 0.3, 1, 3, 10, 60)
+TTLB_BUCKETS_S = (0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30, 100)
+
+
+class PrometheusMetrics:
+    """Implements :class:`~controlplane.service.ServiceMetricsSink`."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self._events = Counter("kvprefetch_events", "Session events ingested", ["kind"],
+                               registry=r)
+        self._events_rate = Gauge("kvprefetch_events_per_second",
+                                  "Session events per second over the last window", registry=r)
+        self._ttlb = Histogram("kvprefetch_ttlb_seconds",
+                               "Time to last byte of a transfer into a local tier",
+                               ["kind"], buckets=TTLB_BUCKETS_S, registry=r)
+        self._lateness = Histogram("kvprefetch_prefetch_lateness_seconds",
+                                   "Prefetch ready time minus request arrival",
+                                   buckets=LATENESS_BUCKETS_S, registry=r)
+        self._bytes = Counter("kvprefetch_transfer_bytes", "Bytes moved into local tiers",
+                              ["kind"], registry=r)
+        self._wasted = Gauge("kvprefetch_wasted_bytes",
+                             "Prefetched bytes evicted or overwritten unread (modelled)",
+                             registry=r)
+        self._useful = Gauge("kvprefetch_useful_bytes",
+                             "Prefetched bytes not wasted (modelled)", registry=r)
+        self._local_tokens = Counter("kvprefetch_local_tokens",
+                                     "Reusable tokens found in HBM or the local tier",
+                                     registry=r)
+        self._reused_tokens = Counter("kvprefetch_reused_tokens",
+                                      "Reusable tokens of requests", registry=r)
+        self._hit_rate = Gauge("kvprefetch_local_hit_rate",
+                               "Local hits / reusable tokens since start", registry=r)
+        self._inflight = Gauge("kvprefetch_orders_in_flight", "Transfer orders in flight",
+                               ["node"], registry=r)
+        self._lock = threading.Lock()
+        self._window_start = time.monotonic()
+        self._window_events = 0
+        self._local = 0
+        self._reused = 0
+
+    def event(self, kind: str) -> None:
+        self._events.labels(kind).inc()
+        with self._lock:
+            self._window_events += 1
+            now = time.monotonic()
+            if now - self._window_start >= 1.0:
+                self._events_rate.set(self._window_events / (now - self._window_start))
+                self._window_start, self._window_events = now, 0
+
+    def ttlb(self, seconds: float, prefetch: bool) -> None:
+        self._ttlb.labels("prefetch" if prefetch else "demand").observe(seconds)
+
+    def lateness(self, seconds: float) -> None:
+        self._lateness.observe(seconds)
+
+    def local_lookup(self, local_tokens: int, reused_tokens: int) -> None:
+        self._local_tokens.inc(local_tokens)
+        self._reused_tokens.inc(reused_tokens)
+        with self._lock:
+            self._local += local_tokens
+            self._reused += reused_tokens
+            if self._reused:
+                self._hit_rate.set(self._local / self._reused)
+
+    def bytes_moved(self, nbytes: int, prefetch: bool) -> None:
+        self._bytes.labels("prefetch" if prefetch else "demand").inc(nbytes)
+
+    def orders_in_flight(self, node: str, count: int) -> None:
+        self._inflight.labels(node).set(count)
+
+    def core_stats(self, wasted_bytes: int, useful_bytes: int) -> None:
+        self._wasted.set(wasted_bytes)
+        self._useful.set(useful_bytes)
+
+    def render(self) -> bytes:
+        return bytes(generate_latest(self.registry))

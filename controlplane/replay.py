@@ -1,0 +1,138 @@
+"""Replays a trace against a live control plane through the Python client, closed-loop, on
+a compressed wall clock: the stand-in for a gateway in the demo.
+
+Each session's first request arrives at ``start_s / compression`` wall seconds after the
+start; each later one ``gap_s / compression`` after the previous response ended. Per
+request: ``client.route`` -> the chosen node's engine serves it (``serve(node, request)``,
+blocking) -> ``client.request_finished``. Records are on the service clock.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from agents.engine_emulator import ServeRequest, ServeResult
+from controlplane.client import Client
+from controlplane.sim.simulator import RequestRecord
+from controlplane.types import Trace, TraceRequest, TraceSession
+
+log = logging.getLogger(__name__)
+
+Serve = Callable[[int, ServeRequest], ServeResult]
+
+
+@dataclass
+class ReplayResult:
+    records: list[RequestRecord] = field(default_factory=list)
+    results: list[ServeResult] = field(default_factory=list)
+    unrouted: int = 0
+    failed: int = 0
+    wall_s: float = 0.0
+
+
+class Replayer:
+    def __init__(self, trace: Trace, client: Client, serve: Serve, *, compression: float,
+                 nodes: int, workers: int = 64,
+                 progress: Callable[[int], None] | None = None,
+                 stop: threading.Event | None = None) -> None:
+        self.trace = trace
+        self.client = client
+        self.serve = serve
+        self.compression = compression
+        self.nodes = nodes
+        self.workers = workers
+        self.progress = progress
+        self.stop = stop or threading.Event()
+        self._heap: list[tuple[float, int, TraceSession, TraceRequest]] = []
+        self._seq = 0
+        self._cv = threading.Condition()
+        self._outstanding = 0
+        self._out = ReplayResult()
+        self._t0 = 0.0
+
+    def _push(self, at_wall: float, session: TraceSession, req: TraceRequest) -> None:
+        with self._cv:
+            self._seq += 1
+            heapq.heappush(self._heap, (at_wall, self._seq, session, req))
+            self._cv.notify_all()
+
+    def run(self) -> ReplayResult:
+        self._t0 = time.time()
+        for s in self.trace.sessions:
+            if s.requests:
+                self._push(self._t0 + s.start_s / self.compression, s, s.requests[0])
+                self._outstanding += len(s.requests)
+        with ThreadPoolExecutor(self.workers, thread_name_prefix="replay") as pool:
+            while not self.stop.is_set():
+                with self._cv:
+                    if self._outstanding <= 0:
+                        break
+                    if not self._heap:
+                        self._cv.wait(0.1)
+                        continue
+                    at = self._heap[0][0]
+                    delay = at - time.time()
+                    if delay > 0:
+                        self._cv.wait(min(delay, 0.1))
+                        continue
+                    _, _, session, req = heapq.heappop(self._heap)
+                pool.submit(self._one, session, req, at)
+        self._out.wall_s = time.time() - self._t0
+        return self._out
+
+    def _done(self, n: int = 1) -> None:
+        with self._cv:
+            self._outstanding -= n
+            self._cv.notify_all()
+        if self.progress is not None:
+            self.progress(n)
+
+    def _one(self, session: TraceSession, req: TraceRequest, arrival_wall: float) -> None:
+        try:
+            self._serve_one(session, req, arrival_wall)
+        except Exception:
+            log.exception("replay of %s/%d failed", session.session_id, req.turn)
+            with self._cv:
+                self._out.failed += 1
+            # the rest of the session cannot run without this turn's context
+            self._done(len(session.requests) - req.turn)
+            return
+
+    def _serve_one(self, session: TraceSession, req: TraceRequest, arrival_wall: float) -> None:
+        sid = session.session_id
+        answer = self.client.route(sid, input_tokens=req.input_tokens,
+                                   reused_tokens=req.reused_tokens, tenant=session.tenant)
+        node = answer.node
+        if node is None:  # no advice: any node, without prefetch
+            with self._cv:
+                self._out.unrouted += 1
+            node = hash(sid) % self.nodes
+        prev = session.requests[req.turn - 1] if req.turn > 0 else None
+        stored = prev.context_tokens_after if prev is not None else None
+        res = self.serve(node, ServeRequest(session.tenant, sid, req.turn, req.input_tokens,
+                                            req.reused_tokens, req.output_tokens,
+                                            arrival_wall, stored_context_tokens=stored))
+        self.client.request_finished(sid, node=node, input_tokens=req.input_tokens,
+                                     output_tokens=req.output_tokens,
+                                     stop_reason=req.stop_reason, tenant=session.tenant)
+        c, t0 = self.compression, self._t0
+        record = RequestRecord(
+            sid, req.turn, node, (res.arrival_wall_s - t0) * c, (res.start_wall_s - t0) * c,
+            (res.kv_ready_wall_s - t0) * c, (res.first_token_wall_s - t0) * c,
+            req.reused_tokens > 0, res.stall_wall_s * c, req.reused_tokens, res.local_tokens)
+        with self._cv:
+            self._out.records.append(record)
+            self._out.results.append(res)
+            if res.error:
+                self._out.failed += 1
+        nxt = req.turn + 1
+        if nxt < len(session.requests):
+            gap = session.requests[nxt].gap_s or 0.0
+            self._push(time.time() + gap / c, session, session.requests[nxt])
+        self._done()

@@ -1,0 +1,207 @@
+"""The control plane on real Ray: placement on a two-raylet cluster, and fault tolerance
+(agent killed mid-transfer, scheduler restarted) on a local runtime."""
+
+from __future__ import annotations
+
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from harness import remote_config  # noqa: E402
+from raycluster import two_raylets  # noqa: E402
+
+from agents.agent import AgentConfig  # noqa: E402
+from agents.embedded import EmbeddedS3, EmbeddedValkey  # noqa: E402
+from agents.ray_entry import NAMESPACE, node_resource  # noqa: E402
+from agents.stores.local import LocalTierConfig  # noqa: E402
+from agents.transfer import TransferConfig  # noqa: E402
+from controlplane.client import connect  # noqa: E402
+from controlplane.config import fleet_from_dict  # noqa: E402
+from controlplane.keys import payload, position_keys  # noqa: E402
+from controlplane.ray_app import Placement, deploy, local_placements  # noqa: E402
+from controlplane.service import ServiceConfig  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.servers]
+GIB = 1 << 30
+MIB = 1 << 20
+FLEET = fleet_from_dict({"nodes": 2, "node": {"hbm_kv_bytes": 4 * GIB,
+                                              "dram_tier_bytes": 16 * GIB}})
+CHUNK = 4096
+
+
+_TIER_DIRS: list[Path] = []
+
+
+@pytest.fixture(autouse=True)
+def _remove_tiers() -> Iterator[None]:
+    yield
+    while _TIER_DIRS:
+        shutil.rmtree(_TIER_DIRS.pop(), ignore_errors=True)
+
+
+def _configs(tmp: Path, valkey: EmbeddedValkey, s3: EmbeddedS3, *, journal: Path | None = None,
+             limit_mib_s: float | None = None) -> tuple[ServiceConfig, list[AgentConfig], Any]:
+    prefix = uuid.uuid4().hex[:8]
+    _TIER_DIRS.extend(Path("/dev/shm") / f"kvp-ray-{prefix}-{i}" for i in range(FLEET.nodes))
+    remote = remote_config(valkey, s3, prefix)
+    agents = [AgentConfig(node=i, node_name=f"gpu-{i}", remote=remote,
+                          dram=LocalTierConfig(path=str(Path("/dev/shm") / f"kvp-ray-{prefix}-{i}"),
+                                               capacity_bytes=128 * MIB),
+                          transfer=TransferConfig(concurrency=2, bandwidth_limit_mib_s=limit_mib_s,
+                                                  burst_bytes=256 * 1024))
+              for i in range(FLEET.nodes)]
+    svc = ServiceConfig(fleet=FLEET, predictor="hinted", time_compression=100.0,
+                        chunk_tokens=CHUNK, journal_path=str(journal) if journal else None,
+                        order_timeout_s=60)
+    return svc, agents, remote
+
+
+def _seed(remote: Any, tenant: str, sid: str, tokens: int, nbytes: int) -> list[str]:
+    store = remote.build()
+    store.start()
+    try:
+        keys = position_keys(tenant, sid, tokens, CHUNK)
+        assert all(r.ok for r in store.put([(k, payload(k, nbytes)) for k in keys]))
+        return keys
+    finally:
+        store.close()
+
+
+def _prefetch_to(client: Any, dep: Any, node: int, tenant: str, sid: str, tokens: int) -> None:
+    """A finished turn on ``node`` (whose tier then loses it), then a hint: the scheduler
+    must prefetch the session back to ``node``."""
+    client.route(sid, input_tokens=tokens, tenant=tenant)
+    client.request_finished(sid, node=node, input_tokens=tokens, tenant=tenant)
+    ray.get(dep.agents[node].greet.remote())  # its inventory lacks the session: books drop it
+    time.sleep(0.3)
+    client.hint(sid, "tool_running", eta_s=30.0, tenant=tenant)
+
+
+def _wait(pred: Any, timeout_s: float = 30.0) -> bool:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            if pred():
+                return True
+        except Exception:  # an actor restarting answers with an error for a while
+            pass
+        time.sleep(0.1)
+    return False
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[tuple[EmbeddedValkey, EmbeddedS3]]:
+    with EmbeddedValkey() as v, EmbeddedS3() as s:
+        yield v, s
+
+
+def test_two_raylets_one_agent_per_node_and_prefetch_lands_on_b(
+        tmp_path: Path, servers: tuple[EmbeddedValkey, EmbeddedS3]) -> None:
+    valkey, s3 = servers
+    with two_raylets(({"gpu_node": 1}, {"gpu_node": 1})) as address:
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+        try:
+            from controlplane.ray_app import gpu_node_placements
+
+            nodes = sorted(ray.nodes(), key=lambda n: n["NodeManagerAddress"])
+            placements = [Placement(node_id=n["NodeID"]) for n in nodes]
+            assert len(gpu_node_placements(resource="gpu_node")) == 2
+            svc, agents, remote = _configs(tmp_path, valkey, s3)
+            dep = deploy(svc, agents, placements)
+            try:
+                where = ray.get([a.where.remote() for a in dep.agents])
+                assert [w["node_id"] for w in where] == [n["NodeID"] for n in nodes]
+                assert [w["ip"] for w in where] == ["127.0.0.2", "127.0.0.3"]
+                keys = _seed(remote, "t", "sb", 3 * CHUNK, 256 * 1024)
+                client = connect(address, timeout_s=10)
+                _prefetch_to(client, dep, 1, "t", "sb", 3 * CHUNK)
+                assert _wait(lambda: all(ray.get(dep.agents[1].has.remote(keys))))
+                assert not any(ray.get(dep.agents[0].has.remote(keys)))
+                tier_b = Path(where[1]["tier_path"])
+                assert len(list(tier_b.glob("*.kvp"))) == len(keys)
+                assert not list(Path(where[0]["tier_path"]).glob("*.kvp"))
+            finally:
+                dep.shutdown()
+        finally:
+            ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[None]:
+    ray.init(num_cpus=2, object_store_memory=80 * MIB, include_dashboard=False,
+             namespace=NAMESPACE, log_to_driver=False,
+             resources={node_resource(i): 1.0 for i in range(FLEET.nodes)})
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def test_agent_killed_mid_transfer_is_restarted_and_the_scheduler_replans(
+        tmp_path: Path, servers: tuple[EmbeddedValkey, EmbeddedS3], local_ray: None) -> None:
+    valkey, s3 = servers
+    svc, agents, remote = _configs(tmp_path, valkey, s3, limit_mib_s=4.0)
+    dep = deploy(svc, agents, local_placements(FLEET.nodes))
+    try:
+        keys = _seed(remote, "t", "k", 12 * CHUNK, 1 * MIB)  # 12 MiB at 4 MiB/s: ~3 s
+        client = connect("auto", timeout_s=10)
+        pid_before = ray.get(dep.agents[0].where.remote())["pid"]
+        _prefetch_to(client, dep, 0, "t", "k", 12 * CHUNK)
+        assert _wait(lambda: ray.get(dep.agents[0].status.remote()).orders_in_flight > 0, 10)
+        time.sleep(0.8)  # some chunks are in, some on the wire
+        ray.kill(dep.agents[0], no_restart=False)
+        assert _wait(lambda: ray.get(dep.agents[0].where.remote(), timeout=5)["pid"]
+                     != pid_before, 60)
+        # the new incarnation greeted the scheduler: the lost order is re-planned and done
+        ok = _wait(lambda: all(ray.get(dep.agents[0].has.remote(keys))), 60)
+        summary = ray.get(dep.scheduler.summary.remote())
+        assert ok, ({k: v for k, v in summary.items() if k not in ("ttlb_s", "lateness_s")},
+                    ray.get(dep.agents[0].status.remote()))
+        assert summary["orders_lost"] >= 1 and summary["orders_done"] >= 1
+        tier = Path(agents[0].dram.path)
+        assert not list(tier.glob(".tmp-*"))  # no partial object left, none published
+        from agents.stores.format import decode_object
+
+        published = list(tier.glob("*.kvp"))
+        assert len(published) == len(keys)
+        for f in published:  # every published chunk is whole and verifies
+            decode_object(f.read_bytes())
+    finally:
+        dep.shutdown()
+
+
+def test_scheduler_restart_resumes_from_the_journal(
+        tmp_path: Path, servers: tuple[EmbeddedValkey, EmbeddedS3], local_ray: None) -> None:
+    valkey, s3 = servers
+    svc, agents, _ = _configs(tmp_path, valkey, s3, journal=tmp_path / "journal.jsonl")
+    dep = deploy(svc, agents, local_placements(FLEET.nodes))
+    try:
+        client = connect("auto", timeout_s=10)
+        for i in range(20):
+            ans = client.route(f"s{i}", input_tokens=1000, tenant="acme")
+            client.request_finished(f"s{i}", node=ans.node or 0, input_tokens=1000,
+                                    output_tokens=10, tenant="acme")
+        client.hint("s3", "user_typing", tenant="acme")
+        ray.kill(dep.scheduler, no_restart=False)
+        assert _wait(lambda: _alive(dep.scheduler), 60)
+        assert _wait(lambda: all(ray.get(dep.scheduler.has_session.remote("acme", f"s{i}"))
+                                 for i in range(20)), 30)
+        assert client.hint("s7", "tool_running", eta_s=3.0, tenant="acme").accepted
+        summary = ray.get(dep.scheduler.summary.remote())
+        assert summary["sessions"] == 20
+    finally:
+        dep.shutdown()
+
+
+def _alive(handle: Any) -> bool:
+    try:
+        return bool(ray.get(handle.ping.remote(), timeout=5))
+    except Exception:
+        return False

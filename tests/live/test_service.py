@@ -1,0 +1,171 @@
+"""SchedulerService + client in process: typed errors, tenants, journal, resume, load."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from controlplane import api
+from controlplane.client import connect
+from controlplane.config import fleet_from_dict
+from controlplane.errors import (
+    ConfigError,
+    InvalidRequestError,
+    KvPrefetchError,
+    MalformedHintError,
+    UnknownSessionError,
+    WrongTenantError,
+)
+from controlplane.service import SchedulerService, ServiceConfig
+from controlplane.traces import load_trace, read_journal_events
+from controlplane.types import EventKind
+
+GIB = 1 << 30
+FLEET = fleet_from_dict({"nodes": 2, "node": {"hbm_kv_bytes": 4 * GIB,
+                                              "dram_tier_bytes": 16 * GIB}})
+
+
+def _service(tmp_path: Path | None = None, **kw: object) -> SchedulerService:
+    journal = str(tmp_path / "journal.jsonl") if tmp_path is not None else None
+    cfg = ServiceConfig(fleet=FLEET, journal_path=journal, **kw)  # type: ignore[arg-type]
+    return SchedulerService(cfg).start()
+
+
+def _turn(client, sid: str, tokens: int, reused: int, out: int = 100, **kw: object) -> int:
+    ans = client.route(sid, input_tokens=tokens, reused_tokens=reused, **kw)
+    assert ans.node is not None
+    client.request_finished(sid, node=ans.node, input_tokens=tokens, output_tokens=out, **kw)
+    return ans.node
+
+
+def test_typed_errors_and_the_service_keeps_running() -> None:
+    with _service(tenants=("acme", "globex")) as svc:
+        c = connect(service=svc, tenant="acme")
+        _turn(c, "s1", 1000, 0)
+        with pytest.raises(UnknownSessionError):
+            c.hint("nope", "user_typing")
+        with pytest.raises(UnknownSessionError):
+            c.request_finished("nope", node=0, input_tokens=1)
+        with pytest.raises(MalformedHintError):
+            c.hint("s1", "dancing")
+        with pytest.raises(MalformedHintError):
+            c.hint("s1", "tool_running", eta_s=-3)
+        with pytest.raises(MalformedHintError):
+            c.hint("s1", {"kind": "session_closed", "eta_s": 1.0})
+        with pytest.raises(WrongTenantError):
+            c.hint("s1", "user_typing", tenant="globex")  # s1 belongs to acme
+        with pytest.raises(WrongTenantError):
+            c.route("s2", input_tokens=10, tenant="initech")  # not an allowed tenant
+        with pytest.raises(InvalidRequestError):
+            c.route("s3", input_tokens=-5)
+        with pytest.raises(InvalidRequestError):
+            c.route("s3")  # no size
+        with pytest.raises(InvalidRequestError):
+            c.request_finished("s1", node=7, input_tokens=10)  # no such node
+        assert all(issubclass(e, KvPrefetchError) for e in (
+            UnknownSessionError, MalformedHintError, WrongTenantError, InvalidRequestError))
+        # still serving after all that
+        assert c.hint("s1", api.Hint(kind="tool_running", eta_s=2.0)).accepted
+        assert _turn(c, "s1", 1200, 1100) in (0, 1)
+        assert svc.stats.loop_errors == 0
+
+
+def test_bad_config_is_a_typed_error() -> None:
+    with pytest.raises(ValueError, match="unknown policy"):
+        ServiceConfig(fleet=FLEET, policy="magic")
+    with pytest.raises(ValueError, match="node_names"):
+        ServiceConfig(fleet=FLEET, node_names=("a",))
+    with pytest.raises(ValueError, match="oracle"):
+        ServiceConfig(fleet=FLEET, policy="oracle")
+    with pytest.raises(KvPrefetchError, match="unknown predictor"):
+        SchedulerService(ServiceConfig(fleet=FLEET, predictor="nope")).start()
+    svc = SchedulerService(ServiceConfig(fleet=FLEET))
+    with pytest.raises(ConfigError, match="not started"):
+        _ = svc.core
+
+
+def test_token_ids_and_chunk_hashes_key_by_content() -> None:
+    with _service(chunk_tokens=4) as svc:
+        c = connect(service=svc, tenant="t")
+        c.route("a", token_ids=list(range(10)))
+        info = svc._sessions["t/a"]
+        assert info.hashes is not None and len(info.hashes) == 3
+        keys = svc.keys_of(info, 10)
+        assert keys[0].startswith("t/h/")
+        c.route("b", input_tokens=8, chunk_hashes=["h1", "h2"])
+        assert svc.keys_of(svc._sessions["t/b"], 8) == ["t/h/h1", "t/h/h2"]
+        with pytest.raises(InvalidRequestError):
+            c.route("c", token_ids=[1, 2], chunk_hashes=["x"])
+
+
+def test_journal_replays_in_sim_and_resume_keeps_sessions(tmp_path: Path) -> None:
+    svc = _service(tmp_path, time_compression=1000.0)
+    c = connect(service=svc, tenant="acme")
+    for turn in range(3):
+        for sid in ("a", "b"):
+            _turn(c, sid, 2000 * (turn + 1), 2000 * turn + 100 * turn)
+            time.sleep(0.002)
+    c.hint("a", "tool_running", eta_s=5)
+    svc.close()  # as if the actor died after its last event: the journal has it all
+    events = list(read_journal_events(tmp_path / "journal.jsonl"))
+    assert sum(e.kind is EventKind.REQUEST_STARTED for e in events) == 6
+    assert any(e.kind is EventKind.HINT for e in events)
+    trace = load_trace(tmp_path / "journal.jsonl")  # what `kvprefetch sim --trace` reads
+    assert len(trace.sessions) == 2 and trace.requests == 6
+
+    again = _service(tmp_path, time_compression=1000.0)
+    try:
+        assert again.has_session("acme", "a") and again.has_session("acme", "b")
+        assert again.clock.now_s() >= events[-1].time_s
+        c2 = connect(service=again, tenant="acme")
+        assert c2.hint("b", "user_typing").accepted  # known: no UnknownSessionError
+        with pytest.raises(WrongTenantError):
+            c2.hint("a", "user_typing", tenant="other")
+        assert _turn(c2, "a", 8000, 6300) in (0, 1)
+    finally:
+        again.close()
+    assert sum(1 for _ in read_journal_events(tmp_path / "journal.jsonl")) == len(events) + 3
+
+
+def test_session_closed_frees_state() -> None:
+    with _service() as svc:
+        c = connect(service=svc)
+        _turn(c, "x", 100, 0)
+        assert c.session_closed("x").accepted
+        assert not svc.has_session("default", "x")
+        with pytest.raises(UnknownSessionError):
+            c.hint("x", "user_typing")
+
+
+@pytest.mark.slow
+def test_client_under_load_loses_no_event(tmp_path: Path) -> None:
+    """10,000 sessions, 100,000 events through the Python client (in-process transport:
+    the scheduler service itself, without Ray, which this 2-core machine cannot drive at
+    this rate)."""
+    sessions, turns = 10_000, 5  # route (= request_started) + request_finished per turn
+    with _service(tmp_path) as svc:
+        c = connect(service=svc, tenant="load")
+        lat: list[float] = []
+        start = time.perf_counter()
+        for turn in range(turns):
+            for i in range(sessions):
+                sid = f"s{i}"
+                t0 = time.perf_counter()
+                ans = c.route(sid, input_tokens=1000 * (turn + 1), reused_tokens=1000 * turn)
+                t1 = time.perf_counter()
+                c.request_finished(sid, node=ans.node or 0, input_tokens=1000 * (turn + 1),
+                                   output_tokens=10)
+                t2 = time.perf_counter()
+                lat += [t1 - t0, t2 - t1]
+        wall = time.perf_counter() - start
+        events = svc.stats.events
+    lat.sort()
+    p99 = lat[int(0.99 * len(lat))]
+    print(f"\nload: {events} events in {wall:.1f} s = {events / wall:,.0f} events/s; "
+          f"p99 call latency {p99 * 1e3:.2f} ms")
+    assert events == sessions * turns * 2 == 100_000
+    journaled = sum(1 for _ in read_journal_events(tmp_path / "journal.jsonl"))
+    assert journaled == events
+    assert c.timeouts == 0
