@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import Protocol, Self, TypeVar, runtime_checkable
 
 from agents.stores.errors import CancelledError, StoreError
 from agents.stores.format import ObjectHeader
@@ -287,3 +287,26 @@ class KeyPool:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
+
+
+class StoreLifecycle:
+    """``with store:`` starts and closes a store; ``stats()`` snapshots its counters.
+    Mixed into every store so that the four of them share one definition."""
+
+    _stats: StatsCounter
+
+    def start(self) -> object:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def stats(self) -> StoreStats:
+        return self._stats.snapshot()

@@ -46,7 +46,7 @@ from agents.stores.base import (
     PayloadSink,
     PayloadWriter,
     StatsCounter,
-    StoreStats,
+    StoreLifecycle,
     check_cancel,
 )
 from agents.stores.errors import (
@@ -230,7 +230,7 @@ def close_map(mapping: mmap.mmap) -> None:
         log.debug("a tier mapping is still exported")
 
 
-class LocalTier:
+class LocalTier(StoreLifecycle):
     """A DRAM or disk tier on this node; an :class:`~agents.stores.base.ObjectStore` and a
     :class:`~agents.stores.base.PayloadSink` (``open``) for the transfer engine."""
 
@@ -409,16 +409,6 @@ class LocalTier:
             maps, self._maps = self._maps, {}
         for mapping in maps.values():
             close_map(mapping)
-
-    def __enter__(self) -> LocalTier:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def stats(self) -> StoreStats:
-        return self._stats.snapshot()
 
     @property
     def used_bytes(self) -> int:

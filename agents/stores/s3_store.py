@@ -31,7 +31,7 @@ from agents.stores.base import (
     PayloadSink,
     PayloadWriter,
     StatsCounter,
-    StoreStats,
+    StoreLifecycle,
     check_cancel,
 )
 from agents.stores.errors import (
@@ -239,7 +239,7 @@ class _Body:
             left -= step
 
 
-class S3Store:
+class S3Store(StoreLifecycle):
     """The S3 cold tier (see the module docstring)."""
 
     def __init__(self, config: S3StoreConfig, *, name: str = "s3") -> None:
@@ -312,16 +312,6 @@ class S3Store:
         client, self._client = self._client, None
         if client is not None:
             client.close()
-
-    def __enter__(self) -> S3Store:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def stats(self) -> StoreStats:
-        return self._stats.snapshot()
 
     @property
     def client(self) -> Any:

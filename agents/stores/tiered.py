@@ -28,7 +28,7 @@ from agents.stores.base import (
     PayloadSink,
     PayloadWriter,
     StatsCounter,
-    StoreStats,
+    StoreLifecycle,
     check_cancel,
 )
 from agents.stores.errors import StoreConnectionError, StoreError, StoreUnavailableError
@@ -95,7 +95,7 @@ class _TeeSink:
         return _TeeWriter(self._inner.open(header), header, self._on_commit)
 
 
-class TieredStore:
+class TieredStore(StoreLifecycle):
     """Valkey (``hot``) in front of S3 (``cold``); any two :class:`ObjectStore` work."""
 
     def __init__(self, hot: ObjectStore, cold: ObjectStore,
@@ -139,16 +139,6 @@ class TieredStore:
             self._pool = None
         self.hot.close()
         self.cold.close()
-
-    def __enter__(self) -> TieredStore:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def stats(self) -> StoreStats:
-        return self._stats.snapshot()
 
     # -- health ------------------------------------------------------------------------------
 

@@ -35,7 +35,7 @@ from agents.stores.base import (
     OpResult,
     PayloadSink,
     StatsCounter,
-    StoreStats,
+    StoreLifecycle,
     check_cancel,
 )
 from agents.stores.errors import (
@@ -263,7 +263,7 @@ class _BulkPool:
             conn.close()
 
 
-class ValkeyStore:
+class ValkeyStore(StoreLifecycle):
     """The Valkey hot tier (see the module docstring for the key layout)."""
 
     def __init__(self, config: ValkeyStoreConfig, *, name: str = "valkey") -> None:
@@ -343,16 +343,6 @@ class ValkeyStore:
         client, self._client = self._client, None
         if client is not None:
             client.close()
-
-    def __enter__(self) -> ValkeyStore:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def stats(self) -> StoreStats:
-        return self._stats.snapshot()
 
     @property
     def client(self) -> Any:
