@@ -36,7 +36,7 @@ _ARRIVE, _XFER_DONE, _PREFILL_DONE, _FINISH, _PREFETCH_START, _CLEAR, _SWEEP = r
 INF = float("inf")
 
 
-@dataclass(eq=False)
+@dataclass(slots=True, eq=False)
 class _Req:
     req: TraceRequest
     session: TraceSession
