@@ -441,12 +441,3 @@ class SchedulerCore:
                 if s.home is not None and not s.in_flight:
                     self._plan(sid, now_s)
 
-
-def finished_event(session_id: str, turn: int, node: int, now_s: float, *,
-                   input_tokens: int, output_tokens: int, reused_tokens: int = 0,
-                   stop_reason: str | None = None, tenant: str = "default",
-                   parent_id: str | None = None) -> SessionEvent:
-    """A ``request_finished`` event (a convenience for callers)."""
-    return SessionEvent(EventKind.REQUEST_FINISHED, session_id, now_s, turn, input_tokens,
-                        output_tokens, reused_tokens, stop_reason, node=str(node),
-                        tenant=tenant, parent_id=parent_id)
