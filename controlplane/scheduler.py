@@ -33,7 +33,7 @@ from controlplane.planner import (
 from controlplane.policies import EvictionKind, PolicySpec
 from controlplane.router import NodeView, RouteDecision, RouteRequest, route
 from controlplane.tiers import LruEviction, PredictedUseEviction, Tier, TierEntry
-from controlplane.types import ArrivalForecast, EventKind, SessionEvent
+from controlplane.types import ArrivalForecast, SessionEvent
 from predictors.base import Predictor
 
 INF = float("inf")
