@@ -16,6 +16,7 @@ HTTP URL (``http://host:8000``, the FastAPI app of :mod:`controlplane.http_api`)
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -29,6 +30,7 @@ from controlplane.errors import (
     MalformedHintError,
     ServiceError,
     ServiceUnavailableError,
+    UnauthorizedError,
     UnknownSessionError,
     WrongTenantError,
 )
@@ -104,15 +106,22 @@ class RayTransport:
 
 
 _STATUS_ERRORS: dict[int, type[ServiceError]] = {
+    401: UnauthorizedError,
     403: WrongTenantError,
     404: UnknownSessionError,
     422: InvalidRequestError,
     503: ServiceUnavailableError,
 }
+#: The typed errors the HTTP API names in its answers' ``error`` field.
+_NAMED_ERRORS: dict[str, type[ServiceError]] = {
+    cls.__name__: cls for cls in (*_STATUS_ERRORS.values(), MalformedHintError, ServiceError)
+}
 
 
 class HttpTransport:
-    """Calls the HTTP API (``POST /v1/<op>``), with an optional bearer token."""
+    """Calls the HTTP API (``POST /v1/<op>``), with an optional bearer token. Its error
+    answers (``{"error": <type>, "detail": <message>}``) are raised as the typed error they
+    name, or by status."""
 
     def __init__(self, base_url: str, token: str | None) -> None:
         import httpx
@@ -124,7 +133,8 @@ class HttpTransport:
         import httpx
 
         try:
-            resp = self._client.post(f"/v1/{op}", content=payload.model_dump_json(),
+            resp = self._client.post(f"/v1/{op}",
+                                     content=payload.model_dump_json(exclude_none=True),
                                      headers={"Content-Type": "application/json"},
                                      timeout=timeout_s)
         except httpx.TimeoutException as exc:
@@ -132,18 +142,28 @@ class HttpTransport:
         except httpx.HTTPError as exc:
             raise ServiceUnavailableError(f"scheduler HTTP API unreachable: {exc}") from exc
         if resp.status_code >= 400:
-            try:
-                detail = resp.json().get("detail", resp.text)
-            except ValueError:
-                detail = resp.text
-            if op == "hint" and resp.status_code == 422:
-                raise MalformedHintError(str(detail))
-            raise _STATUS_ERRORS.get(resp.status_code, ServiceError)(
-                f"HTTP {resp.status_code}: {detail}")
+            raise _http_error(op, resp.status_code, resp.text)
         return resp.json()
 
     def close(self) -> None:
         self._client.close()
+
+
+def _http_error(op: str, status: int, text: str) -> ServiceError:
+    name = None
+    detail: Any = text
+    try:
+        body = json.loads(text)
+    except ValueError:
+        body = None
+    if isinstance(body, dict):
+        name = body.get("error")
+        detail = body.get("detail", text)
+    cls = _NAMED_ERRORS.get(name) if isinstance(name, str) else None
+    if cls is None:
+        cls = (MalformedHintError if op == "hint" and status == 422
+               else _STATUS_ERRORS.get(status, ServiceError))
+    return cls(f"HTTP {status}: {detail}")
 
 
 class Client:
@@ -155,6 +175,11 @@ class Client:
         self.tenant = tenant
         self.timeout_s = timeout_s
         self.timeouts = 0
+
+    @property
+    def transport(self) -> Transport:
+        """How calls leave this client (the HTTP API fronts a client's transport)."""
+        return self._transport
 
     def close(self) -> None:
         self._transport.close()

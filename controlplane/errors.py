@@ -70,6 +70,12 @@ class MalformedHintError(InvalidRequestError):
     """A hint is not one of the known kinds, or its ETA is not a sane duration."""
 
 
+class UnauthorizedError(ServiceError):
+    """The HTTP API wants a bearer token and the call carried none, or a wrong one."""
+
+    http_status = 401
+
+
 class UnknownSessionError(ServiceError):
     """The session was never started (or was closed and forgotten)."""
 

@@ -30,6 +30,8 @@ _optional(COMMANDS, "eval-predictor", "controlplane.cli.eval_predictor",
           "evaluate predictors side by side on held-out gaps")
 _optional(COMMANDS, "demo", "controlplane.cli.demo",
           "live control plane on local Ray: ondemand vs predictive with real bytes")
+_optional(COMMANDS, "serve", "controlplane.cli.serve",
+          "run the control plane on a Ray cluster: scheduler, one agent per GPU node, HTTP API")
 _optional(BENCHES, "store", "controlplane.cli.bench_store",
           "TTLB of one session-sized object from Valkey / S3 / tiered into the DRAM tier")
 

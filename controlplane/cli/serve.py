@@ -1,0 +1,388 @@
+"""``kvprefetch serve --config FILE``: the control plane on an existing Ray cluster.
+
+Reads and validates the YAML config (:class:`ServeConfig`; errors name the file and the
+field), attaches to Ray (``address: auto`` on a cluster node, or ``local``: a one-node
+runtime on this machine whose node counts as one GPU node), finds the nodes that get an
+agent (every node with the ``placement.resource`` Ray resource, ``GPU`` by default, and
+every one of ``placement.labels``), starts the scheduler actor (pinned to this node, which
+holds its journal), one prefetch agent per matching node, and the HTTP API
+(:mod:`controlplane.http_api`) in this process. Logs what it placed where. On SIGINT or
+SIGTERM it stops the HTTP server, closes and kills its actors and leaves Ray.
+
+The actors live as long as this process (they are not detached): run it under a
+supervisor (systemd, the cluster launcher's head start commands) to keep it up. Nodes that
+join later get no agent until the next start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+
+from agents.agent import RemoteStoreConfig
+from agents.transfer import TransferConfig
+from controlplane.config import FleetConfig, fleet_from_dict
+from controlplane.errors import ConfigError, KvPrefetchError, ServiceUnavailableError
+from controlplane.service import ServiceConfig
+
+log = logging.getLogger(__name__)
+MIB = 1 << 20
+NAMESPACE = "kvprefetch"  # = agents.ray_entry.NAMESPACE (not imported: it imports ray)
+
+EPILOG = """examples:
+  kvprefetch serve --config examples/serve.yaml                  # on a Ray cluster node
+  kvprefetch serve --config examples/serve.yaml --address local  # this machine, one node
+  kvprefetch serve --config my.yaml --check                      # validate and exit
+"""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class RaySettings(_Section):
+    #: ``auto`` (the cluster this machine belongs to), ``host:port``, ``ray://host:10001``,
+    #: or ``local``: start a one-node runtime here whose node counts as a matching node.
+    address: str = "auto"
+    namespace: str = Field(NAMESPACE, min_length=1)
+    #: Forward the actors' logs to this process's output.
+    log_to_driver: bool = True
+    #: The local runtime only: CPUs, object store size, temp dir.
+    local_num_cpus: int = Field(2, ge=1)
+    local_object_store_bytes: int = Field(80 * MIB, ge=78 * MIB)
+    local_temp_dir: str | None = None
+
+
+class PlacementSettings(_Section):
+    #: Nodes with this Ray resource get an agent: ``GPU`` (every GPU node), a custom
+    #: resource (``ray start --resources='{"kv_node": 1}'``), or null (every node).
+    resource: str | None = "GPU"
+    #: ... and every one of these Ray node labels (``ray start --labels=...``).
+    labels: dict[str, str] = Field(default_factory=dict)
+    #: Fail unless at least this many nodes match, after waiting up to
+    #: ``wait_for_nodes_s`` for the autoscaler to bring them up.
+    min_nodes: int = Field(1, ge=1, le=4096)
+    wait_for_nodes_s: float = Field(0.0, ge=0)
+    #: Agents on at most this many of the matching nodes (the first in NodeID order).
+    max_nodes: int | None = Field(None, ge=1, le=4096)
+
+    @model_validator(mode="after")
+    def _check(self) -> PlacementSettings:
+        if self.max_nodes is not None and self.max_nodes < self.min_nodes:
+            raise ValueError("max_nodes is smaller than min_nodes")
+        return self
+
+
+class AgentSettings(_Section):
+    #: The node-local DRAM tier of each agent (``{node}``: the node's number, so that
+    #: several nodes on one machine do not share a directory). Under /dev/shm for DRAM.
+    tier_path: str = Field("/dev/shm/kvprefetch-{node}", min_length=1)
+    tier_capacity_bytes: int = Field(gt=0)
+    tier_kind: str = Field("dram", pattern="^(dram|disk)$")
+    transfer: TransferConfig = TransferConfig()
+
+    @model_validator(mode="after")
+    def _check(self) -> AgentSettings:
+        try:
+            self.tier_path.format(node=0)
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(f"tier_path: only {{node}} may be substituted ({exc})") from None
+        return self
+
+
+class HttpSettings(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, lt=65536)
+    #: The bearer token every /v1 call must carry; or the name of an environment variable
+    #: holding it (keeps the secret out of the file). Neither: no auth.
+    bearer_token: SecretStr | None = None
+    bearer_token_env: str | None = None
+    #: Seconds the API waits for the scheduler per call before answering "no prefetch".
+    call_timeout_s: float = Field(2.0, gt=0, le=60)
+    access_log: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> HttpSettings:
+        if self.bearer_token is not None and self.bearer_token_env is not None:
+            raise ValueError("give bearer_token or bearer_token_env, not both")
+        if self.bearer_token is not None and not self.bearer_token.get_secret_value().strip():
+            raise ValueError("bearer_token is empty")
+        return self
+
+    def token(self) -> str | None:
+        """The token, read from the environment when named there (ConfigError if unset)."""
+        if self.bearer_token is not None:
+            return self.bearer_token.get_secret_value()
+        if self.bearer_token_env is not None:
+            value = os.environ.get(self.bearer_token_env, "")
+            if not value.strip():
+                raise ConfigError(f"http.bearer_token_env: environment variable "
+                                  f"{self.bearer_token_env!r} is not set")
+            return value
+        return None
+
+
+class ServeConfig(_Section):
+    """The whole ``kvprefetch serve`` config (see examples/serve.yaml)."""
+
+    ray: RaySettings = RaySettings()
+    placement: PlacementSettings = PlacementSettings()
+    #: The modelled fleet, as in ``kvprefetch sim --fleet`` (model preset, node profile,
+    #: remote store, router, planner). ``nodes`` is not given: one per matching Ray node.
+    fleet: dict[str, Any] = Field(default_factory=dict)
+    #: The scheduler (``ServiceConfig``): policy, predictor, journal_path, tenants, ...
+    service: dict[str, Any] = Field(default_factory=dict)
+    #: The remote token store: ``valkey`` and/or ``s3`` (both: Valkey in front of S3).
+    stores: RemoteStoreConfig
+    agent: AgentSettings
+    http: HttpSettings = HttpSettings()
+
+    @model_validator(mode="after")
+    def _check(self) -> ServeConfig:
+        if self.stores.valkey is None and self.stores.s3 is None:
+            raise ValueError("stores: configure valkey, s3 or both")
+        if "nodes" in self.fleet:
+            raise ValueError("fleet.nodes: not set here: one node per matching Ray node "
+                             "(see placement.min_nodes / max_nodes)")
+        for key in ("fleet", "node_names"):
+            if key in self.service:
+                raise ValueError(f"service.{key}: set by kvprefetch serve, not in the file")
+        return self
+
+    def fleet_config(self, nodes: int) -> FleetConfig:
+        return fleet_from_dict({**self.fleet, "nodes": nodes}, source="fleet")
+
+    def service_config(self, node_names: list[str]) -> ServiceConfig:
+        fleet = self.fleet_config(len(node_names))
+        try:
+            return ServiceConfig.model_validate(
+                {**self.service, "fleet": fleet, "node_names": tuple(node_names)})
+        except ValidationError as exc:
+            raise ConfigError(_describe(exc, "service")) from None
+
+
+def _describe(exc: ValidationError, prefix: str = "") -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in (prefix, *err["loc"]) if p != "") or "(root)"
+        parts.append(f"field {loc!r}: {err['msg']}")
+    return "; ".join(parts)
+
+
+def load_serve_config(path: str | Path) -> ServeConfig:
+    """Read and fully validate a serve config (the fleet and the service too, for one
+    node); raises :class:`ConfigError` naming the file and the field."""
+    p = Path(path)
+    try:
+        raw = yaml.safe_load(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: serve config not found") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p}: not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{p}: expected a mapping at the top level")
+    try:
+        cfg = ServeConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(f"{p}: {_describe(exc)}") from None
+    try:
+        service = cfg.service_config(["node-0"])  # fleet and service, before any Ray work
+    except ConfigError as exc:
+        raise ConfigError(f"{p}: {exc}") from None
+    from predictors.registry import load as load_predictor
+
+    spec = service.policy_spec.predictor or service.predictor
+    try:  # the scheduler actor loads it again; a bad name must fail here, not inside Ray
+        load_predictor(spec)
+    except KvPrefetchError as exc:
+        raise ConfigError(f"{p}: field 'service.predictor': {exc}") from None
+    return cfg
+
+
+# ---------------------------------------------------------------------------- command
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = EPILOG
+    p.add_argument("--config", required=True, help="serve config (YAML)")
+    p.add_argument("--address", help="Ray address; overrides ray.address (auto, host:port, "
+                                     "ray://..., or local)")
+    p.add_argument("--check", action="store_true", help="validate the config and exit")
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = load_serve_config(args.config)
+    token = cfg.http.token()
+    address = args.address or cfg.ray.address
+    if args.check:
+        print(f"{args.config}: ok")
+        return 0
+    if token is None and cfg.http.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("the HTTP API listens on %s without a bearer token", cfg.http.host)
+    return Serve(cfg, address, token).run()
+
+
+class Serve:
+    """One ``serve`` run: set up, serve until a signal, tear down (in reverse order)."""
+
+    def __init__(self, cfg: ServeConfig, address: str, token: str | None) -> None:
+        self.cfg = cfg
+        self.address = address
+        self.token = token
+        self._stop = threading.Event()
+        self._serving = False
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if not self._serving:  # still setting up: abort it (the ExitStack unwinds)
+            raise KeyboardInterrupt(name)
+        if self._stop.is_set():
+            return
+        log.info("%s: shutting down", name)
+        self._stop.set()
+
+    def _catch_signals(self) -> None:
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, self._on_signal)
+
+    def run(self) -> int:
+        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        self._catch_signals()
+        try:
+            with contextlib.ExitStack() as stack:
+                self._setup(stack)
+                self._serving = True
+                self._stop.wait()
+                self._serving = False
+                log.info("stopping the HTTP API and the actors")
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+        log.info("kvprefetch serve stopped")
+        return 0
+
+    def _setup(self, stack: contextlib.ExitStack) -> None:
+        import ray
+
+        from agents.agent import AgentConfig
+        from agents.ray_entry import SCHEDULER_NAME
+        from agents.stores.local import LocalTierConfig
+        from controlplane.client import connect
+        from controlplane.http_api import HttpServer, create_app
+        from controlplane.ray_app import Placement, deploy, matching_nodes
+
+        cfg = self.cfg
+        self._init_ray()
+        stack.callback(ray.shutdown)
+        self._catch_signals()  # ray.init installs its own SIGTERM handler (exit at once)
+        try:  # deploy() would adopt its actors, and this run would then kill them
+            ray.get_actor(SCHEDULER_NAME, namespace=cfg.ray.namespace)
+        except ValueError:
+            pass
+        else:
+            raise ConfigError(f"a kvprefetch scheduler already runs in Ray namespace "
+                              f"{cfg.ray.namespace!r}: stop it, or set ray.namespace")
+        nodes = self._wait_for_nodes(matching_nodes)
+        names = _node_names(nodes)
+        service = cfg.service_config(names)
+        agents = [AgentConfig(
+            node=i, node_name=names[i], remote=cfg.stores, transfer=cfg.agent.transfer,
+            dram=LocalTierConfig(path=cfg.agent.tier_path.format(node=i), kind=cfg.agent.tier_kind,
+                                 capacity_bytes=cfg.agent.tier_capacity_bytes))
+            for i in range(len(nodes))]
+        placements = [Placement(node_id=n["NodeID"]) for n in nodes]
+        here = Placement(node_id=ray.get_runtime_context().get_node_id())
+        log.info("deploying the scheduler (policy %s) and %d agents in namespace %r",
+                 service.policy, len(agents), cfg.ray.namespace)
+        dep = deploy(service, agents, placements, namespace=cfg.ray.namespace,
+                     scheduler_placement=here)
+        stack.callback(dep.shutdown)
+        for w in ray.get([a.where.remote() for a in dep.agents], timeout=60):
+            log.info("placed agent %d (%s) on Ray node %s at %s: tier %s", w["node"],
+                     names[w["node"]], w["node_id"], w["ip"], w["tier_path"])
+        client = connect(self.address, namespace=cfg.ray.namespace,
+                         timeout_s=cfg.http.call_timeout_s)
+        stack.callback(client.close)
+        scheduler = dep.scheduler
+
+        def metrics_text() -> bytes:
+            return bytes(ray.get(scheduler.metrics_text.remote(), timeout=5))
+
+        def health() -> None:
+            ray.get(scheduler.ping.remote(), timeout=2)
+
+        app = create_app(client, bearer_token=self.token, metrics_registry=metrics_text,
+                         call_timeout_s=cfg.http.call_timeout_s, health_check=health)
+        server = stack.enter_context(HttpServer(app, cfg.http.host, cfg.http.port,
+                                                access_log=cfg.http.access_log, log_level="info"))
+        auth = "bearer token required" if self.token else "no auth"
+        log.info("HTTP API on %s (%s): POST /v1/route ..., GET /metrics, GET /healthz, "
+                 "OpenAPI at /openapi.json", server.url, auth)
+        print(f"kvprefetch serve: ready, {len(agents)} agents, HTTP API on {server.url}",
+              flush=True)
+
+    def _init_ray(self) -> None:
+        import ray
+
+        cfg = self.cfg.ray
+        common: dict[str, Any] = {"namespace": cfg.namespace, "log_to_driver": cfg.log_to_driver,
+                                  "logging_level": logging.WARNING}
+        if self.address != "local":
+            log.info("attaching to the Ray cluster at %s", self.address)
+            ray.init(address=self.address, **common)
+            return
+        placement = self.cfg.placement
+        kw: dict[str, Any] = {}
+        if placement.resource == "GPU":
+            kw["num_gpus"] = 1  # declared, not detected: this node stands in for a GPU node
+        elif placement.resource is not None:
+            kw["resources"] = {placement.resource: 1.0}
+        if placement.labels:
+            kw["labels"] = dict(placement.labels)
+        if cfg.local_temp_dir is not None:
+            kw["_temp_dir"] = cfg.local_temp_dir
+        log.info("starting a local Ray runtime (one node, %s)", kw or "no extra resources")
+        ray.init(address="local", num_cpus=cfg.local_num_cpus,
+                 object_store_memory=cfg.local_object_store_bytes, include_dashboard=False,
+                 **kw, **common)
+
+    def _wait_for_nodes(self, matching_nodes: Any) -> list[dict[str, Any]]:
+        p = self.cfg.placement
+        deadline = time.monotonic() + p.wait_for_nodes_s
+        while True:
+            nodes = matching_nodes(resource=p.resource, labels=p.labels)
+            if len(nodes) >= p.min_nodes or time.monotonic() >= deadline:
+                break
+            log.info("%d of at least %d matching nodes are up; waiting", len(nodes), p.min_nodes)
+            if self._stop.wait(min(5.0, max(0.1, deadline - time.monotonic()))):
+                break
+        what = f"resource {p.resource!r}" if p.resource else "any resources"
+        if p.labels:
+            what += f" and labels {p.labels}"
+        if len(nodes) < p.min_nodes:
+            raise ServiceUnavailableError(
+                f"placement: {len(nodes)} alive Ray nodes with {what}, need at least "
+                f"{p.min_nodes} (placement.min_nodes; waited {p.wait_for_nodes_s:g} s)")
+        if p.max_nodes is not None:
+            nodes = nodes[: p.max_nodes]
+        log.info("%d nodes with %s get an agent", len(nodes), what)
+        return nodes
+
+
+def _node_names(nodes: list[dict[str, Any]]) -> list[str]:
+    """The node's address (unique per machine), made unique among raylets sharing one."""
+    names: list[str] = []
+    for i, n in enumerate(nodes):
+        name = str(n.get("NodeManagerAddress") or n.get("NodeName") or f"node-{i}")
+        names.append(name if name not in names else f"{name}#{i}")
+    return names
+

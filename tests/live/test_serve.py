@@ -1,0 +1,228 @@
+"""``kvprefetch serve``: config validation (errors name the field), node matching for
+placement, and a real run on a local one-node Ray runtime: agents placed, HTTP API up,
+a round trip through it, clean shutdown on SIGTERM."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+pytest.importorskip("ray")
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+
+from raycluster import _end, _pids_under  # noqa: E402
+
+from agents.embedded import EmbeddedS3, EmbeddedValkey, free_port  # noqa: E402
+from controlplane.cli import main  # noqa: E402
+from controlplane.cli.serve import load_serve_config  # noqa: E402
+from controlplane.client import connect  # noqa: E402
+from controlplane.errors import ConfigError  # noqa: E402
+from controlplane.ray_app import gpu_node_placements, matching_nodes  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+MIB = 1 << 20
+
+
+def _minimal(**over: Any) -> dict[str, Any]:
+    cfg: dict[str, Any] = {"stores": {"valkey": {"host": "127.0.0.1", "port": 6379}},
+                           "agent": {"tier_capacity_bytes": 64 * MIB}}
+    cfg.update(over)
+    return cfg
+
+
+def _write(tmp_path: Path, cfg: dict[str, Any]) -> Path:
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_the_example_config_is_valid(monkeypatch: pytest.MonkeyPatch,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("KVPREFETCH_API_TOKEN", "secret")
+    cfg = load_serve_config(ROOT / "examples" / "serve.yaml")
+    assert cfg.placement.resource == "GPU" and cfg.http.token() == "secret"
+    assert cfg.stores.valkey is not None and cfg.stores.s3 is not None
+    assert cfg.service_config(["a", "b", "c"]).fleet.nodes == 3
+    assert main(["serve", "--config", str(ROOT / "examples" / "serve.yaml"), "--check"]) == 0
+    assert "ok" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("cfg", "field"), [
+    (_minimal(http={"port": 70000}), "http.port"),
+    (_minimal(http={"bearer_token": "a", "bearer_token_env": "B"}), "http"),
+    (_minimal(stores={"valkey": {"port": "x"}}), "stores.valkey.port"),
+    (_minimal(stores={}), "stores"),
+    (_minimal(agent={}), "agent.tier_capacity_bytes"),
+    (_minimal(agent={"tier_capacity_bytes": 1, "tier_path": "/dev/shm/{nod}"}), "agent"),
+    (_minimal(placement={"min_nodes": 0}), "placement.min_nodes"),
+    (_minimal(placement={"min_nodes": 3, "max_nodes": 2}), "placement"),
+    (_minimal(fleet={"nodes": 4}), "fleet.nodes"),
+    (_minimal(fleet={"node": {"nic_gbps": -1}}), "node.nic_gbps"),
+    (_minimal(service={"policy": "nope"}), "unknown policy 'nope'"),
+    (_minimal(service={"policy": "oracle"}), "simulator only"),
+    (_minimal(service={"predictor": "zzz"}), "service.predictor"),
+    (_minimal(service={"loop_interval_s": 0}), "service.loop_interval_s"),
+    (_minimal(service={"fleet": {}}), "service.fleet"),
+    (_minimal(colour="red"), "colour"),
+])
+def test_bad_configs_fail_at_start_naming_the_field(tmp_path: Path, cfg: dict[str, Any],
+                                                    field: str) -> None:
+    path = _write(tmp_path, cfg)
+    with pytest.raises(ConfigError) as err:
+        load_serve_config(path)
+    assert str(path) in str(err.value) and field in str(err.value), str(err.value)
+
+
+def test_a_missing_token_variable_and_a_missing_file_are_config_errors(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVP_TEST_TOKEN", raising=False)
+    path = _write(tmp_path, _minimal(http={"bearer_token_env": "KVP_TEST_TOKEN"}))
+    with pytest.raises(ConfigError, match="KVP_TEST_TOKEN"):
+        load_serve_config(path).http.token()
+    assert main(["serve", "--config", str(path), "--check"]) == 2
+    with pytest.raises(ConfigError, match="not found"):
+        load_serve_config(tmp_path / "nope.yaml")
+    (tmp_path / "list.yaml").write_text("- a\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_serve_config(tmp_path / "list.yaml")
+
+
+def _node(node_id: str, resources: dict[str, float], labels: dict[str, str] | None = None,
+          alive: bool = True) -> dict[str, Any]:
+    return {"NodeID": node_id, "Alive": alive, "Resources": resources,
+            "Labels": labels or {}, "NodeManagerAddress": f"10.0.0.{node_id}"}
+
+
+def test_placement_matches_gpu_resource_custom_resource_and_labels() -> None:
+    nodes = [
+        _node("3", {"CPU": 8, "GPU": 1}, {"kvprefetch/role": "gpu"}),
+        _node("1", {"CPU": 8}),  # the head: no GPU
+        _node("2", {"CPU": 8, "GPU": 8, "kv_node": 1}),
+        _node("4", {"CPU": 8, "GPU": 1}, {"kvprefetch/role": "gpu"}, alive=False),
+    ]
+    assert [p.node_id for p in gpu_node_placements(nodes)] == ["2", "3"]  # NodeID order
+    assert [p.node_id for p in gpu_node_placements(nodes, resource="kv_node")] == ["2"]
+    assert [p.node_id for p in gpu_node_placements(nodes, resource=None)] == ["1", "2", "3"]
+    assert [n["NodeID"] for n in matching_nodes(
+        nodes, labels={"kvprefetch/role": "gpu"})] == ["3"]
+    assert matching_nodes(nodes, labels={"kvprefetch/role": "cpu"}) == []
+    assert gpu_node_placements(nodes)[0].node_id == "2"
+
+
+@pytest.mark.servers
+def test_serve_on_a_local_ray_runtime(tmp_path: Path, valkey_server: EmbeddedValkey,
+                                      s3_server: EmbeddedS3) -> None:
+    port = free_port()
+    ray_tmp = tempfile.mkdtemp(prefix="kvps", dir="/tmp")  # short: Ray's socket paths
+    tier = f"/dev/shm/kvp-serve-{os.getpid()}-{{node}}"
+    s3 = s3_server.store_config(key_prefix="serve-test/").model_dump(mode="json")
+    s3["secret_access_key"] = s3_server.store_config().secret_access_key.get_secret_value()
+    cfg = {
+        "ray": {"address": "auto", "local_temp_dir": ray_tmp, "log_to_driver": False},
+        "placement": {"resource": "GPU", "min_nodes": 1},
+        "fleet": {"model": "8b"},
+        "service": {"policy": "predictive", "predictor": "hinted",
+                    "journal_path": str(tmp_path / "journal.jsonl")},
+        "stores": {"valkey": valkey_server.store_config(key_prefix="serve-test:")
+                   .model_dump(mode="json"), "s3": s3},
+        "agent": {"tier_path": tier, "tier_capacity_bytes": 64 * MIB},
+        "http": {"host": "127.0.0.1", "port": port, "bearer_token": "tok"},
+    }
+    path = _write(tmp_path, cfg)
+    log_path = tmp_path / "serve.log"
+    started = time.monotonic()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "controlplane", "serve", "--config", str(path),
+             "--address", "local"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert _wait_healthy(url, proc, 90), log_path.read_text()[-4000:]
+        ready_s = time.monotonic() - started
+        with connect(url, token="tok", tenant="acme", timeout_s=5) as c:
+            ans = c.route("s1", input_tokens=4096)
+            assert ans.node == 0 and ans.node_name and not ans.timed_out
+            assert c.request_finished("s1", node=0, input_tokens=4096).accepted
+            assert c.hint("s1", "tool_running", eta_s=2.0).accepted
+            assert c.session_closed("s1").accepted
+        assert httpx.post(f"{url}/v1/route", json={"session_id": "x", "input_tokens": 1}
+                          ).status_code == 401
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'kvprefetch_events_total{kind="request_started"} 1.0' in metrics
+        assert "kvprefetch_prefetch_lateness_seconds" in metrics
+        assert "kvprefetch_ttlb_seconds" in metrics
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        leftovers = _pids_under(ray_tmp)
+        _end(leftovers)
+        subprocess.run(["rm", "-rf", ray_tmp], check=False)
+        for d in Path("/dev/shm").glob(f"kvp-serve-{os.getpid()}-*"):
+            subprocess.run(["rm", "-rf", str(d)], check=False)
+    out = log_path.read_text()
+    assert "placed agent 0" in out and "HTTP API on" in out, out[-4000:]
+    assert "kvprefetch serve stopped" in out, out[-4000:]
+    assert not leftovers, f"Ray processes left running after SIGTERM: {leftovers}"
+    assert (tmp_path / "journal.jsonl").stat().st_size > 0
+    print(f"serve ready after {ready_s:.1f} s")
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                return True
+        time.sleep(0.2)
+    return False
+
+
+def test_ray_cluster_yaml_has_the_launcher_keys_and_starts_lmcache_and_serve() -> None:
+    doc = yaml.safe_load((ROOT / "ray_cluster.yaml").read_text())
+    for key in ("cluster_name", "provider", "available_node_types", "head_node_type",
+                "setup_commands", "head_start_ray_commands", "worker_start_ray_commands"):
+        assert doc.get(key), key
+    assert doc["provider"]["type"] == "aws" and doc["provider"]["region"]
+    types = doc["available_node_types"]
+    head = types[doc["head_node_type"]]
+    assert head["resources"].get("GPU", 0) == 0  # the head gets no agent
+    gpu_types = [t for name, t in types.items() if name != doc["head_node_type"]]
+    assert gpu_types and all(t["resources"]["GPU"] >= 1 and t["node_config"]["InstanceType"]
+                             for t in gpu_types)
+    setup = "\n".join(doc["setup_commands"])
+    for package in ("vllm", "lmcache", "[serve,stores]"):
+        assert package in setup, package
+    head_cmds = "\n".join(doc["head_start_ray_commands"])
+    assert "ray start --head" in head_cmds and "kvprefetch serve --config" in head_cmds
+    worker_cmds = "\n".join(doc["worker_start_ray_commands"])
+    assert "lmcache server" in worker_cmds and "ray start --address" in worker_cmds
+    assert "kvprefetch serve" not in worker_cmds
+    # the LMCache server flags of ARCHITECTURE.md, with Valkey as its L2
+    for flag in ("--host 127.0.0.1", "--port", "--http-port", "--l1-size-gb",
+                 "--eviction-policy LRU", "--chunk-size 256", "--l2-adapter"):
+        assert flag in worker_cmds, flag
+    adapter = worker_cmds.split("--l2-adapter '", 1)[1].split("'", 1)[0]
+    assert yaml.safe_load(adapter)["type"] == "valkey"  # JSON is YAML
+    # placeholders are marked, and the serve config it uploads exists and says the same
+    text = (ROOT / "ray_cluster.yaml").read_text()
+    assert "REPLACE_ME_VALKEY_HOST" in text and "REPLACE_ME" in doc["available_node_types"][
+        "gpu_worker"]["node_config"]["IamInstanceProfile"]["Arn"]
+    assert "examples/serve.yaml" in setup and (ROOT / "examples" / "serve.yaml").exists()
+    assert "REPLACE_ME" in (ROOT / "examples" / "serve.yaml").read_text()
