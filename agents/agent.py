@@ -19,6 +19,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -38,6 +39,8 @@ from controlplane.wire import AgentHello, AgentStatus, TransferOrder, TransferRe
 log = logging.getLogger(__name__)
 
 Reporter = Callable[[TransferReport], None]
+#: How long ``wait`` waits for an order it has not seen yet (wall seconds).
+UNSEEN_ORDER_GRACE_S = 5.0
 
 
 class RemoteStoreConfig(BaseModel):
@@ -95,6 +98,7 @@ class PrefetchAgent:
         self._engine: TransferEngine | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+        self._appeared = threading.Condition(self._lock)
         self._running: dict[int, _Running] = {}
         self._reports: dict[int, TransferReport] = {}
         self._seen: set[int] = set()
@@ -177,6 +181,7 @@ class PrefetchAgent:
         running = _Running(order, handle, threading.Event())
         with self._lock:
             self._running[order.order_id] = running
+            self._appeared.notify_all()
         pool.submit(self._finish, running)
 
     def _finish(self, running: _Running) -> None:
@@ -212,12 +217,12 @@ class PrefetchAgent:
             complete=r.complete and not r.cancelled, cancelled=r.cancelled,
             bytes_moved=r.bytes_moved, keys_moved=r.keys_moved, keys_present=r.keys_present,
             keys_missed=r.keys_missed, keys_failed=r.keys_failed, ttlb_wall_s=r.ttlb_s,
-            incarnation=self.incarnation, error=error)
+            incarnation=self.incarnation, error=error, done_wall_s=time.time())
 
     def _empty_report(self, order: TransferOrder, *, error: str) -> TransferReport:
         return TransferReport(order.order_id, order.session_id, order.node, order.prefetch,
                               False, False, 0, 0, 0, 0, len(order.keys), 0.0,
-                              self.incarnation, error)
+                              self.incarnation, error, time.time())
 
     def _report(self, report: TransferReport) -> None:
         if self._reporter is None:
@@ -230,10 +235,24 @@ class PrefetchAgent:
 
     def wait(self, order_id: int, timeout_s: float | None = None) -> TransferReport | None:
         """Block until the order ends (its report), or None after ``timeout_s`` or when
-        this agent never saw the order."""
+        this agent has not seen the order within ``UNSEEN_ORDER_GRACE_S`` (the order
+        and the wait come from different callers, so the wait may arrive first)."""
         with self._lock:
             done = self._reports.get(order_id)
             running = self._running.get(order_id)
+            if done is None and running is None:
+                # The scheduler's execute and the engine's wait travel separately: the order
+                # may still be on its way here. Give it a moment to appear.
+                grace = UNSEEN_ORDER_GRACE_S if timeout_s is None else min(
+                    timeout_s, UNSEEN_ORDER_GRACE_S)
+                end = time.monotonic() + grace
+                while done is None and running is None:
+                    left = end - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._appeared.wait(left)
+                    done = self._reports.get(order_id)
+                    running = self._running.get(order_id)
         if done is not None:
             return done
         if running is None:
@@ -273,10 +292,20 @@ class PrefetchAgent:
             self._evicted += gone
         return gone
 
-    def write_local(self, items: Sequence[tuple[str, bytes]]) -> int:
+    def write_local(self, items: Sequence[tuple[str, bytes]], drop: Sequence[str] = ()
+                    ) -> int:
         """The engine's write-through of new KV into the local tier; returns how many
-        objects were stored (a full tier stores fewer: the remote store has them)."""
-        return sum(1 for r in self.tier.put(list(items)) if r.ok)
+        objects were stored (a full tier stores fewer: the remote store has them).
+        ``drop``: chunks the new context superseded (the previous turn's last, partial
+        chunk), deleted so that they do not crowd out live ones."""
+        stored = sum(1 for r in self.tier.put(list(items)) if r.ok)
+        if drop:
+            with self._lock:
+                busy = {k for r in self._running.values() for k in r.order.keys}
+            victims = sorted(set(drop) - busy)
+            if victims:
+                self.tier.delete(victims)
+        return stored
 
     def inventory(self) -> tuple[str, ...]:
         return tuple(self.tier.keys())

@@ -12,6 +12,10 @@ scheduler dispatches a demand load, or points at a prefetch still arriving) -> w
 transfer (the GPU stalls) -> read the local chunks -> host-to-GPU copy and prefill of the
 rest -> first token -> the GPU is free; decode -> write the new KV -> report.
 
+Timing: the GPU keeps its own timeline (see :meth:`EngineEmulator.serve`): waits for bytes
+are the transfers' real times, compute is the cost model's; the control-plane round trips
+around them are measured and returned as overhead, never scaled by the compression.
+
 Who calls what: the gateway (or the demo's replayer) calls :meth:`serve` once per request,
 from many threads at once; it blocks until the response ends.
 """
@@ -74,6 +78,10 @@ class ServeRequest:
 
 @dataclass(frozen=True, slots=True)
 class ServeResult:
+    """One served request. The ``*_wall_s`` instants are on the emulated GPU's timeline
+    (see :class:`EngineEmulator`), in ``time.time()`` seconds; the ``*_overhead_s`` fields
+    are control-plane time (wall seconds, *not* on that timeline)."""
+
     session_id: str
     turn: int
     node: int
@@ -90,6 +98,15 @@ class ServeResult:
     #: Wall seconds the GPU waited for KV (transfer wait + host-to-GPU copy).
     stall_wall_s: float
     error: str = ""
+    #: From the gateway's arrival to the engine taking the request (the route call and the
+    #: call to the engine).
+    route_overhead_s: float = 0.0
+    #: Round trips while the GPU held the request (gpu_start, the wait's answer, use_local,
+    #: local file reads), beyond the time the bytes themselves took to land.
+    gpu_overhead_s: float = 0.0
+    #: How far the real process ran behind the GPU timeline at the first token (>0 when
+    #: round trips are longer than the emulated work they surround).
+    lag_s: float = 0.0
 
     def ttft_s(self, compression: float) -> float:
         """TTFT on the service clock."""
@@ -100,7 +117,8 @@ GpuStart = Callable[[int, str, str, int], GpuStartPlan]
 UseLocal = Callable[[int, str, str, int, TransferReport | None], int]
 Report = Callable[[EngineReport], None]
 WaitOrder = Callable[[int, float], TransferReport | None]
-WriteLocal = Callable[[Sequence[tuple[str, bytes]]], int]
+#: (new chunks, superseded chunks to delete) -> chunks stored.
+WriteLocal = Callable[[Sequence[tuple[str, bytes]], Sequence[str]], int]
 
 
 class EngineEmulator:
@@ -127,6 +145,8 @@ class EngineEmulator:
         self._cv = threading.Condition()
         self._next_ticket = 0
         self._serving = 0
+        #: When the emulated GPU is free again, on its timeline (``time.time()`` seconds).
+        self._gpu_free_at = 0.0
         self.served = 0
         self.failed = 0
 
@@ -139,41 +159,73 @@ class EngineEmulator:
         if self._store is not None:
             self._store.close()
 
-    def _sleep(self, service_s: float) -> None:
-        if service_s > 0:
-            time.sleep(service_s / self.config.time_compression)
+    @staticmethod
+    def _sleep_until(wall_s: float) -> None:
+        delay = wall_s - time.time()
+        if delay > 0:
+            time.sleep(delay)
 
     # ------------------------------------------------------------------ the GPU queue
-    def _enter_gpu(self) -> None:
+    def _enter_gpu(self) -> float:
+        """Take the next ticket, wait for this request's turn; returns when the previous
+        request released the emulated GPU (on its timeline)."""
         with self._cv:
             ticket = self._next_ticket
             self._next_ticket += 1
             while self._serving != ticket:
                 self._cv.wait()
+            return self._gpu_free_at
 
-    def _leave_gpu(self) -> None:
+    def _leave_gpu(self, free_at: float | None = None) -> None:
         with self._cv:
+            if free_at is not None:
+                self._gpu_free_at = max(self._gpu_free_at, free_at)
             self._serving += 1
             self._cv.notify_all()
 
     # ------------------------------------------------------------------ serving
     def serve(self, req: ServeRequest) -> ServeResult:
+        """Serve one request (blocks until the response has ended and its KV is written).
+
+        The emulated GPU keeps its own timeline: a request starts when it arrived and the
+        GPU is free; it then waits for its KV transfer as long as the bytes really took to
+        land (the agent's time to last byte for a load dispatched now, the real completion
+        time for a transfer already under way), and computes for the cost model's times
+        divided by ``time_compression``. The control-plane round trips around those steps
+        (asking the scheduler, the agent's answer, reading files) are real work but not GPU
+        time: they are measured and returned as overhead, not scaled into the TTFT."""
         cfg = self.config
         fleet = cfg.fleet
+        c = cfg.time_compression
+        received = time.time()
         sid = f"{req.tenant}/{req.session_id}"
         reuse = min(req.reused_tokens, req.input_tokens)
-        self._enter_gpu()
+        free_at = self._enter_gpu()
         gpu_held = True
+        start = max(req.arrival_wall_s, free_at)
         try:
-            start = time.time()
+            t0 = time.time()
             plan = GpuStartPlan()
             try:
                 plan = self._gpu_start(self.node, req.tenant, req.session_id, reuse)
             except Exception as exc:  # no scheduler: serve from what is local, or recompute
                 log.warning("engine %d: gpu_start failed: %s", self.node, exc)
             done: TransferReport | None = None
+            kv_ready = start
+            transfer_s = 0.0
             if plan.wait_order_id is not None:
+                t_wait = time.time()
                 done = self._wait_order(plan.wait_order_id, cfg.load_timeout_s)
+                if done is None:  # timed out: the GPU really waited that long
+                    transfer_s = time.time() - t_wait
+                    kv_ready = start + transfer_s
+                elif plan.dispatched:  # the load started when the GPU picked the request up
+                    transfer_s = done.ttlb_wall_s
+                    kv_ready = start + transfer_s
+                else:  # a transfer already under way: the GPU waits until it landed
+                    landed = done.done_wall_s or time.time()
+                    transfer_s = max(0.0, landed - t0)
+                    kv_ready = max(start, landed)
             try:
                 self._use_local(self.node, req.tenant, req.session_id, reuse, done)
             except Exception as exc:
@@ -186,16 +238,17 @@ class EngineEmulator:
             dram, read_bytes = (0, 0) if hbm >= reuse else self._read_local(keys, stored,
                                                                             reuse)
             local = max(hbm, dram)
-            kv_ready = time.time()
+            gpu_overhead = max(0.0, time.time() - t0 - transfer_s)
             copy_s = max(0, dram - hbm) * self._bpt / (fleet.node.h2d_gbyte_s * 1e9)
-            self._sleep(copy_s)
-            stall_wall = (kv_ready - start) + copy_s / cfg.time_compression
+            stall_wall = (kv_ready - start) + copy_s / c
             prefill_s = fleet.prefill_s(req.input_tokens - local, local)
-            self._sleep(prefill_s + fleet.model.decode_s_per_token)
-            first_token = time.time()
-            self._leave_gpu()
+            first_token = kv_ready + (copy_s + prefill_s + fleet.model.decode_s_per_token) / c
+            self._sleep_until(first_token)
+            lag = max(0.0, time.time() - first_token)
+            self._leave_gpu(first_token)
             gpu_held = False
-            self._sleep(max(0, req.output_tokens - 1) * fleet.model.decode_s_per_token)
+            self._sleep_until(first_token + max(0, req.output_tokens - 1)
+                              * fleet.model.decode_s_per_token / c)
             ctx = req.input_tokens + req.output_tokens
             written = self._write_kv(req, local, ctx)
             evicted = self._hbm_put(sid, ctx)
@@ -208,7 +261,9 @@ class EngineEmulator:
                 log.warning("engine %d: report failed: %s", self.node, exc)
             return ServeResult(req.session_id, req.turn, self.node, req.arrival_wall_s, start,
                                kv_ready, first_token, finish, reuse, local, hbm, read_bytes,
-                               written, stall_wall)
+                               written, stall_wall,
+                               route_overhead_s=max(0.0, received - req.arrival_wall_s),
+                               gpu_overhead_s=gpu_overhead, lag_s=lag)
         except Exception as exc:
             self.failed += 1
             log.exception("engine %d: request %s/%d failed", self.node, sid, req.turn)
@@ -218,7 +273,7 @@ class EngineEmulator:
                                error=f"{type(exc).__name__}: {exc}")
         finally:
             if gpu_held:
-                self._leave_gpu()
+                self._leave_gpu(time.time())
 
     def _read_local(self, keys: Sequence[str], stored: int, reuse: int) -> tuple[int, int]:
         """Read and verify the leading chunks of the stored context present in the local
@@ -258,8 +313,14 @@ class EngineEmulator:
                                 len(bad), bad[0].error)
             except StoreError as exc:
                 log.warning("engine %d: remote write failed: %s", self.node, exc)
+        # The previous context's last chunk, when partial, is superseded by the new
+        # context's (a different key): drop it, as the scheduler's books only count the
+        # current context of a session.
+        stored = max(0, req.stored_context_tokens or 0)
+        drop = sorted(set(session_keys(req.tenant, req.session_id, stored, cfg.chunk_tokens,
+                                       req.hashes)) - set(keys)) if stored else []
         try:
-            self._write_local(items)
+            self._write_local(items, drop)
         except Exception as exc:
             log.warning("engine %d: local write-through failed: %s", self.node, exc)
         return sum(len(p) for _, p in items)

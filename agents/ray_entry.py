@@ -109,8 +109,9 @@ class _AgentActor:
     def wait(self, order_id: int, timeout_s: float | None = None) -> TransferReport | None:
         return self.agent.wait(order_id, timeout_s)
 
-    def write_local(self, items: Sequence[tuple[str, bytes]]) -> int:
-        return self.agent.write_local(items)
+    def write_local(self, items: Sequence[tuple[str, bytes]], drop: Sequence[str] = ()
+                    ) -> int:
+        return self.agent.write_local(items, drop)
 
     def inventory(self) -> tuple[str, ...]:
         return self.agent.inventory()
@@ -171,8 +172,9 @@ class _EngineActor:
         report: TransferReport | None = ray.get(ref, timeout=timeout_s + 5)
         return report
 
-    def _write_local(self, items: Sequence[tuple[str, bytes]]) -> int:
-        ref: Any = self._agent.write_local.remote(list(items))
+    def _write_local(self, items: Sequence[tuple[str, bytes]], drop: Sequence[str] = ()
+                     ) -> int:
+        ref: Any = self._agent.write_local.remote(list(items), list(drop))
         return int(ray.get(ref, timeout=30))
 
     def ping(self) -> bool:

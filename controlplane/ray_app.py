@@ -13,7 +13,7 @@ and where the per-node actors are placed.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -185,30 +185,48 @@ def local_placements(nodes: int) -> list[Placement]:
     return [Placement(resource=node_resource(i)) for i in range(nodes)]
 
 
-def gpu_node_placements(nodes: Sequence[dict[str, Any]] | None = None, *,
-                        resource: str | None = "GPU") -> list[Placement]:
-    """One placement per alive Ray node that has ``resource`` (None = every node)."""
+def matching_nodes(nodes: Sequence[dict[str, Any]] | None = None, *,
+                   resource: str | None = "GPU",
+                   labels: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+    """The alive Ray nodes (``ray.nodes()`` entries) that have ``resource`` (None = any) and
+    every one of ``labels``, in NodeID order (stable over calls)."""
     found = []
     for n in sorted(nodes if nodes is not None else ray.nodes(), key=lambda n: n["NodeID"]):
         if not n.get("Alive", True):
             continue
         if resource is not None and n.get("Resources", {}).get(resource, 0) <= 0:
             continue
-        found.append(Placement(node_id=n["NodeID"]))
+        have = n.get("Labels") or {}
+        if labels and any(have.get(k) != v for k, v in labels.items()):
+            continue
+        found.append(n)
     return found
+
+
+def gpu_node_placements(nodes: Sequence[dict[str, Any]] | None = None, *,
+                        resource: str | None = "GPU",
+                        labels: Mapping[str, str] | None = None) -> list[Placement]:
+    """One placement per alive Ray node that has ``resource`` (None = every node) and all
+    ``labels`` (see :func:`matching_nodes`)."""
+    return [Placement(node_id=n["NodeID"])
+            for n in matching_nodes(nodes, resource=resource, labels=labels)]
 
 
 def deploy(service: ServiceConfig, agents: Sequence[AgentConfig],
            placements: Sequence[Placement], *, engines: Sequence[EngineConfig] = (),
            engine_remote: RemoteStoreConfig | None = None, namespace: str = NAMESPACE,
-           detached: bool = False, ready_timeout_s: float = 120.0) -> Deployment:
-    """Start the scheduler, then agent ``i`` (and engine ``i``) at ``placements[i]``.
+           detached: bool = False, ready_timeout_s: float = 120.0,
+           scheduler_placement: Placement | None = None) -> Deployment:
+    """Start the scheduler (at ``scheduler_placement``, e.g. the head node that holds its
+    journal; anywhere when None), then agent ``i`` (and engine ``i``) at ``placements[i]``.
     Waits until every actor answers."""
     if len(agents) != len(placements) or len(agents) != service.fleet.nodes:
         raise ValueError("one agent config and one placement per node")
     lifetime = {"lifetime": "detached"} if detached else {}
+    where = scheduler_placement.options() if scheduler_placement is not None else {}
     scheduler = SchedulerActor.options(name=SCHEDULER_NAME, namespace=namespace,
-                                       get_if_exists=True, **lifetime).remote(service, namespace)
+                                       get_if_exists=True, **lifetime, **where).remote(
+                                           service, namespace)
     ray.get(scheduler.ping.remote(), timeout=ready_timeout_s)
     handles = [
         AgentActor.options(name=agent_name(cfg.node), namespace=namespace, get_if_exists=True,

@@ -46,7 +46,13 @@ from controlplane.errors import (
     UnknownSessionError,
     WrongTenantError,
 )
-from controlplane.keys import DEFAULT_CHUNK_TOKENS, chunk_hashes, session_keys, session_prefix
+from controlplane.keys import (
+    DEFAULT_CHUNK_TOKENS,
+    chunk_count,
+    chunk_hashes,
+    session_keys,
+    session_prefix,
+)
 from controlplane.planner import PrefetchOrder
 from controlplane.policies import POLICIES, LoadStart, PolicySpec
 from controlplane.scheduler import LoadTicket, SchedulerCore
@@ -362,6 +368,14 @@ class SchedulerService:
         return session_keys(info.tenant, info.session_id, tokens, self.config.chunk_tokens,
                             info.hashes)
 
+    def load_keys(self, info: _SessionInfo, tokens: int) -> list[str]:
+        """The stored chunks that hold the first ``tokens`` tokens of the session's context:
+        the leading chunks of its stored context (``context_tokens``), the last one possibly
+        longer than needed. (Naming the first ``tokens`` tokens on their own would name a
+        partial chunk that was never stored whenever ``tokens`` falls inside a chunk.)"""
+        keys = self.keys_of(info, max(tokens, info.context_tokens))
+        return keys[:chunk_count(tokens, self.config.chunk_tokens)]
+
     def _record(self, event: SessionEvent) -> None:
         self.stats.events += 1
         self.metrics.event(event.kind.value)
@@ -529,11 +543,13 @@ class SchedulerService:
             n.running_end_s = now + info.est_service_s
             info.node, info.est_service_s = None, 0.0
             oid = self._by_session.get((sid, node))
+            dispatched = False
             if oid is None and self.policy.load_start is LoadStart.ON_SCHEDULE:
                 oid = self._demand(info, node, reused_tokens, now, box)
+                dispatched = oid is not None
             plan = GpuStartPlan()
             if oid is not None and oid in n.orders:
-                plan = GpuStartPlan(oid, n.orders[oid].order.nbytes)
+                plan = GpuStartPlan(oid, n.orders[oid].order.nbytes, dispatched)
             self._collect(box)
         self._send(box)
         return plan
@@ -628,7 +644,7 @@ class SchedulerService:
 
     def _dispatch(self, ticket: LoadTicket, info: _SessionInfo, box: _Outbox) -> int:
         oid = next(self._order_ids)
-        keys = tuple(self.keys_of(info, ticket.tokens))
+        keys = tuple(self.load_keys(info, ticket.tokens))
         order = TransferOrder(oid, ticket.session_id, ticket.node, keys, ticket.tokens,
                               ticket.nbytes, ticket.prefetch, ticket.deadline_s,
                               0 if ticket.prefetch else DEMAND_PRIORITY)

@@ -58,6 +58,9 @@ class TransferReport:
     ttlb_wall_s: float
     incarnation: str = ""
     error: str = ""
+    #: When the order ended (``time.time()`` on the agent's node; 0 = unknown). The node's
+    #: engine emulator, on the same node, uses it to place the transfer on its GPU timeline.
+    done_wall_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +104,9 @@ class GpuStartPlan:
 
     wait_order_id: int | None = None
     wait_nbytes: int = 0
+    #: True when ``wait_order_id`` is a demand load dispatched by this very call (it starts
+    #: when the GPU picks the request up); False for an order already under way.
+    dispatched: bool = False
 
 
 @dataclass(frozen=True, slots=True)

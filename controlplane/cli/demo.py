@@ -58,6 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="session starts per trace second (default 0.03)")
     p.add_argument("--hbm-gib", type=float, default=2.0, help="HBM for KV per node, GiB (2)")
     p.add_argument("--dram-gib", type=float, default=24.0, help="DRAM tier per node, GiB (24)")
+    p.add_argument("--no-link-emulation", dest="link_emulation", action="store_false",
+                   help="let the agents move bytes as fast as the loopback allows, instead of "
+                        "at the fleet model's remote-read rate (scaled by kv_scale and the "
+                        "compression)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="json_out", help="write the report as JSON here")
     p.add_argument("--plot", help="write a PNG plot here")
@@ -159,6 +163,7 @@ def _run_policy(args: argparse.Namespace, fleet: Any, policy: str, trace: Any, v
     from agents.engine_emulator import EngineConfig, ServeRequest, ServeResult
     from agents.stores.local import LocalTierConfig
     from agents.stores.tiered import TieredStoreConfig
+    from agents.transfer import TransferConfig
     from controlplane.client import connect
     from controlplane.ray_app import deploy, local_placements
     from controlplane.replay import Replayer
@@ -175,7 +180,12 @@ def _run_policy(args: argparse.Namespace, fleet: Any, policy: str, trace: Any, v
     # scheduler's books decide what stays; the tier's own LRU is only a backstop.
     tier_bytes = int(fleet.node.dram_tier_bytes * args.kv_scale * 1.25) + 16 * MIB
     dirs = [Path("/dev/shm") / f"kvp-demo-{run_id}-{i}" for i in range(fleet.nodes)]
-    agents = [AgentConfig(node=i, node_name=f"gpu-{i}", remote=remote,
+    link_mib_s = link_rate_mib_s(fleet, args) if args.link_emulation else None
+    # The node's ingress link at the modelled rate (what the simulator's link model does):
+    # without it the loopback moves a scaled KV object in a fraction of the modelled time.
+    transfer = (TransferConfig(bandwidth_limit_mib_s=link_mib_s, burst_bytes=16 * 1024)
+                if link_mib_s is not None else TransferConfig())
+    agents = [AgentConfig(node=i, node_name=f"gpu-{i}", remote=remote, transfer=transfer,
                           dram=LocalTierConfig(path=str(d), capacity_bytes=tier_bytes))
               for i, d in enumerate(dirs)]
     engines = [EngineConfig(node=i, fleet=fleet, dram=a.dram, time_compression=args.compression,
@@ -215,7 +225,13 @@ def _run_policy(args: argparse.Namespace, fleet: Any, policy: str, trace: Any, v
                     prefetches=summ["prefetches"], prefetches_dropped=summ["prefetches_dropped"],
                     ttlb_s=summ["ttlb_s"], lateness_s=summ["lateness_s"], events=summ["events"])
     summary = summarize(run)
+    ok = [r for r in out.results if not r.error]
     live = {
+        "link_mib_s": round(link_mib_s, 3) if link_mib_s is not None else None,
+        # Control-plane time, wall milliseconds (not in the TTFT: see EngineEmulator.serve).
+        "route_overhead_ms": _pcts([r.route_overhead_s * 1e3 for r in ok]),
+        "gpu_overhead_ms": _pcts([r.gpu_overhead_s * 1e3 for r in ok]),
+        "timeline_lag_ms": _pcts([r.lag_s * 1e3 for r in ok]),
         "real_bytes_moved": summ["prefetch_bytes"] + summ["demand_bytes"],
         "real_prefetch_bytes": summ["prefetch_bytes"],
         "real_demand_bytes": summ["demand_bytes"],
@@ -230,6 +246,25 @@ def _run_policy(args: argparse.Namespace, fleet: Any, policy: str, trace: Any, v
     }
     summary.update(live)
     return summary, live
+
+
+def link_rate_mib_s(fleet: Any, args: argparse.Namespace) -> float:
+    """The fleet model's remote-read rate per node (Valkey; the NIC if slower), in real
+    MiB per wall second: modelled bytes/s x kv_scale x compression."""
+    modelled = min(fleet.node.nic_bytes_per_s, fleet.remote.valkey_gbyte_s_per_node * 1e9)
+    return float(modelled * args.kv_scale * args.compression / MIB)
+
+
+def _pcts(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "max": 0.0}
+    xs = sorted(values)
+
+    def q(p: float) -> float:
+        return xs[min(len(xs) - 1, int(p * len(xs)))]
+
+    return {"mean": round(sum(xs) / len(xs), 2), "p50": round(q(0.5), 2),
+            "p90": round(q(0.9), 2), "max": round(xs[-1], 2)}
 
 
 def _report(args: argparse.Namespace, fleet: Any, trace: Any, results: dict[str, Any],
@@ -251,6 +286,7 @@ def _report(args: argparse.Namespace, fleet: Any, trace: Any, results: dict[str,
             "pressure_ratio": round(ws / max(1, fleet.local_capacity_bytes), 3),
             "wall_s": round(wall_s, 3), "time_compression": args.compression,
             "kv_scale": args.kv_scale, "chunk_tokens": args.chunk_tokens,
+            "link_emulation": args.link_emulation,
         },
         "policies": results,
         "simulated": {name: {k: p[k] for k in ("returning", "ttft_mean_s", "stall_s")}
@@ -283,6 +319,15 @@ def _print(report: dict[str, Any]) -> None:
               f"{p.get('ttlb_mean_s', 0.0):>7.3f} {p['real_bytes_moved'] / MIB:>10.1f} "
               f"{p['prefetched_bytes'] / GIB:>9.1f} {p['wasted_bytes'] / GIB:>7.1f} "
               f"{sim:>9.3f}")
+    print("control-plane time per request, wall ms (measured, not in the TTFT above): "
+          "route = gateway arrival -> engine; on-GPU = round trips while the GPU holds the "
+          "request, beyond the transfer itself; lag = real run behind the GPU timeline")
+    for name, p in report["policies"].items():
+        ro, go, lag = p["route_overhead_ms"], p["gpu_overhead_ms"], p["timeline_lag_ms"]
+        print(f"  {name:<11} route p50 {ro['p50']:.1f} p90 {ro['p90']:.1f} | on-GPU p50 "
+              f"{go['p50']:.1f} p90 {go['p90']:.1f} | lag p90 {lag['p90']:.1f} max "
+              f"{lag['max']:.1f}; demand orders {p['orders_sent'] - p['prefetches']}, "
+              f"failed orders {p['orders_failed']}")
     pol = report["policies"]
     if "ondemand" in pol and "predictive" in pol:
         on, pr = pol["ondemand"]["returning"], pol["predictive"]["returning"]
