@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 EXTRAS ?= dev,plot,stores,ml,serve
 
-.PHONY: setup demo test lint sim-full clean
+.PHONY: setup demo sim test lint sim-full clean
 
 # torch is pinned to the CPU build for CPU machines (an open range would pull a multi-GB
 # CUDA build); GPU users install their own CUDA torch and then `pip install -e .[ml]`.
@@ -17,8 +17,15 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
-# One node: the bundled 33-session slice then loads the local tiers 2.4x over capacity.
+# The main job: the live control plane on local Ray with embedded Valkey and S3 and two
+# emulated GPU nodes, replaying the bundled trace slice, ondemand then predictive.
 demo: setup
+	mkdir -p out
+	$(VENV)/bin/kvprefetch demo --json out/demo.json --plot out/demo.png
+
+# The simulator on the bundled slice, one node: the 33 sessions then load the local tiers
+# 2.4x over capacity.
+sim: setup
 	mkdir -p out
 	$(VENV)/bin/kvprefetch sim --nodes 1 --json out/sim.json --plot out/sim.png
 
