@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from controlplane.atomic import write_atomic
 from controlplane.errors import PredictorError
 from predictors.features import FEATURE_NAMES, FEATURE_SCHEMA_VERSION
 
@@ -53,20 +52,7 @@ def write_artifact(
         "train": train,
     }
     blob = json.dumps(header, sort_keys=True).encode()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(MAGIC)
-            fh.write(len(blob).to_bytes(_LEN_BYTES, "little"))
-            fh.write(blob)
-            fh.write(payload)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, [MAGIC, len(blob).to_bytes(_LEN_BYTES, "little"), blob, payload])
     return path
 
 

@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         return 130
     _print(report)
     if args.json_out:
-        from controlplane.sim.report import write_json_atomic
+        from controlplane.atomic import write_json_atomic
 
         write_json_atomic(args.json_out, report)
         print(f"wrote {args.json_out}")

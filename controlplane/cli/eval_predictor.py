@@ -17,13 +17,12 @@ Example (one command, trains and compares)::
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from controlplane import atomic
 
 BASELINES = ("last-gap", "empirical")
 TABLE_COLUMNS = (
@@ -106,16 +105,8 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(_finite(data), fh, indent=2, sort_keys=False)
-            fh.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """The report as JSON, NaN written as null, atomically."""
+    atomic.write_json_atomic(path, _finite(data), sort_keys=False)
 
 
 def _finite(value: Any) -> Any:

@@ -85,9 +85,10 @@ def held_out(trace: Trace, fraction: float, seed: int, predictor_spec: str) -> T
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    from controlplane.atomic import write_json_atomic
     from controlplane.config import default_fleet, load_fleet
     from controlplane.policies import parse_policies
-    from controlplane.sim.report import format_table, write_json_atomic, write_plot
+    from controlplane.sim.report import format_table, write_plot
     from controlplane.sim.runner import SimOptions, run_policies
     from controlplane.sim.scenarios import apply_scenario
     from controlplane.sim.simulator import clamp_to_window

@@ -1,33 +1,14 @@
-"""Terminal table, atomic JSON and PNG plot of a simulation report."""
+"""Terminal table and PNG plot of a simulation report (JSON: :mod:`controlplane.atomic`)."""
 
 from __future__ import annotations
 
-import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from controlplane.policies import POLICIES
 
 GIB = 1 << 30
-
-
-def write_json_atomic(path: str | Path, data: Any) -> None:
-    """Write JSON so that readers see the old file or the whole new one, never a part."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=p.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def format_table(report: dict[str, Any]) -> str:

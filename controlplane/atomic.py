@@ -1,0 +1,39 @@
+"""Atomic file publishes: readers see the old file or the whole new one, never a part.
+
+Every file kvprefetch writes for users (reports, benchmark JSON, model artifacts) goes
+through :func:`write_atomic`: a temporary file in the same directory, fsynced, then
+renamed over the target; on any error the temporary file is removed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+
+def write_atomic(path: str | Path, chunks: Iterable[bytes]) -> Path:
+    """Write ``chunks`` to ``path`` atomically; returns the path."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return p
+
+
+def write_json_atomic(path: str | Path, data: Any, *, sort_keys: bool = True) -> Path:
+    """Pretty JSON, atomically (see :func:`write_atomic`)."""
+    text = json.dumps(data, indent=2, sort_keys=sort_keys) + "\n"
+    return write_atomic(path, [text.encode()])
