@@ -274,3 +274,17 @@ def test_cli_bad_input_leaves_no_json(tmp_path: Path) -> None:
     fleet.write_text("nodes: 0\n")
     res = _cli("sim", "--fleet", str(fleet), "--json", str(out))
     assert res.returncode == 2 and "field 'nodes'" in res.stderr and not out.exists()
+
+
+def test_console_script_loads_a_user_predictor_from_the_current_directory() -> None:
+    script = Path(sys.executable).parent / "kvprefetch"
+    if not script.exists():
+        pytest.skip("kvprefetch console script not installed in this environment")
+    res = subprocess.run(
+        [str(script), "sim", "--predictor", "examples.custom_predictor:StopAwarePredictor",
+         "--limit-sessions", "3", "--policies", "predictive", "--no-progress", "--workers",
+         "1"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert res.returncode == 0, res.stderr
+    assert "predictive" in res.stdout

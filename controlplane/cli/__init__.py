@@ -7,6 +7,7 @@ import argparse
 import importlib
 import importlib.util
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -60,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # As with `python -m`, user plugins given as `module:Class` (predictors) resolve from the
+    # current directory too.
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
