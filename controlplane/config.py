@@ -7,7 +7,7 @@ Every default states its source. Units are in field names (``_s``, ``_bytes``, `
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -15,7 +15,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from controlplane.errors import ConfigError
 
 GIB = 1 << 30
-TIB = 1 << 40
 
 
 class _Frozen(BaseModel):
@@ -247,5 +246,3 @@ def fleet_from_dict(raw: dict[str, Any], *, source: str = "fleet config") -> Fle
     except ValidationError as exc:
         raise ConfigError(_format_validation_error(exc, source)) from exc
 
-
-PolicyName = Literal["recompute", "local-lru", "ondemand", "queue", "predictive", "oracle"]

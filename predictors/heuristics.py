@@ -22,6 +22,8 @@ from controlplane.types import (
 DEFAULT_FIRST_GAP_S = 18.0
 #: Forecasts cover this horizon; sessions silent for longer are treated as gone.
 DEFAULT_HORIZON_S = 3600.0
+#: Standard normal quantiles of the forecast levels (0.1, 0.5, 0.9), rounded.
+_Z_BY_LEVEL = {0.1: -1.2816, 0.5: 0.0, 0.9: 1.2816}
 
 
 @dataclass(slots=True)
@@ -116,12 +118,9 @@ class _GapHeuristic:
             return ArrivalForecast(session_id, st.last_finish_s, q, 0.95, self.horizon_s, 0.8)
         centre, spread = self._centre_and_spread(st)
         # Log-normal-ish band around the centre: the gaps are heavy tailed.
-        z = 1.2816  # standard normal quantile at 0.9
         log_c = math.log1p(centre)
         quantiles = tuple(
-            max(0.0, math.expm1(log_c + z * spread * (-1.0 if lvl < 0.5 else 1.0 if lvl > 0.5
-                                                       else 0.0)))
-            for lvl in FORECAST_LEVELS
+            max(0.0, math.expm1(log_c + _Z_BY_LEVEL[lvl] * spread)) for lvl in FORECAST_LEVELS
         )
         elapsed = now_s - st.last_finish_s
         if elapsed > quantiles[1]:
