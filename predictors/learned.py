@@ -63,10 +63,11 @@ class LearnedPredictor:
         self.shift = np.zeros(len(_LEVELS))
         self.train_info: dict[str, Any] = {}
         self._tracker = FeatureTracker()
-        #: Raw model outputs (u_q row, p) per session, valid until its next event: the
-        #: model's inputs change only on events, while the planner asks again and again
-        #: (every eviction decision ranks every candidate) as time passes.
-        self._raw: dict[str, tuple[np.ndarray, float]] = {}
+        #: Raw model outputs per session (one row of :meth:`_raw_outputs`), valid until its
+        #: next event: the model's inputs change only on events, while the planner asks
+        #: again and again (every eviction decision ranks every candidate) as time passes.
+        #: Conditioning on the time elapsed is applied on every call (:meth:`_condition`).
+        self._raw: dict[str, np.ndarray] = {}
 
     # -- the Predictor protocol ---------------------------------------------------------
     def observe(self, event: SessionEvent) -> None:
@@ -126,32 +127,31 @@ class LearnedPredictor:
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         missing = [k for k, sid in enumerate(sids) if sid not in self._raw]
         if missing:
-            u_new, p_new = self._predict_states([states[k] for k in missing])
+            fresh = self._raw_outputs([states[k] for k in missing])
             for j, k in enumerate(missing):
-                self._raw[sids[k]] = (u_new[j], float(p_new[j]))
-        rows = [self._raw[sid] for sid in sids]
-        u_q = np.vstack([r[0] for r in rows])
-        p_h = np.fromiter((r[1] for r in rows), dtype=np.float64, count=len(rows))
-        return self._finish(u_q, p_h, elapsed_s)
+                self._raw[sids[k]] = fresh[j]
+        return self._condition(np.vstack([self._raw[sid] for sid in sids]), elapsed_s)
 
-    # -- arrays (batched path, also used by evaluation) -----------------------------------
-    def predict_states(
-        self, states: Sequence[SessionFeatures], elapsed_s: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(gap quantiles s (n,3), p_return (n,), horizon_s (n,), confidence (n,))."""
+    # -- the two steps of a forecast (subclasses may override either) ---------------------
+    def _raw_outputs(self, states: Sequence[SessionFeatures]) -> np.ndarray:
+        """What the model says about each session at its response end, as one row per
+        session: here the log-gap quantiles and P(return within the horizon)."""
         u_q, p_h = self._predict_states(states)
-        return self._finish(u_q, p_h, elapsed_s)
+        return np.column_stack([u_q, p_h])
+
+    def _condition(
+        self, raw: np.ndarray, elapsed_s: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(gap quantiles s (n,3), p_return (n,), horizon_s (n,), confidence (n,)) given
+        that ``elapsed_s`` have passed since each response end without a return."""
+        u_q = monotone(raw[:, : len(_LEVELS)] + self.shift[None, :])
+        p_h = np.clip(raw[:, len(_LEVELS)], 0.0, 1.0)
+        q, p, horizon = condition(u_q, p_h, elapsed_s, self.horizon_s)
+        confidence = np.clip(np.exp(-0.5 * (u_q[:, 2] - u_q[:, 0])), 0.0, 1.0)
+        return q, p, horizon, confidence
 
     def _predict_states(self, states: Sequence[SessionFeatures]) -> tuple[np.ndarray, np.ndarray]:
         return self._predict(self._tracker.rows(states))
-
-    def _finish(
-        self, u_q: np.ndarray, p_h: np.ndarray, elapsed_s: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        u_q = monotone(u_q + self.shift[None, :])
-        q, p, horizon = condition(u_q, np.clip(p_h, 0.0, 1.0), elapsed_s, self.horizon_s)
-        confidence = np.clip(np.exp(-0.5 * (u_q[:, 2] - u_q[:, 0])), 0.0, 1.0)
-        return q, p, horizon, confidence
 
     # -- training -------------------------------------------------------------------------
     def fit(self, trace: Trace | GapDataset, *, seed: int | None = None,

@@ -126,11 +126,14 @@ class SurvivalPredictor(LearnedPredictor):
         u_q, p, _ = self._from_curves(self.survival_curves(x), np.zeros(len(x)))
         return u_q, p
 
-    def predict_states(
-        self, states: Sequence[SessionFeatures], elapsed_s: np.ndarray
+    def _raw_outputs(self, states: Sequence[SessionFeatures]) -> np.ndarray:
+        """The survival curves: conditioning on the silence so far is exact on them."""
+        return self.survival_curves(self._tracker.rows(states))
+
+    def _condition(
+        self, raw: np.ndarray, elapsed_s: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        s = self.survival_curves(self._tracker.rows(states))
-        u_q, p, horizon = self._from_curves(s, np.maximum(elapsed_s, 0.0))
+        u_q, p, horizon = self._from_curves(raw, np.maximum(elapsed_s, 0.0))
         u_q = _monotone_floor(u_q + self.shift[None, :], np.log1p(np.maximum(elapsed_s, 0.0)))
         confidence = np.clip(np.exp(-0.5 * (u_q[:, 2] - u_q[:, 0])), 0.0, 1.0)
         return np.expm1(u_q), p, horizon, confidence

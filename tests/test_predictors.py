@@ -121,6 +121,30 @@ def test_model_forecasts_are_monotone_and_probabilities_bounded(trained, trace, 
 
 
 @pytest.mark.parametrize("name", TRAINABLE)
+def test_cached_model_outputs_give_the_same_forecasts_later(trained, trace, name):
+    """Model outputs are cached per session until its next event; conditioning on the
+    time elapsed must still be the model's own, whatever was cached before."""
+    model = trained[name]
+    ids, finishes = idle_sessions(model, trace)
+    try:
+        model.forecast_many(ids, finishes)  # fills the cache at each response end
+        later = [f + 45.0 for f in finishes]
+        warm = model.forecast_many(ids, later)
+        model.clear_cache()
+        cold = model.forecast_many(ids, later)
+        assert warm == cold
+        if name == "survival":  # exact conditioning on its own survival curves
+            rows = model._tracker.rows([model._tracker.ready(sid) for sid in ids])
+            elapsed = np.array(later) - np.array(finishes)
+            q, p, _, _ = model._condition(model.survival_curves(rows), elapsed)
+            assert np.allclose([fc.gap_quantiles_s for fc in warm], q, rtol=1e-12)
+            assert np.allclose([fc.p_return for fc in warm], p, rtol=1e-12)
+    finally:
+        for sid in ids:
+            model.forget(sid)
+
+
+@pytest.mark.parametrize("name", TRAINABLE)
 def test_save_load_round_trip_gives_identical_forecasts(trained, trace, tmp_path, name):
     model = trained[name]
     path = model.save(tmp_path / f"{name}.kvp")
