@@ -24,7 +24,6 @@ import sys
 import sysconfig
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any, Literal
 
@@ -334,14 +333,3 @@ class EmbeddedS3:
         }
         kw.update(overrides)
         return S3StoreConfig(**kw)
-
-
-def http_ok(url: str, timeout_s: float = 1.0) -> bool:
-    """True when ``url`` answers at all (any HTTP status)."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s):
-            return True
-    except urllib.error.HTTPError:
-        return True
-    except OSError:
-        return False

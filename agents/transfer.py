@@ -15,7 +15,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -419,7 +418,3 @@ class TransferEngine:
         for _, _, key, _ in mine:
             self._record(t, key, ok=False, error="cancelled", nbytes=0)
 
-
-def ttlb_floor_s(total_bytes: int, link_mib_s: float) -> float:
-    """The least TTLB a link of ``link_mib_s`` allows for ``total_bytes`` (for planning)."""
-    return total_bytes / MIB / link_mib_s if link_mib_s > 0 and not math.isinf(link_mib_s) else 0.0

@@ -313,11 +313,6 @@ class SchedulerService:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def set_agent(self, node: int, port: AgentPort) -> None:
-        self._check_node(node)
-        with self._lock:
-            self._agents[node] = port
-
     @property
     def core(self) -> SchedulerCore:
         if self._core is None:

@@ -40,11 +40,6 @@ class OraclePredictor:
         )
         self._next_arrival[event.session_id] = (event.time_s, max(arrival, event.time_s))
 
-    def next_arrival_s(self, session_id: str) -> float | None:
-        """The true next arrival time (``None`` when unknown or in flight)."""
-        entry = self._next_arrival.get(session_id)
-        return None if entry is None else entry[1]
-
     def forecast(self, session_id: str, now_s: float) -> ArrivalForecast | None:
         entry = self._next_arrival.get(session_id)
         if entry is None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import logging
 import os
 import sys
@@ -16,25 +15,27 @@ from controlplane.errors import KvPrefetchError
 #: sub-command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "sim": ("controlplane.cli.sim", "replay a trace over a modelled fleet, compare policies"),
+    "train": ("controlplane.cli.train", "train a predictor on a trace"),
+    "eval-predictor": ("controlplane.cli.eval_predictor",
+                       "evaluate predictors side by side on held-out gaps"),
+    "demo": ("controlplane.cli.demo",
+             "live control plane on local Ray: ondemand vs predictive with real bytes"),
+    "serve": ("controlplane.cli.serve",
+              "attach to a Ray cluster: scheduler, one agent per GPU node, HTTP API"),
 }
 #: `kvprefetch bench <what>`
-BENCHES: dict[str, tuple[str, str]] = {}
+BENCHES: dict[str, tuple[str, str]] = {
+    "store": ("controlplane.cli.bench_store",
+              "TTLB of one session-sized object from Valkey / S3 / tiered into the DRAM tier"),
+}
 
 
-def _optional(table: dict[str, tuple[str, str]], name: str, module: str, help_: str) -> None:
-    if importlib.util.find_spec(module) is not None:
-        table[name] = (module, help_)
-
-
-_optional(COMMANDS, "train", "controlplane.cli.train", "train a predictor on a trace")
-_optional(COMMANDS, "eval-predictor", "controlplane.cli.eval_predictor",
-          "evaluate predictors side by side on held-out gaps")
-_optional(COMMANDS, "demo", "controlplane.cli.demo",
-          "live control plane on local Ray: ondemand vs predictive with real bytes")
-_optional(COMMANDS, "serve", "controlplane.cli.serve",
-          "run the control plane on a Ray cluster: scheduler, one agent per GPU node, HTTP API")
-_optional(BENCHES, "store", "controlplane.cli.bench_store",
-          "TTLB of one session-sized object from Valkey / S3 / tiered into the DRAM tier")
+def _add_commands(sub: argparse._SubParsersAction, table: dict[str, tuple[str, str]]) -> None:
+    for name, (module, help_) in table.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        mod = importlib.import_module(module)
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,19 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, (module, help_) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_, description=help_)
-        mod = importlib.import_module(module)
-        mod.add_arguments(p)
-        p.set_defaults(_run=mod.run)
-    if BENCHES:
-        bench = sub.add_parser("bench", help="benchmarks", description="benchmarks")
-        bsub = bench.add_subparsers(dest="bench", metavar="WHAT", required=True)
-        for name, (module, help_) in BENCHES.items():
-            p = bsub.add_parser(name, help=help_, description=help_)
-            mod = importlib.import_module(module)
-            mod.add_arguments(p)
-            p.set_defaults(_run=mod.run)
+    _add_commands(sub, COMMANDS)
+    bench = sub.add_parser("bench", help="benchmarks", description="benchmarks")
+    _add_commands(bench.add_subparsers(dest="bench", metavar="WHAT", required=True), BENCHES)
     return parser
 
 

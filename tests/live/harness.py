@@ -7,7 +7,6 @@ from __future__ import annotations
 import shutil
 import time
 import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -114,7 +113,3 @@ def build_local_fleet(fleet: FleetConfig, valkey: EmbeddedValkey | None, s3: Emb
             wait_order=agent.wait, write_local=agent.write_local,
             store=remote.build()).start())
     return LocalFleet(svc, agents, engines, dirs)
-
-
-def keys_on(agent: PrefetchAgent, prefix: str) -> Sequence[str]:
-    return [k for k in agent.inventory() if k.startswith(prefix)]
