@@ -211,10 +211,12 @@ def test_cold_start_scenario_clears_tiers() -> None:
     assert all(r.reused_local_tokens == r.reused_tokens for r in rec if r.turn == 1)
 
 
-turn_st = st.tuples(st.integers(100, 30_000), st.integers(1, 300), st.floats(0.0, 120.0))
+# New tokens per turn from 2,000 up: below that a remote read's first-byte latency can exceed
+# the prefill it saves, and the property below is stated for transfers faster than prefill.
+turn_st = st.tuples(st.integers(2_000, 30_000), st.integers(1, 300), st.floats(0.0, 120.0))
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(st.floats(0, 60), st.lists(turn_st, min_size=1, max_size=4)),
                 min_size=1, max_size=6))
 def test_property_oracle_and_ondemand_bounds(spec: list) -> None:
@@ -222,15 +224,17 @@ def test_property_oracle_and_ondemand_bounds(spec: list) -> None:
     trace = Trace("prop", tuple(sorted(sessions, key=lambda s: (s.start_s, s.session_id))),
                   "test")
     # Ample tiers; transfers (100 Gb/s) far faster than prefill of the same tokens.
-    fleet = fleet_from_dict({"nodes": 2, "node": {"hbm_kv_bytes": 400 * GIB,
-                                                  "dram_tier_bytes": 400 * GIB}})
-
-    def mean(policy: str) -> float:
+    def mean(policy: str, nodes: int) -> float:
+        fleet = fleet_from_dict({"nodes": nodes, "node": {"hbm_kv_bytes": 400 * GIB,
+                                                          "dram_tier_bytes": 400 * GIB}})
         recs = _run(policy, trace, fleet).out.records
         return sum(r.ttft_s for r in recs) / len(recs)
 
-    assert mean("oracle") <= mean("ondemand") + 1e-9
-    assert mean("ondemand") <= mean("recompute") + 1e-9
+    assert mean("oracle", 2) <= mean("ondemand", 2) + 1e-9
+    # On one node: with several, a remote copy lets ondemand's greedy router send a request
+    # away from its busy home node, where it can delay a later request that recompute would
+    # have served at once (a counterexample hypothesis found: +4% mean TTFT, 3 sessions).
+    assert mean("ondemand", 1) <= mean("recompute", 1) + 1e-9
 
 
 # ------------------------------------------------------------------ CLI
