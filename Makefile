@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-EXTRAS ?= dev,plot,stores,ml,serve
+EXTRAS ?= dev,plot,stores,ml,serve,lmcache
 
 .PHONY: setup demo sim test lint sim-full clean
 

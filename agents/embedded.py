@@ -86,7 +86,7 @@ def _wait_port(host: str, port: int, proc: subprocess.Popen[bytes] | None, timeo
     raise StoreConnectionError(f"{what} did not listen on {host}:{port} within {timeout_s} s")
 
 
-def _stop_process(proc: subprocess.Popen[bytes] | None, timeout_s: float = 5.0) -> None:
+def stop_process(proc: subprocess.Popen[bytes] | None, timeout_s: float = 5.0) -> None:
     if proc is None or proc.poll() is not None:
         return
     proc.terminate()
@@ -152,7 +152,7 @@ class EmbeddedValkey:
         return self
 
     def stop(self) -> None:
-        _stop_process(self._proc)
+        stop_process(self._proc)
         self._proc = None
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
@@ -307,7 +307,7 @@ class EmbeddedS3:
         raise StoreConnectionError(f"S3 at {self.endpoint_url} not ready: {last}")
 
     def stop(self) -> None:
-        _stop_process(self._proc)
+        stop_process(self._proc)
         self._proc = None
         if self._moto is not None:
             self._moto.stop()

@@ -66,7 +66,7 @@ class SurvivalPredictor(LearnedPredictor):
         self.alpha = np.zeros((_B, len(BUCKETS)))
         self.beta = np.zeros((len(BAND_STARTS_S) + 1, len(_COLS)))
         self.mean = np.zeros(len(_COLS))
-        self.scale = np.ones(len(_COLS))
+        self.scale: np.ndarray = np.ones(len(_COLS))
 
     # -- fitting --------------------------------------------------------------------------
     def _fit(self, ds: GapDataset, rng: np.random.Generator, progress: bool) -> None:

@@ -72,7 +72,7 @@ class TorchSeqPredictor(LearnedPredictor):
         super().__init__(**kwargs)
         self.net: Any = None
         self.mean = np.zeros(N_FEATURES)
-        self.scale = np.ones(N_FEATURES)
+        self.scale: np.ndarray = np.ones(N_FEATURES)
 
     # -- inputs ---------------------------------------------------------------------------
     def _inputs(self, seq: np.ndarray, valid: np.ndarray) -> tuple[Any, Any]:
