@@ -73,7 +73,7 @@ def find_weed() -> str | None:
     return None
 
 
-def _wait_port(host: str, port: int, proc: subprocess.Popen[bytes] | None, timeout_s: float,
+def wait_port(host: str, port: int, proc: subprocess.Popen[bytes] | None, timeout_s: float,
                what: str, log_path: Path | None = None) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -143,7 +143,7 @@ class EmbeddedValkey:
         self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.DEVNULL)
         try:
-            _wait_port(self.host, self.port, self._proc, self._timeout, "valkey-server",
+            wait_port(self.host, self.port, self._proc, self._timeout, "valkey-server",
                        self._dir / "valkey.log")
         except BaseException:
             self.stop()
@@ -189,10 +189,15 @@ class EmbeddedS3:
         bucket: str = "kvprefetch",
         port: int | None = None,
         start_timeout_s: float = 30.0,
+        extra_buckets: tuple[str, ...] = (),
+        weed_args: tuple[str, ...] = (),
     ) -> None:
         self.host = "127.0.0.1"
         self.port = port or 0
         self.bucket = bucket
+        #: More buckets SeaweedFS creates at start, and more ``weed mini`` flags.
+        self.extra_buckets = extra_buckets
+        self._weed_args = weed_args
         self.backend = backend
         self.access_key_id = "kvp" + secrets.token_hex(6)
         self.secret_access_key = secrets.token_hex(16)
@@ -243,8 +248,8 @@ class EmbeddedS3:
         args = [
             weed, "mini", f"-dir={self._dir}", f"-ip={self.host}", f"-ip.bind={self.host}",
             "-master.telemetry=false", "-admin.ui=false", "-webdav=false",
-            f"-s3.port={self.port}", f"-bucket={self.bucket}",
-            *(f"-{k}={v}" for k, v in ports.items()),
+            f"-s3.port={self.port}", f"-bucket={','.join((self.bucket, *self.extra_buckets))}",
+            *(f"-{k}={v}" for k, v in ports.items()), *self._weed_args,
         ]
         env = {
             **os.environ,
@@ -259,7 +264,7 @@ class EmbeddedS3:
                 cwd=self._dir,
             )
         try:
-            _wait_port(self.host, self.port, self._proc, self._timeout, "weed mini", log_path)
+            wait_port(self.host, self.port, self._proc, self._timeout, "weed mini", log_path)
         except BaseException:
             self.stop()
             raise
@@ -273,7 +278,7 @@ class EmbeddedS3:
             ) from exc
         self._moto = ThreadedMotoServer(ip_address=self.host, port=self.port, verbose=False)
         self._moto.start()
-        _wait_port(self.host, self.port, None, self._timeout, "moto")
+        wait_port(self.host, self.port, None, self._timeout, "moto")
 
     def _client(self) -> Any:
         import boto3

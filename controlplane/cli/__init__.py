@@ -27,6 +27,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
 BENCHES: dict[str, tuple[str, str]] = {
     "store": ("controlplane.cli.bench_store",
               "TTLB of one session-sized object from Valkey / S3 / tiered into the DRAM tier"),
+    "lmcache": ("controlplane.cli.bench_lmcache",
+                "our LMCache L2 adapter vs LMCache's valkey and s3 adapters (lmcache bench l2)"),
 }
 
 
