@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Literal
 
@@ -54,6 +55,7 @@ class LMCacheServer:
         hash_algorithm: str = "blake3",
         transfer_mode: TransferMode = "auto",
         eviction_policy: str = "LRU",
+        shm_name: str | None = "auto",
         extra_args: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
         start_timeout_s: float = 120.0,
@@ -72,6 +74,9 @@ class LMCacheServer:
         self.hash_algorithm = hash_algorithm
         self.transfer_mode = transfer_mode
         self.eviction_policy = eviction_policy
+        #: L1's shared-memory pool, which engine-driven clients map (without one their KV
+        #: travels pickled in the ZMQ messages); "auto" = a name unique to this server.
+        self.shm_name = f"kvp-{uuid.uuid4().hex[:12]}" if shm_name == "auto" else shm_name
         self._extra = extra_args
         self._env = env or {}
         self._timeout = start_timeout_s
@@ -100,6 +105,8 @@ class LMCacheServer:
             "--eviction-policy", self.eviction_policy, "--hash-algorithm", self.hash_algorithm,
             "--supported-transfer-mode", self.transfer_mode,
         ]
+        if self.shm_name:
+            args += ["--shm-name", self.shm_name]
         if self.l2_adapter is not None:
             args += ["--l2-adapter", json.dumps(self.l2_adapter)]
         return args + list(self._extra)
