@@ -24,9 +24,11 @@ import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from agents.lmcache.backend import LMCacheBackendConfig, LMCacheWarmer, WarmHandle
 from agents.stores.base import ObjectStore
 from agents.stores.local import LocalTier, LocalTierConfig
 from agents.stores.s3_store import S3Store, S3StoreConfig
@@ -34,6 +36,7 @@ from agents.stores.tiered import TieredStore, TieredStoreConfig
 from agents.stores.valkey_store import ValkeyStore, ValkeyStoreConfig
 from agents.transfer import TransferConfig, TransferEngine, TransferHandle, TransferResult
 from controlplane.errors import ConfigError
+from controlplane.keys import parse_session_prefix
 from controlplane.wire import AgentHello, AgentStatus, TransferOrder, TransferReport
 
 log = logging.getLogger(__name__)
@@ -66,21 +69,36 @@ class RemoteStoreConfig(BaseModel):
 
 
 class AgentConfig(BaseModel):
+    """One node's agent. ``backend`` picks where orders land: ``local`` = the project's own
+    DRAM/disk tier (``dram``), ``lmcache-mp`` = the node's LMCache MP server's L1, warmed
+    through its HTTP API (``lmcache``)."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     node: int = Field(ge=0)
     node_name: str = ""
-    dram: LocalTierConfig
+    backend: Literal["local", "lmcache-mp"] = "local"
+    dram: LocalTierConfig | None = None
+    lmcache: LMCacheBackendConfig | None = None
     remote: RemoteStoreConfig
     transfer: TransferConfig = TransferConfig()
     #: Threads that wait on transfers and send their reports.
     report_threads: int = Field(16, ge=1, le=256)
 
+    @model_validator(mode="after")
+    def _backend_settings(self) -> AgentConfig:
+        if self.backend == "local" and self.dram is None:
+            raise ValueError("backend 'local' needs 'dram' (the node's local tier)")
+        if self.backend == "lmcache-mp" and self.lmcache is None:
+            raise ValueError("backend 'lmcache-mp' needs 'lmcache' (the node's LMCache "
+                             "server: http_url, model_name ...)")
+        return self
+
 
 @dataclass(slots=True)
 class _Running:
     order: TransferOrder
-    handle: TransferHandle
+    handle: TransferHandle | WarmHandle
     done: threading.Event
 
 
@@ -96,6 +114,7 @@ class PrefetchAgent:
         self._store = store
         self._tier: LocalTier | None = None
         self._engine: TransferEngine | None = None
+        self._warmer: LMCacheWarmer | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._appeared = threading.Condition(self._lock)
@@ -109,26 +128,40 @@ class PrefetchAgent:
     def start(self) -> PrefetchAgent:
         """Connect to the remote store, open the local tier (dropping partial writes of a
         killed predecessor) and start the transfer engine."""
-        if self._engine is not None:
+        if self._pool is not None:
             return self
+        cfg = self.config
         if self._store is None:
-            self._store = self.config.remote.build()
+            self._store = cfg.remote.build()
         self._store.start()
-        self._tier = LocalTier(self.config.dram, name=f"dram{self.node}")
-        self._tier.start()
-        self._engine = TransferEngine(self._store, self._tier, self.config.transfer,
-                                      name=f"agent{self.node}")
-        self._engine.start()
-        self._pool = ThreadPoolExecutor(self.config.report_threads,
+        if cfg.lmcache is not None and cfg.backend == "lmcache-mp":
+            self._warmer = LMCacheWarmer(cfg.lmcache, self._store, name=f"agent{self.node}")
+            try:
+                self._warmer.start()  # refuses a server whose keys cannot match ours
+            except BaseException:
+                self.close()
+                raise
+            where = f"LMCache L1 at {cfg.lmcache.http_url}"
+        else:
+            assert cfg.dram is not None  # the validator's rule
+            self._tier = LocalTier(cfg.dram, name=f"dram{self.node}")
+            self._tier.start()
+            self._engine = TransferEngine(self._store, self._tier, cfg.transfer,
+                                          name=f"agent{self.node}")
+            self._engine.start()
+            where = f"tier {cfg.dram.path}, {cfg.dram.capacity_bytes} bytes"
+        self._pool = ThreadPoolExecutor(cfg.report_threads,
                                         thread_name_prefix=f"agent{self.node}-report")
-        log.info("agent %d (%s) started: tier %s, %d bytes", self.node, self.node_name,
-                 self.config.dram.path, self.config.dram.capacity_bytes)
+        log.info("agent %d (%s) started: %s", self.node, self.node_name, where)
         return self
 
     def close(self) -> None:
         if self._engine is not None:
             self._engine.close()
             self._engine = None
+        if self._warmer is not None:
+            self._warmer.close()
+            self._warmer = None
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
@@ -158,15 +191,20 @@ class PrefetchAgent:
             raise ConfigError(f"agent {self.node} is not started")
         return self._store
 
+    @property
+    def warmer(self) -> LMCacheWarmer | None:
+        """The ``lmcache-mp`` backend (None for the local tier)."""
+        return self._warmer
+
     def hello(self) -> AgentHello:
-        return AgentHello(self.node, self.incarnation, self.node_name,
-                          tuple(self.tier.keys()), os.getpid())
+        return AgentHello(self.node, self.incarnation, self.node_name, self.inventory(),
+                          os.getpid())
 
     # ------------------------------------------------------------------ orders
     def execute(self, order: TransferOrder) -> None:
         """Start moving the order's chunks (returns at once). Idempotent per order id."""
-        engine, pool = self._engine, self._pool
-        if engine is None or pool is None:
+        engine, warmer, pool = self._engine, self._warmer, self._pool
+        if pool is None:
             raise ConfigError(f"agent {self.node} is not started")
         if order.node != self.node:
             log.warning("agent %d: order %d is for node %d; refused", self.node,
@@ -177,7 +215,12 @@ class PrefetchAgent:
             if order.order_id in self._seen:
                 return
             self._seen.add(order.order_id)
-        handle = engine.submit(order.keys, priority=order.priority)
+        handle: TransferHandle | WarmHandle
+        if warmer is not None:
+            handle = warmer.submit(order)
+        else:
+            assert engine is not None
+            handle = engine.submit(order.keys, priority=order.priority)
         running = _Running(order, handle, threading.Event())
         with self._lock:
             self._running[order.order_id] = running
@@ -275,7 +318,13 @@ class PrefetchAgent:
     # ------------------------------------------------------------------ the tier
     def evict(self, prefixes: Sequence[str] = (), keys: Sequence[str] = ()) -> int:
         """Evict advice: delete these keys and every key under these prefixes (keys of a
-        transfer still running are left alone). Returns how many were deleted."""
+        transfer still running are left alone). Returns how many were deleted. With the
+        ``lmcache-mp`` backend, the sessions under ``prefixes`` leave LMCache's L1."""
+        if self._warmer is not None:
+            gone = self._warmer.evict_sessions([parse_session_prefix(p) for p in prefixes])
+            with self._lock:
+                self._evicted += gone
+            return gone
         tier = self.tier
         with self._lock:
             busy = {k for r in self._running.values() for k in r.order.keys}
@@ -297,7 +346,10 @@ class PrefetchAgent:
         """The engine's write-through of new KV into the local tier; returns how many
         objects were stored (a full tier stores fewer: the remote store has them).
         ``drop``: chunks the new context superseded (the previous turn's last, partial
-        chunk), deleted so that they do not crowd out live ones."""
+        chunk), deleted so that they do not crowd out live ones. With the ``lmcache-mp``
+        backend the engine stores through LMCache itself: nothing to do here."""
+        if self._warmer is not None:
+            return 0
         stored = sum(1 for r in self.tier.put(list(items)) if r.ok)
         if drop:
             with self._lock:
@@ -308,15 +360,24 @@ class PrefetchAgent:
         return stored
 
     def inventory(self) -> tuple[str, ...]:
+        if self._warmer is not None:
+            return self._warmer.warm_keys()
         return tuple(self.tier.keys())
 
     def has(self, keys: Sequence[str]) -> list[bool]:
+        if self._warmer is not None:
+            warm = set(self._warmer.warm_keys())
+            return [k in warm for k in keys]
         return [r.ok for r in self.tier.exists(list(keys))]
 
     def status(self) -> AgentStatus:
-        tier = self.tier
+        if self._warmer is not None:
+            used, capacity = self._warmer.usage()
+            held = len(self._warmer.warm_keys())
+        else:
+            tier = self.tier
+            used, capacity, held = tier.used_bytes, tier.capacity_bytes, len(tier.keys())
         with self._lock:
             return AgentStatus(self.node, self.node_name, self.incarnation, os.getpid(),
-                               tier.used_bytes, tier.capacity_bytes, len(tier.keys()),
-                               len(self._running), self._done, self._failed, self._bytes,
-                               self._evicted)
+                               used, capacity, held, len(self._running), self._done,
+                               self._failed, self._bytes, self._evicted)

@@ -28,9 +28,11 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from agents.lmcache.engine_kv import LMCacheEngineConfig, LMCacheEngineKV
 from agents.stores.base import ObjectStore
 from agents.stores.errors import StoreError
 from agents.stores.format import decode_object
@@ -48,8 +50,13 @@ class EngineConfig(BaseModel):
 
     node: int = Field(ge=0)
     fleet: FleetConfig
+    #: Where reusable KV is read from and new KV written: ``local`` = the agent's tier
+    #: files and the remote store; ``lmcache-mp`` = the node's LMCache MP server, as a real
+    #: engine-driven client (see :mod:`agents.lmcache.engine_kv`).
+    backend: Literal["local", "lmcache-mp"] = "local"
     #: The agent's tier on this node (read-only here: the engine maps published files).
-    dram: LocalTierConfig
+    dram: LocalTierConfig | None = None
+    lmcache: LMCacheEngineConfig | None = None
     time_compression: float = Field(1.0, gt=0)
     #: Real bytes per modelled byte of KV.
     kv_scale: float = Field(1.0 / 1024, gt=0, le=1)
@@ -58,6 +65,15 @@ class EngineConfig(BaseModel):
     load_timeout_s: float = Field(30.0, gt=0)
     #: Whether to write computed KV to the remote store (LMCache's store path).
     write_remote: bool = True
+
+    @model_validator(mode="after")
+    def _backend_settings(self) -> EngineConfig:
+        if self.backend == "local" and self.dram is None:
+            raise ValueError("backend 'local' needs 'dram' (the agent's tier on this node)")
+        if self.backend == "lmcache-mp" and self.lmcache is None:
+            raise ValueError("backend 'lmcache-mp' needs 'lmcache' (the node's LMCache "
+                             "server)")
+        return self
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +153,10 @@ class EngineEmulator:
         self._wait_order = wait_order
         self._write_local = write_local
         self._store = store
-        self._tier_paths = LocalTier(config.dram)  # only for path_of(): never started here
+        # Only for path_of(): never started here.
+        self._tier_paths = LocalTier(config.dram) if config.dram is not None else None
+        self._lmcache = (LMCacheEngineKV(config.lmcache, store)
+                         if config.backend == "lmcache-mp" and config.lmcache else None)
         fleet = config.fleet
         self._bpt = fleet.model.kv_bytes_per_token
         self._hbm = Tier(f"hbm{self.node}", fleet.node.hbm_kv_bytes, LruEviction())
@@ -153,9 +172,13 @@ class EngineEmulator:
     def start(self) -> EngineEmulator:
         if self._store is not None:
             self._store.start()
+        if self._lmcache is not None:
+            self._lmcache.start()
         return self
 
     def close(self) -> None:
+        if self._lmcache is not None:
+            self._lmcache.close()
         if self._store is not None:
             self._store.close()
 
@@ -233,12 +256,18 @@ class EngineEmulator:
             with self._hbm_lock:
                 hbm = min(reuse, self._hbm.usable_tokens(sid, float("inf")))
             stored = max(reuse, req.stored_context_tokens or reuse)
-            keys = session_keys(req.tenant, req.session_id, stored, cfg.chunk_tokens,
-                                req.hashes)
-            dram, read_bytes = (0, 0) if hbm >= reuse else self._read_local(keys, stored,
-                                                                            reuse)
+            dram = read_bytes = 0
+            read_s = 0.0  # LMCache's retrieve is KV delivery the GPU waits for
+            if hbm < reuse and self._lmcache is not None:
+                dram, read_bytes, read_s = self._lmcache.read(req.tenant, req.session_id,
+                                                              stored, reuse)
+                kv_ready += read_s
+            elif hbm < reuse:
+                keys = session_keys(req.tenant, req.session_id, stored, cfg.chunk_tokens,
+                                    req.hashes)
+                dram, read_bytes = self._read_local(keys, stored, reuse)
             local = max(hbm, dram)
-            gpu_overhead = max(0.0, time.time() - t0 - transfer_s)
+            gpu_overhead = max(0.0, time.time() - t0 - transfer_s - read_s)
             copy_s = max(0, dram - hbm) * self._bpt / (fleet.node.h2d_gbyte_s * 1e9)
             stall_wall = (kv_ready - start) + copy_s / c
             prefill_s = fleet.prefill_s(req.input_tokens - local, local)
@@ -278,6 +307,7 @@ class EngineEmulator:
     def _read_local(self, keys: Sequence[str], stored: int, reuse: int) -> tuple[int, int]:
         """Read and verify the leading chunks of the stored context present in the local
         tier, as far as they cover the reused prefix: (tokens, bytes)."""
+        assert self._tier_paths is not None
         tokens = read = 0
         sizes = chunk_sizes(stored, self.config.chunk_tokens)
         for key, n in zip(keys, sizes, strict=False):
@@ -297,6 +327,8 @@ class EngineEmulator:
     def _write_kv(self, req: ServeRequest, local: int, ctx: int) -> int:
         """Write the chunks this request computed (from the first one not read locally)."""
         cfg = self.config
+        if self._lmcache is not None:
+            return self._lmcache.write(req.tenant, req.session_id, ctx)
         keys = session_keys(req.tenant, req.session_id, ctx, cfg.chunk_tokens, req.hashes)
         sizes = chunk_sizes(ctx, cfg.chunk_tokens)
         first = local // cfg.chunk_tokens

@@ -127,7 +127,8 @@ class _AgentActor:
         ctx = ray.get_runtime_context()
         return {"node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(),
                 "node": self.agent.node, "pid": self.agent.status().pid,
-                "tier_path": self.agent.config.dram.path}
+                "tier_path": cfg.dram.path if (cfg := self.agent.config).dram else "",
+                "lmcache_url": cfg.lmcache.http_url if cfg.lmcache else ""}
 
     def close(self) -> None:
         self.agent.close()

@@ -45,6 +45,14 @@ def session_prefix(tenant: str, session_id: str) -> str:
     return f"{tenant}{_SEP}{_escape(session_id)}{_SEP}"
 
 
+def parse_session_prefix(prefix: str) -> tuple[str, str]:
+    """(tenant, session id) of a :func:`session_prefix`."""
+    tenant, sep, rest = prefix.partition(_SEP)
+    if not sep or not rest.endswith(_SEP) or _SEP in rest[:-1]:
+        raise KvPrefetchError(f"{prefix!r} is not a session key prefix")
+    return tenant, rest[:-1].replace("%2F", _SEP).replace("%25", "%")
+
+
 def chunk_count(tokens: int, chunk_tokens: int) -> int:
     return -(-max(0, tokens) // chunk_tokens)
 

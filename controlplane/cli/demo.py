@@ -33,6 +33,7 @@ MIB = 1 << 20
 
 EPILOG = """examples:
   kvprefetch demo                                  # 2 nodes, ~2.5 minutes on 2 cores
+  kvprefetch demo --backend lmcache-mp             # one real LMCache server per node
   kvprefetch demo --nodes 3 --compression 40 --json out/demo.json --plot out/demo.png
 """
 
@@ -41,6 +42,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = EPILOG
     p.add_argument("--nodes", type=int, default=2, help="emulated GPU nodes (default 2)")
+    p.add_argument("--backend", choices=("local", "lmcache-mp"), default="local",
+                   help="node-local KV tier: 'local' = the agents' own DRAM tier; "
+                        "'lmcache-mp' = a real LMCache MP server per node (L2: our adapter "
+                        "over the same Valkey + S3), the engine emulators its engine-driven "
+                        "clients, the agents warming it over its HTTP API (default local)")
     p.add_argument("--policies", default="ondemand,predictive",
                    help="policies to run, in order (default: ondemand,predictive)")
     p.add_argument("--predictor", default="ewma", help="predictor of 'predictive' (ewma)")
@@ -185,17 +191,30 @@ def _run_policy(args: argparse.Namespace, fleet: Any, policy: str, trace: Any, v
     # without it the loopback moves a scaled KV object in a fraction of the modelled time.
     transfer = (TransferConfig(bandwidth_limit_mib_s=link_mib_s, burst_bytes=16 * 1024)
                 if link_mib_s is not None else TransferConfig())
-    agents = [AgentConfig(node=i, node_name=f"gpu-{i}", remote=remote, transfer=transfer,
-                          dram=LocalTierConfig(path=str(d), capacity_bytes=tier_bytes))
-              for i, d in enumerate(dirs)]
-    engines = [EngineConfig(node=i, fleet=fleet, dram=a.dram, time_compression=args.compression,
-                            kv_scale=args.kv_scale, chunk_tokens=args.chunk_tokens)
-               for i, a in enumerate(agents)]
+    # Fresh LMCache servers per policy (their L1 must not carry over from the last run).
+    stack = contextlib.ExitStack()
+    servers = (_start_lmcache(args, fleet, remote, tier_bytes, link_mib_s, stack)
+               if args.backend == "lmcache-mp" else [])
+    agents, engines = [], []
+    for i, d in enumerate(dirs):
+        kv = {"dram": LocalTierConfig(path=str(d), capacity_bytes=tier_bytes)}
+        agent_kv: dict[str, Any] = kv
+        if servers:
+            agent_kv, kv = _lmcache_configs(args, fleet, servers[i])
+        agents.append(AgentConfig(node=i, node_name=f"gpu-{i}", remote=remote,
+                                  transfer=transfer, backend=args.backend, **agent_kv))
+        engines.append(EngineConfig(node=i, fleet=fleet, time_compression=args.compression,
+                                    kv_scale=args.kv_scale, chunk_tokens=args.chunk_tokens,
+                                    backend=args.backend, **kv))
     service = ServiceConfig(fleet=fleet, policy=policy, predictor=args.predictor,
                             time_compression=args.compression, chunk_tokens=args.chunk_tokens,
                             node_names=tuple(a.node_name for a in agents))
-    deployment = deploy(service, agents, local_placements(fleet.nodes), engines=engines,
-                        engine_remote=remote)
+    try:
+        deployment = deploy(service, agents, local_placements(fleet.nodes), engines=engines,
+                            engine_remote=remote)
+    except BaseException:
+        stack.close()
+        raise
     try:
         client = connect("auto", timeout_s=5.0)
         handles = deployment.engines
@@ -216,6 +235,7 @@ def _run_policy(args: argparse.Namespace, fleet: Any, policy: str, trace: Any, v
         statuses = ray.get([a.status.remote() for a in deployment.agents], timeout=30)
     finally:
         deployment.shutdown()
+        stack.close()
         for d in dirs:
             shutil.rmtree(d, ignore_errors=True)
     run = PolicyRun(policy, records=out.records,
@@ -246,6 +266,40 @@ def _run_policy(args: argparse.Namespace, fleet: Any, policy: str, trace: Any, v
     }
     summary.update(live)
     return summary, live
+
+
+def _start_lmcache(args: argparse.Namespace, fleet: Any, remote: Any, tier_bytes: int,
+                   link_mib_s: float | None, stack: contextlib.ExitStack) -> list[Any]:
+    """One real ``lmcache server`` per node: L1 the size of the agents' own tier, L2 our
+    adapter over the run's Valkey + S3 (its loads at the node's link rate)."""
+    from agents.lmcache.l2_adapter import plugin_adapter_json
+    from agents.lmcache.server import LMCacheServer
+
+    adapter = plugin_adapter_json(valkey=remote.valkey, s3=remote.s3, tiered=remote.tiered,
+                                  load_bandwidth_mib_s=link_mib_s or 0.0)
+    servers = []
+    for i in range(fleet.nodes):
+        server = LMCacheServer(l2_adapter=adapter, chunk_size=args.chunk_tokens,
+                               l1_size_gb=tier_bytes / GIB, transfer_mode="engine_driven")
+        servers.append(stack.enter_context(server))
+        log.info("node %d: lmcache server %s", i, server.http_url)
+    return servers
+
+
+def _lmcache_configs(args: argparse.Namespace, fleet: Any, server: Any
+                     ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The agent's and the engine's settings for one node's LMCache server."""
+    from agents.lmcache.backend import LMCacheBackendConfig
+    from agents.lmcache.engine_kv import LMCacheEngineConfig
+
+    engine = LMCacheEngineConfig(
+        port=server.port, http_url=server.http_url, chunk_size=args.chunk_tokens,
+        token_bytes=max(4, int(fleet.model.kv_bytes_per_token * args.kv_scale)))
+    agent = LMCacheBackendConfig(
+        http_url=server.http_url, model_name=engine.model_name, chunk_size=args.chunk_tokens,
+        hash_algorithm=server.hash_algorithm,
+        chunk_bytes=engine.layout().chunk_bytes(args.chunk_tokens))
+    return {"lmcache": agent}, {"lmcache": engine}
 
 
 def link_rate_mib_s(fleet: Any, args: argparse.Namespace) -> float:
@@ -286,7 +340,7 @@ def _report(args: argparse.Namespace, fleet: Any, trace: Any, results: dict[str,
             "pressure_ratio": round(ws / max(1, fleet.local_capacity_bytes), 3),
             "wall_s": round(wall_s, 3), "time_compression": args.compression,
             "kv_scale": args.kv_scale, "chunk_tokens": args.chunk_tokens,
-            "link_emulation": args.link_emulation,
+            "link_emulation": args.link_emulation, "backend": args.backend,
         },
         "policies": results,
         "simulated": {name: {k: p[k] for k in ("returning", "ttft_mean_s", "stall_s")}
