@@ -257,7 +257,7 @@ class EngineEmulator:
                 hbm = min(reuse, self._hbm.usable_tokens(sid, float("inf")))
             stored = max(reuse, req.stored_context_tokens or reuse)
             dram = read_bytes = 0
-            read_s = 0.0  # LMCache's retrieve is KV delivery the GPU waits for
+            read_s = 0.0  # LMCache loading from L2 on lookup: KV the GPU waits for
             if hbm < reuse and self._lmcache is not None:
                 dram, read_bytes, read_s = self._lmcache.read(req.tenant, req.session_id,
                                                               stored, reuse)

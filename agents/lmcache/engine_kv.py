@@ -77,8 +77,10 @@ class LMCacheEngineKV:
 
     def read(self, tenant: str, session_id: str, stored: int, reuse: int
              ) -> tuple[int, int, float]:
-        """Retrieve the cached prefix of the session's first ``reuse`` tokens:
-        (tokens, bytes, seconds the retrieve took, L2 loads included)."""
+        """Retrieve the cached prefix of the session's first ``reuse`` tokens: (tokens,
+        bytes, seconds the GPU waited for them). The wait is the lookup's, which includes
+        LMCache loading from L2 what L1 lacks; the copy out of L1 that follows stands for
+        the host-to-GPU copy, which the cost model times."""
         tokens = synthetic_tokens(tenant, session_id, min(stored, reuse))
         try:
             got = self._client.retrieve(tokens.tolist())
@@ -86,10 +88,10 @@ class LMCacheEngineKV:
             log.warning("lmcache retrieve of %s/%s failed: %s", tenant, session_id, exc)
             return 0, 0, 0.0
         if got.kv is None:
-            return 0, 0, got.elapsed_s
+            return 0, 0, got.lookup.elapsed_s
         self._check(got.kv, tokens[: got.hit_tokens], f"{tenant}/{session_id}")
         nbytes = got.hit_tokens * self._client.layout.token_bytes
-        return min(got.hit_tokens, reuse), nbytes, got.elapsed_s
+        return min(got.hit_tokens, reuse), nbytes, got.lookup.elapsed_s
 
     def write(self, tenant: str, session_id: str, ctx: int) -> int:
         """Store the context's whole chunks (LMCache skips those it has) and its token ids;

@@ -24,12 +24,14 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 from agents.agent import RemoteStoreConfig
+from agents.lmcache.backend import LMCacheBackendConfig
+from agents.stores.local import LocalTierConfig
 from agents.transfer import TransferConfig
 from controlplane.config import FleetConfig, fleet_from_dict
 from controlplane.errors import ConfigError, KvPrefetchError, ServiceUnavailableError
@@ -84,10 +86,14 @@ class PlacementSettings(_Section):
 
 
 class AgentSettings(_Section):
+    #: Where orders land: ``local`` = the agent's own tier below; ``lmcache-mp`` = the
+    #: node's LMCache MP server's L1 (``lmcache``: the server as every node runs it).
+    backend: Literal["local", "lmcache-mp"] = "local"
+    lmcache: LMCacheBackendConfig | None = None
     #: The node-local DRAM tier of each agent (``{node}``: the node's number, so that
     #: several nodes on one machine do not share a directory). Under /dev/shm for DRAM.
     tier_path: str = Field("/dev/shm/kvprefetch-{node}", min_length=1)
-    tier_capacity_bytes: int = Field(gt=0)
+    tier_capacity_bytes: int | None = Field(None, gt=0)
     tier_kind: str = Field("dram", pattern="^(dram|disk)$")
     transfer: TransferConfig = TransferConfig()
 
@@ -97,7 +103,19 @@ class AgentSettings(_Section):
             self.tier_path.format(node=0)
         except (KeyError, IndexError, ValueError) as exc:
             raise ValueError(f"tier_path: only {{node}} may be substituted ({exc})") from None
+        if self.backend == "lmcache-mp" and self.lmcache is None:
+            raise ValueError("backend lmcache-mp needs an 'lmcache' section (http_url, "
+                             "model_name ...)")
+        if self.backend == "local" and self.tier_capacity_bytes is None:
+            raise ValueError("backend local needs tier_capacity_bytes")
         return self
+
+    def dram(self, node: int) -> LocalTierConfig | None:
+        """Node ``node``'s local tier (None with the ``lmcache-mp`` backend)."""
+        if self.backend != "local" or self.tier_capacity_bytes is None:
+            return None
+        return LocalTierConfig(path=self.tier_path.format(node=node), kind=self.tier_kind,
+                               capacity_bytes=self.tier_capacity_bytes)
 
 
 class HttpSettings(_Section):
@@ -275,7 +293,6 @@ class Serve:
 
         from agents.agent import AgentConfig
         from agents.ray_entry import SCHEDULER_NAME
-        from agents.stores.local import LocalTierConfig
         from controlplane.client import connect
         from controlplane.http_api import HttpServer, create_app
         from controlplane.ray_app import Placement, deploy, matching_nodes
@@ -294,10 +311,10 @@ class Serve:
         nodes = self._wait_for_nodes(matching_nodes)
         names = _node_names(nodes)
         service = cfg.service_config(names)
+        a = cfg.agent
         agents = [AgentConfig(
-            node=i, node_name=names[i], remote=cfg.stores, transfer=cfg.agent.transfer,
-            dram=LocalTierConfig(path=cfg.agent.tier_path.format(node=i), kind=cfg.agent.tier_kind,
-                                 capacity_bytes=cfg.agent.tier_capacity_bytes))
+            node=i, node_name=names[i], remote=cfg.stores, transfer=a.transfer,
+            backend=a.backend, lmcache=a.lmcache, dram=a.dram(i))
             for i in range(len(nodes))]
         placements = [Placement(node_id=n["NodeID"]) for n in nodes]
         here = Placement(node_id=ray.get_runtime_context().get_node_id())
@@ -308,7 +325,8 @@ class Serve:
         stack.callback(dep.shutdown)
         for w in ray.get([a.where.remote() for a in dep.agents], timeout=60):
             log.info("placed agent %d (%s) on Ray node %s at %s: tier %s", w["node"],
-                     names[w["node"]], w["node_id"], w["ip"], w["tier_path"])
+                     names[w["node"]], w["node_id"], w["ip"],
+                     w["tier_path"] or f"LMCache L1 at {w['lmcache_url']}")
         client = connect(self.address, namespace=cfg.ray.namespace,
                          timeout_s=cfg.http.call_timeout_s)
         stack.callback(client.close)

@@ -315,6 +315,24 @@ def test_capacity_is_reported(valkey_server: EmbeddedValkey, key_prefix: str) ->
         a.close()
 
 
+def test_load_bandwidth_emulates_the_node_link(valkey_server: EmbeddedValkey,
+                                               key_prefix: str) -> None:
+    """With ``load_bandwidth_mib_s`` a load completes no sooner than the link would carry
+    its bytes (the demo's emulated ingress link); the bytes are still exact."""
+    a = KvPrefetchL2Adapter(params(valkey_server, None, key_prefix, load_bandwidth_mib_s=8))
+    try:
+        ks, objs = keys(4), memory_objects([1 * MIB] * 4)
+        store(a, ks, objs)
+        dest = memory_objects([1 * MIB] * 4, fill=b"\0")
+        started = time.monotonic()
+        assert load(a, ks, dest) == [True] * 4
+        elapsed = time.monotonic() - started
+        assert 0.45 <= elapsed < 5.0, elapsed  # 4 MiB at 8 MiB/s, less a 64 KiB burst
+        assert [content(d) for d in dest] == [content(o) for o in objs]
+    finally:
+        a.close()
+
+
 # -- listing --------------------------------------------------------------------------------
 
 

@@ -207,19 +207,25 @@ def test_ray_cluster_yaml_has_the_launcher_keys_and_starts_lmcache_and_serve() -
     assert gpu_types and all(t["resources"]["GPU"] >= 1 and t["node_config"]["InstanceType"]
                              for t in gpu_types)
     setup = "\n".join(doc["setup_commands"])
-    for package in ("vllm", "lmcache", "[serve,stores]"):
+    for package in ("vllm", "lmcache", "[serve,stores,lmcache]"):
         assert package in setup, package
     head_cmds = "\n".join(doc["head_start_ray_commands"])
     assert "ray start --head" in head_cmds and "kvprefetch serve --config" in head_cmds
     worker_cmds = "\n".join(doc["worker_start_ray_commands"])
     assert "lmcache server" in worker_cmds and "ray start --address" in worker_cmds
     assert "kvprefetch serve" not in worker_cmds
-    # the LMCache server flags of ARCHITECTURE.md, with Valkey as its L2
+    # the LMCache server flags of ARCHITECTURE.md, with our adapter over Valkey + S3 as L2
     for flag in ("--host 127.0.0.1", "--port", "--http-port", "--l1-size-gb",
-                 "--eviction-policy LRU", "--chunk-size 256", "--l2-adapter"):
+                 "--eviction-policy LRU", "--chunk-size 256", "--l2-adapter",
+                 "--supported-transfer-mode auto"):
         assert flag in worker_cmds, flag
-    adapter = worker_cmds.split("--l2-adapter '", 1)[1].split("'", 1)[0]
-    assert yaml.safe_load(adapter)["type"] == "valkey"  # JSON is YAML
+    adapter = yaml.safe_load(worker_cmds.split("--l2-adapter '", 1)[1].split("'", 1)[0])
+    assert adapter["type"] == "plugin"  # JSON is YAML
+    from agents.lmcache.l2_adapter import CLASS_NAME, MODULE_PATH, load_params
+
+    assert (adapter["module_path"], adapter["class_name"]) == (MODULE_PATH, CLASS_NAME)
+    params = load_params(adapter["adapter_params"])
+    assert params.valkey is not None and params.s3 is not None
     # placeholders are marked, and the serve config it uploads exists and says the same
     text = (ROOT / "ray_cluster.yaml").read_text()
     assert "REPLACE_ME_VALKEY_HOST" in text and "REPLACE_ME" in doc["available_node_types"][
