@@ -25,7 +25,7 @@ import sysconfig
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 from agents.stores.errors import StoreConfigError, StoreConnectionError
 
@@ -97,7 +97,42 @@ def stop_process(proc: subprocess.Popen[bytes] | None, timeout_s: float = 5.0) -
         proc.wait(timeout_s)
 
 
-class EmbeddedValkey:
+class ServerProcess:
+    """Stop/kill/context-manager behaviour of a server we run as a child process in a
+    private directory (subclasses set ``_proc`` and ``_dir`` in ``start``)."""
+
+    _proc: subprocess.Popen[bytes] | None = None
+    _dir: Path | None = None
+    _stop_timeout_s = 5.0
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> Self:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        stop_process(self._proc, self._stop_timeout_s)
+        self._proc = None
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    def kill(self) -> None:
+        """Stop abruptly (SIGKILL), as a crashed server would."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class EmbeddedValkey(ServerProcess):
     """A private ``valkey-server`` on loopback."""
 
     def __init__(
@@ -117,12 +152,6 @@ class EmbeddedValkey:
         self._extra = extra_args
         self._binary = binary
         self._timeout = start_timeout_s
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._dir: Path | None = None
-
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
 
     def start(self) -> EmbeddedValkey:
         if self.running:
@@ -150,25 +179,6 @@ class EmbeddedValkey:
             raise
         log.info("valkey-server on %s:%d (pid %d)", self.host, self.port, self._proc.pid)
         return self
-
-    def stop(self) -> None:
-        stop_process(self._proc)
-        self._proc = None
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
-            self._dir = None
-
-    def kill(self) -> None:
-        """Stop abruptly (SIGKILL), as a crashed server would."""
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()
-            self._proc.wait()
-
-    def __enter__(self) -> EmbeddedValkey:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     def store_config(self, **overrides: Any) -> Any:
         """A :class:`~agents.stores.valkey_store.ValkeyStoreConfig` for this server."""

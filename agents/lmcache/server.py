@@ -24,7 +24,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Literal
 
-from agents.embedded import free_port, stop_process
+from agents.embedded import ServerProcess, free_port
 from agents.stores.errors import StoreConfigError, StoreConnectionError
 
 log = logging.getLogger(__name__)
@@ -43,8 +43,10 @@ def find_lmcache() -> str:
     raise StoreConfigError("the lmcache command was not found: pip install 'kvprefetch[lmcache]'")
 
 
-class LMCacheServer:
+class LMCacheServer(ServerProcess):
     """A private ``lmcache server`` on loopback."""
+
+    _stop_timeout_s = 15.0
 
     def __init__(
         self,
@@ -80,12 +82,6 @@ class LMCacheServer:
         self._extra = extra_args
         self._env = env or {}
         self._timeout = start_timeout_s
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._dir: Path | None = None
-
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
 
     @property
     def http_url(self) -> str:
@@ -162,21 +158,3 @@ class LMCacheServer:
         response = httpx.get(f"{self.http_url}{path}", timeout=10.0)
         response.raise_for_status()
         return response.json()
-
-    def stop(self) -> None:
-        stop_process(self._proc, timeout_s=15.0)
-        self._proc = None
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
-            self._dir = None
-
-    def kill(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()
-            self._proc.wait(10)
-
-    def __enter__(self) -> LMCacheServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

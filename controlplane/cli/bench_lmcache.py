@@ -43,8 +43,6 @@ def run(args: argparse.Namespace) -> int:
         format_table,
         run_lmcache_bench,
     )
-    from controlplane.atomic import write_json_atomic
-    from controlplane.errors import KvPrefetchError
 
     try:
         config = LMCacheBenchConfig(
@@ -60,30 +58,12 @@ def run(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         print(f"bench lmcache: {exc}", file=sys.stderr)
         return 2
-    bar = None
-    if not args.no_progress:
-        from tqdm import tqdm
+    from controlplane.cli.benchrun import run_bench
 
-        bar = tqdm(total=bench_steps(config), desc="bench lmcache", unit="run",
-                   file=sys.stderr)
-
-    def on_step(label: str) -> None:
-        if bar is not None:
-            bar.set_postfix_str(label)
-            bar.update(1)
-
-    try:
-        result = run_lmcache_bench(config, on_step)
-    except KvPrefetchError as exc:
-        print(f"bench lmcache: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        if bar is not None:
-            bar.close()
-    print(format_table(result))
-    if args.json:
-        write_json_atomic(args.json, result, sort_keys=False)
-    return 0 if result["verified"] else 1
+    result = run_bench("bench lmcache", bench_steps(config),
+                       lambda step: run_lmcache_bench(config, step), format_table,
+                       json_out=args.json, progress=not args.no_progress)
+    return 0 if result is not None and result["verified"] else 1
 
 
 def main(argv: list[str] | None = None) -> int:

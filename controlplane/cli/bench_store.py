@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
-
-from controlplane.atomic import write_atomic
 
 MIB = 1 << 20
 
@@ -46,16 +42,11 @@ def _link(text: str, flag: str) -> object:
     return LinkProfile(latency_s=latency, bandwidth_mib_s=bandwidth)
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    write_atomic(path, [text.encode()])
-
-
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark; print a table; write ``--json``. Returns the exit code."""
     from pydantic import ValidationError
 
     from agents.bench import StoreBenchConfig, bench_steps, format_table, run_store_bench
-    from controlplane.errors import KvPrefetchError
 
     try:
         config = StoreBenchConfig(
@@ -72,29 +63,12 @@ def run(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         print(f"bench store: {exc}", file=sys.stderr)
         return 2
-    bar = None
-    if not args.no_progress:
-        from tqdm import tqdm
+    from controlplane.cli.benchrun import run_bench
 
-        bar = tqdm(total=bench_steps(config), desc="bench store", unit="step", file=sys.stderr)
-
-    def on_step(label: str) -> None:
-        if bar is not None:
-            bar.set_postfix_str(label)
-            bar.update(1)
-
-    try:
-        result = run_store_bench(config, on_step)
-    except KvPrefetchError as exc:
-        print(f"bench store: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        if bar is not None:
-            bar.close()
-    print(format_table(result))
-    if args.json:
-        _write_atomically(Path(args.json), json.dumps(result, indent=2) + "\n")
-    return 0
+    result = run_bench("bench store", bench_steps(config),
+                       lambda step: run_store_bench(config, step), format_table,
+                       json_out=args.json, progress=not args.no_progress)
+    return 0 if result is not None else 1
 
 
 def main(argv: list[str] | None = None) -> int:
