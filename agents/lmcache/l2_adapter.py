@@ -422,10 +422,11 @@ class KvPrefetchL2Adapter(L2AdapterInterface):
                     new_keys.append(key)
                     new_sizes.append(size)
                 self._sizes[key] = size
-        self._publish_store(task_id, L2StoreResult(len(stored) == len(keys),
-                                                   sum(s for _, s in stored)))
+        # Usage first: whoever sees the task complete sees the usage that includes it.
         if new_keys:
             self._notify_keys_stored(new_keys, new_sizes)
+        self._publish_store(task_id, L2StoreResult(len(stored) == len(keys),
+                                                   sum(s for _, s in stored)))
 
     def pop_completed_store_tasks(self) -> dict[int, L2StoreResult]:
         with self._lock:

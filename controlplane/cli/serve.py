@@ -104,10 +104,10 @@ class AgentSettings(_Section):
         except (KeyError, IndexError, ValueError) as exc:
             raise ValueError(f"tier_path: only {{node}} may be substituted ({exc})") from None
         if self.backend == "lmcache-mp" and self.lmcache is None:
-            raise ValueError("backend lmcache-mp needs an 'lmcache' section (http_url, "
+            raise ValueError("backend lmcache-mp needs an agent.lmcache section (http_url, "
                              "model_name ...)")
         if self.backend == "local" and self.tier_capacity_bytes is None:
-            raise ValueError("backend local needs tier_capacity_bytes")
+            raise ValueError("agent.tier_capacity_bytes is required with backend local")
         return self
 
     def dram(self, node: int) -> LocalTierConfig | None:
