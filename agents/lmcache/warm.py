@@ -202,21 +202,20 @@ def object_keys(
     """The LMCache object keys of the complete chunks of ``token_ids``, in the JSON form
     ``DELETE /cache/objects`` takes: chunk-major, one key per KV rank, object group 0.
 
-    Computed with LMCache's ``TokenHasher``, so they match the server's keys exactly when
-    ``chunk_size`` and ``hash_algorithm`` match the server's (see
+    Computed by :mod:`controlplane.lmcache_keys` (LMCache's own hashing where installed,
+    parity-tested otherwise), so they match the server's keys exactly when ``chunk_size``
+    and ``hash_algorithm`` match the server's (see
     :meth:`LMCacheWarmClient.check_compatible`).
     """
-    try:
-        from lmcache.v1.distributed.api import ObjectKey
-        from lmcache.v1.multiprocess.token_hasher import TokenHasher
-    except ImportError as exc:
-        raise LMCacheError("computing LMCache keys needs LMCache: pip install "
-                           "'kvprefetch[lmcache]'") from exc
-    hashes = TokenHasher(chunk_size, hash_algorithm).compute_chunk_hashes(list(token_ids))
-    ranks = [ObjectKey.ComputeKVRank(world_size, r, world_size, r) for r in range(world_size)]
-    return [{"chunk_hash_hex": h.hex(), "model_name": model_name, "kv_rank": rank,
+    from controlplane.lmcache_keys import LMCacheKeySettings, chunk_hashes, kv_rank
+
+    settings = LMCacheKeySettings(model_name=model_name, chunk_size=chunk_size,
+                                  hash_algorithm=hash_algorithm, world_size=world_size,
+                                  cache_salt=cache_salt)
+    ranks = [kv_rank(world_size, r) for r in range(world_size)]
+    return [{"chunk_hash_hex": h, "model_name": model_name, "kv_rank": rank,
              "object_group_id": 0, "cache_salt": cache_salt}
-            for h in hashes for rank in ranks]
+            for h in chunk_hashes(settings, token_ids) for rank in ranks]
 
 
 class LMCacheWarmClient:
