@@ -1,9 +1,48 @@
 """LMCache integration: the ``lmcache server`` launcher, our L2 adapter plugin, the
 ``lmcache-mp`` agent backend and the engine emulator's LMCache client.
 
-Importing this package does not import LMCache; the modules that need it import it lazily.
+Importing this package does not import LMCache (nor torch): the clients import it when
+they connect. The L2 adapter (:mod:`agents.lmcache.l2_adapter`, loaded by ``lmcache
+server`` itself) and the benchmark (:mod:`agents.lmcache.bench`) subclass or drive LMCache
+and are imported by name only.
 """
 
+from agents.lmcache.backend import LMCacheBackendConfig, LMCacheWarmer
+from agents.lmcache.engine_kv import LMCacheEngineConfig, LMCacheEngineKV
+from agents.lmcache.errors import (
+    LMCacheConfigMismatchError,
+    LMCacheError,
+    LMCacheNoLayoutError,
+    LMCacheRequestError,
+    LMCacheTimeoutError,
+    LMCacheTransferError,
+    LMCacheUnavailableError,
+)
+from agents.lmcache.mp_client import KVLayout, LMCacheMPClient
 from agents.lmcache.server import LMCacheServer, find_lmcache
+from agents.lmcache.tokens import get_session_tokens, put_session_tokens, synthetic_tokens
+from agents.lmcache.warm import LMCacheWarmClient, WarmResult, object_keys
 
-__all__ = ["LMCacheServer", "find_lmcache"]
+__all__ = [
+    "KVLayout",
+    "LMCacheBackendConfig",
+    "LMCacheConfigMismatchError",
+    "LMCacheEngineConfig",
+    "LMCacheEngineKV",
+    "LMCacheError",
+    "LMCacheMPClient",
+    "LMCacheNoLayoutError",
+    "LMCacheRequestError",
+    "LMCacheServer",
+    "LMCacheTimeoutError",
+    "LMCacheTransferError",
+    "LMCacheUnavailableError",
+    "LMCacheWarmClient",
+    "LMCacheWarmer",
+    "WarmResult",
+    "find_lmcache",
+    "get_session_tokens",
+    "object_keys",
+    "put_session_tokens",
+    "synthetic_tokens",
+]
