@@ -296,7 +296,8 @@ class SchedulerCore:
 
     # ------------------------------------------------------------------ transfers
     def _reserve(self, sid: str, node: int, tokens: int, *, prefetch: bool, deadline_s: float,
-                 now_s: float, min_key: float = -INF) -> LoadTicket | None:
+                 now_s: float, min_key: float = -INF, free_only: bool = False
+                 ) -> LoadTicket | None:
         tier = self.dram[node]
         have = tier.get(sid)
         have_tokens = have.tokens if have is not None and have.ready_at_s <= now_s else 0
@@ -305,6 +306,8 @@ class SchedulerCore:
             return None
         nbytes = tokens * self.bpt
         old_bytes = have.nbytes if have is not None else 0
+        if free_only and nbytes - old_bytes > tier.capacity_bytes - tier.used_bytes:
+            return None
         victims = tier.victims_for(nbytes - old_bytes, now_s, exclude=sid, min_key=min_key,
                                    strategy=self._predicted_use if prefetch else None)
         if victims is None:
@@ -398,8 +401,11 @@ class SchedulerCore:
         if self.local_tokens(order.node, sid) >= order.tokens:
             return None
         use = max(now_s, forecast.arrival_at(0.5) if forecast else order.predicted_use_s)
+        # An uncertain prefetch only fills free room: under pressure, whatever it would
+        # evict is likelier to be used first (every such admission measured wasted bytes).
         ticket = self._reserve(sid, order.node, order.tokens, prefetch=True,
-                               deadline_s=order.deadline_s, now_s=now_s, min_key=use)
+                               deadline_s=order.deadline_s, now_s=now_s, min_key=use,
+                               free_only=forecast is None or forecast.confidence < 1.0)
         if ticket is None:
             self.stats.prefetches_dropped += 1
             return None

@@ -155,6 +155,9 @@ class ArrivalForecast:
     session returns*. ``p_return`` is the probability that it returns within ``horizon_s``
     of ``last_finish_s``. ``confidence`` in [0, 1] says how much the planner should trust
     the timing (0 = a guess from no history, 1 = certain, as for the oracle).
+    ``conditioned``: the quantiles already account for the session's silence so far (a
+    learned survival-style forecast evaluated at ``now``), so the planner adds no recency
+    floor of its own.
     """
 
     session_id: str
@@ -164,6 +167,7 @@ class ArrivalForecast:
     horizon_s: float
     confidence: float
     levels: tuple[float, ...] = field(default=FORECAST_LEVELS)
+    conditioned: bool = False
 
     def gap_at(self, level: float) -> float:
         """Gap quantile at ``level``, linearly interpolated between the stored levels."""

@@ -37,6 +37,8 @@ DEFAULT_RETURN_HORIZON_S = 60.0
 #: Fewest inter-request gaps (and session groups) a trace must hold to train on.
 MIN_TRAIN_GAPS = 20
 MIN_TRAIN_GROUPS = 2
+#: The most a learned forecast claims (see ``_condition``).
+MAX_CONFIDENCE = 0.99
 #: Share of the training groups held back to calibrate the quantiles (conformal shift).
 CALIBRATION_FRACTION = 0.2
 
@@ -117,8 +119,10 @@ class LearnedPredictor:
                     session_ids[i], last_l[k], (closed_horizon,) * 3, 0.0, closed_horizon, 1.0
                 )
                 continue
+            # Conditioned on the elapsed silence (see _condition): no recency floor on top.
             out[i] = ArrivalForecast(
-                session_ids[i], last_l[k], tuple(q_rows[k]), p_l[k], h_l[k], c_l[k]
+                session_ids[i], last_l[k], tuple(q_rows[k]), p_l[k], h_l[k], c_l[k],
+                conditioned=True,
             )
         return out
 
@@ -147,7 +151,9 @@ class LearnedPredictor:
         u_q = monotone(raw[:, : len(_LEVELS)] + self.shift[None, :])
         p_h = np.clip(raw[:, len(_LEVELS)], 0.0, 1.0)
         q, p, horizon = condition(u_q, p_h, elapsed_s, self.horizon_s)
-        confidence = np.clip(np.exp(-0.5 * (u_q[:, 2] - u_q[:, 0])), 0.0, 1.0)
+        # A model is never certain: 1.0 is the oracle's (exact timing, Belady eviction,
+        # prefetches that may evict); a collapsed quantile spread must not claim it.
+        confidence = np.clip(np.exp(-0.5 * (u_q[:, 2] - u_q[:, 0])), 0.0, MAX_CONFIDENCE)
         return q, p, horizon, confidence
 
     def _predict_states(self, states: Sequence[SessionFeatures]) -> tuple[np.ndarray, np.ndarray]:

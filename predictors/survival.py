@@ -22,7 +22,7 @@ import numpy as np
 from controlplane.types import FORECAST_LEVELS
 from predictors.empirical import BUCKETS
 from predictors.features import GapDataset, SessionFeatures, feature_index
-from predictors.learned import LearnedPredictor, npz_bytes, npz_load
+from predictors.learned import MAX_CONFIDENCE, LearnedPredictor, npz_bytes, npz_load
 
 #: Bin edges of the gap (seconds); the last bin is open-ended.
 EDGES: tuple[float, ...] = (
@@ -135,7 +135,7 @@ class SurvivalPredictor(LearnedPredictor):
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         u_q, p, horizon = self._from_curves(raw, np.maximum(elapsed_s, 0.0))
         u_q = _monotone_floor(u_q + self.shift[None, :], np.log1p(np.maximum(elapsed_s, 0.0)))
-        confidence = np.clip(np.exp(-0.5 * (u_q[:, 2] - u_q[:, 0])), 0.0, 1.0)
+        confidence = np.clip(np.exp(-0.5 * (u_q[:, 2] - u_q[:, 0])), 0.0, MAX_CONFIDENCE)
         return np.expm1(u_q), p, horizon, confidence
 
     def _from_curves(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from controlplane.config import GIB, fleet_from_dict
 from controlplane.policies import POLICIES
-from controlplane.scheduler import SchedulerCore
+from controlplane.scheduler import MAX_REPLANS, LoadTicket, SchedulerCore
 from controlplane.types import EventKind, SessionEvent, Trace, TraceRequest, TraceSession
 from predictors.oracle import OraclePredictor
 from predictors.registry import load
@@ -100,3 +100,51 @@ def test_oracle_orders_finish_just_in_time() -> None:
     ttlb = 0.0005 + 40_010 * core.bpt / 5e9
     assert order.deadline_s == 1.0 + 120.0
     assert abs(order.start_at_s + ttlb - order.deadline_s) < 1e-6
+
+
+def test_an_uncertain_prefetch_never_evicts_resident_kv() -> None:
+    core = SchedulerCore(_fleet(), POLICIES["predictive"], load("last-gap"), FakeFleet())  # type: ignore[arg-type]
+    for i, sid in enumerate(["a", "b", "c"]):
+        _events(core, sid, 10.0 * i, node=0, ctx=40_000)
+    held = {e.session_id for e in core.dram[0]}
+    (evicted,) = {"a", "b", "c"} - held
+
+    def start() -> LoadTicket | None:
+        """Start the armed order at its time (following re-plans as its forecast moves)."""
+        orders = core.drain_orders()
+        for _ in range(MAX_REPLANS + 2):
+            (order,) = orders
+            ticket = core.start_prefetch(order, order.start_at_s)
+            orders = core.drain_orders()  # a re-plan arms a new order
+            if ticket is not None or not orders:
+                return ticket
+        raise AssertionError("the order never started")
+
+    # The tier is full of sessions that may be used first: the order is dropped, not served
+    # by evicting one of them.
+    assert start() is None
+    assert {e.session_id for e in core.dram[0]} == held
+    assert core.stats.prefetches_dropped == 1
+    # With free room, the same prefetch goes ahead.
+    core.dram[0].remove(sorted(held)[0])
+    core.replan(evicted, 60.0)
+    ticket = start()
+    assert ticket is not None and ticket.prefetch and ticket.session_id == evicted
+
+
+def test_recency_floor_applies_to_heuristic_forecasts_only() -> None:
+    from controlplane.config import PlannerConfig
+    from controlplane.planner import predicted_use_s
+    from controlplane.types import ArrivalForecast
+
+    cfg = PlannerConfig()
+    # Finished at t=0, idle for 100 s; its median gap is 30 s.
+    heuristic = ArrivalForecast("s", 0.0, (10.0, 30.0, 90.0), 0.9, 3600.0, 0.5)
+    learned = ArrivalForecast("s", 0.0, (110.0, 130.0, 190.0), 0.9, 3600.0, 0.5,
+                              conditioned=True)
+    certain = ArrivalForecast("s", 0.0, (30.0, 30.0, 30.0), 1.0, 3600.0, 1.0)
+    # A heuristic may not pull an idle session ahead of its silence: now + idle time.
+    assert predicted_use_s(heuristic, cfg, 100.0) == 200.0
+    # A conditioned forecast already weighs the silence: its own median stands.
+    assert predicted_use_s(learned, cfg, 100.0) == 130.0
+    assert predicted_use_s(certain, cfg, 10.0) == 30.0
