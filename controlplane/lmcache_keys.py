@@ -520,9 +520,16 @@ def _native_legacy_hashes(settings: LMCacheKeySettings, tokens: Sequence[int]) -
 # --- native key strings ------------------------------------------------------------------
 
 
+def mp_wire_name(model_name: str, kv_rank: int, object_group_id: int, chunk_hash: bytes,
+                 cache_salt: str = "") -> str:
+    """An MP ``ObjectKey`` as LMCache's remote L2 adapters name it (and our adapter):
+    ``<model>@<kv_rank:08x>@<group:x>@<chunk hash hex>[@<salt>]``."""
+    base = f"{model_name}@{kv_rank:08x}@{object_group_id:x}@{chunk_hash.hex()}"
+    return f"{base}@{cache_salt}" if cache_salt else base
+
+
 def _mp_wire_key(settings: LMCacheKeySettings, chunk_hash: bytes, rank: int, group: int) -> str:
-    base = f"{settings.model_name}@{rank:08x}@{group:x}@{chunk_hash.hex()}"
-    return f"{base}@{settings.cache_salt}" if settings.cache_salt else base
+    return mp_wire_name(settings.model_name, rank, group, chunk_hash, settings.cache_salt)
 
 
 def _mp_fs_name(settings: LMCacheKeySettings, chunk_hash: bytes, rank: int, group: int) -> str:

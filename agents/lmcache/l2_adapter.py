@@ -72,6 +72,7 @@ from agents.stores.s3_store import S3Store, S3StoreConfig, translate_boto_errors
 from agents.stores.tiered import TieredStore, TieredStoreConfig
 from agents.stores.valkey_store import ValkeyStore, ValkeyStoreConfig, translate_valkey_errors
 from agents.transfer import TokenBucket
+from controlplane.lmcache_keys import mp_wire_name
 
 log = logging.getLogger(__name__)
 
@@ -97,9 +98,8 @@ def object_key_name(key: ObjectKey) -> str:
 
     ``ObjectKey`` forbids ``@`` in the model name and the salt, so the name is unambiguous.
     """
-    name = (f"{key.model_name}{_SEP}{key.kv_rank:08x}{_SEP}{key.object_group_id:x}"
-            f"{_SEP}{key.chunk_hash.hex()}")
-    return f"{name}{_SEP}{key.cache_salt}" if key.cache_salt else name
+    return mp_wire_name(key.model_name, key.kv_rank, key.object_group_id, key.chunk_hash,
+                        key.cache_salt)
 
 
 def parse_object_key_name(name: str) -> ObjectKey:
