@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             l2_adapter=plugin_adapter_json(valkey=remote.valkey, s3=remote.s3),
             chunk_size=args.chunk_size, l1_size_gb=args.l1_size_gb, transfer_mode="auto"))
         vllm_url = f"http://127.0.0.1:{args.vllm_port}"
-        stack.enter_context(_vllm(args, server, stack))
+        stack.enter_context(_vllm(args, server))
         _wait_http(f"{vllm_url}/health", args.vllm_start_timeout_s)
         warm = stack.enter_context(LMCacheWarmClient(server.http_url))
         http = stack.enter_context(httpx.Client(timeout=600.0))
@@ -143,12 +143,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<14} {r['ttft_s']:>8.3f} {r['l1_tokens']:>10} {r['l2_tokens']:>10}")
     print(f"warm: {results['warm']}; warmed request hit L1: {hit}")
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(results, indent=2))
+        from controlplane.atomic import write_json_atomic
+
+        write_json_atomic(args.json_out, results)
     return 0 if hit else 1
 
 
 @contextlib.contextmanager
-def _vllm(args: argparse.Namespace, server: Any, stack: contextlib.ExitStack) -> Any:
+def _vllm(args: argparse.Namespace, server: Any) -> Any:
     transfer = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
                 "kv_connector_extra_config": {"lmcache.mp.host": f"tcp://{server.host}",
                                               "lmcache.mp.port": server.port}}
