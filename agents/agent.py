@@ -6,6 +6,9 @@ the remote token store (Valkey in front of S3, :class:`~agents.stores.TieredStor
 into the tier (atomic publish: a chunk is visible whole or not at all, also when the agent
 is killed mid-transfer) and reports one :class:`~controlplane.wire.TransferReport` to the
 scheduler. It deletes chunks on evict advice and takes the engine's write-through of new KV.
+With the ``lmcache-mp`` backend the node-local tier is the node's LMCache MP server's L1
+instead: orders run as LMCache warm prefetches (:mod:`agents.lmcache.backend`), evict advice
+deletes from L1, and the engine stores through LMCache itself.
 
 Who calls what: the scheduler sends ``execute`` (a few per second per node), ``cancel`` and
 ``evict``; the node's engine calls ``wait`` (blocks until an order ends) and
@@ -126,8 +129,9 @@ class PrefetchAgent:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> PrefetchAgent:
-        """Connect to the remote store, open the local tier (dropping partial writes of a
-        killed predecessor) and start the transfer engine."""
+        """Connect to the remote store, then, for the ``local`` backend, open the local tier
+        (dropping partial writes of a killed predecessor) and start the transfer engine; for
+        ``lmcache-mp``, check the node's LMCache server's settings against ours."""
         if self._pool is not None:
             return self
         cfg = self.config
@@ -190,11 +194,6 @@ class PrefetchAgent:
         if self._store is None:
             raise ConfigError(f"agent {self.node} is not started")
         return self._store
-
-    @property
-    def warmer(self) -> LMCacheWarmer | None:
-        """The ``lmcache-mp`` backend (None for the local tier)."""
-        return self._warmer
 
     def hello(self) -> AgentHello:
         return AgentHello(self.node, self.incarnation, self.node_name, self.inventory(),
