@@ -2,7 +2,9 @@
 ``lmcache server`` whose L2 is our adapter over real Valkey and S3.
 
 The full warm path: the engine stores a session's KV through LMCache (and its token ids in
-the remote store), L1 is cleared, the agent executes a transfer order by warming L1 from L2
+the remote store), LMCache writes it through to our adapter (listed by its own
+``GET /cache/objects`` under the keys :mod:`controlplane.lmcache_keys` computes), L1 is
+cleared, the agent executes a transfer order by warming L1 from L2
 through ``POST /cache/prefetches``, and the engine's next retrieve is served from L1 alone
 (LMCache's own counters: L1 tokens, no L2 load).
 """
@@ -22,8 +24,10 @@ from agents.lmcache.engine_kv import LMCacheEngineConfig, LMCacheEngineKV
 from agents.lmcache.errors import LMCacheConfigMismatchError
 from agents.lmcache.l2_adapter import plugin_adapter_json
 from agents.lmcache.server import LMCacheServer
+from agents.lmcache.tokens import synthetic_tokens
 from agents.lmcache.warm import LMCacheWarmClient, LookupHits
 from controlplane.keys import position_keys, session_prefix
+from controlplane.lmcache_keys import LMCacheKeySettings, chunk_hashes
 from controlplane.wire import TransferOrder
 
 pytestmark = pytest.mark.servers
@@ -91,12 +95,22 @@ def _order(oid: int, session: str, tokens: int) -> TransferOrder:
 
 
 def test_agent_warms_l1_and_the_engine_hits_without_an_l2_load(
-        engine: LMCacheEngineKV, agent: PrefetchAgent, warm: LMCacheWarmClient) -> None:
+        server: LMCacheServer, engine: LMCacheEngineKV, agent: PrefetchAgent,
+        warm: LMCacheWarmClient) -> None:
     session, ctx = f"s-{uuid.uuid4().hex[:6]}", 5 * CHUNK + 10
     assert engine.write(TENANT, session, ctx) == 5 * engine.config.layout().chunk_bytes(CHUNK)
     deadline = time.monotonic() + 10
     while warm.l2_write_backlog() and time.monotonic() < deadline:
         time.sleep(0.05)
+    # LMCache wrote the chunks through to our adapter: its own listing shows them, under
+    # exactly the keys controlplane.lmcache_keys computes from the session's token ids.
+    model = engine.config.model_name
+    listed = server.get_json(f"/cache/objects?model_name={model}&page_size=5000")
+    assert listed["adapter"] == "plugin"
+    hashes = {e["key"]["chunk_hash_hex"] for e in listed["entries"]}
+    tokens = synthetic_tokens(TENANT, session, ctx)
+    expected = chunk_hashes(LMCacheKeySettings(model_name=model, chunk_size=CHUNK), tokens)
+    assert len(expected) == 5 and set(expected) <= hashes
     warm.clear_l1()
     assert warm.l1_usage().used_bytes == 0
 
@@ -108,7 +122,6 @@ def test_agent_warms_l1_and_the_engine_hits_without_an_l2_load(
     assert report.bytes_moved == 5 * engine.config.layout().chunk_bytes(CHUNK)
     assert warm.l1_usage().used_bytes > 0
 
-    model = engine.config.model_name
     before = warm.lookup_hits(model)
     tokens, nbytes, _ = engine.read(TENANT, session, ctx, ctx)
     assert (tokens, nbytes) == (5 * CHUNK, 5 * CHUNK * 256)
