@@ -292,3 +292,23 @@ def test_console_script_loads_a_user_predictor_from_the_current_directory() -> N
     )
     assert res.returncode == 0, res.stderr
     assert "predictive" in res.stdout
+
+
+def test_prefetch_lateness_is_finite_when_the_prefetch_lands_while_the_request_queues() -> None:
+    """The live demo's slice, predictive with ewma: a prefetch promoted for a request that
+    then waits in the GPU queue lands before the request starts; its lateness is that
+    landing time, not the 'still in flight' marker (inf)."""
+    import argparse
+    import math
+
+    from controlplane.cli import demo
+    from controlplane.sim.runner import run_policy
+
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    args = parser.parse_args([])
+    fleet = fleet_from_dict({"nodes": args.nodes, "node": {
+        "hbm_kv_bytes": int(args.hbm_gib * GIB), "dram_tier_bytes": int(args.dram_gib * GIB)}})
+    trace = demo.build_trace(args, fleet.model.max_context_tokens)
+    run = run_policy(trace, fleet, POLICIES["predictive"], args.predictor)
+    assert run.lateness_s and all(math.isfinite(x) for x in run.lateness_s)

@@ -362,6 +362,8 @@ class Simulation:
             r.waiting_on = inflight
             if assignment.promote:
                 self._push_completion(node.link.promote(inflight, self._now))
+        elif r.prefetch_ready_s == INF:  # the books' prefetch is not on this node's link
+            r.prefetch_ready_s = None
         if self.policy.load_start is LoadStart.ON_ARRIVAL:
             self._demand_load(node, r)
         r.est_service_s = decision.estimated_ttft_s - self.queue_wait_s(node.idx, self._now)
@@ -389,6 +391,8 @@ class Simulation:
             self._demand_load(node, r)
         if r.waiting_on is not None and r.waiting_on.done_s is None:
             return  # the GPU waits for the transfer: resumed by _on_transfer_done
+        if r.waiting_on is not None and r.prefetch_ready_s == INF:
+            r.prefetch_ready_s = r.waiting_on.done_s  # the prefetch landed while it queued
         r.waiting_on = None
         self._begin_prefill(node, r)
 
