@@ -27,11 +27,16 @@ import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from agents.lmcache.backend import LMCacheBackendConfig, LMCacheWarmer, WarmHandle
+from agents.lmcache.backend import (
+    Backend,
+    LMCacheBackendConfig,
+    LMCacheWarmer,
+    WarmHandle,
+    require_backend_settings,
+)
 from agents.stores.base import ObjectStore
 from agents.stores.local import LocalTier, LocalTierConfig
 from agents.stores.s3_store import S3Store, S3StoreConfig
@@ -80,7 +85,7 @@ class AgentConfig(BaseModel):
 
     node: int = Field(ge=0)
     node_name: str = ""
-    backend: Literal["local", "lmcache-mp"] = "local"
+    backend: Backend = "local"
     dram: LocalTierConfig | None = None
     lmcache: LMCacheBackendConfig | None = None
     remote: RemoteStoreConfig
@@ -90,11 +95,9 @@ class AgentConfig(BaseModel):
 
     @model_validator(mode="after")
     def _backend_settings(self) -> AgentConfig:
-        if self.backend == "local" and self.dram is None:
-            raise ValueError("backend 'local' needs 'dram' (the node's local tier)")
-        if self.backend == "lmcache-mp" and self.lmcache is None:
-            raise ValueError("backend 'lmcache-mp' needs 'lmcache' (the node's LMCache "
-                             "server: http_url, model_name ...)")
+        require_backend_settings(self.backend, dram=self.dram, lmcache=self.lmcache,
+                                 dram_is="the node's local tier",
+                                 lmcache_is="the node's LMCache server: http_url, model_name ...")
         return self
 
 

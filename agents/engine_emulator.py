@@ -30,10 +30,10 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from agents.lmcache.backend import Backend, require_backend_settings
 from agents.lmcache.engine_kv import LMCacheEngineConfig, LMCacheEngineKV
 from agents.stores.base import ObjectStore
 from agents.stores.errors import StoreError
@@ -55,7 +55,7 @@ class EngineConfig(BaseModel):
     #: Where reusable KV is read from and new KV written: ``local`` = the agent's tier
     #: files and the remote store; ``lmcache-mp`` = the node's LMCache MP server, as a real
     #: engine-driven client (see :mod:`agents.lmcache.engine_kv`).
-    backend: Literal["local", "lmcache-mp"] = "local"
+    backend: Backend = "local"
     #: The agent's tier on this node (read-only here: the engine maps published files).
     dram: LocalTierConfig | None = None
     lmcache: LMCacheEngineConfig | None = None
@@ -70,11 +70,9 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _backend_settings(self) -> EngineConfig:
-        if self.backend == "local" and self.dram is None:
-            raise ValueError("backend 'local' needs 'dram' (the agent's tier on this node)")
-        if self.backend == "lmcache-mp" and self.lmcache is None:
-            raise ValueError("backend 'lmcache-mp' needs 'lmcache' (the node's LMCache "
-                             "server)")
+        require_backend_settings(self.backend, dram=self.dram, lmcache=self.lmcache,
+                                 dram_is="the agent's tier on this node",
+                                 lmcache_is="the node's LMCache server")
         return self
 
 

@@ -28,6 +28,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import count
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -40,6 +41,20 @@ from agents.transfer import TransferResult
 from controlplane.wire import TransferOrder
 
 log = logging.getLogger(__name__)
+
+#: Where a node's agent lands orders and its engine finds KV: the project's own DRAM/disk
+#: tier, or the node's LMCache MP server.
+Backend = Literal["local", "lmcache-mp"]
+
+
+def require_backend_settings(backend: Backend, *, dram: object | None, lmcache: object | None,
+                             dram_is: str, lmcache_is: str) -> None:
+    """A config's cross-field rule: each backend needs its own section (pydantic
+    validators call it; ``ValueError`` names the missing section)."""
+    if backend == "local" and dram is None:
+        raise ValueError(f"backend 'local' needs 'dram' ({dram_is})")
+    if backend == "lmcache-mp" and lmcache is None:
+        raise ValueError(f"backend 'lmcache-mp' needs 'lmcache' ({lmcache_is})")
 
 
 class LMCacheBackendConfig(BaseModel):

@@ -24,13 +24,13 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 from agents.agent import RemoteStoreConfig
-from agents.lmcache.backend import LMCacheBackendConfig
+from agents.lmcache.backend import Backend, LMCacheBackendConfig
 from agents.stores.local import LocalTierConfig
 from agents.transfer import TransferConfig
 from controlplane.config import FleetConfig, fleet_from_dict
@@ -88,7 +88,7 @@ class PlacementSettings(_Section):
 class AgentSettings(_Section):
     #: Where orders land: ``local`` = the agent's own tier below; ``lmcache-mp`` = the
     #: node's LMCache MP server's L1 (``lmcache``: the server as every node runs it).
-    backend: Literal["local", "lmcache-mp"] = "local"
+    backend: Backend = "local"
     lmcache: LMCacheBackendConfig | None = None
     #: The node-local DRAM tier of each agent (``{node}``: the node's number, so that
     #: several nodes on one machine do not share a directory). Under /dev/shm for DRAM.

@@ -1,5 +1,5 @@
 """The ``lmcache-mp`` warm path against a real ``lmcache server`` on CPU, with real Valkey
-(LMCache's own valkey L2 adapter, and our L2 adapter plugin when it is present).
+(LMCache's own valkey L2 adapter, and our L2 adapter plugin).
 
 An emulated engine (:class:`LMCacheMPClient`) registers a KV layout through LMCache's
 engine-driven context mode and stores/looks up/retrieves through its shared-memory pool; the
@@ -10,8 +10,6 @@ split every lookup into tokens L1 already held and tokens it had to load from L2
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import random
 import time
 import uuid
@@ -28,6 +26,7 @@ from agents.lmcache.errors import (
     LMCacheNoLayoutError,
     LMCacheTimeoutError,
 )
+from agents.lmcache.l2_adapter import plugin_adapter_json
 from agents.lmcache.mp_client import KVLayout, LMCacheMPClient
 from agents.lmcache.server import LMCacheServer
 from agents.lmcache.warm import LMCacheWarmClient, LookupHits, object_keys
@@ -37,16 +36,13 @@ pytestmark = pytest.mark.servers
 CHUNK = 256
 LAYOUT = KVLayout()  # 2 KiB per token: 512 KiB per chunk
 CHUNK_BYTES = LAYOUT.chunk_bytes(CHUNK)
-PLUGIN_MODULE = "agents.lmcache.l2_adapter"
 
 
 def _l2_adapter(kind: str, valkey: EmbeddedValkey) -> dict[str, Any]:
     if kind == "lmcache-valkey":
         return {"type": "valkey", "startup_nodes": f"{valkey.host}:{valkey.port}"}
-    # Our plugin: imported here, so a broken module fails the test instead of skipping it.
-    plugin = importlib.import_module(PLUGIN_MODULE)
-    return dict(plugin.plugin_adapter_json(
-        valkey=valkey.store_config(key_prefix=f"kvp-{uuid.uuid4().hex[:6]}:")))
+    prefix = f"kvp-{uuid.uuid4().hex[:6]}:"
+    return plugin_adapter_json(valkey=valkey.store_config(key_prefix=prefix))
 
 
 def _shm_name() -> str:
