@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 EXTRAS ?= dev,plot,stores,ml,serve,lmcache
 
-.PHONY: setup demo sim test lint sim-full clean
+.PHONY: setup demo sim test test-fast lint sim-full clean
 
 # torch is pinned to the CPU build for CPU machines (an open range would pull a multi-GB
 # CUDA build); GPU users install their own CUDA torch and then `pip install -e .[ml]`.
@@ -29,14 +29,18 @@ sim: setup
 	mkdir -p out
 	$(VENV)/bin/kvprefetch sim --nodes 1 --json out/sim.json --plot out/sim.png
 
-test: setup
-	$(PY) -m ruff check .
-	$(PY) -m mypy
+test: lint
 	$(PY) -m pytest -q
 
+# The pure tests (no servers, no Ray, no shared traces): under a minute.
+test-fast: setup
+	$(PY) -m pytest -q -m "not servers and not slow and not live"
+
+# Style, types, and the package layers (pyproject.toml [tool.importlinter]).
 lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m mypy
+	$(VENV)/bin/lint-imports
 
 # The shared Claude Code set (../shared/traces), all six policies.
 sim-full: setup

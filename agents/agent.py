@@ -4,7 +4,7 @@ It owns the node's local DRAM tier (:class:`~agents.stores.LocalTier`), a connec
 the remote token store (Valkey in front of S3, :class:`~agents.stores.TieredStore`) and a
 :class:`~agents.transfer.TransferEngine` between them. Per order it moves the chunk keys
 into the tier (atomic publish: a chunk is visible whole or not at all, also when the agent
-is killed mid-transfer) and reports one :class:`~controlplane.wire.TransferReport` to the
+is killed mid-transfer) and reports one :class:`~controlplane.base.wire.TransferReport` to the
 scheduler. It deletes chunks on evict advice and takes the engine's write-through of new KV.
 With the ``lmcache-mp`` backend the node-local tier is the node's LMCache MP server's L1
 instead: orders run as LMCache warm prefetches (:mod:`agents.lmcache.backend`), evict advice
@@ -43,9 +43,9 @@ from agents.stores.s3_store import S3Store, S3StoreConfig
 from agents.stores.tiered import TieredStore, TieredStoreConfig
 from agents.stores.valkey_store import ValkeyStore, ValkeyStoreConfig
 from agents.transfer import TransferConfig, TransferEngine, TransferHandle, TransferResult
-from controlplane.errors import ConfigError
-from controlplane.keys import parse_session_prefix
-from controlplane.wire import AgentHello, AgentStatus, TransferOrder, TransferReport
+from controlplane.base.errors import ConfigError
+from controlplane.base.keys import parse_session_prefix
+from controlplane.base.wire import AgentHello, AgentStatus, TransferOrder, TransferReport
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """An engine emulator for CPU-only clusters: stands in for vLLM + LMCache on one node.
 
-It serves requests with the cost model's timing (:class:`~controlplane.config.FleetConfig`),
+It serves requests with the cost model's timing (:class:`~controlplane.base.config.FleetConfig`),
 every duration divided by ``time_compression``, and it moves real bytes: before prefill it
 reads the reusable KV chunks from the node's local tier (files the agent published, verified
 by their checksums), after the response it writes the KV it computed back to the remote
@@ -39,10 +39,10 @@ from agents.stores.base import ObjectStore
 from agents.stores.errors import StoreError
 from agents.stores.format import decode_object
 from agents.stores.local import LocalTier, LocalTierConfig
-from controlplane.config import FleetConfig
-from controlplane.keys import chunk_sizes, payload, session_keys
-from controlplane.tiers import LruEviction, Tier, TierEntry
-from controlplane.wire import EngineReport, GpuStartPlan, TransferReport
+from controlplane.base.config import FleetConfig
+from controlplane.base.keys import chunk_sizes, payload, session_keys
+from controlplane.base.wire import EngineReport, GpuStartPlan, TransferReport
+from controlplane.core.tiers import LruEviction, Tier, TierEntry
 
 log = logging.getLogger(__name__)
 

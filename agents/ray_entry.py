@@ -7,7 +7,7 @@
 * ``EngineActor``: one per node on CPU-only clusters (named ``kvprefetch-engine-<node>``),
   serving many requests at once (threads), each blocking until its response ends.
 
-Placement is chosen by the caller (:mod:`controlplane.ray_app`): node affinity on a real
+Placement is chosen by the caller (:mod:`controlplane.live.ray_app`): node affinity on a real
 cluster, a per-node custom resource (:func:`node_resource`) on one machine.
 """
 
@@ -21,7 +21,7 @@ import ray
 
 from agents.agent import AgentConfig, PrefetchAgent, RemoteStoreConfig
 from agents.engine_emulator import EngineConfig, EngineEmulator, ServeRequest, ServeResult
-from controlplane.wire import (
+from controlplane.base.wire import (
     AgentHello,
     AgentStatus,
     EngineReport,

@@ -12,7 +12,7 @@ is expected back in seconds, the end of a turn in minutes.
 
 from __future__ import annotations
 
-from controlplane.types import ArrivalForecast, EventKind, SessionEvent
+from controlplane.base.types import ArrivalForecast, EventKind, SessionEvent
 
 #: Gap quantiles (q10, q50, q90, seconds) and P(return within the horizon) per stop reason.
 TABLE: dict[str, tuple[tuple[float, float, float], float]] = {

@@ -64,8 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     from agents.lmcache.server import LMCacheServer
     from agents.lmcache.tokens import put_session_tokens
     from agents.lmcache.warm import LMCacheWarmClient
-    from controlplane.keys import position_keys
-    from controlplane.wire import TransferOrder
+    from controlplane.base.keys import position_keys
+    from controlplane.base.wire import TransferOrder
 
     rng = random.Random(0)
     # Ids every current tokenizer has (vocabularies are >= 32k); one output token each.
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<14} {r['ttft_s']:>8.3f} {r['l1_tokens']:>10} {r['l2_tokens']:>10}")
     print(f"warm: {results['warm']}; warmed request hit L1: {hit}")
     if args.json_out:
-        from controlplane.atomic import write_json_atomic
+        from controlplane.base.atomic import write_json_atomic
 
         write_json_atomic(args.json_out, results)
     return 0 if hit else 1

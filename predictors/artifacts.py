@@ -18,8 +18,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from controlplane.atomic import write_atomic
-from controlplane.errors import PredictorError
+from controlplane.base.atomic import write_atomic
+from controlplane.base.errors import PredictorError
 from predictors.features import FEATURE_NAMES, FEATURE_SCHEMA_VERSION
 
 MAGIC = b"KVPREDICTOR\n"

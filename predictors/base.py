@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from controlplane.types import ArrivalForecast, SessionEvent
+from controlplane.base.types import ArrivalForecast, SessionEvent
 
 
 @runtime_checkable

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from controlplane.types import FORECAST_LEVELS
+from controlplane.base.types import FORECAST_LEVELS
 from predictors.features import KNOWN_STOP_REASONS, GapDataset, feature_index
 from predictors.learned import LearnedPredictor, npz_bytes, npz_load
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from controlplane.types import FORECAST_LEVELS, ArrivalForecast, SessionEvent, Trace
+from controlplane.base.types import FORECAST_LEVELS, ArrivalForecast, SessionEvent, Trace
 from predictors.base import Predictor
 from predictors.distribution import prob_return_within
 from predictors.features import replay_session

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
-from controlplane.types import ArrivalForecast, EventKind, HintKind, SessionEvent, Trace
+from controlplane.base.types import ArrivalForecast, EventKind, HintKind, SessionEvent, Trace
 from predictors.base import Predictor
 
 #: Arrival after a "user is typing" hint with no ETA: q10, q50, q90 seconds after the hint.
@@ -122,7 +122,7 @@ class HintedPredictor:
     def save(self, path: str | Path) -> Path:
         save = getattr(self.inner, "save", None)
         if save is None:
-            from controlplane.errors import PredictorError
+            from controlplane.base.errors import PredictorError
 
             raise PredictorError(f"wrapped predictor {self.inner.name!r} cannot be saved")
         return Path(save(path))

@@ -26,8 +26,8 @@ from typing import Any, ClassVar, Self
 
 import numpy as np
 
-from controlplane.errors import PredictorError
-from controlplane.types import FORECAST_LEVELS, ArrivalForecast, SessionEvent, Trace
+from controlplane.base.errors import PredictorError
+from controlplane.base.types import FORECAST_LEVELS, ArrivalForecast, SessionEvent, Trace
 from predictors.artifacts import read_artifact, write_artifact
 from predictors.distribution import condition, monotone
 from predictors.features import FeatureTracker, GapDataset, SessionFeatures, build_dataset

@@ -7,7 +7,7 @@ never returns.
 
 from __future__ import annotations
 
-from controlplane.types import ArrivalForecast, EventKind, SessionEvent, Trace, TraceSession
+from controlplane.base.types import ArrivalForecast, EventKind, SessionEvent, Trace, TraceSession
 
 _NEVER_S = 1e12
 

@@ -15,8 +15,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from controlplane.errors import KvPrefetchError, PluginError, PredictorError
-from controlplane.types import Trace
+from controlplane.base.errors import KvPrefetchError, PluginError, PredictorError
+from controlplane.base.types import Trace
 from predictors.base import Predictor
 
 #: Built-in predictors: name -> "module:attribute" of a factory or class.

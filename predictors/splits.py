@@ -14,8 +14,8 @@ from enum import StrEnum
 
 import numpy as np
 
-from controlplane.errors import PredictorError
-from controlplane.types import Trace, TraceSession
+from controlplane.base.errors import PredictorError
+from controlplane.base.types import Trace, TraceSession
 from predictors.features import session_group
 
 

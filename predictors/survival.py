@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from controlplane.types import FORECAST_LEVELS
+from controlplane.base.types import FORECAST_LEVELS
 from predictors.empirical import BUCKETS
 from predictors.features import GapDataset, SessionFeatures, feature_index
 from predictors.learned import MAX_CONFIDENCE, LearnedPredictor, npz_bytes, npz_load

@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from controlplane.errors import PredictorError
-from controlplane.types import FORECAST_LEVELS
+from controlplane.base.errors import PredictorError
+from controlplane.base.types import FORECAST_LEVELS
 from predictors.features import N_FEATURES, SEQUENCE_LENGTH, GapDataset, SessionFeatures
 from predictors.learned import LearnedPredictor
 

@@ -5,7 +5,7 @@ formats. A key that differs by one seed misses silently, so parity is tested, no
 The reference outputs come straight from LMCache's functions (``TokenHasher``,
 ``ipc_key_to_object_keys`` and the L2 adapters' key encoders for the multiprocess format;
 ``ChunkedTokenDatabase`` and ``CacheEngineKey.to_string`` for the legacy one), not from
-``controlplane.lmcache_keys``' own ``implementation="lmcache"`` path, which is checked
+``agents.lmcache.keys``' own ``implementation="lmcache"`` path, which is checked
 against them too. LMCache is imported directly: CI installs it, and a missing LMCache
 must fail these tests, not skip them.
 """
@@ -44,8 +44,7 @@ from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
 from lmcache.v1.multiprocess.token_hasher import TokenHasher
 from lmcache.v1.token_database import ChunkedTokenDatabase
 
-from controlplane.errors import ConfigError, KvPrefetchError
-from controlplane.lmcache_keys import (
+from agents.lmcache.keys import (
     NATIVE_HASH_ALGORITHMS,
     PY312_NONE_HASH,
     VLLM_HASH_ALGORITHMS,
@@ -57,6 +56,7 @@ from controlplane.lmcache_keys import (
     py_tuple_hash,
     resolve_implementation,
 )
+from controlplane.base.errors import ConfigError, KvPrefetchError
 
 VLLM_INSTALLED = importlib.util.find_spec("vllm") is not None
 MP_ALGORITHMS = NATIVE_HASH_ALGORITHMS["mp"]

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from controlplane.errors import PluginError, PredictorError
-from controlplane.types import (
+from controlplane.base.errors import PluginError, PredictorError
+from controlplane.base.types import (
     EventKind,
     HintKind,
     SessionEvent,

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from controlplane.config import GIB, fleet_from_dict
-from controlplane.policies import POLICIES
-from controlplane.scheduler import MAX_REPLANS, LoadTicket, SchedulerCore
-from controlplane.types import EventKind, SessionEvent, Trace, TraceRequest, TraceSession
+from controlplane.base.config import GIB, fleet_from_dict
+from controlplane.base.types import EventKind, SessionEvent, Trace, TraceRequest, TraceSession
+from controlplane.core.policies import POLICIES
+from controlplane.core.scheduler import MAX_REPLANS, LoadTicket, SchedulerCore
 from predictors.oracle import OraclePredictor
 from predictors.registry import load
 
@@ -133,9 +133,9 @@ def test_an_uncertain_prefetch_never_evicts_resident_kv() -> None:
 
 
 def test_recency_floor_applies_to_heuristic_forecasts_only() -> None:
-    from controlplane.config import PlannerConfig
-    from controlplane.planner import predicted_use_s
-    from controlplane.types import ArrivalForecast
+    from controlplane.base.config import PlannerConfig
+    from controlplane.base.types import ArrivalForecast
+    from controlplane.core.planner import predicted_use_s
 
     cfg = PlannerConfig()
     # Finished at t=0, idle for 100 s; its median gap is 30 s.

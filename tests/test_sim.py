@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from controlplane.config import (
+from controlplane.base.config import (
     GIB,
     LLAMA_8B,
     LLAMA_70B,
@@ -19,16 +19,16 @@ from controlplane.config import (
     fleet_from_dict,
     load_fleet,
 )
-from controlplane.errors import ConfigError
-from controlplane.planner import TransferEstimate, plan_prefetch
-from controlplane.policies import POLICIES, parse_policies
-from controlplane.router import NodeView, RouteRequest, route
+from controlplane.base.errors import ConfigError
+from controlplane.base.types import ArrivalForecast, Trace, TraceRequest, TraceSession
+from controlplane.core.planner import TransferEstimate, plan_prefetch
+from controlplane.core.policies import POLICIES, parse_policies
+from controlplane.core.router import NodeView, RouteRequest, route
+from controlplane.core.tiers import LruEviction, Tier, TierEntry
 from controlplane.sim import SimOptions, Simulation, run_policies
 from controlplane.sim.link import DEMAND, PREFETCH, Link, Transfer
 from controlplane.sim.scenarios import cold_start
-from controlplane.tiers import LruEviction, Tier, TierEntry
 from controlplane.traces import ArrivalOptions, bundled_trace_path, load_trace
-from controlplane.types import ArrivalForecast, Trace, TraceRequest, TraceSession
 from predictors.registry import load as load_predictor
 
 REPO = Path(__file__).resolve().parents[1]

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from controlplane.errors import TraceFormatError, UnknownFormatError
+from controlplane.base.errors import TraceFormatError, UnknownFormatError
+from controlplane.base.types import EventKind, HintKind, SessionEvent, Trace, TraceSession
 from controlplane.traces import (
     BUNDLED_TRACES,
     DEFAULT_SESSION_RATE_PER_S,
@@ -29,7 +30,6 @@ from controlplane.traces import (
 )
 from controlplane.traces.arrivals import assign_start_times
 from controlplane.traces.claude_code import common_prefix_length
-from controlplane.types import EventKind, HintKind, SessionEvent, Trace, TraceSession
 
 FIXTURES = Path(__file__).parent / "fixtures" / "traces"
 SHARED_TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"

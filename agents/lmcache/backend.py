@@ -38,7 +38,7 @@ from agents.lmcache.warm import LMCacheWarmClient, object_keys
 from agents.stores.base import ObjectStore
 from agents.stores.errors import StoreError
 from agents.transfer import TransferResult
-from controlplane.wire import TransferOrder
+from controlplane.base.wire import TransferOrder
 
 log = logging.getLogger(__name__)
 

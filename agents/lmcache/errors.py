@@ -1,7 +1,7 @@
 """Errors of the LMCache integration, translated at this edge from ZMQ, HTTP and LMCache.
 
 Every class is a :class:`~agents.stores.errors.StoreError` (so a
-:class:`~controlplane.errors.KvPrefetchError`): the agent's loop can catch one type and
+:class:`~controlplane.base.errors.KvPrefetchError`): the agent's loop can catch one type and
 still tell a misconfigured node (:class:`LMCacheConfigMismatchError`, raised at start-up)
 from a node whose engine has not registered yet (:class:`LMCacheNoLayoutError`) and from a
 server that is down or slow (:class:`LMCacheUnavailableError`, :class:`LMCacheTimeoutError`).

@@ -65,6 +65,7 @@ from pydantic import (
     model_validator,
 )
 
+from agents.lmcache.keys import mp_wire_name
 from agents.stores.base import Buffer, GetResult, ObjectStore, PayloadWriter
 from agents.stores.errors import StoreConfigError, StoreError
 from agents.stores.format import ObjectHeader, decode_header, header_length
@@ -72,7 +73,6 @@ from agents.stores.s3_store import S3Store, S3StoreConfig, translate_boto_errors
 from agents.stores.tiered import TieredStore, TieredStoreConfig
 from agents.stores.valkey_store import ValkeyStore, ValkeyStoreConfig, translate_valkey_errors
 from agents.transfer import TokenBucket
-from controlplane.lmcache_keys import mp_wire_name
 
 log = logging.getLogger(__name__)
 

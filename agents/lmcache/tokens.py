@@ -22,8 +22,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from agents.stores.base import ObjectStore
-from controlplane.errors import KvPrefetchError
-from controlplane.keys import session_prefix
+from controlplane.base.errors import KvPrefetchError
+from controlplane.base.keys import session_prefix
 
 TOKENS_NAME = "tokens"
 _MAX_TOKEN = 2**32 - 1

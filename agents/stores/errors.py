@@ -1,13 +1,13 @@
 """The store exception hierarchy: every valkey, botocore and OS error is translated here.
 
-Callers catch :class:`StoreError` (or :class:`~controlplane.errors.KvPrefetchError`) and tell
+Callers catch :class:`StoreError` (or :class:`~controlplane.base.errors.KvPrefetchError`) and tell
 causes apart by subclass. A *miss* (not found, corrupt, unavailable) is an answer, not a
 failure: batched calls report it per key instead of raising.
 """
 
 from __future__ import annotations
 
-from controlplane.errors import ConfigError, KvPrefetchError
+from controlplane.base.errors import ConfigError, KvPrefetchError
 
 
 class StoreError(KvPrefetchError):

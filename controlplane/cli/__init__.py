@@ -10,7 +10,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from controlplane.errors import KvPrefetchError
+from controlplane.base.errors import KvPrefetchError
 
 #: sub-command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {

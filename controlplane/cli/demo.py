@@ -90,9 +90,9 @@ def build_trace(args: argparse.Namespace, window: int) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from controlplane.config import fleet_from_dict
-    from controlplane.errors import ConfigError
-    from controlplane.policies import parse_policies
+    from controlplane.base.config import fleet_from_dict
+    from controlplane.base.errors import ConfigError
+    from controlplane.core.policies import parse_policies
 
     if not 1 <= args.nodes <= 8:
         raise ConfigError("--nodes must be 1..8 on one machine")
@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
         return 130
     _print(report)
     if args.json_out:
-        from controlplane.atomic import write_json_atomic
+        from controlplane.base.atomic import write_json_atomic
 
         write_json_atomic(args.json_out, report)
         print(f"wrote {args.json_out}")
@@ -170,10 +170,10 @@ def _run_policy(args: argparse.Namespace, fleet: Any, policy: str, trace: Any, v
     from agents.stores.local import LocalTierConfig
     from agents.stores.tiered import TieredStoreConfig
     from agents.transfer import TransferConfig
-    from controlplane.client import connect
-    from controlplane.ray_app import deploy, local_placements
-    from controlplane.replay import Replayer
-    from controlplane.service import ServiceConfig
+    from controlplane.live.client import connect
+    from controlplane.live.ray_app import deploy, local_placements
+    from controlplane.live.replay import Replayer
+    from controlplane.live.service import ServiceConfig
     from controlplane.sim.metrics import summarize
     from controlplane.sim.simulator import PolicyRun
 
@@ -323,7 +323,7 @@ def _pcts(values: list[float]) -> dict[str, float]:
 
 def _report(args: argparse.Namespace, fleet: Any, trace: Any, results: dict[str, Any],
             extra: dict[str, Any], wall_s: float) -> dict[str, Any]:
-    from controlplane.policies import parse_policies
+    from controlplane.core.policies import parse_policies
     from controlplane.sim.metrics import gap_closure, working_set_peak_bytes
     from controlplane.sim.runner import SimOptions, run_policies
 

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from controlplane import atomic
+from controlplane.base import atomic
 
 BASELINES = ("last-gap", "empirical")
 TABLE_COLUMNS = (
@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from controlplane.errors import PredictorError
+    from controlplane.base.errors import PredictorError
     from controlplane.traces import load_trace
     from predictors import registry
     from predictors.evaluate import evaluate

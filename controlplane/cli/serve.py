@@ -6,7 +6,7 @@ runtime on this machine whose node counts as one GPU node), finds the nodes that
 agent (every node with the ``placement.resource`` Ray resource, ``GPU`` by default, and
 every one of ``placement.labels``), starts the scheduler actor (pinned to this node, which
 holds its journal), one prefetch agent per matching node, and the HTTP API
-(:mod:`controlplane.http_api`) in this process. Logs what it placed where. On SIGINT or
+(:mod:`controlplane.live.http_api`) in this process. Logs what it placed where. On SIGINT or
 SIGTERM it stops the HTTP server, closes and kills its actors and leaves Ray.
 
 The actors live as long as this process (they are not detached): run it under a
@@ -33,9 +33,9 @@ from agents.agent import RemoteStoreConfig
 from agents.lmcache.backend import Backend, LMCacheBackendConfig
 from agents.stores.local import LocalTierConfig
 from agents.transfer import TransferConfig
-from controlplane.config import FleetConfig, fleet_from_dict
-from controlplane.errors import ConfigError, KvPrefetchError, ServiceUnavailableError
-from controlplane.service import ServiceConfig
+from controlplane.base.config import FleetConfig, fleet_from_dict
+from controlplane.base.errors import ConfigError, KvPrefetchError, ServiceUnavailableError
+from controlplane.live.service import ServiceConfig
 
 log = logging.getLogger(__name__)
 MIB = 1 << 20
@@ -293,9 +293,9 @@ class Serve:
 
         from agents.agent import AgentConfig
         from agents.ray_entry import SCHEDULER_NAME
-        from controlplane.client import connect
-        from controlplane.http_api import HttpServer, create_app
-        from controlplane.ray_app import Placement, deploy, matching_nodes
+        from controlplane.live.client import connect
+        from controlplane.live.http_api import HttpServer, create_app
+        from controlplane.live.ray_app import Placement, deploy, matching_nodes
 
         cfg = self.cfg
         self._init_ray()

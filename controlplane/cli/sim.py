@@ -6,9 +6,9 @@ import argparse
 import os
 import sys
 
-from controlplane.errors import ConfigError
-from controlplane.policies import POLICY_NAMES
-from controlplane.types import Trace
+from controlplane.base.errors import ConfigError
+from controlplane.base.types import Trace
+from controlplane.core.policies import POLICY_NAMES
 
 #: Default Poisson rate of session starts for the simulator: one every 75 s. On the shared
 #: Claude Code set with the default 4-node 8B fleet this puts the peak working set of live
@@ -85,9 +85,9 @@ def held_out(trace: Trace, fraction: float, seed: int, predictor_spec: str) -> T
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from controlplane.atomic import write_json_atomic
-    from controlplane.config import default_fleet, load_fleet
-    from controlplane.policies import parse_policies
+    from controlplane.base.atomic import write_json_atomic
+    from controlplane.base.config import default_fleet, load_fleet
+    from controlplane.core.policies import parse_policies
     from controlplane.sim.report import format_table, write_plot
     from controlplane.sim.runner import SimOptions, run_policies
     from controlplane.sim.scenarios import apply_scenario

@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from controlplane.errors import PredictorError
+    from controlplane.base.errors import PredictorError
     from controlplane.traces import load_trace
     from predictors import registry
     from predictors.evaluate import evaluate

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from controlplane.types import Trace
+from controlplane.base.types import Trace
 
 from .simulator import PolicyRun, RequestRecord
 

@@ -1,4 +1,4 @@
-"""Terminal table and PNG plot of a simulation report (JSON: :mod:`controlplane.atomic`)."""
+"""Terminal table and PNG plot of a simulation report (JSON: :mod:`controlplane.base.atomic`)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from controlplane.policies import POLICIES
+from controlplane.core.policies import POLICIES
 
 GIB = 1 << 30
 

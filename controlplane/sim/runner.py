@@ -14,9 +14,9 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from controlplane.config import FleetConfig
-from controlplane.policies import PolicySpec
-from controlplane.types import Trace
+from controlplane.base.config import FleetConfig
+from controlplane.base.types import Trace
+from controlplane.core.policies import PolicySpec
 from predictors.registry import load as load_predictor
 
 from .metrics import gap_closure, summarize, working_set_peak_bytes

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from controlplane.errors import ConfigError
-from controlplane.types import Trace, TraceRequest, TraceSession
+from controlplane.base.errors import ConfigError
+from controlplane.base.types import Trace, TraceRequest, TraceSession
 
 SCENARIOS: tuple[str, ...] = ("default", "cold-start")
 #: Quiet time between the two passes of the cold-start scenario (seconds).

@@ -8,7 +8,7 @@ predicted-next-use eviction), and an ingress link shared by all transfers into t
 written (Valkey, LRU-bounded, in front of S3, unbounded). Writes to the remote store use
 the NIC's egress direction and are not on any request's critical path.
 
-A request's life: arrival -> routing (:mod:`controlplane.router`) -> (policy: load missing
+A request's life: arrival -> routing (:mod:`controlplane.core.router`) -> (policy: load missing
 KV at arrival) -> prefill queue -> (policy: load at schedule; the GPU waits = stall) ->
 DRAM->HBM copy of reused KV (stall) -> prefill of the new tokens -> first token (TTFT)
 -> decode -> finish: the context is written to HBM, the DRAM tier and the remote store.
@@ -22,12 +22,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from controlplane.config import FleetConfig
-from controlplane.planner import PrefetchOrder
-from controlplane.policies import LoadStart, PolicySpec
-from controlplane.scheduler import LoadTicket, SchedulerCore
-from controlplane.tiers import LruEviction, Tier, TierEntry
-from controlplane.types import EventKind, SessionEvent, Trace, TraceRequest, TraceSession
+from controlplane.base.config import FleetConfig
+from controlplane.base.types import EventKind, SessionEvent, Trace, TraceRequest, TraceSession
+from controlplane.core.planner import PrefetchOrder
+from controlplane.core.policies import LoadStart, PolicySpec
+from controlplane.core.scheduler import LoadTicket, SchedulerCore
+from controlplane.core.tiers import LruEviction, Tier, TierEntry
 from predictors.base import Predictor
 
 from .link import DEMAND, PREFETCH, Link, Transfer

@@ -1,4 +1,4 @@
-"""Trace loaders: real LLM-serving traces as :class:`~controlplane.types.Trace` records.
+"""Trace loaders: real LLM-serving traces as :class:`~controlplane.base.types.Trace` records.
 
 Formats (see each module's docstring for the exact mapping):
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
-from controlplane.errors import KvPrefetchError
+from controlplane.base.errors import KvPrefetchError
 
 #: Bundled traces by name -> path inside ``controlplane/data/traces``.
 BUNDLED_TRACES: dict[str, str] = {

@@ -6,7 +6,7 @@
   ``mooncake``;
 * ``*.csv`` / ``*.csv.gz`` whose header has ``TIMESTAMP`` -> ``azure``.
 
-Anything else raises :class:`~controlplane.errors.UnknownFormatError` listing the formats.
+Anything else raises :class:`~controlplane.base.errors.UnknownFormatError` listing the formats.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import csv
 import json
 from pathlib import Path
 
-from controlplane.errors import UnknownFormatError
+from controlplane.base.errors import UnknownFormatError
 from controlplane.traces._fields import check_exists, numbered_lines, open_text
 
 #: Every format :func:`controlplane.traces.load_trace` reads, by name.

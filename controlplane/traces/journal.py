@@ -4,7 +4,7 @@ File format (JSONL, UTF-8, optionally gzip-compressed as ``.jsonl.gz`` once rota
 
 * line 1, a header: ``{"kvprefetch_journal": 1, ...}`` (the format version, then free
   metadata given to :class:`JournalWriter`);
-* then one :class:`~controlplane.types.SessionEvent` per line, as a flat object with the
+* then one :class:`~controlplane.base.types.SessionEvent` per line, as a flat object with the
   short keys ``kind``, ``session``, ``t``, ``turn``, ``in``, ``out``, ``reused``, ``stop``,
   ``hint``, ``eta_s``, ``node``, ``tenant``, ``parent`` (``None`` fields are omitted).
   ``t`` is the service clock in seconds. Unknown keys are ignored, so version 1 may gain
@@ -13,7 +13,7 @@ File format (JSONL, UTF-8, optionally gzip-compressed as ``.jsonl.gz`` once rota
 Crash safety: the writer appends each event as one ``write`` of one complete line, so a crash
 can only tear the *last* line. The reader ignores a torn last line (one without its final
 newline that does not parse) and logs a warning; a bad line anywhere else is an error
-(:class:`~controlplane.errors.TraceFormatError` naming file, line and field). On opening an
+(:class:`~controlplane.base.errors.TraceFormatError` naming file, line and field). On opening an
 existing journal the writer first cuts such a torn tail, so appending never buries it.
 
 As a trace (:func:`load_journal`), the journal is replayed closed-loop: ``request_started``
@@ -40,9 +40,8 @@ from typing import IO, Any, Self
 import pydantic_core
 from tqdm import tqdm
 
-from controlplane.errors import TraceFormatError
-from controlplane.traces._fields import FieldReader, check_exists
-from controlplane.types import (
+from controlplane.base.errors import TraceFormatError
+from controlplane.base.types import (
     EventKind,
     HintKind,
     SessionEvent,
@@ -50,6 +49,7 @@ from controlplane.types import (
     TraceRequest,
     TraceSession,
 )
+from controlplane.traces._fields import FieldReader, check_exists
 
 FORMAT_NAME = "journal"
 HEADER_KEY = "kvprefetch_journal"

@@ -5,14 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from controlplane.errors import UnknownFormatError
+from controlplane.base.errors import UnknownFormatError
+from controlplane.base.types import Trace
 from controlplane.traces.arrivals import ArrivalOptions
 from controlplane.traces.azure import load_azure
 from controlplane.traces.claude_code import load_claude_code
 from controlplane.traces.detect import FORMATS, detect_format, known_formats_text
 from controlplane.traces.journal import load_journal
 from controlplane.traces.mooncake import load_mooncake
-from controlplane.types import Trace
 
 
 def _claude_code(
@@ -60,7 +60,7 @@ def load_trace(
     limit_sessions: int | None = None,
     progress: bool = False,
 ) -> Trace:
-    """Load a trace of any known format as a :class:`~controlplane.types.Trace`.
+    """Load a trace of any known format as a :class:`~controlplane.base.types.Trace`.
 
     ``fmt`` is one of :data:`FORMATS` or ``"auto"`` (guess from the name and first line).
     ``arrivals`` and ``seed`` place sessions on the replay clock for formats without a shared
@@ -69,8 +69,8 @@ def load_trace(
     file name before start times are drawn for claude-code (so the choice does not depend on
     the seed; their sub-agents come along), by start time otherwise.
 
-    Raises :class:`~controlplane.errors.UnknownFormatError` for an unknown ``fmt`` or an
-    undetectable file, :class:`~controlplane.errors.TraceFormatError` for a missing path,
+    Raises :class:`~controlplane.base.errors.UnknownFormatError` for an unknown ``fmt`` or an
+    undetectable file, :class:`~controlplane.base.errors.TraceFormatError` for a missing path,
     an empty trace or a malformed record (naming file, line and field).
     """
     source = Path(path)

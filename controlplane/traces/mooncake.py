@@ -43,9 +43,9 @@ from pathlib import Path
 import pydantic_core
 from tqdm import tqdm
 
-from controlplane.errors import TraceFormatError
+from controlplane.base.errors import TraceFormatError
+from controlplane.base.types import Trace, TraceRequest, TraceSession
 from controlplane.traces._fields import FieldReader, check_exists, numbered_lines, open_text
-from controlplane.types import Trace, TraceRequest, TraceSession
 
 FORMAT_NAME = "mooncake"
 BLOCK_TOKENS = 512

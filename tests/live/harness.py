@@ -1,6 +1,6 @@
 """In-process wiring of a live fleet (no Ray): one SchedulerService, one PrefetchAgent and one
 EngineEmulator per node, real Valkey and S3 on loopback. The Ray deployment wires the very
-same plain classes through actors (controlplane.ray_app)."""
+same plain classes through actors (controlplane.live.ray_app)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from agents.embedded import EmbeddedS3, EmbeddedValkey
 from agents.engine_emulator import EngineConfig, EngineEmulator, ServeRequest, ServeResult
 from agents.stores.local import LocalTierConfig
 from agents.stores.tiered import TieredStoreConfig
-from controlplane.config import FleetConfig
-from controlplane.service import SchedulerService, ServiceConfig
-from controlplane.wire import TransferOrder
+from controlplane.base.config import FleetConfig
+from controlplane.base.wire import TransferOrder
+from controlplane.live.service import SchedulerService, ServiceConfig
 
 MIB = 1 << 20
 

@@ -14,9 +14,9 @@ from harness import build_local_fleet, remote_config
 from agents.agent import AgentConfig, PrefetchAgent
 from agents.embedded import EmbeddedS3, EmbeddedValkey
 from agents.stores.local import LocalTierConfig
-from controlplane.config import fleet_from_dict
-from controlplane.keys import payload, position_keys
-from controlplane.wire import TransferOrder
+from controlplane.base.config import fleet_from_dict
+from controlplane.base.keys import payload, position_keys
+from controlplane.base.wire import TransferOrder
 
 pytestmark = pytest.mark.servers
 GIB = 1 << 30

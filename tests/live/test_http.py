@@ -19,10 +19,9 @@ from harness import build_local_fleet  # noqa: E402
 
 from agents.embedded import EmbeddedS3, EmbeddedValkey  # noqa: E402
 from agents.engine_emulator import ServeRequest  # noqa: E402
-from controlplane import api  # noqa: E402
-from controlplane.client import Client, connect  # noqa: E402
-from controlplane.config import fleet_from_dict  # noqa: E402
-from controlplane.errors import (  # noqa: E402
+from controlplane.base import api  # noqa: E402
+from controlplane.base.config import fleet_from_dict  # noqa: E402
+from controlplane.base.errors import (  # noqa: E402
     ConfigError,
     InvalidRequestError,
     MalformedHintError,
@@ -30,9 +29,10 @@ from controlplane.errors import (  # noqa: E402
     UnknownSessionError,
     WrongTenantError,
 )
-from controlplane.http_api import HttpServer, create_app  # noqa: E402
-from controlplane.metrics import PrometheusMetrics  # noqa: E402
-from controlplane.service import SchedulerService, ServiceConfig  # noqa: E402
+from controlplane.live.client import Client, connect  # noqa: E402
+from controlplane.live.http_api import HttpServer, create_app  # noqa: E402
+from controlplane.live.metrics import PrometheusMetrics  # noqa: E402
+from controlplane.live.service import SchedulerService, ServiceConfig  # noqa: E402
 
 GIB = 1 << 30
 MIB = 1 << 20

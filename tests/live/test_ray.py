@@ -22,11 +22,11 @@ from agents.embedded import EmbeddedS3, EmbeddedValkey  # noqa: E402
 from agents.ray_entry import NAMESPACE, node_resource  # noqa: E402
 from agents.stores.local import LocalTierConfig  # noqa: E402
 from agents.transfer import TransferConfig  # noqa: E402
-from controlplane.client import connect  # noqa: E402
-from controlplane.config import fleet_from_dict  # noqa: E402
-from controlplane.keys import payload, position_keys  # noqa: E402
-from controlplane.ray_app import Placement, deploy, local_placements  # noqa: E402
-from controlplane.service import ServiceConfig  # noqa: E402
+from controlplane.base.config import fleet_from_dict  # noqa: E402
+from controlplane.base.keys import payload, position_keys  # noqa: E402
+from controlplane.live.client import connect  # noqa: E402
+from controlplane.live.ray_app import Placement, deploy, local_placements  # noqa: E402
+from controlplane.live.service import ServiceConfig  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.servers]
 GIB = 1 << 30
@@ -108,7 +108,7 @@ def test_two_raylets_one_agent_per_node_and_prefetch_lands_on_b(
     with two_raylets(({"gpu_node": 1}, {"gpu_node": 1})) as address:
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
         try:
-            from controlplane.ray_app import gpu_node_placements
+            from controlplane.live.ray_app import gpu_node_placements
 
             nodes = sorted(ray.nodes(), key=lambda n: n["NodeManagerAddress"])
             placements = [Placement(node_id=n["NodeID"]) for n in nodes]

@@ -24,11 +24,11 @@ httpx = pytest.importorskip("httpx")
 from raycluster import _end, _pids_under  # noqa: E402
 
 from agents.embedded import EmbeddedS3, EmbeddedValkey, free_port  # noqa: E402
+from controlplane.base.errors import ConfigError  # noqa: E402
 from controlplane.cli import main  # noqa: E402
 from controlplane.cli.serve import load_serve_config  # noqa: E402
-from controlplane.client import connect  # noqa: E402
-from controlplane.errors import ConfigError  # noqa: E402
-from controlplane.ray_app import gpu_node_placements, matching_nodes  # noqa: E402
+from controlplane.live.client import connect  # noqa: E402
+from controlplane.live.ray_app import gpu_node_placements, matching_nodes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 MIB = 1 << 20

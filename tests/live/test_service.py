@@ -7,10 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from controlplane import api
-from controlplane.client import connect
-from controlplane.config import fleet_from_dict
-from controlplane.errors import (
+from controlplane.base import api
+from controlplane.base.config import fleet_from_dict
+from controlplane.base.errors import (
     ConfigError,
     InvalidRequestError,
     KvPrefetchError,
@@ -18,9 +17,10 @@ from controlplane.errors import (
     UnknownSessionError,
     WrongTenantError,
 )
-from controlplane.service import SchedulerService, ServiceConfig
+from controlplane.base.types import EventKind
+from controlplane.live.client import connect
+from controlplane.live.service import SchedulerService, ServiceConfig
 from controlplane.traces import load_trace, read_journal_events
-from controlplane.types import EventKind
 
 GIB = 1 << 30
 FLEET = fleet_from_dict({"nodes": 2, "node": {"hbm_kv_bytes": 4 * GIB,

@@ -31,10 +31,16 @@ from agents.ray_entry import (
     engine_name,
     node_resource,
 )
-from controlplane import api
-from controlplane.errors import ServiceUnavailableError
-from controlplane.service import SchedulerService, ServiceConfig
-from controlplane.wire import AgentHello, EngineReport, GpuStartPlan, TransferOrder, TransferReport
+from controlplane.base import api
+from controlplane.base.errors import ServiceUnavailableError
+from controlplane.base.wire import (
+    AgentHello,
+    EngineReport,
+    GpuStartPlan,
+    TransferOrder,
+    TransferReport,
+)
+from controlplane.live.service import SchedulerService, ServiceConfig
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +82,7 @@ class _SchedulerActor:
         ports = {i: _RayAgentPort(i, namespace) for i in range(config.fleet.nodes)}
         metrics = None
         try:
-            from controlplane.metrics import PrometheusMetrics
+            from controlplane.live.metrics import PrometheusMetrics
 
             metrics = PrometheusMetrics()
         except ImportError:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from controlplane.config import FleetConfig
+from controlplane.base.config import FleetConfig
 
 
 @dataclass(frozen=True, slots=True)

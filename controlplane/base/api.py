@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from controlplane.errors import InvalidRequestError, MalformedHintError
+from controlplane.base.errors import InvalidRequestError, MalformedHintError
 
 Name = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:@+=-]+$")]
 Tokens = Annotated[int, Field(ge=0, le=100_000_000)]

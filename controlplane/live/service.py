@@ -1,15 +1,15 @@
 """The live scheduler: :class:`SchedulerCore` on a wall clock, fed by the gateway, the
 engines and the prefetch agents.
 
-``SchedulerService`` is a plain class (the Ray actor in :mod:`controlplane.ray_app` wraps
+``SchedulerService`` is a plain class (the Ray actor in :mod:`controlplane.live.ray_app` wraps
 it; tests drive it directly). It
 
 * validates and journals every session event (:class:`~controlplane.traces.JournalWriter`,
   the format ``kvprefetch sim --trace`` and ``kvprefetch train`` read) and feeds it to the
   core;
-* is the core's :class:`~controlplane.scheduler.FleetView`, built from what the engines and
+* is the core's :class:`~controlplane.core.scheduler.FleetView`, built from what the engines and
   agents report (HBM contents, transfers in flight) and its own queue estimates;
-* turns the core's decisions into :class:`~controlplane.wire.TransferOrder` messages for the
+* turns the core's decisions into :class:`~controlplane.base.wire.TransferOrder` messages for the
   node's agent (demand loads at once, prefetches at their ``start_at_s``), and its book
   evictions into evict advice;
 * runs a control loop thread that fires armed prefetch orders, expires lost orders and
@@ -38,33 +38,33 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from controlplane import api
-from controlplane.config import FleetConfig, default_fleet
-from controlplane.errors import (
+from controlplane.base import api
+from controlplane.base.config import FleetConfig, default_fleet
+from controlplane.base.errors import (
     ConfigError,
     InvalidRequestError,
     UnknownSessionError,
     WrongTenantError,
 )
-from controlplane.keys import (
+from controlplane.base.keys import (
     DEFAULT_CHUNK_TOKENS,
     chunk_count,
     chunk_hashes,
     session_keys,
     session_prefix,
 )
-from controlplane.planner import PrefetchOrder
-from controlplane.policies import POLICIES, LoadStart, PolicySpec
-from controlplane.scheduler import LoadTicket, SchedulerCore
-from controlplane.traces.journal import JournalWriter, read_journal_events
-from controlplane.types import EventKind, HintKind, SessionEvent
-from controlplane.wire import (
+from controlplane.base.types import EventKind, HintKind, SessionEvent
+from controlplane.base.wire import (
     AgentHello,
     EngineReport,
     GpuStartPlan,
     TransferOrder,
     TransferReport,
 )
+from controlplane.core.planner import PrefetchOrder
+from controlplane.core.policies import POLICIES, LoadStart, PolicySpec
+from controlplane.core.scheduler import LoadTicket, SchedulerCore
+from controlplane.traces.journal import JournalWriter, read_journal_events
 
 log = logging.getLogger(__name__)
 INF = float("inf")
@@ -146,7 +146,7 @@ class AgentPort(Protocol):
 
 
 class ServiceMetricsSink(Protocol):
-    """Where the service reports measurements (Prometheus in :mod:`controlplane.metrics`)."""
+    """Where the service reports measurements (Prometheus in :mod:`controlplane.live.metrics`)."""
 
     def event(self, kind: str) -> None: ...
 

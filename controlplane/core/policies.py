@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from controlplane.errors import ConfigError
+from controlplane.base.errors import ConfigError
 
 
 class LoadStart(enum.Enum):

@@ -1,17 +1,17 @@
 """The gateway's Python API: ``connect(address=...)`` and :class:`Client`.
 
-Every call is validated here (pydantic, :mod:`controlplane.api`) before it leaves the
+Every call is validated here (pydantic, :mod:`controlplane.base.api`) before it leaves the
 process, carries a tenant, and waits at most ``timeout_s``: a ``route`` that times out
 answers :meth:`RouteAnswer.no_prefetch` (run the request anywhere, without prefetch) and an
 event that times out answers ``Ack(accepted=False, timed_out=True)``; neither raises, so
 the inference path is never held up for long. The service's refusals come back as typed
-errors (:class:`~controlplane.errors.UnknownSessionError`,
-:class:`~controlplane.errors.WrongTenantError`,
-:class:`~controlplane.errors.MalformedHintError`, ...).
+errors (:class:`~controlplane.base.errors.UnknownSessionError`,
+:class:`~controlplane.base.errors.WrongTenantError`,
+:class:`~controlplane.base.errors.MalformedHintError`, ...).
 
 Transports: ``address="inproc"`` with ``service=`` (tests, embedding), a Ray address
 (``"auto"``, ``"ray://host:10001"``, ``"127.0.0.2:6379"``: the named scheduler actor), or an
-HTTP URL (``http://host:8000``, the FastAPI app of :mod:`controlplane.http_api`).
+HTTP URL (``http://host:8000``, the FastAPI app of :mod:`controlplane.live.http_api`).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel
 
-from controlplane import api
-from controlplane.errors import (
+from controlplane.base import api
+from controlplane.base.errors import (
     InvalidRequestError,
     KvPrefetchError,
     MalformedHintError,
@@ -50,7 +50,7 @@ class Transport(Protocol):
 
 
 class LocalTransport:
-    """Calls a :class:`~controlplane.service.SchedulerService` in this process."""
+    """Calls a :class:`~controlplane.live.service.SchedulerService` in this process."""
 
     def __init__(self, service: Any) -> None:
         self.service = service

@@ -19,7 +19,7 @@ import hashlib
 import struct
 from collections.abc import Sequence
 
-from controlplane.errors import KvPrefetchError
+from controlplane.base.errors import KvPrefetchError
 
 DEFAULT_CHUNK_TOKENS = 256
 _SEP = "/"

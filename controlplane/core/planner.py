@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from controlplane.config import PlannerConfig
-from controlplane.types import ArrivalForecast
+from controlplane.base.config import PlannerConfig
+from controlplane.base.types import ArrivalForecast
 
 
 @dataclass(frozen=True, slots=True)

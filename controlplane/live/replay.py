@@ -18,9 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from agents.engine_emulator import ServeRequest, ServeResult
-from controlplane.client import Client
+from controlplane.base.types import Trace, TraceRequest, TraceSession
+from controlplane.live.client import Client
 from controlplane.sim.simulator import RequestRecord
-from controlplane.types import Trace, TraceRequest, TraceSession
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Prometheus metrics of the scheduler service (one private registry per service: no global
 state, several services per process are fine). Needs ``prometheus_client`` (the ``serve``
-extra); the service runs without it (:class:`~controlplane.service.NullMetrics`)."""
+extra); the service runs without it (:class:`~controlplane.live.service.NullMetrics`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ TTLB_BUCKETS_S = (0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30, 100)
 
 
 class PrometheusMetrics:
-    """Implements :class:`~controlplane.service.ServiceMetricsSink`."""
+    """Implements :class:`~controlplane.live.service.ServiceMetricsSink`."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()

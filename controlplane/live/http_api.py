@@ -1,6 +1,6 @@
-"""The HTTP API: the gateway operations of :mod:`controlplane.client` for gateways not
+"""The HTTP API: the gateway operations of :mod:`controlplane.live.client` for gateways not
 written in Python, as JSON ``POST /v1/<op>`` endpoints on the models of
-:mod:`controlplane.api` (the OpenAPI document at ``/openapi.json`` is generated from them).
+:mod:`controlplane.base.api` (the OpenAPI document at ``/openapi.json`` is generated from them).
 
 =====================  =========================  ==================================
 endpoint               body                       answer
@@ -15,7 +15,7 @@ GET  /healthz              ``{"status": "ok"}`` (503 when the scheduler is unrea
 =====================  =========================  ==================================
 
 Errors are JSON ``{"error": <type name>, "detail": <message>}`` with the status of the
-typed error (:attr:`~controlplane.errors.ServiceError.http_status`): 401 no or wrong bearer
+typed error (:attr:`~controlplane.base.errors.ServiceError.http_status`): 401 no or wrong bearer
 token, 403 wrong tenant, 404 unknown session, 422 a body that fails validation (``errors``
 then lists each field as ``loc``/``msg``/``type``), 503 scheduler unavailable. A call the
 scheduler does not answer within ``call_timeout_s`` answers 200 like the Python client
@@ -23,9 +23,9 @@ does: a route with ``node: null, timed_out: true`` (run the request without pref
 event with ``accepted: false``.
 
 The app fronts anything that takes those calls: a
-:class:`~controlplane.service.SchedulerService` in this process, a
-:class:`~controlplane.client.Client` (the Ray scheduler actor, in ``kvprefetch serve``), or
-a bare :class:`~controlplane.client.Transport`. Endpoints are plain functions, run on
+:class:`~controlplane.live.service.SchedulerService` in this process, a
+:class:`~controlplane.live.client.Client` (the Ray scheduler actor, in ``kvprefetch serve``), or
+a bare :class:`~controlplane.live.client.Transport`. Endpoints are plain functions, run on
 Starlette's thread pool, because every backend call may block (a lock, ``ray.get``).
 
 Needs the ``serve`` extra (fastapi, uvicorn, prometheus_client).
@@ -54,8 +54,9 @@ from prometheus_client import (
 )
 from pydantic import BaseModel
 
-from controlplane import __version__, api
-from controlplane.errors import (
+from controlplane import __version__
+from controlplane.base import api
+from controlplane.base.errors import (
     ConfigError,
     KvPrefetchError,
     ServiceError,
@@ -78,7 +79,7 @@ OPERATIONS: dict[str, type[BaseModel]] = {
 HTTP_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 #: Where ``/metrics`` reads the scheduler's measurements: a registry, an object holding one
-#: (:class:`~controlplane.metrics.PrometheusMetrics`), or a function returning exposition
+#: (:class:`~controlplane.live.metrics.PrometheusMetrics`), or a function returning exposition
 #: text (the Ray scheduler actor's ``metrics_text``).
 MetricsSource = CollectorRegistry | Callable[[], bytes] | Any
 
@@ -117,8 +118,8 @@ _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 
 def _backend(target: Any) -> Any:
-    """A :class:`~controlplane.client.Transport` for ``target``."""
-    from controlplane.client import Client, LocalTransport
+    """A :class:`~controlplane.live.client.Transport` for ``target``."""
+    from controlplane.live.client import Client, LocalTransport
 
     if isinstance(target, Client):
         return target.transport

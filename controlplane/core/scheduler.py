@@ -23,17 +23,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from controlplane.config import FleetConfig
-from controlplane.planner import (
+from controlplane.base.config import FleetConfig
+from controlplane.base.types import ArrivalForecast, SessionEvent
+from controlplane.core.planner import (
     PrefetchOrder,
     TransferEstimate,
     plan_prefetch,
     predicted_use_s,
 )
-from controlplane.policies import EvictionKind, PolicySpec
-from controlplane.router import NodeView, RouteDecision, RouteRequest, route
-from controlplane.tiers import LruEviction, PredictedUseEviction, Tier, TierEntry
-from controlplane.types import ArrivalForecast, SessionEvent
+from controlplane.core.policies import EvictionKind, PolicySpec
+from controlplane.core.router import NodeView, RouteDecision, RouteRequest, route
+from controlplane.core.tiers import LruEviction, PredictedUseEviction, Tier, TierEntry
 from predictors.base import Predictor
 
 INF = float("inf")

@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from controlplane.errors import ConfigError
+from controlplane.base.errors import ConfigError
 
 GIB = 1 << 30
 
