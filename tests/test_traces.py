@@ -178,7 +178,7 @@ def test_azure_rows_are_single_request_sessions() -> None:
 def _events() -> list[SessionEvent]:
     started, finished = EventKind.REQUEST_STARTED, EventKind.REQUEST_FINISHED
     return [
-        SessionEvent(started, "a", 100.0, turn=0, input_tokens=1000, tenant="t1", node="n0"),
+        SessionEvent(started, "a", 100.0, turn=0, input_tokens=1000, tenant="t1", node=0),
         SessionEvent(finished, "a", 102.5, turn=0, input_tokens=1000, output_tokens=50,
                      stop_reason="tool_use", tenant="t1"),
         SessionEvent(EventKind.HINT, "a", 102.6, turn=0, hint=HintKind.TOOL_RUNNING, eta_s=4.0),

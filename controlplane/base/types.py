@@ -10,6 +10,9 @@ import enum
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+#: The tenant of sessions whose client names none.
+DEFAULT_TENANT = "default"
+
 # ---------------------------------------------------------------------------------------------
 # Traces: what the loaders yield and the simulator replays.
 # ---------------------------------------------------------------------------------------------
@@ -64,7 +67,7 @@ class TraceSession:
     start_s: float
     requests: tuple[TraceRequest, ...]
     parent_id: str | None = None
-    tenant: str = "default"
+    tenant: str = DEFAULT_TENANT
 
     @property
     def closed_loop(self) -> bool:
@@ -100,6 +103,33 @@ class Trace:
 # ---------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True, order=True)
+class SessionKey:
+    """The identity of one session: (tenant, session id). Session ids are unique within a
+    tenant only. ``wire`` is its one string form ("tenant/session"), used wherever a single
+    opaque name is needed (the core's and the predictors' session ids, the journal, order
+    messages); :meth:`parse` reads it back. Session ids may themselves contain '/'
+    (Claude Code sub-agents), tenants may not."""
+
+    tenant: str
+    session_id: str
+
+    @property
+    def wire(self) -> str:
+        return f"{self.tenant}/{self.session_id}"
+
+    @classmethod
+    def parse(cls, wire: str) -> SessionKey:
+        """The key of a ``wire`` name; a name without a tenant is the default tenant's."""
+        tenant, sep, session_id = wire.partition("/")
+        if not sep:
+            return cls(DEFAULT_TENANT, wire)
+        return cls(tenant, session_id)
+
+    def __str__(self) -> str:
+        return self.wire
+
+
 class EventKind(enum.StrEnum):
     REQUEST_STARTED = "request_started"
     REQUEST_FINISHED = "request_finished"
@@ -133,8 +163,9 @@ class SessionEvent:
     stop_reason: str | None = None
     hint: HintKind | None = None
     eta_s: float | None = None
-    node: str | None = None
-    tenant: str = "default"
+    #: The node that served the request (``REQUEST_FINISHED``); None where not known.
+    node: int | None = None
+    tenant: str = DEFAULT_TENANT
     parent_id: str | None = None
 
 

@@ -263,7 +263,7 @@ class SchedulerCore:
         """The response ended on ``event.node``: the session's KV is written through to the
         node's DRAM tier and the remote store; plan its next visit."""
         sid, now = event.session_id, event.time_s
-        node = int(event.node) if event.node is not None else 0
+        node = event.node if event.node is not None else 0
         s = self._session(sid)
         s.in_flight = max(0, s.in_flight - 1)
         s.home = node

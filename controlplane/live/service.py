@@ -474,7 +474,7 @@ class SchedulerService:
                 info.hashes = tuple(call.chunk_hashes)
             event = SessionEvent(EventKind.REQUEST_FINISHED, sid, now, max(0, info.turns - 1),
                                  call.input_tokens, call.output_tokens, 0, call.stop_reason,
-                                 node=str(call.node), tenant=call.tenant)
+                                 node=call.node, tenant=call.tenant)
             info.in_flight = False
             info.context_tokens = ctx
             self._record(event)

@@ -260,7 +260,7 @@ class Simulation:
             output_tokens=req.output_tokens if finished else 0,
             reused_tokens=req.reused_tokens,
             stop_reason=req.stop_reason if finished else None,
-            node=None if node is None else str(node),
+            node=node,
             tenant=r.session.tenant,
             parent_id=r.session.parent_id,
         )

@@ -115,10 +115,20 @@ def event_from_dict(
         stop_reason=reader.optional_text(row, "stop"),
         hint=hint,
         eta_s=reader.seconds(row, "eta_s", optional=True),
-        node=reader.optional_text(row, "node"),
+        node=_node(reader, row),
         tenant=reader.optional_text(row, "tenant") or "default",
         parent_id=reader.optional_text(row, "parent"),
     )
+
+
+def _node(reader: FieldReader, row: Mapping[str, Any]) -> int | None:
+    """The event's node number; journals written before it was an int hold its digits."""
+    value = row.get("node")
+    if value is None:
+        return None
+    if isinstance(value, str) and value.isdigit():
+        return int(value)
+    return reader.count(row, "node")
 
 
 # ---------------------------------------------------------------------------------------------
