@@ -30,7 +30,7 @@ def _events(core: SchedulerCore, sid: str, t: float, node: int, ctx: int,
             stop: str = "tool_use") -> None:
     core.request_started(SessionEvent(EventKind.REQUEST_STARTED, sid, t, input_tokens=ctx))
     core.request_finished(SessionEvent(EventKind.REQUEST_FINISHED, sid, t + 1.0,
-                                       input_tokens=ctx, stop_reason=stop, node=str(node)),
+                                       input_tokens=ctx, stop_reason=stop, node=node),
                           ctx)
 
 
