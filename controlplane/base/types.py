@@ -7,6 +7,8 @@ Time is in seconds (float) everywhere; token counts are ints; bytes are ints.
 from __future__ import annotations
 
 import enum
+import itertools
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -215,3 +217,192 @@ class ArrivalForecast:
     def arrival_at(self, level: float) -> float:
         """Absolute time of the ``level`` quantile of the next arrival."""
         return self.last_finish_s + self.gap_at(level)
+
+    # -- the distribution behind the knots (see _GapLaw for the model and its tail) -------
+    def p_within(self, h_s: float, now_s: float) -> float:
+        """P(the next arrival comes in ``(now_s, now_s + h_s]`` | no arrival by ``now_s``).
+
+        Counts the chance that the session never returns (``p_return``). A point mass (all
+        quantiles equal: the oracle) is a step: ``p_return`` if the arrival falls in the
+        window, else 0; a point mass already due counts as arriving now.
+        """
+        if h_s <= 0.0 or self.p_return <= 0.0:
+            return 0.0
+        silence = max(0.0, now_s - self.last_finish_s)
+        law = _GapLaw.of(self, silence)
+        if law is None:  # point mass
+            gap = max(self.gap_quantiles_s[0], silence)
+            return min(1.0, self.p_return) if gap <= silence + h_s else 0.0
+        return law.p_within(silence, h_s)
+
+    def expected_wait_s(self, now_s: float, horizon_s: float) -> float:
+        """E[min(T - now_s, horizon_s) | no arrival by now_s], T the next arrival (``inf``
+        if the session never returns): how long KV warmed now would wait before its use
+        (LHD's expected lifetime), capped at ``horizon_s``."""
+        if horizon_s <= 0.0:
+            return 0.0
+        if self.p_return <= 0.0:
+            return horizon_s
+        silence = max(0.0, now_s - self.last_finish_s)
+        law = _GapLaw.of(self, silence)
+        if law is None:
+            p = min(1.0, self.p_return)
+            wait = max(0.0, self.gap_quantiles_s[0] - silence)
+            return p * min(wait, horizon_s) + (1.0 - p) * horizon_s
+        return law.expected_wait(silence, horizon_s)
+
+    def arrival_quantile_after(self, level: float, now_s: float) -> float:
+        """Absolute time of the ``level`` quantile of the next arrival given that the
+        session returns and has not by ``now_s`` (never earlier than ``now_s``; ``inf`` for
+        ``level >= 1``). For timing a prefetch to land before an early quantile."""
+        if level >= 1.0:
+            return math.inf
+        silence = max(0.0, now_s - self.last_finish_s)
+        law = _GapLaw.of(self, silence)
+        if law is None:
+            return max(now_s, self.last_finish_s + self.gap_quantiles_s[0])
+        return max(now_s, self.last_finish_s + law.quantile_after(silence, max(0.0, level)))
+
+
+#: Survival of the gap law falls from 0.5 to 0.1 over the q50 -> q90 segment; the tail
+#: beyond q90 keeps that log-slope (same model as :mod:`predictors.distribution`).
+_TAIL_SURVIVAL_DROP = math.log(5.0)
+#: Smallest log1p step between knots used for the tail's decay (as the predictors' floor).
+_MIN_LOG_STEP = 1e-3
+
+
+def _log_integral(x: float) -> float:
+    """An antiderivative of ``log1p(x)``."""
+    return (1.0 + x) * math.log1p(x) - x
+
+
+@dataclass(frozen=True, slots=True)
+class _GapLaw:
+    """The gap from the last finish to the next arrival, built from a forecast's 0.1, 0.5
+    and 0.9 quantiles, in ``u = log1p(gap)``:
+
+    * between the knots the CDF ``F`` (given that the session returns) is linear in ``u``;
+    * below the 0.1 knot it falls linearly in ``u`` to 0 at the *anchor*: gap 0, or, for a
+      ``conditioned`` forecast, the silence it was computed at (taken to be
+      ``min(silence, q10)``: a learned forecast's quantiles are of the total gap, already
+      conditioned on the silence up to the time it was asked for, and floored at it);
+    * beyond the 0.9 knot a Pareto tail: survival ``0.1 * ((1 + g) / (1 + q90)) ** -rate``
+      with the log-slope of the q50 -> q90 segment. Inter-request gaps are heavy tailed
+      (a tool call returns in seconds, a person in minutes, hours or never), so the
+      hazard must fall with age, as hazard-rate TTL caching observes; an exponential tail
+      would claim a constant hazard and keep long-silent sessions valuable. It is also the
+      model the learned predictors condition with, so the two agree.
+
+    ``p_ever`` is the probability of ever returning: ``p_return`` is that of returning
+    within ``horizon_s``, hence ``p_return / F(horizon_s)`` (capped at 1), the reading of
+    :func:`predictors.distribution.prob_return_within`.
+    """
+
+    g0: float
+    g10: float
+    g50: float
+    g90: float
+    u0: float
+    u10: float
+    u50: float
+    u90: float
+    rate: float
+    p_ever: float
+
+    @staticmethod
+    def of(fc: ArrivalForecast, silence_s: float) -> _GapLaw | None:
+        """The law of ``fc`` seen after ``silence_s`` of silence; None for a point mass."""
+        g10 = max(0.0, fc.gap_at(0.1))
+        g50 = max(g10, fc.gap_at(0.5))
+        g90 = max(g50, fc.gap_at(0.9))
+        if g90 <= g10:
+            return None
+        g0 = min(silence_s, g10) if fc.conditioned else 0.0
+        u10, u50, u90 = math.log1p(g10), math.log1p(g50), math.log1p(g90)
+        rate = _TAIL_SURVIVAL_DROP / max(u90 - u50, _MIN_LOG_STEP)
+        law = _GapLaw(g0, g10, g50, g90, math.log1p(g0), u10, u50, u90, rate, 1.0)
+        f_h = 1.0 - law.survival(fc.horizon_s)
+        p_ever = min(1.0, fc.p_return / f_h) if f_h > 0.0 else min(1.0, fc.p_return)
+        return _GapLaw(g0, g10, g50, g90, law.u0, u10, u50, u90, rate, p_ever)
+
+    def _knots(self) -> tuple[tuple[float, float, float], ...]:
+        """(gap, u, survival) at the anchor and the three quantiles."""
+        return (
+            (self.g0, self.u0, 1.0),
+            (self.g10, self.u10, 0.9),
+            (self.g50, self.u50, 0.5),
+            (self.g90, self.u90, 0.1),
+        )
+
+    def survival(self, gap_s: float) -> float:
+        """``1 - F(gap_s)``: P(gap > gap_s | the session returns)."""
+        if gap_s <= self.g0:
+            return 1.0
+        u = math.log1p(gap_s)
+        if u >= self.u90:
+            return 0.1 * math.exp(-self.rate * (u - self.u90))
+        knots = self._knots()
+        for (_, u_lo, s_lo), (_, u_hi, s_hi) in itertools.pairwise(knots):
+            if u < u_hi:
+                return s_lo + (s_hi - s_lo) * (u - u_lo) / (u_hi - u_lo)
+        return 0.1  # unreachable: u < u90 falls in a segment
+
+    def _tail_integral(self, x0: float, x1: float, ref_g: float, ref_s: float) -> float:
+        """Integral over [x0, x1] of ``ref_s * ((1 + g) / (1 + ref_g)) ** -rate``."""
+        v0, v1 = (1.0 + x0) / (1.0 + ref_g), (1.0 + x1) / (1.0 + ref_g)
+        k = 1.0 - self.rate
+        inner = math.log(v1 / v0) if abs(k) < 1e-9 else (v1**k - v0**k) / k
+        return ref_s * (1.0 + ref_g) * inner
+
+    def survival_integral(self, x0: float, x1: float) -> float:
+        """Integral of :meth:`survival` over the gaps [x0, x1]."""
+        total = max(0.0, min(x1, self.g0) - x0)  # survival 1 up to the anchor
+        knots = self._knots()
+        for (g_lo, u_lo, s_lo), (g_hi, u_hi, s_hi) in itertools.pairwise(knots):
+            a, b = max(x0, g_lo), min(x1, g_hi)
+            if b <= a or u_hi <= u_lo:
+                continue
+            slope = (s_hi - s_lo) / (u_hi - u_lo)
+            log_part = _log_integral(b) - _log_integral(a) - u_lo * (b - a)
+            total += s_lo * (b - a) + slope * log_part
+        a = max(x0, self.g90)
+        if x1 > a:
+            total += self._tail_integral(a, x1, self.g90, 0.1)
+        return total
+
+    def p_within(self, silence_s: float, h_s: float) -> float:
+        p = self.p_ever
+        s_now = self.survival(silence_s)
+        alive = (1.0 - p) + p * s_now
+        if alive <= 0.0:  # certain to return and deep in the tail (underflow): hazard form
+            du = math.log1p(silence_s + h_s) - math.log1p(silence_s)
+            return 1.0 - math.exp(-self.rate * du)
+        got = p * (s_now - self.survival(silence_s + h_s)) / alive
+        return min(1.0, max(0.0, got))
+
+    def expected_wait(self, silence_s: float, horizon_s: float) -> float:
+        p = self.p_ever
+        s_now = self.survival(silence_s)
+        alive = (1.0 - p) + p * s_now
+        end = silence_s + horizon_s
+        if alive <= 0.0:  # as in p_within: survival relative to now, in the tail
+            return self._tail_integral(silence_s, end, silence_s, 1.0)
+        # E[min(T - now, H)] = integral over [0, H] of P(T - now > t | alive).
+        returned = p * (s_now * horizon_s - self.survival_integral(silence_s, end)) / alive
+        return min(horizon_s, max(0.0, horizon_s - returned))
+
+    def quantile_after(self, silence_s: float, level: float) -> float:
+        """The gap at which P(gap <= g | returns, gap > silence) = ``level``."""
+        s_now = self.survival(silence_s)
+        target = s_now * (1.0 - level)
+        if target <= 0.0:  # underflow deep in the tail: the tail is scale-free there
+            return math.expm1(math.log1p(silence_s) - math.log1p(-level) / self.rate)
+        if target <= 0.1:
+            return math.expm1(self.u90 - math.log(target / 0.1) / self.rate)
+        knots = self._knots()
+        for (_, u_lo, s_lo), (_, u_hi, s_hi) in itertools.pairwise(knots):
+            if target >= s_hi:  # survival at the knots falls strictly
+                if target >= s_lo:
+                    return math.expm1(u_lo)
+                return math.expm1(u_lo + (u_hi - u_lo) * (s_lo - target) / (s_lo - s_hi))
+        return self.g90  # unreachable: target in (0.1, 1] falls in a segment
