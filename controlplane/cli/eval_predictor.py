@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from controlplane.base import atomic
+from controlplane.cli.predictor_option import add_predictor_option
 
 BASELINES = ("last-gap", "empirical")
 TABLE_COLUMNS = (
@@ -41,8 +42,9 @@ TABLE_COLUMNS = (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", required=True, help="trace file or folder")
     parser.add_argument("--format", default="auto", help="trace format (default: auto)")
-    parser.add_argument("--predictor", nargs="*", default=[], metavar="SPEC",
-                        help="predictors: NAME, NAME:ARTIFACT or module:Class")
+    add_predictor_option(parser, several=True,
+                         help="predictors: NAME, NAME:ARTIFACT or module:Class; several after "
+                         "one flag or the flag repeated (last-gap and empirical always run)")
     parser.add_argument("--split", choices=("session", "time"), default="session")
     parser.add_argument("--test-fraction", type=float, default=0.25,
                         help="share of session groups held out for scoring (default 0.25)")

@@ -8,6 +8,7 @@ import sys
 
 from controlplane.base.errors import ConfigError
 from controlplane.base.types import Trace
+from controlplane.cli.predictor_option import add_predictor_option
 from controlplane.core.policies import POLICY_NAMES
 
 #: Default Poisson rate of session starts for the simulator: one every 75 s. On the shared
@@ -32,9 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto | claude-code | mooncake | azure | journal (default: auto)")
     p.add_argument("--policies", default="all",
                    help=f"comma-separated subset of: {', '.join(POLICY_NAMES)} (default: all)")
-    p.add_argument("--predictor", default="last-gap",
-                   help="predictor for the 'predictive' policy: a name, NAME:ARTIFACT or "
-                   "module:Class (default: last-gap)")
+    add_predictor_option(p, several=False, default="last-gap",
+                         help="the one predictor of the 'predictive' policy: a name, "
+                         "NAME:ARTIFACT or module:Class (default: last-gap)")
     p.add_argument("--fleet", help="fleet YAML (model, node, remote, router, planner)")
     p.add_argument("--nodes", type=int, help="number of GPU nodes (default 4)")
     p.add_argument("--model", help="model preset: 8b or 70b (default 8b)")

@@ -12,14 +12,16 @@ import argparse
 import json
 import sys
 
+from controlplane.cli.predictor_option import add_predictor_option
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", required=True, help="trace file or folder")
     parser.add_argument("--format", default="auto", help="trace format (default: auto)")
-    parser.add_argument(
-        "--predictor", required=True,
-        help="trainable predictor: empirical, survival, gbm, torch-seq, hinted (wraps ewma), "
-        "or module:Class with fit/save",
+    add_predictor_option(
+        parser, several=False, required=True,
+        help="the one trainable predictor: empirical, survival, gbm, torch-seq, hinted (wraps "
+        "ewma), or module:Class with fit/save",
     )
     parser.add_argument("--out", required=True, help="artifact file to write")
     parser.add_argument("--split", choices=("session", "time"), default="session",
