@@ -31,8 +31,8 @@ from controlplane.traces import (
 from controlplane.traces.arrivals import assign_start_times
 from controlplane.traces.claude_code import common_prefix_length
 
-FIXTURES = Path(__file__).parent / "fixtures" / "traces"
-SHARED_TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "traces"
+SHARED_TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
 
 
 def by_id(trace: Trace) -> dict[str, TraceSession]:

@@ -10,7 +10,7 @@ from predictors import registry
 from predictors.evaluate import evaluate
 from predictors.splits import split_trace
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces" / "claude-code"
+TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces" / "claude-code"
 
 
 @pytest.mark.slow

@@ -5,7 +5,6 @@ from __future__ import annotations
 import gzip
 import json
 import math
-import sys
 import textwrap
 from pathlib import Path
 
@@ -300,9 +299,6 @@ def test_registry_errors():
 
 
 def test_example_user_predictor_loads_by_module_class(trace):
-    root = str(Path(__file__).resolve().parents[1])
-    if root not in sys.path:
-        sys.path.insert(0, root)
     model = registry.load("examples.custom_predictor:StopAwarePredictor")
     m = evaluate(model, trace)
     assert set(m) >= METRIC_KEYS and 0.0 <= m["coverage_80"] <= 1.0

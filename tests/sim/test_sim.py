@@ -31,7 +31,7 @@ from controlplane.sim.scenarios import cold_start
 from controlplane.traces import ArrivalOptions, bundled_trace_path, load_trace
 from predictors.registry import load as load_predictor
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 # ------------------------------------------------------------------ cost model
