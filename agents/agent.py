@@ -6,6 +6,9 @@ the remote token store (Valkey in front of S3, :class:`~agents.stores.TieredStor
 into the tier (atomic publish: a chunk is visible whole or not at all, also when the agent
 is killed mid-transfer) and reports one :class:`~controlplane.base.wire.TransferReport` to the
 scheduler. It deletes chunks on evict advice and takes the engine's write-through of new KV.
+It also passes the scheduler's advice to the tier's eviction policy (used by ``eviction:
+predicted``): each order's ``deadline_s`` is the predicted next use of its keys, and keys
+that evict advice names but a running transfer keeps are never needed again.
 With the ``lmcache-mp`` backend the node-local tier is the node's LMCache MP server's L1
 instead: orders run as LMCache warm prefetches (:mod:`agents.lmcache.backend`), evict advice
 deletes from L1, and the engine stores through LMCache itself.
@@ -19,6 +22,7 @@ Who calls what: the scheduler sends ``execute`` (a few per second per node), ``c
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import threading
@@ -222,12 +226,20 @@ class PrefetchAgent:
             handle = warmer.submit(order)
         else:
             assert engine is not None
+            self._advise(order)
             handle = engine.submit(order.keys, priority=order.priority)
         running = _Running(order, handle, threading.Event())
         with self._lock:
             self._running[order.order_id] = running
             self._appeared.notify_all()
         pool.submit(self._finish, running)
+
+    def _advise(self, order: TransferOrder) -> None:
+        """The order's deadline is when the scheduler predicts its keys will be read. A
+        demand load is needed at once: its deadline is the scheduler's present, so advice
+        older than it is spent."""
+        self.tier.advise(dict.fromkeys(order.keys, order.deadline_s),
+                         now_s=None if order.prefetch else order.deadline_s)
 
     def _finish(self, running: _Running) -> None:
         order = running.order
@@ -319,9 +331,11 @@ class PrefetchAgent:
 
     # ------------------------------------------------------------------ the tier
     def evict(self, prefixes: Sequence[str] = (), keys: Sequence[str] = ()) -> int:
-        """Evict advice: delete these keys and every key under these prefixes (keys of a
-        transfer still running are left alone). Returns how many were deleted. With the
-        ``lmcache-mp`` backend, the sessions under ``prefixes`` leave LMCache's L1."""
+        """Evict advice: delete these keys and every key under these prefixes. Keys of a
+        transfer still running are left alone and advised as never needed again (first to
+        go under ``eviction: predicted`` once they land). Returns how many were deleted.
+        With the ``lmcache-mp`` backend, the sessions under ``prefixes`` leave LMCache's
+        L1."""
         if self._warmer is not None:
             gone = self._warmer.evict_sessions([parse_session_prefix(p) for p in prefixes])
             with self._lock:
@@ -331,10 +345,13 @@ class PrefetchAgent:
         with self._lock:
             busy = {k for r in self._running.values() for k in r.order.keys}
         victims = set(keys)
-        if prefixes:
-            pre = tuple(prefixes)
+        pre = tuple(prefixes)
+        if pre:
             held = tier.keys()
             victims.update(k for k in held if k.startswith(pre))
+        kept = {k for k in busy if k in victims or (pre and k.startswith(pre))}
+        if kept:
+            tier.advise(dict.fromkeys(kept, math.inf))
         victims -= busy
         if not victims:
             return 0

@@ -41,8 +41,8 @@ from agents.stores.format import decode_object
 from agents.stores.local import LocalTier, LocalTierConfig
 from controlplane.base.config import FleetConfig
 from controlplane.base.keys import chunk_sizes, payload, session_keys
+from controlplane.base.tiers import LruEviction, Tier, TierEntry
 from controlplane.base.wire import EngineReport, GpuStartPlan, TransferReport
-from controlplane.core.tiers import LruEviction, Tier, TierEntry
 
 log = logging.getLogger(__name__)
 
@@ -365,9 +365,9 @@ class EngineEmulator:
             if victims is None:
                 return (sid,)
             for v in victims:
-                self._hbm.remove(v.session_id)
+                self._hbm.remove(v.key)
             self._hbm.put(TierEntry(sid, ctx, nbytes, time.monotonic()))
-            return tuple(v.session_id for v in victims)
+            return tuple(v.key for v in victims)
 
     def pid(self) -> int:
         return os.getpid()

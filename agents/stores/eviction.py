@@ -1,90 +1,137 @@
-"""Eviction policies of the node-local tiers: tiny classes that return a sort key.
+"""Eviction policies of the node-local tiers, in the project's one tier vocabulary.
 
-A local tier that must make room sorts its evictable entries by the policy's key and evicts
-from the smallest key up. Policies are pure (no I/O) and called under the tier's lock, once
-per entry each time an admission overflows the tier's capacity.
+A local tier keeps its objects as :class:`~controlplane.base.tiers.TierEntry` records in a
+:class:`~controlplane.base.tiers.Tier` and makes room with the policy's keys: one float per
+entry, the **largest** key is evicted first (the convention of
+:mod:`controlplane.base.tiers`, shared with the scheduler's books).
+
+A policy is an :class:`~controlplane.base.tiers.EvictionStrategy` with a name and two
+advice hooks. The tier calls ``keys`` under its lock each time an admission overflows its
+capacity, and ``forget`` when objects leave it; the agent calls ``advise`` with what the
+scheduler told it (see :class:`PredictedNextUsePolicy`). All are cheap, pure of I/O and
+thread-safe.
 """
 
 from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
+from controlplane.base.tiers import EvictionStrategy, LruEviction, TierEntry
 
-@dataclass(frozen=True, slots=True)
-class TierEntry:
-    """What a policy may know about one object in a local tier (times on the tier's clock)."""
+__all__ = ["EvictionPolicy", "LruPolicy", "PredictedNextUsePolicy", "TierEntry",
+           "make_policy"]
 
-    key: str
-    size_bytes: int
-    created_s: float
-    last_access_s: float
+#: Advice kept at most (oldest dropped first): bounds what orders for keys that never land
+#: leave behind. A tier of 32 MiB chunks would need 8 TiB to hold this many objects.
+MAX_ADVICE = 1 << 18
 
 
-class EvictionPolicy(Protocol):
-    """Orders a tier's entries for eviction: the smallest ``sort_key`` goes first.
-
-    Called by :class:`~agents.stores.local.LocalTier` under its lock whenever it must make
-    room; must be cheap, pure and thread-safe.
-    """
+class EvictionPolicy(EvictionStrategy, Protocol):
+    """A local tier's eviction strategy, chosen by name (``LocalTierConfig.eviction``)."""
 
     name: str
 
-    def sort_key(self, entry: TierEntry, now_s: float) -> tuple[float, ...]: ...
+    def advise(self, next_use_s: Mapping[str, float], *, now_s: float | None = None
+               ) -> None:
+        """Record the scheduler's predicted next use of keys (its clock; ``inf`` = never
+        needed again). ``now_s``: the scheduler's present, when the caller knows it.
+        Idempotent; later advice replaces earlier. Called by the agent per order and per
+        evict advice."""
+        ...
+
+    def forget(self, keys: Iterable[str]) -> None:
+        """The keys left the tier (deleted or evicted): drop their advice. Called by the
+        tier under its lock."""
+        ...
 
 
-class LruPolicy:
-    """Least recently used first."""
+class LruPolicy(LruEviction):
+    """Least recently used first; ignores the scheduler's advice."""
 
     name = "lru"
 
-    def sort_key(self, entry: TierEntry, now_s: float) -> tuple[float, ...]:
-        return (entry.last_access_s,)
+    def advise(self, next_use_s: Mapping[str, float], *, now_s: float | None = None
+               ) -> None:
+        return None
+
+    def forget(self, keys: Iterable[str]) -> None:
+        return None
 
 
 class PredictedNextUsePolicy:
-    """The scheduler's advice: evict the entry whose predicted next use is furthest away.
+    """The scheduler's advice: evict the object whose predicted next use is furthest away.
 
-    Advice is a time on the tier's clock (the same clock as ``now_s``) at which the key is
-    expected to be needed again; keys without advice are treated as never needed again and go
-    first (least recently used first among them). A prediction already in the past is kept
-    as-is: the session is overdue, so its data is the most urgent to keep.
+    Advice is a time on the *scheduler's* clock (the agent records each order's
+    ``deadline_s`` for the order's keys, and ``inf`` for keys the scheduler advised to
+    evict that a running transfer kept). Advised times are only compared with each other,
+    never with the tier's own clock. Eviction order, first to last:
 
-    Advice comes from :meth:`advise` (the agent forwards the scheduler's evict-advice) or from
-    an ``advice`` callable consulted at eviction time.
+    1. keys advised never to be needed again (``inf``), least recently used first;
+    2. keys without advice (written by the engine, or whose advice is spent), least
+       recently used first; they rank as if needed later than any advised key;
+    3. advised keys, furthest predicted next use first.
+
+    Advice is *spent* once the scheduler's clock has passed it: the agent passes the
+    scheduler's present when it knows it (a demand load is needed at once, so its deadline
+    is the scheduler's time of dispatch), and advice before that instant no longer protects
+    its keys (as the core trusts a planned use only until it has passed). Without this,
+    a key brought in for one visit would outrank every other key forever.
     """
 
     name = "predicted"
 
-    def __init__(self, advice: Callable[[str], float | None] | None = None) -> None:
-        self._lookup = advice
+    def __init__(self, max_advice: int = MAX_ADVICE) -> None:
         self._advice: dict[str, float] = {}
+        self._max_advice = max_advice
+        #: The latest scheduler time known to have passed (-inf: none yet).
+        self._scheduler_now_s = -math.inf
         self._lock = threading.Lock()
 
-    def advise(self, next_use_s: Mapping[str, float]) -> None:
-        """Record predicted next-use times (idempotent; later advice replaces earlier)."""
+    def advise(self, next_use_s: Mapping[str, float], *, now_s: float | None = None
+               ) -> None:
         with self._lock:
-            self._advice.update(next_use_s)
+            if now_s is not None:
+                self._scheduler_now_s = max(self._scheduler_now_s, now_s)
+            for key, when in next_use_s.items():
+                self._advice.pop(key, None)  # re-insert: the newest advice is kept longest
+                self._advice[key] = when
+            excess = len(self._advice) - self._max_advice
+            if excess > 0:
+                for key in list(self._advice)[:excess]:
+                    del self._advice[key]
 
-    def forget(self, keys: list[str]) -> None:
+    def forget(self, keys: Iterable[str]) -> None:
         with self._lock:
             for k in keys:
                 self._advice.pop(k, None)
 
     def next_use_s(self, key: str) -> float | None:
+        """The key's live advice (scheduler's clock), or None when it has none or it is
+        spent."""
         with self._lock:
-            known = self._advice.get(key)
-        if known is None and self._lookup is not None:
-            known = self._lookup(key)
-        return known
+            when = self._advice.get(key)
+            return None if when is None or when < self._scheduler_now_s else when
 
-    def sort_key(self, entry: TierEntry, now_s: float) -> tuple[float, ...]:
-        when = self.next_use_s(entry.key)
-        return (-(math.inf if when is None else when), entry.last_access_s)
+    def keys(self, entries: Sequence[TierEntry], now_s: float) -> list[float]:
+        """Ranks in the order above (the last to go gets 1.0): keys of one call compare
+        with each other only, as advice and last uses are on different clocks."""
+        def first_to_go(i: int) -> tuple[int, float, float]:
+            when, last = advised[i], entries[i].last_use_s
+            if when == math.inf:
+                return (0, last, 0.0)
+            if when is None:
+                return (1, last, 0.0)
+            return (2, -when, last)
 
+        advised = [self.next_use_s(e.key) for e in entries]
+        order = sorted(range(len(entries)), key=first_to_go)
+        out = [0.0] * len(entries)
+        for rank, i in enumerate(order):
+            out[i] = float(len(entries) - rank)
+        return out
 
 def make_policy(name: str) -> EvictionPolicy:
     """A policy by name: ``lru`` or ``predicted``."""

@@ -14,8 +14,11 @@ mapping and unmapping 32 MiB of tmpfs per chunk (page-table setup, then teardown
 flushes) costs about a fifth of a loopback transfer on two cores. A mapping is closed when its
 file is unlinked, so it never holds memory the tier does not account for.
 
-Capacity is accounted in bytes on disk (header + payload), reservations included; room is
-made by the configured :mod:`eviction <agents.stores.eviction>` policy.
+Capacity is accounted in bytes on disk (header + payload), reservations included. The
+objects are booked in a :class:`~controlplane.base.tiers.Tier` (the project's one tier
+vocabulary, shared with the scheduler's books) and room is made by the configured
+:mod:`eviction <agents.stores.eviction>` policy: ``lru``, or ``predicted``, which follows
+the scheduler's advice that the agent passes to :meth:`LocalTier.advise`.
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -57,7 +60,7 @@ from agents.stores.errors import (
     StoreError,
     TierFullError,
 )
-from agents.stores.eviction import EvictionPolicy, TierEntry, make_policy
+from agents.stores.eviction import EvictionPolicy, make_policy
 from agents.stores.format import (
     PREFIX_BYTES,
     ObjectHeader,
@@ -66,6 +69,7 @@ from agents.stores.format import (
     make_header,
     validate_key,
 )
+from controlplane.base.tiers import Tier, TierEntry
 
 log = logging.getLogger(__name__)
 MIB = 1 << 20
@@ -87,6 +91,8 @@ class LocalTierConfig(BaseModel):
     #: ``never``: no fsync (DRAM; a crash loses the tier anyway); ``file``: fsync each object
     #: before publishing; ``file+dir``: also fsync the directory after the rename (disk).
     fsync: Literal["never", "file", "file+dir"] | None = None
+    #: ``lru``, or ``predicted``: furthest predicted next use first, as the scheduler
+    #: advises through the node's agent (its orders' deadlines and its evict advice).
     eviction: Literal["lru", "predicted"] = "lru"
     #: Part size of checksums for objects written with ``put``.
     part_bytes: int = Field(4 * MIB, ge=4096)
@@ -248,9 +254,10 @@ class LocalTier(StoreLifecycle):
         self.policy = policy if policy is not None else make_policy(config.eviction)
         self._clock = clock
         self._lock = threading.Lock()
-        self._entries: dict[str, TierEntry] = {}
+        #: Published objects (chunk key -> size on disk); reservations are apart.
+        self._books = Tier(self.name, config.capacity_bytes, self.policy)
         self._reserved: dict[str, int] = {}
-        self._used_bytes = 0
+        self._reserved_bytes = 0
         self._stats = StatsCounter()
         self._started = False
         self._spares: list[tuple[int, Path]] = []  # (size, path) of reusable files
@@ -269,7 +276,8 @@ class LocalTier(StoreLifecycle):
             raise StoreConfigError(f"{self.name}: cannot create {self.root}: {exc}") from exc
         now = self._clock()
         with self._lock:
-            for path in self.root.iterdir():
+            # A list: making room below may rename files into spares while we index.
+            for path in list(self.root.iterdir()):
                 if path.name.startswith((_TMP_PREFIX, _SPARE_PREFIX)):
                     self._unlink_locked(path)
                     continue
@@ -283,10 +291,13 @@ class LocalTier(StoreLifecycle):
                     log.warning("%s: dropping unreadable %s: %s", self.name, path, exc)
                     path.unlink(missing_ok=True)
                     continue
-                self._entries[header.key] = TierEntry(header.key, header.total_bytes, now, now)
-                self._used_bytes += header.total_bytes
+                # A tier restarted with a smaller capacity keeps what fits, by policy.
+                if self._evict_locked(header.total_bytes, exclude=header.key):
+                    self._books.put(TierEntry(header.key, 0, header.total_bytes, now))
+                else:
+                    path.unlink(missing_ok=True)
+            self._trim_spares_locked()
             self._started = True
-            self._evict_locked(0, set())
         self._prewarm()
 
     def _prewarm(self) -> None:
@@ -393,13 +404,14 @@ class LocalTier(StoreLifecycle):
         """Atomically replace ``final`` by ``tmp`` and index the object."""
         now = self._clock()
         with self._lock:
-            old = self._entries.pop(header.key, None)
+            old = self._books.remove(header.key)
             if old is not None:
-                self._used_bytes -= old.size_bytes
-                self._recycle_locked(final, old.size_bytes)
+                self._recycle_locked(final, old.nbytes)
             os.replace(tmp, final)
-            self._reserved.pop(reservation.token, None)
-            self._entries[header.key] = TierEntry(header.key, reservation.size_bytes, now, now)
+            if self._reserved.pop(reservation.token, None) is not None:
+                self._reserved_bytes -= reservation.size_bytes
+            # The reservation's room becomes the object's (it was counted all along).
+            self._books.put(TierEntry(header.key, 0, reservation.size_bytes, now))
             self._trim_spares_locked()
         self._stats.add(puts=1, bytes_written=header.payload_bytes)
 
@@ -409,6 +421,11 @@ class LocalTier(StoreLifecycle):
             maps, self._maps = self._maps, {}
         for mapping in maps.values():
             close_map(mapping)
+
+    @property
+    def _used_bytes(self) -> int:
+        """Published objects and reservations (the caller holds the lock)."""
+        return self._books.used_bytes + self._reserved_bytes
 
     @property
     def used_bytes(self) -> int:
@@ -421,7 +438,7 @@ class LocalTier(StoreLifecycle):
 
     def keys(self) -> list[str]:
         with self._lock:
-            return list(self._entries)
+            return [e.key for e in self._books]
 
     def path_of(self, key: str) -> Path:
         """Where the published object lies (for readers that map it, e.g. an LMCache L1)."""
@@ -436,32 +453,27 @@ class LocalTier(StoreLifecycle):
 
     # -- capacity ----------------------------------------------------------------------------
 
-    def _evict_locked(self, need: int, protect: set[str]) -> list[str]:
-        cap = self.config.capacity_bytes
-        if self._used_bytes + need <= cap:
-            return []
-        now = self._clock()
-        order = sorted(
-            (e for k, e in self._entries.items() if k not in protect),
-            key=lambda e: self.policy.sort_key(e, now),
-        )
-        victims: list[str] = []
-        freed = 0
-        for e in order:
-            if self._used_bytes - freed + need <= cap:
-                break
-            victims.append(e.key)
-            freed += e.size_bytes
-        if self._used_bytes - freed + need > cap:
-            return []  # cannot make room: evict nothing
-        for key in victims:
-            entry = self._entries.pop(key)
-            self._used_bytes -= entry.size_bytes
-            self._recycle_locked(self.root / _file_name(key), entry.size_bytes)
-        self._stats.add(evictions=len(victims))
+    def advise(self, next_use_s: Mapping[str, float], *, now_s: float | None = None) -> None:
+        """The scheduler's predicted next use of keys, for the ``predicted`` policy (see
+        :class:`~agents.stores.eviction.PredictedNextUsePolicy`; ``lru`` ignores it).
+        Keys need not be in the tier yet: an order's advice precedes its bytes."""
+        self.policy.advise(next_use_s, now_s=now_s)
+
+    def _evict_locked(self, need: int, *, exclude: str | None = None) -> bool:
+        """Evict by policy until ``need`` more bytes fit beside the objects and the
+        reservations (never ``exclude``). Evicts nothing and returns False if they cannot."""
+        victims = self._books.victims_for(need + self._reserved_bytes, self._clock(),
+                                          exclude=exclude)
+        if victims is None:
+            return False
+        for entry in victims:
+            self._books.remove(entry.key)
+            self._recycle_locked(self.root / _file_name(entry.key), entry.nbytes)
         if victims:
+            self.policy.forget(e.key for e in victims)
+            self._stats.add(evictions=len(victims))
             log.debug("%s: evicted %d objects (%s)", self.name, len(victims), self.policy.name)
-        return victims
+        return True
 
     def _reserve(self, header: ObjectHeader) -> _Reservation:
         size = header.total_bytes
@@ -478,8 +490,7 @@ class LocalTier(StoreLifecycle):
                     f"{self.name}: object {header.key!r} of {size} bytes exceeds the tier's "
                     f"capacity of {self.config.capacity_bytes} bytes"
                 )
-            self._evict_locked(size, {header.key})
-            if self._used_bytes + size > self.config.capacity_bytes:
+            if not self._evict_locked(size, exclude=header.key):
                 raise TierFullError(
                     f"{self.name}: no room for {header.key!r} ({size} bytes): "
                     f"{self._used_bytes} of {self.config.capacity_bytes} bytes in use by "
@@ -487,7 +498,7 @@ class LocalTier(StoreLifecycle):
                 )
             token = uuid.uuid4().hex
             self._reserved[token] = size
-            self._used_bytes += size
+            self._reserved_bytes += size
             # Spare files stay within the free capacity; the write may take one of them.
             while self._spares and (self._used_bytes + self._spare_bytes - self._spares[-1][0]
                                     > self.config.capacity_bytes):
@@ -499,7 +510,7 @@ class LocalTier(StoreLifecycle):
     def release(self, reservation: _Reservation) -> None:
         with self._lock:
             if self._reserved.pop(reservation.token, None) is not None:
-                self._used_bytes -= reservation.size_bytes
+                self._reserved_bytes -= reservation.size_bytes
 
     # -- sink --------------------------------------------------------------------------------
 
@@ -516,7 +527,7 @@ class LocalTier(StoreLifecycle):
 
     def exists(self, keys: Sequence[str], *, cancel: CancelToken | None = None) -> list[OpResult]:
         with self._lock:
-            return [OpResult(k, k in self._entries) for k in keys]
+            return [OpResult(k, k in self._books) for k in keys]
 
     def _read_header(self, path: Path) -> ObjectHeader:
         with open(path, "rb") as f:
@@ -540,9 +551,9 @@ class LocalTier(StoreLifecycle):
 
     def _get_one(self, key: str, sink: PayloadSink | None) -> GetResult:
         with self._lock:
-            entry = self._entries.get(key)
+            entry = self._books.get(key)
             if entry is not None:
-                self._entries[key] = replace(entry, last_access_s=self._clock())
+                entry.last_use_s = self._clock()
         if entry is None:
             return GetResult(key, error=ObjectNotFoundError(f"{key!r} not in {self.name}"))
         path = self.root / _file_name(key)
@@ -623,10 +634,10 @@ class LocalTier(StoreLifecycle):
 
     def _remove(self, key: str) -> bool:
         with self._lock:
-            entry = self._entries.pop(key, None)
+            entry = self._books.remove(key)
             if entry is not None:
-                self._used_bytes -= entry.size_bytes
-                self._recycle_locked(self.root / _file_name(key), entry.size_bytes)
+                self._recycle_locked(self.root / _file_name(key), entry.nbytes)
+                self.policy.forget((key,))
         return entry is not None
 
     def delete(self, keys: Sequence[str], *, cancel: CancelToken | None = None) -> list[OpResult]:

@@ -19,7 +19,7 @@ KIB = 1024
 
 def tier(path: Path, capacity: int, **kw: object) -> LocalTier:
     t = LocalTier(LocalTierConfig(path=str(path), capacity_bytes=capacity, part_bytes=4 * KIB,
-                                  **kw))  # type: ignore[arg-type]
+                                  **kw))
     t.start()
     return t
 
@@ -60,6 +60,20 @@ def test_predicted_next_use_evicts_furthest(tmp_path: Path) -> None:
     t.put([("d", os.urandom(10 * KIB))])
     # The furthest next use goes first, though it is not the least recent.
     assert sorted(t.keys()) == ["a", "c", "d"]
+
+
+def test_restart_with_a_smaller_capacity_keeps_what_fits(tmp_path: Path) -> None:
+    t = tier(tmp_path, 100 * KIB)
+    payloads = {k: os.urandom(10 * KIB) for k in "abcd"}
+    t.put(list(payloads.items()))
+    t.close()
+    small = tier(tmp_path, 25 * KIB)
+    kept = small.keys()
+    assert len(kept) == 2 and small.used_bytes <= 25 * KIB
+    for k in kept:
+        assert bytes(small.get([k])[0].data or b"") == payloads[k]
+    on_disk = sum(p.stat().st_size for p in tmp_path.iterdir())
+    assert on_disk <= 25 * KIB  # evicted files are gone or kept as spares within capacity
 
 
 def test_full_tier_and_too_large_are_typed_and_write_nothing(tmp_path: Path) -> None:
