@@ -169,7 +169,7 @@ class _ThrottledSink:
 class _Transfer:
     transfer_id: int
     keys: tuple[str, ...]
-    priority: int
+    priority: float
     on_progress: Callable[[TransferProgress], None] | None
     submitted_s: float
     cancel: CancelToken = field(default_factory=CancelToken)
@@ -241,7 +241,7 @@ class TransferEngine:
         self._bucket = (
             TokenBucket(limit * MIB, self.config.burst_bytes, clock) if limit else None
         )
-        self._queue: list[tuple[int, int, str, _Transfer]] = []
+        self._queue: list[tuple[float, int, str, _Transfer]] = []
         self._cv = threading.Condition()
         self._seq = itertools.count()
         self._ids = itertools.count(1)
@@ -284,7 +284,7 @@ class TransferEngine:
         self,
         keys: Sequence[str],
         *,
-        priority: int = 0,
+        priority: float = 0.0,
         on_progress: Callable[[TransferProgress], None] | None = None,
     ) -> TransferHandle:
         """Queue ``keys`` (higher ``priority`` first; FIFO within a priority)."""
@@ -312,7 +312,7 @@ class TransferEngine:
         self,
         keys: Sequence[str],
         *,
-        priority: int = 0,
+        priority: float = 0.0,
         on_progress: Callable[[TransferProgress], None] | None = None,
         timeout_s: float | None = None,
     ) -> TransferResult:

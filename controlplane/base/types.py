@@ -169,6 +169,16 @@ class SessionEvent:
     node: int | None = None
     tenant: str = DEFAULT_TENANT
     parent_id: str | None = None
+    #: ``REQUEST_FINISHED``: tokens of KV the session holds now, where the client said so
+    #: (otherwise input + output).
+    context_tokens: int | None = None
+
+    @property
+    def context_after(self) -> int:
+        """Tokens of KV the session holds after this finished request."""
+        if self.context_tokens is not None:
+            return self.context_tokens
+        return self.input_tokens + self.output_tokens
 
 
 # ---------------------------------------------------------------------------------------------

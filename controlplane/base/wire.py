@@ -37,7 +37,7 @@ class TransferOrder:
     prefetch: bool
     deadline_s: float
     #: Higher runs first on the node's transfer engine (demand loads outrank prefetches).
-    priority: int = 0
+    priority: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

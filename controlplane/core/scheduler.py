@@ -9,17 +9,25 @@ views built from the agents' reports.
 
 Who calls what
 --------------
-* per request: :meth:`request_started` -> :meth:`route` -> :meth:`assign` -> (policy)
-  :meth:`demand_load` -> :meth:`use_local` when the GPU starts it -> :meth:`request_finished`;
-* per transfer: :meth:`transfer_done` or :meth:`transfer_cancelled`;
+Every event method returns one :class:`~controlplane.core.step.StepOutput` that the driver
+carries out (start loads, stop transfers, arm orders, advise evictions); drivers hold no
+policy of their own.
+
+* per request: :meth:`request_started` (arrival) -> :meth:`route_request` (the node, and at
+  arrival the demand load for policies that load then) -> :meth:`gpu_start` when the node's
+  GPU picks it up (the demand load for policies that load then) -> :meth:`use_local` when it
+  reads its local tier -> :meth:`request_finished`;
+* per transfer: :meth:`transfer_done` or :meth:`transfer_failed`;
 * per armed prefetch order, at its ``start_at_s``: :meth:`start_prefetch`;
-* after each of the above the caller collects new orders with :meth:`drain_orders` and
-  arms a timer for each (an order superseded by a newer one is ignored when it fires).
+* every ``planner.sweep_interval_s``: :meth:`sweep`;
+* per hint and session close: :meth:`hint`, :meth:`close`;
+* node restarts: :meth:`clear_local` (every node cold), :meth:`reconcile` (one node's agent
+  reported what its tier really holds).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -31,8 +39,9 @@ from controlplane.core.planner import (
     plan_prefetch,
     predicted_use_s,
 )
-from controlplane.core.policies import EvictionKind, PolicySpec
+from controlplane.core.policies import EvictionKind, LoadStart, PolicySpec
 from controlplane.core.router import NodeView, RouteDecision, RouteRequest, route
+from controlplane.core.step import DEMAND_PRIORITY, LoadTicket, Placement, StepOutput
 from controlplane.core.tiers import LruEviction, PredictedUseEviction, Tier, TierEntry
 from predictors.base import Predictor
 
@@ -59,29 +68,6 @@ class FleetView(Protocol):
         ...
 
 
-@dataclass(frozen=True, slots=True)
-class LoadTicket:
-    """Move ``nbytes`` of ``session_id``'s KV into ``node``'s local tier, where the core has
-    reserved room for ``tokens`` tokens. ``prefetch`` is False for demand loads."""
-
-    session_id: str
-    node: int
-    tokens: int
-    nbytes: int
-    prefetch: bool
-    deadline_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class Assignment:
-    """The consequences of routing a request: transfers of its session to other nodes to
-    cancel, and whether one already heading to the chosen node is now a demand load."""
-
-    cancel_nodes: tuple[int, ...]
-    promote: bool
-    prefetch_ready_s: float | None
-
-
 @dataclass(slots=True)
 class CoreStats:
     prefetches: int = 0
@@ -101,6 +87,18 @@ class _Session:
     replans: int = 0
     prefetches: int = 0
     inflight_nodes: dict[int, LoadTicket] = field(default_factory=dict)
+    #: The node whose transfer the request in flight waits for (set when it is routed).
+    awaiting_node: int | None = None
+
+
+@dataclass(slots=True)
+class _Step:
+    """What the call under way has decided so far (see :class:`StepOutput`)."""
+
+    loads: list[LoadTicket] = field(default_factory=list)
+    cancels: list[Placement] = field(default_factory=list)
+    orders: list[PrefetchOrder] = field(default_factory=list)
+    dropped: list[Placement] = field(default_factory=list)
 
 
 class SchedulerCore:
@@ -116,7 +114,7 @@ class SchedulerCore:
         self.bpt = fleet.model.kv_bytes_per_token
         self.stats = CoreStats()
         self._sessions: dict[str, _Session] = {}
-        self._outbox: list[PrefetchOrder] = []
+        self._step = _Step()
         #: Idle sessions whose KV is not on their home node: what :meth:`sweep` re-plans.
         self._evicted: set[str] = set()
         self._predicted_use = PredictedUseEviction(self._next_uses)
@@ -128,6 +126,28 @@ class SchedulerCore:
         capacity = fleet.node.dram_tier_bytes if policy.dram_tier else 0
         #: The books of every node's local DRAM tier (authoritative for what agents hold).
         self.dram = [Tier(f"dram{i}", capacity, strategy) for i in range(fleet.nodes)]
+
+    # ------------------------------------------------------------------ the step contract
+    def _output(self, route_decision: RouteDecision | None = None, *, promote: bool = False,
+                prefetch_ready_s: float | None = None) -> StepOutput:
+        """Close the call under way: what it decided, as one record for the driver."""
+        step, self._step = self._step, _Step()
+        evictions: list[Placement] = []
+        for p in step.dropped:  # dropped and re-admitted within the call: not an eviction
+            if self.dram[p.node].get(p.session_id) is None and p not in evictions:
+                evictions.append(p)
+        if not (route_decision or step.loads or step.cancels or step.orders or evictions
+                or prefetch_ready_s is not None):
+            return StepOutput.empty()
+        return StepOutput(route_decision, promote, prefetch_ready_s, tuple(step.cancels),
+                          tuple(step.loads), tuple(step.orders), tuple(evictions))
+
+    def _drop(self, node: int, sid: str) -> TierEntry | None:
+        """Remove the session from a node's books (reported as an eviction)."""
+        entry = self.dram[node].remove(sid)
+        if entry is not None:
+            self._step.dropped.append(Placement(sid, node))
+        return entry
 
     # ------------------------------------------------------------------ small helpers
     def _session(self, sid: str) -> _Session:
@@ -144,10 +164,9 @@ class SchedulerCore:
         s = self._sessions.get(sid)
         return s.remote_tokens if s is not None and self.policy.remote else 0
 
-    def drain_orders(self) -> list[PrefetchOrder]:
-        """Orders armed since the last call; the caller fires each at ``start_at_s``."""
-        out, self._outbox = self._outbox, []
-        return out
+    def sessions(self) -> int:
+        """Sessions the core holds state for (closed ones are forgotten)."""
+        return len(self._sessions)
 
     def _next_use(self, sid: str, now_s: float) -> float:
         return self._next_uses([sid], now_s)[0]
@@ -184,7 +203,7 @@ class SchedulerCore:
 
     def _evict(self, node: int, victims: Sequence[TierEntry], now_s: float) -> None:
         for v in victims:
-            self.dram[node].remove(v.session_id)
+            self._drop(node, v.session_id)
             if v.prefetched_unused:
                 self.stats.wasted_bytes += v.nbytes
             s = self._sessions.get(v.session_id)
@@ -195,19 +214,43 @@ class SchedulerCore:
         self.predictor.observe(event)
 
     # ------------------------------------------------------------------ requests
-    def request_started(self, event: SessionEvent) -> None:
+    def request_started(self, event: SessionEvent) -> StepOutput:
         """A request of the session arrived (before routing)."""
         s = self._session(event.session_id)
         s.in_flight += 1
         s.pending = None
         s.prefetches = 0
         s.planned_use_s = None
+        s.awaiting_node = None
         self._evicted.discard(event.session_id)
         self._observe(event)
+        return self._output()
 
-    def route(self, sid: str, input_tokens: int, reused_tokens: int, now_s: float
-              ) -> RouteDecision:
-        """Pick the node for a request (locality + load, with affinity to its home)."""
+    def route_request(self, sid: str, input_tokens: int, reused_tokens: int, now_s: float
+                      ) -> StepOutput:
+        """Pick the node for a request and act on it: transfers of the session heading to
+        other nodes are cancelled, one heading to the chosen node becomes a demand load
+        (``promote``), and policies that load at arrival start the demand load now."""
+        decision = self._route(sid, input_tokens, reused_tokens, now_s)
+        node = decision.node
+        s = self._session(sid)
+        for other in sorted(n for n in s.inflight_nodes if n != node):
+            self._cancel(sid, other)
+        heading = s.inflight_nodes.get(node)
+        promote = heading is not None and heading.prefetch
+        ready: float | None = INF if promote else None
+        d = self.dram[node].get(sid)
+        if d is not None and d.prefetched_unused and d.ready_at_s <= now_s:
+            ready = d.ready_at_s
+        if heading is not None:
+            s.awaiting_node = node
+        elif self.policy.load_start is LoadStart.ON_ARRIVAL:
+            self._demand_load(sid, node, reused_tokens, now_s)
+        return self._output(decision, promote=promote, prefetch_ready_s=ready)
+
+    def _route(self, sid: str, input_tokens: int, reused_tokens: int, now_s: float
+               ) -> RouteDecision:
+        """Locality + load, with affinity to the session's home node."""
         s = self._session(sid)
         s_per_byte, latency = self.view.remote_source(sid)
         req = RouteRequest(sid, input_tokens, reused_tokens, s.home, self.remote_tokens(sid),
@@ -222,29 +265,28 @@ class SchedulerCore:
                                   dram_wait, backlog))
         return route(req, views, self.fleet)
 
-    def assign(self, sid: str, node: int, now_s: float) -> Assignment:
-        """The request runs on ``node``: prefetches heading elsewhere are useless now; one
-        heading here becomes a demand load."""
+    def gpu_start(self, sid: str, node: int, reused_tokens: int, now_s: float) -> StepOutput:
+        """The node's GPU picks the request up: policies that load then start the demand
+        load of what the node lacks, unless the request already waits for a transfer."""
         s = self._session(sid)
-        cancel = tuple(sorted(n for n in s.inflight_nodes if n != node))
-        promote = node in s.inflight_nodes and s.inflight_nodes[node].prefetch
-        ready: float | None = INF if promote else None
-        d = self.dram[node].get(sid)
-        if d is not None and d.prefetched_unused and d.ready_at_s <= now_s:
-            ready = d.ready_at_s
-        return Assignment(cancel, promote, ready)
+        awaiting, s.awaiting_node = s.awaiting_node, None
+        if awaiting is None and self.policy.load_start is LoadStart.ON_SCHEDULE:
+            self._demand_load(sid, node, reused_tokens, now_s)
+        return self._output()
 
-    def demand_load(self, sid: str, node: int, reused_tokens: int, now_s: float
-                    ) -> LoadTicket | None:
-        """A remote read of the reusable KV the node lacks, or None (nothing to load, no
-        remote copy, a transfer already under way, or no room)."""
+    def _demand_load(self, sid: str, node: int, reused_tokens: int, now_s: float) -> None:
+        """A remote read of the reusable KV the node lacks, unless there is nothing to load,
+        no remote copy, a transfer already under way, or no room."""
         s = self._session(sid)
         if node in s.inflight_nodes:
-            return None
+            return
         want = min(reused_tokens, self.remote_tokens(sid))
         if want <= self.local_tokens(node, sid):
-            return None
-        return self._reserve(sid, node, want, prefetch=False, deadline_s=now_s, now_s=now_s)
+            return
+        ticket = self._reserve(sid, node, want, prefetch=False, deadline_s=now_s, now_s=now_s)
+        if ticket is not None:
+            s.awaiting_node = node
+            self._step.loads.append(ticket)
 
     def use_local(self, sid: str, node: int, reused_tokens: int, now_s: float) -> int:
         """The GPU starts the request: returns the usable DRAM-tier tokens and marks them
@@ -259,7 +301,7 @@ class SchedulerCore:
             d.prefetched_unused = False
         return usable
 
-    def request_finished(self, event: SessionEvent, context_tokens: int) -> None:
+    def request_finished(self, event: SessionEvent, context_tokens: int) -> StepOutput:
         """The response ended on ``event.node``: the session's KV is written through to the
         node's DRAM tier and the remote store; plan its next visit."""
         sid, now = event.session_id, event.time_s
@@ -275,6 +317,7 @@ class SchedulerCore:
             self._write_through(sid, node, context_tokens, now)
         if self.policy.prefetch and not s.in_flight:
             self._plan(sid, now)
+        return self._output()
 
     def _write_through(self, sid: str, node: int, ctx: int, now_s: float) -> None:
         tier = self.dram[node]
@@ -289,15 +332,15 @@ class SchedulerCore:
             self.stats.wasted_bytes += old.nbytes
         if victims is None:
             if old is not None:
-                tier.remove(sid)
+                self._drop(node, sid)
             return
         self._evict(node, victims, now_s)
         tier.put(TierEntry(sid, ctx, nbytes, now_s, ready_at_s=now_s))
 
     # ------------------------------------------------------------------ transfers
     def _reserve(self, sid: str, node: int, tokens: int, *, prefetch: bool, deadline_s: float,
-                 now_s: float, min_key: float = -INF, free_only: bool = False
-                 ) -> LoadTicket | None:
+                 now_s: float, min_key: float = -INF, free_only: bool = False,
+                 priority: float = DEMAND_PRIORITY) -> LoadTicket | None:
         tier = self.dram[node]
         have = tier.get(sid)
         have_tokens = have.tokens if have is not None and have.ready_at_s <= now_s else 0
@@ -317,32 +360,51 @@ class SchedulerCore:
             self.stats.wasted_bytes += have.nbytes
         tier.put(TierEntry(sid, tokens, nbytes, now_s, ready_at_s=INF, pinned=1,
                            prefetched_unused=prefetch))
-        ticket = LoadTicket(sid, node, tokens, delta * self.bpt, prefetch, deadline_s)
+        ticket = LoadTicket(sid, node, tokens, delta * self.bpt, prefetch, deadline_s, priority)
         self._session(sid).inflight_nodes[node] = ticket
         return ticket
 
-    def transfer_done(self, sid: str, node: int, now_s: float, *, demand: bool) -> None:
+    def transfer_done(self, sid: str, node: int, now_s: float, *, demand: bool) -> StepOutput:
         """The bytes landed. A demand load stays pinned until its request reads it."""
-        self._session(sid).inflight_nodes.pop(node, None)
+        s = self._sessions.get(sid)
+        if s is not None:
+            s.inflight_nodes.pop(node, None)
         entry = self.dram[node].get(sid)
         if entry is not None:
             entry.ready_at_s = now_s
             entry.last_use_s = now_s
             if not demand:
                 entry.pinned = 0
+        return self._output()
 
-    def transfer_cancelled(self, sid: str, node: int) -> None:
-        self._session(sid).inflight_nodes.pop(node, None)
-        self.dram[node].remove(sid)
+    def _cancel(self, sid: str, node: int) -> None:
+        """Stop the session's transfer to the node and drop what it reserved."""
+        s = self._sessions.get(sid)
+        if s is not None:
+            s.inflight_nodes.pop(node, None)
+        self._drop(node, sid)
+        self._step.cancels.append(Placement(sid, node))
+
+    def transfer_failed(self, sid: str, node: int, now_s: float) -> StepOutput:
+        """A transfer was lost or gave up (agent restart, timeout, error): drop what it
+        reserved and plan the session again if it is idle."""
+        s = self._sessions.get(sid)
+        if s is not None:
+            s.inflight_nodes.pop(node, None)
+        self._drop(node, sid)
+        if s is not None and not s.in_flight and self.policy.prefetch:
+            s.pending = None
+            self._plan(sid, now_s)
+        return self._output()
 
     # ------------------------------------------------------------------ prefetch planning
-    def sweep(self, now_s: float) -> None:
+    def sweep(self, now_s: float) -> StepOutput:
         """Re-plan idle sessions whose KV has left their home node and that have no armed
         order: their forecasts change as their silence grows (a session that was unlikely
         to return a minute ago may be likely now). Called every
         ``planner.sweep_interval_s``; one batched forecast for all candidates."""
         if not self.policy.prefetch or not self._evicted:
-            return
+            return self._output()
         horizon = self.fleet.planner.max_lead_s
         due: list[str] = []
         for sid in sorted(self._evicted):
@@ -351,10 +413,10 @@ class SchedulerCore:
                 self._evicted.discard(sid)
             elif s.pending is None and s.prefetches < MAX_PREFETCHES_PER_IDLE:
                 due.append(sid)
-        if not due:
-            return
-        for sid, forecast in zip(due, self._forecasts(due, now_s), strict=True):
-            self._plan(sid, now_s, forecast)
+        if due:
+            for sid, forecast in zip(due, self._forecasts(due, now_s), strict=True):
+                self._plan(sid, now_s, forecast)
+        return self._output()
 
     def _plan(self, sid: str, now_s: float, forecast: ArrivalForecast | None = None) -> None:
         """Plan (or re-plan) a prefetch of an idle session to its home node."""
@@ -381,64 +443,71 @@ class SchedulerCore:
         )
         s.pending = order
         if order is not None:
-            self._outbox.append(order)
+            self._step.orders.append(order)
 
-    def start_prefetch(self, order: PrefetchOrder, now_s: float) -> LoadTicket | None:
-        """An armed order's start time came: re-check it and reserve room, or drop it."""
+    def start_prefetch(self, order: PrefetchOrder, now_s: float) -> StepOutput:
+        """An armed order's start time came: re-check it and start the load, re-arm it
+        (its forecast moved later), or drop it (superseded, the session is back, or no
+        room)."""
         sid = order.session_id
         s = self._sessions.get(sid)
         if s is None or s.pending is not order or s.in_flight:
-            return None
+            return self._output()
         forecast = self.predictor.forecast(sid, now_s)
         if forecast is not None and s.replans < MAX_REPLANS:
             later = forecast.arrival_at(self.fleet.planner.arrival_quantile)
             if later - order.deadline_s > REPLAN_SLACK_S:
                 s.replans += 1
                 self._plan(sid, now_s)
-                return None
+                return self._output()
         s.replans = 0
         s.pending = None
         if self.local_tokens(order.node, sid) >= order.tokens:
-            return None
+            return self._output()
         use = max(now_s, forecast.arrival_at(0.5) if forecast else order.predicted_use_s)
         # An uncertain prefetch only fills free room: under pressure, whatever it would
         # evict is likelier to be used first (every such admission measured wasted bytes).
         ticket = self._reserve(sid, order.node, order.tokens, prefetch=True,
                                deadline_s=order.deadline_s, now_s=now_s, min_key=use,
-                               free_only=forecast is None or forecast.confidence < 1.0)
+                               free_only=forecast is None or forecast.confidence < 1.0,
+                               priority=order.priority)
         if ticket is None:
             self.stats.prefetches_dropped += 1
-            return None
+            return self._output()
         self.stats.prefetches += 1
         s.planned_use_s = use
         s.prefetches += 1
-        return ticket
+        self._step.loads.append(ticket)
+        return self._output()
 
-    def replan(self, sid: str, now_s: float) -> None:
-        """Plan the session again now (an order was lost, e.g. its agent died)."""
-        s = self._sessions.get(sid)
-        if s is not None and self.policy.prefetch:
-            s.pending = None
-            self._plan(sid, now_s)
-
-    def forget(self, sid: str) -> None:
-        """Drop a closed session's state and its predictor state (idempotent). Its KV may
-        stay in local tiers: with no forecast it is predicted never to be used again, so
-        it is the first to go when room is needed."""
-        self._sessions.pop(sid, None)
-        self._evicted.discard(sid)
-        self.predictor.forget(sid)
-
-    def hint(self, event: SessionEvent) -> None:
+    def hint(self, event: SessionEvent) -> StepOutput:
         """A hint changes the forecast: re-plan the session now."""
         self._observe(event)
         if self.policy.prefetch:
             self._plan(event.session_id, event.time_s)
+        return self._output()
 
-    def clear_local(self, now_s: float) -> None:
+    def close(self, event: SessionEvent) -> StepOutput:
+        """The session will not return: the predictor sees the close, its transfers stop and
+        its state is dropped (idempotent). Its KV may stay in local tiers: with no forecast
+        it is predicted never to be used again, so it is the first to go when room is
+        needed."""
+        self._observe(event)
+        sid = event.session_id
+        s = self._sessions.pop(sid, None)
+        if s is not None:
+            for node in sorted(s.inflight_nodes):
+                self._cancel(sid, node)
+        self._evicted.discard(sid)
+        self.predictor.forget(sid)
+        return self._output()
+
+    # ------------------------------------------------------------------ node restarts
+    def clear_local(self, now_s: float) -> StepOutput:
         """Every node restarted cold: forget their DRAM tiers and re-plan idle sessions."""
-        for tier in self.dram:
+        for node, tier in enumerate(self.dram):
             for e in tier.clear():
+                self._step.dropped.append(Placement(e.session_id, node))
                 if e.prefetched_unused:
                     self.stats.wasted_bytes += e.nbytes
         if self.policy.prefetch:
@@ -446,4 +515,17 @@ class SchedulerCore:
                 s = self._sessions[sid]
                 if s.home is not None and not s.in_flight:
                     self._plan(sid, now_s)
+        return self._output()
 
+    def reconcile(self, node: int, holds: Callable[[str, int], bool], now_s: float
+                  ) -> StepOutput:
+        """A node's agent reported what its tier holds: drop the book entries of sessions it
+        does not hold (``holds(session_id, tokens)``), except those still arriving, whose
+        transfers decide. Unknown sessions' entries are dropped too."""
+        for entry in list(self.dram[node]):
+            if entry.ready_at_s > now_s:
+                continue
+            if entry.session_id not in self._sessions or not holds(entry.session_id,
+                                                                   entry.tokens):
+                self._drop(node, entry.session_id)
+        return self._output()

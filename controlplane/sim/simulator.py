@@ -25,8 +25,9 @@ from typing import Any
 from controlplane.base.config import FleetConfig
 from controlplane.base.types import EventKind, SessionEvent, Trace, TraceRequest, TraceSession
 from controlplane.core.planner import PrefetchOrder
-from controlplane.core.policies import LoadStart, PolicySpec
-from controlplane.core.scheduler import LoadTicket, SchedulerCore
+from controlplane.core.policies import PolicySpec
+from controlplane.core.scheduler import SchedulerCore
+from controlplane.core.step import LoadTicket, StepOutput
 from controlplane.core.tiers import LruEviction, Tier, TierEntry
 from predictors.base import Predictor
 
@@ -154,6 +155,8 @@ class Simulation:
         self._events: list[tuple[float, int, int, object]] = []
         self._tid = 0
         self._remote_tokens: dict[str, int] = {}
+        #: Orders the core armed during the event being handled (armed after it).
+        self._orders: list[PrefetchOrder] = []
         self._valkey: OrderedDict[str, int] = OrderedDict()
         self._valkey_bytes = 0
         self.core = SchedulerCore(fleet, policy, predictor, self)
@@ -203,9 +206,25 @@ class Simulation:
             t, xfer = nxt
             self._push(t, _XFER_DONE, (xfer, xfer.version))
 
+    def _carry(self, out: StepOutput) -> None:
+        """Carry out what the core decided: stop the transfers it cancelled, start its
+        prefetch loads, and keep its new orders to arm once the event is handled. (Demand
+        loads belong to a request: the caller attaches them.) Evictions need nothing here:
+        the DRAM tiers the nodes use are the core's books."""
+        for c in out.cancels:
+            node = self.nodes[c.node]
+            xfer = node.inflight.get(c.session_id)
+            if xfer is not None:
+                self._cancel_transfer(node, xfer)
+        for ticket in out.loads:
+            if ticket.prefetch:
+                self._submit(ticket)
+        self._orders.extend(out.orders)
+
     def _arm_orders(self) -> None:
-        for order in self.core.drain_orders():
+        for order in self._orders:
             self._push(order.start_at_s, _PREFETCH_START, order)
+        self._orders.clear()
 
     def run(self, progress: Callable[[int], None] | None = None) -> PolicyRun:
         self.trace = clamp_to_window(self.trace, self.fleet.model.max_context_tokens)
@@ -298,7 +317,6 @@ class Simulation:
     def _cancel_transfer(self, node: _Node, xfer: Transfer) -> None:
         self._push_completion(node.link.cancel(xfer, self._now))
         node.inflight.pop(xfer.session_id, None)
-        self.core.transfer_cancelled(xfer.session_id, node.idx)
         moved = xfer.moved_bytes
         self.out.remote_bytes += moved
         if xfer.prefetch:
@@ -320,8 +338,8 @@ class Simulation:
         if xfer.prefetch:
             self.out.prefetched_bytes += xfer.nbytes
         self._valkey_touch(xfer.session_id)
-        self.core.transfer_done(xfer.session_id, node.idx, self._now,
-                                demand=xfer.klass == DEMAND)
+        self._carry(self.core.transfer_done(xfer.session_id, node.idx, self._now,
+                                            demand=xfer.klass == DEMAND))
         waiting = node.running
         if waiting is not None and waiting.waiting_on is xfer:
             waiting.waiting_on = None
@@ -347,35 +365,28 @@ class Simulation:
     # ------------------------------------------------------------------ requests
     def _on_arrive(self, r: _Req) -> None:
         sid = r.req.session_id
-        self.core.request_started(self._event(EventKind.REQUEST_STARTED, r, None))
-        decision = self.core.route(sid, r.req.input_tokens, r.req.reused_tokens, self._now)
-        node = self.nodes[decision.node]
+        self._carry(self.core.request_started(self._event(EventKind.REQUEST_STARTED, r, None)))
+        out = self.core.route_request(sid, r.req.input_tokens, r.req.reused_tokens, self._now)
+        self._carry(out)
+        node = self.nodes[out.node]
         r.node = node.idx
-        assignment = self.core.assign(sid, node.idx, self._now)
-        for other in assignment.cancel_nodes:
-            xfer = self.nodes[other].inflight.get(sid)
-            if xfer is not None:
-                self._cancel_transfer(self.nodes[other], xfer)
-        r.prefetch_ready_s = assignment.prefetch_ready_s
+        r.prefetch_ready_s = out.prefetch_ready_s
         inflight = node.inflight.get(sid)
         if inflight is not None:
             r.waiting_on = inflight
-            if assignment.promote:
+            if out.promote:
                 self._push_completion(node.link.promote(inflight, self._now))
         elif r.prefetch_ready_s == INF:  # the books' prefetch is not on this node's link
             r.prefetch_ready_s = None
-        if self.policy.load_start is LoadStart.ON_ARRIVAL:
-            self._demand_load(node, r)
-        r.est_service_s = decision.estimated_ttft_s - self.queue_wait_s(node.idx, self._now)
+        self._attach_demand(r, out)
+        assert out.route is not None
+        r.est_service_s = out.route.estimated_ttft_s - self.queue_wait_s(node.idx, self._now)
         node.queued_est_s += r.est_service_s
         node.queue.append(r)
         self._try_start(node)
 
-    def _demand_load(self, node: _Node, r: _Req) -> None:
-        if r.waiting_on is not None:
-            return
-        ticket = self.core.demand_load(r.req.session_id, node.idx, r.req.reused_tokens,
-                                       self._now)
+    def _attach_demand(self, r: _Req, out: StepOutput) -> None:
+        ticket = out.demand_load()
         if ticket is not None:
             r.waiting_on = self._submit(ticket)
 
@@ -387,8 +398,9 @@ class Simulation:
         node.running = r
         node.running_end_est_s = self._now + r.est_service_s
         r.start_s = self._now
-        if self.policy.load_start is LoadStart.ON_SCHEDULE:
-            self._demand_load(node, r)
+        out = self.core.gpu_start(r.req.session_id, node.idx, r.req.reused_tokens, self._now)
+        self._carry(out)
+        self._attach_demand(r, out)
         if r.waiting_on is not None and r.waiting_on.done_s is None:
             return  # the GPU waits for the transfer: resumed by _on_transfer_done
         if r.waiting_on is not None and r.prefetch_ready_s == INF:
@@ -436,7 +448,8 @@ class Simulation:
         if self.policy.remote:
             self._remote_tokens[sid] = ctx
             self._valkey_touch(sid)
-        self.core.request_finished(self._event(EventKind.REQUEST_FINISHED, r, node.idx), ctx)
+        self._carry(self.core.request_finished(
+            self._event(EventKind.REQUEST_FINISHED, r, node.idx), ctx))
         nxt = req.turn + 1
         session = r.session
         if nxt < len(session.requests):
@@ -446,12 +459,10 @@ class Simulation:
                 self._push(t, _ARRIVE, _Req(nreq, session, t))
 
     def _on_prefetch_start(self, order: PrefetchOrder) -> None:
-        ticket = self.core.start_prefetch(order, self._now)
-        if ticket is not None:
-            self._submit(ticket)
+        self._carry(self.core.start_prefetch(order, self._now))
 
     def _on_sweep(self, _: object) -> None:
-        self.core.sweep(self._now)
+        self._carry(self.core.sweep(self._now))
         if len(self._events) > 0:  # keep sweeping while anything else is left to happen
             self._push(self._now + self.fleet.planner.sweep_interval_s, _SWEEP, None)
 
@@ -459,4 +470,4 @@ class Simulation:
         """Every node restarts cold; the core then re-plans every idle session."""
         for n in self.nodes:
             n.hbm.clear()
-        self.core.clear_local(self._now)
+        self._carry(self.core.clear_local(self._now))

@@ -6,7 +6,8 @@ File format (JSONL, UTF-8, optionally gzip-compressed as ``.jsonl.gz`` once rota
   metadata given to :class:`JournalWriter`);
 * then one :class:`~controlplane.base.types.SessionEvent` per line, as a flat object with the
   short keys ``kind``, ``session``, ``t``, ``turn``, ``in``, ``out``, ``reused``, ``stop``,
-  ``hint``, ``eta_s``, ``node``, ``tenant``, ``parent`` (``None`` fields are omitted).
+  ``hint``, ``eta_s``, ``node``, ``tenant``, ``parent``, ``ctx`` (``None`` fields are
+  omitted).
   ``t`` is the service clock in seconds. Unknown keys are ignored, so version 1 may gain
   optional keys; a change of meaning bumps the version.
 
@@ -79,6 +80,7 @@ def event_to_dict(event: SessionEvent) -> dict[str, Any]:
         "node": event.node,
         "tenant": event.tenant,
         "parent": event.parent_id,
+        "ctx": event.context_tokens,
     }
     return {key: value for key, value in out.items() if value is not None}
 
@@ -118,6 +120,7 @@ def event_from_dict(
         node=_node(reader, row),
         tenant=reader.optional_text(row, "tenant") or "default",
         parent_id=reader.optional_text(row, "parent"),
+        context_tokens=reader.count(row, "ctx") if row.get("ctx") is not None else None,
     )
 
 

@@ -87,7 +87,6 @@ def test_prefetch_lands_on_the_predicted_node_and_the_engine_reads_it(
         # make the node forget it (books and tier), as pressure would
         fleet.agents[node].evict(prefixes=("t/s/",))
         svc.core.dram[node].remove("t/s")
-        svc._booked[node].discard("t/s")
         assert not any(k.startswith("t/s/") for k in fleet.agents[node].inventory())
         # the gateway says a tool runs for ~20 s: the scheduler prefetches to s's home
         svc.hint({"tenant": "t", "session_id": "s",

@@ -17,9 +17,10 @@ from controlplane.base.errors import (
     UnknownSessionError,
     WrongTenantError,
 )
-from controlplane.base.types import EventKind
+from controlplane.base.types import EventKind, SessionKey
 from controlplane.live.client import connect
-from controlplane.live.service import SchedulerService, ServiceConfig
+from controlplane.live.config import ServiceConfig
+from controlplane.live.service import SchedulerService
 from controlplane.traces import load_trace, read_journal_events
 
 GIB = 1 << 30
@@ -90,12 +91,13 @@ def test_token_ids_and_chunk_hashes_key_by_content() -> None:
     with _service(chunk_tokens=4) as svc:
         c = connect(service=svc, tenant="t")
         c.route("a", token_ids=list(range(10)))
-        info = svc._sessions["t/a"]
-        assert info.hashes is not None and len(info.hashes) == 3
-        keys = svc.keys_of(info, 10)
+        info = svc.registry.get(SessionKey("t", "a"))
+        assert info is not None and info.hashes is not None and len(info.hashes) == 3
+        keys = svc.registry.keys_of(info, 10)
         assert keys[0].startswith("t/h/")
         c.route("b", input_tokens=8, chunk_hashes=["h1", "h2"])
-        assert svc.keys_of(svc._sessions["t/b"], 8) == ["t/h/h1", "t/h/h2"]
+        info_b = svc.registry.get(SessionKey("t", "b"))
+        assert info_b is not None and svc.registry.keys_of(info_b, 8) == ["t/h/h1", "t/h/h2"]
         with pytest.raises(InvalidRequestError):
             c.route("c", token_ids=[1, 2], chunk_hashes=["x"])
 

@@ -1,0 +1,86 @@
+"""What one call of the scheduling core decided: the contract between the core and its drivers.
+
+Every event method of :class:`~controlplane.core.scheduler.SchedulerCore` returns one
+:class:`StepOutput` (as vLLM's scheduler returns one ``SchedulerOutput`` per step). A driver
+(the simulator on a virtual clock, the live service on the wall clock) *carries it out* and
+decides nothing of its own:
+
+* ``route``: the node chosen for the request (only from ``route_request``);
+* ``cancels``: transfers of the session to other nodes to stop (their books are already
+  dropped);
+* ``promote``: the transfer already heading to the chosen node is now a demand load (its
+  request waits for it): move it ahead of prefetches on the node's link;
+* ``loads``: transfers to start now, demand loads and prefetches alike, each with the
+  priority the planner gave it;
+* ``orders``: prefetches armed for later: at each order's ``start_at_s`` the driver calls
+  :meth:`~controlplane.core.scheduler.SchedulerCore.start_prefetch`;
+* ``evictions``: sessions dropped from a node's local-tier books (advise the node's agent to
+  delete them); an entry dropped and re-admitted within the same call is not listed;
+* ``prefetch_ready_s``: for lateness metrics, when a prefetch of the routed session became
+  usable on the chosen node (``inf`` while it is still arriving), or None.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from controlplane.core.planner import PrefetchOrder
+from controlplane.core.router import RouteDecision
+
+#: Priority of demand loads: a request is waiting for them, so they go before prefetches
+#: (whose priority is the planner's expected stall avoided per GiB, always lower).
+DEMAND_PRIORITY = 100.0
+
+
+@dataclass(frozen=True, slots=True)
+class LoadTicket:
+    """Move ``nbytes`` of ``session_id``'s KV into ``node``'s local tier, where the core has
+    reserved room for ``tokens`` tokens. ``prefetch`` is False for demand loads."""
+
+    session_id: str
+    node: int
+    tokens: int
+    nbytes: int
+    prefetch: bool
+    deadline_s: float
+    #: Higher first on the node's link; demand loads are :data:`DEMAND_PRIORITY`.
+    priority: float = DEMAND_PRIORITY
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """One session's KV on one node: what a cancel or an eviction refers to."""
+
+    session_id: str
+    node: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """What one core call decided; see the module docstring. Empty: :meth:`empty`."""
+
+    route: RouteDecision | None = None
+    promote: bool = False
+    prefetch_ready_s: float | None = None
+    cancels: tuple[Placement, ...] = ()
+    loads: tuple[LoadTicket, ...] = ()
+    orders: tuple[PrefetchOrder, ...] = ()
+    evictions: tuple[Placement, ...] = ()
+
+    @classmethod
+    def empty(cls) -> StepOutput:
+        return _EMPTY
+
+    @property
+    def node(self) -> int:
+        """The routed node (only for the output of ``route_request``)."""
+        if self.route is None:
+            raise ValueError("this step routed no request")
+        return self.route.node
+
+    def demand_load(self) -> LoadTicket | None:
+        """The demand load among ``loads`` (a step starts at most one)."""
+        return next((t for t in self.loads if not t.prefetch), None)
+
+
+_EMPTY = StepOutput()

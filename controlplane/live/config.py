@@ -1,0 +1,75 @@
+"""The live scheduler's configuration and its clock."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from controlplane.base.config import FleetConfig, default_fleet
+from controlplane.base.keys import DEFAULT_CHUNK_TOKENS
+from controlplane.core.policies import POLICIES, PolicySpec
+
+
+class ServiceConfig(BaseModel):
+    """The live scheduler's configuration (validated at start-up)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    fleet: FleetConfig = Field(default_factory=lambda: default_fleet("8b", 2))
+    policy: str = "predictive"
+    predictor: str = "last-gap"
+    #: Service seconds per wall second: 1 in production; >1 replays a trace faster (the
+    #: demo). Every time the core sees is on this clock.
+    time_compression: float = Field(1.0, gt=0, le=100_000)
+    chunk_tokens: int = Field(DEFAULT_CHUNK_TOKENS, gt=0, le=1 << 20)
+    journal_path: str | None = None
+    #: Fsync the journal every this many wall seconds (it is flushed to the OS each loop).
+    journal_sync_interval_s: float = Field(5.0, gt=0)
+    #: Allowed tenants; None = any.
+    tenants: tuple[str, ...] | None = None
+    #: Names of the nodes (index = node number), for answers and metrics.
+    node_names: tuple[str, ...] | None = None
+    #: Control-loop period when idle (wall seconds).
+    loop_interval_s: float = Field(0.05, gt=0, le=5)
+    #: An order not reported after this long (wall seconds) is given up and re-planned.
+    order_timeout_s: float = Field(120.0, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> ServiceConfig:
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; known: {', '.join(POLICIES)}")
+        if POLICIES[self.policy].predictor == "oracle":
+            raise ValueError("policy 'oracle' reads the future: simulator only")
+        if self.node_names is not None and len(self.node_names) != self.fleet.nodes:
+            raise ValueError(f"node_names has {len(self.node_names)} names for "
+                             f"{self.fleet.nodes} nodes")
+        return self
+
+    @property
+    def policy_spec(self) -> PolicySpec:
+        return POLICIES[self.policy]
+
+
+class ServiceClock:
+    """Service seconds: ``offset_s + (wall - start) * compression``. ``wall_at`` maps a
+    service time back to the wall clock (for timers)."""
+
+    def __init__(self, compression: float = 1.0, *, offset_s: float = 0.0,
+                 wall: Callable[[], float] = time.monotonic) -> None:
+        self.compression = compression
+        self._wall = wall
+        self._start = wall()
+        self.offset_s = offset_s
+
+    def now_s(self) -> float:
+        return self.offset_s + (self._wall() - self._start) * self.compression
+
+    def continue_after(self, t_s: float) -> None:
+        """Resume a clock so that now is just after ``t_s``."""
+        self._start = self._wall()
+        self.offset_s = t_s
+
+    def wall_delay_s(self, at_s: float) -> float:
+        return max(0.0, (at_s - self.now_s()) / self.compression)

@@ -1,0 +1,340 @@
+"""The live service's decisions, under its lock: applies session events to the registry
+and the core, and turns the core's outputs into messages for the agents.
+
+:class:`LiveDriver` holds the service's rooms (sessions, orders, the fleet view, the
+armed-order timers) around one :class:`~controlplane.core.scheduler.SchedulerCore`. It is
+not thread-safe and never sends anything itself: every method that decides takes the
+:class:`~controlplane.live.ports.Outbox` that the service sends once its lock is released.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from controlplane.base import api
+from controlplane.base.keys import chunk_hashes, session_prefix
+from controlplane.base.types import EventKind, HintKind, SessionEvent, SessionKey
+from controlplane.base.wire import (
+    AgentHello,
+    EngineReport,
+    GpuStartPlan,
+    TransferOrder,
+    TransferReport,
+)
+from controlplane.core.planner import PrefetchOrder
+from controlplane.core.scheduler import SchedulerCore
+from controlplane.core.step import StepOutput
+from controlplane.live.config import ServiceClock, ServiceConfig
+from controlplane.live.fleet import LiveFleet
+from controlplane.live.orders import OrderBook
+from controlplane.live.ports import Outbox, ServiceMetricsSink, ServiceStats
+from controlplane.live.sessions import SessionInfo, SessionRegistry
+from controlplane.traces.journal import JournalWriter, read_journal_events
+
+log = logging.getLogger(__name__)
+
+
+class LiveDriver:
+    """See the module docstring."""
+
+    def __init__(self, config: ServiceConfig, core: SchedulerCore, fleet: LiveFleet,
+                 orders: OrderBook, clock: ServiceClock, metrics: ServiceMetricsSink,
+                 wall: Callable[[], float]) -> None:
+        self.config = config
+        self.policy = config.policy_spec
+        self.core = core
+        self.fleet = fleet
+        self.orders = orders
+        self.clock = clock
+        self.metrics = metrics
+        self._wall = wall
+        self.stats = ServiceStats()
+        self.registry = SessionRegistry(config.chunk_tokens, config.tenants)
+        #: Armed prefetch orders by start time (the service's loop fires them).
+        self.timers: list[tuple[float, int, PrefetchOrder]] = []
+        self._seq = itertools.count()
+        self.journal: JournalWriter | None = None
+
+    def node_name(self, node: int) -> str:
+        names = self.config.node_names
+        return names[node] if names is not None else f"node-{node}"
+
+    def fire_due(self, now: float, box: Outbox) -> None:
+        """Start the armed orders whose time has come."""
+        while self.timers and self.timers[0][0] <= now:
+            _, _, order = heapq.heappop(self.timers)
+            self.carry(self.core.start_prefetch(order, now), box)
+
+    def expire(self, wall: float, now: float, box: Outbox) -> None:
+        """Give up orders not reported within ``order_timeout_s`` and re-plan them."""
+        for node in range(self.config.fleet.nodes):
+            for inflight in self.orders.in_flight(node):
+                if wall - inflight.sent_wall_s > self.config.order_timeout_s:
+                    self.stats.orders_lost += 1
+                    o = inflight.order
+                    box.cancel.append((o.node, o.session_id, o.order_id))
+                    self._order_failed(o, now, "timed out", box)
+
+    # ------------------------------------------------------------------ events
+    def apply(self, event: SessionEvent) -> StepOutput:
+        """Apply one session event to the registry and the core: the same for a live call
+        and for a journal replayed on restart."""
+        key = SessionKey.parse(event.session_id)
+        if event.kind is EventKind.SESSION_CLOSED:
+            self.registry.close(key)
+            return self.core.close(event)
+        info = self.registry.open(key)
+        if event.kind is EventKind.REQUEST_STARTED:
+            info.turns, info.in_flight, info.arrival_s = event.turn + 1, True, event.time_s
+            info.await_prefetch_node = None
+            return self.core.request_started(event)
+        if event.kind is EventKind.REQUEST_FINISHED:
+            info.in_flight, info.context_tokens = False, event.context_after
+            return self.core.request_finished(event, event.context_after)
+        return self.core.hint(event)
+
+    def record_and_apply(self, event: SessionEvent, box: Outbox) -> None:
+        self.stats.events += 1
+        self.metrics.event(event.kind.value)
+        if self.journal is not None:
+            # Handed to the OS at once: a killed service loses no acknowledged event (a
+            # crashed machine may lose the last ones; fsync runs on the loop's interval).
+            self.journal.write(event)
+            self.journal.flush()
+        self.carry(self.apply(event), box)
+
+    def carry(self, out: StepOutput, box: Outbox) -> None:
+        """Turn the core's decisions into messages: cancels, orders, evict advice, timers."""
+        for c in out.cancels:
+            sent = self.orders.of_session(c.session_id, c.node)
+            if sent is not None:
+                self.orders.close(sent)
+                box.cancel.append((c.node, c.session_id, sent.order_id))
+        for ticket in out.loads:
+            info = self.registry.by_sid(ticket.session_id)
+            keys = tuple(self.registry.load_keys(info, ticket.tokens)) if info else ()
+            n = self.fleet.nodes[ticket.node]
+            box.execute.append(self.orders.open(ticket, keys, wall_s=self._wall(),
+                                                incarnation=n.incarnation))
+            self.stats.orders_sent += 1
+        for order in out.orders:
+            heapq.heappush(self.timers, (order.start_at_s, next(self._seq), order))
+        for e in out.evictions:
+            info = self.registry.by_sid(e.session_id)
+            if info is not None and info.hashes is not None:
+                chunks = self.registry.keys_of(info, info.context_tokens)
+                box.evict.append((e.node, (), tuple(chunks)))
+            else:
+                key = info.key if info is not None else SessionKey.parse(e.session_id)
+                box.evict.append((e.node, (session_prefix(key.tenant, key.session_id),), ()))
+
+    # ------------------------------------------------------------------ gateway calls
+    def start_request(self, call: api.RequestStarted | api.RouteQuery, box: Outbox
+                      ) -> SessionInfo:
+        key = SessionKey(call.tenant, call.session_id)
+        self.registry.check_tenant(key)
+        info = self.registry.open(key)
+        if call.token_ids is not None:
+            info.hashes = tuple(chunk_hashes(call.token_ids, self.config.chunk_tokens))
+        elif call.chunk_hashes is not None:
+            info.hashes = tuple(call.chunk_hashes)
+        reused = call.reused_tokens if call.reused_tokens is not None else min(
+            call.tokens, info.context_tokens)
+        self.record_and_apply(SessionEvent(
+            EventKind.REQUEST_STARTED, key.wire, self.clock.now_s(), info.turns, call.tokens, 0,
+            min(reused, call.tokens), tenant=call.tenant, parent_id=call.parent_id), box)
+        return info
+
+    def route(self, call: api.RouteQuery, box: Outbox) -> api.RouteAnswer:
+        """Pick the node for a request; records ``request_started`` when the gateway has
+        not sent it for this request."""
+        key = SessionKey(call.tenant, call.session_id)
+        info = self.registry.get(key)
+        if info is None or not info.in_flight:
+            info = self.start_request(call, box)
+        self.registry.check_tenant(key)
+        now = self.clock.now_s()
+        reused = call.reused_tokens if call.reused_tokens is not None else min(
+            call.tokens, info.context_tokens)
+        out = self.core.route_request(key.wire, call.tokens, reused, now)
+        decision, node = out.route, out.node
+        assert decision is not None
+        if out.prefetch_ready_s is not None:
+            if math.isinf(out.prefetch_ready_s):
+                info.await_prefetch_node = node
+            else:
+                self._lateness(out.prefetch_ready_s - now)
+        est = max(0.0, decision.estimated_ttft_s - self.fleet.queue_wait_s(node, now))
+        self.fleet.enqueue(node, est, info.node, info.est_service_s)
+        info.node, info.est_service_s = node, est
+        self.carry(out, box)
+        self.stats.routes += 1
+        local_ready = self.core.local_tokens(node, key.wire) > 0
+        return api.RouteAnswer(node=node, node_name=self.node_name(node),
+                               estimated_ttft_s=round(decision.estimated_ttft_s, 6),
+                               local_ready=local_ready)
+
+    def request_finished(self, call: api.RequestFinished, box: Outbox) -> None:
+        info = self.registry.known(SessionKey(call.tenant, call.session_id))
+        if call.chunk_hashes is not None:
+            info.hashes = tuple(call.chunk_hashes)
+        self.record_and_apply(SessionEvent(
+            EventKind.REQUEST_FINISHED, info.sid, self.clock.now_s(), max(0, info.turns - 1),
+            call.input_tokens, call.output_tokens, 0, call.stop_reason, node=call.node,
+            tenant=call.tenant, context_tokens=call.context_tokens), box)
+
+    def hint(self, call: api.HintCall, box: Outbox) -> None:
+        info = self.registry.known(SessionKey(call.tenant, call.session_id))
+        self.record_and_apply(SessionEvent(
+            EventKind.HINT, info.sid, self.clock.now_s(), max(0, info.turns - 1),
+            hint=HintKind(call.hint.kind), eta_s=call.hint.eta_s, tenant=call.tenant), box)
+
+    def session_closed(self, call: api.SessionClosed, box: Outbox) -> None:
+        info = self.registry.known(SessionKey(call.tenant, call.session_id))
+        self.record_and_apply(SessionEvent(
+            EventKind.SESSION_CLOSED, info.sid, self.clock.now_s(), max(0, info.turns - 1),
+            tenant=call.tenant), box)
+
+    # ------------------------------------------------------------------ engine calls
+    def gpu_start(self, node: int, tenant: str, session_id: str, reused_tokens: int,
+                  box: Outbox) -> GpuStartPlan:
+        """The node's GPU picks the request up: the core may start its demand load; the
+        engine waits for the order it is told of (that one or a transfer already under
+        way), then reads its local tier."""
+        info = self.registry.known(SessionKey(tenant, session_id))
+        now = self.clock.now_s()
+        if info.node is not None:
+            self.fleet.dequeue(info.node, info.est_service_s)
+        self.fleet.nodes[node].running_end_s = now + info.est_service_s
+        info.node, info.est_service_s = None, 0.0
+        out = self.core.gpu_start(info.sid, node, reused_tokens, now)
+        self.carry(out, box)
+        order = self.orders.of_session(info.sid, node)
+        if order is None:
+            return GpuStartPlan()
+        return GpuStartPlan(order.order_id, order.nbytes, out.demand_load() is not None)
+
+    def use_local(self, node: int, tenant: str, session_id: str, reused_tokens: int) -> int:
+        """The engine is about to read its local tier: mark the DRAM entry read and return
+        the booked usable tokens."""
+        info = self.registry.known(SessionKey(tenant, session_id))
+        return self.core.use_local(info.sid, node, reused_tokens, self.clock.now_s())
+
+    def engine_report(self, report: EngineReport) -> None:
+        hbm = self.fleet.nodes[report.node].hbm
+        hbm[report.session_id] = report.context_tokens
+        for sid in report.hbm_evicted:
+            hbm.pop(sid, None)
+        self.metrics.local_lookup(report.local_tokens, report.reused_tokens)
+
+    # ------------------------------------------------------------------ agent calls
+    def agent_hello(self, hello: AgentHello, box: Outbox) -> None:
+        """An agent (re)started: orders sent to its previous incarnation are lost (re-plan
+        them); reconcile the node's books with what its tier really holds."""
+        now = self.clock.now_s()
+        self.fleet.nodes[hello.node].incarnation = hello.incarnation
+        for inflight in self.orders.in_flight(hello.node):
+            if inflight.incarnation != hello.incarnation:
+                self.stats.orders_lost += 1
+                self._order_failed(inflight.order, now, "agent restarted", box)
+        if hello.inventory is not None:
+            inventory = set(hello.inventory)
+
+            def holds(sid: str, tokens: int) -> bool:
+                info = self.registry.by_sid(sid)
+                keys = self.registry.keys_of(info, tokens) if info is not None else []
+                return info is not None and (not keys or keys[0] in inventory)
+
+            self.carry(self.core.reconcile(hello.node, holds, now), box)
+        log.info("agent on node %d (%s) is up: incarnation %s, %d keys in its tier",
+                 hello.node, hello.node_name, hello.incarnation[:8], len(hello.inventory))
+
+    def report_transfer(self, report: TransferReport, box: Outbox) -> None:
+        """An agent finished (or gave up) an order. Idempotent per order id."""
+        inflight = self.orders.get(report.node, report.order_id)
+        if inflight is None or self.orders.was_closed(report.order_id):
+            return  # a duplicate, expired, or from a previous service incarnation
+        now = self.clock.now_s()
+        order = inflight.order
+        if not report.complete:
+            self._order_failed(order, now, report.error or "incomplete", box)
+            return
+        self.orders.close(order)
+        self.carry(self.core.transfer_done(order.session_id, order.node, now,
+                                            demand=not order.prefetch), box)
+        self._count_done(order, report)
+        info = self.registry.by_sid(order.session_id)
+        if info is not None and info.await_prefetch_node == order.node:
+            info.await_prefetch_node = None
+            self._lateness(now - info.arrival_s)
+
+    def _count_done(self, order: TransferOrder, report: TransferReport) -> None:
+        s = self.stats
+        s.orders_done += 1
+        ttlb = report.ttlb_wall_s * self.config.time_compression
+        s.ttlb_s.append(ttlb)
+        self.metrics.ttlb(ttlb, order.prefetch)
+        self.metrics.bytes_moved(report.bytes_moved, order.prefetch)
+        if order.prefetch:
+            s.prefetch_bytes += report.bytes_moved
+            s.prefetch_model_bytes += order.nbytes
+        else:
+            s.demand_bytes += report.bytes_moved
+            s.demand_model_bytes += order.nbytes
+
+    def _order_failed(self, order: TransferOrder, now: float, why: str, box: Outbox) -> None:
+        self.orders.close(order)
+        self.stats.orders_failed += 1
+        log.info("order %d (%s -> node %d) failed: %s; re-planning", order.order_id,
+                 order.session_id, order.node, why)
+        self.carry(self.core.transfer_failed(order.session_id, order.node, now), box)
+
+    def unsent(self, order: TransferOrder, why: str, box: Outbox) -> None:
+        """An order could not be handed to its agent."""
+        if self.orders.get(order.node, order.order_id) is not None:
+            self._order_failed(order, self.clock.now_s(), why, box)
+
+    def _lateness(self, seconds: float) -> None:
+        self.stats.lateness_s.append(seconds)
+        self.metrics.lateness(seconds)
+
+    # ------------------------------------------------------------------ resume
+    def resume(self, path: Path) -> None:
+        """Replay the journal through :meth:`_apply` (as the live calls did); keep the
+        armed orders; the books of each node are reconciled when its agent says hello."""
+        last_t, count, box = 0.0, 0, Outbox()
+        for event in read_journal_events(path):
+            count += 1
+            last_t = max(last_t, event.time_s)
+            self.carry(self.apply(event), box)
+        self.clock.continue_after(last_t)
+        log.info("resumed from %s: %d events, %d live sessions, clock at %.1f s", path, count,
+                 len(self.registry), last_t)
+
+    # ------------------------------------------------------------------ introspection
+    def summary(self) -> dict[str, Any]:
+        core, s = self.core, self.stats
+        return {
+            "policy": self.policy.name, "events": s.events, "routes": s.routes,
+            "sessions": len(self.registry), "orders_sent": s.orders_sent,
+            "orders_done": s.orders_done, "orders_failed": s.orders_failed,
+            "orders_lost": s.orders_lost,
+            "orders_in_flight": {self.node_name(i): self.orders.count(i)
+                                 for i in range(self.config.fleet.nodes)},
+            "prefetch_bytes": s.prefetch_bytes, "demand_bytes": s.demand_bytes,
+            "prefetch_model_bytes": s.prefetch_model_bytes,
+            "demand_model_bytes": s.demand_model_bytes,
+            "prefetches": core.stats.prefetches,
+            "prefetches_dropped": core.stats.prefetches_dropped,
+            "wasted_bytes_modelled": core.stats.wasted_bytes,
+            "ttlb_s": list(s.ttlb_s), "lateness_s": list(s.lateness_s),
+            "loop_errors": s.loop_errors, "clock_s": self.clock.now_s(),
+            "sizes": {"sessions": len(self.registry), "core_sessions": core.sessions(),
+                      "timers": len(self.timers), **self.orders.sizes()},
+        }

@@ -1,0 +1,130 @@
+"""How the live service reaches the outside: the agents (orders, cancels, evict advice) and
+the metrics sink; and its own counters, every per-event collection bounded."""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Protocol
+
+from controlplane.base.wire import TransferOrder
+
+log = logging.getLogger(__name__)
+
+#: TTLB and lateness samples kept for the summary (a rolling window; Prometheus histograms
+#: see every sample).
+SAMPLE_WINDOW = 10_000
+
+
+class AgentPort(Protocol):
+    """How the service reaches one node's agent. Calls must not block for long (they are
+    fire-and-forget in Ray)."""
+
+    def execute(self, order: TransferOrder) -> None: ...
+
+    def cancel(self, session_id: str, order_id: int) -> None: ...
+
+    def evict(self, prefixes: tuple[str, ...], keys: tuple[str, ...]) -> None: ...
+
+
+class ServiceMetricsSink(Protocol):
+    """Where the service reports measurements (Prometheus in :mod:`controlplane.live.metrics`)."""
+
+    def event(self, kind: str) -> None: ...
+
+    def ttlb(self, seconds: float, prefetch: bool) -> None: ...
+
+    def lateness(self, seconds: float) -> None: ...
+
+    def local_lookup(self, local_tokens: int, reused_tokens: int) -> None: ...
+
+    def bytes_moved(self, nbytes: int, prefetch: bool) -> None: ...
+
+    def orders_in_flight(self, node: str, count: int) -> None: ...
+
+    def core_stats(self, wasted_bytes: int, useful_bytes: int) -> None: ...
+
+
+class NullMetrics:
+    def event(self, kind: str) -> None: ...
+    def ttlb(self, seconds: float, prefetch: bool) -> None: ...
+    def lateness(self, seconds: float) -> None: ...
+    def local_lookup(self, local_tokens: int, reused_tokens: int) -> None: ...
+    def bytes_moved(self, nbytes: int, prefetch: bool) -> None: ...
+    def orders_in_flight(self, node: str, count: int) -> None: ...
+    def core_stats(self, wasted_bytes: int, useful_bytes: int) -> None: ...
+
+
+def _window() -> deque[float]:
+    return deque(maxlen=SAMPLE_WINDOW)
+
+
+@dataclass(slots=True)
+class ServiceStats:
+    events: int = 0
+    routes: int = 0
+    orders_sent: int = 0
+    orders_done: int = 0
+    orders_failed: int = 0
+    orders_lost: int = 0
+    #: Real bytes the agents moved (scaled by the engines' kv_scale).
+    prefetch_bytes: int = 0
+    demand_bytes: int = 0
+    #: The same transfers at modelled size (the books: tokens x KV bytes per token).
+    prefetch_model_bytes: int = 0
+    demand_model_bytes: int = 0
+    loop_errors: int = 0
+    #: The latest :data:`SAMPLE_WINDOW` samples.
+    ttlb_s: deque[float] = field(default_factory=_window)
+    lateness_s: deque[float] = field(default_factory=_window)
+
+
+@dataclass(slots=True)
+class Outbox:
+    """Messages decided under the service's lock, sent after it is released."""
+
+    execute: list[TransferOrder] = field(default_factory=list)
+    cancel: list[tuple[int, str, int]] = field(default_factory=list)
+    evict: list[tuple[int, tuple[str, ...], tuple[str, ...]]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.execute or self.cancel or self.evict)
+
+
+class AgentFanout:
+    """Sends an outbox to the nodes' agents. An agent that cannot be reached never stops
+    the service: the failure is logged, and an order that could not be sent is handed to
+    ``unsent`` (the service re-plans it)."""
+
+    def __init__(self, agents: Mapping[int, AgentPort],
+                 unsent: Callable[[TransferOrder, str], None]) -> None:
+        self.agents: dict[int, AgentPort] = dict(agents)
+        self._unsent = unsent
+
+    def send(self, box: Outbox) -> None:
+        for node, sid, oid in box.cancel:
+            port = self.agents.get(node)
+            if port is not None:
+                self._call(node, "cancel", partial(port.cancel, sid, oid))
+        for node, prefixes, keys in box.evict:
+            port = self.agents.get(node)
+            if port is not None:
+                self._call(node, "evict", partial(port.evict, prefixes, keys))
+        for order in box.execute:
+            port = self.agents.get(order.node)
+            why = ("no agent on the node" if port is None
+                   else self._call(order.node, "execute", partial(port.execute, order)))
+            if why is not None:
+                self._unsent(order, why)
+
+    @staticmethod
+    def _call(node: int, what: str, call: Callable[[], None]) -> str | None:
+        try:
+            call()
+        except Exception as exc:  # an unreachable agent must not stop the service
+            log.warning("node %d: agent %s failed: %s", node, what, exc)
+            return f"{type(exc).__name__}: {exc}"
+        return None
