@@ -6,6 +6,7 @@ from __future__ import annotations
 from controlplane.base.config import GIB, fleet_from_dict
 from controlplane.base.types import EventKind, SessionEvent
 from controlplane.core.scheduler import SchedulerCore
+from controlplane.core.step import StepOutput
 
 
 class FakeFleet:
@@ -25,9 +26,10 @@ class FakeFleet:
 
 
 def finish_turn(core: SchedulerCore, sid: str, t: float, node: int, ctx: int,
-                stop: str = "tool_use") -> None:
+                stop: str = "tool_use") -> StepOutput:
+    """One request of ``sid`` on ``node``; returns the output of its finish."""
     core.request_started(SessionEvent(EventKind.REQUEST_STARTED, sid, t, input_tokens=ctx))
-    core.request_finished(SessionEvent(EventKind.REQUEST_FINISHED, sid, t + 1.0,
+    return core.request_finished(SessionEvent(EventKind.REQUEST_FINISHED, sid, t + 1.0,
                                        input_tokens=ctx, stop_reason=stop, node=node),
                           ctx)
 

@@ -8,6 +8,7 @@ from fleet_fakes import FakeFleet, finish_turn, two_node_fleet
 from controlplane.base.types import EventKind, SessionEvent
 from controlplane.core.policies import POLICIES
 from controlplane.core.scheduler import SchedulerCore
+from controlplane.core.step import DEMAND_PRIORITY
 from predictors.registry import load
 
 
@@ -16,13 +17,15 @@ def test_demand_load_reserves_room_and_routes_home() -> None:
     finish_turn(core, "a", 0.0, node=1, ctx=40_000)
     core.dram[1].clear()  # the node restarted: only the remote copy is left
     core.request_started(SessionEvent(EventKind.REQUEST_STARTED, "a", 30.0))
-    decision = core.route("a", 41_000, 40_000, 30.0)
-    assert decision.node in (0, 1)
-    ticket = core.demand_load("a", decision.node, 40_000, 30.0)
+    routed = core.route_request("a", 41_000, 40_000, 30.0)
+    node = routed.node
+    assert node in (0, 1)
+    assert routed.loads == ()  # ondemand loads when the GPU picks the request up
+    ticket = core.gpu_start("a", node, 40_000, 30.0).demand_load()
     assert ticket is not None and not ticket.prefetch
-    assert ticket.nbytes == 40_000 * core.bpt
-    assert core.demand_load("a", decision.node, 40_000, 30.0) is None  # already under way
-    entry = core.dram[decision.node].get("a")
+    assert ticket.nbytes == 40_000 * core.bpt and ticket.priority == DEMAND_PRIORITY
+    assert core.gpu_start("a", node, 40_000, 30.0).loads == ()  # already under way
+    entry = core.dram[node].get("a")
     assert entry is not None and entry.pinned and entry.ready_at_s > 30.0
-    core.transfer_done("a", decision.node, 31.0, demand=True)
-    assert core.use_local("a", decision.node, 40_000, 31.0) == 40_000
+    core.transfer_done("a", node, 31.0, demand=True)
+    assert core.use_local("a", node, 40_000, 31.0) == 40_000
