@@ -4,6 +4,8 @@ The trace is split by session group (``--split session``, default) or by time; p
 that need training and come without an artifact (``gbm``, ``survival``, ``torch-seq``,
 ``empirical``) are trained on the train side; every predictor is scored on the test side
 (:mod:`predictors.evaluate`). ``last-gap`` and ``empirical`` are always included.
+A second table gives the calibration of each predictor's P(return within h | silent for a)
+(expected calibration error per cell; ``--calibration-plot`` draws the reliability curves).
 Artifacts (``gbm:FILE``) are used as they are: train them with ``kvprefetch train`` and the
 same ``--split/--test-fraction/--seed`` so that they never saw the test sessions (a warning
 is printed when an artifact's training sessions overlap the test side).
@@ -11,7 +13,8 @@ is printed when an artifact's training sessions overlap the test side).
 Example (one command, trains and compares)::
 
     kvprefetch eval-predictor --trace shared/traces/claude-code \\
-        --predictor survival gbm torch-seq --json out/predictors.json
+        --predictor survival gbm torch-seq --json out/predictors.json \\
+        --calibration-plot out/calibration.png
 """
 
 from __future__ import annotations
@@ -51,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="split and training seed")
     parser.add_argument("--limit-sessions", type=int, default=None, help="first N sessions")
     parser.add_argument("--json", default=None, metavar="OUT", help="write the metrics here")
+    parser.add_argument("--calibration-plot", default=None, metavar="PNG",
+                        help="write reliability curves of P(return within h | silent for a) "
+                        "here: one row per predictor, one panel per h, one line per a")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -86,9 +92,14 @@ def run(args: argparse.Namespace) -> int:
         metrics["trained_on_train_split"] = trained_here
         results[spec] = metrics
     print(format_table(results))
+    print()
+    print(format_calibration_table(results))
     if args.json:
         write_json_atomic(Path(args.json), {"predictors": results, **split.describe(),
                                             "trace": trace.name})
+    if args.calibration_plot:
+        write_calibration_plot(results, Path(args.calibration_plot))
+        print(f"wrote {args.calibration_plot}")
     return 0
 
 
@@ -104,6 +115,74 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
             cells.append(f"{'nan' if missing else fmt.format(v):>10}")
         lines.append(name.ljust(width) + "".join(cells))
     return "\n".join(lines)
+
+
+def format_calibration_table(results: dict[str, dict[str, Any]]) -> str:
+    """ECE per (a, h) cell, one block of rows per predictor; ``n`` counts the idle periods
+    still silent at ``a`` (the same for every ``h``)."""
+    with_cal = {name: m["calibration"] for name, m in results.items() if "calibration" in m}
+    if not with_cal:
+        return "calibration: not measured"
+    horizons = next(iter(with_cal.values()))["horizons_s"]
+    width = max([len("predictor"), *(len(n) for n in with_cal)])
+    head = ("predictor".ljust(width) + f"{'a_s':>6}{'n':>8}"
+            + "".join(f"{f'h={h:g}s':>9}" for h in horizons))
+    lines = [f"calibration: ECE of P(return within h | silent for a), "
+             f"{next(iter(with_cal.values()))['bins']} equal-width bins", head, "-" * len(head)]
+    for name, cal in with_cal.items():
+        by_cell = {(c["a_s"], c["h_s"]): c for c in cal["cells"]}
+        for i, a in enumerate(cal["silences_s"]):
+            cells = [by_cell[(a, h)] for h in cal["horizons_s"]]
+            eces = "".join(f"{_fmt(c['ece'], '{:.3f}'):>9}" for c in cells)
+            lines.append((name if i == 0 else "").ljust(width)
+                         + f"{a:>6g}{cells[0]['n']:>8d}" + eces)
+    return "\n".join(lines)
+
+
+def _fmt(value: Any, fmt: str) -> str:
+    missing = value is None or (isinstance(value, float) and math.isnan(value))
+    return "nan" if missing else fmt.format(value)
+
+
+def write_calibration_plot(results: dict[str, dict[str, Any]], path: Path) -> None:
+    """Reliability curves (observed share vs mean forecast per bin): one row per predictor,
+    one panel per horizon h, one line per silence a; the diagonal is perfect calibration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with_cal = {name: m["calibration"] for name, m in results.items() if "calibration" in m}
+    if not with_cal:
+        return
+    horizons = next(iter(with_cal.values()))["horizons_s"]
+    fig, axes = plt.subplots(len(with_cal), len(horizons), squeeze=False,
+                             figsize=(4.2 * len(horizons), 3.9 * len(with_cal)))
+    for row, (name, cal) in enumerate(with_cal.items()):
+        for col, h in enumerate(horizons):
+            ax = axes[row][col]
+            ax.plot([0, 1], [0, 1], color="0.6", linestyle=":", linewidth=1)
+            for cell in (c for c in cal["cells"] if c["h_s"] == h):
+                pts = [(b["mean_p"], b["observed"]) for b in cell["bins"] if b["n"]]
+                if not pts:
+                    continue
+                xs, ys = zip(*pts, strict=True)
+                ax.plot(xs, ys, marker="o", markersize=3,
+                        label=f"a={cell['a_s']:g}s (ECE {_fmt(cell['ece'], '{:.3f}')}, "
+                        f"n={cell['n']})")
+            ax.set_xlim(0, 1)
+            ax.set_ylim(0, 1)
+            ax.set_title(f"{name}: return within {h:g} s")
+            ax.set_xlabel("forecast P (bin mean)")
+            ax.set_ylabel("observed share")
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:

@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
                                   **split.describe()}
     if split.test.sessions:
         summary["held_out"] = {
-            k: v for k, v in evaluate(model, split.test).items()
+            k: v for k, v in evaluate(model, split.test, calibrate=False).items()
             if k in ("gaps", "mae_log_gap", "mean_pinball", "mean_pinball_log", "coverage_80",
                      "auc_return_60s")
         }
