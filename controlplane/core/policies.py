@@ -25,6 +25,10 @@ class EvictionKind(enum.Enum):
 
     LRU = "lru"
     PREDICTED_USE = "predicted_use"  # furthest predicted next use first (Belady w/ oracle)
+    #: Lowest value per byte first (controlplane.core.value: expected seconds saved per
+    #: byte per second of occupancy, from the forecast conditioned on the silence so far);
+    #: prefetches are admitted and timed by the same rule, with no confidence threshold.
+    VALUE = "value"
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,21 +64,28 @@ POLICIES: dict[str, PolicySpec] = {
                    True, modelled_on="kvprefetch"),
         PolicySpec("oracle", True, True, LoadStart.ON_ARRIVAL, EvictionKind.PREDICTED_USE, True,
                    predictor="oracle", safety_margin_s=0.0, modelled_on="the physical limit"),
+        # Experimental, by name only (not in the default six): the value rule of
+        # controlplane.core.value for eviction, admission and prefetch timing. Measured so
+        # far it prefetches but wastes most of it (README, "The value rule").
+        PolicySpec("predictive-value", True, True, LoadStart.ON_SCHEDULE, EvictionKind.VALUE,
+                   True, modelled_on="kvprefetch, value rule (experimental)"),
     )
 }
 
-POLICY_NAMES: tuple[str, ...] = tuple(POLICIES)
+#: The six policies compared everywhere (``all``); others are chosen by name.
+POLICY_NAMES: tuple[str, ...] = ("recompute", "local-lru", "ondemand", "queue", "predictive",
+                                 "oracle")
 
 
 def parse_policies(spec: str | None) -> tuple[PolicySpec, ...]:
     """Parse a comma-separated list of policy names (None or "all" = all six, in order)."""
     if spec is None or spec.strip() in ("", "all"):
-        return tuple(POLICIES.values())
+        return tuple(POLICIES[name] for name in POLICY_NAMES)
     out: list[PolicySpec] = []
     for raw in spec.split(","):
         name = raw.strip()
         if name not in POLICIES:
-            raise ConfigError(f"unknown policy {name!r}; known: {', '.join(POLICY_NAMES)}")
+            raise ConfigError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
         if POLICIES[name] not in out:
             out.append(POLICIES[name])
     return tuple(out)

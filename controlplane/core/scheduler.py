@@ -27,11 +27,12 @@ policy of their own.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from controlplane.base.config import FleetConfig
+from controlplane.base.config import GIB, FleetConfig
 from controlplane.base.types import ArrivalForecast, SessionEvent
 from controlplane.core.planner import (
     PrefetchOrder,
@@ -43,6 +44,7 @@ from controlplane.core.policies import EvictionKind, LoadStart, PolicySpec
 from controlplane.core.router import NodeView, RouteDecision, RouteRequest, route
 from controlplane.core.step import DEMAND_PRIORITY, LoadTicket, Placement, StepOutput
 from controlplane.core.tiers import LruEviction, PredictedUseEviction, Tier, TierEntry
+from controlplane.core.value import Candidate, ValueConfig, density, saved_s
 from predictors.base import Predictor
 
 INF = float("inf")
@@ -117,12 +119,17 @@ class SchedulerCore:
         self._step = _Step()
         #: Idle sessions whose KV is not on their home node: what :meth:`sweep` re-plans.
         self._evicted: set[str] = set()
-        self._predicted_use = PredictedUseEviction(self._next_uses)
+        planner = fleet.planner
+        self._value = ValueConfig(landing_level=planner.arrival_quantile,
+                                  safety_margin_s=planner.safety_margin_s,
+                                  max_lead_s=planner.max_lead_s)
+        self._valued = policy.eviction is EvictionKind.VALUE
+        #: The strategy prefetches evict by (the tier's own, except under LRU).
+        self._predicted_use: PredictedUseEviction = (
+            PredictedUseEviction(self._value_keys) if self._valued
+            else PredictedUseEviction(self._next_uses))
         strategy: LruEviction | PredictedUseEviction = (
-            self._predicted_use
-            if policy.eviction is EvictionKind.PREDICTED_USE
-            else LruEviction()
-        )
+            LruEviction() if policy.eviction is EvictionKind.LRU else self._predicted_use)
         capacity = fleet.node.dram_tier_bytes if policy.dram_tier else 0
         #: The books of every node's local DRAM tier (authoritative for what agents hold).
         self.dram = [Tier(f"dram{i}", capacity, strategy) for i in range(fleet.nodes)]
@@ -168,8 +175,42 @@ class SchedulerCore:
         """Sessions the core holds state for (closed ones are forgotten)."""
         return len(self._sessions)
 
-    def _next_use(self, sid: str, now_s: float) -> float:
-        return self._next_uses([sid], now_s)[0]
+    def _own_key(self, sid: str, now_s: float) -> float:
+        """The session's own eviction key: what it may displace must rank below it."""
+        return (self._value_keys if self._valued else self._next_uses)([sid], now_s)[0]
+
+    def _saved_s(self, sid: str, nbytes: int) -> float:
+        """Seconds a local copy saves at the session's return: the load it avoids."""
+        s_per_byte, latency = self.view.remote_source(sid)
+        return saved_s(nbytes, load_first_byte_s=latency, load_s_per_byte=s_per_byte)
+
+    def _value_keys(self, sids: Sequence[str], now_s: float) -> list[float]:
+        """Eviction keys by value (largest first out): ``-density`` for sessions worth
+        keeping; sessions worth nothing within the horizon by furthest predicted use
+        (``inf``: never), so they go first, the Belady way; running sessions never."""
+        out: list[float] = [-INF] * len(sids)
+        ask: list[int] = []
+        for i, sid in enumerate(sids):
+            s = self._sessions.get(sid)
+            if s is None:
+                out[i] = INF  # closed or unknown: never used again
+            elif not s.in_flight:
+                ask.append(i)
+        if ask:
+            cfg = self._value
+            forecasts = self._forecasts([sids[i] for i in ask], now_s)
+            for i, fc in zip(ask, forecasts, strict=True):
+                s = self._sessions[sids[i]]
+                nbytes = max(1, s.remote_tokens) * self.bpt
+                d = density(fc, now_s, cfg.horizon_s, self._saved_s(sids[i], nbytes), nbytes,
+                            min_wait_s=cfg.min_wait_s)
+                if d > 0.0:
+                    out[i] = -d
+                elif fc is None or fc.p_return <= 0.0:
+                    out[i] = INF
+                else:
+                    out[i] = fc.arrival_quantile_after(0.5, now_s)
+        return out
 
     def _next_uses(self, sids: Sequence[str], now_s: float) -> list[float]:
         """Predicted next use of each session: now if it is running, its planned use if a
@@ -325,8 +366,8 @@ class SchedulerCore:
         old = tier.get(sid)
         old_bytes = old.nbytes if old is not None else 0
         min_key = -INF
-        if self.policy.eviction is EvictionKind.PREDICTED_USE:
-            min_key = self._next_use(sid, now_s)
+        if self.policy.eviction is not EvictionKind.LRU:
+            min_key = self._own_key(sid, now_s)
         victims = tier.victims_for(nbytes - old_bytes, now_s, exclude=sid, min_key=min_key)
         if old is not None and old.prefetched_unused:
             self.stats.wasted_bytes += old.nbytes
@@ -434,16 +475,39 @@ class SchedulerCore:
         if forecast is None:
             forecast = self.predictor.forecast(sid, now_s)
         s_per_byte, latency = self.view.remote_source(sid)
-        order = plan_prefetch(
-            forecast, session_id=sid, node=s.home, tokens=tokens, nbytes=tokens * self.bpt,
-            now_s=now_s,
-            transfer=TransferEstimate(latency, s_per_byte, self.view.link_backlog_s(s.home,
-                                                                                   now_s)),
-            cfg=self.fleet.planner, safety_margin_s=self.policy.safety_margin_s,
-        )
+        transfer = TransferEstimate(latency, s_per_byte, self.view.link_backlog_s(s.home,
+                                                                                  now_s))
+        if self._valued:
+            order = self._plan_by_value(sid, s.home, tokens, forecast, transfer, now_s)
+        else:
+            order = plan_prefetch(
+                forecast, session_id=sid, node=s.home, tokens=tokens,
+                nbytes=tokens * self.bpt, now_s=now_s, transfer=transfer,
+                cfg=self.fleet.planner, safety_margin_s=self.policy.safety_margin_s,
+            )
         s.pending = order
         if order is not None:
             self._step.orders.append(order)
+
+    def _candidate(self, sid: str, tokens: int, forecast: ArrivalForecast | None,
+                   transfer: TransferEstimate, now_s: float) -> Candidate:
+        nbytes = tokens * self.bpt
+        return Candidate.from_forecast(sid, forecast, nbytes=nbytes,
+                                       saved_s=self._saved_s(sid, nbytes),
+                                       ttlb_s=transfer.ttlb_s(nbytes), now_s=now_s,
+                                       cfg=self._value)
+
+    def _plan_by_value(self, sid: str, node: int, tokens: int,
+                       forecast: ArrivalForecast | None, transfer: TransferEstimate,
+                       now_s: float) -> PrefetchOrder | None:
+        """An order when the session's value net of the transfer's cost is positive, timed
+        to land before an early quantile of its arrival given its silence so far (no
+        confidence threshold: admission compares values when the order starts)."""
+        cand = self._candidate(sid, tokens, forecast, transfer, now_s)
+        if cand.net_density(self._value) <= 0.0 or math.isinf(cand.land_by_s):
+            return None
+        return PrefetchOrder(sid, node, tokens, cand.nbytes, cand.start_at_s(now_s, self._value),
+                             cand.land_by_s, cand.density * GIB, cand.next_use_s)
 
     def start_prefetch(self, order: PrefetchOrder, now_s: float) -> StepOutput:
         """An armed order's start time came: re-check it and start the load, re-arm it
@@ -455,7 +519,9 @@ class SchedulerCore:
             return self._output()
         forecast = self.predictor.forecast(sid, now_s)
         if forecast is not None and s.replans < MAX_REPLANS:
-            later = forecast.arrival_at(self.fleet.planner.arrival_quantile)
+            q = self.fleet.planner.arrival_quantile
+            later = (forecast.arrival_quantile_after(q, now_s) if self._valued
+                     else forecast.arrival_at(q))
             if later - order.deadline_s > REPLAN_SLACK_S:
                 s.replans += 1
                 self._plan(sid, now_s)
@@ -465,12 +531,24 @@ class SchedulerCore:
         if self.local_tokens(order.node, sid) >= order.tokens:
             return self._output()
         use = max(now_s, forecast.arrival_at(0.5) if forecast else order.predicted_use_s)
-        # An uncertain prefetch only fills free room: under pressure, whatever it would
-        # evict is likelier to be used first (every such admission measured wasted bytes).
-        ticket = self._reserve(sid, order.node, order.tokens, prefetch=True,
-                               deadline_s=order.deadline_s, now_s=now_s, min_key=use,
-                               free_only=forecast is None or forecast.confidence < 1.0,
-                               priority=order.priority)
+        if self._valued:
+            # Admitted only over residents worth less per byte than it is, net of the
+            # transfer's cost (the value rule; no confidence threshold).
+            s_per_byte, latency = self.view.remote_source(sid)
+            transfer = TransferEstimate(latency, s_per_byte,
+                                        self.view.link_backlog_s(order.node, now_s))
+            net = self._candidate(sid, order.tokens, forecast, transfer, now_s).net_density(
+                self._value)
+            ticket = None if net <= 0.0 else self._reserve(
+                sid, order.node, order.tokens, prefetch=True, deadline_s=order.deadline_s,
+                now_s=now_s, min_key=-net, priority=order.priority)
+        else:
+            # An uncertain prefetch only fills free room: under pressure, whatever it would
+            # evict is likelier to be used first (every such admission measured waste).
+            ticket = self._reserve(sid, order.node, order.tokens, prefetch=True,
+                                   deadline_s=order.deadline_s, now_s=now_s, min_key=use,
+                                   free_only=forecast is None or forecast.confidence < 1.0,
+                                   priority=order.priority)
         if ticket is None:
             self.stats.prefetches_dropped += 1
             return self._output()

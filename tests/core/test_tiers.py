@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from fleet_fakes import FakeFleet, finish_turn, two_node_fleet
 
+from controlplane.base.config import GIB, fleet_from_dict
 from controlplane.core.planner import PrefetchOrder
 from controlplane.core.policies import POLICIES
 from controlplane.core.scheduler import MAX_REPLANS, SchedulerCore
@@ -56,3 +57,21 @@ def test_an_uncertain_prefetch_never_evicts_resident_kv() -> None:
     core.dram[0].remove(sorted(held)[0])
     ticket = start(list(core.transfer_failed(evicted, 0, 60.0).orders))
     assert ticket is not None and ticket.prefetch and ticket.session_id == evicted
+
+
+def test_the_value_rule_prefetches_into_free_room_without_a_confidence_threshold() -> None:
+    # last-gap's forecasts are below planner.min_confidence (0.7): `predictive` never
+    # prefetches them; `predictive-value` weighs the forecast instead of gating on it.
+    fleet = fleet_from_dict({"nodes": 2, "node": {"dram_tier_bytes": 10 * GIB}})
+    core = SchedulerCore(fleet, POLICIES["predictive-value"], load("last-gap"), FakeFleet())  # type: ignore[arg-type]
+    for t in (0.0, 20.0, 40.0):  # a steady 19 s gap after tool calls
+        finish_turn(core, "a", t, node=0, ctx=30_000)
+    core.dram[0].remove("a")  # pressure took it
+    (order,) = core.transfer_failed("a", 0, 42.0).orders
+    assert order.start_at_s < order.deadline_s <= 41.0 + 19.0 + 1e-6
+    out = core.start_prefetch(order, order.start_at_s)
+    while out.orders:
+        order = out.orders[0]
+        out = core.start_prefetch(order, order.start_at_s)
+    (ticket,) = out.loads
+    assert ticket.prefetch and ticket.session_id == "a" and ticket.node == 0
