@@ -35,7 +35,7 @@ from agents.stores.local import LocalTierConfig
 from agents.transfer import TransferConfig
 from controlplane.base.config import FleetConfig, fleet_from_dict
 from controlplane.base.errors import ConfigError, KvPrefetchError, ServiceUnavailableError
-from controlplane.live.service import ServiceConfig
+from controlplane.live.config import ServiceConfig
 
 log = logging.getLogger(__name__)
 MIB = 1 << 20

@@ -18,7 +18,8 @@ from agents.stores.local import LocalTierConfig
 from agents.stores.tiered import TieredStoreConfig
 from controlplane.base.config import FleetConfig
 from controlplane.base.wire import TransferOrder
-from controlplane.live.service import SchedulerService, ServiceConfig
+from controlplane.live.config import ServiceConfig
+from controlplane.live.service import SchedulerService
 
 MIB = 1 << 20
 
