@@ -25,8 +25,8 @@ from agents.transfer import TransferConfig  # noqa: E402
 from controlplane.base.config import fleet_from_dict  # noqa: E402
 from controlplane.base.keys import payload, position_keys  # noqa: E402
 from controlplane.live.client import connect  # noqa: E402
-from controlplane.live.ray_app import Placement, deploy, local_placements  # noqa: E402
 from controlplane.live.config import ServiceConfig  # noqa: E402
+from controlplane.live.ray_app import Placement, deploy, local_placements  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.servers]
 GIB = 1 << 30
