@@ -244,7 +244,7 @@ def _run_policy(args: argparse.Namespace, fleet: Any, policy: str, trace: Any, v
                     remote_bytes=summ["prefetch_model_bytes"] + summ["demand_model_bytes"],
                     prefetches=summ["prefetches"], prefetches_dropped=summ["prefetches_dropped"],
                     ttlb_s=summ["ttlb_s"], lateness_s=summ["lateness_s"], events=summ["events"])
-    summary = summarize(run)
+    summary = summarize(run).to_dict()
     ok = [r for r in out.results if not r.error]
     live = {
         "link_mib_s": round(link_mib_s, 3) if link_mib_s is not None else None,
@@ -343,10 +343,11 @@ def _report(args: argparse.Namespace, fleet: Any, trace: Any, results: dict[str,
             "link_emulation": args.link_emulation, "backend": args.backend,
         },
         "policies": results,
-        "simulated": {name: {k: p[k] for k in ("returning", "ttft_mean_s", "stall_s")}
-                      for name, p in sim["policies"].items()},
+        "simulated": {name: {"returning": p.returning.to_dict(),
+                             "ttft_mean_s": p.ttft_mean_s, "stall_s": p.stall_s}
+                      for name, p in sim.policies.items()},
     }
-    closure = gap_closure(results)
+    closure = gap_closure({name: p["returning"]["ttft_mean_s"] for name, p in results.items()})
     if closure is not None:
         report["gap_closure"] = closure
     return report

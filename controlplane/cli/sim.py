@@ -86,7 +86,7 @@ def held_out(trace: Trace, fraction: float, seed: int, predictor_spec: str) -> T
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from controlplane.base.atomic import write_json_atomic
+    from controlplane.base.atomic import write_atomic
     from controlplane.base.config import default_fleet, load_fleet
     from controlplane.core.policies import parse_policies
     from controlplane.sim.report import format_table, write_plot
@@ -132,14 +132,14 @@ def run(args: argparse.Namespace) -> int:
     with bar:
         report = run_policies(trace, fleet, policies, options, progress=bar.update)
     print(format_table(report))
-    if report["meta"]["pressure_ratio"] < 3:
-        print(f"note: pressure {report['meta']['pressure_ratio']:.2f}x is below the >= 3x of "
+    if report.meta.pressure_ratio < 3:
+        print(f"note: pressure {report.meta.pressure_ratio:.2f}x is below the >= 3x of "
               "production fleets, so local tiers hold much of the working set and prefetch "
               "matters less; lower --nodes or replay a larger trace")
     if args.json_out:
-        write_json_atomic(args.json_out, report)
+        write_atomic(args.json_out, [report.to_json().encode()])
         print(f"wrote {args.json_out}")
     if args.plot:
-        write_plot(report, args.plot)
+        write_plot(report.to_dict(), args.plot)
         print(f"wrote {args.plot}")
     return 0

@@ -9,17 +9,20 @@ errors (:class:`~controlplane.base.errors.UnknownSessionError`,
 :class:`~controlplane.base.errors.WrongTenantError`,
 :class:`~controlplane.base.errors.MalformedHintError`, ...).
 
-Transports: ``address="inproc"`` with ``service=`` (tests, embedding), a Ray address
-(``"auto"``, ``"ray://host:10001"``, ``"127.0.0.2:6379"``: the named scheduler actor), or an
-HTTP URL (``http://host:8000``, the FastAPI app of :mod:`controlplane.live.http_api`).
+A client holds a :class:`~controlplane.live.protocol.GatewayAPI`: ``address="inproc"`` with
+``service=`` (a :class:`~controlplane.live.service.SchedulerService` in this process: tests,
+embedding), a :class:`RayTransport` for a Ray address (``"auto"``, ``"ray://host:10001"``,
+``"127.0.0.2:6379"``: the named scheduler actor), or an :class:`HttpTransport` for an HTTP
+URL (``http://host:8000``, the FastAPI app of :mod:`controlplane.live.http_api`).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
-from collections.abc import Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel
 
@@ -34,38 +37,23 @@ from controlplane.base.errors import (
     UnknownSessionError,
     WrongTenantError,
 )
+from controlplane.base.wire import AgentHello, EngineReport, GpuStartPlan, TransferReport
+from controlplane.live.protocol import GatewayAPI, RemoteAPI, SchedulerAPI
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 2.0
 
-
-class Transport(Protocol):
-    """Sends one validated call; raises TimeoutError after ``timeout_s`` and the service's
-    typed errors as they are."""
-
-    def call(self, op: str, payload: BaseModel, timeout_s: float) -> Any: ...
-
-    def close(self) -> None: ...
-
-
-class LocalTransport:
-    """Calls a :class:`~controlplane.live.service.SchedulerService` in this process."""
-
-    def __init__(self, service: Any) -> None:
-        self.service = service
-
-    def call(self, op: str, payload: BaseModel, timeout_s: float) -> Any:
-        return getattr(self.service, op)(payload)
-
-    def close(self) -> None:
-        return None
+_Call = TypeVar("_Call", bound=BaseModel)
 
 
 class RayTransport:
-    """Calls the named scheduler actor; Ray's errors are translated here."""
+    """:class:`~controlplane.live.protocol.SchedulerAPI` over the named scheduler actor:
+    each call waits for the actor's answer at most ``timeout_s``; Ray's errors are
+    translated here (the service's typed errors are raised as they are)."""
 
-    def __init__(self, address: str, namespace: str) -> None:
+    def __init__(self, address: str, namespace: str, *,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         import ray
 
         from agents.ray_entry import SCHEDULER_NAME
@@ -78,8 +66,18 @@ class RayTransport:
             raise ServiceUnavailableError(
                 f"no kvprefetch scheduler in Ray namespace {namespace!r} at {address!r}: "
                 "start one with `kvprefetch serve`") from exc
+        self.timeout_s = timeout_s
 
-    def call(self, op: str, payload: BaseModel, timeout_s: float) -> Any:
+    def with_timeout(self, timeout_s: float) -> RayTransport:
+        view = copy.copy(self)
+        view.timeout_s = timeout_s
+        return view
+
+    def close(self) -> None:
+        return None
+
+    def _get(self, op: str, ref: Any) -> Any:
+        """The answer behind ``ref`` (the actor call ``op``, named for errors)."""
         import ray
         from ray.exceptions import (
             ActorUnavailableError,
@@ -88,11 +86,10 @@ class RayTransport:
             RayTaskError,
         )
 
-        ref = getattr(self._handle, op).remote(payload)
         try:
-            return ray.get(ref, timeout=timeout_s)
+            return ray.get(ref, timeout=self.timeout_s)
         except GetTimeoutError as exc:
-            raise TimeoutError(f"{op} timed out after {timeout_s} s") from exc
+            raise TimeoutError(f"{op} timed out after {self.timeout_s} s") from exc
         except RayTaskError as exc:
             cause = exc.cause if isinstance(exc.cause, KvPrefetchError) else None
             if cause is not None:
@@ -101,8 +98,61 @@ class RayTransport:
         except (RayActorError, ActorUnavailableError) as exc:
             raise ServiceUnavailableError(f"scheduler unavailable: {exc}") from exc
 
-    def close(self) -> None:
-        return None
+    # ------------------------------------------------------------------ gateway calls
+    def request_started(self, call: api.RequestStarted) -> api.Ack:
+        answer: api.Ack = self._get("request_started",
+                                    self._handle.request_started.remote(call))
+        return answer
+
+    def route(self, call: api.RouteQuery) -> api.RouteAnswer:
+        answer: api.RouteAnswer = self._get("route", self._handle.route.remote(call))
+        return answer
+
+    def request_finished(self, call: api.RequestFinished) -> api.Ack:
+        answer: api.Ack = self._get("request_finished",
+                                    self._handle.request_finished.remote(call))
+        return answer
+
+    def hint(self, call: api.HintCall) -> api.Ack:
+        answer: api.Ack = self._get("hint", self._handle.hint.remote(call))
+        return answer
+
+    def session_closed(self, call: api.SessionClosed) -> api.Ack:
+        answer: api.Ack = self._get("session_closed", self._handle.session_closed.remote(call))
+        return answer
+
+    # ------------------------------------------------------------------ engine calls
+    def gpu_start(self, node: int, tenant: str, session_id: str,
+                  reused_tokens: int) -> GpuStartPlan:
+        plan: GpuStartPlan = self._get("gpu_start", self._handle.gpu_start.remote(
+            node, tenant, session_id, reused_tokens))
+        return plan
+
+    def use_local(self, node: int, tenant: str, session_id: str, reused_tokens: int,
+                  done: TransferReport | None = None) -> int:
+        return int(self._get("use_local", self._handle.use_local.remote(
+            node, tenant, session_id, reused_tokens, done)))
+
+    def engine_report(self, report: EngineReport) -> None:
+        self._get("engine_report", self._handle.engine_report.remote(report))
+
+    # ------------------------------------------------------------------ agent calls
+    def agent_hello(self, hello: AgentHello) -> None:
+        self._get("agent_hello", self._handle.agent_hello.remote(hello))
+
+    def report_transfer(self, report: TransferReport) -> None:
+        self._get("report_transfer", self._handle.report_transfer.remote(report))
+
+    # ------------------------------------------------------------------ introspection
+    def summary(self) -> dict[str, Any]:
+        return dict(self._get("summary", self._handle.summary.remote()))
+
+    def sessions(self) -> int:
+        return int(self._get("sessions", self._handle.sessions.remote()))
+
+    def has_session(self, tenant: str, session_id: str) -> bool:
+        return bool(self._get("has_session", self._handle.has_session.remote(tenant,
+                                                                              session_id)))
 
 
 _STATUS_ERRORS: dict[int, type[ServiceError]] = {
@@ -119,37 +169,61 @@ _NAMED_ERRORS: dict[str, type[ServiceError]] = {
 
 
 class HttpTransport:
-    """Calls the HTTP API (``POST /v1/<op>``), with an optional bearer token. Its error
-    answers (``{"error": <type>, "detail": <message>}``) are raised as the typed error they
-    name, or by status."""
+    """:class:`~controlplane.live.protocol.GatewayAPI` over the HTTP API (``POST
+    /v1/<call>``), with an optional bearer token; each call waits at most ``timeout_s``.
+    Its error answers (``{"error": <type>, "detail": <message>}``) are raised as the typed
+    error they name, or by status."""
 
-    def __init__(self, base_url: str, token: str | None) -> None:
+    def __init__(self, base_url: str, token: str | None, *,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         import httpx
 
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._client = httpx.Client(base_url=base_url.rstrip("/"), headers=headers)
+        self.timeout_s = timeout_s
 
-    def call(self, op: str, payload: BaseModel, timeout_s: float) -> Any:
-        import httpx
-
-        try:
-            resp = self._client.post(f"/v1/{op}",
-                                     content=payload.model_dump_json(exclude_none=True),
-                                     headers={"Content-Type": "application/json"},
-                                     timeout=timeout_s)
-        except httpx.TimeoutException as exc:
-            raise TimeoutError(f"{op} timed out after {timeout_s} s") from exc
-        except httpx.HTTPError as exc:
-            raise ServiceUnavailableError(f"scheduler HTTP API unreachable: {exc}") from exc
-        if resp.status_code >= 400:
-            raise _http_error(op, resp.status_code, resp.text)
-        return resp.json()
+    def with_timeout(self, timeout_s: float) -> HttpTransport:
+        view = copy.copy(self)
+        view.timeout_s = timeout_s
+        return view
 
     def close(self) -> None:
         self._client.close()
 
+    def _post(self, path: str, payload: BaseModel) -> Any:
+        """POST ``payload`` to ``/v1/<path>``; the answer's JSON."""
+        import httpx
 
-def _http_error(op: str, status: int, text: str) -> ServiceError:
+        try:
+            resp = self._client.post(f"/v1/{path}",
+                                     content=payload.model_dump_json(exclude_none=True),
+                                     headers={"Content-Type": "application/json"},
+                                     timeout=self.timeout_s)
+        except httpx.TimeoutException as exc:
+            raise TimeoutError(f"{path} timed out after {self.timeout_s} s") from exc
+        except httpx.HTTPError as exc:
+            raise ServiceUnavailableError(f"scheduler HTTP API unreachable: {exc}") from exc
+        if resp.status_code >= 400:
+            raise _http_error(path, resp.status_code, resp.text)
+        return resp.json()
+
+    def request_started(self, call: api.RequestStarted) -> api.Ack:
+        return api.Ack.model_validate(self._post("request_started", call))
+
+    def route(self, call: api.RouteQuery) -> api.RouteAnswer:
+        return api.RouteAnswer.model_validate(self._post("route", call))
+
+    def request_finished(self, call: api.RequestFinished) -> api.Ack:
+        return api.Ack.model_validate(self._post("request_finished", call))
+
+    def hint(self, call: api.HintCall) -> api.Ack:
+        return api.Ack.model_validate(self._post("hint", call))
+
+    def session_closed(self, call: api.SessionClosed) -> api.Ack:
+        return api.Ack.model_validate(self._post("session_closed", call))
+
+
+def _http_error(path: str, status: int, text: str) -> ServiceError:
     name = None
     detail: Any = text
     try:
@@ -161,28 +235,33 @@ def _http_error(op: str, status: int, text: str) -> ServiceError:
         detail = body.get("detail", text)
     cls = _NAMED_ERRORS.get(name) if isinstance(name, str) else None
     if cls is None:
-        cls = (MalformedHintError if op == "hint" and status == 422
+        cls = (MalformedHintError if path == "hint" and status == 422
                else _STATUS_ERRORS.get(status, ServiceError))
     return cls(f"HTTP {status}: {detail}")
 
 
 class Client:
-    """See the module docstring. Thread-safe when its transport is (all three are)."""
+    """See the module docstring. Thread-safe when its API is (all three are)."""
 
-    def __init__(self, transport: Transport, *, tenant: str = "default",
+    def __init__(self, scheduler: GatewayAPI, *, tenant: str = "default",
                  timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        self._transport = transport
+        self._scheduler = scheduler
+        #: Set when calls cross a process boundary (then each call carries its timeout).
+        self._remote = scheduler if isinstance(scheduler, RemoteAPI) else None
         self.tenant = tenant
         self.timeout_s = timeout_s
         self.timeouts = 0
 
     @property
-    def transport(self) -> Transport:
-        """How calls leave this client (the HTTP API fronts a client's transport)."""
-        return self._transport
+    def scheduler(self) -> GatewayAPI:
+        """The scheduler this client calls, or the transport to it (the HTTP API of
+        ``kvprefetch serve`` fronts it)."""
+        return self._scheduler
 
     def close(self) -> None:
-        self._transport.close()
+        """Close the transport (a service in this process is left running)."""
+        if self._remote is not None:
+            self._remote.close()
 
     def __enter__(self) -> Client:
         return self
@@ -191,19 +270,24 @@ class Client:
         self.close()
 
     # ------------------------------------------------------------------ plumbing
+    def _bounded(self, timeout_s: float | None) -> GatewayAPI:
+        """The API with this call's timeout (one in this process has none)."""
+        if self._remote is not None:
+            return self._remote.with_timeout(timeout_s or self.timeout_s)
+        return self._scheduler
+
     def _fields(self, session_id: str, tenant: str | None, **kw: Any) -> dict[str, Any]:
         out = {"tenant": tenant or self.tenant, "session_id": session_id}
         out.update({k: v for k, v in kw.items() if v is not None})
         return out
 
-    def _ack(self, op: str, payload: BaseModel, timeout_s: float | None) -> api.Ack:
+    def _ack(self, op: str, send: Callable[[_Call], api.Ack], payload: _Call) -> api.Ack:
         try:
-            answer = self._transport.call(op, payload, timeout_s or self.timeout_s)
+            return send(payload)
         except TimeoutError:
             self.timeouts += 1
             log.warning("%s timed out; the event is dropped", op)
             return api.Ack(accepted=False, timed_out=True)
-        return answer if isinstance(answer, api.Ack) else api.Ack.model_validate(answer)
 
     # ------------------------------------------------------------------ the API
     def route(self, session_id: str, *, input_tokens: int | None = None,
@@ -218,14 +302,11 @@ class Client:
             chunk_hashes=list(chunk_hashes) if chunk_hashes is not None else None,
             reused_tokens=reused_tokens, parent_id=parent_id))
         try:
-            answer = self._transport.call("route", payload, timeout_s or self.timeout_s)
+            return self._bounded(timeout_s).route(payload)
         except (TimeoutError, ServiceUnavailableError) as exc:
             self.timeouts += isinstance(exc, TimeoutError)
             log.warning("route: %s; running without prefetch", exc)
             return api.RouteAnswer.no_prefetch(timed_out=isinstance(exc, TimeoutError))
-        if isinstance(answer, api.RouteAnswer):
-            return answer
-        return api.RouteAnswer.model_validate(answer)
 
     def request_started(self, session_id: str, *, input_tokens: int | None = None,
                         token_ids: Sequence[int] | None = None,
@@ -237,7 +318,7 @@ class Client:
             token_ids=list(token_ids) if token_ids is not None else None,
             chunk_hashes=list(chunk_hashes) if chunk_hashes is not None else None,
             reused_tokens=reused_tokens, parent_id=parent_id))
-        return self._ack("request_started", payload, timeout_s)
+        return self._ack("request_started", self._bounded(timeout_s).request_started, payload)
 
     def request_finished(self, session_id: str, *, node: int, input_tokens: int,
                          output_tokens: int = 0, context_tokens: int | None = None,
@@ -249,7 +330,8 @@ class Client:
             output_tokens=output_tokens, context_tokens=context_tokens,
             stop_reason=stop_reason,
             chunk_hashes=list(chunk_hashes) if chunk_hashes is not None else None))
-        return self._ack("request_finished", payload, timeout_s)
+        return self._ack("request_finished", self._bounded(timeout_s).request_finished,
+                         payload)
 
     def hint(self, session_id: str, hint: api.Hint | dict[str, Any] | str, *,
              eta_s: float | None = None, tenant: str | None = None,
@@ -262,27 +344,33 @@ class Client:
         elif isinstance(hint, api.Hint):
             raw = hint.model_dump()
         payload = api.parse(api.HintCall, self._fields(session_id, tenant, hint=raw))
-        return self._ack("hint", payload, timeout_s)
+        return self._ack("hint", self._bounded(timeout_s).hint, payload)
 
     def session_closed(self, session_id: str, *, tenant: str | None = None,
                        timeout_s: float | None = None) -> api.Ack:
         payload = api.parse(api.SessionClosed, self._fields(session_id, tenant))
-        return self._ack("session_closed", payload, timeout_s)
+        return self._ack("session_closed", self._bounded(timeout_s).session_closed, payload)
 
 
 def connect(address: str = "auto", *, tenant: str = "default",
-            timeout_s: float = DEFAULT_TIMEOUT_S, service: Any = None,
+            timeout_s: float = DEFAULT_TIMEOUT_S, service: GatewayAPI | None = None,
             token: str | None = None, namespace: str = "kvprefetch") -> Client:
     """A client of the scheduler at ``address`` (see the module docstring)."""
     if timeout_s <= 0:
         raise InvalidRequestError("timeout_s must be positive")
-    transport: Transport
+    target: GatewayAPI
     if service is not None or address == "inproc":
         if service is None:
             raise InvalidRequestError("address 'inproc' needs service=")
-        transport = LocalTransport(service)
+        target = service
     elif address.startswith(("http://", "https://")):
-        transport = HttpTransport(address, token)
+        target = HttpTransport(address, token, timeout_s=timeout_s)
     else:
-        transport = RayTransport(address, namespace)
-    return Client(transport, tenant=tenant, timeout_s=timeout_s)
+        target = RayTransport(address, namespace, timeout_s=timeout_s)
+    return Client(target, tenant=tenant, timeout_s=timeout_s)
+
+
+if TYPE_CHECKING:  # mypy checks the transports against the Protocols they implement
+    _RAY: type[SchedulerAPI] = RayTransport
+    _RAY_REMOTE: type[RemoteAPI] = RayTransport
+    _HTTP: type[RemoteAPI] = HttpTransport

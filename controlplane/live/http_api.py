@@ -22,11 +22,12 @@ scheduler does not answer within ``call_timeout_s`` answers 200 like the Python 
 does: a route with ``node: null, timed_out: true`` (run the request without prefetch), an
 event with ``accepted: false``.
 
-The app fronts anything that takes those calls: a
-:class:`~controlplane.live.service.SchedulerService` in this process, a
-:class:`~controlplane.live.client.Client` (the Ray scheduler actor, in ``kvprefetch serve``), or
-a bare :class:`~controlplane.live.client.Transport`. Endpoints are plain functions, run on
-Starlette's thread pool, because every backend call may block (a lock, ``ray.get``).
+The app fronts any :class:`~controlplane.live.protocol.GatewayAPI`: a
+:class:`~controlplane.live.service.SchedulerService` in this process, or a transport to the
+scheduler (the Ray actor's, in ``kvprefetch serve``); one across a process boundary
+(:class:`~controlplane.live.protocol.RemoteAPI`) is called with ``call_timeout_s``.
+Endpoints are plain functions, run on Starlette's thread pool, because every call may
+block (a lock, ``ray.get``).
 
 Needs the ``serve`` extra (fastapi, uvicorn, prometheus_client).
 """
@@ -63,12 +64,14 @@ from controlplane.base.errors import (
     ServiceUnavailableError,
     UnauthorizedError,
 )
+from controlplane.live.client import Client
+from controlplane.live.protocol import GatewayAPI, RemoteAPI
 
 log = logging.getLogger(__name__)
 
 #: Seconds the app waits for the scheduler per call (the Python client's default).
 DEFAULT_CALL_TIMEOUT_S = 2.0
-#: Operation -> the model of its body (the client's ``Transport.call`` names).
+#: Operation (the path ``/v1/<op>``, the GatewayAPI method) -> the model of its body.
 OPERATIONS: dict[str, type[BaseModel]] = {
     "route": api.RouteQuery,
     "request_started": api.RequestStarted,
@@ -117,18 +120,16 @@ _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
-def _backend(target: Any) -> Any:
-    """A :class:`~controlplane.live.client.Transport` for ``target``."""
-    from controlplane.live.client import Client, LocalTransport
-
-    if isinstance(target, Client):
-        return target.transport
-    if callable(getattr(target, "route", None)):
-        return LocalTransport(target)  # a SchedulerService (or anything shaped like it)
-    if callable(getattr(target, "call", None)):
-        return target
-    raise ConfigError(f"create_app: cannot serve {type(target).__name__}: give a "
-                      "SchedulerService, a Client or a Transport")
+def _gateway(target: GatewayAPI | Client, call_timeout_s: float) -> GatewayAPI:
+    """The API the endpoints call: ``target``, or the one a client holds; a remote one
+    bounded by ``call_timeout_s``."""
+    scheduler = target.scheduler if isinstance(target, Client) else target
+    if not isinstance(scheduler, GatewayAPI):  # untyped callers: fail at start-up
+        raise ConfigError(f"create_app: cannot serve {type(target).__name__}: give a "
+                          "GatewayAPI (a SchedulerService or a transport to one)")
+    if isinstance(scheduler, RemoteAPI):
+        return scheduler.with_timeout(call_timeout_s)
+    return scheduler
 
 
 def _metrics_reader(source: MetricsSource | None) -> Callable[[], bytes]:
@@ -182,11 +183,12 @@ class _HttpMetrics:
         self.latency.labels(op).observe(seconds)
 
 
-def create_app(service_or_client: Any, *, bearer_token: str | None,
+def create_app(scheduler: GatewayAPI | Client, *, bearer_token: str | None,
                metrics_registry: MetricsSource | None = None,
                call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
                health_check: Callable[[], None] | None = None) -> FastAPI:
-    """The FastAPI app (see the module docstring).
+    """The FastAPI app in front of ``scheduler`` (see the module docstring; a
+    :class:`~controlplane.live.client.Client` stands for the API it holds).
 
     ``bearer_token``: when given, every ``/v1`` call must carry ``Authorization: Bearer
     <token>`` (401 otherwise); ``/healthz``, ``/metrics`` and the OpenAPI document stay open
@@ -196,7 +198,7 @@ def create_app(service_or_client: Any, *, bearer_token: str | None,
         raise ConfigError("http bearer_token: empty (give a token or None for no auth)")
     if call_timeout_s <= 0:
         raise ConfigError("http call_timeout_s: must be > 0")
-    backend = _backend(service_or_client)
+    backend = _gateway(scheduler, call_timeout_s)
     read_metrics = _metrics_reader(metrics_registry)
     http_metrics = _HttpMetrics()
     app = FastAPI(
@@ -221,13 +223,11 @@ def create_app(service_or_client: Any, *, bearer_token: str | None,
         responses[401] = {"model": ErrorBody, "description": "no or wrong bearer token"}
     guarded: list[Any] = [Depends(authorize)] if token is not None else []
 
-    def call(op: str, payload: BaseModel) -> Any:
+    def event(op: str, send: Callable[[], api.Ack]) -> api.Ack:
         try:
-            return backend.call(op, payload, call_timeout_s)
+            return send()
         except TimeoutError:
             log.warning("%s: the scheduler did not answer in %.3g s", op, call_timeout_s)
-            if op == "route":
-                return api.RouteAnswer.no_prefetch(timed_out=True)
             return api.Ack(accepted=False, timed_out=True)
 
     # ------------------------------------------------------------------ errors
@@ -263,35 +263,39 @@ def create_app(service_or_client: Any, *, bearer_token: str | None,
     # ------------------------------------------------------------------ operations
     @app.post("/v1/route", response_model=api.RouteAnswer, dependencies=guarded,
               responses=responses, tags=["sessions"])
-    def route(call_: api.RouteQuery) -> Any:
+    def route(call_: api.RouteQuery) -> api.RouteAnswer:
         """Where to run this request (records `request_started` too unless it was sent for
         this request). `node: null` means: no advice, run it anywhere without prefetch."""
-        return call("route", call_)
+        try:
+            return backend.route(call_)
+        except TimeoutError:
+            log.warning("route: the scheduler did not answer in %.3g s", call_timeout_s)
+            return api.RouteAnswer.no_prefetch(timed_out=True)
 
     @app.post("/v1/request_started", response_model=api.Ack, dependencies=guarded,
               responses=responses, tags=["sessions"])
-    def request_started(call_: api.RequestStarted) -> Any:
+    def request_started(call_: api.RequestStarted) -> api.Ack:
         """A request of the session arrived at the gateway."""
-        return call("request_started", call_)
+        return event("request_started", lambda: backend.request_started(call_))
 
     @app.post("/v1/request_finished", response_model=api.Ack, dependencies=guarded,
               responses=responses, tags=["sessions"])
-    def request_finished(call_: api.RequestFinished) -> Any:
+    def request_finished(call_: api.RequestFinished) -> api.Ack:
         """The response ended on `node`; the session's context grew."""
-        return call("request_finished", call_)
+        return event("request_finished", lambda: backend.request_finished(call_))
 
     @app.post("/v1/hint", response_model=api.Ack, dependencies=guarded,
               responses=responses, tags=["sessions"])
-    def hint(call_: api.HintCall) -> Any:
+    def hint(call_: api.HintCall) -> api.Ack:
         """A typed hint: `user_typing` (optional `eta_s`), `tool_running` (`eta_s` = the
         expected duration) or `session_closed`."""
-        return call("hint", call_)
+        return event("hint", lambda: backend.hint(call_))
 
     @app.post("/v1/session_closed", response_model=api.Ack, dependencies=guarded,
               responses=responses, tags=["sessions"])
-    def session_closed(call_: api.SessionClosed) -> Any:
+    def session_closed(call_: api.SessionClosed) -> api.Ack:
         """The session will not return: its prefetches stop and its state is freed."""
-        return call("session_closed", call_)
+        return event("session_closed", lambda: backend.session_closed(call_))
 
     # ------------------------------------------------------------------ operations' side
     @app.get("/metrics", tags=["ops"], response_class=Response,

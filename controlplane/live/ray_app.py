@@ -1,7 +1,8 @@
 """The control plane on Ray: the one place where ``ray.remote`` wraps the scheduler service,
 and where the per-node actors are placed.
 
-* ``SchedulerActor``: one named actor (``kvprefetch-scheduler`` in namespace
+* ``SchedulerActor``: the :class:`~controlplane.live.protocol.SchedulerAPI` of one
+  :class:`SchedulerService` as a named actor (``kvprefetch-scheduler`` in namespace
   ``kvprefetch``), restarted by Ray when it dies; on restart it resumes from its journal
   and asks every agent to greet it again (their tier inventories rebuild its books). Its
   methods run one at a time, in the order each caller sent them; a thread inside it runs
@@ -15,7 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -40,6 +41,7 @@ from controlplane.base.wire import (
     TransferOrder,
     TransferReport,
 )
+from controlplane.live.protocol import SchedulerAPI
 from controlplane.live.service import SchedulerService, ServiceConfig
 
 log = logging.getLogger(__name__)
@@ -75,7 +77,9 @@ class _RayAgentPort:
 
 
 class _SchedulerActor:
-    """Thin: every method delegates to :class:`SchedulerService`."""
+    """Thin: every method of :class:`~controlplane.live.protocol.SchedulerAPI` delegates to
+    :class:`SchedulerService` (:class:`~controlplane.live.client.RayTransport` calls them);
+    ``ping``, ``metrics_text`` and ``close`` serve the deployment."""
 
     def __init__(self, config: ServiceConfig, namespace: str = NAMESPACE) -> None:
         logging.basicConfig(level=logging.INFO)
@@ -114,12 +118,13 @@ class _SchedulerActor:
     def session_closed(self, call: api.SessionClosed) -> api.Ack:
         return self.svc.session_closed(call)
 
-    def gpu_start(self, node: int, tenant: str, sid: str, reused: int) -> GpuStartPlan:
-        return self.svc.gpu_start(node, tenant, sid, reused)
+    def gpu_start(self, node: int, tenant: str, session_id: str,
+                  reused_tokens: int) -> GpuStartPlan:
+        return self.svc.gpu_start(node, tenant, session_id, reused_tokens)
 
-    def use_local(self, node: int, tenant: str, sid: str, reused: int,
-                  done: TransferReport | None) -> int:
-        return self.svc.use_local(node, tenant, sid, reused, done)
+    def use_local(self, node: int, tenant: str, session_id: str, reused_tokens: int,
+                  done: TransferReport | None = None) -> int:
+        return self.svc.use_local(node, tenant, session_id, reused_tokens, done)
 
     def engine_report(self, report: EngineReport) -> None:
         self.svc.engine_report(report)
@@ -133,6 +138,9 @@ class _SchedulerActor:
     def summary(self) -> dict[str, Any]:
         return self.svc.summary()
 
+    def sessions(self) -> int:
+        return self.svc.sessions()
+
     def has_session(self, tenant: str, session_id: str) -> bool:
         return self.svc.has_session(tenant, session_id)
 
@@ -142,6 +150,9 @@ class _SchedulerActor:
     def close(self) -> None:
         self.svc.close()
 
+
+if TYPE_CHECKING:  # mypy checks the actor against the Protocol its callers rely on
+    _ACTOR: type[SchedulerAPI] = _SchedulerActor
 
 _remote: Any = ray.remote  # the stubs do not know max_concurrency
 SchedulerActor = _remote(max_restarts=-1, max_task_retries=0, max_concurrency=1,

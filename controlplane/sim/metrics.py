@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
 
 import numpy as np
 
 from controlplane.base.types import Trace
 
+from .report import PolicySummary, PrefetchLateness, TransferTimes, TtftSummary
 from .simulator import PolicyRun, RequestRecord
 
 
@@ -16,61 +17,71 @@ def _round(x: float) -> float:
     return float(round(x, 6))
 
 
-def ttft_summary(records: list[RequestRecord]) -> dict[str, Any]:
+def ttft_summary(records: list[RequestRecord]) -> TtftSummary:
     if not records:
-        return {"requests": 0, "ttft_mean_s": 0.0, "ttft_p50_s": 0.0, "ttft_p90_s": 0.0,
-                "ttft_p99_s": 0.0}
+        return TtftSummary.empty()
     ttft = np.fromiter((r.ttft_s for r in records), dtype=np.float64, count=len(records))
     p50, p90, p99 = np.percentile(ttft, [50, 90, 99])
-    return {
-        "requests": len(records),
-        "ttft_mean_s": _round(float(ttft.mean())),
-        "ttft_p50_s": _round(float(p50)),
-        "ttft_p90_s": _round(float(p90)),
-        "ttft_p99_s": _round(float(p99)),
-    }
+    return TtftSummary(
+        requests=len(records),
+        ttft_mean_s=_round(float(ttft.mean())),
+        ttft_p50_s=_round(float(p50)),
+        ttft_p90_s=_round(float(p90)),
+        ttft_p99_s=_round(float(p99)),
+    )
 
 
-def summarize(run: PolicyRun) -> dict[str, Any]:
-    """The per-policy JSON block (the shape of `kvprefetch sim --json`)."""
+def summarize(run: PolicyRun) -> PolicySummary:
+    """One policy's replay as a :class:`PolicySummary` (a policy's block of `kvprefetch sim
+    --json`)."""
     records = sorted(run.records, key=lambda r: (r.arrival_s, r.session_id, r.turn))
     returning = [r for r in records if r.returning]
-    out = ttft_summary(records)
-    out["returning"] = ttft_summary(returning)
+    quantiles = None
     if returning:
         ttft = np.fromiter((r.ttft_s for r in returning), dtype=np.float64, count=len(returning))
-        out["returning_ttft_quantiles_s"] = [
+        quantiles = tuple(
             _round(float(q)) for q in np.percentile(ttft, np.linspace(0, 100, 101))
-        ]
-    out["stall_s"] = _round(sum(r.stall_s for r in records))
-    out["prefetched_bytes"] = int(run.prefetched_bytes)
-    out["wasted_bytes"] = int(run.wasted_bytes)
-    out["remote_bytes"] = int(run.remote_bytes)
-    out["prefetches"] = run.prefetches
-    out["prefetches_dropped"] = run.prefetches_dropped
-    out["prefetches_cancelled"] = run.prefetches_cancelled
-    out["local_hit_fraction"] = _round(
-        sum(r.reused_local_tokens for r in returning) / max(1, sum(r.reused_tokens
-                                                                    for r in returning))
-    )
+        )
+    transfers = None
     if run.ttlb_s:
         t = np.asarray(run.ttlb_s)
-        out["ttlb_mean_s"] = _round(float(t.mean()))
-        out["ttlb_p90_s"] = _round(float(np.percentile(t, 90)))
+        transfers = TransferTimes(ttlb_mean_s=_round(float(t.mean())),
+                                  ttlb_p90_s=_round(float(np.percentile(t, 90))))
+    lateness = None
     if run.lateness_s:
         lat = np.asarray(run.lateness_s)
-        out["lateness_p50_s"] = _round(float(np.percentile(lat, 50)))
-        out["prefetch_in_time_fraction"] = _round(float((lat <= 0).mean()))
-    out["events"] = run.events
-    return out
+        lateness = PrefetchLateness(
+            lateness_p50_s=_round(float(np.percentile(lat, 50))),
+            prefetch_in_time_fraction=_round(float((lat <= 0).mean())))
+    return PolicySummary(
+        overall=ttft_summary(records),
+        returning=ttft_summary(returning),
+        returning_ttft_quantiles_s=quantiles,
+        stall_s=_round(sum(r.stall_s for r in records)),
+        prefetched_bytes=int(run.prefetched_bytes),
+        wasted_bytes=int(run.wasted_bytes),
+        remote_bytes=int(run.remote_bytes),
+        prefetches=run.prefetches,
+        prefetches_dropped=run.prefetches_dropped,
+        prefetches_cancelled=run.prefetches_cancelled,
+        local_hit_fraction=_round(
+            sum(r.reused_local_tokens for r in returning)
+            / max(1, sum(r.reused_tokens for r in returning))
+        ),
+        transfers=transfers,
+        lateness=lateness,
+        events=run.events,
+    )
 
 
-def gap_closure(policies: dict[str, dict[str, Any]]) -> float | None:
-    """(ondemand - predictive) / (ondemand - oracle) on returning-request mean TTFT."""
+def gap_closure(returning_ttft_mean_s: Mapping[str, float]) -> float | None:
+    """(ondemand - predictive) / (ondemand - oracle), given each policy's mean TTFT of
+    returning requests; None when one of the three is missing or ondemand is no slower
+    than oracle."""
     try:
-        on = policies["ondemand"]["returning"]["ttft_mean_s"]
-        pr = policies["predictive"]["returning"]["ttft_mean_s"]
-        orc = policies["oracle"]["returning"]["ttft_mean_s"]
+        on = returning_ttft_mean_s["ondemand"]
+        pr = returning_ttft_mean_s["predictive"]
+        orc = returning_ttft_mean_s["oracle"]
     except KeyError:
         return None
     if on - orc <= 1e-12:

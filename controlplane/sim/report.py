@@ -1,8 +1,18 @@
-"""Terminal table and PNG plot of a simulation report (JSON: :mod:`controlplane.base.atomic`)."""
+"""The simulator's report: :class:`SimReport` (what ``kvprefetch sim --json`` writes), its
+terminal table and its PNG plot.
+
+The records are frozen dataclasses; :meth:`SimReport.to_dict` and :meth:`SimReport.to_json`
+give the JSON shape of ``--json`` (keys and their order are part of it: tools and the live
+demo read it). Numbers are rounded where they are computed (:mod:`.metrics`), so the JSON
+is byte-identical across runs, worker counts and platforms, ``wall_s`` aside.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -11,36 +21,190 @@ from controlplane.core.policies import POLICIES
 GIB = 1 << 30
 
 
-def format_table(report: dict[str, Any]) -> str:
-    meta = report["meta"]
+@dataclass(frozen=True, slots=True)
+class TtftSummary:
+    """Time to first token over a set of requests (seconds, rounded to 1 us)."""
+
+    requests: int
+    ttft_mean_s: float
+    ttft_p50_s: float
+    ttft_p90_s: float
+    ttft_p99_s: float
+
+    @classmethod
+    def empty(cls) -> TtftSummary:
+        return cls(0, 0.0, 0.0, 0.0, 0.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"requests": self.requests, "ttft_mean_s": self.ttft_mean_s,
+                "ttft_p50_s": self.ttft_p50_s, "ttft_p90_s": self.ttft_p90_s,
+                "ttft_p99_s": self.ttft_p99_s}
+
+
+@dataclass(frozen=True, slots=True)
+class TransferTimes:
+    """Time to last byte of a replay's transfers (seconds)."""
+
+    ttlb_mean_s: float
+    ttlb_p90_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class PrefetchLateness:
+    """When prefetches landed that a request waited for: landing time minus the request's
+    arrival (seconds; <= 0 is in time)."""
+
+    lateness_p50_s: float
+    prefetch_in_time_fraction: float
+
+
+@dataclass(frozen=True, slots=True)
+class PolicySummary:
+    """One policy's replay, summarised (:func:`~controlplane.sim.metrics.summarize`).
+
+    The optional parts are None when the replay had nothing to measure (no returning
+    request, no transfer, no prefetch a request waited for); the JSON then leaves their
+    keys out.
+    """
+
+    #: Every request; in the JSON its fields sit at the top of the policy's object.
+    overall: TtftSummary
+    #: Requests of a session's later turns (those that can reuse KV).
+    returning: TtftSummary
+    #: TTFT of returning requests at percentiles 0, 1, ..., 100 (the plot's CDF).
+    returning_ttft_quantiles_s: tuple[float, ...] | None
+    #: Seconds requests waited for their KV, summed.
+    stall_s: float
+    prefetched_bytes: int
+    #: Prefetched bytes that no request read.
+    wasted_bytes: int
+    #: Bytes read from the remote stores (prefetch and demand).
+    remote_bytes: int
+    prefetches: int
+    prefetches_dropped: int
+    prefetches_cancelled: int
+    #: Of the tokens returning requests reused, the fraction found in the local tier.
+    local_hit_fraction: float
+    transfers: TransferTimes | None
+    lateness: PrefetchLateness | None
+    #: Events the scheduling core handled.
+    events: int
+
+    @property
+    def ttft_mean_s(self) -> float:
+        return self.overall.ttft_mean_s
+
+    def to_dict(self) -> dict[str, Any]:
+        out = self.overall.to_dict()
+        out["returning"] = self.returning.to_dict()
+        if self.returning_ttft_quantiles_s is not None:
+            out["returning_ttft_quantiles_s"] = list(self.returning_ttft_quantiles_s)
+        out.update(stall_s=self.stall_s, prefetched_bytes=self.prefetched_bytes,
+                   wasted_bytes=self.wasted_bytes, remote_bytes=self.remote_bytes,
+                   prefetches=self.prefetches, prefetches_dropped=self.prefetches_dropped,
+                   prefetches_cancelled=self.prefetches_cancelled,
+                   local_hit_fraction=self.local_hit_fraction)
+        if self.transfers is not None:
+            out.update(ttlb_mean_s=self.transfers.ttlb_mean_s,
+                       ttlb_p90_s=self.transfers.ttlb_p90_s)
+        if self.lateness is not None:
+            out.update(lateness_p50_s=self.lateness.lateness_p50_s,
+                       prefetch_in_time_fraction=self.lateness.prefetch_in_time_fraction)
+        out["events"] = self.events
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class SimMeta:
+    """What was replayed, on what, and how hard the working set presses the local tiers."""
+
+    trace: str
+    trace_format: str
+    requests: int
+    sessions: int
+    seed: int
+    scenario: str
+    predictor: str
+    model: str
+    nodes: int
+    #: Peak summed KV of live sessions (:func:`~controlplane.sim.metrics.working_set_peak_bytes`).
+    working_set_peak_bytes: int
+    #: HBM + DRAM tiers of the whole fleet.
+    local_capacity_bytes: int
+    #: working_set_peak_bytes / local_capacity_bytes, rounded to 0.001.
+    pressure_ratio: float
+    #: Wall-clock seconds of the whole run (the one field that differs between runs).
+    wall_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"trace": self.trace, "trace_format": self.trace_format,
+                "requests": self.requests, "sessions": self.sessions, "seed": self.seed,
+                "scenario": self.scenario, "predictor": self.predictor, "model": self.model,
+                "nodes": self.nodes, "working_set_peak_bytes": self.working_set_peak_bytes,
+                "local_capacity_bytes": self.local_capacity_bytes,
+                "pressure_ratio": self.pressure_ratio, "wall_s": self.wall_s}
+
+
+@dataclass(frozen=True, slots=True)
+class SimReport:
+    """Every policy's replay of one trace (:func:`~controlplane.sim.runner.run_policies`)."""
+
+    meta: SimMeta
+    #: Policy name -> its summary, in the order the policies were given.
+    policies: Mapping[str, PolicySummary]
+    #: (ondemand - predictive) / (ondemand - oracle) on returning mean TTFT; None when
+    #: one of the three did not run or ondemand is no slower than oracle.
+    gap_closure: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object of ``kvprefetch sim --json``."""
+        out: dict[str, Any] = {
+            "meta": self.meta.to_dict(),
+            "policies": {name: p.to_dict() for name, p in self.policies.items()},
+        }
+        if self.gap_closure is not None:
+            out["gap_closure"] = self.gap_closure
+        return out
+
+    def to_json(self) -> str:
+        """The text of the ``--json`` file (as :func:`~controlplane.base.atomic.write_json_atomic`
+        writes :meth:`to_dict`: sorted keys, indented by 2, a final newline)."""
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+
+def format_table(report: SimReport) -> str:
+    meta = report.meta
     lines = [
-        f"trace {meta['trace']}: {meta['requests']} requests, {meta['sessions']} sessions; "
-        f"{meta['nodes']} x {meta['model']}; predictor {meta['predictor']}",
-        f"working set peak {meta['working_set_peak_bytes'] / GIB:,.0f} GiB vs local tiers "
-        f"{meta['local_capacity_bytes'] / GIB:,.0f} GiB: pressure {meta['pressure_ratio']:.2f}x",
+        f"trace {meta.trace}: {meta.requests} requests, {meta.sessions} sessions; "
+        f"{meta.nodes} x {meta.model}; predictor {meta.predictor}",
+        f"working set peak {meta.working_set_peak_bytes / GIB:,.0f} GiB vs local tiers "
+        f"{meta.local_capacity_bytes / GIB:,.0f} GiB: pressure {meta.pressure_ratio:.2f}x",
     ]
     head = (f"{'policy':<11} {'ret':>6} {'ret mean':>9} {'ret p50':>8} {'ret p90':>8} "
             f"{'ret p99':>8} {'all mean':>9} {'stall s':>9} {'prefetch':>9} {'wasted':>8} "
             f"{'remote':>9}")
     lines += ["", "TTFT in seconds (ret = returning requests); bytes in GiB", head,
               "-" * len(head)]
-    for name, p in report["policies"].items():
-        r = p["returning"]
+    for name, p in report.policies.items():
+        r = p.returning
         lines.append(
-            f"{name:<11} {r['requests']:>6} {r['ttft_mean_s']:>9.3f} {r['ttft_p50_s']:>8.3f} "
-            f"{r['ttft_p90_s']:>8.3f} {r['ttft_p99_s']:>8.3f} {p['ttft_mean_s']:>9.3f} "
-            f"{p['stall_s']:>9.0f} {p['prefetched_bytes'] / GIB:>9.0f} "
-            f"{p['wasted_bytes'] / GIB:>8.0f} {p['remote_bytes'] / GIB:>9.0f}"
+            f"{name:<11} {r.requests:>6} {r.ttft_mean_s:>9.3f} {r.ttft_p50_s:>8.3f} "
+            f"{r.ttft_p90_s:>8.3f} {r.ttft_p99_s:>8.3f} {p.ttft_mean_s:>9.3f} "
+            f"{p.stall_s:>9.0f} {p.prefetched_bytes / GIB:>9.0f} "
+            f"{p.wasted_bytes / GIB:>8.0f} {p.remote_bytes / GIB:>9.0f}"
         )
-    if "gap_closure" in report:
+    if report.gap_closure is not None:
         lines.append(f"\ngap_closure (ondemand -> oracle, returning mean TTFT): "
-                     f"{report['gap_closure']:.3f}")
-    lines.append(f"wall time {meta['wall_s']:.1f} s")
+                     f"{report.gap_closure:.3f}")
+    lines.append(f"wall time {meta.wall_s:.1f} s")
     return "\n".join(lines)
 
 
-def write_plot(report: dict[str, Any], path: str | Path) -> None:
-    """TTFT CDF of returning requests per policy, and prefetched vs wasted bytes."""
+def write_plot(report: Mapping[str, Any], path: str | Path) -> None:
+    """TTFT CDF of returning requests per policy, and prefetched vs wasted bytes.
+
+    ``report`` is a report's JSON object (:meth:`SimReport.to_dict`, a ``--json`` file read
+    back, or the live demo's report, which has the same ``meta`` and ``policies`` fields)."""
     import matplotlib
 
     matplotlib.use("Agg")

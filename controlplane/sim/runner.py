@@ -1,4 +1,4 @@
-"""Run several policies over one trace and assemble the report (the `sim --json` shape).
+"""Run several policies over one trace and assemble the :class:`~.report.SimReport`.
 
 Policies are independent replays, so they run in parallel worker processes (one per core
 by default); each replay is deterministic, so the report does not depend on the number of
@@ -20,6 +20,7 @@ from controlplane.core.policies import PolicySpec
 from predictors.registry import load as load_predictor
 
 from .metrics import gap_closure, summarize, working_set_peak_bytes
+from .report import PolicySummary, SimMeta, SimReport
 from .simulator import PolicyRun, Simulation
 
 
@@ -49,7 +50,7 @@ def _init_worker(trace: Trace, fleet: FleetConfig, predictor: str, clear: float 
                          queue=queue)
 
 
-def _run_in_worker(policy: PolicySpec) -> dict[str, Any]:
+def _run_in_worker(policy: PolicySpec) -> PolicySummary:
     st = _WORKER_STATE
     queue = st["queue"]
     run = run_policy(st["trace"], st["fleet"], policy, st["predictor"], st["clear"],
@@ -64,10 +65,10 @@ def run_policies(
     options: SimOptions,
     *,
     progress: Callable[[int], None] | None = None,
-) -> dict[str, Any]:
+) -> SimReport:
     """Replay ``trace`` once per policy and return the report."""
     started = time.perf_counter()
-    results: dict[str, dict[str, Any]] = {}
+    results: dict[str, PolicySummary] = {}
     if options.workers <= 1 or len(policies) <= 1:
         for policy in policies:
             run = run_policy(trace, fleet, policy, options.predictor, options.clear_tiers_at_s,
@@ -95,25 +96,20 @@ def run_policies(
                 progress(queue.get())
     working_set = working_set_peak_bytes(trace, fleet.model.kv_bytes_per_token)
     local_capacity = fleet.local_capacity_bytes
-    report: dict[str, Any] = {
-        "meta": {
-            "trace": trace.name,
-            "trace_format": trace.source_format,
-            "requests": trace.requests,
-            "sessions": len(trace.sessions),
-            "seed": options.seed,
-            "scenario": options.scenario,
-            "predictor": options.predictor,
-            "model": fleet.model.name,
-            "nodes": fleet.nodes,
-            "working_set_peak_bytes": working_set,
-            "local_capacity_bytes": local_capacity,
-            "pressure_ratio": round(working_set / max(1, local_capacity), 3),
-            "wall_s": round(time.perf_counter() - started, 3),
-        },
-        "policies": results,
-    }
-    closure = gap_closure(results)
-    if closure is not None:
-        report["gap_closure"] = closure
-    return report
+    meta = SimMeta(
+        trace=trace.name,
+        trace_format=trace.source_format,
+        requests=trace.requests,
+        sessions=len(trace.sessions),
+        seed=options.seed,
+        scenario=options.scenario,
+        predictor=options.predictor,
+        model=fleet.model.name,
+        nodes=fleet.nodes,
+        working_set_peak_bytes=working_set,
+        local_capacity_bytes=local_capacity,
+        pressure_ratio=round(working_set / max(1, local_capacity), 3),
+        wall_s=round(time.perf_counter() - started, 3),
+    )
+    closure = gap_closure({name: p.returning.ttft_mean_s for name, p in results.items()})
+    return SimReport(meta, results, closure)

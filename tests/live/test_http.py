@@ -222,7 +222,6 @@ def test_metrics_after_traffic_have_lateness_and_ttlb(
             node = turn(0, 60_000, 0)
             fleet.agents[node].evict(prefixes=("t/s/",))  # the node lost it, as pressure does
             svc.core.dram[node].remove("t/s")
-            svc._booked[node].discard("t/s")
             assert c.hint("s", "tool_running", eta_s=20.0).accepted  # -> prefetch to node
             deadline = time.time() + 10
             while time.time() < deadline and svc.stats.orders_done == 0:
@@ -254,22 +253,46 @@ def _samples(text: str) -> dict[str, float]:
     return out
 
 
-class _SlowTransport:
-    """A scheduler that never answers in time (stand-in: the timeout path is pure logic)."""
+class _SlowScheduler:
+    """A scheduler that never answers in time (a RemoteAPI stand-in: the timeout path is
+    pure logic)."""
 
-    def call(self, op: str, payload: Any, timeout_s: float) -> Any:
-        raise TimeoutError(f"{op} timed out after {timeout_s} s")
+    def __init__(self) -> None:
+        self.timeout_s = 0.0
+
+    def with_timeout(self, timeout_s: float) -> _SlowScheduler:
+        self.timeout_s = timeout_s
+        return self
 
     def close(self) -> None:
         return None
+
+    def _late(self, op: str) -> Any:
+        raise TimeoutError(f"{op} timed out after {self.timeout_s} s")
+
+    def request_started(self, call: api.RequestStarted) -> api.Ack:
+        return self._late("request_started")
+
+    def route(self, call: api.RouteQuery) -> api.RouteAnswer:
+        return self._late("route")
+
+    def request_finished(self, call: api.RequestFinished) -> api.Ack:
+        return self._late("request_finished")
+
+    def hint(self, call: api.HintCall) -> api.Ack:
+        return self._late("hint")
+
+    def session_closed(self, call: api.SessionClosed) -> api.Ack:
+        return self._late("session_closed")
 
 
 def test_a_scheduler_timeout_answers_without_prefetch_and_health_reports_it() -> None:
     def down() -> None:
         raise ConnectionError("scheduler actor unreachable")
 
-    app = create_app(_SlowTransport(), bearer_token=None, call_timeout_s=0.1,
-                     health_check=down)
+    slow = _SlowScheduler()
+    app = create_app(slow, bearer_token=None, call_timeout_s=0.1, health_check=down)
+    assert slow.timeout_s == 0.1  # the app bounds a remote scheduler by its call timeout
     with HttpServer(app) as srv, connect(srv.url) as c:
         ans = c.route("s", input_tokens=10)
         assert ans.node is None and ans.timed_out
@@ -284,7 +307,7 @@ def test_bad_arguments_fail_at_start() -> None:
     with pytest.raises(ConfigError, match="bearer_token"):
         create_app(svc, bearer_token="  ")
     with pytest.raises(ConfigError, match="cannot serve"):
-        create_app(object(), bearer_token=None)
+        create_app(object(), bearer_token=None)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="metrics_registry"):
         create_app(svc, bearer_token=None, metrics_registry=42)
     with HttpServer(create_app(svc, bearer_token=None)) as first:  # noqa: SIM117

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import FrozenInstanceError, replace
 from pathlib import Path
 
 import pytest
@@ -180,11 +181,11 @@ def test_pressure_makes_remote_policies_beat_recompute() -> None:
     trace = _tiny_trace()
     fleet = _small_fleet()
     rep = run_policies(trace, fleet, parse_policies(None), SimOptions())  # type: ignore[arg-type]
-    ret = {k: v["returning"]["ttft_mean_s"] for k, v in rep["policies"].items()}
+    ret = {k: v.returning.ttft_mean_s for k, v in rep.policies.items()}
     assert ret["ondemand"] < ret["recompute"]
     assert ret["oracle"] <= ret["ondemand"]
-    assert rep["policies"]["recompute"]["remote_bytes"] == 0
-    assert rep["policies"]["ondemand"]["remote_bytes"] > 0
+    assert rep.policies["recompute"].remote_bytes == 0
+    assert rep.policies["ondemand"].remote_bytes > 0
 
 
 def test_same_seed_same_json(tmp_path: Path) -> None:
@@ -194,9 +195,49 @@ def test_same_seed_same_json(tmp_path: Path) -> None:
     reports = []
     for workers in (1, 2):
         rep = run_policies(trace, fleet, parse_policies(None), SimOptions(seed=3, workers=workers))
-        rep["meta"].pop("wall_s")
-        reports.append(json.dumps(rep, sort_keys=True))
+        rep = replace(rep, meta=replace(rep.meta, wall_s=0.0))
+        reports.append(rep.to_json())
     assert reports[0] == reports[1]
+
+
+#: The keys of a policy's JSON object, in order (tools and the live demo read them).
+POLICY_KEYS = ["requests", "ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s",
+               "returning", "returning_ttft_quantiles_s", "stall_s", "prefetched_bytes",
+               "wasted_bytes", "remote_bytes", "prefetches", "prefetches_dropped",
+               "prefetches_cancelled", "local_hit_fraction", "ttlb_mean_s", "ttlb_p90_s",
+               "lateness_p50_s", "prefetch_in_time_fraction", "events"]
+
+
+def test_report_json_shape() -> None:
+    trace = load_trace(bundled_trace_path("claude-code"), limit_sessions=6,
+                       arrivals=ArrivalOptions(session_rate_per_s=0.05), seed=1)
+    rep = run_policies(trace, default_fleet("8b", 1), parse_policies(None), SimOptions())
+    data = rep.to_dict()
+    assert list(data) == ["meta", "policies", "gap_closure"]
+    assert list(data["meta"]) == [
+        "trace", "trace_format", "requests", "sessions", "seed", "scenario", "predictor",
+        "model", "nodes", "working_set_peak_bytes", "local_capacity_bytes", "pressure_ratio",
+        "wall_s"]
+    assert list(data["policies"]) == [p.name for p in parse_policies(None)]
+    for name, p in data["policies"].items():
+        # keys absent when there was nothing to measure, the rest in their order
+        assert list(p) == [k for k in POLICY_KEYS if k in p], name
+        assert list(p["returning"]) == POLICY_KEYS[:5]
+        assert ("ttlb_mean_s" in p) == (rep.policies[name].transfers is not None)
+    assert "ttlb_mean_s" not in data["policies"]["recompute"]  # no transfers at all
+    assert json.loads(rep.to_json()) == data and rep.to_json().endswith("}\n")
+    with pytest.raises(FrozenInstanceError):
+        rep.gap_closure = 0.0  # type: ignore[misc]
+
+
+def test_report_of_first_turns_only_has_no_returning_quantiles_nor_gap_closure() -> None:
+    sessions = tuple(_session(f"f{i}", 10.0 * i, [(4_000, 50, 0.0)]) for i in range(3))
+    rep = run_policies(Trace("firsts", sessions, "test"), fleet_from_dict({"nodes": 2}),
+                       parse_policies("ondemand,predictive,oracle"), SimOptions())
+    for p in rep.policies.values():
+        assert p.returning.requests == 0 and p.returning_ttft_quantiles_s is None
+        assert "returning_ttft_quantiles_s" not in p.to_dict()
+    assert rep.gap_closure is None and "gap_closure" not in rep.to_dict()
 
 
 def test_cold_start_scenario_clears_tiers() -> None:

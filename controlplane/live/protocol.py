@@ -1,0 +1,136 @@
+"""The scheduler's calls as typed Protocols: the one seam between the live scheduler and
+whatever carries calls to it.
+
+:class:`SchedulerAPI` is every call the scheduler takes; :class:`GatewayAPI` is the
+gateway's part of it (the five calls of the HTTP API). Implementations:
+
+* :class:`~controlplane.live.service.SchedulerService` (SchedulerAPI): the scheduler in
+  this process;
+* the Ray ``SchedulerActor`` (:mod:`controlplane.live.ray_app`, SchedulerAPI): the
+  service wrapped as an actor;
+* :class:`~controlplane.live.client.RayTransport` (SchedulerAPI): calls that actor;
+* :class:`~controlplane.live.client.HttpTransport` (GatewayAPI): calls the HTTP API of
+  :mod:`controlplane.live.http_api`, which fronts any GatewayAPI.
+
+Calls take and answer the records of :mod:`controlplane.base.api` (gateway) and
+:mod:`controlplane.base.wire` (engines, agents); a caller holding a dict parses it at its own
+edge (:func:`controlplane.base.api.parse`). Every method may be called from any thread.
+Refusals are the typed errors of :mod:`controlplane.base.errors` (``UnknownSessionError``,
+``WrongTenantError``, ``InvalidRequestError``, ...); a transport across a process boundary
+also raises ``TimeoutError`` when the scheduler does not answer in time and
+``ServiceUnavailableError`` when it cannot be reached.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+from controlplane.base import api
+from controlplane.base.wire import AgentHello, EngineReport, GpuStartPlan, TransferReport
+
+
+@runtime_checkable
+class GatewayAPI(Protocol):
+    """The gateway's calls: a session's requests as they arrive, are routed and finish, its
+    hints, its end. The gateway calls these once per event of a session, so at the
+    request rate of the fleet (tens to thousands per second); each answers at once (the
+    scheduler's work that follows runs after the answer).
+
+    None is idempotent: each records one event in the journal, so a retry of a call that
+    did reach the scheduler records it twice.
+    """
+
+    def request_started(self, call: api.RequestStarted) -> api.Ack:
+        """A request of the session arrived (optional: ``route`` records it when it was
+        not sent for this request). Once per request, before ``route``."""
+        ...
+
+    def route(self, call: api.RouteQuery) -> api.RouteAnswer:
+        """The node to run the request on. Once per request; a second call for the same
+        request (before ``request_finished``) routes it again, moving the estimate of the
+        queue it waits in, and records no second start."""
+        ...
+
+    def request_finished(self, call: api.RequestFinished) -> api.Ack:
+        """The response ended on ``call.node``; the session's context grew. Once per
+        request."""
+        ...
+
+    def hint(self, call: api.HintCall) -> api.Ack:
+        """A typed hint (a person typing, a tool running): zero or more per idle gap."""
+        ...
+
+    def session_closed(self, call: api.SessionClosed) -> api.Ack:
+        """The session will not return: its prefetches stop, its state is freed. Once per
+        session; the session is unknown afterwards (a second call raises
+        ``UnknownSessionError``)."""
+        ...
+
+
+@runtime_checkable
+class SchedulerAPI(GatewayAPI, Protocol):
+    """Every call the scheduler takes: the gateway's (:class:`GatewayAPI`), each node's
+    engine's and prefetch agent's, and introspection for operators and tests."""
+
+    # ------------------------------------------------------------------ engine calls
+    def gpu_start(self, node: int, tenant: str, session_id: str,
+                  reused_tokens: int) -> GpuStartPlan:
+        """The engine of ``node``: its GPU picks the request up. Once per request, before
+        ``use_local``; the answer names the transfer the engine must wait for, if any."""
+        ...
+
+    def use_local(self, node: int, tenant: str, session_id: str, reused_tokens: int,
+                  done: TransferReport | None = None) -> int:
+        """The engine of ``node`` is about to read its local tier: the usable tokens there.
+        Once per request, after ``gpu_start`` (and after waiting for its transfer, whose
+        report ``done`` may carry: applying it is idempotent, see ``report_transfer``)."""
+        ...
+
+    def engine_report(self, report: EngineReport) -> None:
+        """The engine of ``report.node``: what it did for one request (its HBM contents,
+        local hits). Once per request; idempotent for the books (it overwrites the node's
+        HBM mirror), not for the metrics (counted again)."""
+        ...
+
+    # ------------------------------------------------------------------ agent calls
+    def agent_hello(self, hello: AgentHello) -> None:
+        """The prefetch agent of ``hello.node`` (re)started, or was asked to greet again:
+        orders sent to an older incarnation are failed and the node's books reconciled
+        with its inventory. Once per agent start (and when the scheduler restarts);
+        idempotent for one incarnation."""
+        ...
+
+    def report_transfer(self, report: TransferReport) -> None:
+        """A prefetch agent finished (or gave up) an order. Once per order; idempotent
+        per ``order_id`` (the engine may deliver the same report through ``use_local``)."""
+        ...
+
+    # ------------------------------------------------------------------ introspection
+    def summary(self) -> dict[str, Any]:
+        """Counters and measurements (a JSON object) for operators, the live demo and
+        tests; read-only, any time."""
+        ...
+
+    def sessions(self) -> int:
+        """How many sessions the scheduler holds; read-only, any time."""
+        ...
+
+    def has_session(self, tenant: str, session_id: str) -> bool:
+        """Whether the scheduler holds this session; read-only, any time."""
+        ...
+
+
+@runtime_checkable
+class RemoteAPI(GatewayAPI, Protocol):
+    """A :class:`GatewayAPI` in another process (the Ray and HTTP transports): each call
+    waits at most the transport's timeout, then raises ``TimeoutError``. Whoever opened
+    the transport closes it."""
+
+    def with_timeout(self, timeout_s: float) -> RemoteAPI:
+        """The same connection, its calls bounded by ``timeout_s`` instead (cheap: made
+        per call by a client that was given a per-call timeout)."""
+        ...
+
+    def close(self) -> None:
+        """Release the connection (idempotent); views made by ``with_timeout`` share it."""
+        ...

@@ -1,0 +1,113 @@
+"""The typed seam between the scheduler and its transports (controlplane.live.protocol): who
+implements which Protocol, and how the client uses a remote one (pure logic: no servers)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from controlplane.base import api
+from controlplane.base.config import fleet_from_dict
+from controlplane.live.client import Client, HttpTransport, RayTransport, connect
+from controlplane.live.protocol import GatewayAPI, RemoteAPI, SchedulerAPI
+from controlplane.live.service import SchedulerService, ServiceConfig
+
+FLEET = fleet_from_dict({"nodes": 2})
+
+
+def _static_conformance(svc: SchedulerService, ray_t: RayTransport,
+                        http_t: HttpTransport) -> None:
+    """Never called: mypy checks these assignments (``mypy tests/live/test_protocol.py``)."""
+    service: SchedulerAPI = svc
+    over_ray: SchedulerAPI = ray_t
+    remote_ray: RemoteAPI = ray_t
+    over_http: RemoteAPI = http_t
+    del service, over_ray, remote_ray, over_http
+
+
+def test_who_implements_which_protocol() -> None:
+    assert isinstance(SchedulerService(ServiceConfig(fleet=FLEET)), SchedulerAPI)
+    assert issubclass(RayTransport, SchedulerAPI) and issubclass(RayTransport, RemoteAPI)
+    assert issubclass(HttpTransport, RemoteAPI)
+    # the HTTP API carries the gateway's calls only
+    assert issubclass(HttpTransport, GatewayAPI) and not issubclass(HttpTransport, SchedulerAPI)
+    assert not issubclass(SchedulerService, RemoteAPI)  # in process: no timeout, not closed
+
+
+@dataclass
+class _Remote:
+    """A RemoteAPI that records the timeout of each call and answers at once."""
+
+    timeout_s: float = 0.0
+    log: list[tuple[str, float]] = field(default_factory=list)
+    closed: bool = False
+    slow: bool = False
+
+    def with_timeout(self, timeout_s: float) -> _Remote:
+        return _Bound(self, timeout_s)
+
+    def close(self) -> None:
+        self.closed = True
+
+    def _seen(self, op: str) -> None:
+        self.log.append((op, self.timeout_s))
+        if self.slow:
+            raise TimeoutError(op)
+
+    def request_started(self, call: api.RequestStarted) -> api.Ack:
+        self._seen("request_started")
+        return api.Ack()
+
+    def route(self, call: api.RouteQuery) -> api.RouteAnswer:
+        self._seen("route")
+        return api.RouteAnswer(node=1, node_name="node-1")
+
+    def request_finished(self, call: api.RequestFinished) -> api.Ack:
+        self._seen("request_finished")
+        return api.Ack()
+
+    def hint(self, call: api.HintCall) -> api.Ack:
+        self._seen("hint")
+        return api.Ack()
+
+    def session_closed(self, call: api.SessionClosed) -> api.Ack:
+        self._seen("session_closed")
+        return api.Ack()
+
+
+class _Bound(_Remote):
+    def __init__(self, parent: _Remote, timeout_s: float) -> None:
+        super().__init__(timeout_s, parent.log, parent.closed, parent.slow)
+
+
+def test_a_remote_api_is_called_with_each_calls_timeout_and_closed_by_the_client() -> None:
+    remote = _Remote()
+    with Client(remote, tenant="t", timeout_s=2.0) as c:
+        assert c.scheduler is remote
+        assert c.route("s", input_tokens=10).node == 1
+        assert c.request_finished("s", node=1, input_tokens=10, timeout_s=0.5).accepted
+        assert c.hint("s", "user_typing").accepted
+        assert c.session_closed("s", timeout_s=0.1).accepted
+    assert remote.log == [("route", 2.0), ("request_finished", 0.5), ("hint", 2.0),
+                          ("session_closed", 0.1)]
+    assert remote.closed
+
+
+def test_timeouts_answer_without_prefetch_and_drop_the_event() -> None:
+    c = Client(_Remote(slow=True), timeout_s=1.0)
+    ans = c.route("s", input_tokens=10)
+    assert ans.node is None and ans.timed_out
+    ack = c.request_started("s", input_tokens=10)
+    assert not ack.accepted and ack.timed_out
+    assert c.timeouts == 2
+
+
+def test_a_client_in_process_leaves_the_service_running() -> None:
+    with SchedulerService(ServiceConfig(fleet=FLEET)) as svc:
+        with connect(service=svc, tenant="acme") as c:
+            assert c.scheduler is svc
+            assert c.route("s", input_tokens=100).node in (0, 1)
+        assert svc.has_session("acme", "s") and svc.sessions() == 1  # still serving
+    with pytest.raises(Exception, match="needs service="):
+        connect("inproc")
