@@ -23,7 +23,7 @@ from controlplane.base.config import (
 from controlplane.base.errors import ConfigError
 from controlplane.base.types import ArrivalForecast, Trace, TraceRequest, TraceSession
 from controlplane.core.planner import TransferEstimate, plan_prefetch
-from controlplane.core.policies import POLICIES, parse_policies
+from controlplane.core.policies import POLICIES, POLICY_NAMES, parse_policies
 from controlplane.core.router import NodeView, RouteRequest, route
 from controlplane.core.tiers import LruEviction, Tier, TierEntry
 from controlplane.sim import SimOptions, Simulation, run_policies
@@ -293,7 +293,8 @@ def test_cli_sim_writes_json_and_plot(tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     assert set(data["meta"]) >= {"trace", "requests", "sessions", "seed", "wall_s",
                                  "working_set_peak_bytes", "local_capacity_bytes"}
-    for name in POLICIES:
+    assert set(data["policies"]) == set(POLICY_NAMES)  # the default six
+    for name in POLICY_NAMES:
         p = data["policies"][name]
         assert set(p) >= {"requests", "ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s",
                           "returning", "stall_s", "prefetched_bytes", "wasted_bytes",
