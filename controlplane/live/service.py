@@ -68,7 +68,7 @@ class SchedulerService:
         self.policy = config.policy_spec
         self.clock = ServiceClock(config.time_compression, wall=wall)
         self._wall = wall
-        self.metrics: ServiceMetricsSink = metrics or NullMetrics()
+        self._metrics: ServiceMetricsSink = metrics or NullMetrics()
         self.orders = OrderBook(config.fleet.nodes)
         self.fleet = LiveFleet(config.fleet, self.orders)
         self.fanout = AgentFanout(agents or {}, self._unsent)
@@ -91,7 +91,7 @@ class SchedulerService:
         predictor = load_predictor(self.policy.predictor or self.config.predictor)
         core = SchedulerCore(self.config.fleet, self.policy, predictor, self.fleet)
         driver = LiveDriver(self.config, core, self.fleet, self.orders, self.clock,
-                            self.metrics, self._wall)
+                            self._metrics, self._wall)
         path = self.config.journal_path
         if path is not None and Path(path).exists() and Path(path).stat().st_size > 0:
             driver.resume(Path(path))
@@ -132,6 +132,17 @@ class SchedulerService:
         if self._driver is None:
             raise ConfigError("the scheduler service is not started; call start()")
         return self._driver
+
+    @property
+    def metrics(self) -> ServiceMetricsSink:
+        return self._metrics
+
+    @metrics.setter
+    def metrics(self, sink: ServiceMetricsSink) -> None:
+        """Swap the sink (e.g. a Prometheus registry created after start)."""
+        self._metrics = sink
+        if self._driver is not None:
+            self._driver.metrics = sink
 
     @property
     def core(self) -> SchedulerCore:
