@@ -44,7 +44,7 @@ from controlplane.core.policies import EvictionKind, LoadStart, PolicySpec
 from controlplane.core.router import NodeView, RouteDecision, RouteRequest, route
 from controlplane.core.step import DEMAND_PRIORITY, LoadTicket, Placement, StepOutput
 from controlplane.core.tiers import LruEviction, PredictedUseEviction, Tier, TierEntry
-from controlplane.core.value import Candidate, ValueConfig, density, saved_s
+from controlplane.core.value import SessionValues, ValueConfig
 from predictors.base import Predictor
 
 INF = float("inf")
@@ -120,14 +120,15 @@ class SchedulerCore:
         #: Idle sessions whose KV is not on their home node: what :meth:`sweep` re-plans.
         self._evicted: set[str] = set()
         planner = fleet.planner
-        self._value = ValueConfig(landing_level=planner.arrival_quantile,
-                                  safety_margin_s=planner.safety_margin_s,
-                                  max_lead_s=planner.max_lead_s)
         self._valued = policy.eviction is EvictionKind.VALUE
+        self._values = SessionValues(ValueConfig(landing_level=planner.arrival_quantile,
+                                                 safety_margin_s=planner.safety_margin_s,
+                                                 max_lead_s=planner.max_lead_s),
+                                     self.bpt, self._state, self._forecasts,
+                                     view.remote_source)
         #: The strategy prefetches evict by (the tier's own, except under LRU).
-        self._predicted_use: PredictedUseEviction = (
-            PredictedUseEviction(self._value_keys) if self._valued
-            else PredictedUseEviction(self._next_uses))
+        self._predicted_use = PredictedUseEviction(
+            self._values.keys if self._valued else self._next_uses)
         strategy: LruEviction | PredictedUseEviction = (
             LruEviction() if policy.eviction is EvictionKind.LRU else self._predicted_use)
         capacity = fleet.node.dram_tier_bytes if policy.dram_tier else 0
@@ -177,40 +178,12 @@ class SchedulerCore:
 
     def _own_key(self, sid: str, now_s: float) -> float:
         """The session's own eviction key: what it may displace must rank below it."""
-        return (self._value_keys if self._valued else self._next_uses)([sid], now_s)[0]
+        return (self._values.keys if self._valued else self._next_uses)([sid], now_s)[0]
 
-    def _saved_s(self, sid: str, nbytes: int) -> float:
-        """Seconds a local copy saves at the session's return: the load it avoids."""
-        s_per_byte, latency = self.view.remote_source(sid)
-        return saved_s(nbytes, load_first_byte_s=latency, load_s_per_byte=s_per_byte)
-
-    def _value_keys(self, sids: Sequence[str], now_s: float) -> list[float]:
-        """Eviction keys by value (largest first out): ``-density`` for sessions worth
-        keeping; sessions worth nothing within the horizon by furthest predicted use
-        (``inf``: never), so they go first, the Belady way; running sessions never."""
-        out: list[float] = [-INF] * len(sids)
-        ask: list[int] = []
-        for i, sid in enumerate(sids):
-            s = self._sessions.get(sid)
-            if s is None:
-                out[i] = INF  # closed or unknown: never used again
-            elif not s.in_flight:
-                ask.append(i)
-        if ask:
-            cfg = self._value
-            forecasts = self._forecasts([sids[i] for i in ask], now_s)
-            for i, fc in zip(ask, forecasts, strict=True):
-                s = self._sessions[sids[i]]
-                nbytes = max(1, s.remote_tokens) * self.bpt
-                d = density(fc, now_s, cfg.horizon_s, self._saved_s(sids[i], nbytes), nbytes,
-                            min_wait_s=cfg.min_wait_s)
-                if d > 0.0:
-                    out[i] = -d
-                elif fc is None or fc.p_return <= 0.0:
-                    out[i] = INF
-                else:
-                    out[i] = fc.arrival_quantile_after(0.5, now_s)
-        return out
+    def _state(self, sid: str) -> tuple[bool, int] | None:
+        """(running, context tokens) of a live session; None once closed."""
+        s = self._sessions.get(sid)
+        return None if s is None else (s.in_flight > 0, s.remote_tokens)
 
     def _next_uses(self, sids: Sequence[str], now_s: float) -> list[float]:
         """Predicted next use of each session: now if it is running, its planned use if a
@@ -489,24 +462,17 @@ class SchedulerCore:
         if order is not None:
             self._step.orders.append(order)
 
-    def _candidate(self, sid: str, tokens: int, forecast: ArrivalForecast | None,
-                   transfer: TransferEstimate, now_s: float) -> Candidate:
-        nbytes = tokens * self.bpt
-        return Candidate.from_forecast(sid, forecast, nbytes=nbytes,
-                                       saved_s=self._saved_s(sid, nbytes),
-                                       ttlb_s=transfer.ttlb_s(nbytes), now_s=now_s,
-                                       cfg=self._value)
-
     def _plan_by_value(self, sid: str, node: int, tokens: int,
                        forecast: ArrivalForecast | None, transfer: TransferEstimate,
                        now_s: float) -> PrefetchOrder | None:
         """An order when the session's value net of the transfer's cost is positive, timed
         to land before an early quantile of its arrival given its silence so far (no
         confidence threshold: admission compares values when the order starts)."""
-        cand = self._candidate(sid, tokens, forecast, transfer, now_s)
-        if cand.net_density(self._value) <= 0.0 or math.isinf(cand.land_by_s):
+        cfg = self._values.cfg
+        cand = self._values.candidate(sid, tokens, forecast, transfer.ttlb_s, now_s)
+        if cand.net_density(cfg) <= 0.0 or math.isinf(cand.land_by_s):
             return None
-        return PrefetchOrder(sid, node, tokens, cand.nbytes, cand.start_at_s(now_s, self._value),
+        return PrefetchOrder(sid, node, tokens, cand.nbytes, cand.start_at_s(now_s, cfg),
                              cand.land_by_s, cand.density * GIB, cand.next_use_s)
 
     def start_prefetch(self, order: PrefetchOrder, now_s: float) -> StepOutput:
@@ -537,8 +503,8 @@ class SchedulerCore:
             s_per_byte, latency = self.view.remote_source(sid)
             transfer = TransferEstimate(latency, s_per_byte,
                                         self.view.link_backlog_s(order.node, now_s))
-            net = self._candidate(sid, order.tokens, forecast, transfer, now_s).net_density(
-                self._value)
+            net = self._values.candidate(sid, order.tokens, forecast, transfer.ttlb_s,
+                                         now_s).net_density(self._values.cfg)
             ticket = None if net <= 0.0 else self._reserve(
                 sid, order.node, order.tokens, prefetch=True, deadline_s=order.deadline_s,
                 now_s=now_s, min_key=-net, priority=order.priority)

@@ -40,7 +40,7 @@ carries out the :class:`NodePlan` that :func:`plan_node` returns.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from controlplane.base.types import ArrivalForecast
@@ -371,3 +371,67 @@ def should_cancel(
         cfg.transfer_cost_s_per_byte * remaining_fraction / max(expected_wait_s, cfg.min_wait_s)
     )
     return order_density - remaining_cost < lowest_resident_density * (1.0 - cfg.cancel_slack)
+
+
+# ---------------------------------------------------------------------------------------------
+# The rule over the core's sessions.
+# ---------------------------------------------------------------------------------------------
+
+
+class SessionValues:
+    """The value rule applied to the scheduling core's sessions: eviction keys of tier
+    entries and prefetch candidates, from batched forecasts.
+
+    ``state(sid)`` gives ``(running, tokens)`` of a live session or None (closed or
+    unknown); ``forecasts(sids, now_s)`` one batched forecast per session;
+    ``remote_source(sid)`` the (seconds per byte, first-byte latency) of its remote copy.
+    """
+
+    def __init__(self, cfg: ValueConfig, bytes_per_token: int,
+                 state: Callable[[str], tuple[bool, int] | None],
+                 forecasts: Callable[[Sequence[str], float], list[ArrivalForecast | None]],
+                 remote_source: Callable[[str], tuple[float, float]]) -> None:
+        self.cfg = cfg
+        self._bpt = bytes_per_token
+        self._state = state
+        self._forecasts = forecasts
+        self._remote_source = remote_source
+
+    def saved_s(self, sid: str, nbytes: int) -> float:
+        """Seconds a local copy saves at the session's return: the load it avoids."""
+        s_per_byte, latency = self._remote_source(sid)
+        return saved_s(nbytes, load_first_byte_s=latency, load_s_per_byte=s_per_byte)
+
+    def keys(self, sids: Sequence[str], now_s: float) -> list[float]:
+        """Eviction keys (largest first out): ``-density`` for sessions worth keeping;
+        sessions worth nothing within the horizon by furthest predicted use (``inf``:
+        never), so they go first, the Belady way; running sessions never (``-inf``)."""
+        out: list[float] = [-INF] * len(sids)
+        ask: list[tuple[int, int]] = []
+        for i, sid in enumerate(sids):
+            st = self._state(sid)
+            if st is None:
+                out[i] = INF  # closed or unknown: never used again
+            elif not st[0]:
+                ask.append((i, max(1, st[1]) * self._bpt))
+        if not ask:
+            return out
+        cfg = self.cfg
+        fcs = self._forecasts([sids[i] for i, _ in ask], now_s)
+        for (i, nbytes), fc in zip(ask, fcs, strict=True):
+            d = density(fc, now_s, cfg.horizon_s, self.saved_s(sids[i], nbytes), nbytes,
+                        min_wait_s=cfg.min_wait_s)
+            if d > 0.0:
+                out[i] = -d
+            else:
+                out[i] = _next_use_s(fc, now_s)
+        return out
+
+    def candidate(self, sid: str, tokens: int, forecast: ArrivalForecast | None,
+                  ttlb_s: Callable[[int], float], now_s: float) -> Candidate:
+        """The session as a prefetch candidate now (``ttlb_s(nbytes)``: the link's
+        estimate)."""
+        nbytes = tokens * self._bpt
+        return Candidate.from_forecast(sid, forecast, nbytes=nbytes,
+                                       saved_s=self.saved_s(sid, nbytes),
+                                       ttlb_s=ttlb_s(nbytes), now_s=now_s, cfg=self.cfg)
