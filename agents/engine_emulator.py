@@ -42,6 +42,7 @@ from agents.stores.local import LocalTier, LocalTierConfig
 from controlplane.base.config import FleetConfig
 from controlplane.base.keys import chunk_sizes, payload, session_keys
 from controlplane.base.tiers import LruEviction, Tier, TierEntry
+from controlplane.base.types import SessionKey
 from controlplane.base.wire import EngineReport, GpuStartPlan, TransferReport
 
 log = logging.getLogger(__name__)
@@ -221,7 +222,7 @@ class EngineEmulator:
         fleet = cfg.fleet
         c = cfg.time_compression
         received = time.time()
-        sid = f"{req.tenant}/{req.session_id}"
+        sid = SessionKey(req.tenant, req.session_id).wire
         reuse = min(req.reused_tokens, req.input_tokens)
         free_at = self._enter_gpu()
         gpu_held = True

@@ -38,6 +38,7 @@ from agents.lmcache.warm import LMCacheWarmClient, object_keys
 from agents.stores.base import ObjectStore
 from agents.stores.errors import StoreError
 from agents.transfer import TransferResult
+from controlplane.base.types import SessionKey
 from controlplane.base.wire import TransferOrder
 
 log = logging.getLogger(__name__)
@@ -151,8 +152,8 @@ class LMCacheWarmer:
         cfg = self.config
         started = time.perf_counter()
         total = len(order.keys)
-        # The scheduler names sessions "tenant/session".
-        tenant, _, session_id = order.session_id.partition("/")
+        key = SessionKey.parse(order.session_id)
+        tenant, session_id = key.tenant, key.session_id
         try:
             tokens = get_session_tokens(self._store, tenant, session_id)
         except StoreError as exc:
@@ -194,7 +195,7 @@ class LMCacheWarmer:
         gone = 0
         for tenant, session_id in sessions:
             with self._lock:
-                self._warm.pop(f"{tenant}/{session_id}", None)
+                self._warm.pop(SessionKey(tenant, session_id).wire, None)
             tokens = get_session_tokens(self._store, tenant, session_id)
             if not tokens:
                 continue
