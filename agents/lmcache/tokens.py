@@ -24,6 +24,7 @@ import numpy as np
 from agents.stores.base import ObjectStore
 from controlplane.base.errors import KvPrefetchError
 from controlplane.base.keys import session_prefix
+from controlplane.base.types import SessionKey
 
 TOKENS_NAME = "tokens"
 _MAX_TOKEN = 2**32 - 1
@@ -73,7 +74,7 @@ def synthetic_tokens(tenant: str, session_id: str, n: int, *,
     """``n`` deterministic token ids for a session known only by its token counts."""
     if n < 0:
         raise KvPrefetchError(f"token count must be >= 0, got {n}")
-    seed = int.from_bytes(hashlib.blake2b(f"{tenant}/{session_id}".encode(),
+    seed = int.from_bytes(hashlib.blake2b(SessionKey(tenant, session_id).wire.encode(),
                                           digest_size=8).digest(), "little")
     # One uint32 per token drawn in order, so the ids at n tokens extend those at m < n.
     raw = np.random.Generator(np.random.PCG64(seed)).integers(

@@ -118,7 +118,11 @@ class LiveDriver:
                 box.cancel.append((c.node, c.session_id, sent.order_id))
         for ticket in out.loads:
             info = self.registry.by_sid(ticket.session_id)
-            keys = tuple(self.registry.load_keys(info, ticket.tokens)) if info else ()
+            if info is None:  # closed meanwhile: nothing to name, give the room back
+                self.carry(self.core.transfer_failed(ticket.session_id, ticket.node,
+                                                     self.clock.now_s()), box)
+                continue
+            keys = tuple(self.registry.load_keys(info, ticket.tokens))
             n = self.fleet.nodes[ticket.node]
             box.execute.append(self.orders.open(ticket, keys, wall_s=self._wall(),
                                                 incarnation=n.incarnation))
@@ -157,8 +161,9 @@ class LiveDriver:
         key = SessionKey(call.tenant, call.session_id)
         info = self.registry.get(key)
         if info is None or not info.in_flight:
-            info = self.start_request(call, box)
-        self.registry.check_tenant(key)
+            info = self.start_request(call, box)  # checks the tenant
+        else:
+            self.registry.check_tenant(key)
         now = self.clock.now_s()
         reused = call.reused_tokens if call.reused_tokens is not None else min(
             call.tokens, info.context_tokens)
