@@ -5,11 +5,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from controlplane.base.errors import ConfigError
 from controlplane.base.types import Trace
 from controlplane.cli.predictor_option import add_predictor_option
 from controlplane.core.policies import POLICY_NAMES
+
+if TYPE_CHECKING:
+    from controlplane.sim.hints import HintConfig
 
 #: Default Poisson rate of session starts for the simulator: one every 75 s. On the shared
 #: Claude Code set with the default 4-node 8B fleet this puts the peak working set of live
@@ -21,6 +25,7 @@ EPILOG = """examples:
   kvprefetch sim --trace ../shared/traces/claude-code --json out/sim.json --plot out/sim.png
   kvprefetch sim --policies ondemand,predictive --predictor ewma --load 1.5
   kvprefetch sim --scenario cold-start --nodes 2 --model 70b
+  kvprefetch sim --nodes 1 --hints typing,tool --hint-coverage 0.5  # half the clients hint
 """
 
 
@@ -57,6 +62,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="cold-start: send every context once, clear all local tiers, send "
                    "them all again")
     p.add_argument("--seed", type=int, default=0, help="seed of the arrival process")
+    hints = p.add_argument_group(
+        "client hints", "simulated clients that tell the control plane what comes next "
+        "(planned from the trace; without --hints none are sent)")
+    hints.add_argument("--hints", metavar="KINDS",
+                       help="comma-separated hint kinds the clients send: 'typing' (the user "
+                       "started typing the next human turn, no ETA; typing speed drawn per "
+                       "session from Dhakal et al., CHI 2018) and/or 'tool' (a tool call "
+                       "runs, with an ETA of its duration). The policies that run --predictor "
+                       "read them through the 'hinted' wrapper; the oracle does not need them")
+    hints.add_argument("--hint-coverage", type=float, metavar="F",
+                       help="share of session groups (a client with its sub-agents) that send "
+                       "hints, in [0, 1] (default 1.0); raising it with the same --hint-seed "
+                       "only adds clients")
+    hints.add_argument("--hint-seed", type=int, metavar="N",
+                       help="seed of the hint draws: which clients hint, typing speeds, ETA "
+                       "noise (default: --seed)")
+    hints.add_argument("--tool-eta-sigma", type=float, metavar="S",
+                       help="sigma of the log-normal noise (median 1) on tool-run ETAs: ETA = "
+                       "true gap x exp(N(0, S)); 0 = exact ETAs (default 0.5)")
+    hints.add_argument("--typing-abandon-share", type=float, metavar="F",
+                       help="share of typing hints that lead nowhere (the user stops typing; no "
+                       "request follows for a while), in [0, 1) (default 0)")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                    help="parallel worker processes, one policy each (default: all cores)")
     p.add_argument("--json", dest="json_out", help="write the report as JSON here (atomic)")
@@ -83,6 +110,44 @@ def held_out(trace: Trace, fraction: float, seed: int, predictor_spec: str) -> T
     return test
 
 
+#: Hint flags that set one HintConfig field: (flag, argparse dest, field).
+_HINT_FIELD_FLAGS = (
+    ("--hint-coverage", "hint_coverage", "coverage"),
+    ("--tool-eta-sigma", "tool_eta_sigma", "tool_eta_sigma"),
+    ("--typing-abandon-share", "typing_abandon_share", "abandon_share"),
+)
+
+
+def hint_config(args: argparse.Namespace) -> HintConfig | None:
+    """The client hints of the command line, or None without --hints; a bad value is a
+    :class:`ConfigError` that names its flag."""
+    from controlplane.sim.hints import HintConfig, parse_hint_kinds
+
+    given = [flag for flag, dest, _ in _HINT_FIELD_FLAGS if getattr(args, dest) is not None]
+    if args.hint_seed is not None:
+        given.append("--hint-seed")
+    if args.hints is None:
+        if given:
+            raise ConfigError(f"{given[0]} needs --hints (e.g. --hints typing,tool)")
+        return None
+    try:
+        kinds = parse_hint_kinds(args.hints)
+    except ConfigError as exc:
+        raise ConfigError(f"--hints: {exc}") from exc
+    fields: dict[str, float] = {}
+    for flag, dest, name in _HINT_FIELD_FLAGS:
+        value = getattr(args, dest)
+        if value is None:
+            continue
+        try:
+            HintConfig(**{name: value})
+        except ConfigError as exc:
+            raise ConfigError(f"{flag}: {exc}") from exc
+        fields[name] = value
+    seed = args.seed if args.hint_seed is None else args.hint_seed
+    return HintConfig(kinds=kinds, seed=seed, **fields)
+
+
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -97,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
     from predictors.registry import resolve
 
     policies = parse_policies(args.policies)
+    hints = hint_config(args)
     resolve(args.predictor)  # fail fast on an unknown predictor, before loading anything
     if args.fleet:
         overrides: dict[str, object] = {}
@@ -126,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
     trace, clear_at = apply_scenario(trace, args.scenario)
     trace = clamp_to_window(trace, fleet.model.max_context_tokens)
     options = SimOptions(predictor=args.predictor, seed=args.seed, clear_tiers_at_s=clear_at,
-                         scenario=args.scenario, workers=args.workers)
+                         scenario=args.scenario, workers=args.workers, hints=hints)
     bar = tqdm(total=trace.requests * len(policies), unit="req", desc="replaying",
                disable=args.no_progress, mininterval=0.5)
     with bar:

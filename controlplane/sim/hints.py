@@ -161,6 +161,41 @@ class PlannedHint:
     abandoned: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class HintCounts:
+    """Hints by kind: ``typing`` counts the real typing hints only, ``abandoned`` the
+    abandoned ones (typing hints too)."""
+
+    typing: int = 0
+    tool: int = 0
+    abandoned: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.typing + self.tool + self.abandoned
+
+    def add(self, hint: PlannedHint) -> HintCounts:
+        """These counts and ``hint``."""
+        if hint.abandoned:
+            return HintCounts(self.typing, self.tool, self.abandoned + 1)
+        if hint.kind is HintKind.TOOL_RUNNING:
+            return HintCounts(self.typing, self.tool + 1, self.abandoned)
+        return HintCounts(self.typing + 1, self.tool, self.abandoned)
+
+    @classmethod
+    def of(cls, hints: Iterable[PlannedHint]) -> HintCounts:
+        counts = cls()
+        for h in hints:
+            counts = counts.add(h)
+        return counts
+
+
+def hint_kind_names(kinds: Iterable[HintKind]) -> tuple[str, ...]:
+    """The command-line names of ``kinds``, in :data:`HINT_KIND_NAMES` order."""
+    chosen = set(kinds)
+    return tuple(name for name, kind in HINT_KIND_NAMES.items() if kind in chosen)
+
+
 def plan_hints(
     trace: Trace, config: HintConfig, rng: random.Random | None = None
 ) -> tuple[PlannedHint, ...]:

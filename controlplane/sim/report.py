@@ -115,6 +115,31 @@ class PolicySummary:
 
 
 @dataclass(frozen=True, slots=True)
+class HintsMeta:
+    """The client hints a replay sent (:mod:`~controlplane.sim.hints`): the settings, and
+    how many of each kind every policy's replay sent (the same planned hints for all)."""
+
+    #: Hint kinds by their command-line names ("typing", "tool").
+    kinds: tuple[str, ...]
+    #: Share of session groups whose client sends hints.
+    coverage: float
+    seed: int
+    tool_eta_sigma: float
+    #: Share of typing hints that are abandoned (no request follows).
+    abandon_share: float
+    #: Real typing hints, tool-running hints, abandoned typing hints sent.
+    sent_typing: int
+    sent_tool: int
+    sent_abandoned: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kinds": list(self.kinds), "coverage": self.coverage, "seed": self.seed,
+                "tool_eta_sigma": self.tool_eta_sigma, "abandon_share": self.abandon_share,
+                "sent_typing": self.sent_typing, "sent_tool": self.sent_tool,
+                "sent_abandoned": self.sent_abandoned}
+
+
+@dataclass(frozen=True, slots=True)
 class SimMeta:
     """What was replayed, on what, and how hard the working set presses the local tiers."""
 
@@ -135,14 +160,20 @@ class SimMeta:
     pressure_ratio: float
     #: Wall-clock seconds of the whole run (the one field that differs between runs).
     wall_s: float
+    #: The client hints sent; None when the replay sent none (the JSON then has no key).
+    hints: HintsMeta | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"trace": self.trace, "trace_format": self.trace_format,
-                "requests": self.requests, "sessions": self.sessions, "seed": self.seed,
-                "scenario": self.scenario, "predictor": self.predictor, "model": self.model,
-                "nodes": self.nodes, "working_set_peak_bytes": self.working_set_peak_bytes,
-                "local_capacity_bytes": self.local_capacity_bytes,
-                "pressure_ratio": self.pressure_ratio, "wall_s": self.wall_s}
+        out: dict[str, Any] = {
+            "trace": self.trace, "trace_format": self.trace_format,
+            "requests": self.requests, "sessions": self.sessions, "seed": self.seed,
+            "scenario": self.scenario, "predictor": self.predictor, "model": self.model,
+            "nodes": self.nodes, "working_set_peak_bytes": self.working_set_peak_bytes,
+            "local_capacity_bytes": self.local_capacity_bytes,
+            "pressure_ratio": self.pressure_ratio, "wall_s": self.wall_s}
+        if self.hints is not None:
+            out["hints"] = self.hints.to_dict()
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +211,14 @@ def format_table(report: SimReport) -> str:
         f"working set peak {meta.working_set_peak_bytes / GIB:,.0f} GiB vs local tiers "
         f"{meta.local_capacity_bytes / GIB:,.0f} GiB: pressure {meta.pressure_ratio:.2f}x",
     ]
+    if meta.hints is not None:
+        h = meta.hints
+        lines.append(
+            f"client hints {','.join(h.kinds)} from {h.coverage:g} of session groups (seed "
+            f"{h.seed}, tool ETA sigma {h.tool_eta_sigma:g}, abandoned share "
+            f"{h.abandon_share:g}): sent {h.sent_typing} typing, {h.sent_tool} tool, "
+            f"{h.sent_abandoned} abandoned per policy"
+        )
     head = (f"{'policy':<11} {'ret':>6} {'ret mean':>9} {'ret p50':>8} {'ret p90':>8} "
             f"{'ret p99':>8} {'all mean':>9} {'stall s':>9} {'prefetch':>9} {'wasted':>8} "
             f"{'remote':>9}")

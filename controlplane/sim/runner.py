@@ -3,6 +3,11 @@
 Policies are independent replays, so they run in parallel worker processes (one per core
 by default); each replay is deterministic, so the report does not depend on the number of
 workers.
+
+With client hints on (:attr:`SimOptions.hints`), the hints are planned once per trace and
+every policy's replay sends the same ones; the policies that run the user's predictor get it
+wrapped in :class:`~predictors.hinted.HintedPredictor`, so that it reads them (the oracle
+has its own predictor, which knows the future anyway).
 """
 
 from __future__ import annotations
@@ -17,10 +22,13 @@ from typing import Any
 from controlplane.base.config import FleetConfig
 from controlplane.base.types import Trace
 from controlplane.core.policies import PolicySpec
+from predictors.base import Predictor
+from predictors.hinted import HintedPredictor
 from predictors.registry import load as load_predictor
 
+from .hints import HintConfig, HintCounts, PlannedHint, hint_kind_names, plan_hints
 from .metrics import gap_closure, summarize, working_set_peak_bytes
-from .report import PolicySummary, SimMeta, SimReport
+from .report import HintsMeta, PolicySummary, SimMeta, SimReport
 from .simulator import PolicyRun, Simulation
 
 
@@ -31,13 +39,30 @@ class SimOptions:
     clear_tiers_at_s: float | None = None
     scenario: str = "default"
     workers: int = 1
+    #: Client hints the simulated clients send; None = no hints at all.
+    hints: HintConfig | None = None
+
+
+def hinted_predictor(policy: PolicySpec, predictor: Predictor) -> Predictor:
+    """``predictor`` as a policy uses it when clients send hints: the user's predictor reads
+    them through :class:`HintedPredictor` (unless it is one already); a policy's own
+    predictor (the oracle's) is left alone."""
+    if policy.predictor is not None or isinstance(predictor, HintedPredictor):
+        return predictor
+    return HintedPredictor(predictor)
 
 
 def run_policy(trace: Trace, fleet: FleetConfig, policy: PolicySpec, predictor_spec: str,
                clear_tiers_at_s: float | None = None,
-               progress: Callable[[int], None] | None = None) -> PolicyRun:
+               progress: Callable[[int], None] | None = None, *,
+               hints: Sequence[PlannedHint] | None = None) -> PolicyRun:
+    """One policy's replay. ``hints``: the planned client hints (:func:`plan_hints`), which
+    also turns the predictor's hint reading on (even when empty); None = no hints."""
     predictor = load_predictor(policy.predictor or predictor_spec, trace=trace)
-    sim = Simulation(trace, fleet, policy, predictor, clear_tiers_at_s=clear_tiers_at_s)
+    if hints is not None:
+        predictor = hinted_predictor(policy, predictor)
+    sim = Simulation(trace, fleet, policy, predictor, clear_tiers_at_s=clear_tiers_at_s,
+                     hints=hints or ())
     return sim.run(progress)
 
 
@@ -45,16 +70,16 @@ _WORKER_STATE: dict[str, Any] = {}
 
 
 def _init_worker(trace: Trace, fleet: FleetConfig, predictor: str, clear: float | None,
-                 queue: Any) -> None:
+                 queue: Any, hints: Sequence[PlannedHint] | None) -> None:
     _WORKER_STATE.update(trace=trace, fleet=fleet, predictor=predictor, clear=clear,
-                         queue=queue)
+                         queue=queue, hints=hints)
 
 
 def _run_in_worker(policy: PolicySpec) -> PolicySummary:
     st = _WORKER_STATE
     queue = st["queue"]
     run = run_policy(st["trace"], st["fleet"], policy, st["predictor"], st["clear"],
-                     progress=queue.put if queue is not None else None)
+                     progress=queue.put if queue is not None else None, hints=st["hints"])
     return summarize(run)
 
 
@@ -68,11 +93,12 @@ def run_policies(
 ) -> SimReport:
     """Replay ``trace`` once per policy and return the report."""
     started = time.perf_counter()
+    hints = plan_hints(trace, options.hints) if options.hints is not None else None
     results: dict[str, PolicySummary] = {}
     if options.workers <= 1 or len(policies) <= 1:
         for policy in policies:
             run = run_policy(trace, fleet, policy, options.predictor, options.clear_tiers_at_s,
-                             progress)
+                             progress, hints=hints)
             results[policy.name] = summarize(run)
     else:
         ctx = mp.get_context("fork")
@@ -80,7 +106,7 @@ def run_policies(
         with ProcessPoolExecutor(
             max_workers=min(options.workers, len(policies)), mp_context=ctx,
             initializer=_init_worker,
-            initargs=(trace, fleet, options.predictor, options.clear_tiers_at_s, queue),
+            initargs=(trace, fleet, options.predictor, options.clear_tiers_at_s, queue, hints),
         ) as pool:
             futures = {p.name: pool.submit(_run_in_worker, p) for p in policies}
             while queue is not None and progress is not None and not all(
@@ -110,6 +136,20 @@ def run_policies(
         local_capacity_bytes=local_capacity,
         pressure_ratio=round(working_set / max(1, local_capacity), 3),
         wall_s=round(time.perf_counter() - started, 3),
+        hints=_hints_meta(options.hints, hints),
     )
     closure = gap_closure({name: p.returning.ttft_mean_s for name, p in results.items()})
     return SimReport(meta, results, closure)
+
+
+def _hints_meta(config: HintConfig | None, hints: Sequence[PlannedHint] | None
+                ) -> HintsMeta | None:
+    """The report's record of the hints; the counts are the plan's, which every replay
+    sends in full (a response always ends before the hints planned after it)."""
+    if config is None or hints is None:
+        return None
+    counts = HintCounts.of(hints)
+    return HintsMeta(kinds=hint_kind_names(config.kinds), coverage=config.coverage,
+                     seed=config.seed, tool_eta_sigma=config.tool_eta_sigma,
+                     abandon_share=config.abandon_share, sent_typing=counts.typing,
+                     sent_tool=counts.tool, sent_abandoned=counts.abandoned)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -31,9 +31,10 @@ from controlplane.core.step import LoadTicket, StepOutput
 from controlplane.core.tiers import LruEviction, Tier, TierEntry
 from predictors.base import Predictor
 
+from .hints import HintCounts, PlannedHint, hints_by_turn
 from .link import DEMAND, PREFETCH, Link, Transfer
 
-_ARRIVE, _XFER_DONE, _PREFILL_DONE, _FINISH, _PREFETCH_START, _CLEAR, _SWEEP = range(7)
+_ARRIVE, _XFER_DONE, _PREFILL_DONE, _FINISH, _PREFETCH_START, _CLEAR, _SWEEP, _HINT = range(8)
 INF = float("inf")
 
 
@@ -142,6 +143,7 @@ class Simulation:
         *,
         clear_tiers_at_s: float | None = None,
         record_links: bool = False,
+        hints: Iterable[PlannedHint] = (),
     ) -> None:
         self.trace = trace
         self.fleet = fleet
@@ -176,6 +178,10 @@ class Simulation:
             nic, remote.s3_gbyte_s_per_connection * 1e9 * remote.s3_connections
         )
         self._h2d_s_per_byte = 1.0 / (node_cfg.h2d_gbyte_s * 1e9)
+        #: Client hints (:mod:`.hints`), sent relative to the end of the response before
+        #: their request; and those sent so far.
+        self._hints = hints_by_turn(hints)
+        self.hints_sent = HintCounts()
 
     # ------------------------------------------------------------------ FleetView
     def queue_wait_s(self, node: int, now_s: float) -> float:
@@ -244,6 +250,7 @@ class Simulation:
             _PREFETCH_START: self._on_prefetch_start,
             _CLEAR: self._on_clear,
             _SWEEP: self._on_sweep,
+            _HINT: self._on_hint,
         }
         if self.policy.prefetch:
             self._push(self.fleet.planner.sweep_interval_s, _SWEEP, None)
@@ -452,11 +459,39 @@ class Simulation:
             self._event(EventKind.REQUEST_FINISHED, r, node.idx), ctx))
         nxt = req.turn + 1
         session = r.session
+        self._push_hints(session, nxt)
         if nxt < len(session.requests):
             nreq = session.requests[nxt]
             if nreq.gap_s is not None:
                 t = self._now + nreq.gap_s
                 self._push(t, _ARRIVE, _Req(nreq, session, t))
+
+    def _push_hints(self, session: TraceSession, turn: int) -> None:
+        """The response before request ``turn`` just ended: schedule the hints of that gap.
+        Pushed before the request's arrival, so a hint due at the arrival instant still
+        precedes it; one due after the arrival (not from this trace's plan) is never sent."""
+        planned = self._hints.get((session.session_id, turn), ())
+        if not planned:
+            return
+        arrival_s = INF  # after the session's last response: no request follows
+        if turn < len(session.requests):
+            nxt = session.requests[turn]
+            arrival_s = (self._now + nxt.gap_s if nxt.gap_s is not None
+                         else session.start_s + nxt.offset_s)
+        for h in planned:
+            t = self._now + h.after_finish_s
+            if t <= arrival_s:
+                self._push(t, _HINT, (h, session))
+
+    def _on_hint(self, payload: tuple[PlannedHint, TraceSession]) -> None:
+        """A client hint reaches the core like any other event (an abandoned one too: the
+        predictor cannot tell it apart)."""
+        hint, session = payload
+        self.hints_sent = self.hints_sent.add(hint)
+        self._carry(self.core.hint(SessionEvent(
+            kind=EventKind.HINT, session_id=hint.session_id, time_s=self._now, turn=hint.turn,
+            hint=hint.kind, eta_s=hint.eta_s, tenant=session.tenant,
+            parent_id=session.parent_id)))
 
     def _on_prefetch_start(self, order: PrefetchOrder) -> None:
         self._carry(self.core.start_prefetch(order, self._now))

@@ -3,22 +3,37 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import random
 import statistics
+from dataclasses import replace
 
 import pytest
 
+from controlplane.base.config import GIB, LLAMA_8B, default_fleet, fleet_from_dict
 from controlplane.base.errors import ConfigError
-from controlplane.base.types import HintKind, Trace, TraceRequest, TraceSession
+from controlplane.base.types import (
+    ArrivalForecast,
+    EventKind,
+    HintKind,
+    SessionEvent,
+    Trace,
+    TraceRequest,
+    TraceSession,
+)
+from controlplane.core.policies import POLICIES, parse_policies
+from controlplane.sim import PolicyRun, SimOptions, Simulation, run_policies, run_policy
 from controlplane.sim.hints import (
     HintConfig,
+    HintCounts,
     PlannedHint,
     hints_by_turn,
     parse_hint_kinds,
     plan_hints,
     typed_tokens,
 )
+from controlplane.sim.runner import hinted_predictor
 from controlplane.traces import bundled_trace_path, load_trace
 
 TYPING, TOOL = HintKind.USER_TYPING, HintKind.TOOL_RUNNING
@@ -240,3 +255,174 @@ def test_hints_by_turn_groups_in_emission_order() -> None:
     grouped = hints_by_turn(hints)
     assert [h.after_finish_s for h in grouped[("a", 2)]] == [1.0, 5.0]
     assert grouped[("b", 1)] == (hints[2],)
+
+
+# ------------------------------------------------------------------ hints in the simulator
+class _Recorder:
+    """A predictor that records what the core tells it (and forecasts like last-gap)."""
+
+    name = "recorder"
+
+    def __init__(self) -> None:
+        from predictors.heuristics import LastGapPredictor
+
+        self.inner = LastGapPredictor()
+        self.events: list[SessionEvent] = []
+
+    def observe(self, event: SessionEvent) -> None:
+        self.events.append(event)
+        self.inner.observe(event)
+
+    def forecast(self, session_id: str, now_s: float) -> ArrivalForecast | None:
+        return self.inner.forecast(session_id, now_s)
+
+    def forget(self, session_id: str) -> None:
+        self.inner.forget(session_id)
+
+
+def _replay(trace: Trace, hints: tuple[PlannedHint, ...] | list[PlannedHint],
+            policy: str = "predictive") -> tuple[Simulation, _Recorder]:
+    recorder = _Recorder()
+    sim = Simulation(trace, fleet_from_dict({"nodes": 1}), POLICIES[policy], recorder,
+                     hints=hints)
+    sim.run()
+    return sim, recorder
+
+
+@pytest.mark.parametrize("policy", ["ondemand", "predictive"])
+def test_simulation_sends_every_planned_hint_to_the_core_before_its_request(
+        policy: str, bundled: Trace) -> None:
+    cfg = HintConfig(abandon_share=0.2, seed=1)
+    plan = plan_hints(bundled, cfg)
+    counts = HintCounts.of(plan)
+    assert counts.typing and counts.tool and counts.abandoned
+    sim, rec = _replay(bundled, plan, policy)
+    hint_events = [e for e in rec.events if e.kind is EventKind.HINT]
+    assert len(hint_events) == len(plan) == counts.total
+    assert sim.hints_sent == counts
+    # The same hints, as the core saw them (abandoned ones look like any typing hint).
+    sent = sorted((e.session_id, e.turn, e.hint, e.eta_s) for e in hint_events)
+    assert sent == sorted((h.session_id, h.turn, h.kind, h.eta_s) for h in plan)
+    # Each at its planned delay after the response before its request, never after the
+    # request arrived.
+    finished = {(e.session_id, e.turn + 1): e.time_s for e in rec.events
+                if e.kind is EventKind.REQUEST_FINISHED}
+    started = {(e.session_id, e.turn): i for i, e in enumerate(rec.events)
+               if e.kind is EventKind.REQUEST_STARTED}
+    by_key = hints_by_turn(plan)
+    sessions = {s.session_id: s for s in bundled.sessions}
+    for i, e in enumerate(rec.events):
+        if e.kind is not EventKind.HINT:
+            continue
+        key = (e.session_id, e.turn)
+        session = sessions[e.session_id]
+        assert (e.tenant, e.parent_id) == (session.tenant, session.parent_id)
+        assert any(e.time_s == pytest.approx(finished[key] + h.after_finish_s)
+                   for h in by_key[key])
+        if key in started:
+            assert i < started[key]
+
+
+def test_hint_due_at_the_arrival_comes_first_and_one_after_it_is_never_sent() -> None:
+    # Nothing typed (new input = the previous response): the typing hint is due exactly
+    # when the request arrives.
+    trace = Trace("t", (_session("a", ["end_turn", "end_turn"], [30.0], new_tokens=0),), "test")
+    plan = plan_hints(trace, HintConfig(kinds=ONLY_TYPING))
+    assert [(h.turn, h.after_finish_s) for h in plan] == [(1, 30.0)]
+    late = PlannedHint("a", 1, TOOL, 30.5, eta_s=1.0)
+    sim, rec = _replay(trace, [*plan, late])
+    kinds = [(e.kind, e.turn) for e in rec.events if e.turn == 1]
+    assert kinds[0] == (EventKind.HINT, 1) and kinds[1] == (EventKind.REQUEST_STARTED, 1)
+    assert sim.hints_sent == HintCounts(typing=1)
+    assert [e.hint for e in rec.events if e.kind is EventKind.HINT] == [TYPING]
+
+
+def test_coverage_zero_replays_exactly_like_no_hints(bundled: Trace) -> None:
+    fleet = default_fleet("8b", 1)
+    policies = parse_policies("ondemand,predictive,oracle")
+    off = run_policies(bundled, fleet, policies, SimOptions(predictor="ewma"))
+    zero = run_policies(bundled, fleet, policies,
+                        SimOptions(predictor="ewma", hints=HintConfig(coverage=0.0)))
+    assert zero.gap_closure == off.gap_closure
+    for name, summary in off.policies.items():
+        assert json.dumps(zero.policies[name].to_dict()) == json.dumps(summary.to_dict())
+    assert off.meta.hints is None and "hints" not in off.meta.to_dict()
+    assert zero.meta.hints is not None
+    assert list(zero.meta.to_dict()) == [*off.meta.to_dict(), "hints"]  # only added
+    assert (zero.meta.hints.sent_typing, zero.meta.hints.sent_tool,
+            zero.meta.hints.sent_abandoned) == (0, 0, 0)
+
+
+def test_hints_replay_deterministically_and_report_what_was_sent(bundled: Trace) -> None:
+    fleet = default_fleet("8b", 1)
+    policies = parse_policies("ondemand,predictive,oracle")
+    cfg = HintConfig(coverage=0.5, abandon_share=0.1, tool_eta_sigma=0.3, seed=4)
+    reports = []
+    for workers in (1, 2):
+        rep = run_policies(bundled, fleet, policies, SimOptions(hints=cfg, workers=workers))
+        reports.append(replace(rep, meta=replace(rep.meta, wall_s=0.0)).to_json())
+    assert reports[0] == reports[1]
+    meta = json.loads(reports[0])["meta"]["hints"]
+    counts = HintCounts.of(plan_hints(bundled, cfg))
+    assert meta == {"kinds": ["typing", "tool"], "coverage": 0.5, "seed": 4,
+                    "tool_eta_sigma": 0.3, "abandon_share": 0.1,
+                    "sent_typing": counts.typing, "sent_tool": counts.tool,
+                    "sent_abandoned": counts.abandoned}
+
+
+def test_the_users_predictor_reads_hints_the_oracle_keeps_its_own() -> None:
+    from predictors.heuristics import EwmaPredictor
+    from predictors.hinted import HintedPredictor
+    from predictors.oracle import OraclePredictor
+
+    ewma = EwmaPredictor()
+    wrapped = hinted_predictor(POLICIES["predictive"], ewma)
+    assert isinstance(wrapped, HintedPredictor) and wrapped.inner is ewma
+    assert hinted_predictor(POLICIES["predictive"], wrapped) is wrapped
+    oracle = OraclePredictor(Trace("empty", (), "test"))
+    assert hinted_predictor(POLICIES["oracle"], oracle) is oracle
+
+
+def _tool_session(sid: str, start_s: float, turns: list[tuple[int, int, float]]) -> TraceSession:
+    """Closed-loop tool calls: (new tokens, output tokens, gap before the turn)."""
+    reqs, ctx = [], 0
+    for k, (new, out, gap) in enumerate(turns):
+        reqs.append(TraceRequest(sid, k, 0.0, ctx + new, out, ctx, None if k == 0 else gap,
+                                 "tool_use", 1.0))
+        ctx += new + out
+    return TraceSession(sid, start_s, tuple(reqs))
+
+
+def test_an_exact_tool_hint_lets_the_prefetch_land_before_the_request() -> None:
+    """One node with 4 GiB of HBM and of DRAM (32k tokens each). Session a's tool calls came
+    back after 100 s, then after 60 s; meanwhile b's first turn (25k tokens) evicts a's 11k
+    from both tiers, and b's second (55k, more than a tier holds) leaves the DRAM tier empty.
+    Without hints last-gap has one gap of a (confidence too low to prefetch): a's last turn
+    loads its KV on demand. With an exact tool hint (ETA = the true 60 s) the predictor
+    knows when a comes back: the prefetch lands before a's request, which is faster."""
+    a = _tool_session("a", 0.0, [(10_000, 100, 0.0), (1_000, 100, 100.0), (1_000, 50, 60.0)])
+    b = _tool_session("b", 110.0, [(25_000, 100, 0.0), (30_000, 50, 2.0)])
+    trace = Trace("tool-hint", (a, b), "test")
+    fleet = fleet_from_dict({"nodes": 1, "node": {"hbm_kv_bytes": 4 * GIB,
+                                                  "dram_tier_bytes": 4 * GIB}})
+    plan = plan_hints(trace, HintConfig(kinds=ONLY_TOOL, tool_eta_sigma=0.0))
+    assert [(h.session_id, h.turn, h.eta_s) for h in plan] == [("a", 1, 100.0), ("a", 2, 60.0),
+                                                                 ("b", 1, 2.0)]
+
+    def last_turn_of_a(hints: tuple[PlannedHint, ...] | None) -> tuple[float, PolicyRun]:
+        run = run_policy(trace, fleet, POLICIES["predictive"], "last-gap", hints=hints)
+        (rec,) = [r for r in run.records if (r.session_id, r.turn) == ("a", 2)]
+        assert rec.reused_local_tokens == rec.reused_tokens == 11_200
+        return rec.ttft_s, run
+
+    without, run_off = last_turn_of_a(None)
+    with_hints, run_on = last_turn_of_a(plan)
+    assert run_off.prefetches == 0 and run_off.prefetched_bytes == 0
+    assert run_on.prefetches == 1
+    assert run_on.prefetched_bytes == 11_200 * LLAMA_8B.kv_bytes_per_token
+    assert run_on.wasted_bytes == 0
+    assert run_on.lateness_s and max(run_on.lateness_s) < 0  # landed before a arrived
+    assert with_hints < without - 0.2
+    oracle = run_policy(trace, fleet, POLICIES["oracle"], "last-gap", hints=plan)
+    (best,) = [r.ttft_s for r in oracle.records if (r.session_id, r.turn) == ("a", 2)]
+    assert with_hints == pytest.approx(best)

@@ -354,3 +354,64 @@ def test_prefetch_lateness_is_finite_when_the_prefetch_lands_while_the_request_q
     trace = demo.build_trace(args, fleet.model.max_context_tokens)
     run = run_policy(trace, fleet, POLICIES["predictive"], args.predictor)
     assert run.lateness_s and all(math.isfinite(x) for x in run.lateness_s)
+
+
+def _sim_args(*argv: str) -> object:
+    import argparse
+
+    from controlplane.cli import sim as sim_cli
+
+    parser = argparse.ArgumentParser()
+    sim_cli.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_cli_hint_flags_parse_into_a_hint_config() -> None:
+    from controlplane.base.types import HintKind
+    from controlplane.cli.sim import hint_config
+    from controlplane.sim.hints import HintConfig
+
+    assert hint_config(_sim_args()) is None  # no --hints: no hints at all
+    cfg = hint_config(_sim_args("--hints", "tool", "--seed", "7"))
+    assert cfg == HintConfig(kinds=frozenset({HintKind.TOOL_RUNNING}), coverage=1.0, seed=7)
+    cfg = hint_config(_sim_args("--hints", "typing,tool", "--hint-coverage", "0.25",
+                                "--hint-seed", "3", "--tool-eta-sigma", "0",
+                                "--typing-abandon-share", "0.1"))
+    assert cfg == HintConfig(coverage=0.25, seed=3, tool_eta_sigma=0.0, abandon_share=0.1)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--hints", "typing,closed"], "--hints: hint kinds"),
+    (["--hints", "typing", "--hint-coverage", "1.5"], "--hint-coverage: hints.coverage"),
+    (["--hints", "typing", "--hint-coverage", "nan"], "--hint-coverage: hints.coverage"),
+    (["--hints", "tool", "--tool-eta-sigma", "-1"], "--tool-eta-sigma: hints.tool_eta_sigma"),
+    (["--hints", "typing", "--typing-abandon-share", "1"],
+     "--typing-abandon-share: hints.abandon_share"),
+    (["--hint-coverage", "0.5"], "--hint-coverage needs --hints"),
+    (["--hint-seed", "2"], "--hint-seed needs --hints"),
+])
+def test_cli_bad_hint_flags_name_the_flag(argv: list[str], message: str) -> None:
+    from controlplane.cli.sim import hint_config
+
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        hint_config(_sim_args(*argv))
+
+
+def test_cli_sim_with_hints_reports_them(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    res = _cli("sim", "--limit-sessions", "6", "--no-progress", "--json", str(out),
+               "--workers", "1", "--policies", "ondemand,predictive,oracle",
+               "--hints", "typing,tool", "--hint-coverage", "0.5")
+    assert res.returncode == 0, res.stderr
+    hints = json.loads(out.read_text())["meta"]["hints"]
+    assert hints["kinds"] == ["typing", "tool"] and hints["coverage"] == 0.5
+    assert hints["sent_tool"] > 0 and "client hints typing,tool" in res.stdout
+    res = _cli("sim", "--hints", "tool", "--hint-coverage", "2", "--json", str(tmp_path / "x"))
+    assert res.returncode == 2 and "--hint-coverage" in res.stderr
+    assert not (tmp_path / "x").exists()
+    res = _cli("sim", "--hint-coverage", "abc")
+    assert res.returncode == 2 and "argument --hint-coverage" in res.stderr
+    res = _cli("sim", "--help")
+    for flag in ("--hints", "--hint-coverage", "--hint-seed", "--tool-eta-sigma",
+                 "--typing-abandon-share"):
+        assert flag in res.stdout
