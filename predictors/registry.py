@@ -3,8 +3,10 @@ point group ``kvprefetch.predictors``. Everything is imported lazily, only when 
 
 A spec may carry an artifact path after a colon for trained models: ``gbm:model.kvp``
 (the class's ``load(path)`` reads it). Trained models (``empirical``, ``survival``, ``gbm``,
-``torch-seq``) must be given an artifact: :func:`load` refuses an untrained one at start-up;
-:func:`create` builds untrained instances for training and evaluation.
+``torch-seq``, ``adaptive``) must be given an artifact: :func:`load` refuses an untrained one
+at start-up; :func:`create` builds untrained instances for training and evaluation.
+``default`` is the model shipped inside the package (``adaptive``, trained on the train half
+of the shared Claude Code set; ``predictors/models/default.kvp``), ready to use.
 """
 
 from __future__ import annotations
@@ -29,10 +31,13 @@ BUILTINS: dict[str, str] = {
     "gbm": "predictors.gbm:GbmPredictor",
     "torch-seq": "predictors.torchseq:TorchSeqPredictor",
     "hinted": "predictors.hinted:HintedPredictor",
+    "adaptive": "predictors.adaptive:AdaptivePredictor",
+    # the shipped model: ``adaptive`` trained on half the shared Claude Code set
+    "default": "predictors.adaptive:load_default",
 }
 
 #: Built-ins that learn from a trace (``fit``) and save/load artifacts.
-TRAINABLE = frozenset({"empirical", "survival", "gbm", "torch-seq"})
+TRAINABLE = frozenset({"empirical", "survival", "gbm", "torch-seq", "adaptive"})
 
 ENTRY_POINT_GROUP = "kvprefetch.predictors"
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import enum
 import itertools
 import math
-from collections.abc import Iterator
+from bisect import bisect_left, bisect_right
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 #: The tenant of sessions whose client names none.
@@ -201,6 +202,13 @@ class ArrivalForecast:
     ``conditioned``: the quantiles already account for the session's silence so far (a
     learned survival-style forecast evaluated at ``now``), so the planner adds no recency
     floor of its own.
+
+    ``survival``: optionally, the whole law of the gap as a :class:`SurvivalCurve` measured
+    from ``last_finish_s`` (unconditional, never-returning mass included). When present,
+    :meth:`p_within`, :meth:`expected_wait_s` and :meth:`arrival_quantile_after` read it,
+    conditioned exactly on the silence so far, and ignore the knots and ``p_return``
+    (which a predictor still fills, from the same curve, for the readers of quantiles).
+    When absent they use the parametric law of :class:`_GapLaw` between the knots.
     """
 
     session_id: str
@@ -211,6 +219,7 @@ class ArrivalForecast:
     confidence: float
     levels: tuple[float, ...] = field(default=FORECAST_LEVELS)
     conditioned: bool = False
+    survival: SurvivalCurve | None = None
 
     def gap_at(self, level: float) -> float:
         """Gap quantile at ``level``, linearly interpolated between the stored levels."""
@@ -236,9 +245,13 @@ class ArrivalForecast:
         quantiles equal: the oracle) is a step: ``p_return`` if the arrival falls in the
         window, else 0; a point mass already due counts as arriving now.
         """
-        if h_s <= 0.0 or self.p_return <= 0.0:
+        if h_s <= 0.0:
             return 0.0
         silence = max(0.0, now_s - self.last_finish_s)
+        if self.survival is not None:
+            return self.survival.p_within(silence, h_s)
+        if self.p_return <= 0.0:
+            return 0.0
         law = _GapLaw.of(self, silence)
         if law is None:  # point mass
             gap = max(self.gap_quantiles_s[0], silence)
@@ -251,9 +264,11 @@ class ArrivalForecast:
         (LHD's expected lifetime), capped at ``horizon_s``."""
         if horizon_s <= 0.0:
             return 0.0
+        silence = max(0.0, now_s - self.last_finish_s)
+        if self.survival is not None:
+            return self.survival.expected_wait(silence, horizon_s)
         if self.p_return <= 0.0:
             return horizon_s
-        silence = max(0.0, now_s - self.last_finish_s)
         law = _GapLaw.of(self, silence)
         if law is None:
             p = min(1.0, self.p_return)
@@ -268,10 +283,132 @@ class ArrivalForecast:
         if level >= 1.0:
             return math.inf
         silence = max(0.0, now_s - self.last_finish_s)
+        if self.survival is not None:
+            gap = self.survival.quantile_after(silence, max(0.0, level))
+            return max(now_s, self.last_finish_s + gap)
         law = _GapLaw.of(self, silence)
         if law is None:
             return max(now_s, self.last_finish_s + self.gap_quantiles_s[0])
         return max(now_s, self.last_finish_s + law.quantile_after(silence, max(0.0, level)))
+
+
+@dataclass(frozen=True, slots=True)
+class SurvivalCurve:
+    """The law of the gap from a session's last finish to its next request, as knots of its
+    survival ``S(g) = P(gap > g)``.
+
+    ``S`` is *unconditional*: it counts the chance that the session never returns, so it
+    falls from ``S(0) = 1`` to ``S(g_last) = P(never returns)`` at the last knot and stays
+    there (a session silent past the last knot is taken never to return). Between knots
+    ``S`` is linear in the gap (the density is uniform within each segment), so its
+    integral and its inverse are exact. ``gaps_s`` starts at 0 and increases strictly;
+    ``survival`` starts at 1 and never increases.
+
+    Conditioning on ``a`` seconds of silence is exact: ``S(a + t) / S(a)``. Built once per
+    model state and shared by every forecast that uses it (the cumulative integral is
+    precomputed); each query is a binary search over the knots.
+    """
+
+    gaps_s: tuple[float, ...]
+    survival: tuple[float, ...]
+    #: integral of S over [0, gaps_s[i]], per knot
+    _area: tuple[float, ...] = field(init=False, repr=False, compare=False)
+    #: -survival, non-decreasing, for bisect
+    _neg: tuple[float, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        g, s = self.gaps_s, self.survival
+        if len(g) < 2 or len(g) != len(s):
+            raise ValueError(f"a survival curve needs >= 2 knots of (gap, survival), got "
+                             f"{len(g)} gaps and {len(s)} survivals")
+        if g[0] != 0.0 or s[0] != 1.0:
+            raise ValueError(f"a survival curve starts at (0, 1), got ({g[0]}, {s[0]})")
+        area = [0.0]
+        for i in range(1, len(g)):
+            if not g[i] > g[i - 1] or not math.isfinite(g[i]):
+                raise ValueError(f"survival knot gaps must increase strictly and be finite: "
+                                 f"{g[i - 1]} then {g[i]}")
+            if not 0.0 <= s[i] <= s[i - 1]:
+                raise ValueError(f"survival must not increase and stay in [0, 1]: "
+                                 f"{s[i - 1]} then {s[i]} at gap {g[i]}")
+            area.append(area[-1] + 0.5 * (g[i] - g[i - 1]) * (s[i] + s[i - 1]))
+        object.__setattr__(self, "_area", tuple(area))
+        object.__setattr__(self, "_neg", tuple(-v for v in s))
+
+    @classmethod
+    def from_knots(cls, knots: Iterable[tuple[float, float]]) -> SurvivalCurve:
+        """A curve from ``(gap_s, survival)`` pairs."""
+        pairs = tuple(knots)
+        return cls(tuple(float(g) for g, _ in pairs), tuple(float(v) for _, v in pairs))
+
+    @property
+    def knots(self) -> tuple[tuple[float, float], ...]:
+        return tuple(zip(self.gaps_s, self.survival, strict=True))
+
+    @property
+    def p_never(self) -> float:
+        """P(the session never returns) (its survival beyond the last knot)."""
+        return self.survival[-1]
+
+    def at(self, gap_s: float) -> float:
+        """``S(gap_s)``: P(gap > gap_s), never-returning mass included."""
+        g, s = self.gaps_s, self.survival
+        if gap_s <= 0.0:
+            return 1.0
+        if gap_s >= g[-1]:
+            return s[-1]
+        j = bisect_right(g, gap_s)
+        w = (gap_s - g[j - 1]) / (g[j] - g[j - 1])
+        return s[j - 1] + w * (s[j] - s[j - 1])
+
+    def integral(self, gap_s: float) -> float:
+        """Integral of ``S`` over [0, ``gap_s``]."""
+        g, s = self.gaps_s, self.survival
+        if gap_s <= 0.0:
+            return 0.0
+        if gap_s >= g[-1]:
+            return self._area[-1] + (gap_s - g[-1]) * s[-1]
+        j = bisect_right(g, gap_s)
+        return self._area[j - 1] + 0.5 * (gap_s - g[j - 1]) * (s[j - 1] + self.at(gap_s))
+
+    def p_within(self, silence_s: float, h_s: float) -> float:
+        """P(gap in (a, a + h] | gap > a), ``a`` = ``silence_s``; 1 when no mass is left
+        beyond ``a`` at all (the arrival is due)."""
+        if h_s <= 0.0:
+            return 0.0
+        s_a = self.at(silence_s)
+        if s_a <= 0.0:
+            return 1.0
+        return min(1.0, max(0.0, (s_a - self.at(silence_s + h_s)) / s_a))
+
+    def expected_wait(self, silence_s: float, horizon_s: float) -> float:
+        """E[min(gap - a, H) | gap > a] (``inf`` gap if it never returns)."""
+        if horizon_s <= 0.0:
+            return 0.0
+        s_a = self.at(silence_s)
+        if s_a <= 0.0:
+            return 0.0
+        wait = (self.integral(silence_s + horizon_s) - self.integral(silence_s)) / s_a
+        return min(horizon_s, max(0.0, wait))
+
+    def quantile_after(self, silence_s: float, level: float) -> float:
+        """The gap ``g >= a`` with P(gap <= g | it returns, gap > a) = ``level``; ``inf``
+        when no returning mass is left beyond ``a`` (or ``level >= 1``)."""
+        s_a = self.at(silence_s)
+        floor = self.survival[-1]
+        alive_returning = s_a - floor
+        if level >= 1.0 or alive_returning <= 1e-12:
+            return math.inf
+        target = floor + (1.0 - max(0.0, level)) * alive_returning
+        j = bisect_left(self._neg, -target)  # first knot with survival <= target
+        if j == 0:
+            return silence_s
+        if j >= len(self.gaps_s):
+            return math.inf
+        g, s = self.gaps_s, self.survival
+        span = s[j - 1] - s[j]
+        gap = g[j] if span <= 0.0 else g[j - 1] + (s[j - 1] - target) / span * (g[j] - g[j - 1])
+        return max(silence_s, gap)
 
 
 #: Survival of the gap law falls from 0.5 to 0.1 over the q50 -> q90 segment; the tail
