@@ -119,6 +119,14 @@ class PlannerConfig(_Frozen):
     max_lead_s: float = Field(3600.0, gt=0)
     #: How often idle sessions whose KV left their node are re-planned (seconds).
     sweep_interval_s: float = Field(10.0, gt=0)
+    #: ``predictive`` loads a missing context at the request's arrival when the node's
+    #: estimated queue wait hides at least this share of the load's time to last byte,
+    #: and when the GPU picks the request up otherwise. Loading at arrival overlaps the
+    #: load with the wait but holds DRAM from then on, which can evict what requests
+    #: ahead in the queue or soon after need; with a short wait there is little to gain.
+    #: Measured on the shared Claude Code set and the bundled slice (README, "Choosing
+    #: when to load"): 0.5 beat 0 (always at arrival when queued) and 2.
+    arrival_load_min_wait_fraction: float = Field(0.5, ge=0)
 
 
 class FleetConfig(_Frozen):

@@ -18,6 +18,9 @@ class LoadStart(enum.Enum):
     NEVER = "never"  # no remote store: recompute what is not local
     ON_SCHEDULE = "on_schedule"  # when the GPU picks the request up (blocking the GPU)
     ON_ARRIVAL = "on_arrival"  # as soon as the request arrives, overlapped with queue wait
+    #: At arrival when the node's queue wait hides enough of the load
+    #: (``planner.arrival_load_min_wait_fraction``), else when the GPU picks it up.
+    ADAPTIVE = "adaptive"
 
 
 class EvictionKind(enum.Enum):
@@ -57,17 +60,18 @@ POLICIES: dict[str, PolicySpec] = {
                    modelled_on="LMCache + remote backend"),
         PolicySpec("queue", True, True, LoadStart.ON_ARRIVAL, EvictionKind.LRU, False,
                    modelled_on="SGLang HiCache, CachedAttention"),
-        # Misses are loaded when the GPU picks the request up: loading at arrival would
-        # evict, for a request still queued, KV that requests ahead of it need (measured:
-        # on the shared Claude Code set `queue` is slower than `ondemand` for that reason).
-        PolicySpec("predictive", True, True, LoadStart.ON_SCHEDULE, EvictionKind.PREDICTED_USE,
+        # Misses are loaded at arrival only when the queue wait hides much of the load:
+        # loading every miss at arrival (`queue`) holds DRAM early and evicts KV that
+        # requests ahead in the queue need (measured: on the shared Claude Code set and
+        # the slice on one node `queue` is slower than `ondemand` for that reason).
+        PolicySpec("predictive", True, True, LoadStart.ADAPTIVE, EvictionKind.PREDICTED_USE,
                    True, modelled_on="kvprefetch"),
         PolicySpec("oracle", True, True, LoadStart.ON_ARRIVAL, EvictionKind.PREDICTED_USE, True,
                    predictor="oracle", safety_margin_s=0.0, modelled_on="the physical limit"),
         # Experimental, by name only (not in the default six): the value rule of
         # controlplane.core.value for eviction, admission and prefetch timing. Measured so
         # far it prefetches but wastes most of it (README, "The value rule").
-        PolicySpec("predictive-value", True, True, LoadStart.ON_SCHEDULE, EvictionKind.VALUE,
+        PolicySpec("predictive-value", True, True, LoadStart.ADAPTIVE, EvictionKind.VALUE,
                    True, modelled_on="kvprefetch, value rule (experimental)"),
     )
 }

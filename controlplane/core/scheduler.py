@@ -14,8 +14,9 @@ carries out (start loads, stop transfers, arm orders, advise evictions); drivers
 policy of their own.
 
 * per request: :meth:`request_started` (arrival) -> :meth:`route_request` (the node, and at
-  arrival the demand load for policies that load then) -> :meth:`gpu_start` when the node's
-  GPU picks it up (the demand load for policies that load then) -> :meth:`use_local` when it
+  arrival the demand load for policies that load then, ``ADAPTIVE`` ones when the queue
+  wait hides enough of it) -> :meth:`gpu_start` when the node's GPU picks it up (the
+  demand load for policies that load then) -> :meth:`use_local` when it
   reads its local tier -> :meth:`request_finished`;
 * per transfer: :meth:`transfer_done` or :meth:`transfer_failed`;
 * per armed prefetch order, at its ``start_at_s``: :meth:`start_prefetch`;
@@ -258,9 +259,27 @@ class SchedulerCore:
             ready = d.ready_at_s
         if heading is not None:
             s.awaiting_node = node
-        elif self.policy.load_start is LoadStart.ON_ARRIVAL:
+        elif self._load_at_arrival(sid, node, reused_tokens, now_s):
             self._demand_load(sid, node, reused_tokens, now_s)
         return self._output(decision, promote=promote, prefetch_ready_s=ready)
+
+    def _load_at_arrival(self, sid: str, node: int, reused_tokens: int, now_s: float) -> bool:
+        """Whether the policy loads what the node lacks now, at the request's arrival:
+        always (``ON_ARRIVAL``), or (``ADAPTIVE``) when the node's estimated queue wait
+        hides at least ``arrival_load_min_wait_fraction`` of the load's time to last byte
+        (estimated as the router does: first-byte latency + bytes at the source's rate)."""
+        load_start = self.policy.load_start
+        if load_start is LoadStart.ON_ARRIVAL:
+            return True
+        if load_start is not LoadStart.ADAPTIVE:
+            return False
+        missing = min(reused_tokens, self.remote_tokens(sid)) - self.local_tokens(node, sid)
+        if missing <= 0:
+            return False
+        s_per_byte, latency = self.view.remote_source(sid)
+        ttlb = latency + missing * self.bpt * s_per_byte
+        wait = self.view.queue_wait_s(node, now_s)
+        return wait >= self.fleet.planner.arrival_load_min_wait_fraction * ttlb
 
     def _route(self, sid: str, input_tokens: int, reused_tokens: int, now_s: float
                ) -> RouteDecision:
@@ -284,7 +303,8 @@ class SchedulerCore:
         load of what the node lacks, unless the request already waits for a transfer."""
         s = self._session(sid)
         awaiting, s.awaiting_node = s.awaiting_node, None
-        if awaiting is None and self.policy.load_start is LoadStart.ON_SCHEDULE:
+        if awaiting is None and self.policy.load_start in (LoadStart.ON_SCHEDULE,
+                                                          LoadStart.ADAPTIVE):
             self._demand_load(sid, node, reused_tokens, now_s)
         return self._output()
 

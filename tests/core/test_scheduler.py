@@ -43,3 +43,39 @@ def test_the_step_output_carries_the_planners_priority_and_reports_only_real_evi
         out = core.start_prefetch(order, order.start_at_s)
     (ticket,) = out.loads
     assert ticket.prefetch and ticket.priority == order.priority > 0
+
+
+class _QueuedFleet(FakeFleet):
+    """Idle links; every node's GPU queue holds ``wait_s`` seconds of work."""
+
+    def __init__(self, wait_s: float) -> None:
+        self.wait_s = wait_s
+
+    def queue_wait_s(self, node: int, now_s: float) -> float:
+        return self.wait_s
+
+
+def _evicted_session_returns(wait_s: float) -> tuple[StepOutput, StepOutput]:
+    """s0 finishes on node 0, its agent then reports it no longer holds it, and it returns:
+    the outputs of its routing and of its GPU start."""
+    core = SchedulerCore(two_node_fleet(), POLICIES["predictive"], load("last-gap"),
+                         _QueuedFleet(wait_s))
+    finish_turn(core, "s0", 0.0, 0, 40_000)
+    core.reconcile(0, lambda sid, tokens: sid != "s0", 5.0)
+    assert core.dram[0].get("s0") is None
+    core.request_started(SessionEvent(EventKind.REQUEST_STARTED, "s0", 10.0,
+                                      input_tokens=41_000, reused_tokens=40_000))
+    routed = core.route_request("s0", 41_000, 40_000, 10.0)
+    assert routed.node == 0
+    return routed, core.gpu_start("s0", 0, 40_000, 10.0 + wait_s)
+
+
+def test_predictive_loads_at_arrival_only_when_the_queue_wait_hides_half_the_load() -> None:
+    # The load: 40k tokens x 128 KiB at 5 GB/s + 0.5 ms = 1.0491 s to last byte; the
+    # default arrival_load_min_wait_fraction 0.5 puts the line at a 0.5246 s queue wait.
+    routed, started = _evicted_session_returns(0.6)
+    assert routed.demand_load() is not None and not routed.demand_load().prefetch
+    assert started.demand_load() is None  # already under way: not loaded twice
+    routed, started = _evicted_session_returns(0.5)
+    assert routed.demand_load() is None
+    assert started.demand_load() is not None
