@@ -2,9 +2,20 @@
 a compressed wall clock: the stand-in for a gateway in the demo.
 
 Each session's first request arrives at ``start_s / compression`` wall seconds after the
-start; each later one ``gap_s / compression`` after the previous response ended. Per
-request: ``client.route`` -> the chosen node's engine serves it (``serve(node, request)``,
-blocking) -> ``client.request_finished``. Records are on the service clock.
+start; each later one ``gap_s / compression`` after the previous response ended. The start
+times come from the trace: for a trace without a shared clock they are drawn by the seeded
+arrival process of :mod:`controlplane.traces.arrivals` when it is loaded, so the arrival
+seed is the ``seed`` given to :func:`~controlplane.traces.load_trace`; the replay itself
+draws nothing. Per request: ``client.route`` -> the chosen node's engine serves it
+(``serve(node, request)``, blocking) -> ``client.request_finished``. Records are on the
+service clock.
+
+Client hints (``hints``, planned by :func:`controlplane.sim.hints.plan_hints` on the same
+trace): a hint for request ``turn`` is sent through ``client.hint`` ``after_finish_s /
+compression`` wall seconds after the response before that request ended, as the gateway
+would. A session's next request waits until its earlier hints were answered, so the service
+sees them in the order the client sent them. Hints still due when the last request is done
+(abandoned ones after a session's last response) are not sent.
 """
 
 from __future__ import annotations
@@ -13,18 +24,23 @@ import heapq
 import logging
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from agents.engine_emulator import ServeRequest, ServeResult
+from controlplane.base import api
 from controlplane.base.types import Trace, TraceRequest, TraceSession
 from controlplane.live.client import Client
+from controlplane.sim.hints import PlannedHint, hints_by_turn
 from controlplane.sim.simulator import RequestRecord
 
 log = logging.getLogger(__name__)
 
 Serve = Callable[[int, ServeRequest], ServeResult]
+
+#: The API's bound on a hint's ETA (seconds); a noisy planned ETA is clipped to it.
+_MAX_ETA_S = 86_400.0
 
 
 @dataclass
@@ -34,13 +50,29 @@ class ReplayResult:
     unrouted: int = 0
     failed: int = 0
     wall_s: float = 0.0
+    #: Hints the service accepted, and those it did not (timed out or failed).
+    hints_sent: int = 0
+    hints_failed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Arrival:
+    session: TraceSession
+    request: TraceRequest
+
+
+@dataclass(frozen=True, slots=True)
+class _HintDue:
+    session: TraceSession
+    hint: PlannedHint
 
 
 class Replayer:
     def __init__(self, trace: Trace, client: Client, serve: Serve, *, compression: float,
                  nodes: int, workers: int = 64,
                  progress: Callable[[int], None] | None = None,
-                 stop: threading.Event | None = None) -> None:
+                 stop: threading.Event | None = None,
+                 hints: Sequence[PlannedHint] = ()) -> None:
         self.trace = trace
         self.client = client
         self.serve = serve
@@ -49,24 +81,27 @@ class Replayer:
         self.workers = workers
         self.progress = progress
         self.stop = stop or threading.Event()
-        self._heap: list[tuple[float, int, TraceSession, TraceRequest]] = []
+        self._hints = hints_by_turn(hints)
+        self._heap: list[tuple[float, int, _Arrival | _HintDue]] = []
         self._seq = 0
         self._cv = threading.Condition()
         self._outstanding = 0
         self._out = ReplayResult()
         self._t0 = 0.0
+        #: Hints submitted but maybe not yet answered, per session (dispatcher thread only).
+        self._hints_in_flight: dict[str, list[Future[None]]] = {}
 
-    def _push(self, at_wall: float, session: TraceSession, req: TraceRequest) -> None:
+    def _push(self, at_wall: float, item: _Arrival | _HintDue) -> None:
         with self._cv:
             self._seq += 1
-            heapq.heappush(self._heap, (at_wall, self._seq, session, req))
+            heapq.heappush(self._heap, (at_wall, self._seq, item))
             self._cv.notify_all()
 
     def run(self) -> ReplayResult:
         self._t0 = time.time()
         for s in self.trace.sessions:
             if s.requests:
-                self._push(self._t0 + s.start_s / self.compression, s, s.requests[0])
+                self._push(self._t0 + s.start_s / self.compression, _Arrival(s, s.requests[0]))
                 self._outstanding += len(s.requests)
         with ThreadPoolExecutor(self.workers, thread_name_prefix="replay") as pool:
             while not self.stop.is_set():
@@ -81,10 +116,35 @@ class Replayer:
                     if delay > 0:
                         self._cv.wait(min(delay, 0.1))
                         continue
-                    _, _, session, req = heapq.heappop(self._heap)
-                pool.submit(self._one, session, req, at)
+                    _, _, item = heapq.heappop(self._heap)
+                self._dispatch(pool, item, at)
         self._out.wall_s = time.time() - self._t0
         return self._out
+
+    def _dispatch(self, pool: ThreadPoolExecutor, item: _Arrival | _HintDue, at: float) -> None:
+        sid = item.session.session_id
+        if isinstance(item, _HintDue):
+            self._hints_in_flight.setdefault(sid, []).append(pool.submit(self._send_hint, item))
+            return
+        earlier = self._hints_in_flight.pop(sid, [])
+        pool.submit(self._one, item.session, item.request, at, earlier)
+
+    def _send_hint(self, item: _HintDue) -> None:
+        h = item.hint
+        eta = min(h.eta_s, _MAX_ETA_S) if h.eta_s is not None else None
+        try:
+            ack = self.client.hint(item.session.session_id, api.Hint(kind=h.kind.value,
+                                                                      eta_s=eta),
+                                   tenant=item.session.tenant)
+            accepted = ack.accepted
+        except Exception:
+            log.exception("hint for %s/%d failed", item.session.session_id, h.turn)
+            accepted = False
+        with self._cv:
+            if accepted:
+                self._out.hints_sent += 1
+            else:
+                self._out.hints_failed += 1
 
     def _done(self, n: int = 1) -> None:
         with self._cv:
@@ -93,7 +153,10 @@ class Replayer:
         if self.progress is not None:
             self.progress(n)
 
-    def _one(self, session: TraceSession, req: TraceRequest, arrival_wall: float) -> None:
+    def _one(self, session: TraceSession, req: TraceRequest, arrival_wall: float,
+             earlier_hints: Sequence[Future[None]] = ()) -> None:
+        for f in earlier_hints:  # _send_hint catches its own errors
+            f.result()
         try:
             self._serve_one(session, req, arrival_wall)
         except Exception:
@@ -131,8 +194,12 @@ class Replayer:
             self._out.results.append(res)
             if res.error:
                 self._out.failed += 1
+        finished = time.time()
         nxt = req.turn + 1
+        # Hints first: one due at the same instant as the request is dispatched before it.
+        for h in self._hints.get((sid, nxt), ()):
+            self._push(finished + h.after_finish_s / c, _HintDue(session, h))
         if nxt < len(session.requests):
             gap = session.requests[nxt].gap_s or 0.0
-            self._push(time.time() + gap / c, session, session.requests[nxt])
+            self._push(finished + gap / c, _Arrival(session, session.requests[nxt]))
         self._done()

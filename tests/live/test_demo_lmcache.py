@@ -1,7 +1,8 @@
 """``kvprefetch demo --backend lmcache-mp``: the whole system on CPU with real LMCache servers
-(one per emulated node, our adapter as their L2), a short replay in a child process (the
-demo starts and stops its own Ray runtime). Small HBM and DRAM make returning sessions need
-their KV loaded, so the agents get orders."""
+(one per emulated node, our adapter as their L2), a short replay of two arrival seeds in a
+child process (the demo starts and stops its own Ray runtime; fresh LMCache servers per
+run). Small HBM and DRAM make returning sessions need their KV loaded, so the agents get
+orders."""
 
 from __future__ import annotations
 
@@ -19,14 +20,18 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_demo_runs_on_real_lmcache_servers(tmp_path: Path) -> None:
     out = tmp_path / "demo.json"
     cmd = [sys.executable, "-c", "from controlplane.cli import main; raise SystemExit(main())",
-           "demo", "--backend", "lmcache-mp", "--nodes", "2", "--sessions", "4", "--turns",
-           "6", "--policies", "predictive", "--hbm-gib", "0.5", "--dram-gib", "4",
+           "demo", "--backend", "lmcache-mp", "--repeats", "2", "--nodes", "2", "--sessions",
+           "4", "--turns", "6", "--policies", "predictive", "--hbm-gib", "0.5", "--dram-gib", "4",
            "--no-progress", "--json", str(out)]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert report["meta"]["backend"] == "lmcache-mp"
+    assert report["meta"]["backend"] == "lmcache-mp" and report["meta"]["repeats"] == 2
     run = report["policies"]["predictive"]
+    assert [s["seed"] for s in run["per_seed"]] == [0, 1]
+    lo, hi = run["returning"]["ttft_mean_ci95_s"]
+    assert lo <= run["returning"]["ttft_mean_s"] <= hi
+    assert run["hints_sent"] > 0 and run["hints_failed"] == 0
     assert run["failed_requests"] == 0 and run["unrouted"] == 0
     assert run["returning"]["requests"] > 0
     # Real KV went through LMCache both ways: stored by the engines (written through to our
