@@ -23,12 +23,22 @@ from controlplane.base.types import ArrivalForecast, EventKind, HintKind, Sessio
 from predictors.base import Predictor
 
 #: Arrival after a "user is typing" hint with no ETA: q10, q50, q90 seconds after the hint.
-TYPING_QUANTILES_S = (3.0, 12.0, 45.0)
+#: What a typing indicator implies: the message's length over the person's typing speed.
+#: Claude Code prompts typed at the speeds of Dhakal et al. (CHI 2018; 51.6 +- 20.2 wpm)
+#: take q10/q50/q90 = 8 / 71 / 453 s (the simulator's hint model, controlplane.sim.hints,
+#: on the shared Claude Code set); short chat messages would be faster.
+TYPING_QUANTILES_S = (8.0, 70.0, 450.0)
 #: Relative spread around a hinted ETA (q10, q90 = eta * factor), plus this slack (s).
 ETA_SPREAD = (0.8, 1.3)
 ETA_SLACK_S = 1.0
-#: Confidence of a hinted forecast.
+#: Confidence of a hinted forecast with an ETA.
 HINT_CONFIDENCE = 0.9
+#: Confidence of a "user typing" forecast without an ETA: below the planner's default
+#: ``min_confidence`` (0.7), so it ranks the session for eviction (due soon: kept) but
+#: starts no prefetch. How long a person types is unknown to the hint; measured in the
+#: simulator (typing time from the new user tokens at Dhakal-2018 speeds), prefetches it
+#: started landed minutes early and 87% of their bytes were evicted unused.
+TYPING_CONFIDENCE = 0.5
 #: Probability of returning within the horizon when a hint says it is due inside it.
 HINT_P_RETURN = 0.95
 
@@ -103,14 +113,16 @@ class HintedPredictor:
             eta = max(0.0, hint.eta_s)
             lo, hi = ETA_SPREAD
             q = (since_hint + eta * lo, since_hint + eta, since_hint + eta * hi + ETA_SLACK_S)
+            confidence = HINT_CONFIDENCE
         elif hint.kind is HintKind.USER_TYPING:
             q = tuple(since_hint + d for d in TYPING_QUANTILES_S)  # type: ignore[assignment]
+            confidence = TYPING_CONFIDENCE
         else:  # a tool is running, duration unknown: the model's view stands
             return base
         q = tuple(max(v, elapsed) for v in q)  # type: ignore[assignment]
         horizon = max(base.horizon_s, elapsed)
         p = HINT_P_RETURN if q[1] <= horizon else base.p_return
-        return ArrivalForecast(sid, base.last_finish_s, q, p, base.horizon_s, HINT_CONFIDENCE)
+        return ArrivalForecast(sid, base.last_finish_s, q, p, base.horizon_s, confidence)
 
     # -- training and artifacts delegate to the wrapped model --------------------------------
     def fit(self, trace: Trace, **kwargs: Any) -> Self:

@@ -38,9 +38,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto | claude-code | mooncake | azure | journal (default: auto)")
     p.add_argument("--policies", default="all",
                    help=f"comma-separated subset of: {', '.join(POLICY_NAMES)} (default: all)")
-    add_predictor_option(p, several=False, default="last-gap",
+    add_predictor_option(p, several=False, default="default",
                          help="the one predictor of the 'predictive' policy: a name, "
-                         "NAME:ARTIFACT or module:Class (default: last-gap)")
+                         "NAME:ARTIFACT or module:Class (default: 'default', the shipped "
+                         "model: empirical gap survival per stop reason, trained on half of "
+                         "the shared Claude Code set, adapting online to the replayed "
+                         "traffic)")
     p.add_argument("--fleet", help="fleet YAML (model, node, remote, router, planner)")
     p.add_argument("--nodes", type=int, help="number of GPU nodes (default 4)")
     p.add_argument("--model", help="model preset: 8b or 70b (default 8b)")

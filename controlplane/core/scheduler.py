@@ -579,7 +579,37 @@ class SchedulerCore:
                 s = self._sessions[sid]
                 if s.home is not None and not s.in_flight:
                     self._plan(sid, now_s)
+            for node in range(self.fleet.nodes):
+                self._warm(node, now_s)
         return self._output()
+
+    def _warm(self, node: int, now_s: float) -> None:
+        """Warm a node that came back empty: fill its free DRAM with the idle sessions
+        routing sends there (those whose home it is) that no order plans to bring back,
+        soonest predicted use first, at once. Free room displaces nothing, so no forecast
+        has to be confident; the transfers yield the link to demand loads."""
+        homed = [sid for sid, s in sorted(self._sessions.items())
+                 if s.home == node and not s.in_flight and s.remote_tokens > 0
+                 and s.pending is None and node not in s.inflight_nodes]
+        if not homed:
+            return
+        tier = self.dram[node]
+        uses = self._next_uses(homed, now_s)
+        # Soonest predicted use first; sessions with no forecast of a return (their
+        # predicted use is never) by recency, as an LRU tier would have kept them.
+        order = sorted(zip(uses, homed, strict=True),
+                       key=lambda u: (u[0], -self._sessions[u[1]].last_finish_s, u[1]))
+        for use, sid in order:
+            s = self._sessions[sid]
+            if s.remote_tokens * self.bpt > tier.capacity_bytes - tier.used_bytes:
+                continue
+            ticket = self._reserve(sid, node, s.remote_tokens, prefetch=True, deadline_s=use,
+                                   now_s=now_s, free_only=True, priority=0.0)
+            if ticket is not None:
+                self.stats.prefetches += 1
+                s.planned_use_s = use
+                s.prefetches += 1
+                self._step.loads.append(ticket)
 
     def reconcile(self, node: int, holds: Callable[[str, int], bool], now_s: float
                   ) -> StepOutput:

@@ -19,7 +19,7 @@ class ServiceConfig(BaseModel):
 
     fleet: FleetConfig = Field(default_factory=lambda: default_fleet("8b", 2))
     policy: str = "predictive"
-    predictor: str = "last-gap"
+    predictor: str = "default"
     #: Service seconds per wall second: 1 in production; >1 replays a trace faster (the
     #: demo). Every time the core sees is on this clock.
     time_compression: float = Field(1.0, gt=0, le=100_000)

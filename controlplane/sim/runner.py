@@ -34,7 +34,7 @@ from .simulator import PolicyRun, Simulation
 
 @dataclass(frozen=True, slots=True)
 class SimOptions:
-    predictor: str = "last-gap"
+    predictor: str = "default"
     seed: int = 0
     clear_tiers_at_s: float | None = None
     scenario: str = "default"

@@ -44,7 +44,7 @@ def test_single_predictor_commands_take_one(command: str) -> None:
 
 
 def test_sim_default_predictor() -> None:
-    assert _parse(BASE["sim"]) == "last-gap"
+    assert _parse(BASE["sim"]) == "default"
 
 
 @pytest.mark.parametrize("command", ["train", "sim"])

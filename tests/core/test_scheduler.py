@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fleet_fakes import FakeFleet, finish_turn, two_node_fleet
 
+from controlplane.base.config import GIB, fleet_from_dict
 from controlplane.base.types import EventKind, SessionEvent
 from controlplane.core.policies import POLICIES
 from controlplane.core.scheduler import SchedulerCore
@@ -79,3 +80,20 @@ def test_predictive_loads_at_arrival_only_when_the_queue_wait_hides_half_the_loa
     routed, started = _evicted_session_returns(0.5)
     assert routed.demand_load() is None
     assert started.demand_load() is not None
+
+
+def test_a_node_that_restarts_empty_is_warmed_with_its_sessions_within_its_free_room() -> None:
+    # Node 0's tier holds two 40k-token sessions; three idle sessions call it home. The
+    # default planner orders no prefetch for them (last-gap is not confident enough).
+    fleet = fleet_from_dict({"nodes": 2, "node": {"dram_tier_bytes": 10 * GIB}})
+    core = SchedulerCore(fleet, POLICIES["predictive"], load("last-gap"), FakeFleet())
+    for i, t in enumerate((0.0, 2.0, 4.0)):
+        finish_turn(core, f"s{i}", t, 0, 40_000)
+    finish_turn(core, "x", 6.0, 1, 40_000)  # another node's session: not node 0's to warm
+    out = core.clear_local(100.0)
+    warm = {ticket.session_id for ticket in out.loads if ticket.node == 0}
+    assert not out.orders
+    assert len(warm) == 2 and warm <= {"s0", "s1", "s2"}
+    assert all(ticket.prefetch and ticket.priority < 100.0 for ticket in out.loads)
+    assert core.dram[0].used_bytes <= core.dram[0].capacity_bytes
+    assert not any(e.session_id == "x" for e in core.dram[0])

@@ -339,7 +339,10 @@ def test_hinted_folds_in_hints(trained, trace):
     assert fc.p_return > 0.9
     model.observe(SessionEvent(EventKind.HINT, sid, t + 2, hint=HintKind.USER_TYPING))
     fc = model.forecast(sid, t + 2)
-    assert fc is not None and fc.gap_quantiles_s[0] <= fc.gap_quantiles_s[1] < 60
+    # Typing time is the message over the typing speed: minutes for a Claude Code prompt;
+    # too vague to start a prefetch (below the planner's min_confidence 0.7).
+    assert fc is not None and fc.gap_quantiles_s[0] <= fc.gap_quantiles_s[1] < 600
+    assert fc.confidence < 0.7
     model.observe(SessionEvent(EventKind.HINT, sid, t + 3, hint=HintKind.SESSION_CLOSED))
     assert model.forecast(sid, t + 3).p_return == 0.0  # type: ignore[union-attr]
     plain = registry.load("hinted")
