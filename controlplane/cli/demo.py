@@ -87,7 +87,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="policies to run, in order (default: ondemand,predictive)")
     p.add_argument("--predictor", default="ewma",
                    help="predictor of 'predictive' (ewma); with hints on it is read through "
-                        "'hinted' (ewma, a trained FILE or KIND:FILE can be wrapped)")
+                        "'hinted' (ewma, default, a trained FILE or KIND:FILE can be "
+                        "wrapped)")
     p.add_argument("--repeats", type=int, default=3,
                    help="arrival seeds per policy: --seed, --seed+1, ... (default 3)")
     p.add_argument("--compression", type=float, default=20.0,
@@ -137,7 +138,8 @@ def build_trace(args: argparse.Namespace, window: int, seed: int | None = None) 
 
 def hinted_predictor_spec(spec: str) -> str:
     """The predictor spec the service loads so that it reads client hints: ``hinted``
-    (which wraps ``ewma``) or ``hinted:FILE`` (a trained artifact). Raises ConfigError for a
+    (which wraps ``ewma``) or ``hinted:FILE`` (a trained artifact, also the shipped
+    ``default``). Raises ConfigError for a
     predictor the registry cannot wrap by name (run it with ``--no-hints``)."""
     from controlplane.base.errors import ConfigError
     from predictors.registry import TRAINABLE
@@ -148,6 +150,10 @@ def hinted_predictor_spec(spec: str) -> str:
         return s
     if s == "ewma":
         return "hinted"
+    if s == "default":  # the shipped model is a trained artifact like any other
+        from predictors.adaptive import DEFAULT_ARTIFACT
+
+        return f"hinted:{DEFAULT_ARTIFACT}"
     if head in TRAINABLE and tail:
         return f"hinted:{tail}"
     if not sep and Path(s).is_file():
@@ -569,14 +575,15 @@ def _policy_block(policy: str, runs: list[_Run]) -> tuple[dict[str, Any], list[S
 
 def _simulated(args: argparse.Namespace, fleet: Any, seeds: list[_SeedTrace],
                policies: list[str]) -> dict[str, Any]:
-    """The simulator's figures for the same traces (without client hints), pooled."""
+    """The simulator's figures for the same traces and the same client hints, pooled."""
     from controlplane.core.policies import POLICIES
     from controlplane.sim.metrics import summarize
     from controlplane.sim.runner import run_policy
 
     out = {}
     for name in policies:
-        runs = [run_policy(st.trace, fleet, POLICIES[name], args.predictor) for st in seeds]
+        runs = [run_policy(st.trace, fleet, POLICIES[name], args.predictor,
+                           hints=st.hints if args.hints else None) for st in seeds]
         p = summarize(pooled_run(name, runs))
         out[name] = {"returning": p.returning.to_dict(), "ttft_mean_s": p.overall.ttft_mean_s,
                      "stall_s": p.stall_s}
@@ -651,7 +658,7 @@ def _print(report: dict[str, Any]) -> None:
             f"{'prefetch':>9} {'wasted':>7} {'sim mean':>9}")
     print("TTFT of returning requests in service seconds, pooled over the seeds; real MiB "
           "moved by the agents; prefetch/wasted in modelled GiB; sim = the simulator on the "
-          "same traces, without hints")
+          "same traces and hints")
     print(head)
     print("-" * len(head))
     for name, p in report["policies"].items():

@@ -30,6 +30,7 @@ from controlplane.cli.demo import (
 from controlplane.live.replay import Replayer
 from controlplane.sim.hints import PlannedHint
 from controlplane.sim.simulator import PolicyRun, RequestRecord
+from predictors.registry import load as load_predictor
 
 
 def test_t975_matches_the_table_and_the_normal_limit() -> None:
@@ -104,6 +105,9 @@ def test_hinted_predictor_spec(tmp_path: Any) -> None:
     assert hinted_predictor_spec("hinted") == "hinted"
     assert hinted_predictor_spec("hinted:m.kvp") == "hinted:m.kvp"
     assert hinted_predictor_spec("gbm:m.kvp") == "hinted:m.kvp"
+    shipped = hinted_predictor_spec("default")
+    assert shipped.startswith("hinted:") and shipped.endswith("default.kvp")
+    assert type(load_predictor(shipped).inner).__name__ == "AdaptivePredictor"  # type: ignore[attr-defined]
     artifact = tmp_path / "model.kvp"
     artifact.write_text("x")
     assert hinted_predictor_spec(str(artifact)) == f"hinted:{artifact}"
