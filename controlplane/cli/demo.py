@@ -636,8 +636,12 @@ def _report(args: argparse.Namespace, fleet: Any, seeds: list[_SeedTrace],
     if "ondemand" in stats and "predictive" in stats:
         diff = paired_difference(stats["ondemand"], stats["predictive"])
         if diff is not None:
+            # A run with failed or unrouted requests lost part of its sessions: its means are
+            # over other requests than its pair's.
+            comparable = all(not (results[n]["failed_requests"] or results[n]["unrouted"])
+                             for n in ("ondemand", "predictive"))
             report["comparison"] = {"baseline": "ondemand", "policy": "predictive",
-                                    "returning": diff}
+                                    "comparable": comparable, "returning": diff}
     closure = gap_closure({name: p["returning"]["ttft_mean_s"] for name, p in results.items()})
     if closure is not None:
         report["gap_closure"] = closure
@@ -700,8 +704,11 @@ def _print(report: dict[str, Any]) -> None:
         print(f"predictive vs ondemand, pooled returning TTFT mean and p90: {verdict}: mean "
               f"{on['ttft_mean_s']:.3f} -> {pr['ttft_mean_s']:.3f} s, p90 "
               f"{on['ttft_p90_s']:.3f} -> {pr['ttft_p90_s']:.3f} s")
-        diff = report.get("comparison", {}).get("returning")
-        if diff is not None:
+        comparison = report.get("comparison", {})
+        diff = comparison.get("returning")
+        if diff is not None and not comparison["comparable"]:
+            print("  no paired comparison: a run had failed or unrouted requests")
+        elif diff is not None:
             ci = diff["ttft_mean_diff_ci95_s"]
             sure = ""
             if ci is not None:

@@ -48,6 +48,7 @@ def test_demo_repeats_over_two_seeds_with_hints(tmp_path: Path) -> None:
         assert run["hints_failed"] == 0
         assert run["events"] == 2 * run["requests"] + run["hints_sent"]
         assert run["orders_sent"] > 0 and run["orders_failed"] == 0
+    assert report["comparison"]["comparable"]
     diff = report["comparison"]["returning"]
     assert len(diff["per_seed"]) == 2 and diff["ttft_mean_diff_ci95_s"] is not None
     assert png.stat().st_size > 0
