@@ -267,7 +267,10 @@ class SchedulerCore:
         """Whether the policy loads what the node lacks now, at the request's arrival:
         always (``ON_ARRIVAL``), or (``ADAPTIVE``) when the node's estimated queue wait
         hides at least ``arrival_load_min_wait_fraction`` of the load's time to last byte
-        (estimated as the router does: first-byte latency + bytes at the source's rate)."""
+        (estimated as the router does: first-byte latency + bytes at the source's rate)
+        and is no longer than ``arrival_load_max_wait_fraction`` of it: behind a long
+        queue the load would hold DRAM for the whole wait, evicting what the requests
+        ahead need (an overloaded fleet then thrashes, as ``queue`` does)."""
         load_start = self.policy.load_start
         if load_start is LoadStart.ON_ARRIVAL:
             return True
@@ -279,7 +282,9 @@ class SchedulerCore:
         s_per_byte, latency = self.view.remote_source(sid)
         ttlb = latency + missing * self.bpt * s_per_byte
         wait = self.view.queue_wait_s(node, now_s)
-        return wait >= self.fleet.planner.arrival_load_min_wait_fraction * ttlb
+        planner = self.fleet.planner
+        return (planner.arrival_load_min_wait_fraction * ttlb <= wait
+                <= planner.arrival_load_max_wait_fraction * ttlb)
 
     def _route(self, sid: str, input_tokens: int, reused_tokens: int, now_s: float
                ) -> RouteDecision:

@@ -97,3 +97,10 @@ def test_a_node_that_restarts_empty_is_warmed_with_its_sessions_within_its_free_
     assert all(ticket.prefetch and ticket.priority < 100.0 for ticket in out.loads)
     assert core.dram[0].used_bytes <= core.dram[0].capacity_bytes
     assert not any(e.session_id == "x" for e in core.dram[0])
+
+
+def test_behind_a_long_queue_predictive_loads_when_the_gpu_picks_the_request_up() -> None:
+    # 3.2 s of queue is beyond arrival_load_max_wait_fraction (3) x 1.0491 s.
+    routed, started = _evicted_session_returns(3.2)
+    assert routed.demand_load() is None
+    assert started.demand_load() is not None
