@@ -25,6 +25,7 @@ EPILOG = """examples:
   kvprefetch sim --trace ../shared/traces/claude-code --json out/sim.json --plot out/sim.png
   kvprefetch sim --policies ondemand,predictive --predictor ewma --load 1.5
   kvprefetch sim --scenario cold-start --nodes 2 --model 70b
+  kvprefetch sim --trace ../shared/traces/claude-code --scenario scale-out --nodes 3
   kvprefetch sim --nodes 1 --hints typing,tool --hint-coverage 0.5  # half the clients hint
 """
 
@@ -61,9 +62,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "`kvprefetch train --test-fraction FRACTION --seed SPLIT_SEED` trains on "
                    "the rest of (so a trained predictor is scored on sessions it never saw)")
     p.add_argument("--split-seed", type=int, default=0, help="seed of --test-split (default 0)")
-    p.add_argument("--scenario", default="default", choices=("default", "cold-start"),
+    p.add_argument("--scenario", default="default", choices=("default", "cold-start",
+                                                              "scale-out"),
                    help="cold-start: send every context once, clear all local tiers, send "
-                   "them all again")
+                   "them all again; scale-out: the last of --nodes joins (empty) at the "
+                   "median session start")
     p.add_argument("--seed", type=int, default=0, help="seed of the arrival process")
     hints = p.add_argument_group(
         "client hints", "simulated clients that tell the control plane what comes next "
@@ -192,9 +195,10 @@ def run(args: argparse.Namespace) -> int:
                        limit_sessions=args.limit_sessions, progress=show)
     if args.test_split is not None:
         trace = held_out(trace, args.test_split, args.split_seed, args.predictor)
-    trace, clear_at = apply_scenario(trace, args.scenario)
+    trace, events = apply_scenario(trace, args.scenario)
     trace = clamp_to_window(trace, fleet.model.max_context_tokens)
-    options = SimOptions(predictor=args.predictor, seed=args.seed, clear_tiers_at_s=clear_at,
+    options = SimOptions(predictor=args.predictor, seed=args.seed,
+                         clear_tiers_at_s=events.clear_tiers_at_s, join_at_s=events.join_at_s,
                          scenario=args.scenario, workers=args.workers, hints=hints)
     bar = tqdm(total=trace.requests * len(policies), unit="req", desc="replaying",
                disable=args.no_progress, mininterval=0.5)

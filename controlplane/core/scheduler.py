@@ -120,6 +120,8 @@ class SchedulerCore:
         self._step = _Step()
         #: Idle sessions whose KV is not on their home node: what :meth:`sweep` re-plans.
         self._evicted: set[str] = set()
+        #: Nodes not in the fleet now (left, or not joined yet): never routed to.
+        self._down: set[int] = set()
         planner = fleet.planner
         self._valued = policy.eviction is EvictionKind.VALUE
         self._values = SessionValues(ValueConfig(landing_level=planner.arrival_quantile,
@@ -295,6 +297,8 @@ class SchedulerCore:
                            s_per_byte, latency)
         views = []
         for n in range(self.fleet.nodes):
+            if n in self._down:
+                continue
             d = self.dram[n].get(sid)
             backlog = self.view.link_backlog_s(n, now_s)
             dram_wait = backlog if d is not None and d.ready_at_s > now_s else 0.0
@@ -585,17 +589,20 @@ class SchedulerCore:
                 if s.home is not None and not s.in_flight:
                     self._plan(sid, now_s)
             for node in range(self.fleet.nodes):
-                self._warm(node, now_s)
+                self._warm(node, [sid for sid, s in sorted(self._sessions.items())
+                                  if s.home == node and s.pending is None], now_s)
         return self._output()
 
-    def _warm(self, node: int, now_s: float) -> None:
-        """Warm a node that came back empty: fill its free DRAM with the idle sessions
-        routing sends there (those whose home it is) that no order plans to bring back,
-        soonest predicted use first, at once. Free room displaces nothing, so no forecast
-        has to be confident; the transfers yield the link to demand loads."""
-        homed = [sid for sid, s in sorted(self._sessions.items())
-                 if s.home == node and not s.in_flight and s.remote_tokens > 0
-                 and s.pending is None and node not in s.inflight_nodes]
+    def _warm(self, node: int, sids: Sequence[str], now_s: float, *,
+              rehome: bool = False) -> None:
+        """Warm a node that is empty (restarted or joined): fill its free DRAM with the
+        idle sessions of ``sids`` that routing will send there, soonest predicted use
+        first, at once (``rehome``: make the node their home). Free room displaces
+        nothing, so no forecast has to be confident; the transfers yield the link to
+        demand loads."""
+        homed = [sid for sid in sids
+                 if not self._sessions[sid].in_flight and self._sessions[sid].remote_tokens > 0
+                 and node not in self._sessions[sid].inflight_nodes]
         if not homed:
             return
         tier = self.dram[node]
@@ -615,6 +622,37 @@ class SchedulerCore:
                 s.planned_use_s = use
                 s.prefetches += 1
                 self._step.loads.append(ticket)
+                if rehome:
+                    s.home = node
+                    s.pending = None
+
+    def node_left(self, node: int, now_s: float) -> StepOutput:
+        """A node left the fleet (or is not in it yet): no request is routed there, its
+        books are dropped, transfers to it stop, and its sessions have no home until they
+        are served again."""
+        self._down.add(node)
+        for entry in self.dram[node].clear():
+            self._step.dropped.append(Placement(entry.session_id, node))
+        for sid, s in sorted(self._sessions.items()):
+            if node in s.inflight_nodes:
+                self._cancel(sid, node)
+            if s.home == node:
+                s.home = None
+                s.pending = None
+        return self._output()
+
+    def node_joined(self, node: int, now_s: float) -> StepOutput:
+        """A node joined (empty): requests may be routed there from now on. Idle sessions
+        whose KV is local nowhere have no locality to keep them where they were, so the
+        router sends them by load: to this node first. It is warmed with them (they move
+        home here), soonest predicted use first, within its free DRAM."""
+        self._down.discard(node)
+        if self.policy.prefetch:
+            adrift = [sid for sid, s in sorted(self._sessions.items())
+                      if s.home is not None and s.home != node
+                      and self.local_tokens(s.home, sid) == 0]
+            self._warm(node, adrift, now_s, rehome=True)
+        return self._output()
 
     def reconcile(self, node: int, holds: Callable[[str, int], bool], now_s: float
                   ) -> StepOutput:

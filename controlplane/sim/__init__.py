@@ -2,11 +2,12 @@
 
 from controlplane.sim.metrics import gap_closure, summarize, working_set_peak_bytes
 from controlplane.sim.runner import SimOptions, run_policies, run_policy
-from controlplane.sim.scenarios import SCENARIOS, apply_scenario
+from controlplane.sim.scenarios import SCENARIOS, FleetEvents, apply_scenario
 from controlplane.sim.simulator import PolicyRun, RequestRecord, Simulation
 
 __all__ = [
     "SCENARIOS",
+    "FleetEvents",
     "PolicyRun",
     "RequestRecord",
     "SimOptions",

@@ -37,6 +37,8 @@ class SimOptions:
     predictor: str = "default"
     seed: int = 0
     clear_tiers_at_s: float | None = None
+    #: Scale-out: the fleet's last node joins at this time (absent before).
+    join_at_s: float | None = None
     scenario: str = "default"
     workers: int = 1
     #: Client hints the simulated clients send; None = no hints at all.
@@ -55,14 +57,15 @@ def hinted_predictor(policy: PolicySpec, predictor: Predictor) -> Predictor:
 def run_policy(trace: Trace, fleet: FleetConfig, policy: PolicySpec, predictor_spec: str,
                clear_tiers_at_s: float | None = None,
                progress: Callable[[int], None] | None = None, *,
-               hints: Sequence[PlannedHint] | None = None) -> PolicyRun:
+               hints: Sequence[PlannedHint] | None = None,
+               join_at_s: float | None = None) -> PolicyRun:
     """One policy's replay. ``hints``: the planned client hints (:func:`plan_hints`), which
     also turns the predictor's hint reading on (even when empty); None = no hints."""
     predictor = load_predictor(policy.predictor or predictor_spec, trace=trace)
     if hints is not None:
         predictor = hinted_predictor(policy, predictor)
     sim = Simulation(trace, fleet, policy, predictor, clear_tiers_at_s=clear_tiers_at_s,
-                     hints=hints or ())
+                     join_at_s=join_at_s, hints=hints or ())
     return sim.run(progress)
 
 
@@ -70,16 +73,17 @@ _WORKER_STATE: dict[str, Any] = {}
 
 
 def _init_worker(trace: Trace, fleet: FleetConfig, predictor: str, clear: float | None,
-                 queue: Any, hints: Sequence[PlannedHint] | None) -> None:
+                 queue: Any, hints: Sequence[PlannedHint] | None, join: float | None) -> None:
     _WORKER_STATE.update(trace=trace, fleet=fleet, predictor=predictor, clear=clear,
-                         queue=queue, hints=hints)
+                         queue=queue, hints=hints, join=join)
 
 
 def _run_in_worker(policy: PolicySpec) -> PolicySummary:
     st = _WORKER_STATE
     queue = st["queue"]
     run = run_policy(st["trace"], st["fleet"], policy, st["predictor"], st["clear"],
-                     progress=queue.put if queue is not None else None, hints=st["hints"])
+                     progress=queue.put if queue is not None else None, hints=st["hints"],
+                     join_at_s=st["join"])
     return summarize(run)
 
 
@@ -98,7 +102,7 @@ def run_policies(
     if options.workers <= 1 or len(policies) <= 1:
         for policy in policies:
             run = run_policy(trace, fleet, policy, options.predictor, options.clear_tiers_at_s,
-                             progress, hints=hints)
+                             progress, hints=hints, join_at_s=options.join_at_s)
             results[policy.name] = summarize(run)
     else:
         ctx = mp.get_context("fork")
@@ -106,7 +110,8 @@ def run_policies(
         with ProcessPoolExecutor(
             max_workers=min(options.workers, len(policies)), mp_context=ctx,
             initializer=_init_worker,
-            initargs=(trace, fleet, options.predictor, options.clear_tiers_at_s, queue, hints),
+            initargs=(trace, fleet, options.predictor, options.clear_tiers_at_s, queue, hints,
+                      options.join_at_s),
         ) as pool:
             futures = {p.name: pool.submit(_run_in_worker, p) for p in policies}
             while queue is not None and progress is not None and not all(

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from controlplane.base.errors import ConfigError
 from controlplane.base.types import Trace, TraceRequest, TraceSession
 
-SCENARIOS: tuple[str, ...] = ("default", "cold-start")
+SCENARIOS: tuple[str, ...] = ("default", "cold-start", "scale-out")
 #: Quiet time between the two passes of the cold-start scenario (seconds).
 COLD_START_PAUSE_S = 600.0
 
@@ -38,9 +38,30 @@ def cold_start(trace: Trace) -> tuple[Trace, float]:
     return replace(trace, name=f"{trace.name} (cold-start)", sessions=out_sessions), clear_at
 
 
-def apply_scenario(trace: Trace, name: str) -> tuple[Trace, float | None]:
+def scale_out(trace: Trace) -> float:
+    """When the last node joins a fleet that started without it: at the median session
+    start, so that half the sessions began on the smaller fleet and half the traffic
+    comes after the join. The trace is unchanged."""
+    starts = sorted(s.start_s for s in trace.sessions)
+    return starts[len(starts) // 2] if starts else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class FleetEvents:
+    """What happens to the fleet during a scenario's replay (seconds on the replay clock):
+    every node's local tiers cleared (cold start), the last node joining (scale-out)."""
+
+    clear_tiers_at_s: float | None = None
+    join_at_s: float | None = None
+
+
+def apply_scenario(trace: Trace, name: str) -> tuple[Trace, FleetEvents]:
+    """The trace a named scenario replays and what happens to the fleet meanwhile."""
     if name == "default":
-        return trace, None
+        return trace, FleetEvents()
     if name == "cold-start":
-        return cold_start(trace)
+        out, clear_at = cold_start(trace)
+        return out, FleetEvents(clear_tiers_at_s=clear_at)
+    if name == "scale-out":
+        return trace, FleetEvents(join_at_s=scale_out(trace))
     raise ConfigError(f"unknown scenario {name!r}; known: {', '.join(SCENARIOS)}")

@@ -34,7 +34,8 @@ from predictors.base import Predictor
 from .hints import HintCounts, PlannedHint, hints_by_turn
 from .link import DEMAND, PREFETCH, Link, Transfer
 
-_ARRIVE, _XFER_DONE, _PREFILL_DONE, _FINISH, _PREFETCH_START, _CLEAR, _SWEEP, _HINT = range(8)
+(_ARRIVE, _XFER_DONE, _PREFILL_DONE, _FINISH, _PREFETCH_START, _CLEAR, _SWEEP, _HINT,
+ _JOIN) = range(9)
 INF = float("inf")
 
 
@@ -142,6 +143,7 @@ class Simulation:
         predictor: Predictor,
         *,
         clear_tiers_at_s: float | None = None,
+        join_at_s: float | None = None,
         record_links: bool = False,
         hints: Iterable[PlannedHint] = (),
     ) -> None:
@@ -150,6 +152,8 @@ class Simulation:
         self.policy = policy
         self.predictor = predictor
         self.clear_tiers_at_s = clear_tiers_at_s
+        #: Scale-out: the last node is absent until then, and joins empty.
+        self.join_at_s = join_at_s
         self.bpt = fleet.model.kv_bytes_per_token
         self.out = PolicyRun(policy.name)
         self._now = 0.0
@@ -242,6 +246,9 @@ class Simulation:
                     self._push(s.start_s + r.offset_s, _ARRIVE, _Req(r, s, s.start_s + r.offset_s))
         if self.clear_tiers_at_s is not None:
             self._push(self.clear_tiers_at_s, _CLEAR, None)
+        if self.join_at_s is not None:
+            self._carry(self.core.node_left(self.fleet.nodes - 1, 0.0))
+            self._push(self.join_at_s, _JOIN, self.fleet.nodes - 1)
         handlers: dict[int, Callable[[Any], None]] = {
             _ARRIVE: self._on_arrive,
             _XFER_DONE: self._on_transfer_done,
@@ -251,6 +258,7 @@ class Simulation:
             _CLEAR: self._on_clear,
             _SWEEP: self._on_sweep,
             _HINT: self._on_hint,
+            _JOIN: self._on_join,
         }
         if self.policy.prefetch:
             self._push(self.fleet.planner.sweep_interval_s, _SWEEP, None)
@@ -500,6 +508,10 @@ class Simulation:
         self._carry(self.core.sweep(self._now))
         if len(self._events) > 0:  # keep sweeping while anything else is left to happen
             self._push(self._now + self.fleet.planner.sweep_interval_s, _SWEEP, None)
+
+    def _on_join(self, node: int) -> None:
+        """A node joins (empty); the core routes to it from now on and may warm it."""
+        self._carry(self.core.node_joined(node, self._now))
 
     def _on_clear(self, _: object) -> None:
         """Every node restarts cold; the core then re-plans every idle session."""

@@ -104,3 +104,21 @@ def test_behind_a_long_queue_predictive_loads_when_the_gpu_picks_the_request_up(
     routed, started = _evicted_session_returns(3.2)
     assert routed.demand_load() is None
     assert started.demand_load() is not None
+
+
+def test_a_node_that_joins_is_routed_to_and_warmed_with_sessions_local_nowhere() -> None:
+    fleet = fleet_from_dict({"nodes": 2, "node": {"dram_tier_bytes": 10 * GIB}})
+    core = SchedulerCore(fleet, POLICIES["predictive"], load("last-gap"), FakeFleet())
+    core.node_left(1, 0.0)
+    for i, t in enumerate((0.0, 2.0)):
+        finish_turn(core, f"s{i}", t, 0, 40_000)
+    # Not in the fleet: never routed to, whatever its load.
+    core.request_started(SessionEvent(EventKind.REQUEST_STARTED, "new", 3.0, input_tokens=10))
+    assert core.route_request("new", 10, 0, 3.0).node == 0
+    core.reconcile(0, lambda sid, tokens: sid != "s0", 5.0)  # s0's KV left node 0
+    out = core.node_joined(1, 10.0)
+    assert [(t.session_id, t.node, t.prefetch) for t in out.loads] == [("s0", 1, True)]
+    assert core.session_home("s0") == 1 and core.session_home("s1") == 0
+    core.request_started(SessionEvent(EventKind.REQUEST_STARTED, "s0", 20.0,
+                                      input_tokens=41_000, reused_tokens=40_000))
+    assert core.route_request("s0", 41_000, 40_000, 20.0).node == 1

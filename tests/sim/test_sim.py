@@ -28,7 +28,7 @@ from controlplane.core.router import NodeView, RouteRequest, route
 from controlplane.core.tiers import LruEviction, Tier, TierEntry
 from controlplane.sim import SimOptions, Simulation, run_policies
 from controlplane.sim.link import DEMAND, PREFETCH, Link, Transfer
-from controlplane.sim.scenarios import cold_start
+from controlplane.sim.scenarios import apply_scenario, cold_start
 from controlplane.traces import ArrivalOptions, bundled_trace_path, load_trace
 from predictors.registry import load as load_predictor
 
@@ -250,6 +250,21 @@ def test_cold_start_scenario_clears_tiers() -> None:
     assert second and all(r.reused_local_tokens == 0 for r in second)
     rec = _run("ondemand", trace, fleet, clear_tiers_at_s=clear_at).out.records
     assert all(r.reused_local_tokens == r.reused_tokens for r in rec if r.turn == 1)
+
+
+def test_scale_out_scenario_routes_to_the_joining_node_only_after_it_joins() -> None:
+    trace = load_trace(bundled_trace_path("claude-code"), limit_sessions=12,
+                       arrivals=ArrivalOptions(session_rate_per_s=1 / 20))
+    trace, events = apply_scenario(trace, "scale-out")
+    join = events.join_at_s
+    assert join is not None and events.clear_tiers_at_s is None
+    starts = sorted(s.start_s for s in trace.sessions)
+    assert join == starts[len(starts) // 2] > starts[0]
+    fleet = fleet_from_dict({"nodes": 2, "node": {"dram_tier_bytes": 16 * GIB}})
+    for policy in ("ondemand", "predictive"):
+        rec = _run(policy, trace, fleet, join_at_s=join).out.records
+        assert not [r for r in rec if r.node == 1 and r.arrival_s < join]
+        assert [r for r in rec if r.node == 1 and r.arrival_s >= join]
 
 
 # New tokens per turn from 2,000 up: below that a remote read's first-byte latency can exceed
