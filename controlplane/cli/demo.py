@@ -56,7 +56,8 @@ MIB = 1 << 20
 EPILOG = """defaults: 2 nodes; 3 arrival seeds x 2 policies (ondemand, predictive) = 6 replays,
 each of the first 12 sessions to arrive (0.05 session starts per trace second), at most 16
 turns each, at 20x time compression: about 35-40 s per replay, about 5 minutes in all on 2
-cores. Client hints on (coverage 1.0); the predictor is ewma, read through 'hinted'.
+cores. Client hints on (coverage 1.0); the predictor is the shipped 'default', read through
+'hinted'.
 
 examples:
   kvprefetch demo                                  # 3 seeds x 2 policies, ~5 min on 2 cores
@@ -85,8 +86,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "clients, the agents warming it over its HTTP API (default local)")
     p.add_argument("--policies", default="ondemand,predictive",
                    help="policies to run, in order (default: ondemand,predictive)")
-    p.add_argument("--predictor", default="ewma",
-                   help="predictor of 'predictive' (ewma); with hints on it is read through "
+    p.add_argument("--predictor", default="default",
+                   help="predictor of 'predictive' (default: the shipped model 'default'); "
+                        "with hints on it is read through "
                         "'hinted' (ewma, default, a trained FILE or KIND:FILE can be "
                         "wrapped)")
     p.add_argument("--repeats", type=int, default=3,

@@ -32,6 +32,10 @@ class EvictionKind(enum.Enum):
     #: byte per second of occupancy, from the forecast conditioned on the silence so far);
     #: prefetches are admitted and timed by the same rule, with no confidence threshold.
     VALUE = "value"
+    #: Predicted next use or LRU, whichever wins more of the duels between their first
+    #: victims on the traffic at hand (controlplane.core.tiers.EvictionDuel); prefetches
+    #: are admitted by predicted use.
+    ADAPTIVE = "adaptive"
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +68,7 @@ POLICIES: dict[str, PolicySpec] = {
         # loading every miss at arrival (`queue`) holds DRAM early and evicts KV that
         # requests ahead in the queue need (measured: on the shared Claude Code set and
         # the slice on one node `queue` is slower than `ondemand` for that reason).
-        PolicySpec("predictive", True, True, LoadStart.ADAPTIVE, EvictionKind.PREDICTED_USE,
+        PolicySpec("predictive", True, True, LoadStart.ADAPTIVE, EvictionKind.ADAPTIVE,
                    True, modelled_on="kvprefetch"),
         PolicySpec("oracle", True, True, LoadStart.ON_ARRIVAL, EvictionKind.PREDICTED_USE, True,
                    predictor="oracle", safety_margin_s=0.0, modelled_on="the physical limit"),

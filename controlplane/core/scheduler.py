@@ -1,11 +1,12 @@
 """The scheduling core: one object that decides, and nothing that moves bytes.
 
 ``SchedulerCore`` tracks sessions, asks the predictor, routes requests, keeps the books of
-every node's local (DRAM) tier, decides demand loads and deadline-driven prefetches, and
-evicts by predicted next use. It is pure and deterministic: no clock (every call takes
-``now_s``), no I/O, no Ray. The simulator drives it on a virtual clock and supplies the
-physics through :class:`FleetView`; the live service drives it on the wall clock with
-views built from the agents' reports.
+every node's local (DRAM) tier, decides demand loads (when to start them, too) and
+deadline-driven prefetches, warms nodes that come back or join empty, and evicts by
+predicted next use or recency, whichever is winning on the traffic at hand. It is pure
+and deterministic: no clock (every call takes ``now_s``), no I/O, no Ray. The simulator
+drives it on a virtual clock and supplies the physics through :class:`FleetView`; the live
+service drives it on the wall clock with views built from the agents' reports.
 
 Who calls what
 --------------
@@ -44,7 +45,14 @@ from controlplane.core.planner import (
 from controlplane.core.policies import EvictionKind, LoadStart, PolicySpec
 from controlplane.core.router import NodeView, RouteDecision, RouteRequest, route
 from controlplane.core.step import DEMAND_PRIORITY, LoadTicket, Placement, StepOutput
-from controlplane.core.tiers import LruEviction, PredictedUseEviction, Tier, TierEntry
+from controlplane.core.tiers import (
+    DuelingEviction,
+    EvictionDuel,
+    LruEviction,
+    PredictedUseEviction,
+    Tier,
+    TierEntry,
+)
 from controlplane.core.value import SessionValues, ValueConfig
 from predictors.base import Predictor
 
@@ -132,8 +140,13 @@ class SchedulerCore:
         #: The strategy prefetches evict by (the tier's own, except under LRU).
         self._predicted_use = PredictedUseEviction(
             self._values.keys if self._valued else self._next_uses)
-        strategy: LruEviction | PredictedUseEviction = (
-            LruEviction() if policy.eviction is EvictionKind.LRU else self._predicted_use)
+        #: Predicted use vs LRU, for EvictionKind.ADAPTIVE.
+        self.duel = EvictionDuel()
+        strategy: LruEviction | PredictedUseEviction | DuelingEviction = self._predicted_use
+        if policy.eviction is EvictionKind.LRU:
+            strategy = LruEviction()
+        elif policy.eviction is EvictionKind.ADAPTIVE:
+            strategy = DuelingEviction(self._predicted_use, self.duel)
         capacity = fleet.node.dram_tier_bytes if policy.dram_tier else 0
         #: The books of every node's local DRAM tier (authoritative for what agents hold).
         self.dram = [Tier(f"dram{i}", capacity, strategy) for i in range(fleet.nodes)]
@@ -240,6 +253,7 @@ class SchedulerCore:
         s.planned_use_s = None
         s.awaiting_node = None
         self._evicted.discard(event.session_id)
+        self.duel.returned(event.session_id)
         self._observe(event)
         return self._output()
 
@@ -368,7 +382,9 @@ class SchedulerCore:
         old = tier.get(sid)
         old_bytes = old.nbytes if old is not None else 0
         min_key = -INF
-        if self.policy.eviction is not EvictionKind.LRU:
+        if self.policy.eviction is not EvictionKind.LRU and not (
+                self.policy.eviction is EvictionKind.ADAPTIVE
+                and not self.duel.predicted_use_leads):
             min_key = self._own_key(sid, now_s)
         victims = tier.victims_for(nbytes - old_bytes, now_s, exclude=sid, min_key=min_key)
         if old is not None and old.prefetched_unused:

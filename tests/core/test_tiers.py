@@ -75,3 +75,57 @@ def test_the_value_rule_prefetches_into_free_room_without_a_confidence_threshold
         out = core.start_prefetch(order, order.start_at_s)
     (ticket,) = out.loads
     assert ticket.prefetch and ticket.session_id == "a" and ticket.node == 0
+
+
+def test_eviction_duel_follows_the_rule_whose_victims_come_back_later() -> None:
+    from controlplane.core.tiers import EvictionDuel
+
+    duel = EvictionDuel(rate=0.5)
+    assert not duel.predicted_use_leads  # LRU, the baselines' rule, until shown otherwise
+    duel.record("a", "a")  # the rules agree: no duel
+    duel.returned("a")
+    assert duel.decided == 0
+    duel.record("p1", "l1")  # predicted use would evict p1, LRU l1
+    duel.returned("l1")  # LRU's victim came back first: predicted use was right
+    assert duel.decided == 1 and duel.score == 0.5 and duel.predicted_use_leads
+    duel.returned("p1")  # already decided: nothing more
+    assert duel.decided == 1
+    duel.record("p2", "l2")
+    duel.record("p2", "l3")
+    duel.returned("p2")  # predicted use's victim came back first: twice wrong
+    assert duel.decided == 3 and duel.score == 0.5 * (0.5 * (0.5 - 1) - 1) + 0.0
+    assert not duel.predicted_use_leads
+
+
+def test_eviction_duel_keeps_a_bounded_number_of_open_duels() -> None:
+    from controlplane.core.tiers import EvictionDuel
+
+    duel = EvictionDuel(max_pending=2)
+    duel.record("a", "b")
+    duel.record("c", "d")
+    duel.record("e", "f")  # drops the oldest, a-b
+    duel.returned("a")
+    assert duel.decided == 0
+    duel.returned("f")
+    assert duel.decided == 1
+
+
+def test_dueling_eviction_uses_the_leading_rule_and_records_disagreements() -> None:
+    from controlplane.core.tiers import (
+        DuelingEviction,
+        EvictionDuel,
+        PredictedUseEviction,
+        Tier,
+        TierEntry,
+    )
+
+    # x was used last (LRU keeps it) but is predicted furthest (predicted use evicts it).
+    uses = {"x": 500.0, "y": 20.0}
+    strategy = DuelingEviction(PredictedUseEviction(lambda sids, now: [uses[s] for s in sids]),
+                               EvictionDuel(rate=1.0))
+    tier = Tier("t", 200, strategy)
+    tier.put(TierEntry("y", 1, 100, last_use_s=1.0))
+    tier.put(TierEntry("x", 1, 100, last_use_s=5.0))
+    assert [e.key for e in tier.victims_for(100, 10.0)] == ["y"]  # LRU leads at first
+    strategy.duel.returned("y")  # LRU's victim came back first
+    assert [e.key for e in tier.victims_for(100, 11.0)] == ["x"]  # predicted use leads

@@ -23,7 +23,13 @@ from controlplane.base.config import (
 from controlplane.base.errors import ConfigError
 from controlplane.base.types import ArrivalForecast, Trace, TraceRequest, TraceSession
 from controlplane.core.planner import TransferEstimate, plan_prefetch
-from controlplane.core.policies import POLICIES, POLICY_NAMES, LoadStart, parse_policies
+from controlplane.core.policies import (
+    POLICIES,
+    POLICY_NAMES,
+    EvictionKind,
+    LoadStart,
+    parse_policies,
+)
 from controlplane.core.router import NodeView, RouteRequest, route
 from controlplane.core.tiers import LruEviction, Tier, TierEntry
 from controlplane.sim import SimOptions, Simulation, run_policies
@@ -367,10 +373,11 @@ def test_prefetch_lateness_is_finite_when_the_prefetch_lands_while_the_request_q
     fleet = fleet_from_dict({"nodes": args.nodes, "node": {
         "hbm_kv_bytes": int(args.hbm_gib * GIB), "dram_tier_bytes": int(args.dram_gib * GIB)}})
     trace = demo.build_trace(args, fleet.model.max_context_tokens)
-    # Loading at GPU start, as predictive did when this case was found: its adaptive load
-    # timing loads that request's miss at arrival instead, and the case does not arise.
-    policy = replace(POLICIES["predictive"], load_start=LoadStart.ON_SCHEDULE)
-    run = run_policy(trace, fleet, policy, args.predictor)
+    # Predictive as it was when this case was found (ewma, loading at GPU start, predicted-
+    # use eviction): today's adaptive load timing and eviction avoid the case altogether.
+    policy = replace(POLICIES["predictive"], load_start=LoadStart.ON_SCHEDULE,
+                     eviction=EvictionKind.PREDICTED_USE)
+    run = run_policy(trace, fleet, policy, "ewma")
     assert run.lateness_s and all(math.isfinite(x) for x in run.lateness_s)
 
 
