@@ -17,6 +17,13 @@ Who calls what: the scheduler sends ``execute`` (a few per second per node), ``c
 ``evict``; the node's engine calls ``wait`` (blocks until an order ends) and
 ``write_local`` once per request; monitoring calls ``status``. All are thread-safe;
 ``execute`` is idempotent per order id.
+
+Scheduler incarnations: every order id carries the epoch of the scheduler that issued it
+(:func:`~controlplane.base.wire.order_epoch`). The agent outlives scheduler restarts, so on
+the first order of a newer epoch it forgets the older epochs' de-duplication state and
+reports (their ids are never reused, but an engine must not be handed an old report), and
+it refuses orders of an epoch older than the newest it has seen (a stale message from a
+scheduler that has been replaced), counting them in ``stale_orders``.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import socket
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -49,13 +57,25 @@ from agents.stores.valkey_store import ValkeyStore, ValkeyStoreConfig
 from agents.transfer import TransferConfig, TransferEngine, TransferHandle, TransferResult
 from controlplane.base.errors import ConfigError
 from controlplane.base.keys import parse_session_prefix
-from controlplane.base.wire import AgentHello, AgentStatus, TransferOrder, TransferReport
+from controlplane.base.wire import (
+    AgentHello,
+    AgentStatus,
+    TransferOrder,
+    TransferReport,
+    format_order_id,
+    keys_digest,
+    order_epoch,
+)
 
 log = logging.getLogger(__name__)
 
 Reporter = Callable[[TransferReport], None]
 #: How long ``wait`` waits for an order it has not seen yet (wall seconds).
 UNSEEN_ORDER_GRACE_S = 5.0
+#: Order ids remembered to run each order once, and reports kept for ``wait`` (bounded:
+#: the oldest go first).
+SEEN_MEMORY = 65_536
+REPORT_MEMORY = 10_000
 
 
 class RemoteStoreConfig(BaseModel):
@@ -129,8 +149,11 @@ class PrefetchAgent:
         self._lock = threading.Lock()
         self._appeared = threading.Condition(self._lock)
         self._running: dict[int, _Running] = {}
-        self._reports: dict[int, TransferReport] = {}
-        self._seen: set[int] = set()
+        self._reports: OrderedDict[int, TransferReport] = OrderedDict()
+        self._seen: OrderedDict[int, None] = OrderedDict()
+        #: The newest scheduler epoch seen in an order.
+        self._epoch = 0
+        self.stale_orders = 0
         self.incarnation = uuid.uuid4().hex
         self._done = self._failed = self._bytes = self._evicted = 0
 
@@ -218,9 +241,8 @@ class PrefetchAgent:
             self._report(self._empty_report(order, error=f"wrong node {self.node}"))
             return
         with self._lock:
-            if order.order_id in self._seen:
+            if not self._admit(order):
                 return
-            self._seen.add(order.order_id)
         handle: TransferHandle | WarmHandle
         if warmer is not None:
             handle = warmer.submit(order)
@@ -233,6 +255,33 @@ class PrefetchAgent:
             self._running[order.order_id] = running
             self._appeared.notify_all()
         pool.submit(self._finish, running)
+
+    def _admit(self, order: TransferOrder) -> bool:
+        """Under the lock: whether to run ``order`` (new, and not of a replaced scheduler).
+        The first order of a newer epoch drops the older epochs' state."""
+        epoch = order_epoch(order.order_id)
+        if epoch < self._epoch:
+            self.stale_orders += 1
+            log.warning("agent %d: order %s is from scheduler epoch %d, replaced by %d; "
+                        "dropped", self.node, format_order_id(order.order_id), epoch,
+                        self._epoch)
+            return False
+        if epoch > self._epoch:
+            if self._epoch:
+                log.info("agent %d: scheduler epoch %d replaces %d; forgetting %d seen "
+                         "orders and %d reports", self.node, epoch, self._epoch,
+                         len(self._seen), len(self._reports))
+            self._epoch = epoch
+            self._seen = OrderedDict((oid, None) for oid in self._seen
+                                     if order_epoch(oid) >= epoch)
+            self._reports = OrderedDict((oid, r) for oid, r in self._reports.items()
+                                        if order_epoch(oid) >= epoch)
+        if order.order_id in self._seen:
+            return False
+        self._seen[order.order_id] = None
+        while len(self._seen) > SEEN_MEMORY:
+            self._seen.popitem(last=False)
+        return True
 
     def _advise(self, order: TransferOrder) -> None:
         """The order's deadline is when the scheduler predicts its keys will be read. A
@@ -251,10 +300,10 @@ class PrefetchAgent:
             report = self._empty_report(order, error=f"{type(exc).__name__}: {exc}")
         with self._lock:
             self._running.pop(order.order_id, None)
-            self._reports[order.order_id] = report
-            if len(self._reports) > 10_000:  # bounded: oldest reports first
-                for oid in sorted(self._reports)[:5_000]:
-                    del self._reports[oid]
+            if order_epoch(order.order_id) >= self._epoch:  # else no one may wait for it
+                self._reports[order.order_id] = report
+                while len(self._reports) > REPORT_MEMORY:  # bounded: oldest reports first
+                    self._reports.popitem(last=False)
             if report.complete:
                 self._done += 1
             else:
@@ -274,12 +323,13 @@ class PrefetchAgent:
             complete=r.complete and not r.cancelled, cancelled=r.cancelled,
             bytes_moved=r.bytes_moved, keys_moved=r.keys_moved, keys_present=r.keys_present,
             keys_missed=r.keys_missed, keys_failed=r.keys_failed, ttlb_wall_s=r.ttlb_s,
-            incarnation=self.incarnation, error=error, done_wall_s=time.time())
+            incarnation=self.incarnation, error=error, done_wall_s=time.time(),
+            keys_digest=keys_digest(order.keys))
 
     def _empty_report(self, order: TransferOrder, *, error: str) -> TransferReport:
         return TransferReport(order.order_id, order.session_id, order.node, order.prefetch,
                               False, False, 0, 0, 0, 0, len(order.keys), 0.0,
-                              self.incarnation, error, time.time())
+                              self.incarnation, error, time.time(), keys_digest(order.keys))
 
     def _report(self, report: TransferReport) -> None:
         if self._reporter is None:
@@ -297,7 +347,7 @@ class PrefetchAgent:
         with self._lock:
             done = self._reports.get(order_id)
             running = self._running.get(order_id)
-            if done is None and running is None:
+            if done is None and running is None and order_epoch(order_id) >= self._epoch:
                 # The scheduler's execute and the engine's wait travel separately: the order
                 # may still be on its way here. Give it a moment to appear.
                 grace = UNSEEN_ORDER_GRACE_S if timeout_s is None else min(
@@ -399,4 +449,4 @@ class PrefetchAgent:
         with self._lock:
             return AgentStatus(self.node, self.node_name, self.incarnation, os.getpid(),
                                used, capacity, held, len(self._running), self._done,
-                               self._failed, self._bytes, self._evicted)
+                               self._failed, self._bytes, self._evicted, self.stale_orders)

@@ -16,14 +16,59 @@ Who sends what
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+# ---------------------------------------------------------------------------------------------
+# Order ids: (scheduler epoch, sequence number) in one int.
+# ---------------------------------------------------------------------------------------------
+
+#: Low bits of an order id: the order's number within its scheduler incarnation.
+ORDER_SEQ_BITS = 32
+_SEQ_MASK = (1 << ORDER_SEQ_BITS) - 1
+
+
+def make_order_id(epoch: int, seq: int) -> int:
+    """The id of order ``seq`` (1, 2, ...) of the scheduler incarnation ``epoch``.
+
+    Order ids stay plain ints on the wire (engines wait on them, Ray passes them), but every
+    id carries its scheduler's epoch in its high bits, so a restarted scheduler never
+    reuses an id of its predecessor: agents' de-duplication and reports cannot confuse
+    the two. Ids of one epoch are ordered by ``seq``; ids of a later epoch are larger.
+    """
+    if epoch < 0 or not 0 < seq <= _SEQ_MASK:
+        raise ValueError(f"order id out of range: epoch {epoch}, seq {seq}")
+    return (epoch << ORDER_SEQ_BITS) | seq
+
+
+def order_epoch(order_id: int) -> int:
+    """The scheduler epoch an order id was issued in (0: an id made without one)."""
+    return order_id >> ORDER_SEQ_BITS
+
+
+def format_order_id(order_id: int) -> str:
+    """``epoch.seq``, for logs."""
+    return f"{order_epoch(order_id)}.{order_id & _SEQ_MASK}"
+
+
+def keys_digest(keys: Iterable[str]) -> str:
+    """A short digest of an order's chunk keys, in order: the agent echoes it in its report
+    so that the scheduler can check the report is about the keys it ordered."""
+    h = hashlib.blake2b(digest_size=8)
+    for key in keys:
+        h.update(key.encode())
+        h.update(b"\0")
+    return h.hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
 class TransferOrder:
     """Move ``keys`` (chunks of one session's KV) into ``node``'s local tier.
 
-    Idempotent per ``order_id``: an agent that sees the same id twice runs it once.
+    Idempotent per ``order_id``: an agent that sees the same id twice runs it once. The id
+    carries the scheduler's epoch (:func:`make_order_id`): an agent that sees an order of a
+    newer epoch forgets the older epochs' de-duplication state and reports.
     ``tokens``/``nbytes`` are the *modelled* size (the books); the agent moves whatever
     the keys hold (the scaled, real bytes).
     """
@@ -39,10 +84,20 @@ class TransferOrder:
     #: Higher runs first on the node's transfer engine (demand loads outrank prefetches).
     priority: float = 0.0
 
+    @property
+    def epoch(self) -> int:
+        """The scheduler incarnation that issued the order."""
+        return order_epoch(self.order_id)
+
 
 @dataclass(frozen=True, slots=True)
 class TransferReport:
-    """How one order ended (``complete``: every chunk is published in the local tier)."""
+    """How one order ended (``complete``: every chunk is published in the local tier).
+
+    The scheduler books a report only when it matches its order: same epoch, session, node
+    and kind, key counts within the order's keys and, when the agent sent it,
+    ``keys_digest`` equal to :func:`keys_digest` of the order's keys.
+    """
 
     order_id: int
     session_id: str
@@ -61,6 +116,12 @@ class TransferReport:
     #: When the order ended (``time.time()`` on the agent's node; 0 = unknown). The node's
     #: engine emulator, on the same node, uses it to place the transfer on its GPU timeline.
     done_wall_s: float = 0.0
+    #: :func:`keys_digest` of the order's keys ("" = not sent).
+    keys_digest: str = ""
+
+    @property
+    def epoch(self) -> int:
+        return order_epoch(self.order_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +152,8 @@ class AgentStatus:
     orders_failed: int
     bytes_moved: int
     evicted_keys: int
+    #: Orders refused because a newer scheduler epoch had been seen.
+    stale_orders: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,16 +26,18 @@ from controlplane.base.wire import (
     GpuStartPlan,
     TransferOrder,
     TransferReport,
+    format_order_id,
+    order_epoch,
 )
 from controlplane.core.planner import PrefetchOrder
 from controlplane.core.scheduler import SchedulerCore
 from controlplane.core.step import StepOutput
 from controlplane.live.config import ServiceClock, ServiceConfig
 from controlplane.live.fleet import LiveFleet
-from controlplane.live.orders import OrderBook
+from controlplane.live.orders import OrderBook, report_mismatch
 from controlplane.live.ports import Outbox, ServiceMetricsSink, ServiceStats
 from controlplane.live.sessions import SessionInfo, SessionRegistry
-from controlplane.traces.journal import JournalWriter, read_journal_events
+from controlplane.traces.journal import JournalScanner, JournalWriter, TimeLimits
 
 log = logging.getLogger(__name__)
 
@@ -261,12 +263,13 @@ class LiveDriver:
                  hello.node, hello.node_name, hello.incarnation[:8], len(hello.inventory))
 
     def report_transfer(self, report: TransferReport, box: Outbox) -> None:
-        """An agent finished (or gave up) an order. Idempotent per order id."""
-        inflight = self.orders.get(report.node, report.order_id)
-        if inflight is None or self.orders.was_closed(report.order_id):
-            return  # a duplicate, expired, or from a previous service incarnation
+        """An agent finished (or gave up) an order. Idempotent per order id; a report that
+        does not match its order (another epoch, session, node, kind or keys) is counted
+        and logged, never booked."""
+        order = self._order_of(report)
+        if order is None:
+            return
         now = self.clock.now_s()
-        order = inflight.order
         if not report.complete:
             self._order_failed(order, now, report.error or "incomplete", box)
             return
@@ -278,6 +281,41 @@ class LiveDriver:
         if info is not None and info.await_prefetch_node == order.node:
             info.await_prefetch_node = None
             self._lateness(now - info.arrival_s)
+
+    def _order_of(self, report: TransferReport) -> TransferOrder | None:
+        """The order in flight that ``report`` is the outcome of, or None (counted)."""
+        if order_epoch(report.order_id) != self.orders.epoch:
+            self._reject(report, "stale_epoch")
+            return None
+        if not 0 <= report.node < self.config.fleet.nodes:
+            self._reject(report, "unknown_node")
+            return None
+        inflight = self.orders.by_id(report.order_id)
+        if inflight is None:
+            if self.orders.was_closed(report.order_id):
+                # A duplicate (the engine and the agent both report), or an order given up
+                # (timed out, its agent restarted): not an error.
+                self.stats.reports_duplicate += 1
+            else:
+                self._reject(report, "unknown_order")
+            return None
+        why = report_mismatch(report, inflight.order)
+        if why is None and report.incarnation and inflight.incarnation \
+                and report.incarnation != inflight.incarnation:
+            why = "incarnation"
+        if why is not None:
+            self._reject(report, why, inflight.order)
+            return None
+        return inflight.order
+
+    def _reject(self, report: TransferReport, why: str,
+                order: TransferOrder | None = None) -> None:
+        rejected = self.stats.reports_rejected
+        rejected[why] = rejected.get(why, 0) + 1
+        log.warning("report of order %s (%s, node %d) rejected: %s%s; not booked",
+                    format_order_id(report.order_id), report.session_id, report.node, why,
+                    "" if order is None else
+                    f" (the order is {order.session_id} on node {order.node})")
 
     def _count_done(self, order: TransferOrder, report: TransferReport) -> None:
         s = self.stats
@@ -296,8 +334,8 @@ class LiveDriver:
     def _order_failed(self, order: TransferOrder, now: float, why: str, box: Outbox) -> None:
         self.orders.close(order)
         self.stats.orders_failed += 1
-        log.info("order %d (%s -> node %d) failed: %s; re-planning", order.order_id,
-                 order.session_id, order.node, why)
+        log.info("order %s (%s -> node %d) failed: %s; re-planning",
+                 format_order_id(order.order_id), order.session_id, order.node, why)
         self.carry(self.core.transfer_failed(order.session_id, order.node, now), box)
 
     def unsent(self, order: TransferOrder, why: str, box: Outbox) -> None:
@@ -310,17 +348,20 @@ class LiveDriver:
         self.metrics.lateness(seconds)
 
     # ------------------------------------------------------------------ resume
-    def resume(self, path: Path) -> None:
-        """Replay the journal through :meth:`_apply` (as the live calls did); keep the
-        armed orders; the books of each node are reconciled when its agent says hello."""
-        last_t, count, box = 0.0, 0, Outbox()
-        for event in read_journal_events(path):
-            count += 1
-            last_t = max(last_t, event.time_s)
+    def resume(self, path: Path, limits: TimeLimits) -> JournalScanner:
+        """Replay the journal through :meth:`apply` (as the live calls did); keep the
+        armed orders; the books of each node are reconciled when its agent says hello.
+        Damaged records (checksum, syntax, time out of range) are skipped and left in the
+        returned scanner's ``damaged`` for the caller to quarantine; this never raises on
+        a record's content."""
+        scan, box = JournalScanner(path, limits=limits), Outbox()
+        for _line, event in scan:
             self.carry(self.apply(event), box)
-        self.clock.continue_after(last_t)
-        log.info("resumed from %s: %d events, %d live sessions, clock at %.1f s", path, count,
-                 len(self.registry), last_t)
+        self.clock.continue_after(scan.last_t)
+        log.info("resumed from %s: %d events, %d live sessions, clock at %.1f s, "
+                 "last epoch %d", path, scan.events, len(self.registry), scan.last_t,
+                 scan.last_epoch)
+        return scan
 
     # ------------------------------------------------------------------ introspection
     def summary(self) -> dict[str, Any]:
@@ -340,6 +381,9 @@ class LiveDriver:
             "wasted_bytes_modelled": core.stats.wasted_bytes,
             "ttlb_s": list(s.ttlb_s), "lateness_s": list(s.lateness_s),
             "loop_errors": s.loop_errors, "clock_s": self.clock.now_s(),
+            "epoch": self.orders.epoch, "reports_rejected": dict(s.reports_rejected),
+            "reports_duplicate": s.reports_duplicate,
+            "journal_quarantined": s.journal_quarantined,
             "sizes": {"sessions": len(self.registry), "core_sessions": core.sessions(),
                       "timers": len(self.timers), **self.orders.sizes()},
         }

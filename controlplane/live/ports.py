@@ -77,6 +77,15 @@ class ServiceStats:
     prefetch_model_bytes: int = 0
     demand_model_bytes: int = 0
     loop_errors: int = 0
+    #: Reports not booked because they do not match their order, by reason:
+    #: ``stale_epoch`` (from an older scheduler incarnation), ``unknown_node``,
+    #: ``unknown_order``, ``incarnation``, and ``session``, ``node``, ``kind``, ``keys``
+    #: (see :func:`~controlplane.live.orders.report_mismatch`).
+    reports_rejected: dict[str, int] = field(default_factory=dict)
+    #: Second reports of an order already over (the engine and the agent both report).
+    reports_duplicate: int = 0
+    #: Journal records quarantined when the service started (damaged or out of range).
+    journal_quarantined: int = 0
     #: The latest :data:`SAMPLE_WINDOW` samples.
     ttlb_s: deque[float] = field(default_factory=_window)
     lateness_s: deque[float] = field(default_factory=_window)

@@ -53,9 +53,20 @@ from controlplane.live.ports import (
     ServiceStats,
 )
 from controlplane.live.sessions import SessionRegistry
-from controlplane.traces.journal import JournalWriter
+from controlplane.traces.journal import EpochRecord, JournalWriter, TimeLimits, quarantine
 
 log = logging.getLogger(__name__)
+
+#: Epochs from the wall clock count whole seconds from 2024-01-01 UTC (so that order ids,
+#: epoch << 32 | n, stay below 2**63 until 2092).
+EPOCH_ORIGIN_S = 1_704_067_200
+
+
+def next_epoch(last_epoch: int, calendar_s: float) -> int:
+    """The epoch of a scheduler that starts now: after the last one its journal records,
+    and never below the wall clock's (whole seconds since :data:`EPOCH_ORIGIN_S`), so that
+    epochs grow across restarts also without a journal (or with its epoch records lost)."""
+    return max(last_epoch + 1, int(calendar_s) - EPOCH_ORIGIN_S, 1)
 
 
 class SchedulerService:
@@ -63,11 +74,16 @@ class SchedulerService:
 
     def __init__(self, config: ServiceConfig, *, agents: Mapping[int, AgentPort] | None = None,
                  metrics: ServiceMetricsSink | None = None,
-                 wall: Callable[[], float] = time.monotonic) -> None:
+                 wall: Callable[[], float] = time.monotonic,
+                 calendar: Callable[[], float] = time.time) -> None:
         self.config = config
         self.policy = config.policy_spec
         self.clock = ServiceClock(config.time_compression, wall=wall)
         self._wall = wall
+        #: Unix seconds: the epoch's floor and the journal's time checks.
+        self._calendar = calendar
+        #: This incarnation's epoch (set by :meth:`start`); every order id carries it.
+        self.epoch = 0
         self._metrics: ServiceMetricsSink = metrics or NullMetrics()
         self.orders = OrderBook(config.fleet.nodes)
         self.fleet = LiveFleet(config.fleet, self.orders)
@@ -93,21 +109,49 @@ class SchedulerService:
         driver = LiveDriver(self.config, core, self.fleet, self.orders, self.clock,
                             self._metrics, self._wall)
         path = self.config.journal_path
+        last_epoch = 0
         if path is not None and Path(path).exists() and Path(path).stat().st_size > 0:
-            driver.resume(Path(path))
+            last_epoch = self._resume(driver, Path(path))
+        self.epoch = next_epoch(last_epoch, self._calendar())
+        self.orders.begin_epoch(self.epoch)
         if path is not None:
             self._journal = driver.journal = JournalWriter(path, metadata={
                 "source": "kvprefetch-service", "policy": self.policy.name,
                 "time_compression": self.config.time_compression,
             }).open()
+            self._journal.write_epoch(EpochRecord(self.epoch, self.clock.now_s(),
+                                                  self._calendar(),
+                                                  self.config.time_compression))
+            self._journal.flush(sync=True)
         self._driver = driver
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="kvprefetch-scheduler",
                                         daemon=True)
         self._thread.start()
-        log.info("scheduler service started: policy %s, %d nodes, compression %g",
-                 self.policy.name, self.config.fleet.nodes, self.config.time_compression)
+        log.info("scheduler service started: epoch %d, policy %s, %d nodes, compression %g",
+                 self.epoch, self.policy.name, self.config.fleet.nodes,
+                 self.config.time_compression)
         return self
+
+    def _resume(self, driver: LiveDriver, path: Path) -> int:
+        """Replay the journal; quarantine its damaged records (never fail start-up on
+        them: Ray would restart the scheduler into the same record forever). Returns the
+        last scheduler epoch the journal records."""
+        scan = driver.resume(path, TimeLimits(now_wall_s=self._calendar()))
+        damaged = scan.damaged
+        if damaged:
+            driver.stats.journal_quarantined = len(damaged)
+            try:
+                side = quarantine(path, damaged, wall_s=self._calendar())
+            except OSError as exc:  # the records were skipped all the same
+                log.error("journal %s: could not quarantine %d damaged records: %s", path,
+                          len(damaged), exc)
+            else:
+                lines = ", ".join(f"{d.line} ({d.reason})" for d in damaged[:10])
+                log.warning("journal %s: %d damaged records skipped and moved to %s: lines %s%s",
+                            path, len(damaged), side, lines,
+                            " ..." if len(damaged) > 10 else "")
+        return scan.last_epoch
 
     def close(self) -> None:
         with self._wake:

@@ -9,13 +9,24 @@ File format (JSONL, UTF-8, optionally gzip-compressed as ``.jsonl.gz`` once rota
   ``hint``, ``eta_s``, ``node``, ``tenant``, ``parent``, ``ctx`` (``None`` fields are
   omitted).
   ``t`` is the service clock in seconds. Unknown keys are ignored, so version 1 may gain
-  optional keys; a change of meaning bumps the version.
+  optional keys; a change of meaning bumps the version;
+* and, once per scheduler start, an epoch record ``{"kvprefetch_epoch": N, "t": ...,
+  "wall": ..., "compression": ...}`` (:class:`EpochRecord`: the epoch its order ids carry).
 
-Crash safety: the writer appends each event as one ``write`` of one complete line, so a crash
-can only tear the *last* line. The reader ignores a torn last line (one without its final
-newline that does not parse) and logs a warning; a bad line anywhere else is an error
-(:class:`~controlplane.base.errors.TraceFormatError` naming file, line and field). On opening an
-existing journal the writer first cuts such a torn tail, so appending never buries it.
+Every record but the header ends with its checksum, ``..., "crc": "1a2b3c4d"}``: the CRC-32
+of the line's bytes without that key (journals written before checksums still load). A
+record whose checksum does not match, an unchecked record after checked ones, a line that
+is not a valid record and (for the service) a record whose time is out of range
+(:class:`TimeLimits`) is *damaged*: :class:`JournalScanner` sets it aside, and the service
+moves it to a side file (:func:`quarantine`) with a counted warning and starts without it
+(``kvprefetch journal check [--repair]`` does the same offline). The trace readers below
+(:func:`read_journal_events`, :func:`load_journal`) are strict: a damaged line is a
+:class:`~controlplane.base.errors.TraceFormatError` naming file, line and field.
+
+Crash safety: the writer appends each record as one ``write`` of one complete line, so a
+crash can only tear the *last* line. Every reader ignores a torn last line (one without its
+final newline that does not check out) and logs a warning; on opening an existing journal
+the writer first cuts such a torn tail, so appending never buries it.
 
 As a trace (:func:`load_journal`), the journal is replayed closed-loop: ``request_started``
 gives the arrival, ``in`` and ``reused``; ``request_finished`` gives ``out``, ``stop`` and
@@ -31,8 +42,11 @@ import gzip
 import json
 import logging
 import os
+import re
 import threading
-from collections.abc import Iterator, Mapping
+import time
+import zlib
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -41,6 +55,7 @@ from typing import IO, Any, Self
 import pydantic_core
 from tqdm import tqdm
 
+from controlplane.base.atomic import write_atomic
 from controlplane.base.errors import TraceFormatError
 from controlplane.base.types import (
     EventKind,
@@ -54,6 +69,7 @@ from controlplane.traces._fields import FieldReader, check_exists
 
 FORMAT_NAME = "journal"
 HEADER_KEY = "kvprefetch_journal"
+EPOCH_KEY = "kvprefetch_epoch"
 JOURNAL_VERSION = 1
 
 _log = logging.getLogger(__name__)
@@ -135,18 +151,109 @@ def _node(reader: FieldReader, row: Mapping[str, Any]) -> int | None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Records: checksums and scheduler epochs.
+# ---------------------------------------------------------------------------------------------
+
+#: A checksummed record ends with this key, written last: ``...,"crc":"1a2b3c4d"}``.
+CRC_KEY = "crc"
+_CRC_TAIL = re.compile(rb',"crc":"([0-9a-f]{8})"\}\r?\n?$')
+
+
+def _encode(obj: Mapping[str, Any]) -> bytes:
+    return (json.dumps(obj, separators=(",", ":"), ensure_ascii=False) + "\n").encode()
+
+
+def _encode_checked(obj: Mapping[str, Any]) -> bytes:
+    """One record line with its checksum: the CRC-32 of the line's bytes without the
+    checksum key (the ``{...}`` the key was appended to)."""
+    body = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+    assert body.endswith(b"}") and len(body) > 2, body  # a non-empty object
+    return body[:-1] + b',"%s":"%08x"}\n' % (CRC_KEY.encode(), zlib.crc32(body))
+
+
+def _verify(raw: bytes) -> bool | None:
+    """True/False: the line's checksum matches or not; None: the line has none."""
+    match = _CRC_TAIL.search(raw)
+    if match is None:
+        return None
+    body = raw[: match.start()] + b"}"
+    return zlib.crc32(body) == int(match.group(1), 16)
+
+
+@dataclass(frozen=True, slots=True)
+class EpochRecord:
+    """A scheduler start: the epoch its order ids carry, the service clock (``t``) and the
+    wall clock (Unix seconds) when it started, and its time compression. Later records'
+    times are checked against it (:class:`TimeLimits`)."""
+
+    epoch: int
+    time_s: float
+    wall_s: float
+    compression: float = 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {EPOCH_KEY: self.epoch, "t": self.time_s, "wall": self.wall_s,
+                "compression": self.compression}
+
+    @classmethod
+    def from_dict(cls, row: Mapping[str, Any], reader: FieldReader) -> EpochRecord:
+        compression = reader.number(row, "compression") if "compression" in row else 1.0
+        if not compression > 0:
+            raise reader.error("compression", f"must be positive, got {compression!r}")
+        return cls(reader.count(row, EPOCH_KEY), reader.number(row, "t"),
+                   reader.number(row, "wall"), compression)
+
+
+@dataclass(frozen=True, slots=True)
+class TimeLimits:
+    """How far in the future a record's time may lie (a damaged or forged ``t`` such as
+    ``1e300`` must not freeze the service clock).
+
+    A record's ``t`` must be >= 0 (the service clock starts at 0) and at most:
+    after an epoch record, that start's ``t`` + (``now_wall_s`` - its wall time + ``slack_s``)
+    x its compression (the service clock cannot have run further since it started);
+    before any, the latest accepted ``t`` + ``max_gap_s``.
+    """
+
+    #: The wall clock now (Unix seconds).
+    now_wall_s: float
+    #: Allowed wall-clock skew between the machines a scheduler ran on (seconds).
+    slack_s: float = 3600.0
+    #: Journals without epoch records: the largest jump of the service clock between two
+    #: records (service seconds; ~317 years at compression 1, a day at the highest).
+    max_gap_s: float = 1e10
+
+
+@dataclass(frozen=True, slots=True)
+class DamagedRecord:
+    """A journal line that cannot be trusted: its 1-based ``line``, why, and its bytes."""
+
+    line: int
+    reason: str
+    raw: bytes
+    #: The last line, without its newline: a write cut short by a crash.
+    torn: bool = False
+    error: TraceFormatError | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"line": self.line, "reason": self.reason, "torn": self.torn,
+                "raw": self.raw.decode("utf-8", errors="backslashreplace")}
+
+
+# ---------------------------------------------------------------------------------------------
 # Writing.
 # ---------------------------------------------------------------------------------------------
 
 
 class JournalWriter:
-    """Appends session events to a journal file, one line each.
+    """Appends session events to a journal file, one checksummed line each.
 
     Called by the live control plane for every event it observes (often: once per request
-    start and finish, plus hints), from any thread. The constructor does no I/O;
-    :meth:`open` (or ``with``) creates the file with its header, or reopens an existing
-    journal for appending after cutting a torn last line. Each event is one ``write`` of one
-    complete line; :meth:`flush` hands buffered lines to the OS (``sync=True`` also fsyncs).
+    start and finish, plus hints), from any thread, and once per scheduler start
+    (:meth:`write_epoch`). The constructor does no I/O; :meth:`open` (or ``with``) creates
+    the file with its header, or reopens an existing journal for appending after cutting a
+    torn last line. Each record is one ``write`` of one complete line; :meth:`flush` hands
+    buffered lines to the OS (``sync=True`` also fsyncs).
     """
 
     def __init__(self, path: str | Path, *, metadata: Mapping[str, Any] | None = None) -> None:
@@ -169,7 +276,13 @@ class JournalWriter:
         return self
 
     def write(self, event: SessionEvent) -> None:
-        data = _encode(event_to_dict(event))
+        self._append(_encode_checked(event_to_dict(event)))
+
+    def write_epoch(self, record: EpochRecord) -> None:
+        """Record a scheduler start (see :class:`EpochRecord`)."""
+        self._append(_encode_checked(record.to_dict()))
+
+    def _append(self, data: bytes) -> None:
         with self._lock:
             if self._file is None:
                 raise RuntimeError("JournalWriter is not open; call open() or use 'with'")
@@ -237,48 +350,193 @@ class JournalWriter:
             f.truncate(position)
 
 
-def _encode(obj: Mapping[str, Any]) -> bytes:
-    return (json.dumps(obj, separators=(",", ":"), ensure_ascii=False) + "\n").encode()
+# ---------------------------------------------------------------------------------------------
+# Reading: every line checked, damaged ones set aside.
+# ---------------------------------------------------------------------------------------------
 
 
-# ---------------------------------------------------------------------------------------------
-# Reading.
-# ---------------------------------------------------------------------------------------------
+class JournalScanner:
+    """Reads a journal line by line, yielding ``(line, event)`` for every event it can
+    trust and setting every other line aside in :attr:`damaged`.
+
+    A line is damaged when its checksum does not match; when it has none although an
+    earlier record of the file had one (a writer that checksums never writes an unchecked
+    record after a checked one; journals written before checksums have none and still
+    load); when it is not a valid record; or, with ``limits``, when its time is out of
+    range (:class:`TimeLimits`). The header line carries no checksum (it holds no state);
+    a header that does not parse is damaged too. With ``strict``, the first damaged line
+    other than a torn last line raises :class:`TraceFormatError` instead.
+
+    After iterating, :attr:`records` counts the lines read (blank ones excepted),
+    :attr:`events` the events yielded, :attr:`epochs`/:attr:`last_epoch` the scheduler
+    starts, :attr:`last_t` the latest accepted time.
+    """
+
+    def __init__(self, path: str | Path, *, limits: TimeLimits | None = None,
+                 strict: bool = False, progress: bool = False) -> None:
+        self.path = Path(path)
+        self.limits = limits
+        self.strict = strict
+        self.progress = progress
+        self.damaged: list[DamagedRecord] = []
+        self.records = self.events = self.epochs = self.checked = 0
+        self.last_epoch = 0
+        self.last_t = 0.0
+        self.header_ok = False
+        self._epoch: EpochRecord | None = None
+
+    def __iter__(self) -> Iterator[tuple[int, SessionEvent]]:
+        check_exists(self.path)
+        opener = gzip.open if self.path.name.endswith(".gz") else open
+        with opener(self.path, "rb") as stream:
+            lines = tqdm(stream, desc="journal", unit="line", disable=not self.progress)
+            for number, raw in enumerate(lines, start=1):
+                if not raw.strip():
+                    continue
+                self.records += 1
+                try:
+                    event = self._read(number, raw)
+                except _Damaged as damage:
+                    self._damage(number, raw, damage)
+                    continue
+                if event is not None:
+                    self.events += 1
+                    yield number, event
+
+    def _read(self, number: int, raw: bytes) -> SessionEvent | None:
+        verified = _verify(raw)
+        if verified is False:
+            raise _Damaged("checksum mismatch")
+        if verified is None and self.checked:
+            raise _Damaged("no checksum after checksummed records")
+        try:
+            obj = pydantic_core.from_json(raw)
+        except ValueError as exc:
+            raise _Damaged(f"invalid JSON: {exc}") from None
+        if not isinstance(obj, dict):
+            raise _Damaged(f"expected a JSON object, got {type(obj).__name__}")
+        if verified:
+            self.checked += 1
+        elif CRC_KEY in obj:
+            raise _Damaged("malformed checksum")
+        reader = FieldReader(self.path, number)
+        if HEADER_KEY in obj:
+            version = obj[HEADER_KEY]
+            if version != JOURNAL_VERSION:
+                raise _Damaged(f"unsupported journal version {version!r} "
+                               f"(this reader: {JOURNAL_VERSION})", field=HEADER_KEY)
+            self.header_ok = self.header_ok or number == 1
+            return None
+        try:
+            if EPOCH_KEY in obj:
+                epoch = EpochRecord.from_dict(obj, reader)
+                if (why := self._out_of_range(epoch.time_s, epoch.wall_s)) is not None:
+                    raise _Damaged(why, field="t")
+                self._epoch, self.last_epoch = epoch, max(self.last_epoch, epoch.epoch)
+                self.epochs += 1
+                self.last_t = max(self.last_t, epoch.time_s)
+                return None
+            event = event_from_dict(obj, path=self.path, line=number)
+        except TraceFormatError as exc:
+            raise _Damaged(str(exc), error=exc) from None
+        if (why := self._out_of_range(event.time_s)) is not None:
+            raise _Damaged(why, field="t")
+        self.last_t = max(self.last_t, event.time_s)
+        return event
+
+    def _out_of_range(self, t: float, wall_s: float | None = None) -> str | None:
+        limits = self.limits
+        if limits is None:
+            return None
+        if not t >= 0.0:
+            return f"time {t!r} before the service clock's start"
+        if wall_s is not None and wall_s > limits.now_wall_s + limits.slack_s:
+            return f"start recorded at wall time {wall_s!r}, in the future"
+        start = self._epoch
+        if start is None:
+            bound = self.last_t + limits.max_gap_s
+        else:
+            ran_s = max(0.0, limits.now_wall_s - start.wall_s) + limits.slack_s
+            bound = start.time_s + ran_s * start.compression
+        if t > bound:
+            return f"time {t!r} is in the future (at most {bound:.6g} here)"
+        return None
+
+    def _damage(self, number: int, raw: bytes, damage: _Damaged) -> None:
+        reason = damage.reason
+        torn = not raw.endswith(b"\n")
+        if torn:
+            _log.warning("%s:%d: ignoring a torn last line", self.path, number)
+            reason = f"torn last line ({reason})"
+        elif self.strict:
+            raise damage.error or TraceFormatError(reason, path=self.path, line=number,
+                                                   field=damage.field)
+        self.damaged.append(DamagedRecord(number, reason, raw, torn, damage.error))
+
+
+class _Damaged(Exception):
+    """Raised by :meth:`JournalScanner._read` for a line it cannot trust."""
+
+    def __init__(self, reason: str, *, field: str | None = None,
+                 error: TraceFormatError | None = None) -> None:
+        super().__init__(reason)
+        self.reason, self.field, self.error = reason, field, error
 
 
 def read_journal_events(path: str | Path) -> Iterator[SessionEvent]:
-    """The events of a journal, in file order (see the module docstring for torn lines)."""
-    for _line, event in _numbered_events(Path(path)):
+    """The events of a journal, in file order (see the module docstring for torn lines).
+    Strict: a damaged line raises :class:`TraceFormatError` (``kvprefetch journal check
+    --repair`` sets damaged lines aside)."""
+    for _line, event in JournalScanner(path, strict=True):
         yield event
 
 
 def _numbered_events(path: Path, *, progress: bool = False) -> Iterator[tuple[int, SessionEvent]]:
-    check_exists(path)
-    opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "rb") as stream:
-        lines = tqdm(stream, desc="journal", unit="line", disable=not progress)
-        for number, raw in enumerate(lines, start=1):
-            if not raw.strip():
+    yield from JournalScanner(path, strict=True, progress=progress)
+
+
+# ---------------------------------------------------------------------------------------------
+# Quarantine and repair.
+# ---------------------------------------------------------------------------------------------
+
+
+def quarantine_path(path: str | Path) -> Path:
+    """The side file that keeps a journal's damaged lines: ``<journal>.quarantine``."""
+    p = Path(path)
+    return p.with_name(p.name + ".quarantine")
+
+
+def quarantine(path: str | Path, damaged: Sequence[DamagedRecord], *,
+               wall_s: float | None = None) -> Path | None:
+    """Set ``damaged`` lines of the journal at ``path`` aside: append them to the side file
+    (one JSON object per line: ``line``, ``reason``, ``torn``, ``raw``, ``quarantined_at``),
+    then replace the journal atomically by a copy without them (a fresh header first when
+    the header was among them). Returns the side file, or None when nothing was damaged.
+    """
+    if not damaged:
+        return None
+    source = Path(path)
+    side = quarantine_path(source)
+    stamp = time.time() if wall_s is None else wall_s
+    with side.open("ab") as f:
+        for record in damaged:
+            f.write(_encode({**record.to_dict(), "journal": source.name,
+                             "quarantined_at": stamp}))
+        f.flush()
+        os.fsync(f.fileno())
+    bad = {record.line for record in damaged}
+    write_atomic(source, _kept_lines(source, bad))
+    return side
+
+
+def _kept_lines(path: Path, bad: set[int]) -> Iterator[bytes]:
+    with path.open("rb") as stream:
+        for number, raw in enumerate(stream, start=1):
+            if number == 1 and number in bad:
+                yield _encode({HEADER_KEY: JOURNAL_VERSION, "repaired": True})
+            if number in bad or not raw.strip():
                 continue
-            complete = raw.endswith(b"\n")
-            try:
-                obj = pydantic_core.from_json(raw)
-            except ValueError as exc:
-                if not complete:
-                    _log.warning("%s:%d: ignoring a torn last line", path, number)
-                    return
-                raise TraceFormatError(f"invalid JSON: {exc}", path=path, line=number) from None
-            if isinstance(obj, dict) and HEADER_KEY in obj:
-                version = obj[HEADER_KEY]
-                if version != JOURNAL_VERSION:
-                    raise TraceFormatError(
-                        f"unsupported journal version {version!r} (this reader: {JOURNAL_VERSION})",
-                        path=path,
-                        line=number,
-                        field=HEADER_KEY,
-                    )
-                continue
-            yield number, event_from_dict(obj, path=path, line=number)
+            yield raw if raw.endswith(b"\n") else raw + b"\n"
 
 
 # ---------------------------------------------------------------------------------------------
