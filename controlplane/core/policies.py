@@ -34,7 +34,7 @@ class EvictionKind(enum.Enum):
     VALUE = "value"
     #: Predicted next use or LRU, whichever wins more of the duels between their first
     #: victims on the traffic at hand (controlplane.core.tiers.EvictionDuel); prefetches
-    #: are admitted by predicted use.
+    #: are admitted by predicted use. Experimental (policy ``predictive-duel``).
     ADAPTIVE = "adaptive"
 
 
@@ -68,7 +68,7 @@ POLICIES: dict[str, PolicySpec] = {
         # loading every miss at arrival (`queue`) holds DRAM early and evicts KV that
         # requests ahead in the queue need (measured: on the shared Claude Code set and
         # the slice on one node `queue` is slower than `ondemand` for that reason).
-        PolicySpec("predictive", True, True, LoadStart.ADAPTIVE, EvictionKind.ADAPTIVE,
+        PolicySpec("predictive", True, True, LoadStart.ADAPTIVE, EvictionKind.PREDICTED_USE,
                    True, modelled_on="kvprefetch"),
         PolicySpec("oracle", True, True, LoadStart.ON_ARRIVAL, EvictionKind.PREDICTED_USE, True,
                    predictor="oracle", safety_margin_s=0.0, modelled_on="the physical limit"),
@@ -77,6 +77,11 @@ POLICIES: dict[str, PolicySpec] = {
         # far it prefetches but wastes most of it (README, "The value rule").
         PolicySpec("predictive-value", True, True, LoadStart.ADAPTIVE, EvictionKind.VALUE,
                    True, modelled_on="kvprefetch, value rule (experimental)"),
+        # Experimental, by name only: eviction by predicted use or LRU, whichever wins the
+        # duels between their victims. Measured: fewer and smaller losses than predictive
+        # at light load, smaller gains under load (README, "Prefetch: where it stands").
+        PolicySpec("predictive-duel", True, True, LoadStart.ADAPTIVE, EvictionKind.ADAPTIVE,
+                   True, modelled_on="kvprefetch, dueling eviction (experimental)"),
     )
 }
 

@@ -3,7 +3,8 @@
 ``SchedulerCore`` tracks sessions, asks the predictor, routes requests, keeps the books of
 every node's local (DRAM) tier, decides demand loads (when to start them, too) and
 deadline-driven prefetches, warms nodes that come back or join empty, and evicts by
-predicted next use or recency, whichever is winning on the traffic at hand. It is pure
+predicted next use (or, experimentally, by whichever of predicted use and recency is
+winning on the traffic at hand). It is pure
 and deterministic: no clock (every call takes ``now_s``), no I/O, no Ray. The simulator
 drives it on a virtual clock and supplies the physics through :class:`FleetView`; the live
 service drives it on the wall clock with views built from the agents' reports.
