@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
              "live control plane on local Ray: ondemand vs predictive with real bytes"),
     "serve": ("controlplane.cli.serve",
               "attach to a Ray cluster: scheduler, one agent per GPU node, HTTP API"),
+    "journal": ("controlplane.cli.journal_cmd", "check a scheduler journal; --repair"),
 }
 #: `kvprefetch bench <what>`
 BENCHES: dict[str, tuple[str, str]] = {

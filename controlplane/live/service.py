@@ -15,6 +15,11 @@ wraps it; tests drive it directly). It is a thin driver of the core, in rooms:
 * a control loop that fires armed prefetch orders, expires lost orders and flushes the
   journal; it logs and counts every failure and never dies.
 
+Incarnations: each start replays the journal (damaged records are quarantined to a side
+file and counted, never a failed start-up, which Ray would turn into a restart loop), then
+takes the next epoch (:func:`next_epoch`, journalled); every order id carries it, so agents
+and reports never confuse this incarnation's orders with a predecessor's.
+
 Threading: every public method may be called from any thread; one lock guards the state.
 Messages to agents are sent after the lock is released.
 """
@@ -62,11 +67,19 @@ log = logging.getLogger(__name__)
 EPOCH_ORIGIN_S = 1_704_067_200
 
 
-def next_epoch(last_epoch: int, calendar_s: float) -> int:
+#: How far the epoch skips ahead when the journal had damaged records (one of them may
+#: have been the last scheduler's epoch record).
+EPOCH_SKIP_AFTER_DAMAGE = 1_000
+
+
+def next_epoch(last_epoch: int, calendar_s: float, *, damaged: bool = False) -> int:
     """The epoch of a scheduler that starts now: after the last one its journal records,
     and never below the wall clock's (whole seconds since :data:`EPOCH_ORIGIN_S`), so that
-    epochs grow across restarts also without a journal (or with its epoch records lost)."""
-    return max(last_epoch + 1, int(calendar_s) - EPOCH_ORIGIN_S, 1)
+    epochs grow across restarts also without a journal. After damage it skips ahead
+    (:data:`EPOCH_SKIP_AFTER_DAMAGE`): a lost epoch record of a predecessor that started
+    within the same second must not be reused."""
+    epoch = max(last_epoch + 1, int(calendar_s) - EPOCH_ORIGIN_S, 1)
+    return epoch + EPOCH_SKIP_AFTER_DAMAGE if damaged else epoch
 
 
 class SchedulerService:
@@ -112,7 +125,8 @@ class SchedulerService:
         last_epoch = 0
         if path is not None and Path(path).exists() and Path(path).stat().st_size > 0:
             last_epoch = self._resume(driver, Path(path))
-        self.epoch = next_epoch(last_epoch, self._calendar())
+        self.epoch = next_epoch(last_epoch, self._calendar(),
+                                damaged=driver.stats.journal_quarantined > 0)
         self.orders.begin_epoch(self.epoch)
         if path is not None:
             self._journal = driver.journal = JournalWriter(path, metadata={

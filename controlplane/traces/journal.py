@@ -342,12 +342,32 @@ class JournalWriter:
                     position = position - step + cut + 1
                     break
                 position -= step
+            f.seek(position)
+            if _whole_record(f.read(size - position)):
+                # A complete record that only lacks its newline: readers accept it, keep it.
+                f.seek(size)
+                f.write(b"\n")
+                return
             _log.warning(
                 "%s: cutting a torn last line (%d bytes) before appending",
                 self.path,
                 size - position,
             )
             f.truncate(position)
+
+
+def _whole_record(raw: bytes) -> bool:
+    """Whether a last line without its newline is a record readers accept: its checksum
+    matches, or it has none and is a JSON object without one (a journal from before
+    checksums)."""
+    verified = _verify(raw)
+    if verified is not None:
+        return verified
+    try:
+        obj = pydantic_core.from_json(raw)
+    except ValueError:
+        return False
+    return isinstance(obj, dict) and CRC_KEY not in obj
 
 
 # ---------------------------------------------------------------------------------------------
