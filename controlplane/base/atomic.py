@@ -37,3 +37,19 @@ def write_json_atomic(path: str | Path, data: Any, *, sort_keys: bool = True) ->
     """Pretty JSON, atomically (see :func:`write_atomic`)."""
     text = json.dumps(data, indent=2, sort_keys=sort_keys) + "\n"
     return write_atomic(path, [text.encode()])
+
+
+def save_figure_atomic(fig: Any, path: str | Path, *, dpi: int = 110) -> Path:
+    """A matplotlib figure as PNG, atomically (a temporary file beside it, then renamed),
+    and closed. The caller imports matplotlib; this module does not."""
+    import matplotlib.pyplot as plt
+
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(f".{p.name}.tmp.png")
+    try:
+        fig.savefig(tmp, dpi=dpi)
+    finally:
+        plt.close(fig)
+    os.replace(tmp, p)
+    return p

@@ -37,7 +37,6 @@ import argparse
 import contextlib
 import logging
 import math
-import os
 import shutil
 import signal
 import sys
@@ -48,6 +47,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+from controlplane.base.atomic import save_figure_atomic
 
 log = logging.getLogger(__name__)
 GIB = 1 << 30
@@ -769,9 +770,4 @@ def write_plot(report: dict[str, Any], path: str | Path) -> None:
     fig.suptitle(f"live demo, {meta['trace']} - {meta['nodes']} x {meta['model']}, "
                  f"{meta['time_compression']:g}x")
     fig.tight_layout()
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, p)
+    save_figure_atomic(fig, path)

@@ -178,11 +178,7 @@ def write_calibration_plot(results: dict[str, dict[str, Any]], path: Path) -> No
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(path)
+    atomic.save_figure_atomic(fig, path)
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:

@@ -4,10 +4,10 @@
 every node's local (DRAM) tier, decides demand loads (when to start them, too) and
 deadline-driven prefetches, warms nodes that come back or join empty, and evicts by
 predicted next use (or, experimentally, by whichever of predicted use and recency is
-winning on the traffic at hand). It is pure
-and deterministic: no clock (every call takes ``now_s``), no I/O, no Ray. The simulator
-drives it on a virtual clock and supplies the physics through :class:`FleetView`; the live
-service drives it on the wall clock with views built from the agents' reports.
+winning on the traffic at hand). It is pure and deterministic: no clock (every call takes
+``now_s``), no I/O, no Ray. The simulator drives it on a virtual clock and supplies the
+physics through :class:`FleetView`; the live service drives it on the wall clock with
+views built from the agents' reports.
 
 Who calls what
 --------------
@@ -18,14 +18,15 @@ policy of their own.
 * per request: :meth:`request_started` (arrival) -> :meth:`route_request` (the node, and at
   arrival the demand load for policies that load then, ``ADAPTIVE`` ones when the queue
   wait hides enough of it) -> :meth:`gpu_start` when the node's GPU picks it up (the
-  demand load for policies that load then) -> :meth:`use_local` when it
-  reads its local tier -> :meth:`request_finished`;
+  demand load for policies that load then) -> :meth:`use_local` when it reads its local
+  tier -> :meth:`request_finished`;
 * per transfer: :meth:`transfer_done` or :meth:`transfer_failed`;
 * per armed prefetch order, at its ``start_at_s``: :meth:`start_prefetch`;
 * every ``planner.sweep_interval_s``: :meth:`sweep`;
 * per hint and session close: :meth:`hint`, :meth:`close`;
 * node restarts: :meth:`clear_local` (every node cold), :meth:`reconcile` (one node's agent
-  reported what its tier really holds).
+  reported what its tier really holds);
+* fleet changes: :meth:`node_left`, :meth:`node_joined` (warmed at once).
 """
 
 from __future__ import annotations

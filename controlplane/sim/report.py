@@ -10,12 +10,12 @@ is byte-identical across runs, worker counts and platforms, ``wall_s`` aside.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from controlplane.base.atomic import save_figure_atomic
 from controlplane.core.policies import POLICIES
 
 GIB = 1 << 30
@@ -274,9 +274,4 @@ def write_plot(report: Mapping[str, Any], path: str | Path) -> None:
     fig.suptitle(f"{report['meta']['trace']} - {report['meta']['nodes']} x "
                  f"{report['meta']['model']}")
     fig.tight_layout()
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, p)
+    save_figure_atomic(fig, path)
