@@ -20,10 +20,26 @@ completes the adapter writes its result and then signals that operation's event 
 distinct fds, polled by the controllers); ``pop_completed_store_tasks`` answers per task,
 ``query_*_result`` answers once per task with a bitmap (bit i = key i hit / loaded).
 
-Here every submitted task runs on one of ``workers`` threads and calls the batched store
-once for all of its keys; the store answers per key. Loads are received straight into
-LMCache's memory objects: the Valkey tier reads each stripe with ``recv_into`` into the
-object's memory (:class:`~agents.stores.valkey_store.ValkeyStore` with ``direct_reads``),
+Here every submitted task runs on one of ``workers`` threads (lookups on their own thread,
+so they never queue behind loads and stores) and calls the batched store once for all of
+its keys; the store answers per key.
+
+Lookups (before every request's prefill) are answered from memory: a :class:`KeyIndex` of
+what the tiers hold, kept on store, load and delete and reconciled with full listings of
+S3 and Valkey in the background; keys it does not know are asked of Valkey in one
+pipelined round trip for the whole task, never of S3. A stale "present" is safe: the load
+falls back from Valkey to S3 and answers a miss for a key neither holds (dropping it from
+the index).
+
+Stores (after every request), with both tiers: write-back by default -- acknowledged once
+Valkey holds the objects and the upload journal names them; a
+:class:`~agents.stores.write_back.WriteBackQueue` copies them to S3 in the background
+(bounded backlog with back-pressure, journaled in Valkey so a restart finishes the uploads,
+metrics in ``report_status``). ``"tiered": {"write_mode": "write-through"}`` waits for S3.
+
+Loads are received straight into LMCache's memory objects: the Valkey tier reads each
+stripe with ``recv_into`` into the object's memory
+(:class:`~agents.stores.valkey_store.ValkeyStore` with ``direct_reads``),
 S3 ranged GETs the same way, so the kernel's copy is the only one; every part is verified
 against its xxh3 checksum before the bit is set.
 
@@ -48,7 +64,7 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import asdict
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 from lmcache.lmcache_native import Bitmap
 from lmcache.v1.distributed.api import KeyEntry, KeyListPage, ObjectKey
@@ -65,13 +81,15 @@ from pydantic import (
     model_validator,
 )
 
+from agents.lmcache.key_index import KeyIndex
 from agents.lmcache.keys import mp_wire_name
-from agents.stores.base import Buffer, GetResult, ObjectStore, PayloadWriter
-from agents.stores.errors import StoreConfigError, StoreError
+from agents.stores.base import Buffer, GetResult, ObjectStore, OpResult, PayloadWriter
+from agents.stores.errors import StoreConfigError, StoreError, TierFullError
 from agents.stores.format import ObjectHeader, decode_header, header_length
 from agents.stores.s3_store import S3Store, S3StoreConfig, translate_boto_errors
 from agents.stores.tiered import TieredStore, TieredStoreConfig
 from agents.stores.valkey_store import ValkeyStore, ValkeyStoreConfig, translate_valkey_errors
+from agents.stores.write_back import WriteBackConfig, WriteBackQueue
 from agents.transfer import TokenBucket
 
 log = logging.getLogger(__name__)
@@ -130,9 +148,18 @@ class KvPrefetchL2Params(BaseModel):
     #: The cold, durable tier (see :class:`S3StoreConfig`: bucket, endpoint_url, region,
     #: access_key_id, secret_access_key, key_prefix, connections ...).
     s3: S3StoreConfig | None = None
-    #: How the two tiers cooperate when both are given (write_mode ``write-through`` or
-    #: ``write-back``, promote, hot_ttl_s ...).
-    tiered: TieredStoreConfig = TieredStoreConfig()
+    #: How the two tiers cooperate when both are given: ``write_mode`` ``write-back`` (the
+    #: default here: a store is acknowledged once Valkey has it, S3 follows through the
+    #: ``write_back`` backlog) or ``write-through`` (S3, then Valkey, before the
+    #: acknowledgement); promote, hot_ttl_s ...
+    tiered: TieredStoreConfig = TieredStoreConfig(write_mode="write-back")
+    #: The write-back backlog: bound (back-pressure), uploaders, journal, drain at close.
+    write_back: WriteBackConfig = WriteBackConfig()
+    #: Keys the lookup index holds at most (least recently confirmed dropped beyond).
+    index_max_keys: int = Field(2_000_000, ge=1)
+    #: Reconcile the lookup index with full listings of S3 and Valkey this often (one at
+    #: start, in the background); 0 = only the one at start.
+    index_reconcile_s: float = Field(300.0, ge=0)
     #: Namespace of LMCache objects inside the stores (after each tier's own prefix).
     key_prefix: str = "lmcache/"
     #: Threads running submitted tasks (each task is one batched store call; the stores
@@ -159,6 +186,13 @@ class KvPrefetchL2Params(BaseModel):
             return ValkeyStoreConfig(**{name: getattr(value, name)
                                         for name in value.model_fields_set},
                                      part_bytes=DEFAULT_VALKEY_PART_BYTES)
+        return value
+
+    @field_validator("tiered", mode="before")
+    @classmethod
+    def _write_back_default(cls, value: Any) -> Any:
+        if isinstance(value, Mapping) and "write_mode" not in value:
+            return {**value, "write_mode": "write-back"}
         return value
 
     @field_validator("key_prefix")
@@ -279,6 +313,12 @@ def _bytes_of(obj: Any) -> memoryview:
     return memoryview(obj.byte_array).cast("B")
 
 
+def _check_lengths(keys: Sequence[Any], objects: Sequence[Any]) -> None:
+    """LMCache's convention (its adapters' tests look for the words "length mismatch")."""
+    if len(keys) != len(objects):
+        raise ValueError(f"length mismatch: {len(keys)} keys but {len(objects)} memory objects")
+
+
 # -- the adapter ----------------------------------------------------------------------------
 
 
@@ -304,8 +344,14 @@ class KvPrefetchL2Adapter(L2AdapterInterface):
         self._valkey = ValkeyStore(p.valkey, name="valkey") if p.valkey else None
         self._s3 = S3Store(p.s3, name="s3") if p.s3 else None
         self.store: ObjectStore
+        #: Write-back is ours (a bounded, journaled backlog read back from Valkey), so the
+        #: tiered store only ever writes through (when Valkey is down, or as configured).
+        self._uploads: WriteBackQueue | None = None
         if self._valkey is not None and self._s3 is not None:
-            self.store = TieredStore(self._valkey, self._s3, p.tiered, name="tiered")
+            through = p.tiered.model_copy(update={"write_mode": "write-through"})
+            self.store = TieredStore(self._valkey, self._s3, through, name="tiered")
+            if p.tiered.write_mode == "write-back":
+                self._uploads = WriteBackQueue(self._valkey, self._s3, p.write_back)
         else:
             only = self._valkey or self._s3
             assert only is not None
@@ -323,16 +369,24 @@ class KvPrefetchL2Adapter(L2AdapterInterface):
         self._lookup_fd = create_event_notifier()
         self._load_fd = create_event_notifier()
         self._pool = ThreadPoolExecutor(p.workers, thread_name_prefix="kvp-l2")
+        #: Lookups never queue behind loads and stores (they gate every request's prefill).
+        self._lookup_pool = ThreadPoolExecutor(1, thread_name_prefix="kvp-l2-lookup")
+        self._index = KeyIndex(p.index_max_keys)
+        self._stop = threading.Event()
+        self._reconciler: threading.Thread | None = None
         self._fanout = ThreadPoolExecutor(p.load_fanout_threads, thread_name_prefix="kvp-l2-get")
         self._link = (TokenBucket(p.load_bandwidth_mib_s * MIB, burst_bytes=64 * 1024)
                       if p.load_bandwidth_mib_s > 0 else None)
-        self._write_back = (isinstance(self.store, TieredStore)
-                            and p.tiered.write_mode == "write-back")
         try:
             self.store.start()
+            if self._uploads is not None:
+                self._uploads.start()  # re-queues what a previous process left journaled
         except BaseException:
             self._release()
             raise
+        self._reconciler = threading.Thread(target=self._reconcile_loop, daemon=True,
+                                            name="kvp-l2-index")
+        self._reconciler.start()
         log.info("kvprefetch L2 adapter ready: %s, prefix %r, %d workers", p.describe(),
                  p.key_prefix, p.workers)
 
@@ -355,15 +409,19 @@ class KvPrefetchL2Adapter(L2AdapterInterface):
 
     # -- task plumbing -----------------------------------------------------------------------
 
-    def _submit(self, what: str, work: Callable[[int], None], fail: Callable[[int], None]
-                ) -> int:
+    def _submit(self, what: str, work: Callable[[int], None], fail: Callable[[int], None],
+                pool: ThreadPoolExecutor | None = None) -> int:
         """Queue ``work(task_id)`` on a worker and return the id at once. If ``work`` raises,
         ``fail(task_id)`` publishes an all-failed result: the controller hears back about
         every task."""
 
         def guarded(task_id: int) -> None:
             try:
-                work(task_id)
+                if self._uploads is not None:
+                    with self._uploads.foreground():  # S3 uploads yield meanwhile
+                        work(task_id)
+                else:
+                    work(task_id)
             except Exception:
                 log.exception("kvprefetch L2 %s task %d failed", what, task_id)
                 fail(task_id)
@@ -372,7 +430,7 @@ class KvPrefetchL2Adapter(L2AdapterInterface):
             if self._closed:
                 raise StoreError(f"kvprefetch L2 adapter is closed ({what} refused)")
             task_id = next(self._ids)
-            self._pool.submit(guarded, task_id)
+            (pool or self._pool).submit(guarded, task_id)
         return task_id
 
     def _publish_store(self, task_id: int, result: L2StoreResult) -> None:
@@ -394,9 +452,12 @@ class KvPrefetchL2Adapter(L2AdapterInterface):
 
     def submit_store_task(self, keys: list[ObjectKey], objects: list[Any]) -> int:
         """Store each object under its key (one batched ``put``). Task-level result: success
-        only if every key was stored; bytes = payload bytes of the keys stored."""
-        if len(keys) != len(objects):
-            raise ValueError(f"{len(keys)} keys but {len(objects)} memory objects")
+        only if every key was stored; bytes = payload bytes of the keys stored.
+
+        Write-back (the default with two tiers): done once Valkey holds the objects and the
+        upload journal names them; S3 follows in the background. The task waits while the
+        upload backlog is full (back-pressure) and fails if no room comes in time."""
+        _check_lengths(keys, objects)
         keys, objects = list(keys), list(objects)
         return self._submit(
             "store", lambda task_id: self._store(task_id, keys, objects),
@@ -405,16 +466,17 @@ class KvPrefetchL2Adapter(L2AdapterInterface):
     def _store(self, task_id: int, keys: list[ObjectKey], objects: list[Any]) -> None:
         items: list[tuple[str, Buffer]] = [
             (self.name_of(k), _bytes_of(o)) for k, o in zip(keys, objects, strict=True)]
-        if self._write_back:
-            # Write-back keeps the payloads for the background S3 write after this task
-            # completes, when LMCache may already reuse the memory objects: copy them.
-            items = [(name, bytes(view)) for name, view in items]
-        answers = self.store.put(items)
+        if self._uploads is not None and isinstance(self.store, TieredStore) \
+                and self.store.tier_up("hot"):
+            answers = self._store_write_back(self._uploads, items)
+        else:
+            answers = self.store.put(items)
         stored = [(k, len(item[1])) for k, item, a in zip(keys, items, answers, strict=True)
                   if a.ok]
         for a in answers:
             if not a.ok:
                 log.warning("kvprefetch L2 store of %s failed: %s", a.key, a.error)
+        self._index.add(a.key for a in answers if a.ok)
         new_keys, new_sizes = [], []
         with self._lock:
             for key, size in stored:
@@ -428,6 +490,37 @@ class KvPrefetchL2Adapter(L2AdapterInterface):
         self._publish_store(task_id, L2StoreResult(len(stored) == len(keys),
                                                    sum(s for _, s in stored)))
 
+    def _store_write_back(self, uploads: WriteBackQueue, items: list[tuple[str, Buffer]]
+                          ) -> list[OpResult]:
+        """Valkey now (straight from LMCache's memory: the upload reads it back from Valkey,
+        so nothing is copied), journaled for the upload to S3; keys Valkey refused are
+        written through to S3 instead."""
+        assert self._valkey is not None and self._s3 is not None
+        total = sum(len(payload) for _, payload in items)
+        if not uploads.admit(total):
+            wb = self.params.write_back
+            full = TierFullError(f"write-back backlog full ({wb.max_backlog_bytes} bytes) "
+                                 f"for {wb.full_wait_s} s")
+            return [OpResult(name, False, full) for name, _ in items]
+        try:
+            answers = self._valkey.put(items, ttl_s=self.params.tiered.hot_ttl_s)
+            sizes = {name: len(payload) for name, payload in items}
+            accepted = [(a.key, sizes[a.key]) for a in answers if a.ok]
+            uploads.enqueue(accepted, reserved=total)
+        except StoreError as exc:  # the journal is unwritable: not acknowledged
+            uploads.release(total)
+            log.warning("kvprefetch L2 write-back failed, writing through: %s", exc)
+            return self._s3.put(items)
+        except BaseException:
+            uploads.release(total)
+            raise
+        refused = [i for i, a in enumerate(answers) if not a.ok]
+        if refused:
+            through = self._s3.put([items[i] for i in refused])
+            for i, a in zip(refused, through, strict=True):
+                answers[i] = a
+        return answers
+
     def pop_completed_store_tasks(self) -> dict[int, L2StoreResult]:
         with self._lock:
             done, self._stores_done = self._stores_done, {}
@@ -439,25 +532,42 @@ class KvPrefetchL2Adapter(L2AdapterInterface):
                                     group_layout_descs: Mapping[int, Any] | None = None) -> int:
         """Which keys are stored (in any tier); the ones found are locked (a refcount that
         keeps :meth:`delete` away from them until :meth:`submit_unlock`). The layout hint is
-        not needed: objects are opaque bytes here."""
+        not needed: objects are opaque bytes here.
+
+        Answered from the adapter's index of what the tiers hold; keys it does not know are
+        asked of Valkey in one pipelined round trip for the whole task. Never S3 (objects
+        only S3 holds are known from the index's listings). Runs on its own thread, so it
+        never waits behind loads and stores."""
         keys = list(keys)
         return self._submit(
             "lookup", lambda task_id: self._lookup(task_id, keys),
-            lambda task_id: self._publish_lookup(task_id, Bitmap(len(keys))))
+            lambda task_id: self._publish_lookup(task_id, Bitmap(len(keys))),
+            self._lookup_pool)
 
     def _lookup(self, task_id: int, keys: list[ObjectKey]) -> None:
-        answers = self.store.exists([self.name_of(k) for k in keys])
+        names = [self.name_of(k) for k in keys]
+        hits = self._index.present(names)
+        unknown = [n for n, hit in zip(names, hits, strict=True) if not hit]
+        if unknown and self._valkey is not None and self._tier_up("hot"):
+            found = {a.key for a in self._valkey.exists(unknown) if a.ok}
+            if found:
+                self._index.add(found)
+                hits = [hit or n in found for n, hit in zip(names, hits, strict=True)]
         bitmap = Bitmap(len(keys))
-        found = []
+        locked = []
         with self._lock:
-            for i, (key, a) in enumerate(zip(keys, answers, strict=True)):
-                if a.ok:
+            for i, (key, hit) in enumerate(zip(keys, hits, strict=True)):
+                if hit:
                     bitmap.set(i)
                     self._locks[key] += 1
-                    found.append(key)
+                    locked.append(key)
+        # The listener hears of the access before the controller of the result.
+        if locked:
+            self._notify_keys_accessed(locked)
         self._publish_lookup(task_id, bitmap)
-        if found:
-            self._notify_keys_accessed(found)
+
+    def _tier_up(self, which: Literal["hot", "cold"]) -> bool:
+        return self.store.tier_up(which) if isinstance(self.store, TieredStore) else True
 
     def query_lookup_and_lock_result(self, task_id: int) -> Bitmap | None:
         with self._lock:
@@ -479,8 +589,7 @@ class KvPrefetchL2Adapter(L2AdapterInterface):
         """Load each key into its memory object (one batched ``get`` with a sink that hands
         the store the objects' memory). Bit i is set only when key i arrived whole and
         verified, with exactly the object's size."""
-        if len(keys) != len(objects):
-            raise ValueError(f"{len(keys)} keys but {len(objects)} memory objects")
+        _check_lengths(keys, objects)
         keys, objects = list(keys), list(objects)
         return self._submit(
             "load", lambda task_id: self._load(task_id, keys, objects),
@@ -493,7 +602,12 @@ class KvPrefetchL2Adapter(L2AdapterInterface):
         for i, name in enumerate(names):
             first.setdefault(name, i)
         sink = _ObjectSink({name: views[i] for name, i in first.items()})
-        ok = {a.key for a in self._fan_out(list(first), sink) if a.ok}
+        known = dict(zip(first, self._index.present(list(first)), strict=True))
+        answers = self._fan_out(list(first), sink)
+        ok = {a.key for a in answers if a.ok}
+        self._index.add(ok)
+        # A key the index called present that no tier has: a stale entry; the bit stays 0.
+        self._index.discard((a.key for a in answers if a.miss and known[a.key]), stale=True)
         bitmap = Bitmap(len(keys))
         loaded = []
         loaded_bytes = 0
@@ -510,9 +624,10 @@ class KvPrefetchL2Adapter(L2AdapterInterface):
             loaded_bytes += len(views[i])
         if self._link is not None and loaded_bytes:
             self._link.acquire(loaded_bytes)  # the emulated link: done when it would be
-        self._publish_load(task_id, bitmap)
+        # The listener hears of the access before the controller of the result.
         if loaded:
             self._notify_keys_accessed(loaded)
+        self._publish_load(task_id, bitmap)
 
     def _fan_out(self, names: list[str], sink: _ObjectSink) -> list[GetResult]:
         """``store.get`` in batches of ``load_batch_keys`` run side by side (this thread
@@ -547,7 +662,11 @@ class KvPrefetchL2Adapter(L2AdapterInterface):
             deletable = [k for k in keys if self._locks.get(k, 0) == 0]
         if not deletable:
             return
-        answers = self.store.delete([self.name_of(k) for k in deletable])
+        names = [self.name_of(k) for k in deletable]
+        self._index.discard(names)
+        if self._uploads is not None:
+            self._uploads.forget(names)
+        answers = self.store.delete(names)
         gone, sizes = [], []
         with self._lock:
             for key, a in zip(deletable, answers, strict=True):
@@ -563,10 +682,10 @@ class KvPrefetchL2Adapter(L2AdapterInterface):
                      cursor: str | None = None) -> KeyListPage:
         """List the LMCache objects in our namespace, a page at a time.
 
-        From S3 when it is configured and up (the durable tier holds every object;
-        write-back objects appear once written there), else from Valkey (standalone only). A
-        listing begun in one tier continues there (the cursor says which). Sizes are payload
-        bytes. ``cursor`` is the previous page's ``next_page_token``.
+        From S3 when it is configured and up (the durable tier holds every object), then
+        the write-back uploads not yet in S3; else from Valkey (standalone only). A listing
+        begun in one tier continues there (the cursor says which). Sizes are payload bytes.
+        ``cursor`` is the previous page's ``next_page_token``.
         """
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
@@ -576,9 +695,16 @@ class KvPrefetchL2Adapter(L2AdapterInterface):
             else self._valkey is None or not isinstance(self.store, TieredStore)
             or self.store.tier_up("cold"))
         try:
-            if use_s3:
+            if cursor is not None and cursor.startswith("pending:") and self._uploads:
+                entries, token = _page(self._uploads.pending_entries(prefix), cursor,
+                                       page_size)
+            elif use_s3:
                 assert self._s3 is not None
                 entries, token = _list_s3(self._s3, prefix, page_size, cursor)
+                if token is None and self._uploads is not None:  # the rest of the page
+                    more, token = _page(self._uploads.pending_entries(prefix), "pending:0",
+                                        page_size - len(entries))
+                    entries += more
             elif self._valkey is not None:
                 entries, token = _list_valkey(self._valkey, prefix, page_size, cursor)
             else:
@@ -620,7 +746,63 @@ class KvPrefetchL2Adapter(L2AdapterInterface):
             "max_capacity_bytes": usage.total_capacity_bytes,
             "usage_fraction": usage.usage_fraction,
             "store_stats": asdict(stats()) if callable(stats) else {},
+            "index": asdict(self._index.stats()),
+            "write_back": asdict(self._uploads.stats()) if self._uploads is not None else {},
         }
+
+    # -- the index's reconciliation and the write-back backlog --------------------------------
+
+    def write_back_stats(self) -> Any:
+        """The upload backlog (:class:`~agents.stores.write_back.WriteBackStats`), or None
+        when stores write through."""
+        return self._uploads.stats() if self._uploads is not None else None
+
+    def drain_uploads(self, timeout_s: float | None = None) -> bool:
+        """Wait until every acknowledged store is in S3 (True at once without write-back)."""
+        return self._uploads.drain(timeout_s) if self._uploads is not None else True
+
+    def reconcile_index(self) -> bool:
+        """List both tiers and make the index what they hold (what changed meanwhile is
+        kept). False when a listing failed (the index is left as it was)."""
+        token = self._index.begin_reconcile()
+        try:
+            names = self._listed_names()
+        except (StoreError, NotImplementedError) as exc:
+            self._index.abort_reconcile()
+            log.warning("kvprefetch L2 index reconciliation skipped: %s", exc)
+            return False
+        self._index.finish_reconcile(token, names)
+        return True
+
+    def _listed_names(self) -> set[str]:
+        prefix = self.params.key_prefix
+        names: set[str] = set()
+        if self._s3 is not None:
+            cursor: str | None = None
+            while True:
+                entries, cursor = _list_s3(self._s3, prefix, 1000, cursor)
+                names.update(n for n, _ in entries)
+                if cursor is None:
+                    break
+        if self._valkey is not None and not self._valkey.config.cluster:
+            names.update(_scan_valkey_names(self._valkey, prefix))
+        elif self._valkey is not None and self._s3 is None:
+            raise NotImplementedError("a Valkey cluster alone cannot be listed")
+        if self._uploads is not None:  # in Valkey, not yet in S3 (and a cluster is unlisted)
+            names.update(self._uploads.pending_names())
+        return names
+
+    def _reconcile_loop(self) -> None:
+        interval = self.params.index_reconcile_s
+        wait_s = 0.0
+        while not self._stop.wait(wait_s):
+            try:
+                self.reconcile_index()
+            except Exception:  # keep the loop alive: log and try again next time
+                log.exception("kvprefetch L2 index reconciliation failed")
+            if interval <= 0:
+                return
+            wait_s = interval
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -631,16 +813,24 @@ class KvPrefetchL2Adapter(L2AdapterInterface):
             if self._closed:
                 return
             self._closed = True
+        self._stop.set()
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._lookup_pool.shutdown(wait=True, cancel_futures=True)
         self._fanout.shutdown(wait=True, cancel_futures=True)
+        if self._reconciler is not None:
+            self._reconciler.join()
         try:
+            if self._uploads is not None:
+                self._uploads.close()  # drains for up to close_drain_s; the rest journaled
             self.store.close()
         finally:
             self._release()
         log.info("kvprefetch L2 adapter closed")
 
     def _release(self) -> None:
+        self._stop.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._lookup_pool.shutdown(wait=False, cancel_futures=True)
         self._fanout.shutdown(wait=False, cancel_futures=True)
         for fd in (self._store_fd, self._lookup_fd, self._load_fd):
             fd.close()
@@ -680,6 +870,25 @@ def _list_s3(store: S3Store, prefix: str, page_size: int, cursor: str | None
         entries.append((name, _payload_bytes(int(item.get("Size", 0)), name, c.part_bytes)))
     token = resp.get("NextContinuationToken") if resp.get("IsTruncated") else None
     return entries, f"s3:{token}" if token else None
+
+
+def _page(entries: list[tuple[str, int]], cursor: str, page_size: int
+          ) -> tuple[list[tuple[str, int]], str | None]:
+    """One page of a sorted in-memory listing; the cursor is ``pending:<offset>``."""
+    m = re.fullmatch(r"pending:(\d+)", cursor)
+    if m is None:
+        raise ValueError(f"malformed cursor {cursor!r}")
+    start = int(m.group(1))
+    end = start + max(0, page_size)
+    return entries[start:end], (f"pending:{end}" if end < len(entries) else None)
+
+
+def _scan_valkey_names(store: ValkeyStore, prefix: str) -> list[str]:
+    """Every object name under ``prefix`` in a standalone Valkey (SCAN over heads)."""
+    head = store.head_key("")
+    with translate_valkey_errors("list"):
+        raw = store.client.scan_iter(match=_glob_escape(head + prefix) + "*", count=1000)
+        return [(b.decode() if isinstance(b, bytes) else str(b))[len(head):] for b in raw]
 
 
 def _glob_escape(text: str) -> str:

@@ -210,6 +210,25 @@ class _BulkConnection:
                 raise ConnectionError("connection closed by server")
             got += n
 
+    def set_many(self, items: Sequence[tuple[bytes, memoryview]], px: int | None) -> None:
+        """SET each ``(key, value)`` (with ``PX px``), pipelined: every command is written,
+        values straight from their memory, then every reply read. Raises on the first
+        error reply (the connection must then be dropped: replies are left unread)."""
+        tail = b"" if px is None else b"$2\r\nPX\r\n$%d\r\n%d\r\n" % (len(str(px)), px)
+        argc = 3 if px is None else 5
+        pending = b""
+        for key, view in items:
+            self._sock.sendall(pending + b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (
+                argc, len(key), key, len(view)))
+            self._sock.sendall(view)
+            pending = b"\r\n" + tail
+        if pending:
+            self._sock.sendall(pending)
+        for _ in items:
+            line = self._line()
+            if line.startswith(b"-"):
+                raise self._error(line)
+
     def get_into(self, key: str, view: memoryview) -> bool:
         """GET ``key`` into ``view`` (which must be exactly the value's size).
 
@@ -561,7 +580,77 @@ class ValkeyStore(StoreLifecycle):
                 )
         check_cancel(cancel)
         px = self._px(ttl_s)
+        if len(items) > 1 and not self.config.cluster:
+            return self._put_pipelined(items, px, cancel)
         return self._keys.map(lambda item: self._put_one(item[0], item[1], px, cancel), items)
+
+    def _put_pipelined(self, items: Sequence[tuple[str, Buffer]], px: int | None,
+                       cancel: CancelToken | None) -> list[OpResult]:
+        """A batch in a few round trips: every part of every object spread over
+        ``connections`` lanes, each lane one pipeline written straight from the payloads'
+        memory; then every head in one pipeline (``SET ... GET``, heads last as always)."""
+        views = [memoryview(payload).cast("B") for _, payload in items]
+        headers = [make_header(key, view, self.config.part_bytes)
+                   for (key, _), view in zip(items, views, strict=True)]
+        failed: dict[int, StoreError] = {}
+        jobs = [(i, j) for i, h in enumerate(headers) if h.parts > 1 for j in range(h.parts)]
+
+        def lane(chunk: list[tuple[int, int]]) -> list[tuple[int, StoreError]]:
+            try:
+                check_cancel(cancel)
+                sets = []
+                for i, j in chunk:
+                    start, end = headers[i].part_range(j)
+                    sets.append((self.part_key(headers[i].key, j).encode("utf-8"),
+                                 views[i][start:end]))
+                with translate_valkey_errors("put part"), self._bulk.connection() as conn:
+                    conn.set_many(sets, px)
+            except StoreError as exc:
+                return [(i, exc) for i, _ in chunk]
+            return []
+
+        if jobs:
+            lanes = min(self.config.connections, len(jobs))
+            chunks = [jobs[n::lanes] for n in range(lanes)]
+            futures = [self._parts.submit(partial(lane, c)) for c in chunks[1:]]
+            errors = lane(chunks[0])
+            for f in futures:
+                errors += f.result()
+            for i, exc in errors:
+                failed.setdefault(i, exc)
+        written = [i for i in range(len(items)) if i not in failed]
+        olds: list[Any] = []
+        try:
+            check_cancel(cancel)
+            with translate_valkey_errors("put"):
+                pipe = self.client.pipeline(transaction=False)
+                for i in written:
+                    h = headers[i]
+                    value = h.encode() + bytes(views[i]) if h.parts <= 1 else h.encode()
+                    pipe.set(self.head_key(h.key), value, px=px, get=True)
+                olds = pipe.execute()
+        except StoreError as exc:
+            for i in written:
+                failed[i] = exc
+            olds = []
+        for i, old in zip(written, olds, strict=False):
+            try:
+                self._drop_stale_parts(headers[i].key, old, headers[i].parts)
+            except StoreError as exc:
+                log.warning("%s: stale parts of %r not dropped: %s", self.name,
+                            headers[i].key, exc)
+        if failed:
+            with contextlib.suppress(StoreError):
+                self._delete_headers([headers[i] for i in failed])
+        out = []
+        for i, (key, _) in enumerate(items):
+            if i in failed:
+                self._stats.add(errors=1)
+                out.append(OpResult(key, False, failed[i]))
+            else:
+                self._stats.add(puts=1, bytes_written=len(views[i]))
+                out.append(OpResult(key, True))
+        return out
 
     def _put_one(self, key: str, payload: Buffer, px: int | None, cancel: CancelToken | None
                  ) -> OpResult:
@@ -570,12 +659,14 @@ class ValkeyStore(StoreLifecycle):
         encoded = header.encode()
         try:
             with translate_valkey_errors("put"):
-                old = self.client.get(self.head_key(key))
+                # SET ... GET: the head is written and the previous one read in one round
+                # trip (its parts beyond the new object's are then dropped).
                 if header.parts <= 1:
-                    self.client.set(self.head_key(key), encoded + bytes(view), px=px)
+                    old = self.client.set(self.head_key(key), encoded + bytes(view), px=px,
+                                          get=True)
                 else:
                     self._put_parts(header, view, px, cancel)
-                    self.client.set(self.head_key(key), encoded, px=px)
+                    old = self.client.set(self.head_key(key), encoded, px=px, get=True)
                 self._drop_stale_parts(key, old, header.parts)
         except StoreError as exc:
             self._stats.add(errors=1)
