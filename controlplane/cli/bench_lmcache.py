@@ -25,7 +25,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adapters", default=",".join(DEFAULT_ADAPTERS),
                         help="comma-separated subset of: " + ", ".join(ADAPTER_NAMES))
     parser.add_argument("--write-mode", choices=("write-through", "write-back"),
-                        default="write-through", help="our adapter's write policy")
+                        default="write-back",
+                        help="our adapter's write policy (default write-back: after each run "
+                        "the backlog is drained by a restarted adapter and every key read "
+                        "back from S3 alone)")
+    parser.add_argument("--lookup-hit-rate", type=float, default=0.0,
+                        help="share of looked-up keys that were stored (lmcache bench l2 "
+                        "--lookup-max-hit-rate; default 0: every lookup misses)")
     parser.add_argument("--no-raw", action="store_true",
                         help="skip the plain single-connection GET loop figure")
     parser.add_argument("--json", metavar="OUT", help="write the result as JSON (atomically)")
@@ -53,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
             repeats=args.repeats,
             adapters=tuple(a.strip() for a in args.adapters.split(",") if a.strip()),
             write_mode=args.write_mode,
+            lookup_hit_rate=args.lookup_hit_rate,
             raw_get_loop=not args.no_raw,
         )
     except ValidationError as exc:

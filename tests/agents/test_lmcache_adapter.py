@@ -470,6 +470,17 @@ def test_kvprefetch_bench_lmcache_runs_lmcache_bench_l2_verified(tmp_path: Path)
         assert row["store_mib_s"] > 0 and row["load_mib_s"] > 0
         assert row["runs"][0]["load_keys_ok"] == row["runs"][0]["keys"] == 4
     assert result["speedup_vs_lmcache_valkey"] > 0 and result["raw_get_loop_mib_s"] > 0
+    assert all(row["lookup_p99_ms"] > 0 for row in result["adapters"].values())
+    assert result["lookup_ratio_vs_lmcache_valkey"] > 0
+    # Write-back (the default): the backlog drained by a restart, every key then read back
+    # from S3 alone, after each run and, at the end, with our Valkey keys flushed.
+    wb = result["adapters"]["kvprefetch"]["write_back"]
+    assert wb["s3_alone_verified"] is True and wb["lost_keys"] == 0
+    assert wb["s3_alone_keys_ok"] == wb["s3_alone_keys"] == 2 * 4  # warm-up + 1 round
+    final = wb["after_valkey_flush"]
+    assert final["valkey_flushed"] and final["valkey_keys_flushed"] > 0
+    assert final["s3_alone_keys_ok"] == final["s3_alone_keys"] == 8
+    assert final["backlog_at_exit_keys"] == 0 and final["drained"]
 
 
 def test_lmcache_server_lists_our_objects(
