@@ -53,7 +53,7 @@ class WriteBackConfig(BaseModel):
     full_wait_s: float = Field(30.0, ge=0)
     #: Threads uploading to S3, and keys per upload batch (one Valkey read, one S3 put).
     upload_threads: int = Field(2, ge=1, le=64)
-    batch_keys: int = Field(4, ge=1)
+    batch_keys: int = Field(2, ge=1)
     #: Wait this long before retrying a batch that failed (S3 or Valkey unreachable).
     retry_s: float = Field(1.0, ge=0)
     #: ``close`` waits this long for the backlog to drain; what is left stays journaled and
@@ -64,7 +64,7 @@ class WriteBackConfig(BaseModel):
     #: ``max_defer_s`` from the oldest upload's store (then they run regardless), and never
     #: while a store waits for room or someone waits for the drain (``close`` included).
     yield_to_foreground: bool = True
-    quiet_s: float = Field(0.05, ge=0)
+    quiet_s: float = Field(0.25, ge=0)
     max_defer_s: float = Field(5.0, ge=0)
     #: The journal's Valkey key (after the Valkey section's ``key_prefix``). Processes that
     #: share it finish each other's uploads after a restart.
