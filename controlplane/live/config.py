@@ -17,7 +17,12 @@ class ServiceConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    #: The fleet's capacity: ``fleet.nodes`` node slots, numbered 0..nodes-1.
     fleet: FleetConfig = Field(default_factory=lambda: default_fleet("8b", 2))
+    #: Nodes 0..initial_nodes-1 have agents at start; the others are out of the fleet
+    #: (never routed to) until their agent says hello (they join, and are warmed then).
+    #: None = every node (the fleet is full).
+    initial_nodes: int | None = Field(None, ge=1)
     policy: str = "predictive"
     predictor: str = "default"
     #: Service seconds per wall second: 1 in production; >1 replays a trace faster (the
@@ -42,6 +47,9 @@ class ServiceConfig(BaseModel):
             raise ValueError(f"unknown policy {self.policy!r}; known: {', '.join(POLICIES)}")
         if POLICIES[self.policy].predictor == "oracle":
             raise ValueError("policy 'oracle' reads the future: simulator only")
+        if self.initial_nodes is not None and self.initial_nodes > self.fleet.nodes:
+            raise ValueError(f"initial_nodes={self.initial_nodes} is more than the fleet's "
+                             f"{self.fleet.nodes} nodes")
         if self.node_names is not None and len(self.node_names) != self.fleet.nodes:
             raise ValueError(f"node_names has {len(self.node_names)} names for "
                              f"{self.fleet.nodes} nodes")
@@ -50,6 +58,11 @@ class ServiceConfig(BaseModel):
     @property
     def policy_spec(self) -> PolicySpec:
         return POLICIES[self.policy]
+
+    @property
+    def nodes_at_start(self) -> int:
+        """How many nodes (0..n-1) have agents when the service starts."""
+        return self.fleet.nodes if self.initial_nodes is None else self.initial_nodes
 
 
 class ServiceClock:

@@ -13,7 +13,7 @@ import heapq
 import itertools
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -62,10 +62,15 @@ class LiveDriver:
         self.timers: list[tuple[float, int, PrefetchOrder]] = []
         self._seq = itertools.count()
         self.journal: JournalWriter | None = None
+        #: Node slots out of the fleet (no agent yet): never routed to, warmed on joining.
+        self.out_nodes: set[int] = set()
+        self.nodes_joined = 0
+        names = config.node_names
+        self._names = list(names) if names is not None else [
+            f"node-{i}" for i in range(config.fleet.nodes)]
 
     def node_name(self, node: int) -> str:
-        names = self.config.node_names
-        return names[node] if names is not None else f"node-{node}"
+        return self._names[node]
 
     def fire_due(self, now: float, box: Outbox) -> None:
         """Start the armed orders whose time has come."""
@@ -240,11 +245,47 @@ class LiveDriver:
             hbm.pop(sid, None)
         self.metrics.local_lookup(report.local_tokens, report.reused_tokens)
 
+    # ------------------------------------------------------------------ fleet changes
+    def mark_out(self, nodes: Iterable[int], box: Outbox) -> None:
+        """Take node slots out of the fleet (at start: the nodes that have no agent yet).
+        The core never routes to them and drops their books."""
+        now = self.clock.now_s()
+        for node in nodes:
+            if node not in self.out_nodes:
+                self.out_nodes.add(node)
+                self.carry(self.core.node_left(node, now), box)
+        if self.out_nodes:
+            log.info("nodes %s are out of the fleet until their agents say hello",
+                     ", ".join(str(n) for n in sorted(self.out_nodes)))
+
+    def node_joined(self, node: int, now: float, box: Outbox, *, replayed: bool = False
+                    ) -> None:
+        """An out node joined (its agent said hello, or a replayed event names it): the
+        core routes to it from now on and warms it with idle sessions whose KV is local
+        nowhere; the warm-up loads go to its agent like any others. Counted in
+        ``nodes_joined`` and the ``node_joined`` event metric unless ``replayed``."""
+        self.out_nodes.discard(node)
+        before = len(box.execute)
+        self.carry(self.core.node_joined(node, now), box)
+        if replayed:
+            return
+        self.nodes_joined += 1
+        self.metrics.event("node_joined")
+        warm = box.execute[before:]
+        log.info("node %d (%s) joined the fleet: warming it with %d sessions (%.1f MiB "
+                 "modelled)", node, self.node_name(node), len(warm),
+                 sum(o.nbytes for o in warm) / (1 << 20))
+
     # ------------------------------------------------------------------ agent calls
     def agent_hello(self, hello: AgentHello, box: Outbox) -> None:
         """An agent (re)started: orders sent to its previous incarnation are lost (re-plan
-        them); reconcile the node's books with what its tier really holds."""
+        them); reconcile the node's books with what its tier really holds. The agent of a
+        node out of the fleet joins it (after the reconcile: it is warmed against books
+        that match its tier)."""
         now = self.clock.now_s()
+        joining = hello.node in self.out_nodes
+        if joining and hello.node_name:
+            self._names[hello.node] = hello.node_name
         self.fleet.nodes[hello.node].incarnation = hello.incarnation
         for inflight in self.orders.in_flight(hello.node):
             if inflight.incarnation != hello.incarnation:
@@ -261,6 +302,8 @@ class LiveDriver:
             self.carry(self.core.reconcile(hello.node, holds, now), box)
         log.info("agent on node %d (%s) is up: incarnation %s, %d keys in its tier",
                  hello.node, hello.node_name, hello.incarnation[:8], len(hello.inventory))
+        if joining:
+            self.node_joined(hello.node, now, box)
 
     def report_transfer(self, report: TransferReport, box: Outbox) -> None:
         """An agent finished (or gave up) an order. Idempotent per order id; a report that
@@ -353,9 +396,17 @@ class LiveDriver:
         armed orders; the books of each node are reconciled when its agent says hello.
         Damaged records (checksum, syntax, time out of range) are skipped and left in the
         returned scanner's ``damaged`` for the caller to quarantine; this never raises on
-        a record's content."""
+        a record's content.
+
+        Fleet changes: the journal holds session events only, so a join is replayed where
+        the journal proves it, just before the first event that names an out node (a
+        request finished there, so it had joined). Nodes that joined but no event names
+        stay out until their agents say hello again (the Ray scheduler asks every agent
+        to on restart)."""
         scan, box = JournalScanner(path, limits=limits), Outbox()
         for _line, event in scan:
+            if event.node is not None and event.node in self.out_nodes:
+                self.node_joined(event.node, event.time_s, box, replayed=True)
             self.carry(self.apply(event), box)
         self.clock.continue_after(scan.last_t)
         log.info("resumed from %s: %d events, %d live sessions, clock at %.1f s, "
@@ -384,6 +435,8 @@ class LiveDriver:
             "epoch": self.orders.epoch, "reports_rejected": dict(s.reports_rejected),
             "reports_duplicate": s.reports_duplicate,
             "journal_quarantined": s.journal_quarantined,
+            "nodes_joined": self.nodes_joined,
+            "nodes_out": [self.node_name(n) for n in sorted(self.out_nodes)],
             "sizes": {"sessions": len(self.registry), "core_sessions": core.sessions(),
                       "timers": len(self.timers), **self.orders.sizes()},
         }

@@ -8,13 +8,21 @@ and where the per-node actors are placed.
   methods run one at a time, in the order each caller sent them; a thread inside it runs
   the control loop.
 * :func:`deploy`: starts the scheduler, then one agent (and, on CPU-only clusters, one
-  engine emulator) per node, pinned by a per-node custom resource or by node affinity.
+  engine emulator) per node present at start, pinned by a per-node custom resource or by
+  node affinity.
+* :class:`NodeWatcher` (:meth:`Deployment.watch_nodes`): a thread in the deploying process
+  that polls Ray every few seconds and gives a node that joins the cluster the next free
+  node slot (``ServiceConfig.fleet.nodes`` is the capacity): it starts that slot's agent
+  (and engine) there as :func:`deploy` does, and the agent's hello makes the scheduler
+  take the node into the fleet and warm it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -166,6 +174,11 @@ class Placement:
     resource: str | None = None
     node_id: str | None = None
 
+    @property
+    def key(self) -> str:
+        """What identifies the node over polls: the Ray node id, else the resource."""
+        return self.node_id or self.resource or ""
+
     def options(self) -> dict[str, Any]:
         if self.node_id is not None:
             return {"scheduling_strategy": NodeAffinitySchedulingStrategy(self.node_id,
@@ -178,15 +191,62 @@ class Placement:
 @dataclass
 class Deployment:
     """Handles of a deployed control plane (the actors live as long as their owner, or
-    forever when ``detached``)."""
+    forever when ``detached``). ``agents``/``engines`` are in the order they started
+    (node order at deploy; joined nodes after); ``placements[i]`` is node ``i``'s."""
 
     scheduler: Any
     agents: list[Any] = field(default_factory=list)
     engines: list[Any] = field(default_factory=list)
     namespace: str = NAMESPACE
+    placements: dict[int, Placement] = field(default_factory=dict)
+    #: The fleet's capacity (``ServiceConfig.fleet.nodes``).
+    capacity: int = 0
+    detached: bool = False
+    ready_timeout_s: float = 120.0
+    watcher: NodeWatcher | None = None
+
+    def watch_nodes(self, discover: Callable[[], Sequence[NodeCandidate]],
+                    make_agent: Callable[[int, NodeCandidate], AgentConfig], *,
+                    make_engine: Callable[[int], EngineConfig | None] | None = None,
+                    engine_remote: RemoteStoreConfig | None = None,
+                    interval_s: float = 5.0) -> NodeWatcher:
+        """Start a :class:`NodeWatcher` that gives each node ``discover`` finds and that has
+        no slot yet the next free one, and starts there the agent ``make_agent(slot,
+        node)`` (and the engine ``make_engine(slot)``, if it returns one). Stopped by
+        :meth:`shutdown`."""
+        if self.watcher is not None:
+            raise RuntimeError("this deployment already watches for nodes")
+
+        def start(node: int, candidate: NodeCandidate) -> None:
+            where = candidate.placement
+            engine = make_engine(node) if make_engine is not None else None
+            started: list[Any] = []
+            try:  # all or nothing: a named actor left behind would pin the slot's next try
+                started.append(_start_agent(make_agent(node, candidate), where,
+                                            self.namespace, self.detached))
+                ray.get(started[0].status.remote(), timeout=self.ready_timeout_s)
+                if engine is not None:
+                    started.append(_start_engine(engine, engine_remote, where,
+                                                 self.namespace, self.detached))
+                    ray.get(started[1].ping.remote(), timeout=self.ready_timeout_s)
+            except Exception:
+                for handle in started:
+                    with contextlib.suppress(Exception):
+                        ray.kill(handle, no_restart=True)
+                raise
+            self.agents.append(started[0])
+            self.engines.extend(started[1:])
+            self.placements[node] = where
+
+        placed = {p.key: i for i, p in self.placements.items()}
+        self.watcher = NodeWatcher(discover, start, capacity=self.capacity, placed=placed,
+                                   interval_s=interval_s).start()
+        return self.watcher
 
     def shutdown(self) -> None:
-        """Close and kill every actor (no restart)."""
+        """Stop the node watcher, then close and kill every actor (no restart)."""
+        if self.watcher is not None:
+            self.watcher.stop()
         for handle in [*self.engines, *self.agents, self.scheduler]:
             try:
                 ray.get(handle.close.remote(), timeout=10)
@@ -229,34 +289,190 @@ def gpu_node_placements(nodes: Sequence[dict[str, Any]] | None = None, *,
             for n in matching_nodes(nodes, resource=resource, labels=labels)]
 
 
+def _lifetime(detached: bool) -> dict[str, Any]:
+    return {"lifetime": "detached"} if detached else {}
+
+
+def _start_agent(cfg: AgentConfig, where: Placement, namespace: str, detached: bool) -> Any:
+    return AgentActor.options(name=agent_name(cfg.node), namespace=namespace,
+                              get_if_exists=True, **_lifetime(detached),
+                              **where.options()).remote(cfg, SCHEDULER_NAME, namespace)
+
+
+def _start_engine(cfg: EngineConfig, remote: RemoteStoreConfig | None, where: Placement,
+                  namespace: str, detached: bool) -> Any:
+    return EngineActor.options(name=engine_name(cfg.node), namespace=namespace,
+                               get_if_exists=True, **_lifetime(detached),
+                               **where.options()).remote(cfg, remote, SCHEDULER_NAME,
+                                                         namespace)
+
+
 def deploy(service: ServiceConfig, agents: Sequence[AgentConfig],
            placements: Sequence[Placement], *, engines: Sequence[EngineConfig] = (),
            engine_remote: RemoteStoreConfig | None = None, namespace: str = NAMESPACE,
            detached: bool = False, ready_timeout_s: float = 120.0,
            scheduler_placement: Placement | None = None) -> Deployment:
     """Start the scheduler (at ``scheduler_placement``, e.g. the head node that holds its
-    journal; anywhere when None), then agent ``i`` (and engine ``i``) at ``placements[i]``.
-    Waits until every actor answers."""
-    if len(agents) != len(placements) or len(agents) != service.fleet.nodes:
-        raise ValueError("one agent config and one placement per node")
-    lifetime = {"lifetime": "detached"} if detached else {}
+    journal; anywhere when None), then agent ``i`` (and engine ``i``) at ``placements[i]``
+    for the nodes present at start (``service.initial_nodes``, default all). Waits until
+    every actor answers. Nodes that join later: :meth:`Deployment.watch_nodes`."""
+    if len(agents) != len(placements) or len(agents) != service.nodes_at_start:
+        raise ValueError(f"one agent config and one placement per node present at start "
+                         f"({service.nodes_at_start}); got {len(agents)} and "
+                         f"{len(placements)}")
     where = scheduler_placement.options() if scheduler_placement is not None else {}
     scheduler = SchedulerActor.options(name=SCHEDULER_NAME, namespace=namespace,
-                                       get_if_exists=True, **lifetime, **where).remote(
-                                           service, namespace)
+                                       get_if_exists=True, **_lifetime(detached),
+                                       **where).remote(service, namespace)
     ray.get(scheduler.ping.remote(), timeout=ready_timeout_s)
-    handles = [
-        AgentActor.options(name=agent_name(cfg.node), namespace=namespace, get_if_exists=True,
-                           **lifetime, **p.options()).remote(cfg, SCHEDULER_NAME, namespace)
-        for cfg, p in zip(agents, placements, strict=True)
-    ]
+    handles = [_start_agent(cfg, p, namespace, detached)
+               for cfg, p in zip(agents, placements, strict=True)]
     ray.get([h.status.remote() for h in handles], timeout=ready_timeout_s)
-    engine_handles = [
-        EngineActor.options(name=engine_name(cfg.node), namespace=namespace,
-                            get_if_exists=True, **lifetime,
-                            **placements[cfg.node].options()).remote(
-                                cfg, engine_remote, SCHEDULER_NAME, namespace)
-        for cfg in engines
-    ]
+    engine_handles = [_start_engine(cfg, engine_remote, placements[cfg.node], namespace,
+                                    detached) for cfg in engines]
     ray.get([h.ping.remote() for h in engine_handles], timeout=ready_timeout_s)
-    return Deployment(scheduler, handles, engine_handles, namespace)
+    return Deployment(scheduler, handles, engine_handles, namespace,
+                      placements={cfg.node: p for cfg, p in zip(agents, placements,
+                                                                strict=True)},
+                      capacity=service.fleet.nodes, detached=detached,
+                      ready_timeout_s=ready_timeout_s)
+
+
+# ---------------------------------------------------------------------------- joining nodes
+@dataclass(frozen=True, slots=True)
+class NodeCandidate:
+    """A Ray node that may get a node slot: where its actors go (``placement.key``
+    identifies it over polls), the slot it must have (``slot``: the local variant, whose
+    resource names it) or None (the next free one), and its ``ray.nodes()`` entry."""
+
+    placement: Placement
+    slot: int | None = None
+    info: Mapping[str, Any] = field(default_factory=dict)
+
+
+def ray_node_candidates(nodes: Sequence[dict[str, Any]] | None = None, *,
+                        resource: str | None = "GPU",
+                        labels: Mapping[str, str] | None = None) -> list[NodeCandidate]:
+    """Every alive Ray node with ``resource`` and ``labels`` (as :func:`gpu_node_placements`
+    finds them), pinned by node affinity, in NodeID order."""
+    return [NodeCandidate(Placement(node_id=n["NodeID"]), None, n)
+            for n in matching_nodes(nodes, resource=resource, labels=labels)]
+
+
+def local_node_candidates(nodes: Sequence[dict[str, Any]] | None = None, *,
+                          capacity: int) -> list[NodeCandidate]:
+    """One machine, many logical nodes (tests, the demo): slot ``i`` is there when an
+    alive Ray node has its custom resource (:func:`~agents.ray_entry.node_resource`)."""
+    nodes = list(nodes if nodes is not None else ray.nodes())
+    found = []
+    for i in range(capacity):
+        hit = matching_nodes(nodes, resource=node_resource(i))
+        if hit:
+            found.append(NodeCandidate(Placement(resource=node_resource(i)), i, hit[0]))
+    return found
+
+
+def assign_slots(candidates: Sequence[NodeCandidate], placed: Mapping[str, int],
+                 capacity: int) -> tuple[list[tuple[int, NodeCandidate]], list[NodeCandidate]]:
+    """Pure: the candidates that have no slot yet, each with the slot it gets (its own, or
+    the lowest free one below ``capacity``), and those left without one (the fleet is
+    full, or their own slot is taken)."""
+    taken = set(placed.values())
+    joins: list[tuple[int, NodeCandidate]] = []
+    refused: list[NodeCandidate] = []
+    for c in candidates:
+        if c.placement.key in placed:
+            continue
+        if c.slot is not None:
+            slot: int | None = c.slot if c.slot < capacity and c.slot not in taken else None
+        else:
+            slot = next((i for i in range(capacity) if i not in taken), None)
+        if slot is None:
+            refused.append(c)
+            continue
+        taken.add(slot)
+        joins.append((slot, c))
+    return joins, refused
+
+
+class NodeWatcher:
+    """Gives Ray nodes that join after start a node slot and starts its actors there.
+
+    ``discover()`` (every ``interval_s`` wall seconds, on the watcher's thread) lists the
+    candidate nodes; each one not placed yet gets a slot (:func:`assign_slots`) and
+    ``start(slot, candidate)`` starts its agent (and engine): the agent's hello makes the
+    scheduler take the node in and warm it. A start that fails is logged and counted, and
+    retried on the next poll; once the fleet is full, refused nodes are logged once and
+    ignored. The loop never dies. :meth:`poll` runs one pass (tests call it directly)."""
+
+    def __init__(self, discover: Callable[[], Sequence[NodeCandidate]],
+                 start: Callable[[int, NodeCandidate], None], *, capacity: int,
+                 placed: Mapping[str, int], interval_s: float = 5.0) -> None:
+        if interval_s <= 0:
+            raise ValueError("interval_s must be positive")
+        self._discover = discover
+        self._start = start
+        self.capacity = capacity
+        #: Slot of every node placed so far, by :attr:`Placement.key`.
+        self.placed: dict[str, int] = dict(placed)
+        self.interval_s = interval_s
+        self.joined = 0
+        self.start_failures = 0
+        self.poll_errors = 0
+        self._full_logged = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> NodeWatcher:
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._loop, name="kvprefetch-node-watcher",
+                                            daemon=True)
+            self._thread.start()
+            log.info("watching for nodes that join: every %g s, %d of %d node slots taken",
+                     self.interval_s, len(self.placed), self.capacity)
+        return self
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=timeout_s)
+            self._thread = None
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.poll()
+            except Exception:  # the watcher never dies: log, count, poll again
+                self.poll_errors += 1
+                log.exception("node watcher: poll failed")
+
+    def poll(self) -> list[int]:
+        """One pass; returns the slots whose actors were started."""
+        joins, refused = assign_slots(self._discover(), self.placed, self.capacity)
+        started = []
+        for slot, candidate in joins:
+            if self._stop.is_set():
+                break
+            key = candidate.placement.key
+            log.info("Ray node %s joined: starting node %d's agent there", key, slot)
+            try:
+                self._start(slot, candidate)
+            except Exception as exc:  # retried on the next poll
+                self.start_failures += 1
+                log.warning("node %d: could not start its actors on Ray node %s: %s", slot,
+                            key, exc)
+                continue
+            self.placed[key] = slot
+            self.joined += 1
+            started.append(slot)
+        if refused and not self._full_logged:
+            self._full_logged = True
+            log.warning("Ray node %s has no free node slot (the fleet has %d, all taken, or "
+                        "its own is): ignored, as are further ones; a larger fleet needs a "
+                        "restart with more nodes", refused[0].placement.key, self.capacity)
+        return started

@@ -20,6 +20,11 @@ file and counted, never a failed start-up, which Ray would turn into a restart l
 takes the next epoch (:func:`next_epoch`, journalled); every order id carries it, so agents
 and reports never confuse this incarnation's orders with a predecessor's.
 
+Fleet changes: ``fleet.nodes`` is the capacity; nodes from ``initial_nodes`` on are out of
+the fleet at start (the core's ``node_left``) and join when their agent first says hello
+(``node_joined``: routed to from then on, warmed with idle sessions whose KV is local
+nowhere), counted in the summary's ``nodes_joined``.
+
 Threading: every public method may be called from any thread; one lock guards the state.
 Messages to agents are sent after the lock is released.
 """
@@ -121,6 +126,9 @@ class SchedulerService:
         core = SchedulerCore(self.config.fleet, self.policy, predictor, self.fleet)
         driver = LiveDriver(self.config, core, self.fleet, self.orders, self.clock,
                             self._metrics, self._wall)
+        # Node slots without an agent yet are out until their agent says hello (a journal
+        # replayed next brings back those its events prove had joined).
+        driver.mark_out(range(self.config.nodes_at_start, self.config.fleet.nodes), Outbox())
         path = self.config.journal_path
         last_epoch = 0
         if path is not None and Path(path).exists() and Path(path).stat().st_size > 0:
@@ -142,9 +150,10 @@ class SchedulerService:
         self._thread = threading.Thread(target=self._loop, name="kvprefetch-scheduler",
                                         daemon=True)
         self._thread.start()
-        log.info("scheduler service started: epoch %d, policy %s, %d nodes, compression %g",
-                 self.epoch, self.policy.name, self.config.fleet.nodes,
-                 self.config.time_compression)
+        nodes = self.config.fleet.nodes
+        log.info("scheduler service started: epoch %d, policy %s, %d of %d nodes in the "
+                 "fleet, compression %g", self.epoch, self.policy.name,
+                 nodes - len(driver.out_nodes), nodes, self.config.time_compression)
         return self
 
     def _resume(self, driver: LiveDriver, path: Path) -> int:
@@ -296,7 +305,9 @@ class SchedulerService:
     # ------------------------------------------------------------------ agent calls
     def agent_hello(self, hello: AgentHello) -> None:
         """An agent (re)started: orders sent to its previous incarnation are lost (re-plan
-        them); reconcile the node's books with what its tier really holds."""
+        them); reconcile the node's books with what its tier really holds. The agent of a
+        node out of the fleet (``initial_nodes``) joins it: the node is warmed with idle
+        sessions whose KV is local nowhere, and routed to from now on."""
         self._check_node(hello.node)
         with self._step() as box:
             self.driver.agent_hello(hello, box)
