@@ -11,7 +11,10 @@ SIGTERM it stops the HTTP server, closes and kills its actors and leaves Ray.
 
 The actors live as long as this process (they are not detached): run it under a
 supervisor (systemd, the cluster launcher's head start commands) to keep it up. Nodes that
-join later get no agent until the next start.
+join later: every ``placement.watch_interval_s`` it looks for matching nodes without an
+agent; one gets the next free node slot (``placement.max_nodes`` slots; without it, as many
+as matched at start, so a fleet that starts full ignores newcomers with one warning), its
+agent starts there, and the scheduler takes the node into the fleet and warms it.
 """
 
 from __future__ import annotations
@@ -75,8 +78,12 @@ class PlacementSettings(_Section):
     #: ``wait_for_nodes_s`` for the autoscaler to bring them up.
     min_nodes: int = Field(1, ge=1, le=4096)
     wait_for_nodes_s: float = Field(0.0, ge=0)
-    #: Agents on at most this many of the matching nodes (the first in NodeID order).
+    #: Agents on at most this many of the matching nodes (the first in NodeID order); the
+    #: fleet's size, so that nodes that match later can join it (see watch_interval_s).
     max_nodes: int | None = Field(None, ge=1, le=4096)
+    #: Look for matching nodes that joined the cluster every this many seconds and give
+    #: each one a free node slot (up to max_nodes) and an agent; 0 = never.
+    watch_interval_s: float = Field(5.0, ge=0)
 
     @model_validator(mode="after")
     def _check(self) -> PlacementSettings:
@@ -172,7 +179,7 @@ class ServeConfig(_Section):
         if "nodes" in self.fleet:
             raise ValueError("fleet.nodes: not set here: one node per matching Ray node "
                              "(see placement.min_nodes / max_nodes)")
-        for key in ("fleet", "node_names"):
+        for key in ("fleet", "node_names", "initial_nodes"):
             if key in self.service:
                 raise ValueError(f"service.{key}: set by kvprefetch serve, not in the file")
         return self
@@ -180,11 +187,14 @@ class ServeConfig(_Section):
     def fleet_config(self, nodes: int) -> FleetConfig:
         return fleet_from_dict({**self.fleet, "nodes": nodes}, source="fleet")
 
-    def service_config(self, node_names: list[str]) -> ServiceConfig:
+    def service_config(self, node_names: list[str], initial_nodes: int | None = None
+                       ) -> ServiceConfig:
+        """One node per name; nodes from ``initial_nodes`` on have no agent yet."""
         fleet = self.fleet_config(len(node_names))
         try:
             return ServiceConfig.model_validate(
-                {**self.service, "fleet": fleet, "node_names": tuple(node_names)})
+                {**self.service, "fleet": fleet, "node_names": tuple(node_names),
+                 "initial_nodes": initial_nodes})
         except ValidationError as exc:
             raise ConfigError(_describe(exc, "service")) from None
 
@@ -295,7 +305,13 @@ class Serve:
         from agents.ray_entry import SCHEDULER_NAME
         from controlplane.live.client import connect
         from controlplane.live.http_api import HttpServer, create_app
-        from controlplane.live.ray_app import Placement, deploy, matching_nodes
+        from controlplane.live.ray_app import (
+            NodeCandidate,
+            Placement,
+            deploy,
+            matching_nodes,
+            ray_node_candidates,
+        )
 
         cfg = self.cfg
         self._init_ray()
@@ -310,12 +326,18 @@ class Serve:
                               f"{cfg.ray.namespace!r}: stop it, or set ray.namespace")
         nodes = self._wait_for_nodes(matching_nodes)
         names = _node_names(nodes)
-        service = cfg.service_config(names)
+        p = cfg.placement
+        watch = p.watch_interval_s > 0
+        capacity = max(p.max_nodes or 0, len(nodes)) if watch else len(nodes)
+        service = cfg.service_config(
+            names + [f"node-{i}" for i in range(len(nodes), capacity)], len(nodes))
         a = cfg.agent
-        agents = [AgentConfig(
-            node=i, node_name=names[i], remote=cfg.stores, transfer=a.transfer,
-            backend=a.backend, lmcache=a.lmcache, dram=a.dram(i))
-            for i in range(len(nodes))]
+
+        def agent_config(i: int, name: str) -> AgentConfig:
+            return AgentConfig(node=i, node_name=name, remote=cfg.stores, transfer=a.transfer,
+                               backend=a.backend, lmcache=a.lmcache, dram=a.dram(i))
+
+        agents = [agent_config(i, names[i]) for i in range(len(nodes))]
         placements = [Placement(node_id=n["NodeID"]) for n in nodes]
         here = Placement(node_id=ray.get_runtime_context().get_node_id())
         log.info("deploying the scheduler (policy %s) and %d agents in namespace %r",
@@ -327,6 +349,19 @@ class Serve:
             log.info("placed agent %d (%s) on Ray node %s at %s: tier %s", w["node"],
                      names[w["node"]], w["node_id"], w["ip"],
                      w["tier_path"] or f"LMCache L1 at {w['lmcache_url']}")
+        if watch:
+            taken = set(names)
+
+            def joined_agent(i: int, node: NodeCandidate) -> AgentConfig:
+                name = str(node.info.get("NodeManagerAddress") or f"node-{i}")
+                name = name if name not in taken else f"{name}#{i}"
+                taken.add(name)
+                return agent_config(i, name)
+
+            dep.watch_nodes(lambda: ray_node_candidates(resource=p.resource, labels=p.labels),
+                            joined_agent, interval_s=p.watch_interval_s)
+            log.info("%d of %d node slots taken; matching nodes that join later get the "
+                     "others (checked every %g s)", len(nodes), capacity, p.watch_interval_s)
         client = connect(self.address, namespace=cfg.ray.namespace,
                          timeout_s=cfg.http.call_timeout_s)
         stack.callback(client.close)

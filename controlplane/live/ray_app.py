@@ -237,6 +237,13 @@ class Deployment:
             self.agents.append(started[0])
             self.engines.extend(started[1:])
             self.placements[node] = where
+            try:
+                w = ray.get(started[0].where.remote(), timeout=self.ready_timeout_s)
+            except Exception:  # only for the log: the agent is up
+                log.debug("where() failed", exc_info=True)
+            else:
+                log.info("placed agent %d on Ray node %s at %s: tier %s", node, w["node_id"],
+                         w["ip"], w["tier_path"] or f"LMCache L1 at {w['lmcache_url']}")
 
         placed = {p.key: i for i, p in self.placements.items()}
         self.watcher = NodeWatcher(discover, start, capacity=self.capacity, placed=placed,

@@ -168,6 +168,22 @@ def test_local_variant_takes_the_slot_its_resource_names() -> None:
     assert [slot for slot, _ in joins] == [0] and [c.slot for c in refused] == [2]
 
 
+def test_serve_config_leaves_slots_for_nodes_that_join() -> None:
+    from pydantic import ValidationError
+
+    from controlplane.cli.serve import ServeConfig
+
+    base: dict[str, Any] = {"stores": {"valkey": {"host": "127.0.0.1", "port": 6379}},
+                            "agent": {"tier_capacity_bytes": 64 * MIB}}
+    cfg = ServeConfig.model_validate({**base, "placement": {"max_nodes": 4}})
+    assert cfg.placement.watch_interval_s == 5.0
+    svc = cfg.service_config(["10.0.0.1", "10.0.0.2", "node-2", "node-3"], 2)
+    assert svc.fleet.nodes == 4 and svc.nodes_at_start == 2
+    assert cfg.service_config(["a"]).nodes_at_start == 1
+    with pytest.raises(ValidationError, match="initial_nodes"):
+        ServeConfig.model_validate({**base, "service": {"initial_nodes": 1}})
+
+
 # ---------------------------------------------------------------------------- on Ray
 @pytest.fixture
 def tiers() -> Iterator[list[Path]]:
