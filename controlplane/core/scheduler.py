@@ -565,11 +565,15 @@ class SchedulerCore:
         if ticket is None:
             self.stats.prefetches_dropped += 1
             return self._output()
+        self._start_load(s, ticket, use)
+        return self._output()
+
+    def _start_load(self, s: _Session, ticket: LoadTicket, use_s: float) -> None:
+        """Start a prefetch the tier has room for; the entry is kept until ``use_s``."""
         self.stats.prefetches += 1
-        s.planned_use_s = use
+        s.planned_use_s = use_s
         s.prefetches += 1
         self._step.loads.append(ticket)
-        return self._output()
 
     def hint(self, event: SessionEvent) -> StepOutput:
         """A hint changes the forecast: re-plan the session now."""
@@ -623,7 +627,6 @@ class SchedulerCore:
                  and node not in self._sessions[sid].inflight_nodes]
         if not homed:
             return
-        tier = self.dram[node]
         uses = self._next_uses(homed, now_s)
         # Soonest predicted use first; sessions with no forecast of a return (their
         # predicted use is never) by recency, as an LRU tier would have kept them.
@@ -631,15 +634,10 @@ class SchedulerCore:
                        key=lambda u: (u[0], -self._sessions[u[1]].last_finish_s, u[1]))
         for use, sid in order:
             s = self._sessions[sid]
-            if s.remote_tokens * self.bpt > tier.capacity_bytes - tier.used_bytes:
-                continue
             ticket = self._reserve(sid, node, s.remote_tokens, prefetch=True, deadline_s=use,
                                    now_s=now_s, free_only=True, priority=0.0)
             if ticket is not None:
-                self.stats.prefetches += 1
-                s.planned_use_s = use
-                s.prefetches += 1
-                self._step.loads.append(ticket)
+                self._start_load(s, ticket, use)
                 if rehome:
                     s.home = node
                     s.pending = None

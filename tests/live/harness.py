@@ -24,7 +24,7 @@ from controlplane.live.service import SchedulerService
 MIB = 1 << 20
 
 
-class _Port:
+class InProcessPort:
     """AgentPort for an in-process agent."""
 
     def __init__(self, agent: PrefetchAgent) -> None:
@@ -38,6 +38,20 @@ class _Port:
 
     def evict(self, prefixes: tuple[str, ...], keys: tuple[str, ...]) -> None:
         self.agent.evict(prefixes, keys)
+
+
+class RecordingPort:
+    """AgentPort that keeps the orders the service hands it and does nothing else."""
+
+    def __init__(self) -> None:
+        self.orders: list[TransferOrder] = []
+
+    def execute(self, order: TransferOrder) -> None:
+        self.orders.append(order)
+
+    def cancel(self, session_id: str, order_id: int) -> None: ...
+
+    def evict(self, prefixes: tuple[str, ...], keys: tuple[str, ...]) -> None: ...
 
 
 @dataclass
@@ -99,7 +113,7 @@ def build_local_fleet(fleet: FleetConfig, valkey: EmbeddedValkey | None, s3: Emb
     svc = SchedulerService(ServiceConfig(
         fleet=fleet, policy=policy, predictor=predictor, time_compression=compression,
         chunk_tokens=chunk_tokens, journal_path=str(journal) if journal else None,
-        **service_kw), agents={i: _Port(a) for i, a in enumerate(agents)})
+        **service_kw), agents={i: InProcessPort(a) for i, a in enumerate(agents)})
     svc.start()
     engines = []
     for node, agent in enumerate(agents):

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from harness import _Port
+from harness import InProcessPort, RecordingPort
 
 from agents.agent import AgentConfig, PrefetchAgent, RemoteStoreConfig
 from agents.embedded import EmbeddedValkey
@@ -54,7 +54,7 @@ def agents(tmp_path: Path, valkey_server: EmbeddedValkey) -> Iterator[list[Prefe
 
 
 def _service(cfg: ServiceConfig, agents: list[PrefetchAgent]) -> SchedulerService:
-    ports: dict[int, AgentPort] = {i: _Port(a) for i, a in enumerate(agents)}
+    ports: dict[int, AgentPort] = {i: InProcessPort(a) for i, a in enumerate(agents)}
     svc = SchedulerService(cfg, agents=ports).start()
     for agent in agents:  # Ray restarts the scheduler; the agents live on
         agent.set_reporter(svc.report_transfer)
@@ -115,20 +115,6 @@ def test_a_restarted_scheduler_never_books_its_predecessors_reports(
         again.close()
 
 
-class _Recorder:
-    """AgentPort that keeps the orders it is handed."""
-
-    def __init__(self) -> None:
-        self.orders: list[TransferOrder] = []
-
-    def execute(self, order: TransferOrder) -> None:
-        self.orders.append(order)
-
-    def cancel(self, session_id: str, order_id: int) -> None: ...
-
-    def evict(self, prefixes: tuple[str, ...], keys: tuple[str, ...]) -> None: ...
-
-
 def _report(order: TransferOrder, **changes: object) -> TransferReport:
     fields: dict[str, object] = dict(
         order_id=order.order_id, session_id=order.session_id, node=order.node,
@@ -140,7 +126,7 @@ def _report(order: TransferOrder, **changes: object) -> TransferReport:
 
 
 def test_a_report_that_does_not_match_its_order_is_counted_never_booked() -> None:
-    recorder = _Recorder()
+    recorder = RecordingPort()
     cfg = ServiceConfig(fleet=FLEET, policy="ondemand", predictor="last-gap")
     with SchedulerService(cfg, agents={1: recorder}) as svc:
         _first_turn(svc, "acme", "a")

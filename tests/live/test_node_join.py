@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from harness import RecordingPort
 
 from controlplane.base.config import fleet_from_dict
-from controlplane.base.wire import AgentHello, TransferOrder
+from controlplane.base.wire import AgentHello
 from controlplane.live.config import ServiceConfig
 from controlplane.live.service import SchedulerService
 
@@ -29,21 +30,7 @@ FLEET = fleet_from_dict({"nodes": 2, "node": {"hbm_kv_bytes": 4 * GIB,
                                               "dram_tier_bytes": 16 * GIB}})
 
 
-class _Port:
-    """AgentPort that records what the service sends."""
-
-    def __init__(self) -> None:
-        self.orders: list[TransferOrder] = []
-
-    def execute(self, order: TransferOrder) -> None:
-        self.orders.append(order)
-
-    def cancel(self, session_id: str, order_id: int) -> None: ...
-
-    def evict(self, prefixes: tuple[str, ...], keys: tuple[str, ...]) -> None: ...
-
-
-def _service(ports: dict[int, _Port], journal: Path | None = None,
+def _service(ports: dict[int, RecordingPort], journal: Path | None = None,
              **kw: Any) -> SchedulerService:
     cfg = ServiceConfig(fleet=FLEET, predictor="hinted", time_compression=100.0,
                         chunk_tokens=CHUNK, initial_nodes=1,
@@ -72,7 +59,7 @@ def test_config_bounds_initial_nodes() -> None:
 
 
 def test_an_out_node_joins_on_its_agents_hello_and_is_warmed() -> None:
-    ports = {0: _Port(), 1: _Port()}
+    ports = {0: RecordingPort(), 1: RecordingPort()}
     with _service(ports) as svc:
         assert svc.summary()["nodes_out"] == ["node-1"]
         _served_then_lost(svc, ["a", "b", "c"])
@@ -92,23 +79,23 @@ def test_an_out_node_joins_on_its_agents_hello_and_is_warmed() -> None:
 
 def test_resume_brings_back_the_joins_its_events_prove(tmp_path: Path) -> None:
     journal = tmp_path / "journal.jsonl"
-    ports = {0: _Port(), 1: _Port()}
+    ports = {0: RecordingPort(), 1: RecordingPort()}
     with _service(ports, journal) as svc:
         _served_then_lost(svc, ["a"])
         svc.agent_hello(AgentHello(1, "agent-1", "gpu-1"))
         assert svc.route({"tenant": "t", "session_id": "a", "input_tokens": 4 * CHUNK}).node == 1
         svc.request_finished({"tenant": "t", "session_id": "a", "node": 1,
                               "input_tokens": 4 * CHUNK})
-    with _service({0: _Port(), 1: _Port()}, journal) as again:
+    with _service({0: RecordingPort(), 1: RecordingPort()}, journal) as again:
         summary = again.summary()
         assert summary["nodes_out"] == [] and summary["nodes_joined"] == 0  # replayed
         assert again.core.local_tokens(1, "t/a") > 0  # the books of node 1 are back
     # A join that no journalled event proves stays out until the agent greets again.
     other = tmp_path / "other.jsonl"
-    with _service({0: _Port(), 1: _Port()}, other) as svc:
+    with _service({0: RecordingPort(), 1: RecordingPort()}, other) as svc:
         _served_then_lost(svc, ["z"])
         svc.agent_hello(AgentHello(1, "agent-1", "gpu-1"))
-    with _service({0: _Port(), 1: _Port()}, other) as again:
+    with _service({0: RecordingPort(), 1: RecordingPort()}, other) as again:
         assert again.summary()["nodes_out"] == ["node-1"]
         again.agent_hello(AgentHello(1, "agent-1b", "gpu-1"))
         assert again.summary()["nodes_out"] == [] and again.summary()["nodes_joined"] == 1
