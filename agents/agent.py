@@ -149,6 +149,10 @@ class PrefetchAgent:
         self._lock = threading.Lock()
         self._appeared = threading.Condition(self._lock)
         self._running: dict[int, _Running] = {}
+        #: Keys of orders admitted but whose transfer is not yet registered in ``_running``:
+        #: evict advice that arrives meanwhile (Ray runs an actor's calls on many threads,
+        #: in any order) must not delete a key the starting transfer has found present.
+        self._starting: dict[int, tuple[str, ...]] = {}
         self._reports: OrderedDict[int, TransferReport] = OrderedDict()
         self._seen: OrderedDict[int, None] = OrderedDict()
         #: The newest scheduler epoch seen in an order.
@@ -243,18 +247,31 @@ class PrefetchAgent:
         with self._lock:
             if not self._admit(order):
                 return
+            self._starting[order.order_id] = order.keys
         handle: TransferHandle | WarmHandle
         if warmer is not None:
             handle = warmer.submit(order)
         else:
             assert engine is not None
             self._advise(order)
-            handle = engine.submit(order.keys, priority=order.priority)
+            try:
+                handle = engine.submit(order.keys, priority=order.priority)
+            except BaseException:
+                with self._lock:
+                    self._starting.pop(order.order_id, None)
+                raise
         running = _Running(order, handle, threading.Event())
         with self._lock:
             self._running[order.order_id] = running
+            self._starting.pop(order.order_id, None)
             self._appeared.notify_all()
         pool.submit(self._finish, running)
+
+    def _busy_keys(self) -> set[str]:
+        """Under the lock: the keys of every order starting or running."""
+        busy = {k for keys in self._starting.values() for k in keys}
+        busy.update(k for r in self._running.values() for k in r.order.keys)
+        return busy
 
     def _admit(self, order: TransferOrder) -> bool:
         """Under the lock: whether to run ``order`` (new, and not of a replaced scheduler).
@@ -392,21 +409,20 @@ class PrefetchAgent:
                 self._evicted += gone
             return gone
         tier = self.tier
-        with self._lock:
-            busy = {k for r in self._running.values() for k in r.order.keys}
-        victims = set(keys)
         pre = tuple(prefixes)
-        if pre:
-            held = tier.keys()
-            victims.update(k for k in held if k.startswith(pre))
-        kept = {k for k in busy if k in victims or (pre and k.startswith(pre))}
-        if kept:
-            tier.advise(dict.fromkeys(kept, math.inf))
-        victims -= busy
-        if not victims:
-            return 0
-        gone = sum(1 for r in tier.delete(sorted(victims)) if r.ok)
+        # Under the lock from choosing to deleting: an order admitted meanwhile either
+        # claims its keys first (kept) or starts after they are gone (loads them again).
         with self._lock:
+            busy = self._busy_keys()
+            victims = set(keys)
+            if pre:
+                held = tier.keys()
+                victims.update(k for k in held if k.startswith(pre))
+            kept = {k for k in busy if k in victims or (pre and k.startswith(pre))}
+            if kept:
+                tier.advise(dict.fromkeys(kept, math.inf))
+            victims -= busy
+            gone = sum(1 for r in tier.delete(sorted(victims)) if r.ok) if victims else 0
             self._evicted += gone
         return gone
 
@@ -421,11 +437,10 @@ class PrefetchAgent:
             return 0
         stored = sum(1 for r in self.tier.put(list(items)) if r.ok)
         if drop:
-            with self._lock:
-                busy = {k for r in self._running.values() for k in r.order.keys}
-            victims = sorted(set(drop) - busy)
-            if victims:
-                self.tier.delete(victims)
+            with self._lock:  # as in evict: no order starts between choosing and deleting
+                victims = sorted(set(drop) - self._busy_keys())
+                if victims:
+                    self.tier.delete(victims)
         return stored
 
     def inventory(self) -> tuple[str, ...]:

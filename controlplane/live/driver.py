@@ -136,7 +136,10 @@ class LiveDriver:
             self.stats.orders_sent += 1
         for order in out.orders:
             heapq.heappush(self.timers, (order.start_at_s, next(self._seq), order))
+        loading = {(t.session_id, t.node) for t in out.loads}
         for e in out.evictions:
+            if (e.session_id, e.node) in loading:
+                continue  # dropped and ordered back at once: what the tier holds is wanted
             info = self.registry.by_sid(e.session_id)
             if info is not None and info.hashes is not None:
                 chunks = self.registry.keys_of(info, info.context_tokens)

@@ -229,3 +229,34 @@ def test_evict_advice_for_a_running_transfer_makes_its_keys_first_to_go(
         _run(agent, 4, "t/d/0", 300.0)  # overflows the tier
         assert sorted(agent.inventory()) == ["t/a/0", "t/b/0", "t/d/0"]
         agent.store.delete(keys)
+
+
+@pytest.mark.servers
+def test_evict_advice_that_arrives_while_an_order_starts_keeps_the_keys_it_found_present(
+        tmp_path: Path, valkey_server: EmbeddedValkey, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray runs an agent's calls on many threads: evict advice for a session can land after
+    a new order for it has found a key present (and will not load it) but before the
+    transfer is registered. The key must stay: the order reports it delivered."""
+    key = "t/a/0"
+    with _agent(tmp_path, valkey_server, "predicted", capacity=1 << 20) as agent:
+        assert all(r.ok for r in agent.store.put([(key, payload(key, 16 * KIB))]))
+        _run(agent, 1, key, 100.0)
+        assert agent.inventory() == (key,)
+        engine = agent._engine
+        assert engine is not None
+        real_submit = engine.submit
+        deleted: list[int] = []
+
+        def submit_then_evict(keys: Sequence[str], **kw: object) -> object:
+            handle = real_submit(keys, **kw)  # type: ignore[arg-type]
+            racer = threading.Thread(target=lambda: deleted.append(agent.evict(keys=[key])))
+            racer.start()
+            racer.join(5)
+            return handle
+
+        monkeypatch.setattr(engine, "submit", submit_then_evict)
+        agent.execute(TransferOrder(2, "t/a", 0, (key,), 1, 1, True, 200.0))
+        report = agent.wait(2, timeout_s=10)
+        assert report is not None and report.complete
+        assert deleted == [0] and agent.inventory() == (key,)
+        agent.store.delete([key])
