@@ -15,6 +15,13 @@ join later: every ``placement.watch_interval_s`` it looks for matching nodes wit
 agent; one gets the next free node slot (``placement.max_nodes`` slots; without it, as many
 as matched at start, so a fleet that starts full ignores newcomers with one warning), its
 agent starts there, and the scheduler takes the node into the fleet and warms it.
+
+Tenants: ``tenants:`` gives each tenant its own bearer token (from an environment variable
+or a file, never inline, never logged) and optionally its quota of live sessions;
+``http.admin_token`` is the operators' token (any tenant, named in the body). A config
+with only ``http.bearer_token`` / ``bearer_token_env`` keeps the old behaviour: one shared
+token, the tenant named in each body. ``http.limits`` bounds each call (body bytes, token
+ids, chunk hashes, token-id range); see :mod:`controlplane.live.limits`.
 """
 
 from __future__ import annotations
@@ -39,6 +46,8 @@ from agents.transfer import TransferConfig
 from controlplane.base.config import FleetConfig, fleet_from_dict
 from controlplane.base.errors import ConfigError, KvPrefetchError, ServiceUnavailableError
 from controlplane.live.config import ServiceConfig
+from controlplane.live.limits import RequestLimits, check_tenant_name
+from controlplane.live.tenants import TenantAuth
 
 log = logging.getLogger(__name__)
 MIB = 1 << 20
@@ -125,16 +134,59 @@ class AgentSettings(_Section):
                                capacity_bytes=self.tier_capacity_bytes)
 
 
+class SecretSource(_Section):
+    """Where a secret is read at start-up: an environment variable (``env``) or a file
+    (``file``: its content, without the trailing newline; e.g. a Kubernetes or systemd
+    credential). Exactly one. The value is never logged nor written in an error."""
+
+    env: str | None = Field(None, min_length=1)
+    file: str | None = Field(None, min_length=1)
+
+    @model_validator(mode="after")
+    def _one(self) -> SecretSource:
+        if (self.env is None) == (self.file is None):
+            raise ValueError("give env (an environment variable) or file, exactly one")
+        return self
+
+    def read(self, what: str) -> str:
+        """The secret; ConfigError naming ``what`` and where it was looked for."""
+        if self.env is not None:
+            value = os.environ.get(self.env, "")
+            where = f"environment variable {self.env!r}"
+        else:
+            assert self.file is not None
+            where = f"file {self.file!r}"
+            try:
+                value = Path(self.file).read_text().rstrip("\r\n")
+            except OSError as exc:
+                raise ConfigError(f"{what}: cannot read {where}: {exc.strerror}") from None
+        if not value.strip():
+            raise ConfigError(f"{what}: {where} is not set or empty")
+        return value
+
+
+class TenantSettings(_Section):
+    #: The tenant's bearer token: its calls are this tenant's and no other's.
+    token: SecretSource
+    #: Live sessions the tenant may hold (default: ``service.max_live_sessions_per_tenant``).
+    max_live_sessions: int | None = Field(None, ge=1, le=100_000_000)
+
+
 class HttpSettings(_Section):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, lt=65536)
-    #: The bearer token every /v1 call must carry; or the name of an environment variable
-    #: holding it (keeps the secret out of the file). Neither: no auth.
+    #: Older configs: the one bearer token every /v1 call must carry, or the name of an
+    #: environment variable holding it; the tenant is then named in each body. Neither
+    #: (and no ``tenants``): no auth.
     bearer_token: SecretStr | None = None
     bearer_token_env: str | None = None
+    #: The operators' token (with ``tenants``): may act for any tenant, named in the body.
+    admin_token: SecretSource | None = None
     #: Seconds the API waits for the scheduler per call before answering "no prefetch".
     call_timeout_s: float = Field(2.0, gt=0, le=60)
     access_log: bool = False
+    #: Per-call limits: body bytes (413), token ids and chunk hashes (422), token-id range.
+    limits: RequestLimits = RequestLimits()
 
     @model_validator(mode="after")
     def _check(self) -> HttpSettings:
@@ -143,6 +195,10 @@ class HttpSettings(_Section):
         if self.bearer_token is not None and not self.bearer_token.get_secret_value().strip():
             raise ValueError("bearer_token is empty")
         return self
+
+    @property
+    def shared_token_configured(self) -> bool:
+        return self.bearer_token is not None or self.bearer_token_env is not None
 
     def token(self) -> str | None:
         """The token, read from the environment when named there (ConfigError if unset)."""
@@ -171,11 +227,32 @@ class ServeConfig(_Section):
     stores: RemoteStoreConfig
     agent: AgentSettings
     http: HttpSettings = HttpSettings()
+    #: Tenant name -> its token and quota. Given: every /v1 call needs a tenant's token
+    #: (or ``http.admin_token``), and only these tenants exist.
+    tenants: dict[str, TenantSettings] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _check(self) -> ServeConfig:
         if self.stores.valkey is None and self.stores.s3 is None:
             raise ValueError("stores: configure valkey, s3 or both")
+        for name in self.tenants:
+            try:
+                check_tenant_name(name, "tenants")
+            except KvPrefetchError as exc:
+                raise ValueError(str(exc)) from None
+        if self.tenants and self.http.shared_token_configured:
+            raise ValueError("tenants: per-tenant tokens and the shared http.bearer_token do "
+                             "not mix (a shared token would act for every tenant): remove "
+                             "it, and give operators http.admin_token")
+        if self.http.admin_token is not None and not self.tenants:
+            raise ValueError("http.admin_token: only with tenants (without them every "
+                             "token may name any tenant)")
+        if "limits" in self.service:
+            raise ValueError("service.limits: set in http.limits")
+        if self.tenants:
+            for key in ("tenants", "tenant_max_live_sessions"):
+                if key in self.service:
+                    raise ValueError(f"service.{key}: set from the tenants section")
         if "nodes" in self.fleet:
             raise ValueError("fleet.nodes: not set here: one node per matching Ray node "
                              "(see placement.min_nodes / max_nodes)")
@@ -184,6 +261,15 @@ class ServeConfig(_Section):
                 raise ValueError(f"service.{key}: set by kvprefetch serve, not in the file")
         return self
 
+    def auth(self) -> TenantAuth:
+        """The credentials, their secrets read now (ConfigError naming the tenant and
+        where its secret was looked for, never the secret)."""
+        tokens = {name: t.token.read(f"tenants.{name}.token")
+                  for name, t in self.tenants.items()}
+        admin = (self.http.admin_token.read("http.admin_token")
+                 if self.http.admin_token is not None else None)
+        return TenantAuth(tokens, admin_token=admin, shared_token=self.http.token())
+
     def fleet_config(self, nodes: int) -> FleetConfig:
         return fleet_from_dict({**self.fleet, "nodes": nodes}, source="fleet")
 
@@ -191,10 +277,15 @@ class ServeConfig(_Section):
                        ) -> ServiceConfig:
         """One node per name; nodes from ``initial_nodes`` on have no agent yet."""
         fleet = self.fleet_config(len(node_names))
+        tenancy: dict[str, Any] = {}
+        if self.tenants:
+            tenancy = {"tenants": tuple(self.tenants), "tenant_max_live_sessions": {
+                name: t.max_live_sessions for name, t in self.tenants.items()
+                if t.max_live_sessions is not None}}
         try:
             return ServiceConfig.model_validate(
-                {**self.service, "fleet": fleet, "node_names": tuple(node_names),
-                 "initial_nodes": initial_nodes})
+                {**self.service, **tenancy, "limits": self.http.limits, "fleet": fleet,
+                 "node_names": tuple(node_names), "initial_nodes": initial_nodes})
         except ValidationError as exc:
             raise ConfigError(_describe(exc, "service")) from None
 
@@ -249,23 +340,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = load_serve_config(args.config)
-    token = cfg.http.token()
+    auth = cfg.auth()
     address = args.address or cfg.ray.address
     if args.check:
-        print(f"{args.config}: ok")
+        print(f"{args.config}: ok ({describe_auth(auth)})")
         return 0
-    if token is None and cfg.http.host not in ("127.0.0.1", "localhost", "::1"):
+    if not auth.required and cfg.http.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("the HTTP API listens on %s without a bearer token", cfg.http.host)
-    return Serve(cfg, address, token).run()
+    return Serve(cfg, address, auth).run()
+
+
+def describe_auth(auth: TenantAuth) -> str:
+    """One line for the log: which kind of credentials (never a token)."""
+    if auth.isolated:
+        return f"{len(auth.tenants)} tenants with their own tokens: {', '.join(auth.tenants)}"
+    return "one shared bearer token, tenant named per call" if auth.required else "no auth"
+
+
+def http_app(cfg: ServeConfig, scheduler: Any, auth: TenantAuth, *, chunk_tokens: int,
+             metrics: Any = None, health: Any = None) -> Any:
+    """The HTTP API app of a serve config in front of ``scheduler`` (a client or a
+    GatewayAPI): its credentials, limits and timeout; token ids are hashed in the API
+    (``chunk_tokens``: the scheduler's), not in the scheduler actor."""
+    from controlplane.live.http_api import create_app
+
+    return create_app(scheduler, auth=auth, limits=cfg.http.limits, chunk_tokens=chunk_tokens,
+                      metrics_registry=metrics, call_timeout_s=cfg.http.call_timeout_s,
+                      health_check=health)
 
 
 class Serve:
     """One ``serve`` run: set up, serve until a signal, tear down (in reverse order)."""
 
-    def __init__(self, cfg: ServeConfig, address: str, token: str | None) -> None:
+    def __init__(self, cfg: ServeConfig, address: str, auth: TenantAuth) -> None:
         self.cfg = cfg
         self.address = address
-        self.token = token
+        self.auth = auth
         self._stop = threading.Event()
         self._serving = False
 
@@ -304,7 +414,7 @@ class Serve:
         from agents.agent import AgentConfig
         from agents.ray_entry import SCHEDULER_NAME
         from controlplane.live.client import connect
-        from controlplane.live.http_api import HttpServer, create_app
+        from controlplane.live.http_api import HttpServer
         from controlplane.live.ray_app import (
             NodeCandidate,
             Placement,
@@ -373,13 +483,12 @@ class Serve:
         def health() -> None:
             ray.get(scheduler.ping.remote(), timeout=2)
 
-        app = create_app(client, bearer_token=self.token, metrics_registry=metrics_text,
-                         call_timeout_s=cfg.http.call_timeout_s, health_check=health)
+        app = http_app(cfg, client, self.auth, chunk_tokens=service.chunk_tokens,
+                       metrics=metrics_text, health=health)
         server = stack.enter_context(HttpServer(app, cfg.http.host, cfg.http.port,
                                                 access_log=cfg.http.access_log, log_level="info"))
-        auth = "bearer token required" if self.token else "no auth"
         log.info("HTTP API on %s (%s): POST /v1/route ..., GET /metrics, GET /healthz, "
-                 "OpenAPI at /openapi.json", server.url, auth)
+                 "OpenAPI at /openapi.json", server.url, describe_auth(self.auth))
         print(f"kvprefetch serve: ready, {len(agents)} agents, HTTP API on {server.url}",
               flush=True)
 

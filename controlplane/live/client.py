@@ -9,9 +9,14 @@ errors (:class:`~controlplane.base.errors.UnknownSessionError`,
 :class:`~controlplane.base.errors.WrongTenantError`,
 :class:`~controlplane.base.errors.MalformedHintError`, ...).
 
+``tenant``: the tenant the calls are made for. Over HTTP with a tenant's own token leave it
+out (the token says whose calls they are; naming another tenant is refused); with the
+admin or the shared token, or elsewhere, it names the tenant (default ``"default"``).
+
 A client holds a :class:`~controlplane.live.protocol.GatewayAPI`: ``address="inproc"`` with
 ``service=`` (a :class:`~controlplane.live.service.SchedulerService` in this process: tests,
-embedding), a :class:`RayTransport` for a Ray address (``"auto"``, ``"ray://host:10001"``,
+embedding; its calls run on a small thread pool so that the timeout holds there too), a
+:class:`RayTransport` for a Ray address (``"auto"``, ``"ray://host:10001"``,
 ``"127.0.0.2:6379"``: the named scheduler actor), or an :class:`HttpTransport` for an HTTP
 URL (``http://host:8000``, the FastAPI app of :mod:`controlplane.live.http_api`).
 """
@@ -22,6 +27,8 @@ import copy
 import json
 import logging
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel
@@ -39,10 +46,14 @@ from controlplane.base.errors import (
 )
 from controlplane.base.wire import AgentHello, EngineReport, GpuStartPlan, TransferReport
 from controlplane.live.protocol import GatewayAPI, RemoteAPI, SchedulerAPI
+from controlplane.live.sessions import SessionQuery, SessionState
+from controlplane.live.tenants import TenantQuotaError
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 2.0
+#: Threads of an in-process transport: calls waiting on the service's lock at once.
+INPROC_WORKERS = 8
 
 _Call = TypeVar("_Call", bound=BaseModel)
 
@@ -154,12 +165,77 @@ class RayTransport:
         return bool(self._get("has_session", self._handle.has_session.remote(tenant,
                                                                               session_id)))
 
+    def session_state(self, call: SessionQuery) -> SessionState:
+        state: SessionState = self._get("session_state",
+                                        self._handle.session_state.remote(call))
+        return state
+
+
+class InProcessTransport:
+    """:class:`~controlplane.live.protocol.RemoteAPI` over a scheduler in this process:
+    each call runs on a small shared thread pool and is waited for at most ``timeout_s``
+    (then ``TimeoutError``; a call still queued is cancelled, one already running
+    completes later, as a remote call that timed out may). Without it a caller would wait
+    as long as the service's lock is held. The service is not closed with the transport."""
+
+    def __init__(self, scheduler: GatewayAPI, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 workers: int = INPROC_WORKERS) -> None:
+        self.scheduler = scheduler
+        self.timeout_s = timeout_s
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvprefetch-inproc")
+
+    def with_timeout(self, timeout_s: float) -> InProcessTransport:
+        view = copy.copy(self)
+        view.timeout_s = timeout_s
+        return view
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _wait(self, op: str, call: Callable[[], Any]) -> Any:
+        future: Future[Any] = self._pool.submit(call)
+        try:
+            return future.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            future.cancel()
+            raise TimeoutError(f"{op} timed out after {self.timeout_s} s") from None
+
+    def request_started(self, call: api.RequestStarted) -> api.Ack:
+        answer: api.Ack = self._wait("request_started",
+                                     lambda: self.scheduler.request_started(call))
+        return answer
+
+    def route(self, call: api.RouteQuery) -> api.RouteAnswer:
+        answer: api.RouteAnswer = self._wait("route", lambda: self.scheduler.route(call))
+        return answer
+
+    def request_finished(self, call: api.RequestFinished) -> api.Ack:
+        answer: api.Ack = self._wait("request_finished",
+                                     lambda: self.scheduler.request_finished(call))
+        return answer
+
+    def hint(self, call: api.HintCall) -> api.Ack:
+        answer: api.Ack = self._wait("hint", lambda: self.scheduler.hint(call))
+        return answer
+
+    def session_closed(self, call: api.SessionClosed) -> api.Ack:
+        answer: api.Ack = self._wait("session_closed",
+                                     lambda: self.scheduler.session_closed(call))
+        return answer
+
+    def session_state(self, call: SessionQuery) -> SessionState:
+        state: SessionState = self._wait("session_state",
+                                         lambda: self.scheduler.session_state(call))
+        return state
+
 
 _STATUS_ERRORS: dict[int, type[ServiceError]] = {
     401: UnauthorizedError,
     403: WrongTenantError,
     404: UnknownSessionError,
+    413: InvalidRequestError,
     422: InvalidRequestError,
+    429: TenantQuotaError,
     503: ServiceUnavailableError,
 }
 #: The typed errors the HTTP API names in its answers' ``error`` field.
@@ -191,12 +267,14 @@ class HttpTransport:
         self._client.close()
 
     def _post(self, path: str, payload: BaseModel) -> Any:
-        """POST ``payload`` to ``/v1/<path>``; the answer's JSON."""
+        """POST ``payload`` to ``/v1/<path>``; the answer's JSON. Fields the caller did not
+        set stay out (a tenant left out is the token's)."""
         import httpx
 
         try:
             resp = self._client.post(f"/v1/{path}",
-                                     content=payload.model_dump_json(exclude_none=True),
+                                     content=payload.model_dump_json(exclude_none=True,
+                                                                     exclude_unset=True),
                                      headers={"Content-Type": "application/json"},
                                      timeout=self.timeout_s)
         except httpx.TimeoutException as exc:
@@ -222,6 +300,9 @@ class HttpTransport:
     def session_closed(self, call: api.SessionClosed) -> api.Ack:
         return api.Ack.model_validate(self._post("session_closed", call))
 
+    def session_state(self, call: SessionQuery) -> SessionState:
+        return SessionState.model_validate(self._post("session_state", call))
+
 
 def _http_error(path: str, status: int, text: str) -> ServiceError:
     name = None
@@ -243,11 +324,15 @@ def _http_error(path: str, status: int, text: str) -> ServiceError:
 class Client:
     """See the module docstring. Thread-safe when its API is (all three are)."""
 
-    def __init__(self, scheduler: GatewayAPI, *, tenant: str = "default",
+    def __init__(self, scheduler: GatewayAPI, *, tenant: str | None = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self._scheduler = scheduler
-        #: Set when calls cross a process boundary (then each call carries its timeout).
-        self._remote = scheduler if isinstance(scheduler, RemoteAPI) else None
+        #: What calls go through, each with its timeout: the transport, or one over the
+        #: scheduler in this process.
+        self._remote: RemoteAPI = (scheduler if isinstance(scheduler, RemoteAPI)
+                                   else InProcessTransport(scheduler, timeout_s=timeout_s))
+        #: The tenant named in each call; None: not named (the token's over HTTP, else
+        #: "default").
         self.tenant = tenant
         self.timeout_s = timeout_s
         self.timeouts = 0
@@ -260,8 +345,7 @@ class Client:
 
     def close(self) -> None:
         """Close the transport (a service in this process is left running)."""
-        if self._remote is not None:
-            self._remote.close()
+        self._remote.close()
 
     def __enter__(self) -> Client:
         return self
@@ -270,14 +354,14 @@ class Client:
         self.close()
 
     # ------------------------------------------------------------------ plumbing
-    def _bounded(self, timeout_s: float | None) -> GatewayAPI:
-        """The API with this call's timeout (one in this process has none)."""
-        if self._remote is not None:
-            return self._remote.with_timeout(timeout_s or self.timeout_s)
-        return self._scheduler
+    def _bounded(self, timeout_s: float | None) -> RemoteAPI:
+        """The API with this call's timeout."""
+        return self._remote.with_timeout(timeout_s or self.timeout_s)
 
     def _fields(self, session_id: str, tenant: str | None, **kw: Any) -> dict[str, Any]:
-        out = {"tenant": tenant or self.tenant, "session_id": session_id}
+        out: dict[str, Any] = {"session_id": session_id}
+        if tenant or self.tenant:
+            out["tenant"] = tenant or self.tenant
         out.update({k: v for k, v in kw.items() if v is not None})
         return out
 
@@ -351,8 +435,18 @@ class Client:
         payload = api.parse(api.SessionClosed, self._fields(session_id, tenant))
         return self._ack("session_closed", self._bounded(timeout_s).session_closed, payload)
 
+    def session_state(self, session_id: str, *, tenant: str | None = None,
+                      timeout_s: float | None = None) -> SessionState:
+        """What the scheduler holds for this session (UnknownSessionError when the tenant
+        has no live session by that id). Raises TimeoutError when it does not answer."""
+        try:
+            payload = SessionQuery.model_validate(self._fields(session_id, tenant))
+        except ValueError as exc:
+            raise InvalidRequestError(f"invalid SessionQuery: {exc}") from None
+        return self._bounded(timeout_s).session_state(payload)
 
-def connect(address: str = "auto", *, tenant: str = "default",
+
+def connect(address: str = "auto", *, tenant: str | None = None,
             timeout_s: float = DEFAULT_TIMEOUT_S, service: GatewayAPI | None = None,
             token: str | None = None, namespace: str = "kvprefetch") -> Client:
     """A client of the scheduler at ``address`` (see the module docstring)."""
@@ -374,3 +468,4 @@ if TYPE_CHECKING:  # mypy checks the transports against the Protocols they imple
     _RAY: type[SchedulerAPI] = RayTransport
     _RAY_REMOTE: type[RemoteAPI] = RayTransport
     _HTTP: type[RemoteAPI] = HttpTransport
+    _INPROC: type[RemoteAPI] = InProcessTransport

@@ -8,8 +8,13 @@ from collections.abc import Callable
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from controlplane.base.config import FleetConfig, default_fleet
+from controlplane.base.errors import InvalidRequestError
 from controlplane.base.keys import DEFAULT_CHUNK_TOKENS
 from controlplane.core.policies import POLICIES, PolicySpec
+from controlplane.live.limits import RequestLimits, check_tenant_name
+
+#: Live sessions a tenant may hold when its quota is not given.
+DEFAULT_MAX_LIVE_SESSIONS = 100_000
 
 
 class ServiceConfig(BaseModel):
@@ -34,6 +39,15 @@ class ServiceConfig(BaseModel):
     journal_sync_interval_s: float = Field(5.0, gt=0)
     #: Allowed tenants; None = any.
     tenants: tuple[str, ...] | None = None
+    #: Live sessions (opened, not yet closed) each tenant may hold; a call that would open
+    #: one more is refused (TenantQuotaError, HTTP 429) and other tenants are unaffected.
+    max_live_sessions_per_tenant: int = Field(DEFAULT_MAX_LIVE_SESSIONS, ge=1,
+                                              le=100_000_000)
+    #: Per-tenant quotas that replace the default above.
+    tenant_max_live_sessions: dict[str, int] = Field(default_factory=dict)
+    #: Limits on each gateway call (token ids, hashes, names), checked before any state
+    #: changes; ``kvprefetch serve`` sets them from ``http.limits``.
+    limits: RequestLimits = RequestLimits()
     #: Names of the nodes (index = node number), for answers and metrics.
     node_names: tuple[str, ...] | None = None
     #: Control-loop period when idle (wall seconds).
@@ -50,6 +64,13 @@ class ServiceConfig(BaseModel):
         if self.initial_nodes is not None and self.initial_nodes > self.fleet.nodes:
             raise ValueError(f"initial_nodes={self.initial_nodes} is more than the fleet's "
                              f"{self.fleet.nodes} nodes")
+        for tenant, quota in self.tenant_max_live_sessions.items():
+            try:
+                check_tenant_name(tenant, "tenant_max_live_sessions")
+            except InvalidRequestError as exc:
+                raise ValueError(str(exc)) from None
+            if quota < 1:
+                raise ValueError(f"tenant_max_live_sessions[{tenant!r}] must be >= 1")
         if self.node_names is not None and len(self.node_names) != self.fleet.nodes:
             raise ValueError(f"node_names has {len(self.node_names)} names for "
                              f"{self.fleet.nodes} nodes")
@@ -58,6 +79,10 @@ class ServiceConfig(BaseModel):
     @property
     def policy_spec(self) -> PolicySpec:
         return POLICIES[self.policy]
+
+    def max_live_sessions(self, tenant: str) -> int:
+        """The live-session quota of ``tenant``."""
+        return self.tenant_max_live_sessions.get(tenant, self.max_live_sessions_per_tenant)
 
     @property
     def nodes_at_start(self) -> int:

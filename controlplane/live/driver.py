@@ -36,7 +36,8 @@ from controlplane.live.config import ServiceClock, ServiceConfig
 from controlplane.live.fleet import LiveFleet
 from controlplane.live.orders import OrderBook, report_mismatch
 from controlplane.live.ports import Outbox, ServiceMetricsSink, ServiceStats
-from controlplane.live.sessions import SessionInfo, SessionRegistry
+from controlplane.live.sessions import SessionInfo, SessionQuery, SessionRegistry, SessionState
+from controlplane.live.tenants import TenantQuotaError
 from controlplane.traces.journal import JournalScanner, JournalWriter, TimeLimits
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,8 @@ class LiveDriver:
         self.metrics = metrics
         self._wall = wall
         self.stats = ServiceStats()
-        self.registry = SessionRegistry(config.chunk_tokens, config.tenants)
+        self.registry = SessionRegistry(config.chunk_tokens, config.tenants,
+                                        config.max_live_sessions)
         #: Armed prefetch orders by start time (the service's loop fires them).
         self.timers: list[tuple[float, int, PrefetchOrder]] = []
         self._seq = itertools.count()
@@ -152,9 +154,15 @@ class LiveDriver:
     def start_request(self, call: api.RequestStarted | api.RouteQuery, box: Outbox
                       ) -> SessionInfo:
         key = SessionKey(call.tenant, call.session_id)
-        self.registry.check_tenant(key)
+        try:
+            self.registry.admit(key)
+        except TenantQuotaError:
+            self.stats.quota_refusals += 1
+            self.metrics.quota_refused(key.tenant)
+            raise
         info = self.registry.open(key)
-        if call.token_ids is not None:
+        self.metrics.tenant_sessions(key.tenant, self.registry.per_tenant[key.tenant])
+        if call.token_ids is not None:  # the service hashes before its lock (prehash)
             info.hashes = tuple(chunk_hashes(call.token_ids, self.config.chunk_tokens))
         elif call.chunk_hashes is not None:
             info.hashes = tuple(call.chunk_hashes)
@@ -215,6 +223,12 @@ class LiveDriver:
         self.record_and_apply(SessionEvent(
             EventKind.SESSION_CLOSED, info.sid, self.clock.now_s(), max(0, info.turns - 1),
             tenant=call.tenant), box)
+        self.metrics.tenant_sessions(call.tenant, self.registry.per_tenant[call.tenant])
+
+    def session_state(self, call: SessionQuery) -> SessionState:
+        """The caller's live session (UnknownSessionError when its tenant has none by
+        that id); read-only."""
+        return self.registry.known(SessionKey(call.tenant, call.session_id)).state()
 
     # ------------------------------------------------------------------ engine calls
     def gpu_start(self, node: int, tenant: str, session_id: str, reused_tokens: int,
@@ -438,6 +452,8 @@ class LiveDriver:
             "epoch": self.orders.epoch, "reports_rejected": dict(s.reports_rejected),
             "reports_duplicate": s.reports_duplicate,
             "journal_quarantined": s.journal_quarantined,
+            "quota_refusals": s.quota_refusals,
+            "live_sessions_per_tenant": dict(self.registry.per_tenant),
             "nodes_joined": self.nodes_joined,
             "nodes_out": [self.node_name(n) for n in sorted(self.out_nodes)],
             "sizes": {"sessions": len(self.registry), "core_sessions": core.sessions(),

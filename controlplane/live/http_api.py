@@ -1,6 +1,7 @@
 """The HTTP API: the gateway operations of :mod:`controlplane.live.client` for gateways not
 written in Python, as JSON ``POST /v1/<op>`` endpoints on the models of
-:mod:`controlplane.base.api` (the OpenAPI document at ``/openapi.json`` is generated from them).
+:mod:`controlplane.base.api` (the OpenAPI document at ``/openapi.json`` is generated from them,
+with this server's limits).
 
 =====================  =========================  ==================================
 endpoint               body                       answer
@@ -10,32 +11,49 @@ POST /v1/request_started   :class:`~api.RequestStarted`   :class:`~api.Ack`
 POST /v1/request_finished  :class:`~api.RequestFinished`  :class:`~api.Ack`
 POST /v1/hint              :class:`~api.HintCall`         :class:`~api.Ack`
 POST /v1/session_closed    :class:`~api.SessionClosed`    :class:`~api.Ack`
+POST /v1/session_state     ``SessionQuery``               ``SessionState``
 GET  /metrics              Prometheus text exposition format
 GET  /healthz              ``{"status": "ok"}`` (503 when the scheduler is unreachable)
 =====================  =========================  ==================================
 
+Who calls (:mod:`controlplane.live.tenants`): with tenant tokens configured, the bearer
+token says whose call it is; ``tenant`` may be left out of the body, and a body naming
+another tenant is refused (403). Sessions are keyed by (tenant, session id): another
+tenant's session answers exactly like one that does not exist (404). The admin token and
+the single shared token of older configs act for the tenant the body names (default
+``"default"``). ``/healthz``, ``/metrics`` and the OpenAPI document stay open for probes
+and scrapers.
+
+Limits (:class:`~controlplane.live.limits.RequestLimits`): a body over ``max_body_bytes``
+is refused with 413 before it is parsed; lists over ``max_token_ids`` /
+``max_chunk_hashes``, token ids outside 0..``max_token_id`` and session ids that break the
+rules are refused with 422 naming the field. With ``chunk_tokens`` given, token ids are
+hashed here, on the calling thread, and the scheduler receives the chunk hashes.
+
 Errors are JSON ``{"error": <type name>, "detail": <message>}`` with the status of the
 typed error (:attr:`~controlplane.base.errors.ServiceError.http_status`): 401 no or wrong bearer
-token, 403 wrong tenant, 404 unknown session, 422 a body that fails validation (``errors``
-then lists each field as ``loc``/``msg``/``type``), 503 scheduler unavailable. A call the
-scheduler does not answer within ``call_timeout_s`` answers 200 like the Python client
-does: a route with ``node: null, timed_out: true`` (run the request without prefetch), an
-event with ``accepted: false``.
+token, 403 a tenant not allowed or not the token's, 404 unknown session, 413 body too
+large, 422 a body that fails validation (``errors`` then lists each field as
+``loc``/``msg``/``type``), 429 the tenant holds its quota of live sessions, 503 scheduler
+unavailable. A call the scheduler does not answer within ``call_timeout_s`` answers 200
+like the Python client does: a route with ``node: null, timed_out: true`` (run the request
+without prefetch), an event with ``accepted: false``.
 
 The app fronts any :class:`~controlplane.live.protocol.GatewayAPI`: a
-:class:`~controlplane.live.service.SchedulerService` in this process, or a transport to the
-scheduler (the Ray actor's, in ``kvprefetch serve``); one across a process boundary
-(:class:`~controlplane.live.protocol.RemoteAPI`) is called with ``call_timeout_s``.
-Endpoints are plain functions, run on Starlette's thread pool, because every call may
-block (a lock, ``ray.get``).
+:class:`~controlplane.live.service.SchedulerService` in this process (called through an
+:class:`~controlplane.live.client.InProcessTransport`, so ``call_timeout_s`` holds there
+too), or a transport to the scheduler (the Ray actor's, in ``kvprefetch serve``), called
+with ``call_timeout_s``. Endpoints are plain functions, run on Starlette's thread pool,
+because every call may block (a lock, ``ray.get``).
 
 Needs the ``serve`` extra (fastapi, uvicorn, prometheus_client).
 """
 
 from __future__ import annotations
 
+import inspect
+import json
 import logging
-import secrets
 import socket
 import threading
 import time
@@ -53,7 +71,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from pydantic import BaseModel
+from pydantic import BaseModel, Field, create_model
 
 from controlplane import __version__
 from controlplane.base import api
@@ -62,10 +80,19 @@ from controlplane.base.errors import (
     KvPrefetchError,
     ServiceError,
     ServiceUnavailableError,
-    UnauthorizedError,
 )
-from controlplane.live.client import Client
+from controlplane.live.client import Client, InProcessTransport
+from controlplane.live.limits import (
+    SESSION_ID_MAX_CHARS,
+    SESSION_ID_PATTERN,
+    TENANT_MAX_CHARS,
+    TENANT_PATTERN,
+    RequestLimits,
+    prehash,
+)
 from controlplane.live.protocol import GatewayAPI, RemoteAPI
+from controlplane.live.sessions import SessionQuery, SessionState
+from controlplane.live.tenants import Principal, TenantAuth
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +105,12 @@ OPERATIONS: dict[str, type[BaseModel]] = {
     "request_finished": api.RequestFinished,
     "hint": api.HintCall,
     "session_closed": api.SessionClosed,
+    "session_state": SessionQuery,
+}
+#: Operation -> the model of its answer.
+ANSWERS: dict[str, type[BaseModel]] = {
+    "route": api.RouteAnswer, "request_started": api.Ack, "request_finished": api.Ack,
+    "hint": api.Ack, "session_closed": api.Ack, "session_state": SessionState,
 }
 HTTP_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
@@ -107,29 +140,88 @@ class Health(BaseModel):
 
 
 #: Module level: FastAPI resolves the (postponed) annotations of endpoints in this namespace.
-_BEARER = HTTPBearer(auto_error=False, description="the token of `http.bearer_token`")
+_BEARER = HTTPBearer(auto_error=False,
+                     description="a tenant's token (its calls are that tenant's), the admin "
+                                 "token, or the shared token of `http.bearer_token`")
 _Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)]
 
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    403: {"model": ErrorBody, "description": "the session belongs to another tenant, or "
-                                             "the tenant is not allowed"},
-    404: {"model": ErrorBody, "description": "unknown session"},
-    422: {"model": ErrorBody, "description": "the body fails validation; `errors` names "
-                                             "the fields"},
+    403: {"model": ErrorBody, "description": "the tenant is not allowed, or the body names "
+                                             "a tenant other than the token's"},
+    404: {"model": ErrorBody, "description": "the caller's tenant has no live session by "
+                                             "this id (whether or not another tenant has "
+                                             "one)"},
+    413: {"model": ErrorBody, "description": "the request body is larger than "
+                                             "`max_body_bytes`"},
+    422: {"model": ErrorBody, "description": "the body fails validation or a limit; "
+                                             "`errors` names the fields"},
+    429: {"model": ErrorBody, "description": "the tenant holds its quota of live sessions "
+                                             "(`max_live_sessions`); other tenants are "
+                                             "not affected"},
     503: {"model": ErrorBody, "description": "the scheduler is unavailable"},
 }
+_HASH = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_-]+$")]
+_TENANT_DOC = ("the tenant this call is for. With a tenant's token leave it out (the token "
+               "says whose call it is; another tenant's name is refused with 403); with the "
+               "admin or the shared token it names the tenant (default `default`)")
+_SESSION_DOC = (f"the gateway's id of the session, unique within its tenant: 1-"
+                f"{SESSION_ID_MAX_CHARS} characters of A-Z a-z 0-9 . _ : @ + = - and '/' "
+                "between parts (sub-agents: `parent/agent_002`); no part empty, `.` or `..`")
 
 
-def _gateway(target: GatewayAPI | Client, call_timeout_s: float) -> GatewayAPI:
-    """The API the endpoints call: ``target``, or the one a client holds; a remote one
-    bounded by ``call_timeout_s``."""
+def _edge_models(limits: RequestLimits) -> dict[str, type[BaseModel]]:
+    """The operations' bodies as this server takes them: the models of
+    :mod:`controlplane.base.api` with the server's limits and name rules, and ``tenant``
+    optional (so the OpenAPI document states the limits a call must keep)."""
+    tenant = Annotated[str | None, Field(None, min_length=1, max_length=TENANT_MAX_CHARS,
+                                         pattern=TENANT_PATTERN, description=_TENANT_DOC)]
+    session = Annotated[str, Field(min_length=1, max_length=SESSION_ID_MAX_CHARS,
+                                   pattern=SESSION_ID_PATTERN, description=_SESSION_DOC)]
+    parent = Annotated[str | None, Field(None, min_length=1, max_length=SESSION_ID_MAX_CHARS,
+                                         pattern=SESSION_ID_PATTERN)]
+    token_id = Annotated[int, Field(ge=0, le=limits.max_token_id)]
+    token_ids: Any = (list[token_id] | None,
+                      Field(None, max_length=limits.max_token_ids,
+                            description=f"the prompt's token ids (at most "
+                                        f"{limits.max_token_ids}, each 0.."
+                                        f"{limits.max_token_id}): chunks keyed by content"))
+    hashes: Any = (list[_HASH] | None,
+                   Field(None, max_length=limits.max_chunk_hashes,
+                         description=f"precomputed chunk hashes (at most "
+                                     f"{limits.max_chunk_hashes})"))
+    common: dict[str, Any] = {"tenant": (tenant, None), "session_id": (session, ...)}
+    sized: dict[str, Any] = {**common, "token_ids": token_ids, "chunk_hashes": hashes,
+                             "parent_id": (parent, None)}
+    fields = {"route": sized, "request_started": sized,
+              "request_finished": {**common, "chunk_hashes": hashes}}
+    out: dict[str, type[BaseModel]] = {}
+    for op, base in OPERATIONS.items():
+        extra = fields.get(op, common)
+        model: type[BaseModel] = create_model(
+            base.__name__, __base__=base, __doc__=base.__doc__, **extra)
+        out[op] = model
+    return out
+
+
+def _as_call(op: str, body: BaseModel, tenant: str) -> Any:
+    """The body as the scheduler's record for ``op``, for ``tenant`` (already validated,
+    under the same or stricter rules: not validated twice)."""
+    values = {name: getattr(body, name) for name in type(body).model_fields}
+    values["tenant"] = tenant
+    return OPERATIONS[op].model_construct(_fields_set=set(body.model_fields_set) | {"tenant"},
+                                          **values)
+
+
+def _gateway(target: GatewayAPI | Client, call_timeout_s: float) -> RemoteAPI:
+    """The API the endpoints call, bounded by ``call_timeout_s``: a transport (the one a
+    client holds), or one over a scheduler in this process."""
     scheduler = target.scheduler if isinstance(target, Client) else target
     if not isinstance(scheduler, GatewayAPI):  # untyped callers: fail at start-up
         raise ConfigError(f"create_app: cannot serve {type(target).__name__}: give a "
                           "GatewayAPI (a SchedulerService or a transport to one)")
     if isinstance(scheduler, RemoteAPI):
         return scheduler.with_timeout(call_timeout_s)
-    return scheduler
+    return InProcessTransport(scheduler, timeout_s=call_timeout_s)
 
 
 def _metrics_reader(source: MetricsSource | None) -> Callable[[], bytes]:
@@ -183,45 +275,112 @@ class _HttpMetrics:
         self.latency.labels(op).observe(seconds)
 
 
-def create_app(scheduler: GatewayAPI | Client, *, bearer_token: str | None,
+class _BodyLimit:
+    """ASGI middleware: a request body over ``max_bytes`` is answered 413 as soon as its
+    ``Content-Length`` or the bytes received so far show it (never read whole); a body
+    within the limit is handed on buffered (the app reads it whole anyway)."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope.get("method") != "POST":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    break
+                if declared > self.max_bytes:
+                    await self._refuse(send, declared, "declared")
+                    return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await self._refuse(send, size, "received")
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        delivered = False
+
+        async def replay() -> Any:
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, send: Any, size: int, how: str) -> None:
+        at_least = "" if how == "declared" else "at least "
+        body = ErrorBody(error="RequestTooLargeError",
+                         detail=f"request body of {at_least}{size} bytes is larger than the "
+                                f"limit of {self.max_bytes} bytes (max_body_bytes)")
+        payload = json.dumps(body.model_dump(exclude_none=True)).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(payload)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": payload})
+
+
+def create_app(scheduler: GatewayAPI | Client, *, bearer_token: str | None = None,
+               auth: TenantAuth | None = None, limits: RequestLimits | None = None,
+               chunk_tokens: int | None = None,
                metrics_registry: MetricsSource | None = None,
                call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
                health_check: Callable[[], None] | None = None) -> FastAPI:
     """The FastAPI app in front of ``scheduler`` (see the module docstring; a
     :class:`~controlplane.live.client.Client` stands for the API it holds).
 
-    ``bearer_token``: when given, every ``/v1`` call must carry ``Authorization: Bearer
-    <token>`` (401 otherwise); ``/healthz``, ``/metrics`` and the OpenAPI document stay open
-    for probes and scrapers. ``health_check`` raises when the scheduler is unreachable
-    (``/healthz`` then answers 503). Raises :class:`ConfigError` on a bad argument."""
-    if bearer_token is not None and not bearer_token.strip():
-        raise ConfigError("http bearer_token: empty (give a token or None for no auth)")
+    ``auth``: who may call and for which tenant (tenant tokens, admin token);
+    ``bearer_token``: instead of ``auth``, the one shared token of older configs (every
+    ``/v1`` call must carry ``Authorization: Bearer <token>``, the body names the
+    tenant). Neither: no auth. ``limits``: per-call limits (default
+    :class:`RequestLimits`). ``chunk_tokens``: the scheduler's chunk size, to hash token ids
+    here instead of in the scheduler. ``health_check`` raises when the scheduler is
+    unreachable (``/healthz`` then answers 503). Raises :class:`ConfigError` on a bad
+    argument."""
+    if auth is not None and bearer_token is not None:
+        raise ConfigError("create_app: give auth or bearer_token, not both")
+    if auth is None:
+        auth = TenantAuth(shared_token=bearer_token)
     if call_timeout_s <= 0:
         raise ConfigError("http call_timeout_s: must be > 0")
+    if chunk_tokens is not None and chunk_tokens <= 0:
+        raise ConfigError("create_app: chunk_tokens must be > 0")
+    limits = limits or RequestLimits()
     backend = _gateway(scheduler, call_timeout_s)
     read_metrics = _metrics_reader(metrics_registry)
     http_metrics = _HttpMetrics()
+    models = _edge_models(limits)
     app = FastAPI(
         title="kvprefetch",
         version=__version__,
         description="Session events and hints for the kvprefetch scheduler: it predicts "
                     "when each session returns and warms the KV cache of the node that "
-                    "will serve it.",
+                    "will serve it. Sessions are keyed by (tenant, session id); the "
+                    "bearer token says which tenant calls.",
     )
-    token = bearer_token.encode() if bearer_token is not None else None
 
-    def authorize(creds: _Credentials) -> None:
-        if token is None:
-            return
-        if creds is None:
-            raise UnauthorizedError("missing bearer token (Authorization: Bearer <token>)")
-        if not secrets.compare_digest(creds.credentials.encode(), token):
-            raise UnauthorizedError("wrong bearer token")
+    def authenticate(creds: _Credentials) -> Principal:
+        return auth.authenticate(creds.credentials if creds is not None else None)
 
     responses = dict(_ERROR_RESPONSES)
-    if token is not None:
+    if auth.required:
         responses[401] = {"model": ErrorBody, "description": "no or wrong bearer token"}
-    guarded: list[Any] = [Depends(authorize)] if token is not None else []
 
     def event(op: str, send: Callable[[], api.Ack]) -> api.Ack:
         try:
@@ -251,6 +410,9 @@ def create_app(scheduler: GatewayAPI | Client, *, bearer_token: str | None,
         body = ErrorBody(error=name, detail=detail, errors=fields)
         return JSONResponse(body.model_dump(), status_code=422)
 
+    # Inside the metrics middleware below, so that 413s are counted too.
+    app.add_middleware(_BodyLimit, max_bytes=limits.max_body_bytes)
+
     @app.middleware("http")
     async def _measure(request: Request,
                        call_next: Callable[[Request], Awaitable[Response]]) -> Response:
@@ -261,41 +423,56 @@ def create_app(scheduler: GatewayAPI | Client, *, bearer_token: str | None,
         return response
 
     # ------------------------------------------------------------------ operations
-    @app.post("/v1/route", response_model=api.RouteAnswer, dependencies=guarded,
-              responses=responses, tags=["sessions"])
-    def route(call_: api.RouteQuery) -> api.RouteAnswer:
+    def route(call: Any) -> api.RouteAnswer:
         """Where to run this request (records `request_started` too unless it was sent for
         this request). `node: null` means: no advice, run it anywhere without prefetch."""
+        if chunk_tokens is not None:
+            call = prehash(call, chunk_tokens)
         try:
-            return backend.route(call_)
+            return backend.route(call)
         except TimeoutError:
             log.warning("route: the scheduler did not answer in %.3g s", call_timeout_s)
             return api.RouteAnswer.no_prefetch(timed_out=True)
 
-    @app.post("/v1/request_started", response_model=api.Ack, dependencies=guarded,
-              responses=responses, tags=["sessions"])
-    def request_started(call_: api.RequestStarted) -> api.Ack:
+    def request_started(call: Any) -> api.Ack:
         """A request of the session arrived at the gateway."""
-        return event("request_started", lambda: backend.request_started(call_))
+        if chunk_tokens is not None:
+            call = prehash(call, chunk_tokens)
+        return event("request_started", lambda: backend.request_started(call))
 
-    @app.post("/v1/request_finished", response_model=api.Ack, dependencies=guarded,
-              responses=responses, tags=["sessions"])
-    def request_finished(call_: api.RequestFinished) -> api.Ack:
+    def request_finished(call: Any) -> api.Ack:
         """The response ended on `node`; the session's context grew."""
-        return event("request_finished", lambda: backend.request_finished(call_))
+        return event("request_finished", lambda: backend.request_finished(call))
 
-    @app.post("/v1/hint", response_model=api.Ack, dependencies=guarded,
-              responses=responses, tags=["sessions"])
-    def hint(call_: api.HintCall) -> api.Ack:
+    def hint(call: Any) -> api.Ack:
         """A typed hint: `user_typing` (optional `eta_s`), `tool_running` (`eta_s` = the
         expected duration) or `session_closed`."""
-        return event("hint", lambda: backend.hint(call_))
+        return event("hint", lambda: backend.hint(call))
 
-    @app.post("/v1/session_closed", response_model=api.Ack, dependencies=guarded,
-              responses=responses, tags=["sessions"])
-    def session_closed(call_: api.SessionClosed) -> api.Ack:
+    def session_closed(call: Any) -> api.Ack:
         """The session will not return: its prefetches stop and its state is freed."""
-        return event("session_closed", lambda: backend.session_closed(call_))
+        return event("session_closed", lambda: backend.session_closed(call))
+
+    def session_state(call: Any) -> SessionState:
+        """What the scheduler holds for one live session of the caller's tenant (404 when
+        the tenant has none by this id). Read-only."""
+        try:
+            return backend.session_state(call)
+        except TimeoutError:
+            raise ServiceUnavailableError(
+                f"session_state: the scheduler did not answer in {call_timeout_s:.3g} s"
+            ) from None
+
+    handlers: dict[str, Callable[[Any], Any]] = {
+        "route": route, "request_started": request_started,
+        "request_finished": request_finished, "hint": hint,
+        "session_closed": session_closed, "session_state": session_state,
+    }
+    for op, handle in handlers.items():
+        app.add_api_route(f"/v1/{op}", _endpoint(op, models[op], handle, authenticate),
+                          methods=["POST"], response_model=ANSWERS[op], responses=responses,
+                          tags=["sessions"], summary=op.replace("_", " "),
+                          description=inspect.getdoc(handle) or "")
 
     # ------------------------------------------------------------------ operations' side
     @app.get("/metrics", tags=["ops"], response_class=Response,
@@ -303,7 +480,8 @@ def create_app(scheduler: GatewayAPI | Client, *, bearer_token: str | None,
                               "description": "Prometheus text exposition format"}})
     def metrics() -> Response:
         """The scheduler's Prometheus metrics (lateness and TTLB histograms, bytes, hit
-        rate, orders in flight, events) and the API's own call counts and latency."""
+        rate, orders in flight, events, live sessions and quota refusals per tenant) and
+        the API's own call counts and latency."""
         try:
             scheduler = read_metrics()
         except Exception as exc:  # the API's own metrics are still worth serving
@@ -325,6 +503,28 @@ def create_app(scheduler: GatewayAPI | Client, *, bearer_token: str | None,
         return Health(status="ok")
 
     return app
+
+
+def _endpoint(op: str, model: type[BaseModel], handle: Callable[[Any], Any],
+              authenticate: Callable[..., Principal]) -> Callable[..., Any]:
+    """The endpoint of ``op``: its body validated as ``model``, the caller authenticated,
+    the tenant taken from the token (or the body where the caller may name it), then
+    ``handle`` called with the scheduler's record. Its signature is built here because
+    ``model`` is made per app (FastAPI reads parameters from the signature)."""
+
+    def endpoint(call_: BaseModel, principal: Principal) -> Any:
+        tenant = principal.tenant_for(getattr(call_, "tenant", None))
+        return handle(_as_call(op, call_, tenant))
+
+    param = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    endpoint.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [inspect.Parameter("call_", param, annotation=model),
+         inspect.Parameter("principal", param, annotation=Principal,
+                           default=Depends(authenticate))],
+        return_annotation=ANSWERS[op])
+    endpoint.__name__ = op
+    endpoint.__doc__ = handle.__doc__
+    return endpoint
 
 
 class HttpServer:

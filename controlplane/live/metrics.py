@@ -12,6 +12,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 #: Lateness = prefetch ready - request arrival (negative = in time), seconds.
 LATENESS_BUCKETS_S = (-60, -10, -3, -1, -0.3, -0.1, 0, 0.1, 0.3, 1, 3, 10, 60)
 TTLB_BUCKETS_S = (0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30, 100)
+#: Distinct tenant labels kept; later tenants share the label :data:`OTHER_TENANTS` (a
+#: service that admits any tenant must not grow its label set without bound).
+MAX_TENANT_LABELS = 256
+OTHER_TENANTS = "_other"
 
 
 class PrometheusMetrics:
@@ -46,6 +50,12 @@ class PrometheusMetrics:
                                "Local hits / reusable tokens since start", registry=r)
         self._inflight = Gauge("kvprefetch_orders_in_flight", "Transfer orders in flight",
                                ["node"], registry=r)
+        self._tenant_live = Gauge("kvprefetch_tenant_live_sessions",
+                                  "Live sessions each tenant holds", ["tenant"], registry=r)
+        self._quota_refusals = Counter("kvprefetch_tenant_quota_refusals",
+                                       "Calls refused: the tenant held its quota of live "
+                                       "sessions", ["tenant"], registry=r)
+        self._tenant_labels: set[str] = set()
         self._lock = threading.Lock()
         self._window_start = time.monotonic()
         self._window_events = 0
@@ -85,6 +95,23 @@ class PrometheusMetrics:
     def core_stats(self, wasted_bytes: int, useful_bytes: int) -> None:
         self._wasted.set(wasted_bytes)
         self._useful.set(useful_bytes)
+
+    def _tenant(self, tenant: str) -> str:
+        with self._lock:
+            if tenant in self._tenant_labels:
+                return tenant
+            if len(self._tenant_labels) < MAX_TENANT_LABELS:
+                self._tenant_labels.add(tenant)
+                return tenant
+        return OTHER_TENANTS
+
+    def tenant_sessions(self, tenant: str, live: int) -> None:
+        label = self._tenant(tenant)
+        if label != OTHER_TENANTS:  # a sum over the others would need their counts
+            self._tenant_live.labels(label).set(live)
+
+    def quota_refused(self, tenant: str) -> None:
+        self._quota_refusals.labels(self._tenant(tenant)).inc()
 
     def render(self) -> bytes:
         return bytes(generate_latest(self.registry))

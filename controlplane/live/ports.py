@@ -47,6 +47,14 @@ class ServiceMetricsSink(Protocol):
 
     def core_stats(self, wasted_bytes: int, useful_bytes: int) -> None: ...
 
+    def tenant_sessions(self, tenant: str, live: int) -> None:
+        """The tenant now holds ``live`` live sessions."""
+        ...
+
+    def quota_refused(self, tenant: str) -> None:
+        """A call of the tenant was refused: it holds its quota of live sessions."""
+        ...
+
 
 class NullMetrics:
     def event(self, kind: str) -> None: ...
@@ -56,6 +64,8 @@ class NullMetrics:
     def bytes_moved(self, nbytes: int, prefetch: bool) -> None: ...
     def orders_in_flight(self, node: str, count: int) -> None: ...
     def core_stats(self, wasted_bytes: int, useful_bytes: int) -> None: ...
+    def tenant_sessions(self, tenant: str, live: int) -> None: ...
+    def quota_refused(self, tenant: str) -> None: ...
 
 
 def _window() -> deque[float]:
@@ -86,6 +96,8 @@ class ServiceStats:
     reports_duplicate: int = 0
     #: Journal records quarantined when the service started (damaged or out of range).
     journal_quarantined: int = 0
+    #: Calls refused because their tenant held its quota of live sessions.
+    quota_refusals: int = 0
     #: The latest :data:`SAMPLE_WINDOW` samples.
     ttlb_s: deque[float] = field(default_factory=_window)
     lateness_s: deque[float] = field(default_factory=_window)

@@ -27,6 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from controlplane.base import api
 from controlplane.base.wire import AgentHello, EngineReport, GpuStartPlan, TransferReport
+from controlplane.live.sessions import SessionQuery, SessionState
 
 
 @runtime_checkable
@@ -64,6 +65,12 @@ class GatewayAPI(Protocol):
         """The session will not return: its prefetches stop, its state is freed. Once per
         session; the session is unknown afterwards (a second call raises
         ``UnknownSessionError``)."""
+        ...
+
+    def session_state(self, call: SessionQuery) -> SessionState:
+        """What the scheduler holds for the caller's session (turns, context, in flight);
+        ``UnknownSessionError`` when the tenant has no live session by that id. Read-only;
+        any time (operators, gateways checking their books)."""
         ...
 
 

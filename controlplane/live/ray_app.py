@@ -51,6 +51,7 @@ from controlplane.base.wire import (
 )
 from controlplane.live.protocol import SchedulerAPI
 from controlplane.live.service import SchedulerService, ServiceConfig
+from controlplane.live.sessions import SessionQuery, SessionState
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +126,9 @@ class _SchedulerActor:
 
     def session_closed(self, call: api.SessionClosed) -> api.Ack:
         return self.svc.session_closed(call)
+
+    def session_state(self, call: SessionQuery) -> SessionState:
+        return self.svc.session_state(call)
 
     def gpu_start(self, node: int, tenant: str, session_id: str,
                   reused_tokens: int) -> GpuStartPlan:

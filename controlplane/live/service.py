@@ -25,6 +25,13 @@ the fleet at start (the core's ``node_left``) and join when their agent first sa
 (``node_joined``: routed to from then on, warmed with idle sessions whose KV is local
 nowhere), counted in the summary's ``nodes_joined``.
 
+Limits and tenancy: every gateway call is checked against ``config.limits`` (names,
+list lengths, token-id range) before it touches any state, and token ids are hashed into
+chunk keys before the lock is taken, so one large request never holds up the small ones.
+Sessions are keyed by (tenant, session id); a new session is refused with
+:class:`~controlplane.live.tenants.TenantQuotaError` while its tenant holds
+``max_live_sessions`` live ones.
+
 Threading: every public method may be called from any thread; one lock guards the state.
 Messages to agents are sent after the lock is released.
 """
@@ -37,7 +44,9 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
+
+from pydantic import ValidationError
 
 from controlplane.base import api
 from controlplane.base.errors import ConfigError, InvalidRequestError
@@ -53,6 +62,7 @@ from controlplane.core.scheduler import SchedulerCore
 from controlplane.live.config import ServiceClock, ServiceConfig
 from controlplane.live.driver import LiveDriver
 from controlplane.live.fleet import LiveFleet
+from controlplane.live.limits import check_call, prehash
 from controlplane.live.orders import OrderBook
 from controlplane.live.ports import (
     AgentFanout,
@@ -62,10 +72,13 @@ from controlplane.live.ports import (
     ServiceMetricsSink,
     ServiceStats,
 )
-from controlplane.live.sessions import SessionRegistry
+from controlplane.live.sessions import SessionQuery, SessionRegistry, SessionState
 from controlplane.traces.journal import EpochRecord, JournalWriter, TimeLimits, quarantine
 
 log = logging.getLogger(__name__)
+
+_Call = TypeVar("_Call", bound=api.RouteQuery | api.RequestStarted | api.RequestFinished
+                | api.HintCall | api.SessionClosed)
 
 #: Epochs from the wall clock count whole seconds from 2024-01-01 UTC (so that order ids,
 #: epoch << 32 | n, stay below 2**63 until 2092).
@@ -245,38 +258,62 @@ class SchedulerService:
             self.metrics.orders_in_flight(self.node_name(node), self.orders.count(node))
 
     # ------------------------------------------------------------------ gateway calls
+    def _admit(self, call: _Call) -> _Call:
+        """Check ``call`` against the limits and hash its token ids, outside the lock."""
+        check_call(call, self.config.limits, self.config.chunk_tokens)
+        if isinstance(call, api.RouteQuery | api.RequestStarted):
+            return cast(_Call, prehash(call, self.config.chunk_tokens))
+        return call
+
     def request_started(self, call: api.RequestStarted | api.RouteQuery | dict[str, Any]
                         ) -> api.Ack:
-        call = api.parse(api.RequestStarted, call) if isinstance(call, dict) else call
+        started: api.RequestStarted | api.RouteQuery = self._admit(
+            api.parse(api.RequestStarted, call) if isinstance(call, dict) else call)
         with self._step() as box:
-            self.driver.start_request(call, box)
+            self.driver.start_request(started, box)
         return api.Ack()
 
     def route(self, call: api.RouteQuery | dict[str, Any]) -> api.RouteAnswer:
         """Pick the node for a request; records ``request_started`` when the gateway has
         not sent it for this request."""
-        call = api.parse(api.RouteQuery, call) if isinstance(call, dict) else call
+        checked: api.RouteQuery = self._admit(
+            api.parse(api.RouteQuery, call) if isinstance(call, dict) else call)
         with self._step() as box:
-            return self.driver.route(call, box)
+            return self.driver.route(checked, box)
 
     def request_finished(self, call: api.RequestFinished | dict[str, Any]) -> api.Ack:
-        call = api.parse(api.RequestFinished, call) if isinstance(call, dict) else call
-        self._check_node(call.node)
+        checked: api.RequestFinished = self._admit(
+            api.parse(api.RequestFinished, call) if isinstance(call, dict) else call)
+        self._check_node(checked.node)
         with self._step() as box:
-            self.driver.request_finished(call, box)
+            self.driver.request_finished(checked, box)
         return api.Ack()
 
     def hint(self, call: api.HintCall | dict[str, Any]) -> api.Ack:
-        call = api.parse(api.HintCall, call) if isinstance(call, dict) else call
+        checked: api.HintCall = self._admit(
+            api.parse(api.HintCall, call) if isinstance(call, dict) else call)
         with self._step() as box:
-            self.driver.hint(call, box)
+            self.driver.hint(checked, box)
         return api.Ack()
 
     def session_closed(self, call: api.SessionClosed | dict[str, Any]) -> api.Ack:
-        call = api.parse(api.SessionClosed, call) if isinstance(call, dict) else call
+        checked: api.SessionClosed = self._admit(
+            api.parse(api.SessionClosed, call) if isinstance(call, dict) else call)
         with self._step() as box:
-            self.driver.session_closed(call, box)
+            self.driver.session_closed(checked, box)
         return api.Ack()
+
+    def session_state(self, call: SessionQuery | dict[str, Any]) -> SessionState:
+        """The caller's live session; UnknownSessionError (404) when its tenant has none by
+        that id, whoever else uses it. Read-only."""
+        if isinstance(call, dict):
+            try:
+                call = SessionQuery.model_validate(call)
+            except ValidationError as exc:
+                raise InvalidRequestError(f"invalid SessionQuery: {exc}") from None
+        check_call(call, self.config.limits)
+        with self._lock:
+            return self.driver.session_state(call)
 
     # ------------------------------------------------------------------ engine calls
     def gpu_start(self, node: int, tenant: str, session_id: str, reused_tokens: int

@@ -1,18 +1,49 @@
 """The live service's session registry: who owns each session, what its client told us
 about its context, and the names of its stored chunks.
 
-Sessions are keyed by :class:`~controlplane.base.types.SessionKey`; the core and the
-predictors know a session by the key's one string form (``key.wire``).
+Sessions are keyed by :class:`~controlplane.base.types.SessionKey`, (tenant, session id):
+each tenant has its own id namespace, so one tenant can neither squat nor detect another's
+ids (a session of another tenant is, to the caller, one that does not exist). The core and
+the predictors know a session by the key's one string form (``key.wire``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict
 
 from controlplane.base.errors import UnknownSessionError, WrongTenantError
 from controlplane.base.keys import chunk_count, session_keys
 from controlplane.base.types import SessionKey
+from controlplane.live.tenants import TenantQuotaError
+
+
+class SessionQuery(BaseModel):
+    """Which session to describe (``POST /v1/session_state``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    tenant: str = "default"
+    session_id: str
+
+
+class SessionState(BaseModel):
+    """What the scheduler holds for one live session of the caller's tenant."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    session_id: str
+    #: Requests started so far.
+    turns: int
+    #: A request is running (started, not finished).
+    in_flight: bool
+    #: Tokens of the context after the last finished request.
+    context_tokens: int
+    #: Whether its chunks are keyed by content (the client sent token ids or hashes).
+    keyed_by_content: bool
 
 
 @dataclass(slots=True)
@@ -38,15 +69,27 @@ class SessionInfo:
         return self.key.wire
 
 
-class SessionRegistry:
-    """Live sessions by key, with tenancy: a session id belongs to the first tenant that
-    used it until it is closed, and ``tenants`` (None = any) limits who may call."""
+    def state(self) -> SessionState:
+        return SessionState(session_id=self.key.session_id, turns=self.turns,
+                            in_flight=self.in_flight, context_tokens=self.context_tokens,
+                            keyed_by_content=self.hashes is not None)
 
-    def __init__(self, chunk_tokens: int, tenants: tuple[str, ...] | None = None) -> None:
+
+class SessionRegistry:
+    """Live sessions by (tenant, session id). ``tenants`` (None = any) limits who may
+    call; ``quota(tenant)`` is how many live sessions a tenant may hold (enforced by
+    :meth:`admit`, not by :meth:`open`: a journal replayed on restart re-opens what was
+    admitted before)."""
+
+    def __init__(self, chunk_tokens: int, tenants: tuple[str, ...] | None = None,
+                 quota: Callable[[str], int] | None = None) -> None:
         self.chunk_tokens = chunk_tokens
         self.tenants = tenants
+        self.quota = quota
         self._sessions: dict[SessionKey, SessionInfo] = {}
-        self._owner: dict[str, str] = {}
+        #: Live sessions per tenant (a tenant with none has no entry: bounded by tenants
+        #: with live sessions).
+        self.per_tenant: Counter[str] = Counter()
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -55,12 +98,22 @@ class SessionRegistry:
         return iter(self._sessions.values())
 
     def check_tenant(self, key: SessionKey) -> None:
-        """Raises WrongTenantError for a tenant not allowed or a session of another."""
+        """Raises WrongTenantError for a tenant not allowed."""
         if self.tenants is not None and key.tenant not in self.tenants:
             raise WrongTenantError(f"tenant {key.tenant!r} is not allowed")
-        owner = self._owner.get(key.session_id)
-        if owner is not None and owner != key.tenant:
-            raise WrongTenantError(f"session {key.session_id!r} belongs to another tenant")
+
+    def admit(self, key: SessionKey) -> None:
+        """Before a gateway call opens ``key``: the tenant check, and TenantQuotaError when
+        the session is new and its tenant holds its quota of live sessions already."""
+        self.check_tenant(key)
+        if key in self._sessions or self.quota is None:
+            return
+        quota = self.quota(key.tenant)
+        if self.per_tenant[key.tenant] >= quota:
+            raise TenantQuotaError(
+                f"tenant {key.tenant!r} holds {self.per_tenant[key.tenant]} live sessions, "
+                f"its quota (max_live_sessions {quota}): close sessions it no longer "
+                "needs, or raise its quota")
 
     def get(self, key: SessionKey) -> SessionInfo | None:
         return self._sessions.get(key)
@@ -70,7 +123,8 @@ class SessionRegistry:
         return self._sessions.get(SessionKey.parse(sid))
 
     def known(self, key: SessionKey) -> SessionInfo:
-        """The live session, after the tenant check; UnknownSessionError if there is none."""
+        """The live session, after the tenant check; UnknownSessionError if there is none
+        (the same answer whether another tenant uses the id or no one does)."""
         self.check_tenant(key)
         info = self._sessions.get(key)
         if info is None:
@@ -83,12 +137,14 @@ class SessionRegistry:
         info = self._sessions.get(key)
         if info is None:
             info = self._sessions[key] = SessionInfo(key)
-            self._owner[key.session_id] = key.tenant
+            self.per_tenant[key.tenant] += 1
         return info
 
     def close(self, key: SessionKey) -> None:
         if self._sessions.pop(key, None) is not None:
-            self._owner.pop(key.session_id, None)
+            self.per_tenant[key.tenant] -= 1
+            if self.per_tenant[key.tenant] <= 0:
+                del self.per_tenant[key.tenant]
 
     def keys_of(self, info: SessionInfo, tokens: int) -> list[str]:
         """Names of the stored chunks holding the first ``tokens`` tokens of the context."""

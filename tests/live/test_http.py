@@ -33,6 +33,7 @@ from controlplane.live.client import Client, connect  # noqa: E402
 from controlplane.live.http_api import HttpServer, create_app  # noqa: E402
 from controlplane.live.metrics import PrometheusMetrics  # noqa: E402
 from controlplane.live.service import SchedulerService, ServiceConfig  # noqa: E402
+from controlplane.live.sessions import SessionQuery, SessionState  # noqa: E402
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -130,8 +131,9 @@ def test_typed_errors_are_4xx_with_a_message_and_the_service_keeps_running(
         ("hint", {"tenant": "acme", "session_id": "mine",
                   "hint": {"kind": "session_closed", "eta_s": 1}},
          422, "MalformedHintError", "takes no eta_s"),
+        # another tenant's session is, to the caller, one that does not exist
         ("hint", {"tenant": "globex", "session_id": "mine", "hint": {"kind": "user_typing"}},
-         403, "WrongTenantError", "belongs to another tenant"),
+         404, "UnknownSessionError", "unknown session 'mine' of tenant 'globex'"),
         ("route", {"tenant": "initech", "session_id": "x", "input_tokens": 1},
          403, "WrongTenantError", "'initech' is not allowed"),
         ("request_finished", {"tenant": "acme", "session_id": "mine", "node": 7,
@@ -144,8 +146,10 @@ def test_typed_errors_are_4xx_with_a_message_and_the_service_keeps_running(
     # the same refusals through the Python client, as typed errors
     with pytest.raises(UnknownSessionError, match="HTTP 404"):
         c.hint("nope", "user_typing")
-    with pytest.raises(WrongTenantError, match="HTTP 403"):
+    with pytest.raises(UnknownSessionError, match="HTTP 404"):
         c.hint("mine", "user_typing", tenant="globex")
+    with pytest.raises(WrongTenantError, match="HTTP 403"):
+        c.route("x", input_tokens=1, tenant="initech")
     with pytest.raises(InvalidRequestError, match=r"HTTP 422.*out of range"):
         c.request_finished("mine", node=7, input_tokens=1)
     with pytest.raises(MalformedHintError):  # refused by the client before it is sent
@@ -269,6 +273,9 @@ class _SlowScheduler:
 
     def _late(self, op: str) -> Any:
         raise TimeoutError(f"{op} timed out after {self.timeout_s} s")
+
+    def session_state(self, call: SessionQuery) -> SessionState:
+        return self._late("session_state")
 
     def request_started(self, call: api.RequestStarted) -> api.Ack:
         return self._late("request_started")

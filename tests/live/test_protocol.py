@@ -9,9 +9,16 @@ import pytest
 
 from controlplane.base import api
 from controlplane.base.config import fleet_from_dict
-from controlplane.live.client import Client, HttpTransport, RayTransport, connect
+from controlplane.live.client import (
+    Client,
+    HttpTransport,
+    InProcessTransport,
+    RayTransport,
+    connect,
+)
 from controlplane.live.protocol import GatewayAPI, RemoteAPI, SchedulerAPI
 from controlplane.live.service import SchedulerService, ServiceConfig
+from controlplane.live.sessions import SessionQuery, SessionState
 
 FLEET = fleet_from_dict({"nodes": 2})
 
@@ -33,6 +40,8 @@ def test_who_implements_which_protocol() -> None:
     # the HTTP API carries the gateway's calls only
     assert issubclass(HttpTransport, GatewayAPI) and not issubclass(HttpTransport, SchedulerAPI)
     assert not issubclass(SchedulerService, RemoteAPI)  # in process: no timeout, not closed
+    # ... a client reaches one through a transport that bounds each call by its timeout
+    assert issubclass(InProcessTransport, RemoteAPI)
 
 
 @dataclass
@@ -74,6 +83,11 @@ class _Remote:
     def session_closed(self, call: api.SessionClosed) -> api.Ack:
         self._seen("session_closed")
         return api.Ack()
+
+    def session_state(self, call: SessionQuery) -> SessionState:
+        self._seen("session_state")
+        return SessionState(session_id=call.session_id, turns=1, in_flight=False,
+                            context_tokens=10, keyed_by_content=False)
 
 
 class _Bound(_Remote):

@@ -55,8 +55,8 @@ def test_typed_errors_and_the_service_keeps_running() -> None:
             c.hint("s1", "tool_running", eta_s=-3)
         with pytest.raises(MalformedHintError):
             c.hint("s1", {"kind": "session_closed", "eta_s": 1.0})
-        with pytest.raises(WrongTenantError):
-            c.hint("s1", "user_typing", tenant="globex")  # s1 belongs to acme
+        with pytest.raises(UnknownSessionError):
+            c.hint("s1", "user_typing", tenant="globex")  # acme's s1 is not globex's
         with pytest.raises(WrongTenantError):
             c.route("s2", input_tokens=10, tenant="initech")  # not an allowed tenant
         with pytest.raises(InvalidRequestError):
@@ -123,7 +123,7 @@ def test_journal_replays_in_sim_and_resume_keeps_sessions(tmp_path: Path) -> Non
         assert again.clock.now_s() >= events[-1].time_s
         c2 = connect(service=again, tenant="acme")
         assert c2.hint("b", "user_typing").accepted  # known: no UnknownSessionError
-        with pytest.raises(WrongTenantError):
+        with pytest.raises(UnknownSessionError):
             c2.hint("a", "user_typing", tenant="other")
         assert _turn(c2, "a", 8000, 6300) in (0, 1)
     finally:

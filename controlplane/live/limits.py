@@ -1,0 +1,125 @@
+"""What one gateway call may carry: request-body size, list lengths, token-id range, and
+the rules for tenant names and session ids. Checked at every edge (the HTTP API before
+parsing, the scheduler service before it touches any state), so that a call over a limit
+is refused whole (422 naming the field, or 413 for the body) and never half-applied.
+
+Session ids: 1-256 characters of ``A-Z a-z 0-9 . _ : @ + = - /``; ``/`` separates parts
+(Claude Code sub-agents: ``parent/agent_002``), and no part may be empty, ``.`` or ``..``
+(such ids would name no object in S3, or another session's). Tenant names follow the same
+rules without ``/`` and at most 64 characters.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from controlplane.base import api
+from controlplane.base.errors import InvalidRequestError
+from controlplane.base.keys import chunk_hashes
+
+MIB = 1 << 20
+
+_PLAIN = "A-Za-z0-9_:@+="  # the allowed characters other than '.', '-' and '/'
+#: One part of a name: any allowed characters, but not "." or "..".
+_PART = rf"(?:[{_PLAIN}-][{_PLAIN}.-]*|\.[{_PLAIN}-][{_PLAIN}.-]*|\.\.[{_PLAIN}.-]+)"
+#: A session id (JSON-schema / Rust-regex compatible: no look-arounds).
+SESSION_ID_PATTERN = rf"^{_PART}(?:/{_PART})*$"
+SESSION_ID_MAX_CHARS = 256
+#: A tenant name.
+TENANT_PATTERN = rf"^{_PART}$"
+TENANT_MAX_CHARS = 64
+_SESSION_ID = re.compile(SESSION_ID_PATTERN)
+_TENANT = re.compile(TENANT_PATTERN)
+
+
+class RequestLimits(BaseModel):
+    """Limits on one gateway call (``http.limits`` in the serve config). The defaults
+    admit a 1M-token context: 1,048,576 token ids (about 7 MiB of JSON for vocabularies
+    below 10^6) within a 16 MiB body."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    #: Largest HTTP request body (413 above it, before it is read whole).
+    max_body_bytes: int = Field(16 * MIB, ge=4096, le=1 << 30)
+    #: Longest ``token_ids`` list (one request's prompt).
+    max_token_ids: int = Field(1 << 20, ge=1, le=10_000_000)
+    #: Longest ``chunk_hashes`` list (a whole context's chunks).
+    max_chunk_hashes: int = Field(1 << 14, ge=1, le=1_000_000)
+    #: Largest token id (ids are 0..max_token_id; vocabularies are far below 2^31).
+    max_token_id: int = Field((1 << 31) - 1, ge=1, le=(1 << 63) - 1)
+
+    @model_validator(mode="after")
+    def _fits(self) -> RequestLimits:
+        # A token list at its limit must fit in a body: each id takes up to
+        # digits(max_token_id) + 1 bytes of JSON.
+        need = self.max_token_ids * (len(str(self.max_token_id)) + 1) + 4096
+        if need > self.max_body_bytes:
+            raise ValueError(f"max_body_bytes={self.max_body_bytes} cannot hold "
+                             f"max_token_ids={self.max_token_ids} ids up to "
+                             f"{self.max_token_id} ({need} bytes of JSON): raise it or "
+                             "lower the others")
+        return self
+
+
+def check_session_id(session_id: str, field: str = "session_id") -> None:
+    """InvalidRequestError naming ``field`` unless ``session_id`` follows the rules."""
+    if len(session_id) > SESSION_ID_MAX_CHARS or not _SESSION_ID.match(session_id):
+        raise InvalidRequestError(
+            f"{field}: {session_id[:80]!r} is not a valid session id (1-{SESSION_ID_MAX_CHARS} "
+            "characters of A-Z a-z 0-9 . _ : @ + = - and '/' between parts; no part empty, "
+            "'.' or '..')")
+
+
+def check_tenant_name(tenant: str, field: str = "tenant") -> None:
+    if len(tenant) > TENANT_MAX_CHARS or not _TENANT.match(tenant):
+        raise InvalidRequestError(
+            f"{field}: {tenant[:80]!r} is not a valid tenant name (1-{TENANT_MAX_CHARS} "
+            "characters of A-Z a-z 0-9 . _ : @ + = -; not '.' or '..')")
+
+
+def max_hashes(limits: RequestLimits, chunk_tokens: int) -> int:
+    """The longest ``chunk_hashes`` the scheduler takes: ``max_chunk_hashes``, and never
+    fewer than the hashes of ``max_token_ids`` ids (which :func:`prehash` may send)."""
+    return max(limits.max_chunk_hashes, -(-limits.max_token_ids // chunk_tokens))
+
+
+def check_call(call: Any, limits: RequestLimits, chunk_tokens: int | None = None) -> None:
+    """Refuse a gateway call over ``limits`` or with a bad name (InvalidRequestError
+    naming the field). Cheap: one pass over the token ids at most. ``chunk_tokens``: the
+    scheduler's, whose hash limit is :func:`max_hashes`."""
+    check_tenant_name(call.tenant)
+    check_session_id(call.session_id)
+    parent = getattr(call, "parent_id", None)
+    if parent is not None:
+        check_session_id(parent, "parent_id")
+    token_ids = getattr(call, "token_ids", None)
+    if token_ids is not None:
+        if len(token_ids) > limits.max_token_ids:
+            raise InvalidRequestError(f"token_ids: {len(token_ids)} ids, more than the limit "
+                                      f"of {limits.max_token_ids} (max_token_ids)")
+        if token_ids and (min(token_ids) < 0 or max(token_ids) > limits.max_token_id):
+            raise InvalidRequestError(f"token_ids: ids must be 0..{limits.max_token_id} "
+                                      "(max_token_id)")
+    hashes = getattr(call, "chunk_hashes", None)
+    most = limits.max_chunk_hashes if chunk_tokens is None else max_hashes(limits, chunk_tokens)
+    if hashes is not None and len(hashes) > most:
+        raise InvalidRequestError(f"chunk_hashes: {len(hashes)} hashes, more than the limit "
+                                  f"of {most} (max_chunk_hashes)")
+
+
+def prehash(call: api.RouteQuery | api.RequestStarted, chunk_tokens: int
+            ) -> api.RouteQuery | api.RequestStarted:
+    """The same call with its ``token_ids`` replaced by their chunk hashes (and
+    ``input_tokens``): what the scheduler would compute, done by the caller, outside any
+    lock and before the call crosses a process boundary (a few thousand hashes instead of
+    a million ids). A call without token ids is returned as it is."""
+    if call.token_ids is None:
+        return call
+    hashes = chunk_hashes(call.token_ids, chunk_tokens)
+    return type(call).model_construct(
+        tenant=call.tenant, session_id=call.session_id, input_tokens=len(call.token_ids),
+        token_ids=None, chunk_hashes=hashes, reused_tokens=call.reused_tokens,
+        parent_id=call.parent_id)
