@@ -1,0 +1,234 @@
+"""Authenticated, isolated tenants (issue 15, item 2) on a real HTTP server on loopback:
+each tenant's token is that tenant's only; tenant B cannot read, change, close or probe
+tenant A's sessions; a tenant over its live-session quota gets 429 while others are
+unaffected, visible in the metrics; the serve config reads secrets from the environment
+or files and never shows them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+
+from controlplane.base.config import fleet_from_dict  # noqa: E402
+from controlplane.base.errors import (  # noqa: E402
+    ConfigError,
+    UnknownSessionError,
+    WrongTenantError,
+)
+from controlplane.cli.serve import load_serve_config  # noqa: E402
+from controlplane.live.client import connect  # noqa: E402
+from controlplane.live.http_api import HttpServer, create_app  # noqa: E402
+from controlplane.live.metrics import PrometheusMetrics  # noqa: E402
+from controlplane.live.service import SchedulerService, ServiceConfig  # noqa: E402
+from controlplane.live.tenants import TenantAuth, TenantQuotaError  # noqa: E402
+
+pytestmark = pytest.mark.servers
+
+GIB = 1 << 30
+MIB = 1 << 20
+FLEET = fleet_from_dict({"nodes": 2, "node": {"hbm_kv_bytes": 2 * GIB,
+                                              "dram_tier_bytes": 16 * GIB}})
+TOKENS = {"acme": "acme-token-0123456789", "globex": "globex-token-0123456789"}
+ADMIN = "admin-token-0123456789"
+
+
+@dataclass
+class Tenants:
+    service: SchedulerService
+    url: str
+
+    def post(self, op: str, body: dict[str, Any], token: str | None) -> Any:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        return httpx.post(f"{self.url}/v1/{op}", json=body, headers=headers, timeout=5)
+
+
+@pytest.fixture
+def tenants() -> Iterator[Tenants]:
+    metrics = PrometheusMetrics()
+    cfg = ServiceConfig(fleet=FLEET, tenants=("acme", "globex"),
+                        tenant_max_live_sessions={"acme": 3})
+    svc = SchedulerService(cfg, metrics=metrics).start()
+    auth = TenantAuth(TOKENS, admin_token=ADMIN)
+    try:
+        with HttpServer(create_app(svc, auth=auth, metrics_registry=metrics)) as srv:
+            yield Tenants(svc, srv.url)
+    finally:
+        svc.close()
+
+
+def _state(t: Tenants, sid: str, token: str) -> Any:
+    return t.post("session_state", {"session_id": sid}, token)
+
+
+def test_tenant_b_cannot_read_change_close_or_probe_tenant_a_sessions(tenants: Tenants
+                                                                      ) -> None:
+    t, a, b = tenants, TOKENS["acme"], TOKENS["globex"]
+    ans = t.post("route", {"session_id": "s1", "input_tokens": 4000}, a).json()
+    assert t.post("request_finished", {"session_id": "s1", "node": ans["node"],
+                                       "input_tokens": 4000, "output_tokens": 100},
+                  a).status_code == 200
+    before = _state(t, "s1", a).json()
+    assert before == {"session_id": "s1", "turns": 1, "in_flight": False,
+                      "context_tokens": 4100, "keyed_by_content": False}
+
+    def as_b(op: str, body: dict[str, Any]) -> Any:
+        return t.post(op, body, b)
+
+    # read, change, close: 404, the very answer for an id no tenant uses
+    attempts = [
+        ("session_state", {}),
+        ("hint", {"hint": {"kind": "tool_running", "eta_s": 3}}),
+        ("request_finished", {"node": 0, "input_tokens": 1, "output_tokens": 9}),
+        ("session_closed", {}),
+    ]
+    for op, extra in attempts:
+        on_a = as_b(op, {"session_id": "s1", **extra})
+        on_none = as_b(op, {"session_id": "zz", **extra})
+        assert on_a.status_code == on_none.status_code == 404, (op, on_a.text)
+        assert on_a.json() == {"error": "UnknownSessionError",
+                               "detail": "unknown session 's1' of tenant 'globex'"}
+        assert on_none.json()["detail"].replace("'zz'", "'s1'") == on_a.json()["detail"]
+        # naming acme in the body does not help: the token says whose call it is
+        forged = as_b(op, {"tenant": "acme", "session_id": "s1", **extra})
+        assert forged.status_code == 403 and forged.json()["error"] == "WrongTenantError"
+    # probing by opening: B gets a session of its own by that id; A's is untouched
+    assert as_b("route", {"session_id": "s1", "input_tokens": 10}).status_code == 200
+    assert _state(t, "s1", b).json()["context_tokens"] == 0
+    assert as_b("session_closed", {"session_id": "s1"}).status_code == 200
+    assert _state(t, "s1", a).json() == before
+    assert t.service.has_session("acme", "s1") and not t.service.has_session("globex", "s1")
+    # A's own calls still work, with the tenant left out or named rightly
+    assert t.post("hint", {"tenant": "acme", "session_id": "s1",
+                           "hint": {"kind": "user_typing"}}, a).status_code == 200
+    assert t.post("session_closed", {"session_id": "s1"}, a).status_code == 200
+    assert _state(t, "s1", a).status_code == 404
+
+
+def test_tokens_admin_and_the_python_client(tenants: Tenants) -> None:
+    t = tenants
+    assert t.post("route", {"session_id": "x", "input_tokens": 1}, None).status_code == 401
+    wrong = t.post("route", {"session_id": "x", "input_tokens": 1}, "not-a-token-at-all")
+    assert wrong.status_code == 401 and "not-a-token" not in wrong.text
+    # the admin acts for the tenant the body names; a tenant not configured is refused
+    assert t.post("route", {"tenant": "globex", "session_id": "x", "input_tokens": 1},
+                  ADMIN).status_code == 200
+    assert t.service.has_session("globex", "x")
+    assert t.post("route", {"tenant": "initech", "session_id": "x", "input_tokens": 1},
+                  ADMIN).status_code == 403
+    assert t.post("session_state", {"tenant": "globex", "session_id": "x"},
+                  ADMIN).json()["turns"] == 1
+    # the Python client with a tenant's token: no tenant to name
+    with connect(t.url, token=TOKENS["acme"]) as c:
+        node = c.route("py", input_tokens=100).node
+        assert node is not None
+        assert c.request_finished("py", node=node, input_tokens=100).accepted
+        assert c.session_state("py").context_tokens == 100
+        with pytest.raises(WrongTenantError):
+            c.hint("py", "user_typing", tenant="globex")
+    with connect(t.url, token=TOKENS["globex"]) as c, pytest.raises(UnknownSessionError):
+        c.session_state("py")
+
+
+def test_a_tenant_over_its_quota_gets_429_and_the_others_are_unaffected(tenants: Tenants
+                                                                        ) -> None:
+    t, a, b = tenants, TOKENS["acme"], TOKENS["globex"]
+    for i in range(3):
+        assert t.post("route", {"session_id": f"a{i}", "input_tokens": 10}, a).status_code == 200
+    over = t.post("route", {"session_id": "a3", "input_tokens": 10}, a)
+    assert over.status_code == 429, over.text
+    assert over.json()["error"] == "TenantQuotaError"
+    assert "max_live_sessions 3" in over.json()["detail"]
+    assert t.post("request_started", {"session_id": "a3", "input_tokens": 10},
+                  a).status_code == 429
+    assert not t.service.has_session("acme", "a3")
+    # its live sessions keep working; other tenants open as many as they like
+    assert t.post("route", {"session_id": "a0", "input_tokens": 20}, a).status_code == 200
+    for i in range(5):
+        assert t.post("route", {"session_id": f"b{i}", "input_tokens": 10}, b).status_code == 200
+    # closing one makes room
+    assert t.post("session_closed", {"session_id": "a1"}, a).status_code == 200
+    assert t.post("route", {"session_id": "a3", "input_tokens": 10}, a).status_code == 200
+    with connect(t.url, token=a) as c, pytest.raises(TenantQuotaError, match="HTTP 429"):
+        c.request_started("a4", input_tokens=10)
+    metrics = httpx.get(f"{t.url}/metrics").text
+    assert 'kvprefetch_tenant_live_sessions{tenant="acme"} 3.0' in metrics
+    assert 'kvprefetch_tenant_live_sessions{tenant="globex"} 5.0' in metrics
+    assert 'kvprefetch_tenant_quota_refusals_total{tenant="acme"} 3.0' in metrics
+    assert "globex" not in "".join(line for line in metrics.splitlines()
+                                   if line.startswith("kvprefetch_tenant_quota_refusals_total"))
+    summary = t.service.summary()
+    assert summary["quota_refusals"] == 3
+    assert summary["live_sessions_per_tenant"] == {"acme": 3, "globex": 5}
+
+
+def test_credentials_are_checked_at_start_and_never_shown() -> None:
+    with pytest.raises(ConfigError, match="exactly one tenant") as err:
+        TenantAuth({"a": "same-token-0123456789", "b": "same-token-0123456789"})
+    assert "same-token" not in str(err.value)
+    with pytest.raises(ConfigError, match="shorter than 16"):
+        TenantAuth({"a": "short"})
+    with pytest.raises(ConfigError, match="exactly one tenant"):
+        TenantAuth({"a": ADMIN}, admin_token=ADMIN)
+
+
+def _serve_yaml(tmp_path: Path, **over: Any) -> Path:
+    cfg: dict[str, Any] = {"stores": {"valkey": {"host": "127.0.0.1", "port": 6379}},
+                           "agent": {"tier_capacity_bytes": 64 * MIB}}
+    cfg.update(over)
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_serve_config_reads_tenant_secrets_from_env_and_files(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    secret_file = tmp_path / "globex.token"
+    secret_file.write_text(TOKENS["globex"] + "\n")
+    monkeypatch.setenv("KVP_T_ACME", TOKENS["acme"])
+    monkeypatch.setenv("KVP_T_ADMIN", ADMIN)
+    path = _serve_yaml(
+        tmp_path, http={"admin_token": {"env": "KVP_T_ADMIN"},
+                        "limits": {"max_token_ids": 1000, "max_body_bytes": 1 << 20}},
+        tenants={"acme": {"token": {"env": "KVP_T_ACME"}, "max_live_sessions": 7},
+                 "globex": {"token": {"file": str(secret_file)}}})
+    cfg = load_serve_config(path)
+    auth = cfg.auth()
+    assert auth.authenticate(TOKENS["acme"]).tenant == "acme"
+    assert auth.authenticate(TOKENS["globex"]).tenant == "globex"  # newline stripped
+    assert auth.authenticate(ADMIN).tenant is None
+    service = cfg.service_config(["n0"])
+    assert service.tenants == ("acme", "globex")
+    assert service.max_live_sessions("acme") == 7
+    assert service.max_live_sessions("globex") == service.max_live_sessions_per_tenant
+    assert service.limits.max_token_ids == 1000
+    assert TOKENS["acme"] not in repr(cfg) and ADMIN not in repr(cfg)
+    # a missing secret names where it was looked for, not a value
+    monkeypatch.delenv("KVP_T_ACME")
+    with pytest.raises(ConfigError, match=r"tenants\.acme\.token.*KVP_T_ACME"):
+        cfg.auth()
+
+
+@pytest.mark.parametrize(("over", "message"), [
+    ({"tenants": {"acme": {"token": {"env": "X"}}}, "http": {"bearer_token": "shared"}},
+     "do not mix"),
+    ({"tenants": {"..": {"token": {"env": "X"}}}}, "tenant name"),
+    ({"tenants": {"acme": {"token": {"env": "X", "file": "/f"}}}}, "exactly one"),
+    ({"tenants": {"acme": {"token": {}}}}, "exactly one"),
+    ({"http": {"admin_token": {"env": "X"}}}, "only with tenants"),
+    ({"http": {"limits": {"max_body_bytes": 5000}}}, "cannot hold"),
+    ({"service": {"limits": {}}}, "http.limits"),
+    ({"tenants": {"acme": {"token": {"env": "X"}}}, "service": {"tenants": ["b"]}},
+     "tenants section"),
+])
+def test_bad_tenant_configs_fail_at_start(tmp_path: Path, over: dict[str, Any],
+                                          message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_serve_config(_serve_yaml(tmp_path, **over))
