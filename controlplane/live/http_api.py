@@ -72,6 +72,7 @@ from prometheus_client import (
     generate_latest,
 )
 from pydantic import BaseModel, Field, create_model
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from controlplane import __version__
 from controlplane.base import api
@@ -398,6 +399,18 @@ def create_app(scheduler: GatewayAPI | Client, *, bearer_token: str | None = Non
     def _kvprefetch_error(request: Request, exc: KvPrefetchError) -> JSONResponse:
         log.warning("%s %s: %s", request.method, request.url.path, exc)
         return _error(exc, 500)
+
+    @app.exception_handler(StarletteHTTPException)
+    def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        # FastAPI answers 400 to a body it cannot decode at all (not UTF-8): for the
+        # operations that is an invalid body like any other (422).
+        if exc.status_code == 400 and request.url.path.removeprefix("/v1/") in OPERATIONS:
+            body = ErrorBody(error="InvalidRequestError",
+                             detail=f"invalid body: {exc.detail} (expected a JSON object "
+                                    "in UTF-8)", errors=[])
+            return JSONResponse(body.model_dump(), status_code=422)
+        return JSONResponse({"detail": exc.detail}, status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
 
     @app.exception_handler(RequestValidationError)
     def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

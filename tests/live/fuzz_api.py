@@ -1,0 +1,337 @@
+"""``make fuzz``: schemathesis against the HTTP API served locally with two tenants.
+
+    python tests/live/fuzz_api.py --cases 5000 --json out/fuzz.json
+
+Starts a server in a child process (``serve`` below: the scheduler service in that process,
+no Ray and no agents, behind the app ``kvprefetch serve`` builds from a serve config with
+two tenants, acme and globex, whose tokens are read from files, and an admin token read
+from the environment), generates cases for every operation of its OpenAPI document in
+positive and negative mode, sends each with acme's token, stops the server, and writes::
+
+    {"cases": int, "server_errors": int, "undocumented": int,
+     "cross_tenant_successes": int, ...}
+
+* ``cases``: generated requests sent (acme's); replays below are not counted in it.
+* ``server_errors``: answers 5xx.
+* ``undocumented``: answers that fail schemathesis' conformance checks (a status the
+  OpenAPI document does not list for the operation, a wrong content type, a body or
+  headers that do not match the documented schema).
+* ``cross_tenant_successes``: after every case whose ``session_id`` names a live session
+  of acme's, the same call is replayed with globex's token (the body's ``tenant`` left out,
+  so that it is a valid globex call), and once more with the body naming acme. Counted:
+  a 2xx to a call that needs an existing session (``session_state``, ``hint``,
+  ``request_finished``, ``session_closed``: globex holds no session by that id, since the
+  fuzzer closes each one its replays open), a 2xx to the forged-tenant replay, and any
+  change of acme's session (read with acme's token before and after the replay).
+
+To reach the service rather than stop at validation, in 3 of 4 positive cases the body's
+``tenant`` is dropped (acme's calls are then acme's) and a route's or request_started's
+size is made consistent (the one rule the schema cannot state), and in 8 of 9 positive
+cases the session id is taken from a pool of 8 (so events land on live sessions).
+Deterministic per ``--seed``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+TOKENS = {"acme": "fuzz-acme-token-0123456789", "globex": "fuzz-globex-token-0123456789"}
+ADMIN_ENV = "KVPREFETCH_FUZZ_ADMIN_TOKEN"
+ADMIN = "fuzz-admin-token-0123456789"
+POOL = [f"s{i}" for i in range(8)]
+#: Operations that need a live session of the caller's tenant.
+NEEDS_SESSION = {"session_state", "hint", "request_finished", "session_closed"}
+
+
+# ---------------------------------------------------------------------------- the server
+def write_config(folder: Path) -> Path:
+    """A serve config with two tenants (tokens in files) and an admin (token in the
+    environment); its stores and agent sections are required by the format and unused
+    here (no agents)."""
+    files = {}
+    for tenant, token in TOKENS.items():
+        files[tenant] = folder / f"{tenant}.token"
+        files[tenant].write_text(token + "\n")
+        files[tenant].chmod(0o600)
+    import yaml
+
+    cfg = {
+        "stores": {"valkey": {"host": "127.0.0.1", "port": 6379}},
+        "agent": {"tier_capacity_bytes": 64 << 20},
+        "fleet": {"node": {"hbm_kv_bytes": 2 << 30, "dram_tier_bytes": 16 << 30}},
+        "service": {"policy": "predictive", "predictor": "ewma",
+                    "max_live_sessions_per_tenant": 100_000},
+        "http": {"host": "127.0.0.1", "port": 0, "admin_token": {"env": ADMIN_ENV},
+                 "call_timeout_s": 5.0,
+                 "limits": {"max_body_bytes": 1 << 20, "max_token_ids": 50_000,
+                            "max_chunk_hashes": 2048}},
+        "tenants": {"acme": {"token": {"file": str(files["acme"])},
+                             "max_live_sessions": 50_000},
+                    "globex": {"token": {"file": str(files["globex"])},
+                               "max_live_sessions": 100}},
+    }
+    path = folder / "serve.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def serve(config: Path) -> int:
+    """The child process: serve until SIGTERM; prints ``ready <url>`` once listening."""
+    from controlplane.cli.serve import http_app, load_serve_config
+    from controlplane.live.http_api import HttpServer
+    from controlplane.live.metrics import PrometheusMetrics
+    from controlplane.live.service import SchedulerService
+
+    cfg = load_serve_config(config)
+    service_cfg = cfg.service_config(["node-0", "node-1"])
+    metrics = PrometheusMetrics()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with SchedulerService(service_cfg, metrics=metrics) as svc:
+        app = http_app(cfg, svc, cfg.auth(), chunk_tokens=service_cfg.chunk_tokens,
+                       metrics=metrics)
+        with HttpServer(app, cfg.http.host, cfg.http.port) as srv:
+            print(f"ready {srv.url}", flush=True)
+            stop.wait()
+    return 0
+
+
+class Server:
+    """The child process serving the API (started and stopped here)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.config = write_config(folder)
+        self.proc: subprocess.Popen[str] | None = None
+        self.url = ""
+
+    def __enter__(self) -> Server:
+        env = {**os.environ, ADMIN_ENV: ADMIN}
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "serve", "--config", str(self.config)],
+            stdout=subprocess.PIPE, text=True, env=env)
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if line.startswith("ready "):
+                self.url = line.split()[1]
+                return self
+            if not line and self.proc.poll() is not None:
+                break
+        self.__exit__()
+        raise RuntimeError("the fuzz server did not start")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+# ---------------------------------------------------------------------------- the fuzzer
+class Tally:
+    def __init__(self) -> None:
+        self.cases = 0
+        self.server_errors = 0
+        self.undocumented = 0
+        self.cross_tenant_successes = 0
+        self.replays = 0
+        self.statuses: dict[str, int] = {}
+        self.examples: list[str] = []
+
+    def example(self, text: str) -> None:
+        if len(self.examples) < 20:
+            self.examples.append(text[:500])
+
+    def result(self, seconds: float) -> dict[str, Any]:
+        return {"cases": self.cases, "server_errors": self.server_errors,
+                "undocumented": self.undocumented,
+                "cross_tenant_successes": self.cross_tenant_successes,
+                "cross_tenant_replays": self.replays,
+                "statuses": dict(sorted(self.statuses.items())),
+                "seconds": round(seconds, 1), "examples": self.examples}
+
+
+class Fuzzer:
+    def __init__(self, url: str, tally: Tally) -> None:
+        import httpx
+        import schemathesis
+        from schemathesis.checks import not_a_server_error
+        from schemathesis.specs.openapi.checks import (
+            content_type_conformance,
+            response_headers_conformance,
+            response_schema_conformance,
+            status_code_conformance,
+        )
+
+        self.url = url
+        self.tally = tally
+        self.http = httpx.Client(base_url=url, timeout=30)
+        self.schema = schemathesis.openapi.from_url(f"{url}/openapi.json")
+        self.conformance = [status_code_conformance, content_type_conformance,
+                            response_schema_conformance, response_headers_conformance]
+        self.server_error = not_a_server_error
+
+    def close(self) -> None:
+        self.http.close()
+
+    def _post(self, op: str, body: Any, tenant: str) -> Any:
+        return self.http.post(f"/v1/{op}", json=body,
+                              headers={"Authorization": f"Bearer {TOKENS[tenant]}"})
+
+    def operations(self) -> list[Any]:
+        return [r.ok() for r in self.schema.get_all_operations()
+                if r.ok().path.startswith("/v1/")]
+
+    def run(self, operation: Any, mode: Any, examples: int, seed: int) -> None:
+        from hypothesis import HealthCheck, Phase, given, settings
+        from hypothesis import seed as hseed
+        from hypothesis import strategies as st
+
+        op = operation.path.removeprefix("/v1/")
+        positive = mode.value == "positive"
+
+        @hseed(seed)
+        @settings(max_examples=examples, deadline=None, database=None,
+                  phases=[Phase.explicit, Phase.generate],
+                  suppress_health_check=list(HealthCheck))
+        @given(case=operation.as_strategy(generation_mode=mode),
+               drop_tenant=st.sampled_from([True, True, True, False]),
+               pooled=st.sampled_from([None, *POOL]))
+        def fuzz(case: Any, drop_tenant: bool, pooled: str | None) -> None:
+            if positive and isinstance(case.body, dict):
+                body = dict(case.body)
+                if drop_tenant:
+                    body.pop("tenant", None)
+                if pooled is not None and "session_id" in body:
+                    body["session_id"] = pooled
+                if drop_tenant and op in ("route", "request_started"):
+                    _size_rule(body)
+                case.body = body
+            self.case(op, case)
+
+        fuzz()
+
+    def case(self, op: str, case: Any) -> None:
+        t = self.tally
+        auth = {"Authorization": f"Bearer {TOKENS['acme']}"}
+        # every case is acme's (schemathesis would generate bearer tokens of its own; the
+        # 401 paths are tested in tests/live/test_tenants.py)
+        case.headers = {**(case.headers or {}), **auth}
+        response = case.call(base_url=self.url, headers=auth)
+        t.cases += 1
+        key = f"{op} {response.status_code}"
+        t.statuses[key] = t.statuses.get(key, 0) + 1
+        if response.status_code >= 500:
+            t.server_errors += 1
+            t.example(f"5xx {op} {case.body!r:.200} -> {response.text}")
+        try:
+            case.validate_response(response, checks=self.conformance, headers=auth)
+        except (Exception, BaseExceptionGroup) as exc:  # a failed check (one or a group)
+            t.undocumented += 1
+            t.example(f"undocumented {op} {response.status_code} {case.body!r:.200}: {exc}")
+        if isinstance(case.body, dict):
+            self.replay_as_globex(op, case.body)
+
+    def replay_as_globex(self, op: str, body: dict[str, Any]) -> None:
+        sid = body.get("session_id")
+        if not isinstance(sid, str):
+            return
+        before = self._post("session_state", {"session_id": sid}, "acme")
+        if before.status_code != 200:
+            return  # acme has no live session by this id: nothing to steal
+        t = self.tally
+        t.replays += 1
+        as_globex = {k: v for k, v in body.items() if k != "tenant"}
+        answer = self._post(op, as_globex, "globex")
+        ok = 200 <= answer.status_code < 300
+        if ok and op in NEEDS_SESSION:
+            t.cross_tenant_successes += 1
+            t.example(f"cross-tenant {op} {sid!r}: {answer.status_code} {answer.text}")
+        if ok and op not in NEEDS_SESSION:  # globex opened its own session: close it
+            closed = self._post("session_closed", {"session_id": sid}, "globex")
+            if closed.status_code != 200:
+                t.example(f"globex could not close its own {sid!r}: {closed.text}")
+        forged = self._post(op, {**as_globex, "tenant": "acme"}, "globex")
+        if 200 <= forged.status_code < 300:
+            t.cross_tenant_successes += 1
+            t.example(f"forged tenant {op} {sid!r}: {forged.status_code} {forged.text}")
+        after = self._post("session_state", {"session_id": sid}, "acme")
+        if after.status_code != 200 or after.json() != before.json():
+            t.cross_tenant_successes += 1
+            t.example(f"acme's {sid!r} changed by globex's {op}: {before.text} -> "
+                      f"{after.status_code} {after.text}")
+
+
+def _size_rule(body: dict[str, Any]) -> None:
+    """Make a generated body keep the one rule the schema cannot state (a size: token_ids,
+    or input_tokens with optional chunk_hashes, consistent), so that it reaches the
+    scheduler instead of stopping at 422."""
+    ids = body.get("token_ids")
+    if isinstance(ids, list):
+        body.pop("chunk_hashes", None)
+        body.pop("input_tokens", None)
+    elif body.get("input_tokens") is None:
+        body["input_tokens"] = 1000
+
+
+def fuzz(url: str, cases: int, seed: int = 15) -> dict[str, Any]:
+    """At least ``cases`` generated cases against the API at ``url``; the tally."""
+    from schemathesis import GenerationMode
+
+    started = time.monotonic()
+    tally = Tally()
+    fuzzer = Fuzzer(url, tally)
+    try:
+        plan = [(op, mode) for op in fuzzer.operations()
+                for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)]
+        round_ = 0
+        while tally.cases < cases and round_ < 5:  # hypothesis may stop a strategy early
+            per = max(1, -(-(cases - tally.cases) // len(plan)))
+            for operation, mode in plan:
+                fuzzer.run(operation, mode, per, seed + round_)
+            round_ += 1
+    finally:
+        fuzzer.close()
+    return tally.result(time.monotonic() - started)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command")
+    s = sub.add_parser("serve", help="(the child process) serve the API")
+    s.add_argument("--config", required=True, type=Path)
+    p.add_argument("--cases", type=int, default=5000)
+    p.add_argument("--seed", type=int, default=15)
+    p.add_argument("--json", type=Path, default=Path("out/fuzz.json"))
+    args = p.parse_args(argv)
+    if args.command == "serve":
+        return serve(args.config)
+    with tempfile.TemporaryDirectory(prefix="kvprefetch-fuzz-") as tmp, Server(Path(tmp)) as srv:
+        result = fuzz(srv.url, args.cases, args.seed)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    summary = {k: result[k] for k in ("cases", "server_errors", "undocumented",
+                                      "cross_tenant_successes", "cross_tenant_replays",
+                                      "seconds")}
+    print(json.dumps(summary))
+    bad = result["server_errors"] or result["undocumented"] or result["cross_tenant_successes"]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    sys.exit(main())

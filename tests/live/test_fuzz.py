@@ -1,0 +1,34 @@
+"""A short schemathesis pass over the HTTP API served locally with two tenants (the driver
+of ``make fuzz``, tests/live/fuzz_api.py, with a few hundred cases instead of 5,000): no
+5xx, no answer the OpenAPI document does not describe, no call with tenant B's token that
+succeeds on tenant A's session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("schemathesis")
+pytest.importorskip("fastapi")
+
+from fuzz_api import Server, fuzz
+
+#: Cases of the pass (``make fuzz`` runs 5,000).
+CASES = int(os.environ.get("KVPREFETCH_FUZZ_CASES", "240"))
+
+
+@pytest.mark.servers
+@pytest.mark.slow
+def test_a_short_schemathesis_pass_finds_no_5xx_undocumented_or_cross_tenant_answer(
+        tmp_path: Path) -> None:
+    with Server(tmp_path) as srv:
+        result = fuzz(srv.url, CASES, seed=3)
+    assert result["cases"] >= CASES
+    assert result["server_errors"] == 0, result["examples"]
+    assert result["undocumented"] == 0, result["examples"]
+    assert result["cross_tenant_successes"] == 0, result["examples"]
+    # the pass reached the scheduler (2xx) and replayed calls against the other tenant
+    assert any(k.endswith(" 200") for k in result["statuses"]), result["statuses"]
+    assert result["cross_tenant_replays"] > 0
