@@ -41,3 +41,23 @@ def test_recency_floor_applies_to_heuristic_forecasts_only() -> None:
     # A conditioned forecast already weighs the silence: its own median stands.
     assert predicted_use_s(learned, cfg, 100.0) == 130.0
     assert predicted_use_s(certain, cfg, 10.0) == 30.0
+
+
+def test_min_p_return_gates_unconditioned_forecasts_only() -> None:
+    """Unlikely to return within the horizon: a heuristic's session ranks as never used; a
+    conditioned forecast keeps its median, so the tier can still tell two such sessions
+    apart (gated, both would tie at inf)."""
+    from controlplane.base.config import PlannerConfig
+    from controlplane.base.types import ArrivalForecast
+    from controlplane.core.planner import predicted_use_s
+
+    cfg = PlannerConfig(min_p_return=0.3)
+    heuristic = ArrivalForecast("s", 0.0, (10.0, 30.0, 90.0), 0.1, 3600.0, 0.5)
+    soon = ArrivalForecast("s", 0.0, (110.0, 130.0, 190.0), 0.1, 3600.0, 0.5,
+                           conditioned=True)
+    later = ArrivalForecast("t", 0.0, (110.0, 400.0, 900.0), 0.1, 3600.0, 0.5,
+                            conditioned=True)
+    assert predicted_use_s(heuristic, cfg, 100.0) == float("inf")
+    assert predicted_use_s(soon, cfg, 100.0) == 130.0
+    assert predicted_use_s(later, cfg, 100.0) == 400.0
+    assert predicted_use_s(None, cfg, 100.0) == float("inf")
