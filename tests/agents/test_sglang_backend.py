@@ -1,0 +1,223 @@
+"""The kvprefetch HiCache storage backend through SGLang's own loader, over real Valkey and
+S3 on loopback: SGLang's ``StorageBackendFactory`` with the dynamic config builds it, and
+set / exists / batch_exists / batch_get (into host pages) return the stored bytes, byte for
+byte; the node-local tier is read first; checksums catch damaged objects.
+
+The zero-copy v1 calls run against a page-first host pool double (``PageFirstHostPool``,
+the same methods and page geometry as SGLang's ``MHATokenToKVPoolHost``): SGLang's real
+host pool cannot be built on CPU without torchvision, which its config package imports.
+SGLang is imported directly (see test_sglang_keys.py for the rule on a missing SGLang).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from agents.embedded import EmbeddedS3, EmbeddedValkey
+
+try:
+    import torch
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    from agents.sglang.backend import (
+        KvPrefetchHiCacheStorage,
+        SGLangStorageConfig,
+        dynamic_extra_config,
+    )
+except ImportError as exc:  # pragma: no cover - the environment decides
+    if os.environ.get("KVPREFETCH_SGLANG_OPTIONAL") == "1":
+        pytest.skip(f"SGLang not installed ({exc}); KVPREFETCH_SGLANG_OPTIONAL=1",
+                    allow_module_level=True)
+    pytest.fail(f"SGLang is not importable ({exc}): run `make setup-sglang` (or set "
+                "KVPREFETCH_SGLANG_OPTIONAL=1 to skip these tests visibly)", pytrace=False)
+
+from agents.agent import RemoteStoreConfig
+from agents.sglang.keys import page_hashes
+from agents.stores.local import LocalTier, LocalTierConfig
+from agents.stores.tiered import TieredStoreConfig
+
+pytestmark = pytest.mark.servers
+
+LAYERS, HEADS, HEAD_DIM, PAGE = 4, 2, 16, 8
+
+
+class PageFirstHostPool:
+    """SGLang's MHA host pool in ``page_first`` layout: kv_buffer[2, tokens, layers, heads,
+    dim]; a page's flat form is its K rows then its V rows."""
+
+    layout = "page_first"
+    page_size = PAGE
+
+    def __init__(self, pages: int, dtype: torch.dtype = torch.bfloat16) -> None:
+        self.size = pages * PAGE
+        self.kv_buffer = torch.zeros(2, self.size, LAYERS, HEADS, HEAD_DIM, dtype=dtype)
+
+    def get_page_buffer_meta(self, indices: torch.Tensor) -> tuple[list[int], list[int]]:
+        item = self.kv_buffer.element_size()
+        v_offset = self.size * LAYERS * HEADS * HEAD_DIM * item
+        ptrs: list[int] = []
+        for index in indices.tolist()[::PAGE]:
+            k = self.kv_buffer.data_ptr() + index * LAYERS * HEADS * HEAD_DIM * item
+            ptrs += [k, k + v_offset]
+        return ptrs, [LAYERS * item * PAGE * HEADS * HEAD_DIM] * len(ptrs)
+
+    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
+        page = self.kv_buffer[:, index : index + PAGE]
+        return page.flatten() if flat else page
+
+    def get_dummy_flat_data_page(self) -> torch.Tensor:
+        return torch.zeros(2 * PAGE * LAYERS * HEADS * HEAD_DIM,
+                           dtype=self.kv_buffer.dtype)
+
+    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
+        self.kv_buffer[:, index : index + PAGE] = data_page.reshape(
+            2, PAGE, LAYERS, HEADS, HEAD_DIM)
+
+
+def storage_config(extra: dict[str, object], tp_rank: int = 0) -> HiCacheStorageConfig:
+    return HiCacheStorageConfig(
+        tp_rank=tp_rank, tp_size=2, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
+        model_name=f"test/model-{uuid.uuid4().hex[:6]}", extra_config=extra)
+
+
+@pytest.fixture
+def remote(valkey_server: EmbeddedValkey, s3_server: EmbeddedS3, key_prefix: str
+           ) -> RemoteStoreConfig:
+    return RemoteStoreConfig(
+        valkey=valkey_server.store_config(key_prefix=f"kvp:{key_prefix}", part_bytes=4096),
+        s3=s3_server.store_config(key_prefix=f"kvp/{key_prefix}", part_bytes=4096),
+        tiered=TieredStoreConfig(write_mode="write-through"))
+
+
+@pytest.fixture
+def local_config(dram_dir: Path) -> LocalTierConfig:
+    return LocalTierConfig(path=str(dram_dir), capacity_bytes=64 << 20, part_bytes=4096)
+
+
+@pytest.fixture
+def backend(remote: RemoteStoreConfig, local_config: LocalTierConfig
+            ) -> Iterator[KvPrefetchHiCacheStorage]:
+    extra = dynamic_extra_config(SGLangStorageConfig(local=local_config, remote=remote))
+    extra = json.loads(json.dumps(extra))  # what SGLang parses from its command line
+    built = StorageBackendFactory.create_backend("dynamic", storage_config(extra), None)
+    assert isinstance(built, KvPrefetchHiCacheStorage)
+    yield built
+    built.close()
+
+
+def pages(n: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(2 * PAGE * LAYERS * HEADS * HEAD_DIM, generator=g
+                        ).to(torch.bfloat16) for _ in range(n)]
+
+
+def keys_for(n: int, seed: int) -> list[str]:
+    return page_hashes([seed * 100_000 + i for i in range(n * PAGE)], PAGE)
+
+
+def as_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def test_sglangs_loader_builds_it_and_a_round_trip_returns_the_bytes(
+        backend: KvPrefetchHiCacheStorage) -> None:
+    keys, values = keys_for(5, 1), pages(5, 1)
+    assert backend.batch_exists(keys) == 0 and not backend.exists(keys[0])
+    assert backend.set(keys[0], values[0])
+    assert backend.batch_set(keys[1:3], values[1:3])
+    assert backend.exists(keys[2]) and not backend.exists(keys[3])
+    assert backend.batch_exists(keys) == 3  # consecutive from the first
+    assert backend.batch_exists([keys[0], keys[3], keys[1]]) == 1
+    dest = [torch.zeros_like(v) for v in values]
+    got = backend.batch_get(keys, dest)
+    assert [g is not None for g in got] == [True, True, True, False, False]
+    for i in range(3):
+        assert as_bytes(dest[i]) == as_bytes(values[i])
+    assert not dest[3].any()
+    one = torch.zeros_like(values[1])
+    assert backend.get(keys[1], one) is one and as_bytes(one) == as_bytes(values[1])
+    stats = backend.get_stats()
+    assert stats["remote_hits"] == 4 and stats["local_hits"] == 0
+
+
+def test_pages_only_in_s3_are_served_and_objects_are_named_per_rank(
+        backend: KvPrefetchHiCacheStorage, remote: RemoteStoreConfig) -> None:
+    keys, values = keys_for(2, 2), pages(2, 2)
+    assert backend.batch_set(keys, values)
+    hot = remote.model_copy().valkey
+    assert hot is not None
+    from agents.stores.valkey_store import ValkeyStore
+    with ValkeyStore(hot) as valkey:  # drop Valkey's copies: S3 alone must serve
+        names = [backend.scheme.object_name(k) for k in keys]
+        assert all(r.ok for r in valkey.delete(names))
+        assert all(n.startswith("sglang/") and n.endswith("_0_2") for n in names)
+    dest = [torch.zeros_like(v) for v in values]
+    assert all(g is not None for g in backend.batch_get(keys, dest))
+    assert [as_bytes(d) for d in dest] == [as_bytes(v) for v in values]
+    # Another TP rank names its shard differently: it does not see rank 0's pages.
+    other = KvPrefetchHiCacheStorage(replace(backend.storage_config, tp_rank=1))
+    try:
+        assert other.scheme.suffix.endswith("_1_2")
+        assert other.batch_exists(keys) == 0
+    finally:
+        other.close()
+
+
+def test_local_tier_is_read_first_and_a_damaged_local_copy_falls_back(
+        backend: KvPrefetchHiCacheStorage, local_config: LocalTierConfig) -> None:
+    keys, values = keys_for(4, 3), pages(4, 3)
+    names = [backend.scheme.object_name(k) for k in keys]
+    with LocalTier(local_config) as tier:  # what the agent's warm leaves on the node
+        assert all(r.ok for r in tier.put([(n, as_bytes(v)) for n, v in
+                                           zip(names[:3], values[:3], strict=True)]))
+        assert backend.batch_exists(keys) == 3  # no remote object at all
+        dest = [torch.zeros_like(v) for v in values[:3]]
+        assert all(g is not None for g in backend.batch_get(keys[:3], dest))
+        assert [as_bytes(d) for d in dest] == [as_bytes(v) for v in values[:3]]
+        assert backend.get_stats()["local_hits"] == 3
+        # Flip one payload byte of a local file: the checksum refuses it; the remote
+        # copy (written now) is served instead, intact.
+        assert backend.set(keys[0], values[0])
+        path = tier.path_of(names[0])
+        raw = bytearray(path.read_bytes())
+        raw[-5] ^= 0xFF
+        path.write_bytes(bytes(raw))
+        out = torch.zeros_like(values[0])
+        assert backend.get(keys[0], out) is out
+        assert as_bytes(out) == as_bytes(values[0])
+        # A damaged local copy with no remote copy is a miss, never wrong bytes.
+        path = tier.path_of(names[1])
+        raw = bytearray(path.read_bytes())
+        raw[-5] ^= 0xFF
+        path.write_bytes(bytes(raw))
+        assert backend.get(keys[1], torch.zeros_like(values[1])) is None
+
+
+def test_zero_copy_v1_calls_land_in_the_host_pool(backend: KvPrefetchHiCacheStorage
+                                                  ) -> None:
+    pool = PageFirstHostPool(pages=8)
+    g = torch.Generator().manual_seed(4)
+    pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape, generator=g))
+    backend.register_mem_pool_host(pool)  # type: ignore[arg-type]
+    keys = keys_for(3, 4)
+    src = torch.arange(0, 3 * PAGE)  # pages 0-2
+    assert backend.batch_set_v1(keys, src) == [True, True, True]
+    # Each object is the page's flat data page (K rows then V rows), as batch_set writes.
+    flat = torch.zeros_like(pool.get_data_page(0))
+    assert backend.get(keys[1], flat) is flat
+    assert as_bytes(flat) == as_bytes(pool.get_data_page(PAGE))
+    dst = torch.arange(4 * PAGE, 7 * PAGE)  # pages 4-6, different contents
+    assert backend.batch_get_v1(keys + keys_for(1, 99), torch.arange(4 * PAGE, 8 * PAGE)
+                                ) == [True, True, True, False]
+    for i in range(3):
+        assert as_bytes(pool.get_data_page(int(dst[i * PAGE]))) == \
+            as_bytes(pool.get_data_page(i * PAGE))
