@@ -39,6 +39,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -49,6 +50,7 @@ from agents.lmcache.backend import (
     WarmHandle,
     require_backend_settings,
 )
+from agents.sglang.warm import SGLangWarmConfig, SGLangWarmer
 from agents.stores.base import ObjectStore
 from agents.stores.local import LocalTier, LocalTierConfig
 from agents.stores.s3_store import S3Store, S3StoreConfig
@@ -103,15 +105,17 @@ class RemoteStoreConfig(BaseModel):
 class AgentConfig(BaseModel):
     """One node's agent. ``backend`` picks where orders land: ``local`` = the project's own
     DRAM/disk tier (``dram``), ``lmcache-mp`` = the node's LMCache MP server's L1, warmed
-    through its HTTP API (``lmcache``)."""
+    through its HTTP API (``lmcache``), ``sglang`` = the ``dram`` tier filled with SGLang's
+    page objects, which our SGLang HiCache backend reads first (``sglang``)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     node: int = Field(ge=0)
     node_name: str = ""
-    backend: Backend = "local"
+    backend: Backend | Literal["sglang"] = "local"
     dram: LocalTierConfig | None = None
     lmcache: LMCacheBackendConfig | None = None
+    sglang: SGLangWarmConfig | None = None
     remote: RemoteStoreConfig
     transfer: TransferConfig = TransferConfig()
     #: Threads that wait on transfers and send their reports.
@@ -119,6 +123,12 @@ class AgentConfig(BaseModel):
 
     @model_validator(mode="after")
     def _backend_settings(self) -> AgentConfig:
+        if self.backend == "sglang":
+            if self.dram is None or self.sglang is None:
+                raise ValueError("backend 'sglang' needs 'dram' (the tier SGLang's "
+                                 "kvprefetch backend reads first) and 'sglang' (model_name, "
+                                 "page_size ...)")
+            return self
         require_backend_settings(self.backend, dram=self.dram, lmcache=self.lmcache,
                                  dram_is="the node's local tier",
                                  lmcache_is="the node's LMCache server: http_url, model_name ...")
@@ -144,7 +154,7 @@ class PrefetchAgent:
         self._store = store
         self._tier: LocalTier | None = None
         self._engine: TransferEngine | None = None
-        self._warmer: LMCacheWarmer | None = None
+        self._warmer: LMCacheWarmer | SGLangWarmer | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._appeared = threading.Condition(self._lock)
@@ -188,18 +198,23 @@ class PrefetchAgent:
                                           name=f"agent{self.node}")
             self._engine.start()
             where = f"tier {cfg.dram.path}, {cfg.dram.capacity_bytes} bytes"
+            if cfg.backend == "sglang" and cfg.sglang is not None:
+                self._warmer = SGLangWarmer(cfg.sglang, self._store, self._tier,
+                                            self._engine, name=f"agent{self.node}-sglang")
+                self._warmer.start()
+                where += f", SGLang pages of {cfg.sglang.model_name}"
         self._pool = ThreadPoolExecutor(cfg.report_threads,
                                         thread_name_prefix=f"agent{self.node}-report")
         log.info("agent %d (%s) started: %s", self.node, self.node_name, where)
         return self
 
     def close(self) -> None:
+        if self._warmer is not None:  # before the engine: an SGLang warm waits on it
+            self._warmer.close()
+            self._warmer = None
         if self._engine is not None:
             self._engine.close()
             self._engine = None
-        if self._warmer is not None:
-            self._warmer.close()
-            self._warmer = None
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
