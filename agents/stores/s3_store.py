@@ -5,6 +5,15 @@ fetches one range from offset 0 (the header and the first parts; the response's
 Content-Range gives the object's size), then every other range in parallel, each verified
 by the thread that received it. Objects over ``multipart_threshold_bytes`` are uploaded in
 parallel parts; a failed upload is aborted so that nothing half-written remains.
+
+Reads never destroy. Every later range of one read is pinned to the version the first
+range came from (``If-Match`` with its ETag, and the ETag of each answer checked too): when
+the object is overwritten mid-read, S3 answers 412 and the read starts again from the
+first range (twice at most, then a clean miss), so ranges of two versions are never mixed.
+A checksum failure is fetched once more (in case it was torn by a server that ignores
+``If-Match``); if it fails again the object is *quarantined*: counted (``corrupt``), logged,
+remembered in :meth:`S3Store.quarantined` and answered as a miss, but never deleted: it
+may be the last durable copy, and a tiered store repairs it from the hot tier.
 """
 
 from __future__ import annotations
@@ -12,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, wait
 from contextlib import contextmanager
@@ -53,6 +63,14 @@ from agents.stores.format import (
 
 log = logging.getLogger(__name__)
 MIB = 1 << 20
+#: Reads started again because the object changed under them, before a clean miss.
+_RESTARTS = 2
+#: Quarantined keys remembered (most recent), for operators and tests.
+_QUARANTINE_KEEP = 256
+
+
+class ObjectChangedError(ObjectNotFoundError):
+    """The object was replaced while it was being read (412 on a pinned range): a miss."""
 
 
 class S3StoreConfig(BaseModel):
@@ -109,6 +127,8 @@ def translate_boto_errors(what: str) -> Iterator[None]:
         code = str(exc.response.get("Error", {}).get("Code", ""))
         if code in _NOT_FOUND:
             raise ObjectNotFoundError(f"s3 {what}: not found") from exc
+        if code in ("PreconditionFailed", "412"):
+            raise ObjectChangedError(f"s3 {what}: the object changed") from exc
         if code in _BAD_CONFIG:
             raise StoreConfigError(f"s3 {what}: {code}: {exc}") from exc
         if code == "EntityTooLarge":
@@ -141,6 +161,7 @@ class _Body:
         content_range = str(resp.get("ContentRange") or "")
         self.total = (int(content_range.rsplit("/", 1)[1]) if "/" in content_range
                       else self.length)
+        self.etag: str | None = resp.get("ETag")
         self.consumed = 0
         raw: Any = getattr(self._body, "_raw_stream", None)
         fp: Any = getattr(raw, "_fp", None)
@@ -250,6 +271,7 @@ class S3Store(StoreLifecycle):
         self._keys = KeyPool(max(2, config.connections // 4), f"{name}-key")
         self._stats = StatsCounter()
         self._lock = threading.Lock()
+        self._quarantined: OrderedDict[str, str] = OrderedDict()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -340,13 +362,26 @@ class S3Store(StoreLifecycle):
 
     # -- get ---------------------------------------------------------------------------------
 
-    def _range(self, key: str, start: int, end: int) -> tuple[bytes, int]:
-        """Bytes ``[start, end)`` of the object and the object's total size."""
+    def _get_range(self, key: str, start: int, end: int, etag: str | None) -> dict[str, Any]:
+        """Start a GET of bytes ``[start, end)``, pinned to version ``etag`` when given
+        (``If-Match``; the answer's ETag is checked too, for servers that ignore it)."""
+        extra = {"IfMatch": etag} if etag else {}
         with translate_boto_errors("get"):
-            resp = self.client.get_object(
+            resp: dict[str, Any] = self.client.get_object(
                 Bucket=self.config.bucket, Key=self.object_key(key),
-                Range=f"bytes={start}-{end - 1}",
+                Range=f"bytes={start}-{end - 1}", **extra,
             )
+        if etag and resp.get("ETag") not in (None, etag):
+            with contextlib.suppress(Exception):
+                resp["Body"].close()
+            raise ObjectChangedError(f"s3 get {key!r}: the object changed")
+        return resp
+
+    def _range(self, key: str, start: int, end: int, etag: str | None = None
+               ) -> tuple[bytes, int]:
+        """Bytes ``[start, end)`` of the object (version ``etag``) and the object's size."""
+        resp = self._get_range(key, start, end, etag)
+        with translate_boto_errors("get"):
             body = resp["Body"]
             try:
                 data = body.read()
@@ -356,18 +391,14 @@ class S3Store(StoreLifecycle):
         total = int(content_range.rsplit("/", 1)[1]) if "/" in content_range else len(data)
         return data, total
 
-    def _open_range(self, key: str, start: int, end: int) -> _Body:
+    def _open_range(self, key: str, start: int, end: int, etag: str | None = None) -> _Body:
         """Start a ranged GET of bytes ``[start, end)`` (clipped to the object's end)."""
-        with translate_boto_errors("get"):
-            resp = self.client.get_object(
-                Bucket=self.config.bucket, Key=self.object_key(key),
-                Range=f"bytes={start}-{end - 1}",
-            )
-        return _Body(key, resp, direct=self.config.direct_reads)
+        return _Body(key, self._get_range(key, start, end, etag),
+                     direct=self.config.direct_reads)
 
-    def _range_into(self, key: str, start: int, view: memoryview) -> None:
+    def _range_into(self, key: str, start: int, view: memoryview, etag: str | None) -> None:
         """Bytes ``[start, start + len(view))`` of the object, received into ``view``."""
-        body = self._open_range(key, start, start + len(view))
+        body = self._open_range(key, start, start + len(view), etag)
         with body:
             if body.length != len(view):
                 raise CorruptObjectError(
@@ -386,8 +417,38 @@ class S3Store(StoreLifecycle):
         results = self._keys.map(lambda k: self._get_one(k, sink, cancel), keys)
         return [self._stats.count_get(r) for r in results]
 
+    def quarantined(self) -> list[str]:
+        """Keys whose object failed verification twice in a row, most recent first (the
+        last 256); they are left in the bucket, answered as misses until overwritten."""
+        with self._lock:
+            return list(reversed(self._quarantined))
+
     def _get_one(self, key: str, sink: PayloadSink | None, cancel: CancelToken | None
                  ) -> GetResult:
+        """One object: started again when it changes mid-read, fetched again once when it
+        fails verification; never deleted."""
+        restarts = refetched = 0
+        while True:
+            result = self._read_once(key, sink, cancel)
+            err = result.error
+            if isinstance(err, ObjectChangedError) and restarts < _RESTARTS:
+                restarts += 1
+                continue
+            if isinstance(err, CorruptObjectError) and not refetched:
+                refetched = 1
+                continue
+            if isinstance(err, CorruptObjectError):
+                with self._lock:
+                    self._quarantined[key] = str(err)
+                    self._quarantined.move_to_end(key)
+                    while len(self._quarantined) > _QUARANTINE_KEEP:
+                        self._quarantined.popitem(last=False)
+                log.warning("%s: object %r failed verification twice; quarantined (kept, "
+                            "answered as a miss): %s", self.name, key, err)
+            return result
+
+    def _read_once(self, key: str, sink: PayloadSink | None, cancel: CancelToken | None
+                   ) -> GetResult:
         c = self.config
         header: ObjectHeader | None = None
         writer: PayloadWriter | None = None
@@ -395,8 +456,10 @@ class S3Store(StoreLifecycle):
             check_cancel(cancel)
             # The first range carries the header and the first parts. Its body is read as a
             # stream: the header first, then the whole parts it holds straight into the
-            # writer's memory (when the writer offers it), then the rest is drained.
+            # writer's memory (when the writer offers it), then the rest is drained. Its
+            # ETag pins every later range to the same version.
             body = self._open_range(key, 0, c.range_bytes)
+            etag = body.etag
             with body:
                 first = b""
                 if body.direct:
@@ -408,7 +471,7 @@ class S3Store(StoreLifecycle):
                     hlen = header_length(first)
                     head = first[:hlen]
                 if hlen > len(head):  # a header longer than one range: fetch the rest of it
-                    more, _ = self._range(key, len(head), hlen)
+                    more, _ = self._range(key, len(head), hlen, etag)
                     head += more
                 header = decode_header(head, expected_key=key)
                 if header.total_bytes != body.total:
@@ -421,14 +484,8 @@ class S3Store(StoreLifecycle):
                     done_parts = self._first_parts(header, body, writer)
                 else:
                     done_parts = self._head_parts(header, memoryview(first)[hlen:], writer)
-            self._fetch_payload(header, writer, cancel, done_parts)
+            self._fetch_payload(header, writer, cancel, done_parts, etag)
             writer.commit()
-        except CorruptObjectError as exc:
-            if writer is not None:
-                writer.abort()
-            log.warning("%s: corrupt object %r deleted: %s", self.name, key, exc)
-            self._delete_one(key)
-            return GetResult(key, header=header, error=exc)
         except StoreError as exc:
             if writer is not None:
                 writer.abort()
@@ -486,9 +543,10 @@ class S3Store(StoreLifecycle):
         writer: PayloadWriter,
         cancel: CancelToken | None,
         done_parts: int,
+        etag: str | None = None,
     ) -> None:
         """Fetch the parts from ``done_parts`` on in ranges (whole parts each), in parallel,
-        each verified by the thread that received it."""
+        each verified by the thread that received it, each pinned to version ``etag``."""
         hlen, part = header.header_bytes, header.part_bytes
         per_range = max(1, self.config.range_bytes // part)
         ranges = [
@@ -503,7 +561,7 @@ class S3Store(StoreLifecycle):
             target = writer.target(start, end - start) if self.config.direct_reads else None
             if target is not None:
                 try:
-                    self._range_into(header.key, hlen + start, target)
+                    self._range_into(header.key, hlen + start, target, etag)
                     for i in range(first_part, end_part):
                         s, e = header.part_range(i)
                         header.verify_part(i, target[s - start : e - start])
@@ -511,7 +569,7 @@ class S3Store(StoreLifecycle):
                     target.release()
                 writer.written(start, end - start)
                 return
-            data, _ = self._range(header.key, hlen + start, hlen + end)
+            data, _ = self._range(header.key, hlen + start, hlen + end, etag)
             view = memoryview(data)
             for i in range(first_part, end_part):
                 s, e = header.part_range(i)

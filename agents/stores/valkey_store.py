@@ -3,13 +3,28 @@ connections, pipelined batches, key prefix and TTL, standalone or cluster, TLS a
 
 Layout of one object under ``key`` (``P`` = ``key_prefix``)::
 
-    P h:<key>        the encoded header, followed by the whole payload when it fits one part
-    P p:<key>:<i>    payload part i (``part_bytes`` each) when the object has several parts
+    P h:<key>                 the head: the encoded header, then either the whole payload
+                              (an object of at most one part) or the 8-byte version tag of
+                              a striped object
+    P v:<key>:<tag>:<i>       payload part i (``part_bytes`` each) of the version ``tag``
+                              (16 hex digits) when the object has several parts
 
-The head is written last and read first, so a reader never sees a head whose parts were not
-yet written; a part missing later (evicted, expired) makes the object a miss and the rest of
-it is deleted. Parts of one object hash to different cluster slots on purpose: a large
-object is then spread over every shard and read from all of them at once.
+Objects are immutable once published. A put draws a fresh random tag, writes the new
+version's parts under it, then swaps the head (``SET ... GET``) and only then deletes the
+parts of the head it replaced. A reader that read a head therefore either finds every part
+of that version, or finds one gone (replaced and cleaned up, evicted, expired) and misses
+cleanly; it never mixes two versions. A read that finds a part gone or a checksum failure
+deletes nothing unless the head is still the very one it read (compare-and-delete in one
+small Lua script); a newer version is never touched. A missing part whose head changed
+under the reader is retried once with the new head. Explicit deletes take the head with
+``GETDEL``, so exactly one caller cleans each version's parts.
+
+Parts of one object hash to different cluster slots on purpose: a large object is then
+spread over every shard and read from all of them at once.
+
+Layout change (issue 15): striped objects used to be ``P p:<key>:<i>``, overwritten in
+place. A striped head written in that old layout (no tag after its header) reads as a miss;
+the next put of the key replaces it and deletes its old parts.
 """
 
 from __future__ import annotations
@@ -17,10 +32,12 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, wait
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -52,6 +69,27 @@ from agents.stores.format import ObjectHeader, decode_header, make_header, valid
 
 log = logging.getLogger(__name__)
 MIB = 1 << 20
+#: Bytes of the version tag that follows a striped object's header in its head.
+TAG_BYTES = 8
+
+#: Compare-and-delete: delete KEYS[1] only if it still holds ARGV[1]; 1 if deleted.
+_DELETE_IF_UNCHANGED = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+return 0
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class _Head:
+    """One head as read: its raw value (what compare-and-delete compares), its header, and
+    the version tag of a striped object's parts (None when the payload is in the head)."""
+
+    raw: bytes
+    header: ObjectHeader
+    tag: str | None
 
 
 class ValkeyStoreConfig(BaseModel):
@@ -294,6 +332,7 @@ class ValkeyStore(StoreLifecycle):
         self._stats = StatsCounter()
         self._lock = threading.Lock()
         self._bulk = _BulkPool(config)
+        self._delete_if_unchanged: Any = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -353,6 +392,8 @@ class ValkeyStore(StoreLifecycle):
                 client.close()
                 raise
         self._client = client
+        # Registered here (no I/O: loaded on first use, re-sent after NOSCRIPT).
+        self._delete_if_unchanged = client.register_script(_DELETE_IF_UNCHANGED)
         log.info("valkey store %s connected to %s", self.name, where)
 
     def close(self) -> None:
@@ -375,15 +416,83 @@ class ValkeyStore(StoreLifecycle):
     def head_key(self, key: str) -> str:
         return f"{self.config.key_prefix}h:{key}"
 
-    def part_key(self, key: str, index: int) -> str:
+    def _part_name(self, key: str, tag: str, index: int) -> str:
+        return f"{self.config.key_prefix}v:{key}:{tag}:{index}"
+
+    def _old_part_name(self, key: str, index: int) -> str:
+        """A part in the layout before version tags (only ever deleted now)."""
         return f"{self.config.key_prefix}p:{key}:{index}"
 
-    def physical_keys(self, header: ObjectHeader) -> list[str]:
-        """Every Valkey key that holds part of the object (head first)."""
+    def part_key(self, key: str, index: int, tag: str | None = None) -> str:
+        """The Valkey key of part ``index`` of version ``tag`` of ``key``. Without ``tag``
+        (tools, tests, the benchmark), the current head is read once to learn it; raises
+        :class:`ObjectNotFoundError` when the key holds no striped object."""
+        if tag is None:
+            tag = self._current(key).tag
+            if tag is None:
+                raise ObjectNotFoundError(f"{key!r}: not a striped object in {self.name}")
+        return self._part_name(key, tag, index)
+
+    def physical_keys(self, header: ObjectHeader, tag: str | None = None) -> list[str]:
+        """Every Valkey key that holds part of the object (head first). Without ``tag`` the
+        current head is read once; it must still be the version ``header`` describes."""
         keys = [self.head_key(header.key)]
         if header.parts > 1:
-            keys += [self.part_key(header.key, i) for i in range(header.parts)]
+            if tag is None:
+                current = self._current(header.key)
+                if current.header != header or current.tag is None:
+                    raise ObjectNotFoundError(f"{header.key!r}: replaced by another version")
+                tag = current.tag
+            keys += [self._part_name(header.key, tag, i) for i in range(header.parts)]
         return keys
+
+    def _current(self, key: str) -> _Head:
+        with translate_valkey_errors("get"):
+            raw = self.client.get(self.head_key(key))
+        if raw is None:
+            raise ObjectNotFoundError(f"{key!r} not in {self.name}")
+        return self._parse_head(key, raw)
+
+    def _parse_head(self, key: str, raw: bytes) -> _Head:
+        """Decode a head. Raises :class:`CorruptObjectError` for a damaged one and
+        :class:`ObjectNotFoundError` for a striped head of the old layout (no tag)."""
+        header = decode_header(raw, expected_key=key)
+        rest = len(raw) - header.header_bytes
+        if header.parts <= 1:
+            return _Head(raw, header, None)
+        if rest == TAG_BYTES:
+            return _Head(raw, header, raw[header.header_bytes :].hex())
+        if rest == 0:
+            raise ObjectNotFoundError(f"{key!r}: written in the old layout (no version tag)")
+        raise CorruptObjectError(f"{key!r}: striped head carries {rest} bytes after its header")
+
+    def _parts_of(self, key: str, raw: bytes | None) -> list[str]:
+        """The part keys of the object whose head value is ``raw`` (nothing for a head that
+        is gone, damaged or holds its payload itself)."""
+        if raw is None:
+            return []
+        try:
+            header = decode_header(raw, expected_key=key)
+        except CorruptObjectError:
+            return []
+        rest = len(raw) - header.header_bytes
+        if header.parts <= 1:
+            return []
+        if rest == TAG_BYTES:
+            tag = raw[header.header_bytes :].hex()
+            return [self._part_name(key, tag, i) for i in range(header.parts)]
+        if rest == 0:
+            return [self._old_part_name(key, i) for i in range(header.parts)]
+        return []
+
+    def _delete_names(self, names: Sequence[str]) -> None:
+        if not names:
+            return
+        with translate_valkey_errors("delete parts"):
+            pipe = self.client.pipeline(transaction=False)
+            for n in names:
+                pipe.delete(n)
+            pipe.execute()
 
     def _px(self, ttl_s: float | None) -> int | None:
         ttl = ttl_s if ttl_s is not None else self.config.ttl_s
@@ -441,44 +550,67 @@ class ValkeyStore(StoreLifecycle):
     def _get_one(
         self,
         key: str,
-        head: bytes | StoreError | None,
+        raw: bytes | StoreError | None,
         sink: PayloadSink,
         keep: bool,
         cancel: CancelToken | None,
     ) -> GetResult:
-        if isinstance(head, StoreError):
-            return GetResult(key, error=head)
-        if head is None:
+        result = self._read_version(key, raw, sink, keep, cancel)
+        if isinstance(result, GetResult):
+            return result
+        # A part vanished because a writer replaced the head meanwhile: read the new one.
+        try:
+            with translate_valkey_errors("get"):
+                raw = self.client.get(self.head_key(key))
+        except StoreError as exc:
+            raw = exc
+        again = self._read_version(key, raw, sink, keep, cancel)
+        return again if isinstance(again, GetResult) else GetResult(key, error=again)
+
+    def _read_version(
+        self,
+        key: str,
+        raw: bytes | StoreError | None,
+        sink: PayloadSink,
+        keep: bool,
+        cancel: CancelToken | None,
+    ) -> GetResult | ObjectNotFoundError:
+        """Read the version whose head is ``raw``; an :class:`ObjectNotFoundError` returned
+        (not in a result) means a part was gone and the head had changed since it was read:
+        the caller may read the new head."""
+        if isinstance(raw, StoreError):
+            return GetResult(key, error=raw)
+        if raw is None:
             return GetResult(key, error=ObjectNotFoundError(f"{key!r} not in {self.name}"))
         try:
-            header = decode_header(head, expected_key=key)
+            head = self._parse_head(key, raw)
         except CorruptObjectError as exc:
-            self._drop_corrupt(key, None, exc)
+            self._drop_if_unchanged(key, raw, None, exc)
             return GetResult(key, error=exc)
-        inline = memoryview(head)[header.header_bytes :]
-        if header.parts > 1 and len(inline) != 0:
-            bad = CorruptObjectError(f"{key!r}: striped head carries {len(inline)} payload bytes")
-            self._drop_corrupt(key, header, bad)
-            return GetResult(key, error=bad)
+        except ObjectNotFoundError as exc:  # the old layout: a miss, left alone
+            return GetResult(key, error=exc)
+        header = head.header
         try:
             writer = sink.open(header)
         except StoreError as exc:
             return GetResult(key, header=header, error=exc)
         try:
             if header.parts <= 1:
+                inline = memoryview(raw)[header.header_bytes :]
                 header.verify_payload(inline)
                 if header.parts:
                     writer.write_at(0, inline)
             else:
-                self._fetch_parts(header, writer, cancel)
+                self._fetch_parts(head, writer, cancel)
             writer.commit()
         except CorruptObjectError as exc:
             writer.abort()
-            self._drop_corrupt(key, header, exc)
+            self._drop_if_unchanged(key, raw, head, exc)
             return GetResult(key, header=header, error=exc)
         except ObjectNotFoundError as exc:
             writer.abort()
-            self._delete_headers([header])  # a part is gone: the rest is useless
+            if self._drop_if_unchanged(key, raw, head, exc) is False:
+                return exc  # replaced while read: not broken, just gone
             return GetResult(key, header=header, error=exc)
         except StoreError as exc:
             writer.abort()
@@ -491,15 +623,17 @@ class ValkeyStore(StoreLifecycle):
             data = memoryview(writer.buffer) if hasattr(writer, "buffer") else None
         return GetResult(key, header=header, data=data, source=self.name)
 
-    def _fetch_parts(self, header: ObjectHeader, writer: Any, cancel: CancelToken | None) -> None:
+    def _fetch_parts(self, head: _Head, writer: Any, cancel: CancelToken | None) -> None:
         client = self.client
+        header, tag = head.header, head.tag
+        assert tag is not None  # a striped head always has one (see _parse_head)
 
         direct = self.config.direct_reads and not self.config.cluster
 
         def fetch(index: int) -> None:
             check_cancel(cancel)
             start, end = header.part_range(index)
-            name = self.part_key(header.key, index)
+            name = self._part_name(header.key, tag, index)
             view = writer.target(start, end - start) if direct else None
             if view is not None:
                 try:
@@ -549,16 +683,23 @@ class ValkeyStore(StoreLifecycle):
             if not f.cancelled():
                 f.result()
 
-    def _drop_corrupt(self, key: str, header: ObjectHeader | None, exc: StoreError) -> None:
-        log.warning("%s: corrupt object %r deleted: %s", self.name, key, exc)
+    def _drop_if_unchanged(self, key: str, raw: bytes, head: _Head | None,
+                           exc: StoreError) -> bool | None:
+        """Delete a broken object, but only if its head is still ``raw`` (compare-and-delete),
+        then its parts. True: dropped; False: the head had changed (a newer version, never
+        touched); None: the check itself failed (nothing deleted)."""
         try:
-            if header is not None:
-                self._delete_headers([header])
-            else:
-                with translate_valkey_errors("delete corrupt"):
-                    self.client.delete(self.head_key(key))
-        except StoreError:
-            log.warning("%s: could not delete corrupt object %r", self.name, key)
+            with translate_valkey_errors("drop broken object"):
+                dropped = bool(self._delete_if_unchanged(keys=[self.head_key(key)], args=[raw]))
+            if dropped and head is not None and head.tag is not None:
+                self._delete_names([self._part_name(key, head.tag, i)
+                                    for i in range(head.header.parts)])
+        except StoreError as err:
+            log.warning("%s: broken object %r not dropped (%s): %s", self.name, key, err, exc)
+            return None
+        if dropped:
+            log.warning("%s: broken object %r dropped: %s", self.name, key, exc)
+        return dropped
 
     # -- put ---------------------------------------------------------------------------------
 
@@ -584,6 +725,22 @@ class ValkeyStore(StoreLifecycle):
             return self._put_pipelined(items, px, cancel)
         return self._keys.map(lambda item: self._put_one(item[0], item[1], px, cancel), items)
 
+    @staticmethod
+    def _new_version(header: ObjectHeader, view: memoryview) -> tuple[bytes, str | None]:
+        """The head value of a new version and the tag of its parts (None: no parts)."""
+        if header.parts <= 1:
+            return header.encode() + bytes(view), None
+        tag = os.urandom(TAG_BYTES)
+        return header.encode() + tag, tag.hex()
+
+    def _drop_replaced(self, key: str, old_head: bytes | None) -> None:
+        """Delete the parts of the version a new head replaced (its readers miss cleanly)."""
+        try:
+            self._delete_names(self._parts_of(key, old_head))
+        except StoreError as exc:
+            log.warning("%s: parts of the replaced version of %r not dropped: %s", self.name,
+                        key, exc)
+
     def _put_pipelined(self, items: Sequence[tuple[str, Buffer]], px: int | None,
                        cancel: CancelToken | None) -> list[OpResult]:
         """A batch in a few round trips: every part of every object spread over
@@ -592,6 +749,7 @@ class ValkeyStore(StoreLifecycle):
         views = [memoryview(payload).cast("B") for _, payload in items]
         headers = [make_header(key, view, self.config.part_bytes)
                    for (key, _), view in zip(items, views, strict=True)]
+        versions = [self._new_version(h, v) for h, v in zip(headers, views, strict=True)]
         failed: dict[int, StoreError] = {}
         jobs = [(i, j) for i, h in enumerate(headers) if h.parts > 1 for j in range(h.parts)]
 
@@ -601,8 +759,8 @@ class ValkeyStore(StoreLifecycle):
                 sets = []
                 for i, j in chunk:
                     start, end = headers[i].part_range(j)
-                    sets.append((self.part_key(headers[i].key, j).encode("utf-8"),
-                                 views[i][start:end]))
+                    name = self._part_name(headers[i].key, versions[i][1] or "", j)
+                    sets.append((name.encode("utf-8"), views[i][start:end]))
                 with translate_valkey_errors("put part"), self._bulk.connection() as conn:
                     conn.set_many(sets, px)
             except StoreError as exc:
@@ -625,23 +783,16 @@ class ValkeyStore(StoreLifecycle):
             with translate_valkey_errors("put"):
                 pipe = self.client.pipeline(transaction=False)
                 for i in written:
-                    h = headers[i]
-                    value = h.encode() + bytes(views[i]) if h.parts <= 1 else h.encode()
-                    pipe.set(self.head_key(h.key), value, px=px, get=True)
+                    pipe.set(self.head_key(headers[i].key), versions[i][0], px=px, get=True)
                 olds = pipe.execute()
         except StoreError as exc:
             for i in written:
                 failed[i] = exc
             olds = []
         for i, old in zip(written, olds, strict=False):
-            try:
-                self._drop_stale_parts(headers[i].key, old, headers[i].parts)
-            except StoreError as exc:
-                log.warning("%s: stale parts of %r not dropped: %s", self.name,
-                            headers[i].key, exc)
-        if failed:
-            with contextlib.suppress(StoreError):
-                self._delete_headers([headers[i] for i in failed])
+            self._drop_replaced(headers[i].key, old)
+        # A failed item's own parts go (never a head: that may be another writer's version).
+        self._drop_own_parts([(headers[i], versions[i][1]) for i in failed])
         out = []
         for i, (key, _) in enumerate(items):
             if i in failed:
@@ -652,38 +803,45 @@ class ValkeyStore(StoreLifecycle):
                 out.append(OpResult(key, True))
         return out
 
+    def _drop_own_parts(self, versions: Sequence[tuple[ObjectHeader, str | None]]) -> None:
+        names = [self._part_name(h.key, tag, j)
+                 for h, tag in versions if tag is not None for j in range(h.parts)]
+        with contextlib.suppress(StoreError):
+            self._delete_names(names)
+
     def _put_one(self, key: str, payload: Buffer, px: int | None, cancel: CancelToken | None
                  ) -> OpResult:
         view = memoryview(payload).cast("B")
         header = make_header(key, view, self.config.part_bytes)
-        encoded = header.encode()
+        value, tag = self._new_version(header, view)
         try:
-            with translate_valkey_errors("put"):
-                # SET ... GET: the head is written and the previous one read in one round
-                # trip (its parts beyond the new object's are then dropped).
-                if header.parts <= 1:
-                    old = self.client.set(self.head_key(key), encoded + bytes(view), px=px,
-                                          get=True)
-                else:
-                    self._put_parts(header, view, px, cancel)
-                    old = self.client.set(self.head_key(key), encoded, px=px, get=True)
-                self._drop_stale_parts(key, old, header.parts)
+            if tag is not None:
+                self._put_parts(header, tag, view, px, cancel)
+            try:
+                check_cancel(cancel)
+                with translate_valkey_errors("put"):
+                    # SET ... GET: the head is swapped and the replaced one read in one
+                    # round trip (its parts are then dropped).
+                    old = self.client.set(self.head_key(key), value, px=px, get=True)
+            except BaseException:
+                self._drop_own_parts([(header, tag)])
+                raise
         except StoreError as exc:
             self._stats.add(errors=1)
             return OpResult(key, False, exc)
+        self._drop_replaced(key, old)
         self._stats.add(puts=1, bytes_written=len(view))
         return OpResult(key, True)
 
-    def _put_parts(
-        self, header: ObjectHeader, view: memoryview, px: int | None, cancel: CancelToken | None
-    ) -> None:
+    def _put_parts(self, header: ObjectHeader, tag: str, view: memoryview, px: int | None,
+                   cancel: CancelToken | None) -> None:
         client = self.client
 
         def put(index: int) -> None:
             check_cancel(cancel)
             start, end = header.part_range(index)
             with translate_valkey_errors("put part"):
-                client.set(self.part_key(header.key, index), view[start:end], px=px)
+                client.set(self._part_name(header.key, tag, index), view[start:end], px=px)
 
         futures = [self._parts.submit(partial(put, i)) for i in range(header.parts)]
         try:
@@ -693,56 +851,31 @@ class ValkeyStore(StoreLifecycle):
             for f in futures:
                 f.cancel()
             wait(futures)
-            self._delete_headers([header])
+            self._drop_own_parts([(header, tag)])
             raise
-
-    def _drop_stale_parts(self, key: str, old_head: bytes | None, parts_now: int) -> None:
-        if old_head is None:
-            return
-        try:
-            old = decode_header(old_head)
-        except CorruptObjectError:
-            return
-        stale = [self.part_key(key, i) for i in range(max(parts_now, 1), old.parts)]
-        if parts_now <= 1 and old.parts > 1:
-            stale.insert(0, self.part_key(key, 0))
-        if stale:
-            pipe = self.client.pipeline(transaction=False)
-            for k in stale:
-                pipe.delete(k)
-            pipe.execute()
 
     # -- delete ------------------------------------------------------------------------------
 
-    def _delete_headers(self, headers: Sequence[ObjectHeader]) -> None:
-        with translate_valkey_errors("delete"):
-            pipe = self.client.pipeline(transaction=False)
-            for h in headers:
-                for k in self.physical_keys(h):
-                    pipe.delete(k)
-            pipe.execute()
-
     def delete(self, keys: Sequence[str], *, cancel: CancelToken | None = None) -> list[OpResult]:
+        """Delete ``keys``: each head taken with ``GETDEL`` (one pipelined round trip), so
+        that exactly one caller deletes the parts of the version it took."""
         check_cancel(cancel)
-        heads = self._heads(keys)
-        out: list[OpResult] = []
-        for key, head in zip(keys, heads, strict=True):
-            if isinstance(head, StoreError):
-                out.append(OpResult(key, False, head))
-                continue
-            if head is None:
-                out.append(OpResult(key, False))
-                continue
-            try:
-                try:
-                    header = decode_header(head)
-                    self._delete_headers([header])
-                except CorruptObjectError:
-                    with translate_valkey_errors("delete"):
-                        self.client.delete(self.head_key(key))
-            except StoreError as exc:
-                out.append(OpResult(key, False, exc))
-                continue
-            self._stats.add(deletes=1)
-            out.append(OpResult(key, True))
+        try:
+            with translate_valkey_errors("delete"):
+                pipe = self.client.pipeline(transaction=False)
+                for k in keys:
+                    pipe.getdel(self.head_key(k))
+                olds = pipe.execute()
+        except StoreError as exc:
+            return [OpResult(k, False, exc) for k in keys]
+        names = [n for k, old in zip(keys, olds, strict=True) for n in self._parts_of(k, old)]
+        try:
+            self._delete_names(names)
+        except StoreError as exc:  # the heads are gone: the objects are, too
+            log.warning("%s: parts of deleted objects not dropped: %s", self.name, exc)
+        out = []
+        for k, old in zip(keys, olds, strict=True):
+            if old is not None:
+                self._stats.add(deletes=1)
+            out.append(OpResult(k, old is not None))
         return out

@@ -14,7 +14,7 @@ from agents.stores.errors import (
     StoreConnectionError,
 )
 from agents.stores.local import LocalTier, LocalTierConfig
-from agents.stores.s3_store import S3Store
+from agents.stores.s3_store import ObjectChangedError, S3Store
 
 pytestmark = pytest.mark.servers
 KIB, MIB = 1024, 1 << 20
@@ -45,15 +45,64 @@ def test_small_and_multipart_round_trip_with_ranged_reads(store: S3Store) -> Non
     assert store.get(["b"])[0].miss
 
 
-def test_corrupt_object_is_a_miss_and_deleted(store: S3Store) -> None:
+def test_corrupt_object_is_a_quarantined_miss_and_never_deleted(store: S3Store) -> None:
+    """A checksum failure is fetched once more, then answered as a miss and counted, and
+    the object stays: it may be the only durable copy. A put replaces it."""
     store.put([("c", os.urandom(2 * MIB))])
     okey = store.object_key("c")
     blob = bytearray(store.client.get_object(Bucket=store.config.bucket, Key=okey)["Body"].read())
     blob[len(blob) // 2] ^= 1
     store.client.put_object(Bucket=store.config.bucket, Key=okey, Body=bytes(blob))
+    gets: list[str] = []
+    store.client.meta.events.register("provide-client-params.s3.GetObject",
+                                      lambda params, **_: gets.append(params["Range"]))
     r = store.get(["c"])[0]
-    assert isinstance(r.error, CorruptObjectError)
-    assert not store.exists(["c"])[0].ok and store.stats().corrupt == 1
+    assert isinstance(r.error, CorruptObjectError) and r.miss
+    assert gets.count("bytes=0-1048575") == 2  # fetched again once before giving up
+    assert store.exists(["c"])[0].ok and store.stats().corrupt == 1
+    assert store.stats().deletes == 0 and store.quarantined() == ["c"]
+    fresh = os.urandom(3 * MIB)
+    store.put([("c", fresh)])
+    assert bytes(store.get(["c"])[0].data or b"") == fresh
+
+
+def test_ranges_of_one_read_are_pinned_to_one_version(store: S3Store) -> None:
+    """An overwrite between the first range and the next ones: the later ranges answer 412
+    (If-Match on the first range's ETag) and the read starts again on the new version, so
+    it serves the new bytes whole; nothing is deleted and nothing counts as corrupt."""
+    old, new = os.urandom(3 * MIB), os.urandom(3 * MIB + 100)
+    store.put([("v", old)])
+    sent: list[dict[str, object]] = []
+    overwritten: list[bool] = []
+
+    def on_get(params: dict[str, object], **_: object) -> None:
+        sent.append(dict(params))
+        if params["Range"] != "bytes=0-1048575" and not overwritten:
+            overwritten.append(True)
+            # The writer slips in after the first range was answered.
+            S3Store.put(store, [("v", new)])
+
+    store.client.meta.events.register("provide-client-params.s3.GetObject", on_get)
+    r = store.get(["v"])[0]
+    assert r.ok and bytes(r.data or b"") == new
+    assert all(p.get("IfMatch") for p in sent if p["Range"] != "bytes=0-1048575")
+    assert sum(p["Range"] == "bytes=0-1048575" for p in sent) == 2  # started again once
+    assert store.stats().corrupt == 0 and store.stats().deletes == 0
+
+
+def test_a_read_that_keeps_losing_the_race_is_a_clean_miss(store: S3Store) -> None:
+    """An object overwritten under every attempt: after two restarts a miss (the
+    'changed' kind), never a mix of versions, never a delete."""
+    store.put([("w", os.urandom(3 * MIB))])
+
+    def on_get(params: dict[str, object], **_: object) -> None:
+        if params["Range"] != "bytes=0-1048575":
+            S3Store.put(store, [("w", os.urandom(3 * MIB))])
+
+    store.client.meta.events.register("provide-client-params.s3.GetObject", on_get)
+    r = store.get(["w"])[0]
+    assert isinstance(r.error, ObjectChangedError) and r.miss
+    assert store.stats().corrupt == 0 and store.exists(["w"])[0].ok
 
 
 def test_too_large(store: S3Store) -> None:
@@ -110,7 +159,7 @@ def test_streamed_and_direct_reads_into_a_local_tier(
             tier.delete(["k"])
             r = s.get(["k"], sink=tier)[0]
             assert isinstance(r.error, CorruptObjectError)
-            assert not tier.exists(["k"])[0].ok and not s.exists(["k"])[0].ok
+            assert not tier.exists(["k"])[0].ok and s.exists(["k"])[0].ok  # kept in S3
     finally:
         s.close()
         tier.close()

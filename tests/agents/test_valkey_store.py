@@ -8,12 +8,15 @@ from pathlib import Path
 import pytest
 
 from agents.embedded import EmbeddedValkey, free_port
+from agents.stores.base import MemoryWriter
 from agents.stores.errors import (
     CorruptObjectError,
+    ObjectNotFoundError,
     ObjectTooLargeError,
     StoreConfigError,
     StoreConnectionError,
 )
+from agents.stores.format import ObjectHeader, make_header
 from agents.stores.local import LocalTier, LocalTierConfig
 from agents.stores.valkey_store import ValkeyStore
 
@@ -67,6 +70,8 @@ def test_ttl(store: ValkeyStore) -> None:
 
 
 def test_flipped_byte_is_detected_deleted_and_counted(store: ValkeyStore) -> None:
+    """Parts are immutable, so a checksum failure under an unchanged head is real damage:
+    the object is dropped (compare-and-delete) and counted."""
     payload = os.urandom(200 * KIB)
     store.put([("c", payload)])
     name = store.part_key("c", 2)
@@ -122,3 +127,95 @@ def test_lanes_fetch_every_part_and_a_lost_part_publishes_nothing(
     finally:
         s.close()
         tier.close()
+
+
+class _OverwriteOnOpen:
+    """A sink that lets a writer slip in between a reader's head read and its part reads:
+    the first ``open`` overwrites the key with ``new`` (as another process would)."""
+
+    def __init__(self, store: ValkeyStore, key: str, new: bytes, batch: bool) -> None:
+        self.store, self.key, self.new, self.batch = store, key, new, batch
+        self.opened = 0
+
+    def open(self, header: ObjectHeader) -> MemoryWriter:
+        self.opened += 1
+        if self.opened == 1:  # a batch put takes the pipelined path
+            extra = [("other", b"y")] if self.batch else []
+            assert all(r.ok for r in self.store.put([(self.key, self.new), *extra]))
+        return MemoryWriter(header)
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_an_overwrite_under_a_reader_never_tears_or_deletes_the_new_version(
+    store: ValkeyStore, batch: bool
+) -> None:
+    """The reader read version 1's head; version 2 is published (new parts under a new tag,
+    then the head, then version 1's parts dropped) before the reader fetches parts. The
+    reader finds version 1 gone, deletes nothing (the head is not the one it read) and reads
+    version 2 whole. The old code overwrote parts in place, failed the checksum and deleted
+    version 2."""
+    v1, v2 = os.urandom(300 * KIB), os.urandom(200 * KIB + 9)
+    store.put([("k", v1), ("other", b"x")] if batch else [("k", v1)])
+    sink = _OverwriteOnOpen(store, "k", v2, batch)
+    r = store.get(["k"], sink=sink)[0]
+    assert r.ok and r.header is not None and r.header.payload_bytes == len(v2)
+    assert sink.opened == 2  # version 1 missed cleanly, then version 2 read
+    assert bytes(store.get(["k"])[0].data or b"") == v2
+    assert store.stats().corrupt == 0
+    # Only version 2 is left: its head and its 4 parts (version 1's 5 parts are gone).
+    header = store.get(["k"])[0].header
+    assert header is not None
+    left = {n.decode() for n in store.client.scan_iter(match=f"{store.config.key_prefix}*")}
+    left.discard(store.head_key("other"))
+    assert left == set(store.physical_keys(header)) and len(left) == 1 + 4
+
+
+def test_a_corrupt_part_of_a_replaced_version_leaves_the_new_one(store: ValkeyStore) -> None:
+    """A checksum failure drops the object only if its head is still the one read (the
+    compare-and-delete itself, called as a reader that read version 1 would call it)."""
+    v1, v2 = os.urandom(300 * KIB), os.urandom(300 * KIB)
+    store.put([("k", v1)])
+    raw_v1 = store.client.get(store.head_key("k"))
+    head_v1 = store._parse_head("k", raw_v1)
+    name = store.part_key("k", 1)
+    store.client.setrange(name, 5, bytes([store.client.getrange(name, 5, 5)[0] ^ 1]))
+    # A reader that read v1's head meets the corrupt part after v2 replaced it: v2 stays.
+    assert store.put([("k", v2)])[0].ok
+    err = CorruptObjectError("checksum mismatch in part 1")
+    assert store._drop_if_unchanged("k", raw_v1, head_v1, err) is False
+    assert bytes(store.get(["k"])[0].data or b"") == v2
+    # The same failure on the head that is still current drops it.
+    raw_v2 = store.client.get(store.head_key("k"))
+    head_v2 = store._parse_head("k", raw_v2)
+    assert store._drop_if_unchanged("k", raw_v2, head_v2, err) is True
+    assert not store.exists(["k"])[0].ok
+    assert not any(store.client.exists(n) for n in store.physical_keys(head_v2.header,
+                                                                      head_v2.tag))
+
+
+def test_old_layout_reads_as_a_miss_and_the_next_put_clears_it(store: ValkeyStore) -> None:
+    """A striped head without a version tag (written before the layout change) is a miss,
+    left alone by readers; the next put replaces it and deletes its old parts."""
+    payload = os.urandom(200 * KIB)
+    header = make_header("o", payload, store.config.part_bytes)
+    store.client.set(store.head_key("o"), header.encode())
+    old_parts = [f"{store.config.key_prefix}p:o:{i}" for i in range(header.parts)]
+    for i, name in enumerate(old_parts):
+        store.client.set(name, payload[slice(*header.part_range(i))])
+    r = store.get(["o"])[0]
+    assert r.miss and isinstance(r.error, ObjectNotFoundError) and "old layout" in str(r.error)
+    assert store.client.exists(store.head_key("o")) and all(
+        store.client.exists(n) for n in old_parts)
+    assert store.put([("o", payload)])[0].ok
+    assert bytes(store.get(["o"])[0].data or b"") == payload
+    assert not any(store.client.exists(n) for n in old_parts)
+
+
+def test_delete_takes_the_head_and_every_part(store: ValkeyStore) -> None:
+    store.put([("d", os.urandom(300 * KIB)), ("e", b"small")])
+    header = store.get(["d"])[0].header
+    assert header is not None
+    names = store.physical_keys(header)
+    assert [r.ok for r in store.delete(["d", "e", "nope"])] == [True, True, False]
+    assert not any(store.client.exists(n) for n in names)
+    assert store.stats().deletes == 2
