@@ -30,6 +30,8 @@ BENCHES: dict[str, tuple[str, str]] = {
               "TTLB of one session-sized object from Valkey / S3 / tiered into the DRAM tier"),
     "lmcache": ("controlplane.cli.bench_lmcache",
                 "our LMCache L2 adapter vs LMCache's valkey and s3 adapters (lmcache bench l2)"),
+    "sglang": ("controlplane.cli.bench_sglang",
+               "our SGLang HiCache backend (local tier, Valkey) vs SGLang's file backend"),
 }
 
 
