@@ -429,7 +429,7 @@ class S3Store(StoreLifecycle):
         fails verification; never deleted."""
         restarts = refetched = 0
         while True:
-            result = self._read_once(key, sink, cancel)
+            result, etag = self._read_once(key, sink, cancel)
             err = result.error
             if isinstance(err, ObjectChangedError) and restarts < _RESTARTS:
                 restarts += 1
@@ -439,7 +439,7 @@ class S3Store(StoreLifecycle):
                 continue
             if isinstance(err, CorruptObjectError):
                 with self._lock:
-                    self._quarantined[key] = str(err)
+                    self._quarantined[key] = etag or ""
                     self._quarantined.move_to_end(key)
                     while len(self._quarantined) > _QUARANTINE_KEEP:
                         self._quarantined.popitem(last=False)
@@ -448,10 +448,12 @@ class S3Store(StoreLifecycle):
             return result
 
     def _read_once(self, key: str, sink: PayloadSink | None, cancel: CancelToken | None
-                   ) -> GetResult:
+                   ) -> tuple[GetResult, str | None]:
+        """One attempt, and the ETag of the version it read (None if it got none)."""
         c = self.config
         header: ObjectHeader | None = None
         writer: PayloadWriter | None = None
+        etag: str | None = None
         try:
             check_cancel(cancel)
             # The first range carries the header and the first parts. Its body is read as a
@@ -489,13 +491,13 @@ class S3Store(StoreLifecycle):
         except StoreError as exc:
             if writer is not None:
                 writer.abort()
-            return GetResult(key, header=header, error=exc)
+            return GetResult(key, header=header, error=exc), etag
         except BaseException:
             if writer is not None:
                 writer.abort()
             raise
         data = memoryview(writer.buffer) if isinstance(writer, MemoryWriter) else None
-        return GetResult(key, header=header, data=data, source=self.name)
+        return GetResult(key, header=header, data=data, source=self.name), etag
 
     @staticmethod
     def _head_parts(header: ObjectHeader, head_payload: memoryview, writer: PayloadWriter
@@ -607,19 +609,42 @@ class S3Store(StoreLifecycle):
         check_cancel(cancel)
         return self._keys.map(lambda it: self._put_one(it[0], it[1], cancel), items)
 
-    def _put_one(self, key: str, payload: Buffer, cancel: CancelToken | None) -> OpResult:
+    def repair(self, items: Sequence[tuple[str, Buffer]], *, ttl_s: float | None = None
+               ) -> list[OpResult]:
+        """Replace quarantined objects with good copies (from another tier), each only if it
+        is still the very version that failed verification (``If-Match`` on its ETag): a
+        version written since is never replaced. A key not quarantined is left alone
+        (``ok`` False). ``ttl_s`` is ignored, as in :meth:`put`."""
+
+        def one(key: str, payload: Buffer) -> OpResult:
+            with self._lock:
+                etag = self._quarantined.get(key)
+            if not etag:
+                return OpResult(key, False)
+            result = self._put_one(key, payload, None, if_match=etag)
+            if result.ok or isinstance(result.error, ObjectChangedError):
+                with self._lock:
+                    if self._quarantined.get(key) == etag:
+                        del self._quarantined[key]
+            return result
+
+        return self._keys.map(lambda it: one(it[0], it[1]), items)
+
+    def _put_one(self, key: str, payload: Buffer, cancel: CancelToken | None,
+                 if_match: str | None = None) -> OpResult:
         view = memoryview(payload).cast("B")
         header = make_header(key, view, self.config.part_bytes)
         encoded = header.encode()
+        cond = {"IfMatch": if_match} if if_match else {}
         try:
             if header.total_bytes <= self.config.multipart_threshold_bytes:
                 with translate_boto_errors("put"):
                     self.client.put_object(
                         Bucket=self.config.bucket, Key=self.object_key(key),
-                        Body=encoded + bytes(view),
+                        Body=encoded + bytes(view), **cond,
                     )
             else:
-                self._multipart(key, encoded, view, cancel)
+                self._multipart(key, encoded, view, cancel, cond)
         except StoreError as exc:
             self._stats.add(errors=1)
             return OpResult(key, False, exc)
@@ -627,7 +652,8 @@ class S3Store(StoreLifecycle):
         return OpResult(key, True)
 
     def _multipart(
-        self, key: str, encoded: bytes, view: memoryview, cancel: CancelToken | None
+        self, key: str, encoded: bytes, view: memoryview, cancel: CancelToken | None,
+        cond: dict[str, str] | None = None,
     ) -> None:
         c = self.config
         okey = self.object_key(key)
@@ -658,7 +684,7 @@ class S3Store(StoreLifecycle):
             with translate_boto_errors("complete multipart upload"):
                 self.client.complete_multipart_upload(
                     Bucket=c.bucket, Key=okey, UploadId=upload_id,
-                    MultipartUpload={"Parts": parts},
+                    MultipartUpload={"Parts": parts}, **(cond or {}),
                 )
         except BaseException:
             for f in futures:

@@ -6,6 +6,13 @@ A tier that fails with a connection error or a timeout is skipped for ``retry_do
 Valkey down → S3 only; S3 down → Valkey only; both down → every key is a clean miss
 (:class:`StoreUnavailableError`, ``is_miss``) and the engine recomputes. Nothing waits longer
 than the tiers' own connect and read timeouts.
+
+Repair: a copy that fails verification in one tier is rewritten from the other tier's copy
+when that one verifies (in the background, counted in :meth:`TieredStore.repairs`). Hot
+corrupt, cold good: the S3 copy read in its place is written back into Valkey. Cold corrupt
+(S3 keeps it, quarantined): Valkey is read once more and, if it now serves the key, S3 is
+rewritten from it. A tier with a ``repair`` method (:class:`RepairableStore`: both of ours)
+replaces only the broken version, never one written meanwhile; others get a plain ``put``.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Literal
+from typing import Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -31,7 +38,12 @@ from agents.stores.base import (
     StoreLifecycle,
     check_cancel,
 )
-from agents.stores.errors import StoreConnectionError, StoreError, StoreUnavailableError
+from agents.stores.errors import (
+    CorruptObjectError,
+    StoreConnectionError,
+    StoreError,
+    StoreUnavailableError,
+)
 from agents.stores.format import ObjectHeader
 
 log = logging.getLogger(__name__)
@@ -55,6 +67,19 @@ class TieredStoreConfig(BaseModel):
     #: promotions are dropped (write-backs never are).
     background_threads: int = Field(2, ge=1)
     max_pending: int = Field(64, ge=1)
+
+
+@runtime_checkable
+class RepairableStore(Protocol):
+    """A tier that can replace a copy it found broken without touching a newer version.
+
+    Called by :class:`TieredStore` from a background thread, once per broken copy found by
+    a read, with the other tier's verified payload; not idempotent in effect (a second call
+    after a successful one answers ``ok`` False and writes nothing).
+    """
+
+    def repair(self, items: Sequence[tuple[str, Buffer]], *, ttl_s: float | None = None
+               ) -> list[OpResult]: ...
 
 
 class _TeeWriter:
@@ -87,11 +112,15 @@ class _TeeSink:
     """Passes a payload to the caller's sink and keeps a copy to promote into the hot tier."""
 
     def __init__(self, inner: PayloadSink,
-                 on_commit: Callable[[ObjectHeader, bytearray], None]) -> None:
+                 on_commit: Callable[[ObjectHeader, bytearray], None],
+                 wanted: Callable[[str], bool] = lambda key: True) -> None:
         self._inner = inner
         self._on_commit = on_commit
+        self._wanted = wanted
 
     def open(self, header: ObjectHeader) -> PayloadWriter:
+        if not self._wanted(header.key):
+            return self._inner.open(header)
         return _TeeWriter(self._inner.open(header), header, self._on_commit)
 
 
@@ -111,6 +140,7 @@ class TieredStore(StoreLifecycle):
         self._pool: ThreadPoolExecutor | None = None
         self._pending: set[Future[None]] = set()
         self._stats = StatsCounter()
+        self._repairs = {"hot": 0, "cold": 0}
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -191,6 +221,31 @@ class TieredStore(StoreLifecycle):
 
         self._background(run, droppable=True)
 
+    def repairs(self) -> dict[str, int]:
+        """Broken copies rewritten from the other tier since start, per tier repaired."""
+        with self._lock:
+            return dict(self._repairs)
+
+    def _repair(self, which: Literal["hot", "cold"], header: ObjectHeader,
+                payload: Buffer) -> None:
+        tier = self.hot if which == "hot" else self.cold
+        ttl = self.config.hot_ttl_s if which == "hot" else None
+
+        def run() -> None:
+            items = [(header.key, payload)]
+            if isinstance(tier, RepairableStore):
+                res = tier.repair(items, ttl_s=ttl)
+            else:
+                res = tier.put(items, ttl_s=ttl)
+            self._observe(tier, [r.error for r in res])
+            if res[0].ok:
+                with self._lock:
+                    self._repairs[which] += 1
+                log.info("%s: %r repaired in %s from the other tier", self.name,
+                         header.key, tier.name)
+
+        self._background(run, droppable=False)
+
     # -- ObjectStore -------------------------------------------------------------------------
 
     def exists(self, keys: Sequence[str], *, cancel: CancelToken | None = None) -> list[OpResult]:
@@ -228,9 +283,18 @@ class TieredStore(StoreLifecycle):
         if rest and self._up(self.cold):
             check_cancel(cancel)
             promote = self.config.promote and self._up(self.hot)
+            hot_broken = ({k for k in rest if isinstance(results[k].error, CorruptObjectError)}
+                          if self._up(self.hot) else set())
+
+            def cold_hit(header: ObjectHeader, payload: Buffer) -> None:
+                if header.key in hot_broken:
+                    self._repair("hot", header, payload)
+                elif promote:
+                    self._promote(header, payload)
+
             cold_sink = sink
-            if promote and sink is not None:
-                cold_sink = _TeeSink(sink, self._promote)
+            if (promote or hot_broken) and sink is not None:
+                cold_sink = _TeeSink(sink, cold_hit, lambda k: promote or k in hot_broken)
             answers = self.cold.get(rest, sink=cold_sink, cancel=cancel)
             self._observe(self.cold, [a.error for a in answers])
             for a in answers:
@@ -238,8 +302,11 @@ class TieredStore(StoreLifecycle):
                 # Keep the more telling error: "not found" in S3 beats "Valkey down".
                 if a.ok or prior is None or not isinstance(a.error, StoreConnectionError):
                     results[a.key] = a
-                if a.ok and promote and sink is None and a.data is not None and a.header:
-                    self._promote(a.header, a.data)
+                if a.ok and sink is None and a.data is not None and a.header:
+                    cold_hit(a.header, a.data)
+            self._repair_cold(
+                [a.key for a in answers if isinstance(a.error, CorruptObjectError)],
+                results, sink, cancel)
         out = []
         for k in keys:
             r = results.get(k)
@@ -249,6 +316,23 @@ class TieredStore(StoreLifecycle):
                     f"{k!r}: no tier could serve it ({cause or 'all tiers down'})"))
             out.append(self._stats.count_get(r))
         return out
+
+    def _repair_cold(self, broken: list[str], results: dict[str, GetResult],
+                     sink: PayloadSink | None, cancel: CancelToken | None) -> None:
+        """S3 answered ``broken`` corrupt: read them from Valkey once more (it may have
+        missed a moment ago, during an overwrite); serve those it verifies and rewrite the
+        S3 copies from them."""
+        if not broken or not self._up(self.hot):
+            return
+        hot_sink = _TeeSink(sink, lambda h, p: self._repair("cold", h, p)) if sink else None
+        answers = self.hot.get(broken, sink=hot_sink, cancel=cancel)
+        self._observe(self.hot, [a.error for a in answers])
+        for a in answers:
+            if not a.ok:
+                continue
+            results[a.key] = a
+            if sink is None and a.data is not None and a.header is not None:
+                self._repair("cold", a.header, a.data)
 
     def put(
         self,

@@ -725,6 +725,17 @@ class ValkeyStore(StoreLifecycle):
             return self._put_pipelined(items, px, cancel)
         return self._keys.map(lambda item: self._put_one(item[0], item[1], px, cancel), items)
 
+    def repair(self, items: Sequence[tuple[str, Buffer]], *, ttl_s: float | None = None
+               ) -> list[OpResult]:
+        """Write good copies (from another tier) of objects found broken here, each only
+        where the key holds nothing now (the broken head was dropped): a version written
+        meanwhile is never replaced (``ok`` False then)."""
+        px = self._px(ttl_s)
+        for key, _ in items:
+            validate_key(key)
+        return self._keys.map(lambda it: self._put_one(it[0], it[1], px, None, absent=True),
+                              items)
+
     @staticmethod
     def _new_version(header: ObjectHeader, view: memoryview) -> tuple[bytes, str | None]:
         """The head value of a new version and the tag of its parts (None: no parts)."""
@@ -809,8 +820,8 @@ class ValkeyStore(StoreLifecycle):
         with contextlib.suppress(StoreError):
             self._delete_names(names)
 
-    def _put_one(self, key: str, payload: Buffer, px: int | None, cancel: CancelToken | None
-                 ) -> OpResult:
+    def _put_one(self, key: str, payload: Buffer, px: int | None, cancel: CancelToken | None,
+                 *, absent: bool = False) -> OpResult:
         view = memoryview(payload).cast("B")
         header = make_header(key, view, self.config.part_bytes)
         value, tag = self._new_version(header, view)
@@ -820,9 +831,15 @@ class ValkeyStore(StoreLifecycle):
             try:
                 check_cancel(cancel)
                 with translate_valkey_errors("put"):
-                    # SET ... GET: the head is swapped and the replaced one read in one
-                    # round trip (its parts are then dropped).
-                    old = self.client.set(self.head_key(key), value, px=px, get=True)
+                    if absent:  # SET NX: published only where nothing is
+                        old = None
+                        if not self.client.set(self.head_key(key), value, px=px, nx=True):
+                            self._drop_own_parts([(header, tag)])
+                            return OpResult(key, False)
+                    else:
+                        # SET ... GET: the head is swapped and the replaced one read in
+                        # one round trip (its parts are then dropped).
+                        old = self.client.set(self.head_key(key), value, px=px, get=True)
             except BaseException:
                 self._drop_own_parts([(header, tag)])
                 raise
