@@ -314,7 +314,7 @@ def _reveal(value: Any) -> Any:
     if isinstance(value, SecretStr):
         return value.get_secret_value()
     if isinstance(value, dict):
-        return {k: _reveal(v) for k, v in value.items() if v is not None}
+        return {k: _reveal(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [_reveal(v) for v in value]
     return value

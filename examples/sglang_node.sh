@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One GPU node: SGLang with HiCache (GPU -> host memory -> L3) and kvprefetch as its L3
+# storage backend (node-local DRAM tier the agent warms, then Valkey, then S3).
+#
+#   VALKEY_HOST=10.0.0.5 S3_BUCKET=kv examples/sglang_node.sh meta-llama/Llama-3.1-8B-Instruct
+#
+# Environment (defaults in brackets): VALKEY_HOST [127.0.0.1], VALKEY_PORT [6379],
+# S3_BUCKET (required), S3_REGION [us-east-1], S3_ENDPOINT (for non-AWS S3), DRAM_DIR
+# [/dev/shm/kvprefetch] and DRAM_BYTES [64 GiB]: the agent's 'dram' tier (same path in the
+# agent's serve.yaml, backend: sglang), PAGE_SIZE [64], TP [1], PORT [30000],
+# SGLANG [python -m sglang.launch_server]; SGLANG=echo prints the command instead.
+# Needs: SGLang (GPU build) and kvprefetch importable by the same Python.
+set -euo pipefail
+MODEL=${1:?usage: $0 MODEL}
+: "${S3_BUCKET:?set S3_BUCKET}"
+PY=${PYTHON:-python}
+EXTRA=$("$PY" - "$MODEL" <<'PYEOF'
+import json, os, sys
+from agents.agent import RemoteStoreConfig
+from agents.sglang.backend import SGLangStorageConfig, dynamic_extra_config
+from agents.stores.local import LocalTierConfig
+from agents.stores.s3_store import S3StoreConfig
+from agents.stores.valkey_store import ValkeyStoreConfig
+env = os.environ.get
+config = SGLangStorageConfig(
+    local=LocalTierConfig(path=env("DRAM_DIR", "/dev/shm/kvprefetch"),
+                          capacity_bytes=int(env("DRAM_BYTES", str(64 << 30)))),
+    remote=RemoteStoreConfig(
+        valkey=ValkeyStoreConfig(host=env("VALKEY_HOST", "127.0.0.1"),
+                                 port=int(env("VALKEY_PORT", "6379"))),
+        s3=S3StoreConfig(bucket=env("S3_BUCKET"), region=env("S3_REGION", "us-east-1"),
+                         endpoint_url=env("S3_ENDPOINT"))))
+print(json.dumps(dynamic_extra_config(config)))  # validated by pydantic above
+PYEOF
+)
+read -r -a SGLANG_CMD <<< "${SGLANG:-$PY -m sglang.launch_server}"
+exec "${SGLANG_CMD[@]}" --model-path "$MODEL" --port "${PORT:-30000}" --tp "${TP:-1}" \
+    --page-size "${PAGE_SIZE:-64}" --enable-hierarchical-cache \
+    --hicache-storage-prefetch-policy timeout \
+    --hicache-storage-backend dynamic --hicache-storage-backend-extra-config "$EXTRA"
