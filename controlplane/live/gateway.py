@@ -1,0 +1,413 @@
+"""An OpenAI-compatible gateway in front of the nodes' vLLM servers (issue 14, item 2).
+
+Point an OpenAI client at the gateway; per request it does what a user would otherwise
+hand-wire around the scheduler's client:
+
+1. **identifies the session**: the ``X-Session-ID`` header, else the body's ``user``,
+   else a hash of the prompt's first token ids (a conversation re-sends its whole context,
+   so its first tokens stay the same turn after turn);
+2. **tokenizes** the prompt with the engine's own tokenizer and chat template (vLLM's
+   ``POST /tokenize``; a prompt of token ids is used as it is), since LMCache keys KV by
+   token ids;
+3. **asks the scheduler where to run it** (``route``, which records ``request_started``),
+   and forwards the request to that node's vLLM unchanged, streaming or not;
+4. after the answer: **stores the session's token ids** in the token store, where the
+   nodes' ``lmcache-mp`` agents read them to warm the session, and reports
+   ``request_finished`` with the stop reason (and a ``tool_running`` hint when the answer
+   ends in tool calls).
+
+The scheduler unreachable (no client, a timeout, an error) is not an outage: the request
+runs on the node with the fewest requests in flight at this gateway, without prefetch, and
+``kvp_gateway_routed_total{by="load"}`` and ``kvp_gateway_scheduler_unavailable_total``
+say so. Upstream errors are answered with the upstream's status and body.
+
+``python -m controlplane.live.gateway --upstream http://node0:8000 --upstream ...`` runs
+it locally (uvicorn); :func:`build_app` gives the FastAPI app for any ASGI host. Nodes are
+numbered in upstream order, as the scheduler numbers them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+from fastapi import Request
+from pydantic import BaseModel, ConfigDict, Field
+
+log = logging.getLogger(__name__)
+
+Endpoint = Literal["completions", "chat/completions"]
+
+
+class TokenSink(Protocol):
+    """Where the gateway stores a session's token ids after each turn (called once per
+    finished request, from a worker thread; idempotent: the latest context wins)."""
+
+    def __call__(self, tenant: str, session_id: str, token_ids: Sequence[int]) -> None: ...
+
+
+class GatewayConfig(BaseModel):
+    """The gateway's settings (units in names)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    #: Node i's OpenAI base URL (its vLLM), in the scheduler's node order.
+    upstreams: list[str] = Field(min_length=1)
+    #: The tenant named in scheduler calls and token-store keys (None: the token's).
+    tenant: str | None = None
+    session_header: str = "X-Session-ID"
+    #: Without a header or ``user``, the session is a hash of this many first token ids.
+    identity_prefix_tokens: int = Field(default=256, ge=1)
+    upstream_timeout_s: float = Field(default=600.0, gt=0)
+    scheduler_timeout_s: float = Field(default=2.0, gt=0)
+
+
+@dataclass(frozen=True)
+class Routed:
+    """Where one request runs and why."""
+
+    node: int
+    by: Literal["scheduler", "load"]
+
+
+class Gateway:
+    """The gateway's request handling, apart from the HTTP framework (see the module
+    docstring). ``scheduler`` is a :class:`controlplane.live.client.Client` (or None: route
+    by load only); ``tokens`` stores token ids for the agents (None: not stored)."""
+
+    def __init__(self, config: GatewayConfig, *, scheduler: Any | None = None,
+                 tokens: TokenSink | None = None, transport: Any | None = None) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge
+
+        self.config = config
+        self._scheduler = scheduler
+        self._tokens = tokens
+        self._in_flight = [0] * len(config.upstreams)
+        self._http: Any = None
+        #: An httpx transport for the upstream calls (tests: an ASGI app); None = network.
+        self._transport = transport
+        self.registry = CollectorRegistry()
+        self.requests = Counter("kvp_gateway_requests", "Requests by endpoint and outcome",
+                                ["endpoint", "outcome"], registry=self.registry)
+        self.routed = Counter("kvp_gateway_routed", "Requests routed, by who chose the node",
+                              ["by"], registry=self.registry)
+        self.scheduler_unavailable = Counter(
+            "kvp_gateway_scheduler_unavailable",
+            "Scheduler calls that failed or timed out (the request still ran)",
+            registry=self.registry)
+        self.token_store_errors = Counter(
+            "kvp_gateway_token_store_errors", "Token ids that could not be stored",
+            registry=self.registry)
+        self.in_flight = Gauge("kvp_gateway_in_flight", "Requests in flight per node",
+                               ["node"], registry=self.registry)
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    async def start(self) -> None:
+        import httpx
+
+        if self._http is None:
+            self._http = httpx.AsyncClient(timeout=self.config.upstream_timeout_s,
+                                           transport=self._transport)
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+
+    # -- the phases of one request ----------------------------------------------------
+
+    def session_id(self, headers: dict[str, str], body: dict[str, Any],
+                   token_ids: Sequence[int]) -> str:
+        """The header, else ``user``, else a hash of the first token ids."""
+        header = headers.get(self.config.session_header.lower())
+        if header:
+            return header
+        user = body.get("user")
+        if isinstance(user, str) and user:
+            return user
+        head = token_ids[: self.config.identity_prefix_tokens]
+        digest = hashlib.blake2b(json.dumps(list(head)).encode(), digest_size=12).hexdigest()
+        return f"prefix-{digest}"
+
+    def least_loaded(self) -> int:
+        return min(range(len(self._in_flight)), key=lambda n: (self._in_flight[n], n))
+
+    async def token_ids(self, endpoint: Endpoint, body: dict[str, Any]) -> list[int]:
+        """The prompt's token ids as the engine sees them (its chat template included)."""
+        prompt = body.get("prompt")
+        if endpoint == "completions" and isinstance(prompt, list) and all(
+                isinstance(t, int) for t in prompt):
+            return list(prompt)
+        request: dict[str, Any] = {"model": body.get("model")}
+        if endpoint == "chat/completions":
+            request["messages"] = body.get("messages", [])
+            request["add_generation_prompt"] = body.get("add_generation_prompt", True)
+            for key in ("chat_template_kwargs", "tools"):
+                if key in body:
+                    request[key] = body[key]
+        else:
+            request["prompt"] = prompt
+        response = await self._http.post(
+            f"{self.config.upstreams[self.least_loaded()]}/tokenize", json=request)
+        response.raise_for_status()
+        return [int(t) for t in response.json()["tokens"]]
+
+    async def route(self, session: str, token_ids: Sequence[int]) -> Routed:
+        if self._scheduler is not None:
+            try:
+                answer = await asyncio.to_thread(
+                    self._scheduler.route, session, token_ids=list(token_ids),
+                    tenant=self.config.tenant, timeout_s=self.config.scheduler_timeout_s)
+            except Exception as exc:  # any failure of the scheduler: serve anyway
+                log.warning("route %s: scheduler failed (%s); routing by load", session, exc)
+                answer = None
+            node = getattr(answer, "node", None)
+            if node is not None and 0 <= node < len(self.config.upstreams):
+                return Routed(node, "scheduler")
+        if self._scheduler is not None:
+            self.scheduler_unavailable.inc()
+        return Routed(self.least_loaded(), "load")
+
+    async def finished(self, session: str, node: int, token_ids: Sequence[int],
+                       output_tokens: int, stop_reason: str | None) -> None:
+        """Token ids to the store first (an agent warming the session needs them), then
+        the scheduler's ``request_finished`` (and a hint for tool calls)."""
+        tenant = self.config.tenant or "default"
+        if self._tokens is not None:
+            try:
+                await asyncio.to_thread(self._tokens, tenant, session, list(token_ids))
+            except Exception as exc:
+                self.token_store_errors.inc()
+                log.warning("storing %s's token ids failed: %s", session, exc)
+        if self._scheduler is None:
+            return
+        try:
+            await asyncio.to_thread(
+                self._scheduler.request_finished, session, node=node,
+                input_tokens=len(token_ids), output_tokens=output_tokens,
+                stop_reason=stop_reason, tenant=self.config.tenant,
+                timeout_s=self.config.scheduler_timeout_s)
+            if stop_reason == "tool_calls":
+                await asyncio.to_thread(self._scheduler.hint, session, "tool_running",
+                                        tenant=self.config.tenant,
+                                        timeout_s=self.config.scheduler_timeout_s)
+        except Exception as exc:
+            self.scheduler_unavailable.inc()
+            log.warning("request_finished %s: scheduler failed (%s)", session, exc)
+
+    # -- forwarding -------------------------------------------------------------------
+
+    async def prepare(self, endpoint: Endpoint, headers: dict[str, str],
+                      body: dict[str, Any]) -> tuple[str, list[int], Routed]:
+        ids = await self.token_ids(endpoint, body)
+        session = self.session_id(headers, body, ids)
+        routed = await self.route(session, ids)
+        self.routed.labels(routed.by).inc()
+        return session, ids, routed
+
+    def _enter(self, node: int) -> None:
+        self._in_flight[node] += 1
+        self.in_flight.labels(str(node)).set(self._in_flight[node])
+
+    def _leave(self, node: int) -> None:
+        self._in_flight[node] -= 1
+        self.in_flight.labels(str(node)).set(self._in_flight[node])
+
+    async def forward(self, endpoint: Endpoint, node: int, body: dict[str, Any]
+                      ) -> tuple[int, dict[str, Any]]:
+        """A non-streaming request: the upstream's status and JSON body."""
+        self._enter(node)
+        try:
+            response = await self._http.post(
+                f"{self.config.upstreams[node]}/v1/{endpoint}", json=body)
+        finally:
+            self._leave(node)
+        return response.status_code, response.json()
+
+    async def stream(self, endpoint: Endpoint, node: int, body: dict[str, Any],
+                     outcome: dict[str, Any]) -> AsyncIterator[bytes]:
+        """A streaming request's server-sent events, forwarded as they come. Usage is asked
+        of the upstream (to count output tokens) and its usage-only event dropped unless
+        the caller asked for it; ``outcome`` gets status, finish reason and token count."""
+        wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        upstream_body = {**body, "stream_options": {**(body.get("stream_options") or {}),
+                                                    "include_usage": True}}
+        self._enter(node)
+        try:
+            async with self._http.stream(
+                    "POST", f"{self.config.upstreams[node]}/v1/{endpoint}",
+                    json=upstream_body) as response:
+                outcome["status"] = response.status_code
+                if response.status_code != 200:
+                    yield await response.aread()
+                    return
+                async for line in response.aiter_lines():
+                    if not line:
+                        continue
+                    forward = _observe_event(line, outcome)
+                    if forward or wants_usage:
+                        yield (line + "\n\n").encode()
+        finally:
+            self._leave(node)
+
+
+def _observe_event(line: str, outcome: dict[str, Any]) -> bool:
+    """Note a stream event's finish reason and usage; False for a usage-only event."""
+    if not line.startswith("data:"):
+        return True
+    data = line[5:].strip()
+    if data == "[DONE]":
+        return True
+    with contextlib.suppress(ValueError):
+        event = json.loads(data)
+        for choice in event.get("choices") or []:
+            if choice.get("finish_reason"):
+                outcome["finish_reason"] = choice["finish_reason"]
+        usage = event.get("usage")
+        if usage:
+            outcome["output_tokens"] = int(usage.get("completion_tokens", 0))
+            return bool(event.get("choices"))
+    return True
+
+
+def build_app(gateway: Gateway) -> Any:
+    """The FastAPI app: ``/v1/completions``, ``/v1/chat/completions`` (streaming or
+    not), ``/v1/models``, ``/health`` and ``/metrics``."""
+    from fastapi import FastAPI, Response
+    from fastapi.responses import JSONResponse, StreamingResponse
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await gateway.start()
+        try:
+            yield
+        finally:
+            await gateway.close()
+
+    app = FastAPI(title="kvprefetch gateway", lifespan=lifespan)
+
+    async def handle(endpoint: Endpoint, request: Request) -> Response:
+        import httpx
+
+        body = await request.json()
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        try:
+            session, ids, routed = await gateway.prepare(endpoint, headers, body)
+        except httpx.HTTPStatusError as exc:
+            gateway.requests.labels(endpoint, "tokenize_error").inc()
+            return Response(exc.response.content, status_code=exc.response.status_code,
+                            media_type="application/json")
+        except httpx.HTTPError as exc:
+            gateway.requests.labels(endpoint, "upstream_unreachable").inc()
+            return JSONResponse({"error": {"message": f"no engine answered: {exc}"}}, 502)
+        if body.get("stream"):
+            outcome: dict[str, Any] = {}
+
+            async def events() -> AsyncIterator[bytes]:
+                try:
+                    async for chunk in gateway.stream(endpoint, routed.node, body, outcome):
+                        yield chunk
+                finally:
+                    ok = outcome.get("status") == 200
+                    gateway.requests.labels(endpoint, "ok" if ok else "upstream_error").inc()
+                    if ok:
+                        await gateway.finished(session, routed.node, ids,
+                                               outcome.get("output_tokens", 0),
+                                               outcome.get("finish_reason"))
+
+            return StreamingResponse(events(), media_type="text/event-stream",
+                                     headers={"X-Session-ID": session,
+                                              "X-KVP-Node": str(routed.node)})
+        try:
+            status, answer = await gateway.forward(endpoint, routed.node, body)
+        except httpx.HTTPError as exc:
+            gateway.requests.labels(endpoint, "upstream_unreachable").inc()
+            return JSONResponse({"error": {"message": f"node {routed.node}: {exc}"}}, 502)
+        gateway.requests.labels(endpoint, "ok" if status == 200 else "upstream_error").inc()
+        if status == 200:
+            choices = answer.get("choices") or [{}]
+            await gateway.finished(session, routed.node, ids,
+                                   int((answer.get("usage") or {}).get("completion_tokens", 0)),
+                                   choices[0].get("finish_reason"))
+        return JSONResponse(answer, status, headers={"X-Session-ID": session,
+                                                     "X-KVP-Node": str(routed.node)})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await handle("completions", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await handle("chat/completions", request)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        response = await gateway._http.get(f"{gateway.config.upstreams[0]}/v1/models")
+        return Response(response.content, response.status_code,
+                        media_type="application/json")
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(gateway.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def store_sink(store: Any) -> TokenSink:
+    """A :class:`TokenSink` over an object store (``agents.lmcache.tokens``' format)."""
+    from agents.lmcache.tokens import put_session_tokens
+
+    def put(tenant: str, session_id: str, token_ids: Sequence[int]) -> None:
+        put_session_tokens(store, tenant, session_id, token_ids)
+
+    return put
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="kvprefetch's OpenAI-compatible gateway")
+    parser.add_argument("--upstream", action="append", required=True,
+                        help="a node's vLLM base URL, in node order (repeat per node)")
+    parser.add_argument("--scheduler", help="the scheduler (http://... or a Ray address); "
+                        "without it, requests are routed by load")
+    parser.add_argument("--tenant")
+    parser.add_argument("--token", help="the scheduler's API token (HTTP)")
+    parser.add_argument("--valkey", help="host:port of the token store's Valkey")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8080)
+    args = parser.parse_args(argv)
+    import uvicorn
+
+    scheduler = None
+    if args.scheduler:
+        from controlplane.live.client import connect
+
+        scheduler = connect(args.scheduler, tenant=args.tenant, token=args.token)
+    tokens = None
+    if args.valkey:
+        from agents.stores.valkey_store import ValkeyStore, ValkeyStoreConfig
+
+        host, _, port = args.valkey.rpartition(":")
+        store = ValkeyStore(ValkeyStoreConfig(host=host, port=int(port)))
+        store.start()
+        tokens = store_sink(store)
+    gateway = Gateway(GatewayConfig(upstreams=args.upstream, tenant=args.tenant),
+                      scheduler=scheduler, tokens=tokens)
+    uvicorn.run(build_app(gateway), host=args.host, port=args.port)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
