@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 EXTRAS ?= dev,plot,stores,ml,serve,lmcache
 
-.PHONY: setup setup-vllm demo sim test test-fast lint sim-full clean
+.PHONY: setup setup-vllm setup-sglang demo sim test test-vllm test-fast lint sim-full clean
 
 # torch is pinned to the CPU build for CPU machines (an open range would pull a multi-GB
 # CUDA build); GPU users install their own CUDA torch and then `pip install -e .[ml]`.
@@ -33,6 +33,24 @@ $(VENV)/.vllm-installed: $(VENV)/.installed agents/vllm/requirements-cpu.txt
 
 setup-vllm: $(VENV)/.vllm-installed
 
+# SGLang 0.5.23 for the HiCache L3 backend (agents/sglang/): the wheel without its
+# dependencies (they pin torch 2.14.1, PyPI's CUDA build, and versions that clash with
+# vLLM's), plus the few modules its storage and page-hash code imports. The page-hash
+# helper compiles a small C++ extension on first use (g++, libssl-dev, ninja).
+SGLANG_VERSION := 0.5.23
+$(VENV)/.sglang-installed: $(VENV)/.installed
+	$(PY) -m pip install -q --no-deps sglang==$(SGLANG_VERSION)
+	$(PY) -m pip install -q --no-deps orjson==3.13.0 pybase64==1.5.1 triton==3.9.0
+	$(PY) -m pip install -q ipython==9.18.1
+	touch $@
+
+setup-sglang: $(VENV)/.sglang-installed
+
+# vLLM lives in its own venv for the tests: installed beside SGLang their pins clash, and
+# with vLLM present LMCache resolves its non-blake3 hashes through vLLM (another starting
+# hash per process), which the key-parity tests of the main venv pin down.
+VLLM_VENV ?= .venv-vllm
+
 # The main job: the live control plane on local Ray with embedded Valkey and S3 and two
 # emulated GPU nodes, replaying the bundled trace slice with client hints, ondemand and
 # predictive over 3 arrival seeds (mean, p90 and a 95% interval per policy; ~4-5 min).
@@ -46,8 +64,15 @@ sim: setup
 	mkdir -p out
 	$(VENV)/bin/kvprefetch sim --nodes 1 --json out/sim.json --plot out/sim.png
 
-test: lint
-	$(PY) -m pytest -q
+# CI: everything in the main venv (with SGLang), then the real vLLM (CPU) engine test in
+# its own venv (tests marked `vllm`; set up on first run, ~5 min).
+test: lint setup-sglang
+	$(PY) -m pytest -q -m "not vllm"
+	$(MAKE) test-vllm
+
+test-vllm:
+	$(MAKE) setup-vllm VENV=$(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pytest -q -m vllm
 
 # The pure tests (no servers, no Ray, no shared traces): under a minute.
 test-fast: setup
@@ -65,7 +90,7 @@ sim-full: setup
 	$(VENV)/bin/kvprefetch sim --trace ../shared/traces/claude-code --json out/sim-full.json --plot out/sim-full.png
 
 clean:
-	rm -rf $(VENV) out .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) out .pytest_cache .mypy_cache .ruff_cache
 
 # Schemathesis against the HTTP API served locally (a child process: the scheduler service
 # behind the app `kvprefetch serve` builds, two tenants with their own tokens and an admin),

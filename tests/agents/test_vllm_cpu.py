@@ -15,8 +15,9 @@ cleared, as if the node had served others meanwhile; then
 Every request goes through the gateway, which stores the session's token ids where the
 agent reads them (the test stores none itself) and reports to a recording scheduler.
 
-Needs ``make setup-vllm`` (``make test`` runs it first). Without vLLM the tests fail, they
-do not skip. Start-up of vLLM: ~60-110 s on 2 cores (torch compile), once per module.
+Needs ``make setup-vllm`` (``make test`` runs them in their own venv: ``make test-vllm``).
+Without vLLM the tests fail, they do not skip. Start-up of vLLM: ~60-110 s on 2 cores
+(torch compile), once per module.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ if TYPE_CHECKING:  # vLLM-side modules are imported inside the tests (fail, not 
     from agents.stores.base import ObjectStore
     from agents.vllm.server import VLLMServer
 
-pytestmark = [pytest.mark.servers, pytest.mark.slow]
+pytestmark = [pytest.mark.servers, pytest.mark.slow, pytest.mark.vllm]
 
 CHUNK = 256
 TENANT = "vllm-cpu"
