@@ -337,3 +337,37 @@ def test_the_listener_hears_of_accesses_before_the_event_fd_fires(
         assert seen_at_completion == [4] * 20
     finally:
         a.close()
+
+
+def test_a_store_task_split_into_batches_stores_journals_and_uploads_every_key(
+        valkey_server: EmbeddedValkey, s3_server: EmbeddedS3, key_prefix: str) -> None:
+    """``store_batch_keys``: a task of 11 keys goes to Valkey as batches of 3 on several
+    threads; every key is acknowledged, journaled, loads back and reaches S3 byte for byte."""
+    a = KvPrefetchL2Adapter(params(valkey_server, s3_server, key_prefix, store_batch_keys=3,
+                                   write_back=HOLD_UPLOADS))
+    assert a._valkey is not None and a._uploads is not None
+    threads: set[str] = set()
+    real_put = a._valkey.put
+
+    def recording_put(items: Any, **kw: Any) -> Any:
+        threads.add(threading.current_thread().name)
+        assert len(items) <= 3
+        return real_put(items, **kw)
+
+    a._valkey.put = recording_put  # type: ignore[method-assign]
+    sizes = [300 * KIB, 5, 70 * KIB, 600 * KIB, 1, 256 * KIB, 3 * KIB, 1024 * KIB, 17,
+             90 * KIB, 512 * KIB]
+    ks, objs = keys(len(sizes)), memory_objects(sizes)
+    expected = [content(o) for o in objs]
+    try:
+        result = store(a, ks, objs)
+        assert result.is_successful() and result.bytes_transferred() == sum(sizes)
+        assert len(threads) >= 2  # the batches ran side by side
+        assert a.write_back_stats().pending_keys == len(sizes)  # each one journaled
+        dest = memory_objects(sizes, b"\0")
+        assert load(a, ks, dest) == [True] * len(sizes)
+        assert [content(o) for o in dest] == expected
+        assert a.drain_uploads(WAIT_S)
+    finally:
+        a.close()
+    assert read_from_s3_alone(s3_server, key_prefix, ks, sizes) == expected
