@@ -50,9 +50,11 @@ from controlplane.core.step import DEMAND_PRIORITY, LoadTicket, Placement, StepO
 from controlplane.core.tiers import (
     DuelingEviction,
     EvictionDuel,
-    LruEviction,
+    IndexedLruEviction,
+    IndexedTier,
+    IndexStats,
+    KeyedEviction,
     PredictedUseEviction,
-    Tier,
     TierEntry,
 )
 from controlplane.core.value import SessionValues, ValueConfig
@@ -64,6 +66,12 @@ MAX_PREFETCHES_PER_IDLE = 2
 #: A prefetch whose forecast moved later by more than this is re-armed, not started.
 REPLAN_SLACK_S = 1.0
 MAX_REPLANS = 4
+#: A session's forecast that carries its whole law (``survival``, conditioned) is reused for
+#: its eviction key for this long (seconds) after it was made, conditioned on the longer
+#: silence by the law itself, instead of asking the predictor again; any event of the
+#: session drops it at once. What reuse cannot see is a predictor adapting a law shared
+#: with other sessions within the window (README, "The control plane at scale").
+FORECAST_REUSE_S = 10.0
 
 
 class FleetView(Protocol):
@@ -127,6 +135,9 @@ class SchedulerCore:
         self.bpt = fleet.model.kv_bytes_per_token
         self.stats = CoreStats()
         self._sessions: dict[str, _Session] = {}
+        #: (forecast, when it was made) of sessions whose eviction keys were asked, for
+        #: forecasts that carry their whole law; dropped by any event of the session.
+        self._laws: dict[str, tuple[ArrivalForecast, float]] = {}
         self._step = _Step()
         #: Idle sessions whose KV is not on their home node: what :meth:`sweep` re-plans.
         self._evicted: set[str] = set()
@@ -139,19 +150,27 @@ class SchedulerCore:
                                                  max_lead_s=planner.max_lead_s),
                                      self.bpt, self._state, self._forecasts,
                                      view.remote_source)
-        #: The strategy prefetches evict by (the tier's own, except under LRU).
-        self._predicted_use = PredictedUseEviction(
-            self._values.keys if self._valued else self._next_uses)
+        #: The strategy prefetches evict by (the tier's own, except under LRU). Predicted
+        #: use is indexed (IndexedTier: no scan of the residents per decision); the value
+        #: rule's densities are not monotone in time, so it keeps the scan.
+        self._predicted_use: PredictedUseEviction | KeyedEviction = (
+            KeyedEviction(self._values.keys) if self._valued
+            else PredictedUseEviction(self._next_uses))
         #: Predicted use vs LRU, for EvictionKind.ADAPTIVE.
         self.duel = EvictionDuel()
-        strategy: LruEviction | PredictedUseEviction | DuelingEviction = self._predicted_use
+        strategy: (IndexedLruEviction | PredictedUseEviction | KeyedEviction
+                   | DuelingEviction) = self._predicted_use
         if policy.eviction is EvictionKind.LRU:
-            strategy = LruEviction()
+            strategy = IndexedLruEviction()
         elif policy.eviction is EvictionKind.ADAPTIVE:
             strategy = DuelingEviction(self._predicted_use, self.duel)
         capacity = fleet.node.dram_tier_bytes if policy.dram_tier else 0
+        #: Which node tiers hold each session (kept by the tiers): an event of a session
+        #: invalidates its eviction key in those only.
+        self._holders: dict[str, set[IndexedTier]] = {}
         #: The books of every node's local DRAM tier (authoritative for what agents hold).
-        self.dram = [Tier(f"dram{i}", capacity, strategy) for i in range(fleet.nodes)]
+        self.dram = [IndexedTier(f"dram{i}", capacity, strategy, holders=self._holders)
+                     for i in range(fleet.nodes)]
 
     # ------------------------------------------------------------------ the step contract
     def _output(self, route_decision: RouteDecision | None = None, *, promote: bool = False,
@@ -194,6 +213,24 @@ class SchedulerCore:
         """Sessions the core holds state for (closed ones are forgotten)."""
         return len(self._sessions)
 
+    def eviction_index_stats(self) -> IndexStats:
+        """The eviction indexes' work, summed over the nodes."""
+        total = IndexStats()
+        for tier in self.dram:
+            st = tier.index_stats
+            total.decisions += st.decisions
+            total.bounds += st.bounds
+            total.exact_keys += st.exact_keys
+            total.bound_misses += st.bound_misses
+        return total
+
+    def _touch(self, sid: str) -> None:
+        """The session's state changed (an event, a prefetch): its eviction key may have
+        moved, not only with time."""
+        self._laws.pop(sid, None)
+        for tier in self._holders.get(sid, ()):
+            tier.invalidate(sid)
+
     def _own_key(self, sid: str, now_s: float) -> float:
         """The session's own eviction key: what it may displace must rank below it."""
         return (self._values.keys if self._valued else self._next_uses)([sid], now_s)[0]
@@ -203,30 +240,62 @@ class SchedulerCore:
         s = self._sessions.get(sid)
         return None if s is None else (s.in_flight > 0, s.remote_tokens)
 
-    def _next_uses(self, sids: Sequence[str], now_s: float) -> list[float]:
-        """Predicted next use of each session: now if it is running, its planned use if a
-        prefetch brought it in, else from the predictor (one batched call)."""
+    def _next_uses(self, sids: Sequence[str], now_s: float | Sequence[float]) -> list[float]:
+        """Predicted next use of each session at ``now_s`` (one time, or one per session):
+        then if it is running, its planned use if a prefetch brought it in, else from the
+        predictor (one batched call). Non-decreasing in time between the session's events
+        (what the eviction index relies on, see :mod:`controlplane.core.tiers`)."""
+        times = ([float(now_s)] * len(sids) if isinstance(now_s, int | float)
+                 else list(now_s))
         out: list[float] = [0.0] * len(sids)
         ask: list[int] = []
         for i, sid in enumerate(sids):
             s = self._sessions.get(sid)
+            t = times[i]
             if s is not None and s.in_flight:
-                out[i] = now_s
-            elif s is not None and s.planned_use_s is not None and now_s <= s.planned_use_s:
+                out[i] = t
+            elif s is not None and s.planned_use_s is not None and t <= s.planned_use_s:
                 out[i] = s.planned_use_s  # brought in on purpose: keep until its predicted use
             else:
-                ask.append(i)
+                use = self._reused_use(sid, t)
+                if use is None:
+                    ask.append(i)
+                else:
+                    out[i] = use
         if ask:
-            forecasts = self._forecasts([sids[i] for i in ask], now_s)
+            at = [times[i] for i in ask]
+            forecasts = self._forecasts([sids[i] for i in ask],
+                                        at[0] if isinstance(now_s, int | float) else at)
             for i, fc in zip(ask, forecasts, strict=True):
-                out[i] = predicted_use_s(fc, self.fleet.planner, now_s)
+                out[i] = predicted_use_s(fc, self.fleet.planner, times[i])
+                if fc is not None and fc.conditioned and fc.survival is not None:
+                    self._laws[sids[i]] = (fc, times[i])
         return out
 
-    def _forecasts(self, sids: Sequence[str], now_s: float) -> list[ArrivalForecast | None]:
+    def _reused_use(self, sid: str, t: float) -> float | None:
+        """The predicted use at ``t`` from the session's last whole-law forecast (see
+        :data:`FORECAST_REUSE_S`): what :func:`predicted_use_s` of a new forecast from the
+        same law gives, its median conditioned on the silence at ``t``. None when there is
+        none, it is older than the reuse window, or no returning mass is left (the
+        predictor says what "never" is)."""
+        held = self._laws.get(sid)
+        if held is None:
+            return None
+        fc, made_s = held
+        if not made_s <= t <= made_s + FORECAST_REUSE_S or fc.survival is None:
+            return None
+        gap = fc.survival.quantile_after(max(0.0, t - fc.last_finish_s), 0.5)
+        return None if math.isinf(gap) else max(fc.last_finish_s + gap, t)
+
+    def _forecasts(self, sids: Sequence[str], now_s: float | Sequence[float]
+                   ) -> list[ArrivalForecast | None]:
+        """One forecast per session at ``now_s`` (one time, or one per session)."""
         many = getattr(self.predictor, "forecast_many", None)
         if many is not None and len(sids) > 1:
             return list(many(list(sids), now_s))
-        return [self.predictor.forecast(sid, now_s) for sid in sids]
+        if isinstance(now_s, int | float):
+            return [self.predictor.forecast(sid, now_s) for sid in sids]
+        return [self.predictor.forecast(sid, t) for sid, t in zip(sids, now_s, strict=True)]
 
     def local_tokens(self, node: int, sid: str) -> int:
         """Tokens of the session on the node, in HBM or DRAM (ready or arriving)."""
@@ -244,6 +313,7 @@ class SchedulerCore:
 
     def _observe(self, event: SessionEvent) -> None:
         self.predictor.observe(event)
+        self._touch(event.session_id)
 
     # ------------------------------------------------------------------ requests
     def request_started(self, event: SessionEvent) -> StepOutput:
@@ -572,6 +642,7 @@ class SchedulerCore:
         """Start a prefetch the tier has room for; the entry is kept until ``use_s``."""
         self.stats.prefetches += 1
         s.planned_use_s = use_s
+        self._touch(ticket.session_id)
         s.prefetches += 1
         self._step.loads.append(ticket)
 
