@@ -32,6 +32,9 @@ BENCHES: dict[str, tuple[str, str]] = {
                 "our LMCache L2 adapter vs LMCache's valkey and s3 adapters (lmcache bench l2)"),
     "sglang": ("controlplane.cli.bench_sglang",
                "our SGLang HiCache backend (local tier, Valkey) vs SGLang's file backend"),
+    "control-plane": ("controlplane.cli.bench_control_plane",
+                      "scheduler events/s, route latency, planning step and memory per "
+                      "session: pure core, service, one Ray actor"),
 }
 
 

@@ -14,6 +14,7 @@ import itertools
 import logging
 import math
 from collections.abc import Callable, Iterable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -448,6 +449,8 @@ class LiveDriver:
             "prefetches_dropped": core.stats.prefetches_dropped,
             "wasted_bytes_modelled": core.stats.wasted_bytes,
             "ttlb_s": list(s.ttlb_s), "lateness_s": list(s.lateness_s),
+            "plan_step_s": list(s.plan_step_s),
+            "eviction_index": asdict(core.eviction_index_stats()),
             "loop_errors": s.loop_errors, "clock_s": self.clock.now_s(),
             "epoch": self.orders.epoch, "reports_rejected": dict(s.reports_rejected),
             "reports_duplicate": s.reports_duplicate,

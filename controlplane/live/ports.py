@@ -101,6 +101,9 @@ class ServiceStats:
     #: The latest :data:`SAMPLE_WINDOW` samples.
     ttlb_s: deque[float] = field(default_factory=_window)
     lateness_s: deque[float] = field(default_factory=_window)
+    #: Wall seconds of each control-loop planning step (firing due orders and sweeps,
+    #: expiring lost orders, under the lock).
+    plan_step_s: deque[float] = field(default_factory=_window)
 
 
 @dataclass(slots=True)

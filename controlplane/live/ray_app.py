@@ -90,9 +90,13 @@ class _SchedulerActor:
     :class:`SchedulerService` (:class:`~controlplane.live.client.RayTransport` calls them);
     ``ping``, ``metrics_text`` and ``close`` serve the deployment."""
 
-    def __init__(self, config: ServiceConfig, namespace: str = NAMESPACE) -> None:
+    def __init__(self, config: ServiceConfig, namespace: str = NAMESPACE, *,
+                 with_agents: bool = True) -> None:
         logging.basicConfig(level=logging.INFO)
-        ports = {i: _RayAgentPort(i, namespace) for i in range(config.fleet.nodes)}
+        # Without agents (the control-plane benchmark) orders go nowhere and are re-planned
+        # by the service, as for a node whose agent is down.
+        ports = ({i: _RayAgentPort(i, namespace) for i in range(config.fleet.nodes)}
+                 if with_agents else {})
         metrics = None
         try:
             from controlplane.live.metrics import PrometheusMetrics
@@ -318,6 +322,20 @@ def _start_engine(cfg: EngineConfig, remote: RemoteStoreConfig | None, where: Pl
                                                          namespace)
 
 
+def start_scheduler(service: ServiceConfig, *, namespace: str = NAMESPACE,
+                    detached: bool = False, ready_timeout_s: float = 120.0,
+                    placement: Placement | None = None, with_agents: bool = True) -> Any:
+    """Start the named scheduler actor (or get the one running) and wait until it answers.
+    ``with_agents=False``: it sends nothing to agents (``kvprefetch bench control-plane``)."""
+    where = placement.options() if placement is not None else {}
+    scheduler = SchedulerActor.options(name=SCHEDULER_NAME, namespace=namespace,
+                                       get_if_exists=True, **_lifetime(detached),
+                                       **where).remote(service, namespace,
+                                                       with_agents=with_agents)
+    ray.get(scheduler.ping.remote(), timeout=ready_timeout_s)
+    return scheduler
+
+
 def deploy(service: ServiceConfig, agents: Sequence[AgentConfig],
            placements: Sequence[Placement], *, engines: Sequence[EngineConfig] = (),
            engine_remote: RemoteStoreConfig | None = None, namespace: str = NAMESPACE,
@@ -331,11 +349,9 @@ def deploy(service: ServiceConfig, agents: Sequence[AgentConfig],
         raise ValueError(f"one agent config and one placement per node present at start "
                          f"({service.nodes_at_start}); got {len(agents)} and "
                          f"{len(placements)}")
-    where = scheduler_placement.options() if scheduler_placement is not None else {}
-    scheduler = SchedulerActor.options(name=SCHEDULER_NAME, namespace=namespace,
-                                       get_if_exists=True, **_lifetime(detached),
-                                       **where).remote(service, namespace)
-    ray.get(scheduler.ping.remote(), timeout=ready_timeout_s)
+    scheduler = start_scheduler(service, namespace=namespace, detached=detached,
+                                ready_timeout_s=ready_timeout_s,
+                                placement=scheduler_placement)
     handles = [_start_agent(cfg, p, namespace, detached)
                for cfg, p in zip(agents, placements, strict=True)]
     ray.get([h.status.remote() for h in handles], timeout=ready_timeout_s)

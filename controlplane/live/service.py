@@ -385,6 +385,7 @@ class SchedulerService:
             now = self.clock.now_s()
             self.driver.fire_due(now, box)
             self.driver.expire(wall, now, box)
+            self.stats.plan_step_s.append(self._wall() - wall)
         if self._journal is not None:
             sync = wall - self._last_sync > self.config.journal_sync_interval_s
             if sync:

@@ -1,0 +1,120 @@
+"""``kvprefetch bench control-plane``: how many session events per second the scheduler
+takes, how long a route waits, how long a planning step holds the scheduler, and how much
+memory an idle session costs (logic in :mod:`controlplane.live.loadgen`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+EPILOG = """\
+modes:
+  inproc   the pure scheduling core in this process (no service, no client); its
+           planning step (due prefetch orders, the sweep) runs inline every
+           planner.sweep_interval_s of service time
+  service  SchedulerService in this process through the Python client
+  ray-1    one scheduler actor on a local Ray runtime (started here) through the
+           Python client: one synchronous actor call per event
+
+How it runs: SESSIONS live sessions each play a trace session (cycled, so any number of
+sessions can be made from a small trace) turn by turn. First every session plays its
+first turn (populating; memory traced over it gives bytes per idle session where the
+scheduler is in this process), then EVENTS events are measured: a random session plays
+its next turn, route then request_finished, closed loop (the next call leaves when the
+previous answered), the service clock running --speedup times the wall clock.
+
+Reported per mode: events/s, route p50/p99 in ms (as the caller sees it), planning-step
+p99 in ms, bytes per idle session (n/a through Ray), lost events (refused, timed out or
+failed calls). JSON (--json, written atomically):
+  {"modes": {"<mode>": {"events_per_s", "route_p50_ms", "route_p99_ms", "plan_p99_ms",
+   "bytes_per_session", "lost_events", ...}}, "sessions": N, ...}
+
+examples:
+  kvprefetch bench control-plane                       # ~1 min: inproc, service, ray-1
+  kvprefetch bench control-plane --modes inproc --sessions 100000 --events 100000
+  kvprefetch bench control-plane --trace ../shared/traces/claude-code --json out/cp.json
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``kvprefetch bench control-plane``."""
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = EPILOG
+    parser.add_argument("--modes", default="inproc,service,ray-1",
+                        help="comma-separated: inproc, service, ray-1 "
+                        "(default: all three)")
+    parser.add_argument("--sessions", type=int, default=2_000,
+                        help="live sessions held while measuring (default 2,000)")
+    parser.add_argument("--events", type=int, default=10_000,
+                        help="events measured per mode after populating (default 10,000)")
+    parser.add_argument("--trace", default=None,
+                        help="trace whose sessions are replayed (default: the bundled "
+                        "Claude Code slice)")
+    parser.add_argument("--trace-format", default="auto")
+    parser.add_argument("--nodes", type=int, default=4, help="GPU nodes (default 4)")
+    parser.add_argument("--policy", default="predictive")
+    parser.add_argument("--predictor", default="default")
+    parser.add_argument("--speedup", type=float, default=100.0,
+                        help="service seconds per wall second (default 100)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="OUT", help="write the result as JSON (atomically)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark; print a table; write ``--json``. Returns the exit code."""
+    from controlplane.base.errors import ConfigError
+    from controlplane.cli.benchrun import run_bench
+    from controlplane.live.loadgen import MODES, LoadSpec, format_table, run_mode
+    from controlplane.traces import bundled_trace_path, load_trace
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if not modes or unknown:
+        print(f"bench control-plane: unknown mode(s) {unknown or modes}; known: "
+              f"{', '.join(MODES)}", file=sys.stderr)
+        return 2
+    try:
+        spec = LoadSpec(sessions=args.sessions, events=args.events, nodes=args.nodes,
+                        policy=args.policy, predictor=args.predictor,
+                        time_compression=args.speedup, seed=args.seed)
+    except ConfigError as exc:
+        print(f"bench control-plane: {exc}", file=sys.stderr)
+        return 2
+    path = args.trace or bundled_trace_path("claude-code")
+    trace = load_trace(path, args.trace_format, seed=args.seed)
+    # Progress in units of 1,000 events (populating counts its route and finish too).
+    steps_per_mode = (2 * spec.sessions + spec.events) // 1000
+
+    def work(step: object) -> dict[str, object]:
+        from tqdm import tqdm
+
+        result: dict[str, object] = {
+            "sessions": spec.sessions, "events": spec.events, "trace": trace.name,
+            "nodes": spec.nodes, "policy": spec.policy, "speedup": spec.time_compression,
+            "modes": {},
+        }
+        modes_out: dict[str, object] = {}
+        bar = tqdm(total=steps_per_mode * len(modes), unit="k events", file=sys.stderr,
+                   disable=args.no_progress, desc="bench control-plane")
+        with bar:
+            for mode in modes:
+                bar.set_postfix_str(mode)
+                modes_out[mode] = run_mode(
+                    mode, trace, spec, progress=lambda n: bar.update(n / 1000)).to_json()
+        result["modes"] = modes_out
+        return result
+
+    out = run_bench("bench control-plane", 0, work, format_table, json_out=args.json,
+                    progress=False)
+    return 0 if out is not None else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvprefetch bench control-plane")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,418 @@
+"""A closed-loop load generator for the control plane (``kvprefetch bench control-plane``).
+
+It replays a trace's session events, sped up, against one *target*:
+
+* ``inproc``: the pure :class:`~controlplane.core.scheduler.SchedulerCore` in this process
+  (no service, no lock, no client): a fleet view of idle nodes, the planning step (the
+  sweep and armed orders that are due) run inline by the same thread every
+  ``planner.sweep_interval_s`` of service time, as one actor would;
+* ``service``: :class:`~controlplane.live.service.SchedulerService` in this process through
+  the Python client (validation, the lock, the control loop's own thread);
+* ``ray-1``: one scheduler actor on a local Ray runtime through the Python client's
+  :class:`~controlplane.live.client.RayTransport` (one synchronous actor call per event).
+
+Sessions: ``sessions`` live sessions, session ``i`` playing the trace's session
+``i mod len(trace)`` turn after turn (cycling). First every session plays its first turn
+(populate: afterwards every session is live and idle, and ``bytes_per_session`` is the
+memory traced by :mod:`tracemalloc` over populating, divided by the sessions, where the
+scheduler runs in this process). Then ``events`` events are measured: a random live session
+(seeded) plays its next turn: ``route`` (the request's arrival and routing, one event)
+then ``request_finished`` (one event), back to back with no think time (closed loop: the
+next call leaves when the previous one answered), while the service clock runs
+``time_compression`` times faster than the wall clock.
+
+Reported per mode: events per second over the measurement, route latency p50/p99 (as the
+caller sees it), planning-step p99 (the control loop's step: due orders, sweeps, expiry),
+bytes per idle session, and lost events (a call refused, timed out or failed).
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+import time
+import tracemalloc
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+from controlplane.base.config import FleetConfig, default_fleet
+from controlplane.base.errors import ConfigError, KvPrefetchError
+from controlplane.base.types import EventKind, SessionEvent, Trace
+
+#: Modes this generator knows, in the order a table lists them.
+MODES: tuple[str, ...] = ("inproc", "service", "ray-1")
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSpec:
+    """One benchmark run."""
+
+    #: Live sessions held during the measurement.
+    sessions: int = 2_000
+    #: Events measured after populating (each turn is two: route, request_finished).
+    events: int = 20_000
+    nodes: int = 4
+    policy: str = "predictive"
+    predictor: str = "default"
+    #: Service seconds per wall second.
+    time_compression: float = 100.0
+    seed: int = 0
+    #: Each call's timeout through a client (seconds).
+    timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.sessions < 1 or self.events < 2 or self.nodes < 1:
+            raise ConfigError("sessions and nodes must be >= 1 and events >= 2")
+        if self.time_compression <= 0:
+            raise ConfigError("time_compression must be > 0")
+
+
+@dataclass(slots=True)
+class ModeResult:
+    """What one mode measured (``None``: not measurable in this mode)."""
+
+    mode: str
+    events_per_s: float
+    route_p50_ms: float
+    route_p99_ms: float
+    plan_p99_ms: float | None
+    bytes_per_session: float | None
+    lost_events: int
+    #: Events sent while measuring, and wall seconds to populate the sessions.
+    events: int = 0
+    populate_s: float = 0.0
+    #: Eviction-index work of the core over the run, where it is visible.
+    eviction_index: dict[str, int] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Target(Protocol):
+    """What the generator drives. ``route`` answers the node (None: the call was lost);
+    ``finished`` whether the event was accepted. ``poll`` runs between calls (the inline
+    planning step of ``inproc``)."""
+
+    def route(self, sid: str, input_tokens: int, reused_tokens: int) -> int | None: ...
+
+    def finished(self, sid: str, node: int, input_tokens: int, output_tokens: int,
+                 stop_reason: str | None) -> bool: ...
+
+    def poll(self) -> None: ...
+
+    def plan_steps_s(self) -> list[float]: ...
+
+    def index_stats(self) -> dict[str, int]: ...
+
+    def close(self) -> None: ...
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (nearest rank; 0 when empty)."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, int(q * len(ordered))))]
+
+
+# ------------------------------------------------------------------------------- targets
+class _IdleFleet:
+    """The core's view of a fleet with idle GPUs and links and a Valkey-speed remote
+    store: the control plane's own cost, not the data plane's, is what is measured."""
+
+    def queue_wait_s(self, node: int, now_s: float) -> float:
+        return 0.0
+
+    def link_backlog_s(self, node: int, now_s: float) -> float:
+        return 0.0
+
+    def hbm_tokens(self, node: int, session_id: str) -> int:
+        return 0
+
+    def remote_source(self, session_id: str) -> tuple[float, float]:
+        return 1 / 5e9, 0.0005
+
+
+class CoreTarget:
+    """``inproc``: the pure core, its planning step run inline (see the module doc)."""
+
+    def __init__(self, fleet: FleetConfig, spec: LoadSpec) -> None:
+        from controlplane.core.policies import POLICIES
+        from controlplane.core.scheduler import SchedulerCore
+        from predictors.registry import load as load_predictor
+
+        policy = POLICIES[spec.policy]
+        self.core = SchedulerCore(fleet, policy, load_predictor(policy.predictor
+                                                                or spec.predictor),
+                                  _IdleFleet())
+        self._compression = spec.time_compression
+        self._start = time.perf_counter()
+        self._sweep_s = fleet.planner.sweep_interval_s
+        self._next_sweep = self._sweep_s
+        self._armed: list[tuple[float, int, Any]] = []
+        self._n = 0
+        self._plan_s: list[float] = []
+
+    def _now(self) -> float:
+        return (time.perf_counter() - self._start) * self._compression
+
+    def _arm(self, orders: Sequence[Any]) -> None:
+        for order in orders:
+            self._n += 1
+            heapq.heappush(self._armed, (order.start_at_s, self._n, order))
+
+    def route(self, sid: str, input_tokens: int, reused_tokens: int) -> int | None:
+        now = self._now()
+        self.core.request_started(SessionEvent(EventKind.REQUEST_STARTED, sid, now,
+                                               input_tokens=input_tokens,
+                                               reused_tokens=reused_tokens))
+        out = self.core.route_request(sid, input_tokens, reused_tokens, now)
+        self._arm(out.orders)
+        return out.node
+
+    def finished(self, sid: str, node: int, input_tokens: int, output_tokens: int,
+                 stop_reason: str | None) -> bool:
+        now = self._now()
+        out = self.core.request_finished(
+            SessionEvent(EventKind.REQUEST_FINISHED, sid, now, input_tokens=input_tokens,
+                         output_tokens=output_tokens, stop_reason=stop_reason, node=node),
+            input_tokens + output_tokens)
+        self._arm(out.orders)
+        # Transfers complete at once (the data plane is not what is measured).
+        for t in out.loads:
+            self.core.transfer_done(t.session_id, t.node, now, demand=not t.prefetch)
+        return True
+
+    def poll(self) -> None:
+        now = self._now()
+        if now < self._next_sweep and not (self._armed and self._armed[0][0] <= now):
+            return
+        began = time.perf_counter()
+        while self._armed and self._armed[0][0] <= now:
+            order = heapq.heappop(self._armed)[2]
+            out = self.core.start_prefetch(order, now)
+            self._arm(out.orders)
+            for t in out.loads:
+                self.core.transfer_done(t.session_id, t.node, now, demand=False)
+        if now >= self._next_sweep:
+            self._arm(self.core.sweep(now).orders)
+            self._next_sweep = now + self._sweep_s
+        self._plan_s.append(time.perf_counter() - began)
+
+    def plan_steps_s(self) -> list[float]:
+        return list(self._plan_s)
+
+    def index_stats(self) -> dict[str, int]:
+        return asdict(self.core.eviction_index_stats())
+
+    def close(self) -> None:
+        return None
+
+
+class ClientTarget:
+    """``service`` and ``ray-1``: the Python client over a scheduler (see the module doc).
+    ``summary`` reads the scheduler's summary (its planning steps)."""
+
+    def __init__(self, client: Any, summary: Callable[[], dict[str, Any]],
+                 close: Callable[[], None]) -> None:
+        self.client = client
+        self._summary = summary
+        self._close = close
+        self._plan_from = 0
+
+    def route(self, sid: str, input_tokens: int, reused_tokens: int) -> int | None:
+        try:
+            ans = self.client.route(sid, input_tokens=input_tokens,
+                                    reused_tokens=reused_tokens)
+        except KvPrefetchError:
+            return None
+        return None if ans.timed_out or ans.node is None else int(ans.node)
+
+    def finished(self, sid: str, node: int, input_tokens: int, output_tokens: int,
+                 stop_reason: str | None) -> bool:
+        try:
+            ack = self.client.request_finished(sid, node=node, input_tokens=input_tokens,
+                                               output_tokens=output_tokens,
+                                               stop_reason=stop_reason)
+        except KvPrefetchError:
+            return False
+        return bool(ack.accepted)
+
+    def poll(self) -> None:
+        return None
+
+    def mark(self) -> None:
+        """Planning steps from now on are the measurement's."""
+        self._plan_from = len(self._summary().get("plan_step_s", ()))
+
+    def plan_steps_s(self) -> list[float]:
+        steps = list(self._summary().get("plan_step_s", ()))
+        return steps[self._plan_from:] if self._plan_from <= len(steps) else steps
+
+    def index_stats(self) -> dict[str, int]:
+        return dict(self._summary().get("eviction_index", {}))
+
+    def close(self) -> None:
+        self._close()
+
+
+# ------------------------------------------------------------------------------- the loop
+@dataclass(slots=True)
+class _Player:
+    """Turn by turn replay of trace sessions by many live sessions."""
+
+    trace: Trace
+    window: int
+    turns: list[int]
+
+    def turn(self, i: int) -> tuple[int, int, int, str | None]:
+        """(input, reused, output tokens, stop reason) of session ``i``'s next turn."""
+        requests = self.trace.sessions[i % len(self.trace.sessions)].requests
+        k = self.turns[i]
+        self.turns[i] = k + 1
+        r = requests[k % len(requests)]
+        inp = min(r.input_tokens, self.window)
+        reused = min(r.reused_tokens, inp) if k % len(requests) else 0
+        return inp, reused, max(0, min(r.output_tokens, self.window - inp)), r.stop_reason
+
+
+def run_mode(mode: str, trace: Trace, spec: LoadSpec,
+             progress: Callable[[int], None] | None = None) -> ModeResult:
+    """Populate ``spec.sessions`` sessions, measure ``spec.events`` events; one mode."""
+    if mode not in MODES:
+        raise ConfigError(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
+    if not trace.sessions:
+        raise ConfigError(f"trace {trace.name!r} has no sessions")
+    fleet = default_fleet("8b", spec.nodes)
+    player = _Player(trace, fleet.model.max_context_tokens, [0] * spec.sessions)
+    sids = [f"bench-{i}" for i in range(spec.sessions)]
+    lost = 0
+    traced = mode != "ray-1"
+    if traced:
+        tracemalloc.start()
+    target = _target(mode, fleet, spec)
+    try:
+        base = tracemalloc.get_traced_memory()[0] if traced else 0
+        began = time.perf_counter()
+        for i, sid in enumerate(sids):  # populate: every session plays its first turn
+            lost += _turn(target, player, i, sid, None)
+            target.poll()
+            if progress is not None and (i + 1) % 1000 == 0:
+                progress(2000)
+        populate_s = time.perf_counter() - began
+        bytes_per = None
+        if traced:
+            bytes_per = (tracemalloc.get_traced_memory()[0] - base) / spec.sessions
+            tracemalloc.stop()
+            traced = False
+        if isinstance(target, ClientTarget):
+            target.mark()
+        plan_before = len(target.plan_steps_s()) if isinstance(target, CoreTarget) else 0
+        rng = random.Random(spec.seed)
+        routes: list[float] = []
+        turns = spec.events // 2
+        began = time.perf_counter()
+        for k in range(turns):
+            i = rng.randrange(spec.sessions)
+            lost += _turn(target, player, i, sids[i], routes)
+            target.poll()
+            if progress is not None and (k + 1) % 500 == 0:
+                progress(1000)
+        elapsed = time.perf_counter() - began
+        plans = target.plan_steps_s()[plan_before:]
+        index = target.index_stats()
+    finally:
+        if traced:
+            tracemalloc.stop()
+        target.close()
+    return ModeResult(
+        mode, 2 * turns / elapsed if elapsed > 0 else 0.0, quantile(routes, 0.5) * 1e3,
+        quantile(routes, 0.99) * 1e3, quantile(plans, 0.99) * 1e3 if plans else None,
+        bytes_per, lost, 2 * turns, round(populate_s, 3), index)
+
+
+def _turn(target: Target, player: _Player, i: int, sid: str,
+          routes: list[float] | None) -> int:
+    """One turn of session ``i``: route, then finish. Returns the events lost."""
+    inp, reused, out, stop = player.turn(i)
+    began = time.perf_counter()
+    node = target.route(sid, inp, reused)
+    if routes is not None:
+        routes.append(time.perf_counter() - began)
+    if node is None:
+        return 2  # nothing to finish on
+    return 0 if target.finished(sid, node, inp, out, stop) else 1
+
+
+def _target(mode: str, fleet: FleetConfig, spec: LoadSpec) -> Target:
+    if mode == "inproc":
+        return CoreTarget(fleet, spec)
+    from controlplane.live.client import connect
+    from controlplane.live.config import ServiceConfig
+
+    cfg = ServiceConfig(fleet=fleet, policy=spec.policy, predictor=spec.predictor,
+                        time_compression=spec.time_compression,
+                        max_live_sessions_per_tenant=max(100_000, 2 * spec.sessions))
+    if mode == "service":
+        from controlplane.live.service import SchedulerService
+
+        svc = SchedulerService(cfg).start()
+        client = connect(service=svc, timeout_s=spec.timeout_s)
+
+        def close_service() -> None:
+            client.close()
+            svc.close()
+
+        return ClientTarget(client, svc.summary, close_service)
+    return _ray_target(cfg, spec)
+
+
+def _ray_target(cfg: Any, spec: LoadSpec) -> ClientTarget:
+    """One scheduler actor (no agents) on a local Ray runtime started here."""
+    import uuid
+
+    import ray
+
+    from controlplane.live.client import RayTransport, connect
+    from controlplane.live.ray_app import start_scheduler
+
+    namespace = f"kvprefetch-bench-{uuid.uuid4().hex[:8]}"
+    started = not ray.is_initialized()
+    if started:
+        ray.init(namespace=namespace, include_dashboard=False, log_to_driver=False,
+                 configure_logging=False)
+    handle = start_scheduler(cfg, namespace=namespace, with_agents=False)
+    client = connect("auto", namespace=namespace, timeout_s=spec.timeout_s)
+    transport = client.scheduler
+    assert isinstance(transport, RayTransport)
+
+    def close_ray() -> None:
+        client.close()
+        try:
+            ray.get(handle.close.remote(), timeout=10)
+            ray.kill(handle, no_restart=True)
+        finally:
+            if started:
+                ray.shutdown()
+
+    return ClientTarget(client, transport.summary, close_ray)
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The terminal table of a run's JSON."""
+
+    def num(v: float | None, fmt: str) -> str:
+        return "n/a" if v is None else format(v, fmt)
+
+    lines = [f"{result['sessions']:,} live sessions, {result['events']:,} events measured "
+             f"per mode; trace {result['trace']}; {result['nodes']} nodes; policy "
+             f"{result['policy']}",
+             f"{'mode':<9} {'events/s':>10} {'route p50':>10} {'route p99':>10} "
+             f"{'plan p99':>9} {'B/session':>10} {'lost':>6}",
+             "-" * 70]
+    for mode, m in result["modes"].items():
+        lines.append(f"{mode:<9} {m['events_per_s']:>10,.0f} {m['route_p50_ms']:>8.3f}ms "
+                     f"{m['route_p99_ms']:>8.3f}ms {num(m['plan_p99_ms'], '>7.2f')}ms "
+                     f"{num(m['bytes_per_session'], '>10,.0f'):>10} {m['lost_events']:>6}")
+    return "\n".join(lines)

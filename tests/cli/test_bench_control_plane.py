@@ -1,0 +1,40 @@
+"""``kvprefetch bench control-plane`` run tiny: the table, the JSON it promises, and figures
+that can be checked (every event measured and none lost; memory traced per session)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from controlplane.cli import main
+
+
+def test_bench_control_plane_inproc_and_service_tiny(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]
+                                                     ) -> None:
+    out = tmp_path / "cp.json"
+    rc = main(["bench", "control-plane", "--modes", "inproc,service", "--sessions", "300",
+               "--events", "1000", "--json", str(out), "--no-progress"])
+    assert rc == 0
+    table = capsys.readouterr().out
+    assert "inproc" in table and "service" in table and "events/s" in table
+    result = json.loads(out.read_text())
+    assert result["sessions"] == 300
+    assert set(result["modes"]) == {"inproc", "service"}
+    for mode, m in result["modes"].items():
+        assert {"events_per_s", "route_p50_ms", "route_p99_ms", "plan_p99_ms",
+                "bytes_per_session", "lost_events"} <= set(m), mode
+        assert m["events"] == 1000 and m["lost_events"] == 0, mode
+        assert m["events_per_s"] > 0 and 0 < m["route_p50_ms"] <= m["route_p99_ms"], mode
+        # Traced over populating: a live idle session costs something, and not megabytes.
+        assert 100 < m["bytes_per_session"] < 64 * 1024, mode
+    # The pure core runs its planning step inline: there are steps to time.
+    assert result["modes"]["inproc"]["plan_p99_ms"] is not None
+
+
+def test_bench_control_plane_refuses_an_unknown_mode(capsys: pytest.CaptureFixture[str]
+                                                     ) -> None:
+    assert main(["bench", "control-plane", "--modes", "ray-9", "--no-progress"]) == 2
+    assert "unknown mode" in capsys.readouterr().err
