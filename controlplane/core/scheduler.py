@@ -135,8 +135,9 @@ class SchedulerCore:
         self.bpt = fleet.model.kv_bytes_per_token
         self.stats = CoreStats()
         self._sessions: dict[str, _Session] = {}
-        #: (forecast, when it was made) of sessions whose eviction keys were asked, for
-        #: forecasts that carry their whole law; dropped by any event of the session.
+        #: (forecast, when it was made) of resident sessions whose eviction keys were
+        #: asked, for forecasts that carry their whole law; dropped by any event of the
+        #: session and when it is resident nowhere.
         self._laws: dict[str, tuple[ArrivalForecast, float]] = {}
         self._step = _Step()
         #: Idle sessions whose KV is not on their home node: what :meth:`sweep` re-plans.
@@ -192,6 +193,8 @@ class SchedulerCore:
         entry = self.dram[node].remove(sid)
         if entry is not None:
             self._step.dropped.append(Placement(sid, node))
+            if sid not in self._holders:  # resident nowhere now: its key is not asked
+                self._laws.pop(sid, None)
         return entry
 
     # ------------------------------------------------------------------ small helpers
@@ -268,7 +271,8 @@ class SchedulerCore:
                                         at[0] if isinstance(now_s, int | float) else at)
             for i, fc in zip(ask, forecasts, strict=True):
                 out[i] = predicted_use_s(fc, self.fleet.planner, times[i])
-                if fc is not None and fc.conditioned and fc.survival is not None:
+                if (fc is not None and fc.conditioned and fc.survival is not None
+                        and sids[i] in self._holders):  # kept for residents only
                     self._laws[sids[i]] = (fc, times[i])
         return out
 
