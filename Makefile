@@ -72,7 +72,7 @@ test: lint setup-sglang
 
 test-vllm:
 	$(MAKE) setup-vllm VENV=$(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pytest -q -m vllm
+	$(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/agents/test_vllm_cpu.py
 
 # The pure tests (no servers, no Ray, no shared traces): under a minute.
 test-fast: setup
