@@ -68,6 +68,8 @@ class LiveDriver:
         #: Node slots out of the fleet (no agent yet): never routed to, warmed on joining.
         self.out_nodes: set[int] = set()
         self.nodes_joined = 0
+        #: Service time of the next sweep (the first one on the first tick).
+        self._next_sweep_s = 0.0
         names = config.node_names
         self._names = list(names) if names is not None else [
             f"node-{i}" for i in range(config.fleet.nodes)]
@@ -80,6 +82,16 @@ class LiveDriver:
         while self.timers and self.timers[0][0] <= now:
             _, _, order = heapq.heappop(self.timers)
             self.carry(self.core.start_prefetch(order, now), box)
+
+    def sweep(self, now: float, box: Outbox) -> None:
+        """Every ``planner.sweep_interval_s`` of service time, re-plan the idle sessions
+        whose KV left their node (their forecasts move as their silence grows), as the
+        simulator does."""
+        if now < self._next_sweep_s:
+            return
+        self._next_sweep_s = now + self.config.fleet.planner.sweep_interval_s
+        self.stats.sweeps += 1
+        self.carry(self.core.sweep(now), box)
 
     def expire(self, wall: float, now: float, box: Outbox) -> None:
         """Give up orders not reported within ``order_timeout_s`` and re-plan them."""
@@ -451,7 +463,7 @@ class LiveDriver:
             "ttlb_s": list(s.ttlb_s), "lateness_s": list(s.lateness_s),
             "plan_step_s": list(s.plan_step_s),
             "eviction_index": asdict(core.eviction_index_stats()),
-            "loop_errors": s.loop_errors, "clock_s": self.clock.now_s(),
+            "loop_errors": s.loop_errors, "sweeps": s.sweeps, "clock_s": self.clock.now_s(),
             "epoch": self.orders.epoch, "reports_rejected": dict(s.reports_rejected),
             "reports_duplicate": s.reports_duplicate,
             "journal_quarantined": s.journal_quarantined,

@@ -87,6 +87,8 @@ class ServiceStats:
     prefetch_model_bytes: int = 0
     demand_model_bytes: int = 0
     loop_errors: int = 0
+    #: Re-plans of the idle sessions whose KV left their node (every sweep interval).
+    sweeps: int = 0
     #: Reports not booked because they do not match their order, by reason:
     #: ``stale_epoch`` (from an older scheduler incarnation), ``unknown_node``,
     #: ``unknown_order``, ``incarnation``, and ``session``, ``node``, ``kind``, ``keys``

@@ -384,6 +384,7 @@ class SchedulerService:
         with self._step() as box:
             now = self.clock.now_s()
             self.driver.fire_due(now, box)
+            self.driver.sweep(now, box)
             self.driver.expire(wall, now, box)
             self.stats.plan_step_s.append(self._wall() - wall)
         if self._journal is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from pathlib import Path
 
@@ -171,3 +172,30 @@ def test_client_under_load_loses_no_event(tmp_path: Path) -> None:
     journaled = sum(1 for _ in read_journal_events(tmp_path / "journal.jsonl"))
     assert journaled == events
     assert c.timeouts == 0
+
+
+def test_the_control_loop_re_plans_idle_sessions_every_sweep_interval(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Idle sessions whose KV left their node are re-planned on a timer (their forecasts
+    move as their silence grows), every ``planner.sweep_interval_s`` of service time, as
+    in the simulator."""
+    wall = [1000.0]
+    svc = SchedulerService(ServiceConfig(fleet=FLEET, loop_interval_s=0.005),
+                           wall=lambda: wall[0])
+    swept: list[float] = []
+    with svc.start():
+        core = svc.driver.core
+        real = core.sweep
+
+        def sweep(now_s: float):  # type: ignore[no-untyped-def]
+            swept.append(now_s)
+            return real(now_s)
+
+        monkeypatch.setattr(core, "sweep", sweep)
+        for _ in range(45):  # 45 service seconds, one at a time, a few loop ticks each
+            wall[0] += 1.0
+            time.sleep(0.03)
+        assert svc.summary()["sweeps"] == len(swept)
+    interval = FLEET.planner.sweep_interval_s
+    assert 4 <= len(swept) <= 5, swept
+    assert all(b - a >= interval for a, b in itertools.pairwise(swept)), swept
