@@ -34,13 +34,14 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 from agents.agent import RemoteStoreConfig
 from agents.lmcache.backend import Backend, LMCacheBackendConfig
+from agents.sglang.warm import SGLangWarmConfig
 from agents.stores.local import LocalTierConfig
 from agents.transfer import TransferConfig
 from controlplane.base.config import FleetConfig, fleet_from_dict
@@ -103,9 +104,12 @@ class PlacementSettings(_Section):
 
 class AgentSettings(_Section):
     #: Where orders land: ``local`` = the agent's own tier below; ``lmcache-mp`` = the
-    #: node's LMCache MP server's L1 (``lmcache``: the server as every node runs it).
-    backend: Backend = "local"
+    #: node's LMCache MP server's L1 (``lmcache``: the server as every node runs it);
+    #: ``sglang`` = the tier below, filled with SGLang's page objects, which the node's
+    #: SGLang reads first through our HiCache backend (``sglang``: how it names pages).
+    backend: Backend | Literal["sglang"] = "local"
     lmcache: LMCacheBackendConfig | None = None
+    sglang: SGLangWarmConfig | None = None
     #: The node-local DRAM tier of each agent (``{node}``: the node's number, so that
     #: several nodes on one machine do not share a directory). Under /dev/shm for DRAM.
     tier_path: str = Field("/dev/shm/kvprefetch-{node}", min_length=1)
@@ -122,13 +126,17 @@ class AgentSettings(_Section):
         if self.backend == "lmcache-mp" and self.lmcache is None:
             raise ValueError("backend lmcache-mp needs an agent.lmcache section (http_url, "
                              "model_name ...)")
-        if self.backend == "local" and self.tier_capacity_bytes is None:
-            raise ValueError("agent.tier_capacity_bytes is required with backend local")
+        if self.backend == "sglang" and self.sglang is None:
+            raise ValueError("backend sglang needs an agent.sglang section (model_name, "
+                             "page_size, tp_size as the node's SGLang runs)")
+        if self.backend in ("local", "sglang") and self.tier_capacity_bytes is None:
+            raise ValueError("agent.tier_capacity_bytes is required with backend "
+                             f"{self.backend}")
         return self
 
     def dram(self, node: int) -> LocalTierConfig | None:
         """Node ``node``'s local tier (None with the ``lmcache-mp`` backend)."""
-        if self.backend != "local" or self.tier_capacity_bytes is None:
+        if self.backend == "lmcache-mp" or self.tier_capacity_bytes is None:
             return None
         return LocalTierConfig(path=self.tier_path.format(node=node), kind=self.tier_kind,
                                capacity_bytes=self.tier_capacity_bytes)
@@ -445,7 +453,8 @@ class Serve:
 
         def agent_config(i: int, name: str) -> AgentConfig:
             return AgentConfig(node=i, node_name=name, remote=cfg.stores, transfer=a.transfer,
-                               backend=a.backend, lmcache=a.lmcache, dram=a.dram(i))
+                               backend=a.backend, lmcache=a.lmcache, sglang=a.sglang,
+                               dram=a.dram(i))
 
         agents = [agent_config(i, names[i]) for i in range(len(nodes))]
         placements = [Placement(node_id=n["NodeID"]) for n in nodes]

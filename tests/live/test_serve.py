@@ -75,6 +75,11 @@ def test_the_example_config_is_valid(monkeypatch: pytest.MonkeyPatch,
     (_minimal(service={"loop_interval_s": 0}), "service.loop_interval_s"),
     (_minimal(service={"fleet": {}}), "service.fleet"),
     (_minimal(colour="red"), "colour"),
+    (_minimal(agent={"tier_capacity_bytes": 1, "backend": "sglang"}), "agent.sglang section"),
+    (_minimal(agent={"backend": "sglang", "sglang": {"model_name": "m"}}),
+     "agent.tier_capacity_bytes"),
+    (_minimal(agent={"tier_capacity_bytes": 1, "backend": "sglang",
+                     "sglang": {"model_name": "m", "page_size": 0}}), "agent.sglang.page_size"),
 ])
 def test_bad_configs_fail_at_start_naming_the_field(tmp_path: Path, cfg: dict[str, Any],
                                                     field: str) -> None:
@@ -82,6 +87,16 @@ def test_bad_configs_fail_at_start_naming_the_field(tmp_path: Path, cfg: dict[st
     with pytest.raises(ConfigError) as err:
         load_serve_config(path)
     assert str(path) in str(err.value) and field in str(err.value), str(err.value)
+
+
+def test_the_sglang_backend_fills_each_node_tier_with_sglang_pages(tmp_path: Path) -> None:
+    cfg = load_serve_config(_write(tmp_path, _minimal(agent={
+        "backend": "sglang", "tier_capacity_bytes": 64 * MIB, "tier_path": "/dev/shm/kvp-{node}",
+        "sglang": {"model_name": "meta-llama/Llama-3.1-8B-Instruct", "tp_size": 2}})))
+    a = cfg.agent
+    assert a.backend == "sglang" and a.sglang is not None and a.sglang.tp_size == 2
+    tier = a.dram(3)
+    assert tier is not None and tier.path == "/dev/shm/kvp-3" and tier.capacity_bytes == 64 * MIB
 
 
 def test_a_missing_token_variable_and_a_missing_file_are_config_errors(
