@@ -89,6 +89,24 @@ class FleetView(Protocol):
         ...
 
 
+class IdleFleet:
+    """A :class:`FleetView` of idle GPUs and links, empty HBM and a Valkey-speed remote
+    store (5 GB/s, 0.5 ms): for measuring the control plane's own cost (``kvprefetch bench
+    control-plane``) and for the core's tests."""
+
+    def queue_wait_s(self, node: int, now_s: float) -> float:
+        return 0.0
+
+    def link_backlog_s(self, node: int, now_s: float) -> float:
+        return 0.0
+
+    def hbm_tokens(self, node: int, session_id: str) -> int:
+        return 0
+
+    def remote_source(self, session_id: str) -> tuple[float, float]:
+        return 1 / 5e9, 0.0005
+
+
 @dataclass(slots=True)
 class CoreStats:
     prefetches: int = 0

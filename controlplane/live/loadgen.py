@@ -117,35 +117,18 @@ def quantile(values: Sequence[float], q: float) -> float:
 
 
 # ------------------------------------------------------------------------------- targets
-class _IdleFleet:
-    """The core's view of a fleet with idle GPUs and links and a Valkey-speed remote
-    store: the control plane's own cost, not the data plane's, is what is measured."""
-
-    def queue_wait_s(self, node: int, now_s: float) -> float:
-        return 0.0
-
-    def link_backlog_s(self, node: int, now_s: float) -> float:
-        return 0.0
-
-    def hbm_tokens(self, node: int, session_id: str) -> int:
-        return 0
-
-    def remote_source(self, session_id: str) -> tuple[float, float]:
-        return 1 / 5e9, 0.0005
-
-
 class CoreTarget:
     """``inproc``: the pure core, its planning step run inline (see the module doc)."""
 
     def __init__(self, fleet: FleetConfig, spec: LoadSpec) -> None:
         from controlplane.core.policies import POLICIES
-        from controlplane.core.scheduler import SchedulerCore
+        from controlplane.core.scheduler import IdleFleet, SchedulerCore
         from predictors.registry import load as load_predictor
 
         policy = POLICIES[spec.policy]
         self.core = SchedulerCore(fleet, policy, load_predictor(policy.predictor
                                                                 or spec.predictor),
-                                  _IdleFleet())
+                                  IdleFleet())
         self._compression = spec.time_compression
         self._start = time.perf_counter()
         self._sweep_s = fleet.planner.sweep_interval_s

@@ -5,24 +5,11 @@ from __future__ import annotations
 
 from controlplane.base.config import GIB, fleet_from_dict
 from controlplane.base.types import EventKind, SessionEvent
-from controlplane.core.scheduler import SchedulerCore
+from controlplane.core.scheduler import IdleFleet, SchedulerCore
 from controlplane.core.step import StepOutput
 
-
-class FakeFleet:
-    """Idle nodes with empty HBM and a Valkey-speed remote store."""
-
-    def queue_wait_s(self, node: int, now_s: float) -> float:
-        return 0.0
-
-    def link_backlog_s(self, node: int, now_s: float) -> float:
-        return 0.0
-
-    def hbm_tokens(self, node: int, session_id: str) -> int:
-        return 0
-
-    def remote_source(self, session_id: str) -> tuple[float, float]:
-        return 1 / 5e9, 0.0005
+#: Idle nodes with empty HBM and a Valkey-speed remote store.
+FakeFleet = IdleFleet
 
 
 def finish_turn(core: SchedulerCore, sid: str, t: float, node: int, ctx: int,
