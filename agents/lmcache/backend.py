@@ -104,7 +104,41 @@ class WarmHandle:
         return self.future.result(timeout_s)
 
 
-class LMCacheWarmer:
+class OrderPool:
+    """What the warmers (LMCache's L1 here, SGLang's pages in :mod:`agents.sglang.warm`)
+    share: orders run on a pool of threads, one :class:`WarmHandle` each; a subclass
+    implements :meth:`_run`."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._pool: ThreadPoolExecutor | None = None
+        self._ids = count(1)
+
+    def _open_pool(self, workers: int) -> None:
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix=self.name)
+
+    def _close_pool(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def _not_started(self) -> Exception:
+        return StoreError(f"{self.name} is not started")
+
+    def submit(self, order: TransferOrder) -> WarmHandle:
+        if self._pool is None:
+            raise self._not_started()
+        tid = next(self._ids)
+        handle = WarmHandle(tid, Future())
+        handle.future = self._pool.submit(self._run, tid, order, handle.cancelled)
+        return handle
+
+    def _run(self, tid: int, order: TransferOrder, cancelled: threading.Event
+             ) -> TransferResult:
+        raise NotImplementedError
+
+
+class LMCacheWarmer(OrderPool):
     """Runs transfer orders as LMCache warm prefetches (see the module docstring).
 
     ``store`` is the remote token store holding the sessions' token ids. Thread-safe.
@@ -112,12 +146,10 @@ class LMCacheWarmer:
 
     def __init__(self, config: LMCacheBackendConfig, store: ObjectStore, *,
                  name: str = "lmcache") -> None:
+        super().__init__(name)
         self.config = config
-        self.name = name
         self._store = store
         self._client = LMCacheWarmClient(config.http_url, config.http_timeout_s)
-        self._pool: ThreadPoolExecutor | None = None
-        self._ids = count(1)
         self._lock = threading.Lock()
         #: "tenant/session" -> chunk keys of its last completed warm.
         self._warm: dict[str, tuple[str, ...]] = {}
@@ -127,25 +159,18 @@ class LMCacheWarmer:
         self._client.check_compatible(chunk_size=cfg.chunk_size,
                                       hash_algorithm=cfg.hash_algorithm,
                                       model_name=cfg.model_name, world_size=cfg.world_size)
-        self._pool = ThreadPoolExecutor(cfg.max_in_flight, thread_name_prefix=self.name)
+        self._open_pool(cfg.max_in_flight)
         log.info("%s: warming LMCache at %s (model %s, chunk %d, %s)", self.name,
                  cfg.http_url, cfg.model_name, cfg.chunk_size, cfg.hash_algorithm)
         return self
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+        self._close_pool()
         self._client.close()
 
     # ------------------------------------------------------------------ orders
-    def submit(self, order: TransferOrder) -> WarmHandle:
-        if self._pool is None:
-            raise LMCacheError(f"{self.name} is not started")
-        tid = next(self._ids)
-        handle = WarmHandle(tid, Future())
-        handle.future = self._pool.submit(self._run, tid, order, handle.cancelled)
-        return handle
+    def _not_started(self) -> Exception:
+        return LMCacheError(f"{self.name} is not started")
 
     def _run(self, tid: int, order: TransferOrder, cancelled: threading.Event
              ) -> TransferResult:

@@ -23,12 +23,10 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
-from itertools import count
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from agents.lmcache.backend import WarmHandle
+from agents.lmcache.backend import OrderPool
 from agents.lmcache.tokens import get_session_tokens, tokens_key
 from agents.sglang.keys import PageKeyScheme
 from agents.stores.base import ObjectStore
@@ -59,13 +57,13 @@ class SGLangWarmConfig(BaseModel):
     max_in_flight: int = Field(4, ge=1, le=64)
 
 
-class SGLangWarmer:
+class SGLangWarmer(OrderPool):
     """Runs transfer orders as copies of SGLang page objects into the node's tier."""
 
     def __init__(self, config: SGLangWarmConfig, store: ObjectStore, tier: LocalTier,
                  engine: TransferEngine, *, name: str = "sglang") -> None:
+        super().__init__(name)
         self.config = config
-        self.name = name
         self._store = store
         self._tier = tier
         self._engine = engine
@@ -73,34 +71,21 @@ class SGLangWarmer:
                                        is_mla=True)] if config.is_mla else [
             PageKeyScheme(config.model_name, tp_rank=r, tp_size=config.tp_size)
             for r in range(config.tp_size)]
-        self._pool: ThreadPoolExecutor | None = None
-        self._ids = count(1)
         self._lock = threading.Lock()
         #: "tenant/session" -> page object names of its last warm.
         self._warm: OrderedDict[str, tuple[str, ...]] = OrderedDict()
 
     def start(self) -> SGLangWarmer:
-        self._pool = ThreadPoolExecutor(self.config.max_in_flight,
-                                        thread_name_prefix=self.name)
+        self._open_pool(self.config.max_in_flight)
         return self
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+        self._close_pool()
 
     def page_names(self, token_ids: list[int]) -> list[str]:
         """Every rank's objects for the full pages of ``token_ids``, page by page."""
         per_rank = [s.object_names(token_ids, self.config.page_size) for s in self._schemes]
         return [name for page in zip(*per_rank, strict=True) for name in page]
-
-    def submit(self, order: TransferOrder) -> WarmHandle:
-        if self._pool is None:
-            raise StoreError(f"{self.name} is not started")
-        tid = next(self._ids)
-        handle = WarmHandle(tid, Future())
-        handle.future = self._pool.submit(self._run, tid, order, handle.cancelled)
-        return handle
 
     def _run(self, tid: int, order: TransferOrder, cancelled: threading.Event
              ) -> TransferResult:
