@@ -5,7 +5,6 @@ the order's own keys. SGLang is imported directly (see test_sglang_keys.py)."""
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 from collections.abc import Iterator
@@ -13,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from sglang_guard import sglang_missing
 
 try:
     import torch
@@ -20,11 +20,7 @@ try:
 
     from agents.sglang.backend import KvPrefetchHiCacheStorage, SGLangStorageConfig
 except ImportError as exc:  # pragma: no cover - the environment decides
-    if os.environ.get("KVPREFETCH_SGLANG_OPTIONAL") == "1":
-        pytest.skip(f"SGLang not installed ({exc}); KVPREFETCH_SGLANG_OPTIONAL=1",
-                    allow_module_level=True)
-    pytest.fail(f"SGLang is not importable ({exc}): run `make setup-sglang` (or set "
-                "KVPREFETCH_SGLANG_OPTIONAL=1 to skip these tests visibly)", pytrace=False)
+    sglang_missing(exc)
 
 from agents.agent import AgentConfig, PrefetchAgent, RemoteStoreConfig
 from agents.embedded import EmbeddedS3, EmbeddedValkey

@@ -12,13 +12,13 @@ SGLang is imported directly (see test_sglang_keys.py for the rule on a missing S
 from __future__ import annotations
 
 import json
-import os
 import uuid
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from sglang_guard import sglang_missing
 
 from agents.embedded import EmbeddedS3, EmbeddedValkey
 
@@ -33,11 +33,7 @@ try:
         dynamic_extra_config,
     )
 except ImportError as exc:  # pragma: no cover - the environment decides
-    if os.environ.get("KVPREFETCH_SGLANG_OPTIONAL") == "1":
-        pytest.skip(f"SGLang not installed ({exc}); KVPREFETCH_SGLANG_OPTIONAL=1",
-                    allow_module_level=True)
-    pytest.fail(f"SGLang is not importable ({exc}): run `make setup-sglang` (or set "
-                "KVPREFETCH_SGLANG_OPTIONAL=1 to skip these tests visibly)", pytrace=False)
+    sglang_missing(exc)
 
 from agents.agent import RemoteStoreConfig
 from agents.sglang.keys import page_hashes

@@ -12,12 +12,12 @@ without it.
 
 from __future__ import annotations
 
-import os
 import random
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from sglang_guard import sglang_missing
 
 from agents.sglang.keys import PageKeyScheme, namespace_seed, page_hashes
 
@@ -25,11 +25,7 @@ try:
     from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
     from sglang.srt.mem_cache.utils import get_hash_str, storage_namespace_seed
 except ImportError as exc:  # pragma: no cover - the environment decides
-    if os.environ.get("KVPREFETCH_SGLANG_OPTIONAL") == "1":
-        pytest.skip(f"SGLang not installed ({exc}); KVPREFETCH_SGLANG_OPTIONAL=1",
-                    allow_module_level=True)
-    pytest.fail(f"SGLang is not importable ({exc}): run `make setup-sglang` (or set "
-                "KVPREFETCH_SGLANG_OPTIONAL=1 to skip these tests visibly)", pytrace=False)
+    sglang_missing(exc)
 
 CASES = 120
 
