@@ -142,6 +142,19 @@ class Tier:
             free += e.nbytes
         return chosen if free >= nbytes else None
 
+    def trim(self, key: str, tokens: int, nbytes: int) -> int:
+        """Cut an entry down to its first ``tokens`` tokens (``nbytes`` bytes; keeping the
+        prefix is the caller's business, the tier only keeps the books). Returns the bytes
+        freed (0 if there is no such entry or it is no larger)."""
+        e = self._entries.get(key)
+        if e is None or nbytes >= e.nbytes:
+            return 0
+        freed = e.nbytes - max(0, nbytes)
+        e.tokens = min(e.tokens, max(0, tokens))
+        e.nbytes -= freed
+        self.used_bytes -= freed
+        return freed
+
     def put(self, entry: TierEntry) -> None:
         """Insert or replace; the caller has made room (see :meth:`victims_for`)."""
         old = self._entries.pop(entry.key, None)

@@ -51,6 +51,14 @@ class PolicySpec:
     #: Overrides the planner's safety margin (the oracle finishes exactly in time).
     safety_margin_s: float | None = None
     modelled_on: str = ""
+    #: Room is made by cutting a victim's KV back to a prefix, chunk by chunk, not by
+    #: dropping the whole session: the prefix is what a returning request reuses, and an
+    #: eviction frees only the bytes it needs (see :mod:`controlplane.core.scheduler`,
+    #: "Suffix eviction"). The LMCache-modelled baselines drop whole sessions: LMCache's
+    #: L1 LRU evicts a session's chunks in the order they were last touched, prefix first,
+    #: and the suffix it leaves is of no use to a prefix lookup, so whole-session LRU is
+    #: the generous model of it.
+    suffix_eviction: bool = False
 
 
 POLICIES: dict[str, PolicySpec] = {
@@ -69,19 +77,22 @@ POLICIES: dict[str, PolicySpec] = {
         # requests ahead in the queue need (measured: on the shared Claude Code set and
         # the slice on one node `queue` is slower than `ondemand` for that reason).
         PolicySpec("predictive", True, True, LoadStart.ADAPTIVE, EvictionKind.PREDICTED_USE,
-                   True, modelled_on="kvprefetch"),
+                   True, modelled_on="kvprefetch", suffix_eviction=True),
         PolicySpec("oracle", True, True, LoadStart.ON_ARRIVAL, EvictionKind.PREDICTED_USE, True,
-                   predictor="oracle", safety_margin_s=0.0, modelled_on="the physical limit"),
+                   predictor="oracle", safety_margin_s=0.0, modelled_on="the physical limit",
+                   suffix_eviction=True),
         # Experimental, by name only (not in the default six): the value rule of
         # controlplane.core.value for eviction, admission and prefetch timing. Measured so
         # far it prefetches but wastes most of it (README, "The value rule").
         PolicySpec("predictive-value", True, True, LoadStart.ADAPTIVE, EvictionKind.VALUE,
-                   True, modelled_on="kvprefetch, value rule (experimental)"),
+                   True, modelled_on="kvprefetch, value rule (experimental)",
+                   suffix_eviction=True),
         # Experimental, by name only: eviction by predicted use or LRU, whichever wins the
         # duels between their victims. Measured: fewer and smaller losses than predictive
         # at light load, smaller gains under load (README, "Prefetch: where it stands").
         PolicySpec("predictive-duel", True, True, LoadStart.ADAPTIVE, EvictionKind.ADAPTIVE,
-                   True, modelled_on="kvprefetch, dueling eviction (experimental)"),
+                   True, modelled_on="kvprefetch, dueling eviction (experimental)",
+                   suffix_eviction=True),
     )
 }
 

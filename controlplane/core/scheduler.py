@@ -27,6 +27,19 @@ policy of their own.
 * node restarts: :meth:`clear_local` (every node cold), :meth:`reconcile` (one node's agent
   reported what its tier really holds);
 * fleet changes: :meth:`node_left`, :meth:`node_joined` (warmed at once).
+
+Suffix eviction
+---------------
+Under policies with ``suffix_eviction`` (``predictive``, ``oracle``) room is made by cutting
+the last victim back to the whole chunks (``chunk_tokens``) of its prefix that the room
+does not need, instead of dropping it: a returning request reuses its context from the
+start, so the prefix left local shortens its load by that much, and a tier of a few large
+contexts no longer frees a whole session's bytes to fit a little more. The step reports
+the cut as a :class:`~controlplane.core.step.Trim` (the agent deletes the chunks past it);
+the trimmed session is planned again like an evicted one. Measured (README, "Suffix
+eviction"): it lowers predictive's and the oracle's returning TTFT in every run of the
+sweep; the LMCache-modelled baselines keep whole-session LRU (see
+:attr:`~controlplane.core.policies.PolicySpec.suffix_eviction`).
 """
 
 from __future__ import annotations
@@ -37,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from controlplane.base.config import GIB, FleetConfig
+from controlplane.base.keys import DEFAULT_CHUNK_TOKENS
 from controlplane.base.types import ArrivalForecast, SessionEvent
 from controlplane.core.planner import (
     PrefetchOrder,
@@ -46,7 +60,7 @@ from controlplane.core.planner import (
 )
 from controlplane.core.policies import EvictionKind, LoadStart, PolicySpec
 from controlplane.core.router import NodeView, RouteDecision, RouteRequest, route
-from controlplane.core.step import DEMAND_PRIORITY, LoadTicket, Placement, StepOutput
+from controlplane.core.step import DEMAND_PRIORITY, LoadTicket, Placement, StepOutput, Trim
 from controlplane.core.tiers import (
     DuelingEviction,
     EvictionDuel,
@@ -138,15 +152,22 @@ class _Step:
     cancels: list[Placement] = field(default_factory=list)
     orders: list[PrefetchOrder] = field(default_factory=list)
     dropped: list[Placement] = field(default_factory=list)
+    #: (session, node) -> the tokens its entry was cut back to (suffix eviction).
+    trims: dict[tuple[str, int], int] = field(default_factory=dict)
 
 
 class SchedulerCore:
     """See the module docstring. One instance per fleet (per policy in the simulator)."""
 
     def __init__(
-        self, fleet: FleetConfig, policy: PolicySpec, predictor: Predictor, view: FleetView
+        self, fleet: FleetConfig, policy: PolicySpec, predictor: Predictor, view: FleetView,
+        *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     ) -> None:
+        if chunk_tokens <= 0:
+            raise ValueError(f"chunk_tokens must be > 0, got {chunk_tokens}")
         self.fleet = fleet
+        #: Granularity of suffix eviction: the agents' chunk (LMCache's, 256 tokens).
+        self.chunk_tokens = chunk_tokens
         self.policy = policy
         self.predictor = predictor
         self.view = view
@@ -200,11 +221,19 @@ class SchedulerCore:
         for p in step.dropped:  # dropped and re-admitted within the call: not an eviction
             if self.dram[p.node].get(p.session_id) is None and p not in evictions:
                 evictions.append(p)
+        trims: list[Trim] = []
+        loading = {(t.session_id, t.node) for t in step.loads}
+        for (sid, node), keep in step.trims.items():
+            # Cut and then dropped, or refilled within the call: not a trim.
+            e = self.dram[node].get(sid)
+            if e is not None and e.tokens == keep and (sid, node) not in loading:
+                trims.append(Trim(sid, node, keep))
         if not (route_decision or step.loads or step.cancels or step.orders or evictions
-                or prefetch_ready_s is not None):
+                or trims or prefetch_ready_s is not None):
             return StepOutput.empty()
         return StepOutput(route_decision, promote, prefetch_ready_s, tuple(step.cancels),
-                          tuple(step.loads), tuple(step.orders), tuple(evictions))
+                          tuple(step.loads), tuple(step.orders), tuple(evictions),
+                          tuple(trims))
 
     def _drop(self, node: int, sid: str) -> TierEntry | None:
         """Remove the session from a node's books (reported as an eviction)."""
@@ -324,14 +353,34 @@ class SchedulerCore:
         d = self.dram[node].get(sid)
         return max(self.view.hbm_tokens(node, sid), d.tokens if d is not None else 0)
 
-    def _evict(self, node: int, victims: Sequence[TierEntry], now_s: float) -> None:
-        for v in victims:
-            self._drop(node, v.session_id)
-            if v.prefetched_unused:
-                self.stats.wasted_bytes += v.nbytes
-            s = self._sessions.get(v.session_id)
+    def _evict(self, node: int, victims: Sequence[TierEntry], now_s: float, *,
+               need_bytes: int = 0) -> None:
+        """Make ``need_bytes`` more room on the node by evicting ``victims`` (in order).
+        Under suffix eviction the last victim keeps the whole chunks of its prefix that
+        the room does not need; every other victim goes whole. Evicted sessions are
+        planned again (their KV may be wanted back before they return)."""
+        tier = self.dram[node]
+        keep = 0
+        if self.policy.suffix_eviction and victims:
+            surplus = (tier.capacity_bytes - tier.used_bytes
+                       + sum(v.nbytes for v in victims) - need_bytes)
+            keep = surplus // self.bpt // self.chunk_tokens * self.chunk_tokens
+            if keep >= victims[-1].tokens:
+                keep = 0
+        for i, v in enumerate(victims):
+            sid = v.session_id
+            if keep > 0 and i == len(victims) - 1:
+                freed = tier.trim(sid, keep, keep * self.bpt)
+                self._step.trims[(sid, node)] = keep
+                if v.prefetched_unused:
+                    self.stats.wasted_bytes += freed
+            else:
+                self._drop(node, sid)
+                if v.prefetched_unused:
+                    self.stats.wasted_bytes += v.nbytes
+            s = self._sessions.get(sid)
             if self.policy.prefetch and s is not None and not s.in_flight:
-                self._plan(v.session_id, now_s)
+                self._plan(sid, now_s)
 
     def _observe(self, event: SessionEvent) -> None:
         self.predictor.observe(event)
@@ -480,14 +529,15 @@ class SchedulerCore:
                 self.policy.eviction is EvictionKind.ADAPTIVE
                 and not self.duel.predicted_use_leads):
             min_key = self._own_key(sid, now_s)
-        victims = tier.victims_for(nbytes - old_bytes, now_s, exclude=sid, min_key=min_key)
+        need = nbytes - old_bytes
+        victims = tier.victims_for(need, now_s, exclude=sid, min_key=min_key)
         if old is not None and old.prefetched_unused:
             self.stats.wasted_bytes += old.nbytes
         if victims is None:
             if old is not None:
                 self._drop(node, sid)
             return
-        self._evict(node, victims, now_s)
+        self._evict(node, victims, now_s, need_bytes=need)
         tier.put(TierEntry(sid, ctx, nbytes, now_s, ready_at_s=now_s))
 
     # ------------------------------------------------------------------ transfers
@@ -508,7 +558,7 @@ class SchedulerCore:
                                    strategy=self._predicted_use if prefetch else None)
         if victims is None:
             return None
-        self._evict(node, victims, now_s)
+        self._evict(node, victims, now_s, need_bytes=nbytes - old_bytes)
         if have is not None and have.prefetched_unused:
             self.stats.wasted_bytes += have.nbytes
         tier.put(TierEntry(sid, tokens, nbytes, now_s, ready_at_s=INF, pinned=1,

@@ -16,6 +16,8 @@ decides nothing of its own:
   :meth:`~controlplane.core.scheduler.SchedulerCore.start_prefetch`;
 * ``evictions``: sessions dropped from a node's local-tier books (advise the node's agent to
   delete them); an entry dropped and re-admitted within the same call is not listed;
+* ``trims``: sessions cut back to a prefix in a node's books (suffix eviction, policies
+  with ``suffix_eviction``): advise the agent to delete the chunks past ``keep_tokens``;
 * ``prefetch_ready_s``: for lateness metrics, when a prefetch of the routed session became
   usable on the chosen node (``inf`` while it is still arriving), or None.
 """
@@ -56,6 +58,16 @@ class Placement:
 
 
 @dataclass(frozen=True, slots=True)
+class Trim:
+    """``session_id``'s KV on ``node`` keeps its first ``keep_tokens`` tokens (the prefix a
+    returning request reuses); the rest was evicted."""
+
+    session_id: str
+    node: int
+    keep_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class StepOutput:
     """What one core call decided; see the module docstring. Empty: :meth:`empty`."""
 
@@ -66,6 +78,7 @@ class StepOutput:
     loads: tuple[LoadTicket, ...] = ()
     orders: tuple[PrefetchOrder, ...] = ()
     evictions: tuple[Placement, ...] = ()
+    trims: tuple[Trim, ...] = ()
 
     @classmethod
     def empty(cls) -> StepOutput:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from fleet_fakes import FakeFleet, finish_turn, two_node_fleet
 
 from controlplane.base.config import GIB, fleet_from_dict
@@ -26,7 +28,8 @@ def test_forget_drops_session_and_predictor_state() -> None:
 
 def test_the_step_output_carries_the_planners_priority_and_reports_only_real_evictions(
 ) -> None:
-    core = SchedulerCore(two_node_fleet(), POLICIES["oracle"], load("last-gap"), FakeFleet())  # type: ignore[arg-type]
+    whole = replace(POLICIES["oracle"], suffix_eviction=False)
+    core = SchedulerCore(two_node_fleet(), whole, load("last-gap"), FakeFleet())  # type: ignore[arg-type]
     # Writing the same session through twice replaces its entry: not an eviction.
     finish_turn(core, "a", 0.0, node=0, ctx=40_000)
     assert finish_turn(core, "a", 10.0, node=0, ctx=40_100).evictions == ()
@@ -44,6 +47,37 @@ def test_the_step_output_carries_the_planners_priority_and_reports_only_real_evi
         out = core.start_prefetch(order, order.start_at_s)
     (ticket,) = out.loads
     assert ticket.prefetch and ticket.priority == order.priority > 0
+
+
+def test_suffix_eviction_cuts_the_victim_back_to_the_whole_chunks_of_its_prefix_that_fit(
+) -> None:
+    # The DRAM tier (10 GiB) holds two 40k-token sessions (4.88 GiB each) and 1,920 tokens
+    # more; a third needs a victim's room less that.
+    room = 10 * GIB // (128 << 10)  # 81,920 tokens
+    for name, cut in (("predictive", True), ("ondemand", False)):
+        core = SchedulerCore(two_node_fleet(), POLICIES[name], load("last-gap"), FakeFleet())  # type: ignore[arg-type]
+        finish_turn(core, "a", 0.0, node=0, ctx=40_000)
+        finish_turn(core, "b", 20.0, node=0, ctx=40_000)
+        out = finish_turn(core, "c", 30.0, node=0, ctx=40_000)
+        tier = core.dram[0]
+        assert tier.used_bytes <= tier.capacity_bytes
+        if not cut:  # the LMCache-modelled baseline drops the whole victim
+            assert [e.session_id for e in out.evictions] == ["a"] and out.trims == ()
+            continue
+        (trim,) = out.trims
+        keep = (room - 3 * 40_000 + 40_000) // 256 * 256  # 1,792: whole chunks only
+        assert out.evictions == () and trim.node == 0 and trim.keep_tokens == keep
+        victim = tier.get(trim.session_id)
+        assert victim is not None and victim.tokens == keep
+        assert victim.nbytes == keep * core.bpt
+        assert core.local_tokens(0, trim.session_id) == keep
+        # A returning request finds the prefix local: its demand load moves only the rest.
+        sid = trim.session_id
+        core.request_started(SessionEvent(EventKind.REQUEST_STARTED, sid, 40.0,
+                                          input_tokens=40_500))
+        node = core.route_request(sid, 40_500, 40_000, 40.0).node
+        (load_ticket,) = core.gpu_start(sid, node, 40_000, 40.5).loads
+        assert node == 0 and load_ticket.nbytes == (40_000 - keep) * core.bpt
 
 
 class _QueuedFleet(FakeFleet):

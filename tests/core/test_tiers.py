@@ -12,11 +12,15 @@ from controlplane.core.scheduler import MAX_REPLANS, SchedulerCore
 from controlplane.core.step import LoadTicket
 from predictors.registry import load
 
+#: Half the two-node fleet's DRAM tier (10 GiB at 128 KiB per token): two such sessions
+#: fill it exactly, so a third evicts one whole (no prefix is left to keep).
+HALF = 40_960
+
 
 def test_write_through_evicts_and_the_sweep_plans_a_prefetch_back() -> None:
     fleet = two_node_fleet()
     core = SchedulerCore(fleet, POLICIES["predictive"], load("last-gap"), FakeFleet())  # type: ignore[arg-type]
-    outs = [finish_turn(core, sid, 10.0 * i, node=0, ctx=40_000)
+    outs = [finish_turn(core, sid, 10.0 * i, node=0, ctx=HALF)
             for i, sid in enumerate(["a", "b", "c"])]
     held = {e.session_id for e in core.dram[0]}
     assert len(held) == 2 and core.dram[0].used_bytes <= core.dram[0].capacity_bytes
@@ -34,7 +38,7 @@ def test_write_through_evicts_and_the_sweep_plans_a_prefetch_back() -> None:
 def test_an_uncertain_prefetch_never_evicts_resident_kv() -> None:
     core = SchedulerCore(two_node_fleet(), POLICIES["predictive"], load("last-gap"), FakeFleet())  # type: ignore[arg-type]
     armed = [o for i, sid in enumerate(["a", "b", "c"])
-             for o in finish_turn(core, sid, 10.0 * i, node=0, ctx=40_000).orders]
+             for o in finish_turn(core, sid, 10.0 * i, node=0, ctx=HALF).orders]
     held = {e.session_id for e in core.dram[0]}
     (evicted,) = {"a", "b", "c"} - held
 

@@ -419,10 +419,14 @@ def test_an_exact_tool_hint_lets_the_prefetch_land_before_the_request() -> None:
     with_hints, run_on = last_turn_of_a(plan)
     assert run_off.prefetches == 0 and run_off.prefetched_bytes == 0
     assert run_on.prefetches == 1
-    assert run_on.prefetched_bytes == 11_200 * LLAMA_8B.kv_bytes_per_token
+    # b's write-through cut a back to a prefix (suffix eviction): only the rest moves.
+    kept = 11_200 - run_on.prefetched_bytes // LLAMA_8B.kv_bytes_per_token
+    assert 0 < kept < 11_200 and kept % 256 == 0
     assert run_on.wasted_bytes == 0
     assert run_on.lateness_s and max(run_on.lateness_s) < 0  # landed before a arrived
-    assert with_hints < without - 0.2
+    # ... and the request no longer waits for them: most of their load time (Valkey's
+    # 5 GB/s) is saved.
+    assert with_hints < without - 0.8 * run_on.prefetched_bytes / 5e9
     oracle = run_policy(trace, fleet, POLICIES["oracle"], "last-gap", hints=plan)
     (best,) = [r.ttft_s for r in oracle.records if (r.session_id, r.turn) == ("a", 2)]
     assert with_hints == pytest.approx(best)
