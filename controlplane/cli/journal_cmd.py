@@ -1,7 +1,8 @@
 """``kvprefetch journal check [--repair] PATH``: check a scheduler journal record by record,
 in the spirit of Valkey's ``valkey-check-aof``.
 
-It reads every line as the scheduler does when it resumes (checksums, record syntax and,
+It reads every line as the scheduler does when it resumes (checksums, sequence numbers,
+record syntax, values no live call produces and,
 unless ``--no-time-check``, the range of each record's time against the wall clock now) and
 reports the records, the scheduler starts and every damaged line with its number and why.
 Exit status: 0 when the journal is clean (or was repaired), 1 when it has damaged lines.
@@ -37,10 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from controlplane.traces.journal import JournalScanner, TimeLimits, quarantine
+    from controlplane.live.journal import LiveJournalScanner
+    from controlplane.traces.journal import TimeLimits, quarantine
 
     limits = None if args.no_time_check else TimeLimits(now_wall_s=time.time())
-    scan = JournalScanner(args.path, limits=limits)
+    scan = LiveJournalScanner(args.path, limits=limits)
     for _ in scan:
         pass
     side = quarantine(args.path, scan.damaged) if args.repair and scan.damaged else None

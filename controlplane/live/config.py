@@ -37,6 +37,11 @@ class ServiceConfig(BaseModel):
     journal_path: str | None = None
     #: Fsync the journal every this many wall seconds (it is flushed to the OS each loop).
     journal_sync_interval_s: float = Field(5.0, gt=0)
+    #: Compact the journal (drop closed sessions' records, atomically) once this many
+    #: records were written since it was opened or last compacted, and at least as many
+    #: as it kept then (so compaction costs O(1) per event); also at start-up when the
+    #: journal replayed holds this many. 0: never.
+    journal_compact_records: int = Field(200_000, ge=0)
     #: Allowed tenants; None = any.
     tenants: tuple[str, ...] | None = None
     #: Live sessions (opened, not yet closed) each tenant may hold; a call that would open

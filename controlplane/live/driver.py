@@ -35,11 +35,12 @@ from controlplane.core.scheduler import SchedulerCore
 from controlplane.core.step import StepOutput
 from controlplane.live.config import ServiceClock, ServiceConfig
 from controlplane.live.fleet import LiveFleet
+from controlplane.live.journal import KeysChange, LiveJournalScanner, LiveJournalWriter
 from controlplane.live.orders import OrderBook, report_mismatch
 from controlplane.live.ports import Outbox, ServiceMetricsSink, ServiceStats
 from controlplane.live.sessions import SessionInfo, SessionQuery, SessionRegistry, SessionState
 from controlplane.live.tenants import TenantQuotaError
-from controlplane.traces.journal import JournalScanner, JournalWriter, TimeLimits
+from controlplane.traces.journal import DamagedRecord, TimeLimits
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +65,12 @@ class LiveDriver:
         #: Armed prefetch orders by start time (the service's loop fires them).
         self.timers: list[tuple[float, int, PrefetchOrder]] = []
         self._seq = itertools.count()
-        self.journal: JournalWriter | None = None
+        self.journal: LiveJournalWriter | None = None
         #: Node slots out of the fleet (no agent yet): never routed to, warmed on joining.
         self.out_nodes: set[int] = set()
         self.nodes_joined = 0
+        #: Records journalled since the journal was opened or last compacted.
+        self.journal_records = 0
         #: Service time of the next sweep (the first one on the first tick).
         self._next_sweep_s = 0.0
         names = config.node_names
@@ -104,14 +107,17 @@ class LiveDriver:
                     self._order_failed(o, now, "timed out", box)
 
     # ------------------------------------------------------------------ events
-    def apply(self, event: SessionEvent) -> StepOutput:
-        """Apply one session event to the registry and the core: the same for a live call
-        and for a journal replayed on restart."""
+    def apply(self, event: SessionEvent, keys: KeysChange | None = None) -> StepOutput:
+        """Apply one session event (and the change of its chunk names it brought) to the
+        registry and the core: the same for a live call and for a journal replayed on
+        restart."""
         key = SessionKey.parse(event.session_id)
         if event.kind is EventKind.SESSION_CLOSED:
             self.registry.close(key)
             return self.core.close(event)
         info = self.registry.open(key)
+        if keys is not None:
+            info.hashes = keys.apply(info.hashes)
         if event.kind is EventKind.REQUEST_STARTED:
             info.turns, info.in_flight, info.arrival_s = event.turn + 1, True, event.time_s
             info.await_prefetch_node = None
@@ -121,23 +127,34 @@ class LiveDriver:
             return self.core.request_finished(event, event.context_after)
         return self.core.hint(event)
 
-    def record_and_apply(self, event: SessionEvent, box: Outbox) -> None:
+    def record_and_apply(self, event: SessionEvent, box: Outbox,
+                         hashes: tuple[str, ...] | None = None) -> None:
+        """Journal ``event``, then apply it. ``hashes``: the session's chunk hashes from now
+        on, when the call named its chunks by content (journalled as the change from the
+        old ones, so that a resume names them exactly as before)."""
         self.stats.events += 1
         self.metrics.event(event.kind.value)
+        keys = None
+        if hashes is not None:
+            info = self.registry.by_sid(event.session_id)
+            old = info.hashes if info is not None else None
+            if hashes != old:
+                keys = KeysChange.between(old, hashes)
         if self.journal is not None:
             # Handed to the OS at once: a killed service loses no acknowledged event (a
             # crashed machine may lose the last ones; fsync runs on the loop's interval).
-            self.journal.write(event)
+            self.journal.write_event(event, keys)
             self.journal.flush()
-        self.carry(self.apply(event), box)
+            self.journal_records += 1
+        self.carry(self.apply(event, keys), box)
 
     def carry(self, out: StepOutput, box: Outbox) -> None:
-        """Turn the core's decisions into messages: cancels, orders, evict advice (whole
-        sessions, and the suffixes of trimmed ones), timers."""
+        """Turn the core's decisions into messages: cancels, orders, evict advice, timers."""
         for c in out.cancels:
             sent = self.orders.of_session(c.session_id, c.node)
             if sent is not None:
                 self.orders.close(sent)
+                self.stats.orders_cancelled += 1
                 box.cancel.append((c.node, c.session_id, sent.order_id))
         for ticket in out.loads:
             info = self.registry.by_sid(ticket.session_id)
@@ -163,14 +180,6 @@ class LiveDriver:
             else:
                 key = info.key if info is not None else SessionKey.parse(e.session_id)
                 box.evict.append((e.node, (session_prefix(key.tenant, key.session_id),), ()))
-        for t in out.trims:  # suffix eviction: the chunks past the kept prefix go
-            info = self.registry.by_sid(t.session_id)
-            if info is None or (t.session_id, t.node) in loading:
-                continue  # closed (its chunks are not known here) or ordered back at once
-            chunks = self.registry.keys_of(info, info.context_tokens)
-            drop = tuple(chunks[t.keep_tokens // self.config.chunk_tokens:])
-            if drop:
-                box.evict.append((t.node, (), drop))
 
     # ------------------------------------------------------------------ gateway calls
     def start_request(self, call: api.RequestStarted | api.RouteQuery, box: Outbox
@@ -184,15 +193,17 @@ class LiveDriver:
             raise
         info = self.registry.open(key)
         self.metrics.tenant_sessions(key.tenant, self.registry.per_tenant[key.tenant])
+        hashes = None
         if call.token_ids is not None:  # the service hashes before its lock (prehash)
-            info.hashes = tuple(chunk_hashes(call.token_ids, self.config.chunk_tokens))
+            hashes = tuple(chunk_hashes(call.token_ids, self.config.chunk_tokens))
         elif call.chunk_hashes is not None:
-            info.hashes = tuple(call.chunk_hashes)
+            hashes = tuple(call.chunk_hashes)
         reused = call.reused_tokens if call.reused_tokens is not None else min(
             call.tokens, info.context_tokens)
         self.record_and_apply(SessionEvent(
             EventKind.REQUEST_STARTED, key.wire, self.clock.now_s(), info.turns, call.tokens, 0,
-            min(reused, call.tokens), tenant=call.tenant, parent_id=call.parent_id), box)
+            min(reused, call.tokens), tenant=call.tenant, parent_id=call.parent_id), box,
+            hashes)
         return info
 
     def route(self, call: api.RouteQuery, box: Outbox) -> api.RouteAnswer:
@@ -227,12 +238,11 @@ class LiveDriver:
 
     def request_finished(self, call: api.RequestFinished, box: Outbox) -> None:
         info = self.registry.known(SessionKey(call.tenant, call.session_id))
-        if call.chunk_hashes is not None:
-            info.hashes = tuple(call.chunk_hashes)
+        hashes = tuple(call.chunk_hashes) if call.chunk_hashes is not None else None
         self.record_and_apply(SessionEvent(
             EventKind.REQUEST_FINISHED, info.sid, self.clock.now_s(), max(0, info.turns - 1),
             call.input_tokens, call.output_tokens, 0, call.stop_reason, node=call.node,
-            tenant=call.tenant, context_tokens=call.context_tokens), box)
+            tenant=call.tenant, context_tokens=call.context_tokens), box, hashes)
 
     def hint(self, call: api.HintCall, box: Outbox) -> None:
         info = self.registry.known(SessionKey(call.tenant, call.session_id))
@@ -430,23 +440,31 @@ class LiveDriver:
         self.metrics.lateness(seconds)
 
     # ------------------------------------------------------------------ resume
-    def resume(self, path: Path, limits: TimeLimits) -> JournalScanner:
+    def resume(self, path: Path, limits: TimeLimits) -> LiveJournalScanner:
         """Replay the journal through :meth:`apply` (as the live calls did); keep the
         armed orders; the books of each node are reconciled when its agent says hello.
-        Damaged records (checksum, syntax, time out of range) are skipped and left in the
-        returned scanner's ``damaged`` for the caller to quarantine; this never raises on
-        a record's content.
+        Damaged records (checksum, syntax, sequence, values or time out of range, and any
+        record whose replay raised) are skipped and left in the returned scanner's
+        ``damaged`` for the caller to quarantine; this never raises on a record's
+        content.
 
         Fleet changes: the journal holds session events only, so a join is replayed where
         the journal proves it, just before the first event that names an out node (a
         request finished there, so it had joined). Nodes that joined but no event names
         stay out until their agents say hello again (the Ray scheduler asks every agent
         to on restart)."""
-        scan, box = JournalScanner(path, limits=limits), Outbox()
-        for _line, event in scan:
-            if event.node is not None and event.node in self.out_nodes:
-                self.node_joined(event.node, event.time_s, box, replayed=True)
-            self.carry(self.apply(event), box)
+        scan = LiveJournalScanner(path, limits=limits, nodes=self.config.fleet.nodes)
+        box = Outbox()
+        for line, event in scan:
+            try:
+                if event.node is not None and event.node in self.out_nodes:
+                    self.node_joined(event.node, event.time_s, box, replayed=True)
+                self.carry(self.apply(event, scan.keys), box)
+            except Exception as exc:  # a record the checks let through: never a restart loop
+                log.exception("journal %s:%d: replaying the record failed; set aside", path,
+                              line)
+                scan.damaged.append(DamagedRecord(line, f"replay failed: {exc!r}",
+                                                  scan.last_raw))
         self.clock.continue_after(scan.last_t)
         log.info("resumed from %s: %d events, %d live sessions, clock at %.1f s, "
                  "last epoch %d", path, scan.events, len(self.registry), scan.last_t,
@@ -460,7 +478,7 @@ class LiveDriver:
             "policy": self.policy.name, "events": s.events, "routes": s.routes,
             "sessions": len(self.registry), "orders_sent": s.orders_sent,
             "orders_done": s.orders_done, "orders_failed": s.orders_failed,
-            "orders_lost": s.orders_lost,
+            "orders_lost": s.orders_lost, "orders_cancelled": s.orders_cancelled,
             "orders_in_flight": {self.node_name(i): self.orders.count(i)
                                  for i in range(self.config.fleet.nodes)},
             "prefetch_bytes": s.prefetch_bytes, "demand_bytes": s.demand_bytes,
@@ -476,6 +494,8 @@ class LiveDriver:
             "epoch": self.orders.epoch, "reports_rejected": dict(s.reports_rejected),
             "reports_duplicate": s.reports_duplicate,
             "journal_quarantined": s.journal_quarantined,
+            "journal_compactions": s.journal_compactions,
+            "journal_records_dropped": s.journal_records_dropped,
             "quota_refusals": s.quota_refusals,
             "live_sessions_per_tenant": dict(self.registry.per_tenant),
             "nodes_joined": self.nodes_joined,

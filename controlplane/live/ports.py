@@ -80,6 +80,9 @@ class ServiceStats:
     orders_done: int = 0
     orders_failed: int = 0
     orders_lost: int = 0
+    #: Orders called off by the core (the session went elsewhere or closed): with done,
+    #: failed and those in flight, they add up to the orders sent.
+    orders_cancelled: int = 0
     #: Real bytes the agents moved (scaled by the engines' kv_scale).
     prefetch_bytes: int = 0
     demand_bytes: int = 0
@@ -98,6 +101,9 @@ class ServiceStats:
     reports_duplicate: int = 0
     #: Journal records quarantined when the service started (damaged or out of range).
     journal_quarantined: int = 0
+    #: Journal compactions done, and the closed sessions' records they dropped.
+    journal_compactions: int = 0
+    journal_records_dropped: int = 0
     #: Calls refused because their tenant held its quota of live sessions.
     quota_refusals: int = 0
     #: The latest :data:`SAMPLE_WINDOW` samples.

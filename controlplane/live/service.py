@@ -8,12 +8,18 @@ wraps it; tests drive it directly). It is a thin driver of the core, in rooms:
 * :class:`~controlplane.live.orders.OrderBook`: orders in flight, bounded de-duplication;
 * :class:`~controlplane.live.fleet.LiveFleet`: the core's view of the fleet, from reports;
 * :class:`~controlplane.live.driver.LiveDriver`: the decisions under the lock: every session
-  event is journalled (:class:`~controlplane.traces.JournalWriter`), then applied by
-  ``LiveDriver.apply``, the one path that live calls and resume share;
+  event is journalled (:class:`~controlplane.live.journal.LiveJournalWriter`: the event and
+  the change of its chunk names), then applied by ``LiveDriver.apply``, the one path that
+  live calls and resume share, so a resumed session has the context, turns and chunk names
+  it had;
 * :class:`~controlplane.live.ports.AgentFanout`: the core's decisions
   (:class:`~controlplane.core.step.StepOutput`) carried out as messages to the agents;
 * a control loop that fires armed prefetch orders, expires lost orders and flushes the
-  journal; it logs and counts every failure and never dies.
+  journal; it logs and counts every failure and never dies;
+* journal compaction (:func:`~controlplane.live.journal.compact_journal`): at start-up
+  after a long replay, and in a background thread once ``journal_compact_records`` records
+  were written since the last one. The journal is rewritten atomically without closed
+  sessions' records, so a resume costs the live sessions' events, not the history.
 
 Incarnations: each start replays the journal (damaged records are quarantined to a side
 file and counted, never a failed start-up, which Ray would turn into a restart loop), then
@@ -62,6 +68,14 @@ from controlplane.core.scheduler import SchedulerCore
 from controlplane.live.config import ServiceClock, ServiceConfig
 from controlplane.live.driver import LiveDriver
 from controlplane.live.fleet import LiveFleet
+from controlplane.live.journal import (
+    LiveJournalScanner,
+    LiveJournalWriter,
+    compact_journal,
+    live_records,
+    publish_compacted,
+    write_compacted,
+)
 from controlplane.live.limits import check_call, prehash
 from controlplane.live.orders import OrderBook
 from controlplane.live.ports import (
@@ -73,7 +87,7 @@ from controlplane.live.ports import (
     ServiceStats,
 )
 from controlplane.live.sessions import SessionQuery, SessionRegistry, SessionState
-from controlplane.traces.journal import EpochRecord, JournalWriter, TimeLimits, quarantine
+from controlplane.traces.journal import EpochRecord, TimeLimits, quarantine
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +136,11 @@ class SchedulerService:
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
         self._driver: LiveDriver | None = None
-        self._journal: JournalWriter | None = None
+        self._journal: LiveJournalWriter | None = None
+        #: The background compaction under way, if any.
+        self._compactor: threading.Thread | None = None
+        #: Records the journal kept at its last compaction (the next waits for as many).
+        self._journal_kept = 0
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._last_sync = 0.0
@@ -143,17 +161,19 @@ class SchedulerService:
         # replayed next brings back those its events prove had joined).
         driver.mark_out(range(self.config.nodes_at_start, self.config.fleet.nodes), Outbox())
         path = self.config.journal_path
-        last_epoch = 0
+        last_epoch, next_seq = 0, 1
         if path is not None and Path(path).exists() and Path(path).stat().st_size > 0:
-            last_epoch = self._resume(driver, Path(path))
+            scan = self._resume(driver, Path(path))
+            last_epoch, next_seq = scan.last_epoch, scan.last_seq + 1
+            limit = self.config.journal_compact_records
+            if limit and scan.records >= limit:
+                self._compact_at_start(driver, Path(path))
         self.epoch = next_epoch(last_epoch, self._calendar(),
                                 damaged=driver.stats.journal_quarantined > 0)
         self.orders.begin_epoch(self.epoch)
         if path is not None:
-            self._journal = driver.journal = JournalWriter(path, metadata={
-                "source": "kvprefetch-service", "policy": self.policy.name,
-                "time_compression": self.config.time_compression,
-            }).open()
+            self._journal = driver.journal = LiveJournalWriter(
+                path, metadata=self._journal_metadata(), next_seq=next_seq).open()
             self._journal.write_epoch(EpochRecord(self.epoch, self.clock.now_s(),
                                                   self._calendar(),
                                                   self.config.time_compression))
@@ -169,10 +189,10 @@ class SchedulerService:
                  nodes - len(driver.out_nodes), nodes, self.config.time_compression)
         return self
 
-    def _resume(self, driver: LiveDriver, path: Path) -> int:
+    def _resume(self, driver: LiveDriver, path: Path) -> LiveJournalScanner:
         """Replay the journal; quarantine its damaged records (never fail start-up on
         them: Ray would restart the scheduler into the same record forever). Returns the
-        last scheduler epoch the journal records."""
+        scan (last epoch, last sequence number, records read)."""
         scan = driver.resume(path, TimeLimits(now_wall_s=self._calendar()))
         damaged = scan.damaged
         if damaged:
@@ -187,7 +207,32 @@ class SchedulerService:
                 log.warning("journal %s: %d damaged records skipped and moved to %s: lines %s%s",
                             path, len(damaged), side, lines,
                             " ..." if len(damaged) > 10 else "")
-        return scan.last_epoch
+        return scan
+
+    def _journal_metadata(self) -> dict[str, Any]:
+        return {"source": "kvprefetch-service", "policy": self.policy.name,
+                "time_compression": self.config.time_compression}
+
+    def _compact_at_start(self, driver: LiveDriver, path: Path) -> None:
+        """Before the writer opens it: the journal without closed sessions' records (a
+        failure is logged; the journal stays as it was)."""
+        t0 = self._wall()
+        try:
+            result = compact_journal(path, metadata=self._journal_metadata())
+        except OSError as exc:
+            log.error("journal %s: compaction failed: %s", path, exc)
+            return
+        if result.damaged:
+            log.error("journal %s: not compacted: %d damaged records left in it", path,
+                      result.damaged)
+            return
+        self._journal_kept = result.records_after
+        driver.stats.journal_compactions += 1
+        driver.stats.journal_records_dropped += result.records_before - result.records_after
+        log.info("journal %s compacted at start-up in %.2f s: %d records -> %d (%.1f -> "
+                 "%.1f MiB)", path, self._wall() - t0, result.records_before,
+                 result.records_after, result.bytes_before / (1 << 20),
+                 result.bytes_after / (1 << 20))
 
     def close(self) -> None:
         with self._wake:
@@ -196,6 +241,9 @@ class SchedulerService:
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
+        if self._compactor is not None:  # it gives up once it sees _stopping
+            self._compactor.join(timeout=60)
+            self._compactor = None
         if self._journal is not None:
             self._journal.flush(sync=True)
             self._journal.close()
@@ -392,6 +440,65 @@ class SchedulerService:
             if sync:
                 self._last_sync = wall
             self._journal.flush(sync=sync)
+            self._maybe_compact()
+
+    # ------------------------------------------------------------------ compaction
+    def _maybe_compact(self) -> None:
+        """From the loop: compact in the background once ``journal_compact_records``
+        records (and as many as the last compaction kept) were written since."""
+        limit, driver = self.config.journal_compact_records, self._driver
+        if not limit or self._journal is None or driver is None or (
+                self._compactor is not None and self._compactor.is_alive()):
+            return
+        if driver.journal_records < max(limit, self._journal_kept):
+            return
+        self._compactor = threading.Thread(target=self.compact_journal,
+                                           name="kvprefetch-journal-compaction", daemon=True)
+        self._compactor.start()
+
+    def compact_journal(self) -> bool:
+        """Compact the journal while the service runs: under the lock, note where the
+        journal ends and which sessions are live; without it, copy their records to a new
+        file; under the lock again, append what was written meanwhile, rename the copy
+        over the journal and reopen the writer on it. Returns whether it compacted (a
+        failure is logged and counted in ``loop_errors``; the journal stays as it was)."""
+        journal, driver = self._journal, self._driver
+        if journal is None or driver is None:
+            return False
+        path, t0 = journal.path, self._wall()
+        try:
+            with self._lock:
+                journal.flush()
+                upto = path.stat().st_size
+                live = {info.sid for info in driver.registry}
+                written, driver.journal_records = driver.journal_records, 0
+            records, read, damaged = live_records(path, upto, live)
+            if damaged:
+                log.error("journal %s: not compacted: %d damaged records (the next start "
+                          "quarantines them)", path, damaged)
+                with self._lock:
+                    driver.journal_records += written
+                return False
+            tmp = write_compacted(path, records, self._journal_metadata())
+            with self._lock:
+                if self._stopping or self._journal is not journal:
+                    tmp.unlink(missing_ok=True)
+                    return False
+                journal.flush()
+                size = publish_compacted(tmp, path, upto)
+                journal.close()
+                journal.open()
+                self._journal_kept = len(records) + 1
+                driver.stats.journal_compactions += 1
+                driver.stats.journal_records_dropped += read - len(records) - 1
+        except Exception:
+            driver.stats.loop_errors += 1
+            log.exception("journal %s: compaction failed; the journal stays as it was", path)
+            return False
+        log.info("journal %s compacted in %.2f s: %d records -> %d (%d live sessions, "
+                 "%.1f MiB)", path, self._wall() - t0, read, len(records) + 1, len(live),
+                 size / (1 << 20))
+        return True
 
     # ------------------------------------------------------------------ introspection
     def sessions(self) -> int:

@@ -1,0 +1,346 @@
+"""The live scheduler's journal: the trace journal (:mod:`controlplane.traces.journal`) with
+what an exact resume needs beyond a :class:`~controlplane.base.types.SessionEvent`, and its
+compaction.
+
+Chunk names: a session whose client sent token ids or chunk hashes names its chunks by
+content. The event that changed them (a ``request_started`` with token ids, a
+``request_finished`` with chunk hashes) carries the change in the optional key ``keys``:
+``{"keep": n, "add": [...]}``, the session's hashes are its first ``n`` old ones followed by
+``add`` (a new turn's chained hashes share the old prefix, so a turn adds a few hashes, not
+the whole context). The key sits inside the record's checksum; readers of the trace journal
+ignore it (version 1 gains optional keys), so the format version stays 1.
+
+Order: every record the scheduler writes starts with its sequence number, ``{"seq": n,
+...``, one more than the record before it (across restarts; compaction keeps the numbers,
+so gaps are normal). A record whose number is not above the last one read is a duplicated
+or reordered line, which a checksum cannot catch: it is damaged like a record that fails
+its checksum. So is a record with values no live call can produce (token counts above the
+API's limit, a node outside the fleet, a hint ETA over a day, a session id or tenant the API
+refuses): start-up never acts on them.
+
+Compaction (:func:`compact_journal`): the journal is rewritten atomically as its header, the
+last scheduler-start record and the records of the sessions still live, each from after its
+last close: the events of closed sessions are dropped, so resuming costs the live sessions'
+events, not the history. Records written while it ran are copied over as they are (the
+tail). What compaction forgets: the books of closed sessions' KV that may still sit in a
+node's tier (an agent's hello reconciles them away after a restart anyway), the core's
+counters, and what an online predictor learnt from closed sessions.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pydantic_core
+
+from controlplane.base.errors import InvalidRequestError
+from controlplane.base.types import EventKind, SessionEvent, SessionKey
+from controlplane.live.limits import check_session_id, check_tenant_name
+from controlplane.traces.journal import (
+    HEADER_KEY,
+    JOURNAL_VERSION,
+    EpochRecord,
+    JournalScanner,
+    JournalWriter,
+    TimeLimits,
+    _Damaged,
+    _encode_checked,
+    event_to_dict,
+)
+
+log = logging.getLogger(__name__)
+
+#: The optional key of an event record that changes the session's chunk hashes.
+KEYS_KEY = "keys"
+_KEYS_MARK = b'"keys":'
+#: A chunk hash as the API takes it (1-128 characters, no '/'), see ``api.RouteQuery``.
+_HASH = re.compile(r"[^/\s]{1,128}")
+#: More hashes than any one record can carry (the API's limit is far below).
+_MAX_HASHES = 1_000_000
+#: The sequence number's key, first in every record the scheduler writes.
+SEQ_KEY = "seq"
+_SEQ_HEAD = re.compile(rb'\{"seq":(\d{1,19}),')
+#: The most tokens a live call may give (the API's ``Tokens`` bound).
+MAX_TOKENS = 100_000_000
+#: The longest hint ETA a live call may give (seconds).
+MAX_ETA_S = 86_400.0
+#: The largest epoch an order id can carry (``epoch << 32 | n`` below 2^63).
+MAX_EPOCH = (1 << 31) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class KeysChange:
+    """A session's chunk hashes after an event: its first ``keep`` old ones, then ``add``."""
+
+    keep: int
+    add: tuple[str, ...]
+
+    @classmethod
+    def between(cls, old: Sequence[str] | None, new: Sequence[str]) -> KeysChange:
+        keep = 0
+        if old:
+            limit = min(len(old), len(new))
+            while keep < limit and old[keep] == new[keep]:
+                keep += 1
+        return cls(keep, tuple(new[keep:]))
+
+    def apply(self, old: Sequence[str] | None) -> tuple[str, ...]:
+        return tuple((old or ())[: self.keep]) + self.add
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"keep": self.keep, "add": list(self.add)}
+
+    @classmethod
+    def parse(cls, value: Any) -> KeysChange:
+        """From a record's ``keys`` value; ValueError naming what is wrong."""
+        if not isinstance(value, dict) or set(value) != {"keep", "add"}:
+            raise ValueError("keys: expected {\"keep\": n, \"add\": [...]}")
+        keep, add = value["keep"], value["add"]
+        if type(keep) is not int or not 0 <= keep <= _MAX_HASHES:
+            raise ValueError(f"keys.keep: expected 0..{_MAX_HASHES}, got {keep!r}")
+        if not isinstance(add, list) or len(add) + keep > _MAX_HASHES or not all(
+                isinstance(h, str) and _HASH.fullmatch(h) for h in add):
+            raise ValueError("keys.add: expected a list of chunk hashes (1-128 characters)")
+        return cls(keep, tuple(add))
+
+
+class LiveJournalWriter(JournalWriter):
+    """The scheduler's writer: numbered records, events with their chunk-name changes (see
+    the module docstring). Called under the service's lock for every session event and
+    once per start; ``next_seq`` continues the numbers of the journal it appends to."""
+
+    def __init__(self, path: str | Path, *, metadata: Mapping[str, Any] | None = None,
+                 next_seq: int = 1) -> None:
+        super().__init__(path, metadata=metadata)
+        self.next_seq = next_seq
+
+    def write_event(self, event: SessionEvent, keys: KeysChange | None = None) -> None:
+        row = {SEQ_KEY: 0, **event_to_dict(event)}
+        if keys is not None:
+            row[KEYS_KEY] = keys.to_dict()
+        self._numbered(row)
+
+    def write_epoch(self, record: EpochRecord) -> None:
+        self._numbered({SEQ_KEY: 0, **record.to_dict()})
+
+    def _numbered(self, row: dict[str, Any]) -> None:
+        row[SEQ_KEY] = self.next_seq
+        self.next_seq += 1
+        self._append(_encode_checked(row))
+
+    def write_raw(self, records: Sequence[bytes]) -> None:
+        """Append records copied verbatim from another journal file (checksums intact)."""
+        for raw in records:
+            self._append(raw if raw.endswith(b"\n") else raw + b"\n")
+
+
+class LiveJournalScanner(JournalScanner):
+    """The trace journal's scanner that also reads ``keys``: after each ``(line, event)``
+    it yields, :attr:`keys` is that event's :class:`KeysChange` (None when it has none). A
+    ``keys`` value that does not parse makes its record damaged like any other."""
+
+    def __init__(self, path: str | Path, *, limits: TimeLimits | None = None,
+                 nodes: int | None = None) -> None:
+        super().__init__(path, limits=limits)
+        #: The fleet's node slots: an event naming another node is damaged.
+        self.nodes = nodes
+        self.keys: KeysChange | None = None
+        #: The last sequence number read (0: none yet), and the last record's bytes.
+        self.last_seq = 0
+        self.last_raw = b""
+        #: Whether the last record :meth:`lines` yielded is a scheduler-start record.
+        self.last_line_was_epoch = False
+
+    def lines(self, upto_bytes: int | None = None
+              ) -> Iterator[tuple[int, bytes, SessionEvent | None]]:
+        """Every trusted record of the (uncompressed) journal's first ``upto_bytes`` bytes
+        (default: all) as ``(line, raw bytes, event or None)``; damaged ones are set aside
+        in :attr:`damaged` as when iterating. A writer may be appending past
+        ``upto_bytes`` meanwhile."""
+        with self.path.open("rb") as stream:
+            position, number = 0, 0
+            while upto_bytes is None or position < upto_bytes:
+                raw = stream.readline()
+                if not raw:
+                    break
+                position += len(raw)
+                number += 1
+                if not raw.strip():
+                    continue
+                self.records += 1
+                epochs = self.epochs
+                try:
+                    event = self._read(number, raw)
+                except _Damaged as damage:
+                    self._damage(number, raw, damage)
+                    continue
+                self.last_line_was_epoch = self.epochs > epochs
+                if event is not None:
+                    self.events += 1
+                yield number, raw, event
+
+    def _read(self, number: int, raw: bytes) -> SessionEvent | None:
+        self.keys, self.last_raw = None, raw
+        head = _SEQ_HEAD.match(raw)
+        seq = int(head.group(1)) if head is not None else None
+        if seq is not None and seq <= self.last_seq:
+            raise _Damaged(f"sequence number {seq} not above {self.last_seq} "
+                           "(a duplicated or reordered record)", field=SEQ_KEY)
+        epochs, last_epoch, start = self.epochs, self.last_epoch, self._epoch
+        event = super()._read(number, raw)  # the checksum first: then trust the number
+        if self.epochs > epochs and self._epoch is not None and (
+                self._epoch.epoch > MAX_EPOCH):
+            bad = self._epoch.epoch
+            self.epochs, self.last_epoch, self._epoch = epochs, last_epoch, start
+            raise _Damaged(f"epoch {bad} is above {MAX_EPOCH} (order ids would overflow)",
+                           field="kvprefetch_epoch")
+        if seq is not None:
+            self.last_seq = seq
+        elif self.last_seq and not raw.startswith(b'{"%s"' % HEADER_KEY.encode()):
+            raise _Damaged("no sequence number after numbered records", field=SEQ_KEY)
+        if event is not None:
+            self._check_values(event)
+        if event is not None and _KEYS_MARK in raw:
+            value = pydantic_core.from_json(raw).get(KEYS_KEY)
+            if value is not None:
+                try:
+                    self.keys = KeysChange.parse(value)
+                except ValueError as exc:
+                    raise _Damaged(str(exc), field=KEYS_KEY) from None
+        return event
+
+    def _check_values(self, event: SessionEvent) -> None:
+        """Values no live call produces (see the module docstring) make a record damaged."""
+        for name, value in (("in", event.input_tokens), ("out", event.output_tokens),
+                            ("reused", event.reused_tokens), ("ctx", event.context_tokens),
+                            ("turn", event.turn)):
+            if value is not None and value > MAX_TOKENS:
+                raise _Damaged(f"{name} {value} is above {MAX_TOKENS:,}", field=name)
+        if event.node is not None and self.nodes is not None and event.node >= self.nodes:
+            raise _Damaged(f"node {event.node} is outside the fleet ({self.nodes} nodes)",
+                           field="node")
+        key = SessionKey.parse(event.session_id)
+        try:
+            check_tenant_name(key.tenant)
+            check_session_id(key.session_id)
+        except InvalidRequestError as exc:
+            raise _Damaged(f"session {event.session_id!r}: {exc}", field="session") from None
+        if event.eta_s is not None and event.eta_s > MAX_ETA_S:
+            raise _Damaged(f"eta_s {event.eta_s} is above a day", field="eta_s")
+
+
+# ---------------------------------------------------------------------------------------------
+# Compaction.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class CompactionResult:
+    """What :func:`compact_journal` did: records read and kept, bytes before and after."""
+
+    records_before: int
+    records_after: int
+    bytes_before: int
+    bytes_after: int
+    #: Records of the compacted prefix that were damaged (left out, not quarantined here).
+    damaged: int
+
+    def to_dict(self) -> dict[str, int]:
+        return {"records_before": self.records_before, "records_after": self.records_after,
+                "bytes_before": self.bytes_before, "bytes_after": self.bytes_after,
+                "damaged": self.damaged}
+
+
+def live_records(path: Path, upto_bytes: int, live: Collection[str] | None
+                 ) -> tuple[list[bytes], int, int]:
+    """The records of the first ``upto_bytes`` bytes of the journal that a compacted copy
+    keeps: the last scheduler-start record and every record of a session in ``live``
+    (None: every session not closed at the end of the prefix) from after its last close, in
+    file order. Returns (records, records read, damaged records left out)."""
+    scan = LiveJournalScanner(path)
+    by_session: dict[str, list[tuple[int, bytes]]] = {}
+    epoch: tuple[int, bytes] | None = None
+    for number, raw, event in scan.lines(upto_bytes):
+        if event is None:
+            if scan.last_line_was_epoch:
+                epoch = (number, raw)
+        elif event.kind is EventKind.SESSION_CLOSED:
+            by_session.pop(event.session_id, None)
+        else:
+            by_session.setdefault(event.session_id, []).append((number, raw))
+    keep = [r for sid, records in by_session.items() if live is None or sid in live
+            for r in records]
+    if epoch is not None:  # in its place: the records stay in sequence
+        keep.append(epoch)
+    keep.sort(key=lambda r: r[0])
+    return [raw for _, raw in keep], scan.records, len(scan.damaged)
+
+
+def write_compacted(path: Path, records: Sequence[bytes],
+                    metadata: Mapping[str, Any] | None = None) -> Path:
+    """A temporary file beside ``path`` holding a fresh header (``metadata`` and
+    ``compacted``) and ``records``; :func:`publish_compacted` puts it in place."""
+    header = {HEADER_KEY: JOURNAL_VERSION, **(metadata or {}), "compacted": True}
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".compacting", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(pydantic_core.to_json(header) + b"\n")
+            for raw in records:
+                f.write(raw if raw.endswith(b"\n") else raw + b"\n")
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return Path(tmp)
+
+
+def publish_compacted(tmp: Path, path: Path, from_bytes: int) -> int:
+    """Append the journal's records from byte ``from_bytes`` on (written while the
+    compacted copy was made) to ``tmp``, fsync it and rename it over ``path``: a reader
+    sees the old journal or the whole new one. Returns the new journal's size."""
+    try:
+        with tmp.open("ab") as out, path.open("rb") as src:
+            src.seek(from_bytes)
+            shutil.copyfileobj(src, out)
+            out.flush()
+            os.fsync(out.fileno())
+            size = out.tell()
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    try:  # the rename itself survives a crash once the directory is synced
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+    except OSError:
+        return size
+    try:
+        os.fsync(dir_fd)
+    except OSError:
+        pass
+    finally:
+        os.close(dir_fd)
+    return size
+
+
+def compact_journal(path: str | Path, live: Collection[str] | None = None, *,
+                    metadata: Mapping[str, Any] | None = None) -> CompactionResult:
+    """Rewrite the journal at ``path`` atomically without the records of closed sessions
+    (see the module docstring); ``live`` as in :func:`live_records`. Run it where no
+    writer appends to the file (the scheduler at start-up, ``kvprefetch journal compact``).
+    A journal with damaged records is left as it is (``damaged`` in the result says so):
+    quarantine them first."""
+    p = Path(path)
+    size = p.stat().st_size
+    records, read, damaged = live_records(p, size, live)
+    if damaged:
+        return CompactionResult(read, read, size, size, damaged)
+    tmp = write_compacted(p, records, metadata)
+    after = publish_compacted(tmp, p, size)
+    return CompactionResult(read, len(records) + 1, size, after, 0)
