@@ -149,7 +149,8 @@ class LiveDriver:
         self.carry(self.apply(event, keys), box)
 
     def carry(self, out: StepOutput, box: Outbox) -> None:
-        """Turn the core's decisions into messages: cancels, orders, evict advice, timers."""
+        """Turn the core's decisions into messages: cancels, orders, evict advice (whole
+        sessions, and the suffixes of trimmed ones), timers."""
         for c in out.cancels:
             sent = self.orders.of_session(c.session_id, c.node)
             if sent is not None:
@@ -180,6 +181,14 @@ class LiveDriver:
             else:
                 key = info.key if info is not None else SessionKey.parse(e.session_id)
                 box.evict.append((e.node, (session_prefix(key.tenant, key.session_id),), ()))
+        for t in out.trims:  # suffix eviction: the chunks past the kept prefix go
+            info = self.registry.by_sid(t.session_id)
+            if info is None or (t.session_id, t.node) in loading:
+                continue  # closed (its chunks are not known here) or ordered back at once
+            chunks = self.registry.keys_of(info, info.context_tokens)
+            drop = tuple(chunks[t.keep_tokens // self.config.chunk_tokens:])
+            if drop:
+                box.evict.append((t.node, (), drop))
 
     # ------------------------------------------------------------------ gateway calls
     def start_request(self, call: api.RequestStarted | api.RouteQuery, box: Outbox
