@@ -817,11 +817,16 @@ class SchedulerCore:
                   ) -> StepOutput:
         """A node's agent reported what its tier holds: drop the book entries of sessions it
         does not hold (``holds(session_id, tokens)``), except those still arriving, whose
-        transfers decide. Unknown sessions' entries are dropped too."""
+        transfers decide, and plan the idle ones again (a prefetch may bring them back, as
+        after an eviction). Unknown sessions' entries are dropped too."""
         for entry in list(self.dram[node]):
             if entry.ready_at_s > now_s:
                 continue
-            if entry.session_id not in self._sessions or not holds(entry.session_id,
-                                                                   entry.tokens):
-                self._drop(node, entry.session_id)
+            sid = entry.session_id
+            if sid not in self._sessions or not holds(sid, entry.tokens):
+                self._drop(node, sid)
+                s = self._sessions.get(sid)
+                if self.policy.prefetch and s is not None and not s.in_flight:
+                    s.pending = None  # an order planned against the old books is void
+                    self._plan(sid, now_s)
         return self._output()

@@ -291,10 +291,6 @@ def test_restart_with_a_hint_pending(tmp_path: Path, fleet: Fleet) -> None:
     check_books(fleet)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "core: SchedulerCore.reconcile drops the entries an agent's hello disproves but does "
-    "not re-plan those idle sessions (it uses _drop, not _evict), so the hint's prefetch "
-    "replayed against the journal's books is not re-armed; needs a core change"))
 def test_a_pending_hint_is_prefetched_after_the_restart(tmp_path: Path,
                                                          fleet: Fleet) -> None:
     svc = _hint_then_crash(fleet, tmp_path)
