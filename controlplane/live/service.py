@@ -154,7 +154,9 @@ class SchedulerService:
         from predictors.registry import load as load_predictor
 
         predictor = load_predictor(self.policy.predictor or self.config.predictor)
-        core = SchedulerCore(self.config.fleet, self.policy, predictor, self.fleet)
+        # Suffix eviction cuts entries back to whole chunks of the agents' size.
+        core = SchedulerCore(self.config.fleet, self.policy, predictor, self.fleet,
+                             chunk_tokens=self.config.chunk_tokens)
         driver = LiveDriver(self.config, core, self.fleet, self.orders, self.clock,
                             self._metrics, self._wall)
         # Node slots without an agent yet are out until their agent says hello (a journal
