@@ -299,6 +299,48 @@ def test_property_oracle_and_ondemand_bounds(spec: list) -> None:
     assert mean("ondemand", 1) <= mean("recompute", 1) + 1e-9
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.floats(0, 60), st.lists(turn_st, min_size=1, max_size=4)),
+                min_size=2, max_size=6),
+       st.integers(3, 12))
+def test_property_suffix_eviction_keeps_whole_chunk_prefixes_within_capacity(
+        spec: list, dram_gib: int) -> None:
+    """Random small fleets under pressure: whatever predictive and the oracle cut, a DRAM
+    entry is a whole-chunk prefix of its session's stored context (or all of it), never
+    longer, and the tier never holds more than its capacity."""
+    sessions = tuple(_session(f"p{i}", start, turns) for i, (start, turns) in enumerate(spec))
+    trace = Trace("prop", tuple(sorted(sessions, key=lambda s: (s.start_s, s.session_id))),
+                  "test")
+    longest = {s.session_id: max(r.context_tokens_after for r in s.requests)
+               for s in trace.sessions}
+    fleet = fleet_from_dict({"nodes": 1, "node": {"hbm_kv_bytes": 2 * GIB,
+                                                  "dram_tier_bytes": dram_gib * GIB}})
+    for policy in ("predictive", "oracle"):
+        sim = _run(policy, trace, fleet)
+        assert len(sim.out.records) == trace.requests
+        tier = sim.core.dram[0]
+        assert tier.used_bytes == sum(e.nbytes for e in tier) <= tier.capacity_bytes
+        for e in tier:
+            assert e.nbytes == e.tokens * sim.bpt and 0 < e.tokens <= longest[e.session_id]
+
+
+def test_suffix_eviction_lowers_predictive_ttft_on_the_bundled_slice() -> None:
+    """Measured regression guard (README, "Suffix eviction"): on the bundled slice, one
+    node, seed 0, cutting victims back to their prefix beats dropping them whole."""
+    trace = load_trace(bundled_trace_path("claude-code"),
+                       arrivals=ArrivalOptions(session_rate_per_s=1 / 75))
+    fleet = fleet_from_dict({"nodes": 1})
+
+    def returning_mean(policy: object) -> float:
+        sim = Simulation(trace, fleet, policy, load_predictor("default"))  # type: ignore[arg-type]
+        recs = [r for r in sim.run().records if r.returning]
+        return sum(r.ttft_s for r in recs) / len(recs)
+
+    cut = returning_mean(POLICIES["predictive"])
+    whole = returning_mean(replace(POLICIES["predictive"], suffix_eviction=False))
+    assert cut < 0.99 * whole
+
+
 # ------------------------------------------------------------------ CLI
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "controlplane", *args], cwd=REPO,
