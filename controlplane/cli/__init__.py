@@ -22,7 +22,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
              "live control plane on local Ray: ondemand vs predictive with real bytes"),
     "serve": ("controlplane.cli.serve",
               "attach to a Ray cluster: scheduler, one agent per GPU node, HTTP API"),
-    "journal": ("controlplane.cli.journal_cmd", "check a scheduler journal; --repair"),
+    "journal": ("controlplane.cli.journal_cmd",
+                "check a scheduler journal (--repair), or compact it"),
 }
 #: `kvprefetch bench <what>`
 BENCHES: dict[str, tuple[str, str]] = {
@@ -35,6 +36,8 @@ BENCHES: dict[str, tuple[str, str]] = {
     "control-plane": ("controlplane.cli.bench_control_plane",
                       "scheduler events/s, route latency, planning step and memory per "
                       "session: pure core, service, one Ray actor"),
+    "soak": ("controlplane.cli.bench_soak",
+             "steady traffic against the scheduler service and its journal: is RSS flat?"),
 }
 
 
