@@ -102,3 +102,11 @@ clean:
 fuzz: setup
 	mkdir -p out
 	$(PY) tests/live/fuzz_api.py --cases 5000 --json out/fuzz.json
+
+# Soak: steady traffic (sessions open, turn and close) against the scheduler service in
+# process with its journal compacting, for 30 minutes; samples RSS and collection sizes and
+# writes out/soak.json. Not part of `make test` (tests/live/test_soak.py runs 16 s there).
+.PHONY: soak
+soak: setup
+	@mkdir -p out
+	$(PY) -m controlplane bench soak --duration 1800 --warmup 300 --json out/soak.json
