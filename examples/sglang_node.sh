@@ -7,7 +7,8 @@
 # Environment (defaults in brackets): VALKEY_HOST [127.0.0.1], VALKEY_PORT [6379],
 # S3_BUCKET (required), S3_REGION [us-east-1], S3_ENDPOINT (for non-AWS S3), DRAM_DIR
 # [/dev/shm/kvprefetch] and DRAM_BYTES [64 GiB]: the agent's 'dram' tier (same path in the
-# agent's serve.yaml, backend: sglang), PAGE_SIZE [64], TP [1], PORT [30000],
+# agent's serve.yaml, backend: sglang), READ_THREADS [4]: threads one batch's pages are
+# read and verified on from that tier, PAGE_SIZE [64], TP [1], PORT [30000],
 # SGLANG [python -m sglang.launch_server]; SGLANG=echo prints the command instead.
 # Needs: SGLang (GPU build) and kvprefetch importable by the same Python.
 set -euo pipefail
@@ -25,6 +26,7 @@ env = os.environ.get
 config = SGLangStorageConfig(
     local=LocalTierConfig(path=env("DRAM_DIR", "/dev/shm/kvprefetch"),
                           capacity_bytes=int(env("DRAM_BYTES", str(64 << 30)))),
+    local_read_threads=int(env("READ_THREADS", "4")),
     remote=RemoteStoreConfig(
         valkey=ValkeyStoreConfig(host=env("VALKEY_HOST", "127.0.0.1"),
                                  port=int(env("VALKEY_PORT", "6379"))),

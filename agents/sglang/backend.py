@@ -17,11 +17,14 @@ pages it wrote back. Keys are SGLang's page hashes (:mod:`agents.sglang.keys`); 
 named by :class:`~agents.sglang.keys.PageKeyScheme` from the storage config (model, ranks).
 
 Reads: the node-local DRAM tier the agent warms first (a file per object, opened by name:
-:class:`~agents.sglang.node_tier.NodeTierReader`), then the remote store (Valkey, then S3,
-S3 hits promoted into Valkey). Every object is checksummed (:mod:`agents.stores.format`)
-and verified part by part as it lands. With ``interface_v1`` and a page-first host layout
-the payload lands straight in SGLang's host pool (each page is its K and V regions, in the
-order of the pool's flat data page); other layouts go through one flat page and a copy.
+:class:`~agents.sglang.node_tier.NodeTierReader`: one copy into the destination, hashed
+chunk by chunk from cache, a batch's pages on ``local_read_threads`` threads), then the
+remote store (Valkey, then S3, S3 hits promoted into Valkey). Every object is checksummed
+(:mod:`agents.stores.format`) and verified part by part as it lands; a local object that
+fails its checksum is read from the remote store instead (counted as ``local_bad``). With
+``interface_v1`` and a page-first host layout the payload lands straight in SGLang's host
+pool (each page is its K and V regions, in the order of the pool's flat data page); other
+layouts go through one flat page and a copy.
 ``batch_exists`` answers from the local tier's files first and asks the remote store only
 about the pages after the local prefix.
 
@@ -41,7 +44,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
@@ -50,7 +53,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from agents.agent import RemoteStoreConfig
 from agents.sglang.keys import PageKeyScheme
-from agents.sglang.node_tier import NodeTierReader
+from agents.sglang.node_tier import NodeTierReader, TierRead
 from agents.stores.base import Buffer, ObjectStore
 from agents.stores.errors import StoreError
 from agents.stores.format import ObjectHeader
@@ -70,6 +73,9 @@ class SGLangStorageConfig(BaseModel):
     #: The node-local tier the agent warms (same ``path`` as the agent's ``dram``); None:
     #: remote store only.
     local: LocalTierConfig | None = None
+    #: Threads that copy and verify one batch's pages from the local tier at once (the
+    #: calling thread is one of them).
+    local_read_threads: int = Field(4, ge=1, le=64)
     remote: RemoteStoreConfig
 
 
@@ -161,16 +167,21 @@ class KvPrefetchHiCacheStorage(HiCacheStorage):
         self.storage_config = storage_config
         self.scheme = PageKeyScheme.from_storage_config(storage_config)
         self.is_writer = bool(getattr(storage_config, "is_storage_writer", True))
-        self.local = NodeTierReader(self.config.local) if self.config.local else None
+        self.local = (NodeTierReader(self.config.local,
+                                     read_threads=self.config.local_read_threads)
+                      if self.config.local else None)
         self.store = store if store is not None else self.config.remote.build()
         self.mem_pool_host: Any = None
         self._lock = threading.Lock()
-        self.counts = {"local_hits": 0, "remote_hits": 0, "misses": 0, "pages_written": 0}
+        self.counts = {"local_hits": 0, "local_bad": 0, "remote_hits": 0, "misses": 0,
+                       "pages_written": 0}
         self.store.start()
         log.info("kvprefetch HiCache storage: rank suffix %s, local tier %s",
                  self.scheme.suffix, self.config.local.path if self.config.local else None)
 
     def close(self) -> None:
+        if self.local is not None:
+            self.local.close()
         self.store.close()
 
     def _count(self, **deltas: int) -> None:
@@ -188,11 +199,12 @@ class KvPrefetchHiCacheStorage(HiCacheStorage):
         done: dict[str, bool] = dict.fromkeys(destinations, False)
         rest = list(destinations)
         if self.local is not None:
-            sink = _PageSink(destinations)
-            for name in destinations:
-                done[name] = self.local.read(name, sink)
+            reads = self.local.read_batch(list(destinations.items()))
+            for name, outcome in zip(destinations, reads, strict=True):
+                done[name] = outcome is TierRead.HIT
             rest = [n for n in destinations if not done[n]]
-            self._count(local_hits=len(destinations) - len(rest))
+            self._count(local_hits=len(destinations) - len(rest),
+                        local_bad=sum(r is TierRead.BAD for r in reads))
         if rest:
             sink = _PageSink({n: destinations[n] for n in rest})
             for r in self.store.get(rest, sink=sink):

@@ -3,9 +3,10 @@ S3 on loopback: SGLang's ``StorageBackendFactory`` with the dynamic config build
 set / exists / batch_exists / batch_get (into host pages) return the stored bytes, byte for
 byte; the node-local tier is read first; checksums catch damaged objects.
 
-The zero-copy v1 calls run against a page-first host pool double (``PageFirstHostPool``,
-the same methods and page geometry as SGLang's ``MHATokenToKVPoolHost``): SGLang's real
-host pool cannot be built on CPU without torchvision, which its config package imports.
+The zero-copy v1 calls run against a page-first host pool double
+(:class:`agents.sglang.host_pool.PageFirstHostPool`, the same methods and page geometry as
+SGLang's ``MHATokenToKVPoolHost``): SGLang's real host pool cannot be built on CPU without
+torchvision, which its config package imports.
 SGLang is imported directly (see test_sglang_keys.py for the rule on a missing SGLang).
 """
 
@@ -36,6 +37,7 @@ except ImportError as exc:  # pragma: no cover - the environment decides
     sglang_missing(exc)
 
 from agents.agent import RemoteStoreConfig
+from agents.sglang.host_pool import PageFirstHostPool
 from agents.sglang.keys import page_hashes
 from agents.stores.local import LocalTier, LocalTierConfig
 from agents.stores.tiered import TieredStoreConfig
@@ -45,37 +47,8 @@ pytestmark = pytest.mark.servers
 LAYERS, HEADS, HEAD_DIM, PAGE = 4, 2, 16, 8
 
 
-class PageFirstHostPool:
-    """SGLang's MHA host pool in ``page_first`` layout: kv_buffer[2, tokens, layers, heads,
-    dim]; a page's flat form is its K rows then its V rows."""
-
-    layout = "page_first"
-    page_size = PAGE
-
-    def __init__(self, pages: int, dtype: torch.dtype = torch.bfloat16) -> None:
-        self.size = pages * PAGE
-        self.kv_buffer = torch.zeros(2, self.size, LAYERS, HEADS, HEAD_DIM, dtype=dtype)
-
-    def get_page_buffer_meta(self, indices: torch.Tensor) -> tuple[list[int], list[int]]:
-        item = self.kv_buffer.element_size()
-        v_offset = self.size * LAYERS * HEADS * HEAD_DIM * item
-        ptrs: list[int] = []
-        for index in indices.tolist()[::PAGE]:
-            k = self.kv_buffer.data_ptr() + index * LAYERS * HEADS * HEAD_DIM * item
-            ptrs += [k, k + v_offset]
-        return ptrs, [LAYERS * item * PAGE * HEADS * HEAD_DIM] * len(ptrs)
-
-    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
-        page = self.kv_buffer[:, index : index + PAGE]
-        return page.flatten() if flat else page
-
-    def get_dummy_flat_data_page(self) -> torch.Tensor:
-        return torch.zeros(2 * PAGE * LAYERS * HEADS * HEAD_DIM,
-                           dtype=self.kv_buffer.dtype)
-
-    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
-        self.kv_buffer[:, index : index + PAGE] = data_page.reshape(
-            2, PAGE, LAYERS, HEADS, HEAD_DIM)
+def host_pool(pages: int) -> PageFirstHostPool:
+    return PageFirstHostPool(pages, PAGE, LAYERS * HEADS * HEAD_DIM)
 
 
 def storage_config(extra: dict[str, object], tp_rank: int = 0) -> HiCacheStorageConfig:
@@ -200,7 +173,7 @@ def test_local_tier_is_read_first_and_a_damaged_local_copy_falls_back(
 
 def test_zero_copy_v1_calls_land_in_the_host_pool(backend: KvPrefetchHiCacheStorage
                                                   ) -> None:
-    pool = PageFirstHostPool(pages=8)
+    pool = host_pool(8)
     g = torch.Generator().manual_seed(4)
     pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape, generator=g))
     backend.register_mem_pool_host(pool)  # type: ignore[arg-type]
@@ -217,3 +190,29 @@ def test_zero_copy_v1_calls_land_in_the_host_pool(backend: KvPrefetchHiCacheStor
     for i in range(3):
         assert as_bytes(pool.get_data_page(int(dst[i * PAGE]))) == \
             as_bytes(pool.get_data_page(i * PAGE))
+
+
+def test_v1_reads_from_the_local_tier_land_in_the_pool_and_damage_falls_back(
+        backend: KvPrefetchHiCacheStorage, local_config: LocalTierConfig) -> None:
+    pool = host_pool(16)
+    backend.register_mem_pool_host(pool)  # type: ignore[arg-type]
+    keys, values = keys_for(9, 5), pages(9, 5)
+    names = [backend.scheme.object_name(k) for k in keys]
+    assert backend.batch_set(keys[:1], values[:1])  # a remote copy of page 0 only
+    with LocalTier(local_config) as tier:  # the agent's warm: every page, flat
+        assert all(r.ok for r in tier.put([(n, as_bytes(v)) for n, v in
+                                           zip(names, values, strict=True)]))
+        for i in (0, 4):  # damage pages 0 and 4 in the tier
+            path = tier.path_of(names[i])
+            raw = bytearray(path.read_bytes())
+            raw[-(len(as_bytes(values[i])) // 2) - 1] ^= 0x10  # the K/V border
+            path.write_bytes(bytes(raw))
+        # Read on several threads into pages 7..15, each page as its K and V regions.
+        got = backend.batch_get_v1(keys, torch.arange(7 * PAGE, 16 * PAGE))
+    assert got == [True, True, True, True, False, True, True, True, True]
+    for i in range(9):
+        if i != 4:
+            assert as_bytes(pool.get_data_page((7 + i) * PAGE)) == as_bytes(values[i]), i
+    stats = backend.get_stats()
+    assert stats["local_hits"] == 7 and stats["local_bad"] == 2
+    assert stats["remote_hits"] == 1 and stats["misses"] == 1
