@@ -51,6 +51,19 @@ def _digest(algo: int, data: bytes | bytearray | memoryview) -> int:
     raise CorruptObjectError(f"unknown checksum algorithm {algo}")
 
 
+def part_digest(data: bytes | bytearray | memoryview, algo: int = DEFAULT_ALGO) -> int:
+    """The digest of one part, as :func:`make_header` computes it (for writers that hash
+    each part while they send it and build the header afterwards)."""
+    return _digest(algo, data)
+
+
+def part_count(payload_bytes: int, part_bytes: int) -> int:
+    """How many parts a payload of ``payload_bytes`` has (0 for an empty one)."""
+    if part_bytes <= 0:
+        raise StoreConfigError(f"part_bytes must be positive, got {part_bytes}")
+    return -(-payload_bytes // part_bytes)
+
+
 def validate_key(key: str) -> bytes:
     """Return the key's utf-8 bytes; raise :class:`StoreConfigError` for an unusable key."""
     if not isinstance(key, str) or not key:

@@ -33,8 +33,10 @@ import contextlib
 import itertools
 import logging
 import os
+import struct
+import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -65,7 +67,14 @@ from agents.stores.errors import (
     StoreTimeoutError,
     TierFullError,
 )
-from agents.stores.format import ObjectHeader, decode_header, make_header, validate_key
+from agents.stores.format import (
+    ObjectHeader,
+    decode_header,
+    make_header,
+    part_count,
+    part_digest,
+    validate_key,
+)
 
 log = logging.getLogger(__name__)
 MIB = 1 << 20
@@ -157,6 +166,8 @@ def translate_valkey_errors(what: str) -> Iterator[None]:
         raise StoreError(f"valkey {what}: {msg}") from exc
     except vex.ValkeyError as exc:
         raise StoreConnectionError(f"valkey {what}: {exc}") from exc
+    except (TimeoutError, BlockingIOError) as exc:  # bulk sockets (kernel timeouts: EAGAIN)
+        raise StoreTimeoutError(f"valkey {what}: timed out: {exc}") from exc
     except OSError as exc:
         raise StoreConnectionError(f"valkey {what}: {exc}") from exc
 
@@ -186,7 +197,20 @@ class _BulkConnection:
                 ctx.check_hostname = False
                 ctx.verify_mode = ssl.CERT_NONE
             sock = ctx.wrap_socket(sock, server_hostname=c.host)
-        sock.settimeout(c.socket_timeout_s)
+        self._tls = c.tls
+        if c.tls or sys.platform != "linux":
+            sock.settimeout(c.socket_timeout_s)
+        else:
+            # A blocking socket with the kernel's timeouts: one system call per value sent or
+            # received. Python's own timeout makes the socket non-blocking and polls before
+            # every call, taking the GIL back between the two: ~16% more client CPU per
+            # stored GiB over 8 connections, measured on loopback. A timeout then raises
+            # BlockingIOError (translated to StoreTimeoutError).
+            sock.settimeout(None)
+            whole = int(c.socket_timeout_s)
+            timeval = struct.pack("@ll", whole, int((c.socket_timeout_s - whole) * 1e6))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
         self._sock = sock
         self._buf = bytearray()
         self._small = bytearray(64 * 1024)
@@ -248,21 +272,40 @@ class _BulkConnection:
                 raise ConnectionError("connection closed by server")
             got += n
 
-    def set_many(self, items: Sequence[tuple[bytes, memoryview]], px: int | None) -> None:
+    def _send_gather(self, head: bytes, view: memoryview) -> None:
+        """Send ``head`` then ``view`` in as few system calls as the socket allows
+        (``sendmsg`` with both buffers). Two ``sendall`` calls put the small command line in
+        a segment of its own (``TCP_NODELAY``), a wake-up of the server for 30-odd bytes per
+        value: ~10-20% more Valkey CPU per stored GiB, measured with 1-4 MiB values."""
+        if self._tls:  # SSL sockets have no sendmsg
+            self._sock.sendall(head)
+            self._sock.sendall(view)
+            return
+        bufs = [b for b in (memoryview(head), view) if len(b)]
+        while bufs:
+            n = self._sock.sendmsg(bufs)
+            while bufs and n >= len(bufs[0]):
+                n -= len(bufs.pop(0))
+            if n:
+                bufs[0] = bufs[0][n:]
+
+    def set_many(self, items: Iterable[tuple[bytes, memoryview]], px: int | None) -> None:
         """SET each ``(key, value)`` (with ``PX px``), pipelined: every command is written,
-        values straight from their memory, then every reply read. Raises on the first
-        error reply (the connection must then be dropped: replies are left unread)."""
+        values straight from their memory (taken from ``items`` one at a time, as they are
+        sent), then every reply read. Raises on the first error reply (the connection must
+        then be dropped: replies are left unread)."""
         tail = b"" if px is None else b"$2\r\nPX\r\n$%d\r\n%d\r\n" % (len(str(px)), px)
         argc = 3 if px is None else 5
         pending = b""
+        sent = 0
         for key, view in items:
-            self._sock.sendall(pending + b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (
-                argc, len(key), key, len(view)))
-            self._sock.sendall(view)
+            sent += 1
+            self._send_gather(pending + b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (
+                argc, len(key), key, len(view)), view)
             pending = b"\r\n" + tail
         if pending:
             self._sock.sendall(pending)
-        for _ in items:
+        for _ in range(sent):
             line = self._line()
             if line.startswith(b"-"):
                 raise self._error(line)
@@ -744,36 +787,46 @@ class ValkeyStore(StoreLifecycle):
         tag = os.urandom(TAG_BYTES)
         return header.encode() + tag, tag.hex()
 
-    def _drop_replaced(self, key: str, old_head: bytes | None) -> None:
-        """Delete the parts of the version a new head replaced (its readers miss cleanly)."""
+    def _drop_replaced(self, replaced: Sequence[tuple[str, bytes | None]]) -> None:
+        """Delete the parts of the versions new heads replaced (their readers miss cleanly),
+        ``(key, old head)`` each, all in one pipelined round trip."""
+        names = [n for key, old in replaced for n in self._parts_of(key, old)]
         try:
-            self._delete_names(self._parts_of(key, old_head))
+            self._delete_names(names)
         except StoreError as exc:
-            log.warning("%s: parts of the replaced version of %r not dropped: %s", self.name,
-                        key, exc)
+            log.warning("%s: parts of %d replaced versions (e.g. of %r) not dropped: %s",
+                        self.name, len(replaced), replaced[0][0], exc)
 
     def _put_pipelined(self, items: Sequence[tuple[str, Buffer]], px: int | None,
                        cancel: CancelToken | None) -> list[OpResult]:
         """A batch in a few round trips: every part of every object spread over
         ``connections`` lanes, each lane one pipeline written straight from the payloads'
-        memory; then every head in one pipeline (``SET ... GET``, heads last as always)."""
+        memory; then every head in one pipeline (``SET ... GET``, heads last as always).
+
+        Each lane hashes a part just before it sends it (the bytes are then in cache for the
+        send), so the first bytes go out at once and the hashing is spread over the lanes;
+        the headers are built from those digests once every part is written. (Hashing whole
+        objects first kept every lane waiting: ~10% of a 32 x 4 MiB task, py-spy.)"""
+        part_bytes = self.config.part_bytes
         views = [memoryview(payload).cast("B") for _, payload in items]
-        headers = [make_header(key, view, self.config.part_bytes)
-                   for (key, _), view in zip(items, views, strict=True)]
-        versions = [self._new_version(h, v) for h, v in zip(headers, views, strict=True)]
+        counts = [part_count(len(view), part_bytes) for view in views]
+        tags = [os.urandom(TAG_BYTES).hex() if n > 1 else None for n in counts]
+        digests: list[list[int]] = [[0] * n if n > 1 else [] for n in counts]
         failed: dict[int, StoreError] = {}
-        jobs = [(i, j) for i, h in enumerate(headers) if h.parts > 1 for j in range(h.parts)]
+        # Object-major, so that lanes finish objects in the order they were given.
+        jobs = [(i, j) for i, n in enumerate(counts) if n > 1 for j in range(n)]
 
         def lane(chunk: list[tuple[int, int]]) -> list[tuple[int, StoreError]]:
+            def hashed() -> Iterator[tuple[bytes, memoryview]]:
+                for i, j in chunk:
+                    start = j * part_bytes
+                    part = views[i][start : start + part_bytes]
+                    digests[i][j] = part_digest(part)
+                    yield self._part_name(items[i][0], tags[i] or "", j).encode(), part
             try:
                 check_cancel(cancel)
-                sets = []
-                for i, j in chunk:
-                    start, end = headers[i].part_range(j)
-                    name = self._part_name(headers[i].key, versions[i][1] or "", j)
-                    sets.append((name.encode("utf-8"), views[i][start:end]))
                 with translate_valkey_errors("put part"), self._bulk.connection() as conn:
-                    conn.set_many(sets, px)
+                    conn.set_many(hashed(), px)
             except StoreError as exc:
                 return [(i, exc) for i, _ in chunk]
             return []
@@ -782,11 +835,22 @@ class ValkeyStore(StoreLifecycle):
             lanes = min(self.config.connections, len(jobs))
             chunks = [jobs[n::lanes] for n in range(lanes)]
             futures = [self._parts.submit(partial(lane, c)) for c in chunks[1:]]
-            errors = lane(chunks[0])
+            try:
+                errors = lane(chunks[0])
+            finally:
+                wait(futures)  # every lane is done with the payloads' memory
             for f in futures:
                 errors += f.result()
             for i, exc in errors:
                 failed.setdefault(i, exc)
+        headers = [
+            ObjectHeader(key=key, payload_bytes=len(view), part_bytes=part_bytes,
+                         digests=tuple(digests[i]))
+            if counts[i] > 1 else make_header(key, view, part_bytes)
+            for i, ((key, _), view) in enumerate(zip(items, views, strict=True))]
+        versions = [(h.encode() + bytes.fromhex(tag), tag) if tag is not None
+                    else (h.encode() + bytes(v), None)
+                    for h, v, tag in zip(headers, views, tags, strict=True)]
         written = [i for i in range(len(items)) if i not in failed]
         olds: list[Any] = []
         try:
@@ -800,8 +864,10 @@ class ValkeyStore(StoreLifecycle):
             for i in written:
                 failed[i] = exc
             olds = []
-        for i, old in zip(written, olds, strict=False):
-            self._drop_replaced(headers[i].key, old)
+        # One round trip for every replaced version of the batch (it was one per key: ~15%
+        # of a 32 x 4 MiB store task that overwrote, in py-spy samples of the task threads).
+        self._drop_replaced([(headers[i].key, old)
+                             for i, old in zip(written, olds, strict=False)])
         # A failed item's own parts go (never a head: that may be another writer's version).
         self._drop_own_parts([(headers[i], versions[i][1]) for i in failed])
         out = []
@@ -846,7 +912,7 @@ class ValkeyStore(StoreLifecycle):
         except StoreError as exc:
             self._stats.add(errors=1)
             return OpResult(key, False, exc)
-        self._drop_replaced(key, old)
+        self._drop_replaced([(key, old)])
         self._stats.add(puts=1, bytes_written=len(view))
         return OpResult(key, True)
 
