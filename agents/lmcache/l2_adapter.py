@@ -155,6 +155,13 @@ class KvPrefetchL2Params(BaseModel):
     tiered: TieredStoreConfig = TieredStoreConfig(write_mode="write-back")
     #: The write-back backlog: bound (back-pressure), uploaders, journal, drain at close.
     write_back: WriteBackConfig = WriteBackConfig()
+    #: Answer lookups from the in-memory index (keys it does not know: one pipelined Valkey
+    #: round trip per task, never S3). False asks the stores on every lookup instead --
+    #: Valkey, then one S3 HEAD per key Valkey lacks (tens of ms per 32-key task on
+    #: loopback, added to the engine's time to first token) -- for deployments where other
+    #: writers put objects into S3 alone and a lookup must see them before the next
+    #: reconciliation.
+    lookup_index: bool = True
     #: Keys the lookup index holds at most (least recently confirmed dropped beyond).
     index_max_keys: int = Field(2_000_000, ge=1)
     #: Reconcile the lookup index with full listings of S3 and Valkey this often (one at
@@ -559,8 +566,8 @@ class KvPrefetchL2Adapter(L2AdapterInterface):
 
         Answered from the adapter's index of what the tiers hold; keys it does not know are
         asked of Valkey in one pipelined round trip for the whole task. Never S3 (objects
-        only S3 holds are known from the index's listings). Runs on its own thread, so it
-        never waits behind loads and stores."""
+        only S3 holds are known from the index's listings) unless ``lookup_index`` is off.
+        Runs on its own thread, so it never waits behind loads and stores."""
         keys = list(keys)
         return self._submit(
             "lookup", lambda task_id: self._lookup(task_id, keys),
@@ -569,8 +576,13 @@ class KvPrefetchL2Adapter(L2AdapterInterface):
 
     def _lookup(self, task_id: int, keys: list[ObjectKey]) -> None:
         names = [self.name_of(k) for k in keys]
-        hits = self._index.present(names)
-        unknown = [n for n, hit in zip(names, hits, strict=True) if not hit]
+        if not self.params.lookup_index:  # every tier asked, S3 included
+            hits = [a.ok for a in self.store.exists(names)]
+            self._index.add(n for n, hit in zip(names, hits, strict=True) if hit)
+            unknown = []
+        else:
+            hits = self._index.present(names)
+            unknown = [n for n, hit in zip(names, hits, strict=True) if not hit]
         if unknown and self._valkey is not None and self._tier_up("hot"):
             found = {a.key for a in self._valkey.exists(unknown) if a.ok}
             if found:

@@ -141,6 +141,30 @@ def test_lookup_finds_objects_only_s3_holds_through_the_listing(
         reader.close()
 
 
+def test_lookup_index_off_asks_every_tier_on_each_lookup(
+        valkey_server: EmbeddedValkey, s3_server: EmbeddedS3, key_prefix: str,
+        s3_calls: list[str]) -> None:
+    """``lookup_index: false``: another writer's objects that only S3 holds are found at
+    once (no reconciliation needed), at the price of S3 on the lookup path."""
+    writer = KvPrefetchL2Adapter(params(valkey_server, s3_server, key_prefix,
+                                        tiered={"write_mode": "write-through"}))
+    reader = KvPrefetchL2Adapter(params(valkey_server, s3_server, key_prefix,
+                                        index_reconcile_s=0, lookup_index=False))
+    ks, objs = keys(3), memory_objects([5 * KIB] * 3)
+    try:
+        wait_until(lambda: reader._index.stats().reconciles >= 1)  # before the writer's put
+        assert store(writer, ks, objs).is_successful()
+        assert writer._valkey is not None
+        writer._valkey.delete([writer.name_of(k) for k in ks[:2]])  # evicted from Valkey
+        count_s3_calls(reader, s3_calls)
+        assert lookup(reader, ks + keys(1, start=50)) == [True, True, True, False]
+        assert s3_calls.count("HeadObject") == 3  # the two Valkey lacks, and the unknown one
+        reader.submit_unlock(ks)
+    finally:
+        writer.close()
+        reader.close()
+
+
 def test_a_stale_present_index_falls_back_on_load(
         valkey_server: EmbeddedValkey, s3_server: EmbeddedS3, key_prefix: str) -> None:
     a = KvPrefetchL2Adapter(params(valkey_server, s3_server, key_prefix, index_reconcile_s=0))
