@@ -275,6 +275,10 @@ class AdaptivePredictor:
         self.grid: tuple[float, ...] = GRID_S
         self._buckets: dict[str, _Bucket] = {}
         self._sessions: dict[str, _SessionState] = {}
+        #: bucket -> (the curve, the gate, the silences where it may pass): see
+        #: :meth:`gate_region`
+        self._regions: dict[str, tuple[SurvivalCurve, tuple[float, float, float],
+                                       tuple[tuple[float, float], ...]]] = {}
 
     # -- the Predictor protocol ---------------------------------------------------------
     def observe(self, event: SessionEvent) -> None:
@@ -333,6 +337,35 @@ class AdaptivePredictor:
         self._require_fitted()
         return self._buckets[bucket].survival_curve()
 
+    # -- what the scheduler's sweep needs (controlplane.core.sweep.GatedPredictor) --------
+    def idle_group(self, session_id: str) -> str | None:
+        """The bucket whose curve alone (with the silence) makes the session's forecast, or
+        None when its forecast reads no curve (unknown, in flight or closed). It changes
+        only when :meth:`observe` sees an event of the session."""
+        st = self._sessions.get(session_id)
+        if st is None or st.in_flight or st.closed or st.last_finish_s is None:
+            return None
+        return st.bucket
+
+    def gate_region(self, group: str, *, min_p_return: float, min_confidence: float,
+                    max_silence_s: float) -> tuple[tuple[float, float], ...]:
+        """Silence intervals ``[lo, hi]`` (seconds since the last response) outside which
+        no forecast of a session of ``group`` has ``p_return >= min_p_return`` and
+        ``confidence >= min_confidence`` (a superset of where both hold, up to
+        ``max_silence_s`` at least). Reads the bucket's curve as a forecast of one of its
+        sessions would (rebuilding it when a forecast would), so calling it once per sweep
+        for each bucket with idle sessions leaves the model where forecasting them all
+        would; cached per curve."""
+        self._require_fitted()
+        curve = self._buckets[group].survival_curve()
+        gate = (min_p_return, min_confidence, max_silence_s)
+        held = self._regions.get(group)
+        if held is not None and held[0] is curve and held[1] == gate:
+            return held[2]
+        region = _gate_region(curve, min_p_return, min_confidence, max_silence_s)
+        self._regions[group] = (curve, gate, region)
+        return region
+
     # -- training -----------------------------------------------------------------------
     def fit(self, trace: Trace | Iterable[TraceSession], *, seed: int | None = None,
             progress: bool = False) -> Self:
@@ -387,6 +420,7 @@ class AdaptivePredictor:
             )
             for b, (probs, p_never) in self.table.items()
         }
+        self._regions = {}
         self.fitted = True
 
     def reset_adaptation(self) -> None:
@@ -456,6 +490,65 @@ class AdaptivePredictor:
         obj.train_info = dict(header.get("train", {}))
         obj._install()
         return obj
+
+
+#: Slack of :func:`_gate_region`'s bounds against rounding (probabilities, confidences).
+_GATE_SLACK = 1e-9
+#: Per grid: index of the first knot at or beyond (knot ``i + 1``) + RETURN_HORIZON_S.
+_AHEAD: dict[tuple[float, ...], list[int]] = {}
+
+
+def _ahead_index(grid: tuple[float, ...]) -> list[int]:
+    ahead = _AHEAD.get(grid)
+    if ahead is None:
+        last = len(grid) - 1
+        ahead = [min(last, bisect_left(grid, grid[min(i + 1, last)] + RETURN_HORIZON_S))
+                 for i in range(len(grid))]
+        _AHEAD[grid] = ahead
+    return ahead
+
+
+def _gate_region(curve: SurvivalCurve, min_p_return: float, min_confidence: float,
+                 max_silence_s: float) -> tuple[tuple[float, float], ...]:
+    """Where a forecast from ``curve`` may pass the planner's gate (see
+    :meth:`AdaptivePredictor.gate_region`), by grid segment ``[g_i, g_i+1]`` (the last:
+    ``[g_last, inf)``), from bounds that hold over the whole segment because ``S`` does
+    not increase and both quantiles :meth:`_one` reads do not decrease with the silence:
+
+    * ``p_return = 1 - S(a + h) / S(a) <= 1 - S(g_j) / S(g_i)``, ``g_j`` the first knot at
+      or beyond ``g_i+1 + h`` (1 where ``S`` may reach 0 in the segment);
+    * ``confidence = exp(-(log1p q90(a) - log1p q10(a)) / 2)`` is at most its value with
+      ``q90(g_i)`` and ``q10(g_i+1)`` (not bounded where no returning mass is left).
+    """
+    g, s = curve.gaps_s, curve.survival
+    last = len(g) - 1
+    floor = s[last]
+    ahead = _ahead_index(g)
+    p_gate = min_p_return - _GATE_SLACK
+    c_gate = min_confidence - _GATE_SLACK
+    lo_level, hi_level = FORECAST_LEVELS[0], FORECAST_LEVELS[-1]
+    out: list[list[float]] = []
+    for i in range(last + 1):
+        a0 = g[i]
+        if a0 > max_silence_s:
+            break
+        a1 = g[i + 1] if i < last else math.inf
+        s_end = s[i + 1] if i < last else floor
+        if s_end <= 0.0:
+            maybe = True
+        else:
+            maybe = 1.0 - s[ahead[i]] / s[i] >= p_gate
+            if maybe and c_gate > 0.0 and s_end - floor > _GATE_SLACK:
+                q90 = min(NEVER_S, curve.quantile_after(a0, hi_level))
+                q10 = min(NEVER_S, curve.quantile_after(a1, lo_level))
+                conf = math.exp(-0.5 * (math.log1p(q90) - math.log1p(q10)))
+                maybe = min(MAX_CONFIDENCE, conf) >= c_gate
+        if maybe:
+            if out and a0 <= out[-1][1]:
+                out[-1][1] = a1
+            else:
+                out.append([a0, a1])
+    return tuple((lo, hi) for lo, hi in out)
 
 
 def _labelled_responses(session: TraceSession) -> Iterable[tuple[str, float | None]]:

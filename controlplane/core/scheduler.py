@@ -61,6 +61,7 @@ from controlplane.core.planner import (
 from controlplane.core.policies import EvictionKind, LoadStart, PolicySpec
 from controlplane.core.router import NodeView, RouteDecision, RouteRequest, route
 from controlplane.core.step import DEMAND_PRIORITY, LoadTicket, Placement, StepOutput, Trim
+from controlplane.core.sweep import GatedPredictor, IdleIndex
 from controlplane.core.tiers import (
     DuelingEviction,
     EvictionDuel,
@@ -161,7 +162,7 @@ class SchedulerCore:
 
     def __init__(
         self, fleet: FleetConfig, policy: PolicySpec, predictor: Predictor, view: FleetView,
-        *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, indexed_sweep: bool = True,
     ) -> None:
         if chunk_tokens <= 0:
             raise ValueError(f"chunk_tokens must be > 0, got {chunk_tokens}")
@@ -181,6 +182,17 @@ class SchedulerCore:
         self._step = _Step()
         #: Idle sessions whose KV is not on their home node: what :meth:`sweep` re-plans.
         self._evicted: set[str] = set()
+        #: The due ones (:mod:`controlplane.core.sweep`), when the predictor says where its
+        #: forecasts may pass the gate (``indexed_sweep=False``: every sweep forecasts all,
+        #: for tests that compare the two); sessions whose due state may have changed in
+        #: the call under way; due sessions whose local copy may have grown since a sweep
+        #: last looked (a DRAM reservation while idle).
+        self._idle: IdleIndex | None = (
+            IdleIndex(fleet.planner.sweep_interval_s)
+            if indexed_sweep and policy.prefetch and policy.eviction is not EvictionKind.VALUE
+            and isinstance(predictor, GatedPredictor) else None)
+        self._due_dirty: set[str] = set()
+        self._recheck: set[str] = set()
         #: Nodes not in the fleet now (left, or not joined yet): never routed to.
         self._down: set[int] = set()
         planner = fleet.planner
@@ -216,6 +228,8 @@ class SchedulerCore:
     def _output(self, route_decision: RouteDecision | None = None, *, promote: bool = False,
                 prefetch_ready_s: float | None = None) -> StepOutput:
         """Close the call under way: what it decided, as one record for the driver."""
+        if self._due_dirty:
+            self._sync_due()
         step, self._step = self._step, _Step()
         evictions: list[Placement] = []
         for p in step.dropped:  # dropped and re-admitted within the call: not an eviction
@@ -385,6 +399,7 @@ class SchedulerCore:
     def _observe(self, event: SessionEvent) -> None:
         self.predictor.observe(event)
         self._touch(event.session_id)
+        self._due_dirty.add(event.session_id)
 
     # ------------------------------------------------------------------ requests
     def request_started(self, event: SessionEvent) -> StepOutput:
@@ -563,6 +578,7 @@ class SchedulerCore:
             self.stats.wasted_bytes += have.nbytes
         tier.put(TierEntry(sid, tokens, nbytes, now_s, ready_at_s=INF, pinned=1,
                            prefetched_unused=prefetch))
+        self._recheck.add(sid)
         ticket = LoadTicket(sid, node, tokens, delta * self.bpt, prefetch, deadline_s, priority)
         self._session(sid).inflight_nodes[node] = ticket
         return ticket
@@ -610,25 +626,67 @@ class SchedulerCore:
             return self._output()
         horizon = self.fleet.planner.max_lead_s
         due: list[str] = []
-        for sid in sorted(self._evicted):
-            s = self._sessions[sid]
-            if s.in_flight or s.home is None or now_s - s.last_finish_s > horizon:
-                self._evicted.discard(sid)
-            elif s.pending is None and s.prefetches < MAX_PREFETCHES_PER_IDLE:
-                due.append(sid)
+        if self._idle is not None:
+            due = self._due_candidates(now_s)
+        else:
+            for sid in sorted(self._evicted):
+                s = self._sessions[sid]
+                if s.in_flight or s.home is None or now_s - s.last_finish_s > horizon:
+                    self._evicted.discard(sid)
+                elif s.pending is None and s.prefetches < MAX_PREFETCHES_PER_IDLE:
+                    due.append(sid)
         if due:
             for sid, forecast in zip(due, self._forecasts(due, now_s), strict=True):
                 self._plan(sid, now_s, forecast)
         return self._output()
 
+    def _sync_due(self) -> None:
+        """Bring the sweep's index up to date with the sessions the call changed."""
+        idle = self._idle
+        if idle is not None:
+            group_of = self.predictor.idle_group  # type: ignore[attr-defined]
+            for sid in self._due_dirty:
+                s = self._sessions.get(sid)
+                if (s is None or s.in_flight or s.home is None or s.pending is not None
+                        or s.prefetches >= MAX_PREFETCHES_PER_IDLE or sid not in self._evicted):
+                    idle.remove(sid)
+                else:
+                    idle.put(sid, group_of(sid), s.last_finish_s)
+        self._due_dirty.clear()
+
+    def _due_candidates(self, now_s: float) -> list[str]:
+        """The due sessions a full sweep could plan an order for, or whose local copy may
+        now cover them (see :mod:`controlplane.core.sweep`), sorted as the full sweep
+        plans them. Reads every due group's law once, as forecasting them all would."""
+        idle = self._idle
+        assert idle is not None
+        self._sync_due()
+        planner = self.fleet.planner
+        horizon = planner.max_lead_s
+        for sid in idle.expire(now_s, horizon):
+            self._evicted.discard(sid)  # silent too long: not due again before an event
+        gated: GatedPredictor = self.predictor  # type: ignore[assignment]
+        due: set[str] = set(idle.ungrouped())
+        for group in idle.groups():
+            region = gated.gate_region(group, min_p_return=planner.min_p_return,
+                                       min_confidence=planner.min_confidence,
+                                       max_silence_s=horizon)
+            if region:
+                due.update(idle.members_in(group, now_s, region))
+        if self._recheck:
+            due.update(sid for sid in self._recheck if sid in idle)
+        return sorted(due)
+
     def _plan(self, sid: str, now_s: float, forecast: ArrivalForecast | None = None) -> None:
         """Plan (or re-plan) a prefetch of an idle session to its home node."""
         s = self._session(sid)
+        self._due_dirty.add(sid)
         tokens = s.remote_tokens
         if s.home is None or tokens <= 0 or s.in_flight:
             return
         if s.prefetches >= MAX_PREFETCHES_PER_IDLE:
             return
+        self._recheck.discard(sid)
         if self.local_tokens(s.home, sid) >= tokens:
             s.pending = None
             self._evicted.discard(sid)
@@ -672,6 +730,7 @@ class SchedulerCore:
         s = self._sessions.get(sid)
         if s is None or s.pending is not order or s.in_flight:
             return self._output()
+        self._due_dirty.add(sid)
         forecast = self.predictor.forecast(sid, now_s)
         if forecast is not None and s.replans < MAX_REPLANS:
             q = self.fleet.planner.arrival_quantile
@@ -715,6 +774,7 @@ class SchedulerCore:
         self.stats.prefetches += 1
         s.planned_use_s = use_s
         self._touch(ticket.session_id)
+        self._due_dirty.add(ticket.session_id)
         s.prefetches += 1
         self._step.loads.append(ticket)
 
@@ -737,6 +797,7 @@ class SchedulerCore:
             for node in sorted(s.inflight_nodes):
                 self._cancel(sid, node)
         self._evicted.discard(sid)
+        self._recheck.discard(sid)
         self.predictor.forget(sid)
         return self._output()
 
@@ -784,6 +845,7 @@ class SchedulerCore:
                 if rehome:
                     s.home = node
                     s.pending = None
+                    self._due_dirty.add(sid)
 
     def node_left(self, node: int, now_s: float) -> StepOutput:
         """A node left the fleet (or is not in it yet): no request is routed there, its
@@ -798,6 +860,7 @@ class SchedulerCore:
             if s.home == node:
                 s.home = None
                 s.pending = None
+                self._due_dirty.add(sid)
         return self._output()
 
     def node_joined(self, node: int, now_s: float) -> StepOutput:
