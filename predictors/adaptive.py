@@ -55,7 +55,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate, pairwise
@@ -194,6 +194,8 @@ class _Bucket:
     curve: SurvivalCurve | None = field(default=None)
     #: gaps folded in since the curve was built
     pending: int = 0
+    #: the curve's survival negated (non-decreasing, for bisect)
+    neg: tuple[float, ...] = ()
 
     @classmethod
     def from_table(cls, grid: tuple[float, ...], seg_probs: Sequence[float],
@@ -244,6 +246,7 @@ class _Bucket:
             surv = list(accumulate(surv, min))
             surv[-1] = p_never  # exact despite rounding
             self.curve = SurvivalCurve(self.grid, tuple(surv))
+            self.neg = tuple(-v for v in self.curve.survival)
             self.pending = 0
         return self.curve
 
@@ -322,12 +325,13 @@ class AdaptivePredictor:
         last = st.last_finish_s
         if st.closed:
             return ArrivalForecast(sid, last, (NEVER_S,) * 3, 0.0, NEVER_S, 1.0)
-        curve = self._buckets[st.bucket].survival_curve()
+        bucket = self._buckets[st.bucket]
+        curve = bucket.survival_curve()
         silence = max(0.0, now_s - last)
-        q = tuple(min(NEVER_S, curve.quantile_after(silence, lv)) for lv in FORECAST_LEVELS)
+        q, p_return = _read_curve(curve, bucket.neg, silence)
         confidence = min(MAX_CONFIDENCE, math.exp(-0.5 * (math.log1p(q[2]) - math.log1p(q[0]))))
         return ArrivalForecast(
-            sid, last, q, curve.p_within(silence, RETURN_HORIZON_S), silence + RETURN_HORIZON_S,
+            sid, last, q, p_return, silence + RETURN_HORIZON_S,
             confidence, conditioned=True, survival=curve,
         )
 
@@ -490,6 +494,59 @@ class AdaptivePredictor:
         obj.train_info = dict(header.get("train", {}))
         obj._install()
         return obj
+
+
+def _read_curve(curve: SurvivalCurve, neg: tuple[float, ...], silence_s: float
+                ) -> tuple[tuple[float, float, float], float]:
+    """The forecast's numbers at a silence: ``min(NEVER_S, curve.quantile_after(silence_s,
+    level))`` for the three :data:`FORECAST_LEVELS` and ``curve.p_within(silence_s,
+    RETURN_HORIZON_S)``, computed by the same float operations (the same results, bit
+    for bit: tests/predictors/test_adaptive_fast_path.py) with ``S(silence)`` read once;
+    the hot path of every forecast. ``neg``: ``curve.survival`` negated."""
+    g, s = curve.gaps_s, curve.survival
+    last = len(g) - 1
+    floor = s[last]
+    if silence_s <= 0.0:
+        s_a = 1.0
+    elif silence_s >= g[last]:
+        s_a = floor
+    else:
+        j = bisect_right(g, silence_s)
+        w = (silence_s - g[j - 1]) / (g[j] - g[j - 1])
+        s_a = s[j - 1] + w * (s[j] - s[j - 1])
+    alive = s_a - floor
+    quantiles: list[float] = []
+    for level in FORECAST_LEVELS:
+        if level >= 1.0 or alive <= 1e-12:
+            quantiles.append(NEVER_S)
+            continue
+        target = floor + (1.0 - max(0.0, level)) * alive
+        j = bisect_left(neg, -target)
+        if j == 0:
+            gap = silence_s
+        elif j > last:
+            gap = math.inf
+        else:
+            span = s[j - 1] - s[j]
+            gap = (g[j] if span <= 0.0
+                   else g[j - 1] + (s[j - 1] - target) / span * (g[j] - g[j - 1]))
+            gap = max(silence_s, gap)
+        quantiles.append(min(NEVER_S, gap))
+    # p_within(silence, h)
+    if s_a <= 0.0:
+        p_return = 1.0
+    else:
+        b = silence_s + RETURN_HORIZON_S
+        if b <= 0.0:
+            s_b = 1.0
+        elif b >= g[last]:
+            s_b = floor
+        else:
+            j = bisect_right(g, b)
+            w = (b - g[j - 1]) / (g[j] - g[j - 1])
+            s_b = s[j - 1] + w * (s[j] - s[j - 1])
+        p_return = min(1.0, max(0.0, (s_a - s_b) / s_a))
+    return (quantiles[0], quantiles[1], quantiles[2]), p_return
 
 
 #: Slack of :func:`_gate_region`'s bounds against rounding (probabilities, confidences).

@@ -738,7 +738,7 @@ class SchedulerCore:
                      else forecast.arrival_at(q))
             if later - order.deadline_s > REPLAN_SLACK_S:
                 s.replans += 1
-                self._plan(sid, now_s)
+                self._plan(sid, now_s, forecast)  # what _plan would ask again
                 return self._output()
         s.replans = 0
         s.pending = None

@@ -1,0 +1,37 @@
+"""The default predictor's forecast hot path (predictors.adaptive._read_curve) gives the
+numbers of the survival curve's own methods, bit for bit (issue 12: no decision may
+change for speed)."""
+
+from __future__ import annotations
+
+import random
+
+from controlplane.base.types import FORECAST_LEVELS, SurvivalCurve
+from predictors.adaptive import BUCKETS, NEVER_S, RETURN_HORIZON_S, _read_curve, load_default
+
+
+def _curves() -> list[SurvivalCurve]:
+    model = load_default()
+    curves = [model.curve_of(b) for b in BUCKETS]
+    # Edge shapes: no returning mass, a flat stretch, all mass at one knot.
+    curves.append(SurvivalCurve((0.0, 10.0, 100.0), (1.0, 1.0, 1.0)))
+    curves.append(SurvivalCurve((0.0, 10.0, 20.0, 100.0), (1.0, 0.5, 0.5, 0.0)))
+    curves.append(SurvivalCurve((0.0, 1.0, 2.0), (1.0, 0.0, 0.0)))
+    return curves
+
+
+def test_read_curve_equals_the_curve_methods_bit_for_bit() -> None:
+    rng = random.Random(3)
+    for curve in _curves():
+        neg = tuple(-v for v in curve.survival)
+        knots = list(curve.gaps_s)
+        probes = [0.0, -1.0, 1e9, *knots, *(k + 60.0 for k in knots[:50]),
+                  *(rng.uniform(0, 1.1 * knots[-1]) for _ in range(3000)),
+                  *(rng.uniform(0, 700) for _ in range(3000))]
+        for a in probes:
+            silence = max(0.0, a)
+            q, p = _read_curve(curve, neg, silence)
+            want_q = tuple(min(NEVER_S, curve.quantile_after(silence, lv))
+                           for lv in FORECAST_LEVELS)
+            assert q == want_q, (silence, q, want_q)
+            assert p == curve.p_within(silence, RETURN_HORIZON_S), silence
