@@ -35,3 +35,35 @@ def test_read_curve_equals_the_curve_methods_bit_for_bit() -> None:
                            for lv in FORECAST_LEVELS)
             assert q == want_q, (silence, q, want_q)
             assert p == curve.p_within(silence, RETURN_HORIZON_S), silence
+
+
+def _reference_curve(grid: tuple[float, ...], seg: list[float], p_never: float
+                     ) -> SurvivalCurve:
+    """The bucket curve as the plain loops built it before (issue 12)."""
+    from itertools import accumulate
+
+    total = sum(seg)
+    k = (1.0 - p_never) / total
+    surv = [1.0, *(min(1.0, max(p_never, 1.0 - k * c)) for c in accumulate(seg))]
+    surv = list(accumulate(surv, min))
+    surv[-1] = p_never
+    return SurvivalCurve(grid, tuple(surv))
+
+
+def test_bucket_curve_equals_the_checked_construction_bit_for_bit() -> None:
+    from predictors.adaptive import GRID_S, _bucket_curve
+
+    rng = random.Random(5)
+    n = len(GRID_S) - 1
+    for trial in range(60):
+        seg = [rng.random() ** 3 * (1e-150 if trial % 7 == 0 else 1.0) for _ in range(n)]
+        if trial % 5 == 0:
+            for i in rng.sample(range(n), n // 2):
+                seg[i] = 0.0
+        p_never = rng.choice([0.0, 0.5, rng.random(), 1.0 - 1e-12])
+        got, neg = _bucket_curve(GRID_S, seg, p_never)
+        want = _reference_curve(GRID_S, seg, p_never)
+        assert got.survival == want.survival
+        assert got._area == want._area
+        assert got._neg == want._neg == neg
+        assert got == want
