@@ -207,7 +207,7 @@ class SchedulerCore:
         #: rule's densities are not monotone in time, so it keeps the scan.
         self._predicted_use: PredictedUseEviction | KeyedEviction = (
             KeyedEviction(self._values.keys) if self._valued
-            else PredictedUseEviction(self._next_uses))
+            else PredictedUseEviction(self._next_uses, next_use_one=self._next_use))
         #: Predicted use vs LRU, for EvictionKind.ADAPTIVE.
         self.duel = EvictionDuel()
         strategy: (IndexedLruEviction | PredictedUseEviction | KeyedEviction
@@ -297,7 +297,9 @@ class SchedulerCore:
 
     def _own_key(self, sid: str, now_s: float) -> float:
         """The session's own eviction key: what it may displace must rank below it."""
-        return (self._values.keys if self._valued else self._next_uses)([sid], now_s)[0]
+        if self._valued:
+            return self._values.keys([sid], now_s)[0]
+        return self._next_use(sid, now_s)
 
     def _state(self, sid: str) -> tuple[bool, int] | None:
         """(running, context tokens) of a live session; None once closed."""
@@ -336,6 +338,20 @@ class SchedulerCore:
                         and sids[i] in self._holders):  # kept for residents only
                     self._laws[sids[i]] = (fc, times[i])
         return out
+
+    def _next_use(self, sid: str, now_s: float) -> float:
+        """``_next_uses([sid], now_s)[0]``, without the batch's lists when the session is
+        running, was brought in on purpose or has a law to reuse (the eviction index's
+        exact keys, one at a time)."""
+        t = float(now_s)
+        s = self._sessions.get(sid)
+        if s is not None:
+            if s.in_flight:
+                return t
+            if s.planned_use_s is not None and t <= s.planned_use_s:
+                return s.planned_use_s
+        use = self._reused_use(sid, t)
+        return self._next_uses([sid], t)[0] if use is None else use
 
     def _reused_use(self, sid: str, t: float) -> float | None:
         """The predicted use at ``t`` from the session's last whole-law forecast (see
