@@ -230,7 +230,13 @@ class SchedulerCore:
         """Close the call under way: what it decided, as one record for the driver."""
         if self._due_dirty:
             self._sync_due()
-        step, self._step = self._step, _Step()
+        step = self._step
+        if not (step.loads or step.cancels or step.orders or step.dropped or step.trims):
+            # Nothing decided but the route (most calls): the step record is reused.
+            if route_decision is None and prefetch_ready_s is None:
+                return StepOutput.empty()
+            return StepOutput(route_decision, promote, prefetch_ready_s, (), (), (), (), ())
+        self._step = _Step()
         evictions: list[Placement] = []
         for p in step.dropped:  # dropped and re-admitted within the call: not an eviction
             if self.dram[p.node].get(p.session_id) is None and p not in evictions:
