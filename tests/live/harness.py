@@ -24,6 +24,22 @@ from controlplane.live.service import SchedulerService
 MIB = 1 << 20
 
 
+def started_agents(tmp_path: Path, valkey: EmbeddedValkey, nodes: int, *, prefix: str,
+                   dram_bytes: int = 64 * MIB) -> list[PrefetchAgent]:
+    """One started agent per node over the shared Valkey (keys under a fresh
+    ``prefix-<random>:`` namespace, short timeouts) with a DRAM tier in ``tmp_path``."""
+    remote = RemoteStoreConfig(valkey=valkey.store_config(
+        key_prefix=f"{prefix}-{uuid.uuid4().hex[:8]}:", connect_timeout_s=0.5,
+        socket_timeout_s=2.0))
+    agents = [PrefetchAgent(AgentConfig(
+        node=node, node_name=f"node-{node}", remote=remote,
+        dram=LocalTierConfig(path=str(tmp_path / f"dram{node}"), capacity_bytes=dram_bytes)))
+        for node in range(nodes)]
+    for agent in agents:
+        agent.start()
+    return agents
+
+
 class InProcessPort:
     """AgentPort for an in-process agent."""
 

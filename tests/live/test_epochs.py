@@ -4,16 +4,14 @@ de-duplication or reports; a report is checked against its order before it is bo
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from harness import InProcessPort, RecordingPort
+from harness import InProcessPort, RecordingPort, started_agents
 
-from agents.agent import AgentConfig, PrefetchAgent, RemoteStoreConfig
+from agents.agent import PrefetchAgent
 from agents.embedded import EmbeddedValkey
-from agents.stores.local import LocalTierConfig
 from controlplane.base.config import fleet_from_dict
 from controlplane.base.keys import payload
 from controlplane.base.types import SessionKey
@@ -39,15 +37,7 @@ def _first_turn(svc: SchedulerService, tenant: str, sid: str) -> None:
 
 @pytest.fixture
 def agents(tmp_path: Path, valkey_server: EmbeddedValkey) -> Iterator[list[PrefetchAgent]]:
-    remote = RemoteStoreConfig(valkey=valkey_server.store_config(
-        key_prefix=f"epochs-{uuid.uuid4().hex[:8]}:", connect_timeout_s=0.5,
-        socket_timeout_s=2.0))
-    fleet = [PrefetchAgent(AgentConfig(
-        node=node, node_name=f"node-{node}", remote=remote,
-        dram=LocalTierConfig(path=str(tmp_path / f"dram{node}"), capacity_bytes=64 << 20)))
-        for node in range(FLEET.nodes)]
-    for agent in fleet:
-        agent.start()
+    fleet = started_agents(tmp_path, valkey_server, FLEET.nodes, prefix="epochs")
     yield fleet
     for agent in fleet:
         agent.close()

@@ -17,16 +17,15 @@ prefetch is armed but not yet fired.
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from harness import started_agents
 
-from agents.agent import AgentConfig, PrefetchAgent, RemoteStoreConfig
+from agents.agent import PrefetchAgent
 from agents.embedded import EmbeddedValkey
-from agents.stores.local import LocalTierConfig
 from controlplane.base.config import fleet_from_dict
 from controlplane.base.keys import payload
 from controlplane.base.types import SessionKey
@@ -111,15 +110,7 @@ class Fleet:
 
 @pytest.fixture
 def fleet(tmp_path: Path, valkey_server: EmbeddedValkey) -> Iterator[Fleet]:
-    remote = RemoteStoreConfig(valkey=valkey_server.store_config(
-        key_prefix=f"matrix-{uuid.uuid4().hex[:8]}:", connect_timeout_s=0.5,
-        socket_timeout_s=2.0))
-    agents = [PrefetchAgent(AgentConfig(
-        node=node, node_name=f"node-{node}", remote=remote,
-        dram=LocalTierConfig(path=str(tmp_path / f"dram{node}"), capacity_bytes=64 << 20)))
-        for node in range(FLEET.nodes)]
-    for agent in agents:
-        agent.start()
+    agents = started_agents(tmp_path, valkey_server, FLEET.nodes, prefix="matrix")
     cfg = ServiceConfig(fleet=FLEET, policy="ondemand", predictor="last-gap",
                         journal_path=str(tmp_path / "journal.jsonl"), chunk_tokens=CHUNK,
                         time_compression=100.0)
