@@ -14,7 +14,11 @@ modes:
            planner.sweep_interval_s of service time
   service  SchedulerService in this process through the Python client
   ray-1    one scheduler actor on a local Ray runtime (started here) through the
-           Python client: one synchronous actor call per event
+           Python client, fire-and-forget events batched: each request_finished is
+           queued and rides with the next route's actor call (or the 5 ms flush
+           timer); route stays synchronous; measuring ends when every queued event is
+           answered (refused ones count as lost)
+  ray-1-sync  the same, one synchronous actor call per event (no batching)
 
 How it runs: SESSIONS live sessions each play a trace session (cycled, so any number of
 sessions can be made from a small trace) turn by turn. First every session plays its
@@ -41,8 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = EPILOG
     parser.add_argument("--modes", default="inproc,service,ray-1",
-                        help="comma-separated: inproc, service, ray-1 "
-                        "(default: all three)")
+                        help="comma-separated: inproc, service, ray-1, ray-1-sync "
+                        "(default: inproc, service, ray-1)")
     parser.add_argument("--sessions", type=int, default=2_000,
                         help="live sessions held while measuring (default 2,000)")
     parser.add_argument("--events", type=int, default=10_000,

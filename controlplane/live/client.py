@@ -26,9 +26,13 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import threading
+import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel
@@ -58,13 +62,174 @@ INPROC_WORKERS = 8
 _Call = TypeVar("_Call", bound=BaseModel)
 
 
+@dataclass(frozen=True, slots=True)
+class EventBatching:
+    """How :class:`RayTransport` queues fire-and-forget events (``request_started``,
+    ``request_finished``, hints, session closes, agent and engine reports) instead of one
+    actor call each: flushed when ``max_events`` are queued, every ``flush_interval_s``,
+    and ahead of every ``route`` (in the same actor call, so the scheduler sees them
+    first). At most ``max_batches_in_flight`` batches are unanswered and ``max_queued``
+    events queued: past either a caller waits (back-pressure, counted), no event is
+    dropped."""
+
+    max_events: int = 256
+    flush_interval_s: float = 0.005
+    max_queued: int = 10_000
+    max_batches_in_flight: int = 8
+
+    def __post_init__(self) -> None:
+        if self.max_events < 1 or self.max_queued < self.max_events:
+            raise InvalidRequestError("max_events must be >= 1 and <= max_queued")
+        if not self.flush_interval_s > 0 or self.max_batches_in_flight < 1:
+            raise InvalidRequestError("flush_interval_s must be > 0 and "
+                                      "max_batches_in_flight >= 1")
+
+
+@dataclass(slots=True)
+class BatchStats:
+    """What an :class:`EventBatcher` did (cumulative)."""
+
+    queued: int = 0
+    batches: int = 0
+    #: Events that went with a route (in its actor call).
+    with_route: int = 0
+    #: Times a caller waited: the queue full or too many batches unanswered.
+    backpressure_waits: int = 0
+    #: Events the scheduler refused or failed (each one's message is logged).
+    refused: int = 0
+    #: Events sent again after the actor was unavailable (Ray restarts it).
+    resent: int = 0
+
+
+class EventBatcher:
+    """The queue of :class:`EventBatching` for one scheduler actor (thread-safe; a
+    daemon thread flushes it on the timer). Events leave in the order they were queued, and
+    Ray runs one caller's calls to an actor in the order they were sent."""
+
+    def __init__(self, handle: Any, cfg: EventBatching, get: Callable[[str, Any], Any]
+                 ) -> None:
+        self._handle = handle
+        self.cfg = cfg
+        self._get = get
+        self._lock = threading.Lock()
+        self._queue: list[tuple[str, Any]] = []
+        self._oldest_s = 0.0
+        #: (reference to the actor's answer, the events it carries)
+        self._in_flight: deque[tuple[Any, list[tuple[str, Any]]]] = deque()
+        self.stats = BatchStats()
+        self._stop = threading.Event()
+        self._timer = threading.Thread(target=self._run, name="kvprefetch-batcher",
+                                       daemon=True)
+        self._timer.start()
+
+    def submit(self, kind: str, call: Any) -> None:
+        with self._lock:
+            if len(self._queue) >= self.cfg.max_queued:
+                self.stats.backpressure_waits += 1
+                self._flush_locked()
+            if not self._queue:
+                self._oldest_s = time.monotonic()
+            self._queue.append((kind, call))
+            self.stats.queued += 1
+            if len(self._queue) >= self.cfg.max_events:
+                self._flush_locked()
+
+    def take(self) -> list[tuple[str, Any]]:
+        """The queued events, to go with a synchronous call (the caller sends them)."""
+        with self._lock:
+            events, self._queue = self._queue, []
+            self.stats.with_route += len(events)
+            return events
+
+    def settle_refusals(self, refused: Sequence[str]) -> None:
+        if refused:
+            with self._lock:
+                self.stats.refused += len(refused)
+            for msg in refused:
+                log.warning("batched event refused: %s", msg)
+
+    def flush(self, *, wait: bool = False) -> None:
+        """Send what is queued; ``wait``: until every batch is answered."""
+        with self._lock:
+            self._flush_locked()
+            if wait:
+                while self._in_flight:
+                    self._settle_oldest()
+
+    def _flush_locked(self) -> None:
+        if self._queue:
+            events, self._queue = self._queue, []
+            self._in_flight.append((self._handle.apply_events.remote(events), events))
+            self.stats.batches += 1
+        self._reap()
+        while len(self._in_flight) > self.cfg.max_batches_in_flight:
+            self.stats.backpressure_waits += 1
+            self._settle_oldest()
+
+    def _reap(self) -> None:
+        """Settle the answered batches at the head (without waiting)."""
+        import ray
+
+        while self._in_flight:
+            ready, _ = ray.wait([self._in_flight[0][0]], timeout=0)
+            if not ready:
+                return
+            self._settle_oldest()
+
+    def _settle_oldest(self) -> None:
+        ref, events = self._in_flight.popleft()
+        try:
+            refused = self._get("apply_events", ref)
+        except TimeoutError:
+            # Still running (a slow actor): waited for again, never sent twice.
+            self.stats.backpressure_waits += 1
+            self._in_flight.appendleft((ref, events))
+            return
+        except ServiceUnavailableError as exc:
+            # The actor died under it (Ray restarts it): sent again, ahead of anything
+            # queued since; an event it had applied before dying is refused the second
+            # time (counted) or is idempotent.
+            log.warning("batch of %d events: %s; sending it again", len(events), exc)
+            self.stats.resent += len(events)
+            self._in_flight.appendleft((self._handle.apply_events.remote(events), events))
+            return
+        except KvPrefetchError as exc:
+            refused = [f"batch: {exc}"] * len(events)
+        self.stats.refused += len(refused)
+        for msg in refused:
+            log.warning("batched event refused: %s", msg)
+
+    def _run(self) -> None:
+        interval = self.cfg.flush_interval_s
+        while not self._stop.wait(interval):
+            try:
+                with self._lock:
+                    if self._queue and time.monotonic() - self._oldest_s >= interval:
+                        self._flush_locked()
+                    else:
+                        self._reap()
+            except Exception:  # the timer never dies; the next tick tries again
+                log.exception("event batcher flush failed")
+
+    def close(self) -> None:
+        """Send everything and wait for the answers, then stop the timer."""
+        try:
+            self.flush(wait=True)
+        finally:
+            self._stop.set()
+
+
 class RayTransport:
     """:class:`~controlplane.live.protocol.SchedulerAPI` over the named scheduler actor:
     each call waits for the actor's answer at most ``timeout_s``; Ray's errors are
-    translated here (the service's typed errors are raised as they are)."""
+    translated here (the service's typed errors are raised as they are). With
+    ``batching`` the fire-and-forget events are queued (:class:`EventBatcher`): their
+    calls answer ``Ack(accepted=True)`` at once, and a refusal is counted in
+    ``batcher.stats`` and logged."""
 
     def __init__(self, address: str, namespace: str, *,
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                 timeout_s: float = DEFAULT_TIMEOUT_S,
+                 batching: EventBatching | None = None) -> None:
         import ray
 
         from agents.ray_entry import SCHEDULER_NAME
@@ -78,6 +243,8 @@ class RayTransport:
                 f"no kvprefetch scheduler in Ray namespace {namespace!r} at {address!r}: "
                 "start one with `kvprefetch serve`") from exc
         self.timeout_s = timeout_s
+        self.batcher: EventBatcher | None = (
+            None if batching is None else EventBatcher(self._handle, batching, self._get))
 
     def with_timeout(self, timeout_s: float) -> RayTransport:
         view = copy.copy(self)
@@ -85,7 +252,14 @@ class RayTransport:
         return view
 
     def close(self) -> None:
-        return None
+        if self.batcher is not None:
+            self.batcher.close()
+
+    def _queued(self, kind: str, call: Any) -> bool:
+        if self.batcher is None:
+            return False
+        self.batcher.submit(kind, call)
+        return True
 
     def _get(self, op: str, ref: Any) -> Any:
         """The answer behind ``ref`` (the actor call ``op``, named for errors)."""
@@ -111,24 +285,40 @@ class RayTransport:
 
     # ------------------------------------------------------------------ gateway calls
     def request_started(self, call: api.RequestStarted) -> api.Ack:
+        if self._queued("request_started", call):
+            return api.Ack()
         answer: api.Ack = self._get("request_started",
                                     self._handle.request_started.remote(call))
         return answer
 
     def route(self, call: api.RouteQuery) -> api.RouteAnswer:
-        answer: api.RouteAnswer = self._get("route", self._handle.route.remote(call))
+        events = self.batcher.take() if self.batcher is not None else []
+        if not events:
+            answer: api.RouteAnswer = self._get("route", self._handle.route.remote(call))
+            return answer
+        # The queued events go first, in the same call. If it times out they were sent
+        # all the same (the actor applies them); a refusal is counted.
+        assert self.batcher is not None
+        refused, answer = self._get("route", self._handle.route_after.remote(events, call))
+        self.batcher.settle_refusals(refused)
         return answer
 
     def request_finished(self, call: api.RequestFinished) -> api.Ack:
+        if self._queued("request_finished", call):
+            return api.Ack()
         answer: api.Ack = self._get("request_finished",
                                     self._handle.request_finished.remote(call))
         return answer
 
     def hint(self, call: api.HintCall) -> api.Ack:
+        if self._queued("hint", call):
+            return api.Ack()
         answer: api.Ack = self._get("hint", self._handle.hint.remote(call))
         return answer
 
     def session_closed(self, call: api.SessionClosed) -> api.Ack:
+        if self._queued("session_closed", call):
+            return api.Ack()
         answer: api.Ack = self._get("session_closed", self._handle.session_closed.remote(call))
         return answer
 
@@ -145,14 +335,16 @@ class RayTransport:
             node, tenant, session_id, reused_tokens, done)))
 
     def engine_report(self, report: EngineReport) -> None:
-        self._get("engine_report", self._handle.engine_report.remote(report))
+        if not self._queued("engine_report", report):
+            self._get("engine_report", self._handle.engine_report.remote(report))
 
     # ------------------------------------------------------------------ agent calls
     def agent_hello(self, hello: AgentHello) -> None:
         self._get("agent_hello", self._handle.agent_hello.remote(hello))
 
     def report_transfer(self, report: TransferReport) -> None:
-        self._get("report_transfer", self._handle.report_transfer.remote(report))
+        if not self._queued("report_transfer", report):
+            self._get("report_transfer", self._handle.report_transfer.remote(report))
 
     # ------------------------------------------------------------------ introspection
     def summary(self) -> dict[str, Any]:
@@ -448,8 +640,11 @@ class Client:
 
 def connect(address: str = "auto", *, tenant: str | None = None,
             timeout_s: float = DEFAULT_TIMEOUT_S, service: GatewayAPI | None = None,
-            token: str | None = None, namespace: str = "kvprefetch") -> Client:
-    """A client of the scheduler at ``address`` (see the module docstring)."""
+            token: str | None = None, namespace: str = "kvprefetch",
+            batching: EventBatching | None = None) -> Client:
+    """A client of the scheduler at ``address`` (see the module docstring);
+    ``batching``: queue fire-and-forget events to a Ray scheduler (:class:`EventBatching`;
+    ignored by the other transports)."""
     if timeout_s <= 0:
         raise InvalidRequestError("timeout_s must be positive")
     target: GatewayAPI
@@ -460,7 +655,7 @@ def connect(address: str = "auto", *, tenant: str | None = None,
     elif address.startswith(("http://", "https://")):
         target = HttpTransport(address, token, timeout_s=timeout_s)
     else:
-        target = RayTransport(address, namespace, timeout_s=timeout_s)
+        target = RayTransport(address, namespace, timeout_s=timeout_s, batching=batching)
     return Client(target, tenant=tenant, timeout_s=timeout_s)
 
 

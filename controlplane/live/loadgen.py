@@ -9,7 +9,11 @@ It replays a trace's session events, sped up, against one *target*:
 * ``service``: :class:`~controlplane.live.service.SchedulerService` in this process through
   the Python client (validation, the lock, the control loop's own thread);
 * ``ray-1``: one scheduler actor on a local Ray runtime through the Python client's
-  :class:`~controlplane.live.client.RayTransport` (one synchronous actor call per event).
+  :class:`~controlplane.live.client.RayTransport`, fire-and-forget events batched
+  (:class:`~controlplane.live.client.EventBatching`: each ``request_finished`` is queued
+  and goes with the next ``route``'s actor call or the flush timer); the measurement ends
+  when every queued event is answered, and refused ones count as lost;
+* ``ray-1-sync``: the same without batching (one synchronous actor call per event).
 
 Sessions: ``sessions`` live sessions, session ``i`` playing the trace's session
 ``i mod len(trace)`` turn after turn (cycling). First every session plays its first turn
@@ -41,7 +45,7 @@ from controlplane.base.errors import ConfigError, KvPrefetchError
 from controlplane.base.types import EventKind, SessionEvent, Trace
 
 #: Modes this generator knows, in the order a table lists them.
-MODES: tuple[str, ...] = ("inproc", "service", "ray-1")
+MODES: tuple[str, ...] = ("inproc", "service", "ray-1", "ray-1-sync")
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +88,8 @@ class ModeResult:
     populate_s: float = 0.0
     #: Eviction-index work of the core over the run, where it is visible.
     eviction_index: dict[str, int] = field(default_factory=dict)
+    #: The client's event batching (ray-1), cumulative over populating and measuring.
+    batching: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -100,6 +106,11 @@ class Target(Protocol):
                  stop_reason: str | None) -> bool: ...
 
     def poll(self) -> None: ...
+
+    def settle(self) -> int:
+        """Wait until every event sent is answered; the events refused meanwhile (events
+        queued by the client answer at once)."""
+        ...
 
     def plan_steps_s(self) -> list[float]: ...
 
@@ -183,6 +194,9 @@ class CoreTarget:
             self._next_sweep = now + self._sweep_s
         self._plan_s.append(time.perf_counter() - began)
 
+    def settle(self) -> int:
+        return 0
+
     def plan_steps_s(self) -> list[float]:
         return list(self._plan_s)
 
@@ -224,6 +238,18 @@ class ClientTarget:
 
     def poll(self) -> None:
         return None
+
+    def settle(self) -> int:
+        batcher = getattr(self.client.scheduler, "batcher", None)
+        if batcher is None:
+            return 0
+        before = batcher.stats.refused
+        batcher.flush(wait=True)
+        return int(batcher.stats.refused - before)
+
+    def batch_stats(self) -> dict[str, int]:
+        batcher = getattr(self.client.scheduler, "batcher", None)
+        return {} if batcher is None else asdict(batcher.stats)
 
     def mark(self) -> None:
         """Planning steps from now on are the measurement's."""
@@ -271,7 +297,7 @@ def run_mode(mode: str, trace: Trace, spec: LoadSpec,
     player = _Player(trace, fleet.model.max_context_tokens, [0] * spec.sessions)
     sids = [f"bench-{i}" for i in range(spec.sessions)]
     lost = 0
-    traced = mode != "ray-1"
+    traced = not mode.startswith("ray-")
     if traced:
         tracemalloc.start()
     target = _target(mode, fleet, spec)
@@ -283,6 +309,7 @@ def run_mode(mode: str, trace: Trace, spec: LoadSpec,
             target.poll()
             if progress is not None and (i + 1) % 1000 == 0:
                 progress(2000)
+        lost += target.settle()
         populate_s = time.perf_counter() - began
         bytes_per = None
         if traced:
@@ -302,9 +329,11 @@ def run_mode(mode: str, trace: Trace, spec: LoadSpec,
             target.poll()
             if progress is not None and (k + 1) % 500 == 0:
                 progress(1000)
+        lost += target.settle()  # queued events count once answered
         elapsed = time.perf_counter() - began
         plans = target.plan_steps_s()[plan_before:]
         index = target.index_stats()
+        batching = target.batch_stats() if isinstance(target, ClientTarget) else {}
     finally:
         if traced:
             tracemalloc.stop()
@@ -312,7 +341,7 @@ def run_mode(mode: str, trace: Trace, spec: LoadSpec,
     return ModeResult(
         mode, 2 * turns / elapsed if elapsed > 0 else 0.0, quantile(routes, 0.5) * 1e3,
         quantile(routes, 0.99) * 1e3, quantile(plans, 0.99) * 1e3 if plans else None,
-        bytes_per, lost, 2 * turns, round(populate_s, 3), index)
+        bytes_per, lost, 2 * turns, round(populate_s, 3), index, batching)
 
 
 def _turn(target: Target, player: _Player, i: int, sid: str,
@@ -348,16 +377,16 @@ def _target(mode: str, fleet: FleetConfig, spec: LoadSpec) -> Target:
             svc.close()
 
         return ClientTarget(client, svc.summary, close_service)
-    return _ray_target(cfg, spec)
+    return _ray_target(cfg, spec, batched=mode == "ray-1")
 
 
-def _ray_target(cfg: Any, spec: LoadSpec) -> ClientTarget:
+def _ray_target(cfg: Any, spec: LoadSpec, *, batched: bool) -> ClientTarget:
     """One scheduler actor (no agents) on a local Ray runtime started here."""
     import uuid
 
     import ray
 
-    from controlplane.live.client import RayTransport, connect
+    from controlplane.live.client import EventBatching, RayTransport, connect
     from controlplane.live.ray_app import start_scheduler
 
     namespace = f"kvprefetch-bench-{uuid.uuid4().hex[:8]}"
@@ -366,7 +395,8 @@ def _ray_target(cfg: Any, spec: LoadSpec) -> ClientTarget:
         ray.init(namespace=namespace, include_dashboard=False, log_to_driver=False,
                  configure_logging=False)
     handle = start_scheduler(cfg, namespace=namespace, with_agents=False)
-    client = connect("auto", namespace=namespace, timeout_s=spec.timeout_s)
+    client = connect("auto", namespace=namespace, timeout_s=spec.timeout_s,
+                     batching=EventBatching() if batched else None)
     transport = client.scheduler
     assert isinstance(transport, RayTransport)
 

@@ -134,6 +134,29 @@ class _SchedulerActor:
     def session_state(self, call: SessionQuery) -> SessionState:
         return self.svc.session_state(call)
 
+    # -- batched fire-and-forget events (controlplane.live.client.EventBatcher) ----------
+    def apply_events(self, events: Sequence[tuple[str, Any]]) -> list[str]:
+        """Apply queued events in the order they were queued; one message per event the
+        service refused or failed (empty: all applied). A refusal does not stop the rest:
+        each event stands alone, as when it was its own call."""
+        refused: list[str] = []
+        for kind, call in events:
+            method = _BATCHED.get(kind)
+            try:
+                if method is None:
+                    raise ValueError(f"not a batched event: {kind!r}")
+                method(self.svc, call)
+            except Exception as exc:  # counted by the client, never fatal to the batch
+                log.debug("batched %s refused", kind, exc_info=True)
+                refused.append(f"{kind}: {type(exc).__name__}: {exc}")
+        return refused
+
+    def route_after(self, events: Sequence[tuple[str, Any]], call: api.RouteQuery
+                    ) -> tuple[list[str], api.RouteAnswer]:
+        """The events queued before this route, then the route: one actor call."""
+        refused = self.apply_events(events)
+        return refused, self.svc.route(call)
+
     def gpu_start(self, node: int, tenant: str, session_id: str,
                   reused_tokens: int) -> GpuStartPlan:
         return self.svc.gpu_start(node, tenant, session_id, reused_tokens)
@@ -166,6 +189,16 @@ class _SchedulerActor:
     def close(self) -> None:
         self.svc.close()
 
+
+#: The events a batch may carry, by the name the client queues them under.
+_BATCHED: dict[str, Callable[[SchedulerService, Any], Any]] = {
+    "request_started": SchedulerService.request_started,
+    "request_finished": SchedulerService.request_finished,
+    "hint": SchedulerService.hint,
+    "session_closed": SchedulerService.session_closed,
+    "report_transfer": SchedulerService.report_transfer,
+    "engine_report": SchedulerService.engine_report,
+}
 
 if TYPE_CHECKING:  # mypy checks the actor against the Protocol its callers rely on
     _ACTOR: type[SchedulerAPI] = _SchedulerActor
