@@ -536,6 +536,19 @@ class AdaptivePredictor:
         return obj
 
 
+def _survival_at(g: Sequence[float], s: Sequence[float], t: float) -> float:
+    """``S(t)`` of a curve's knots ``g`` and survival ``s``: linear between knots, 1 before
+    the first, the floor ``s[-1]`` from the last on (the float operations of
+    ``SurvivalCurve``)."""
+    if t <= 0.0:
+        return 1.0
+    if t >= g[-1]:
+        return s[-1]
+    j = bisect_right(g, t)
+    w = (t - g[j - 1]) / (g[j] - g[j - 1])
+    return s[j - 1] + w * (s[j] - s[j - 1])
+
+
 def _read_curve(curve: SurvivalCurve, neg: tuple[float, ...], silence_s: float
                 ) -> tuple[tuple[float, float, float], float]:
     """The forecast's numbers at a silence: ``min(NEVER_S, curve.quantile_after(silence_s,
@@ -546,14 +559,7 @@ def _read_curve(curve: SurvivalCurve, neg: tuple[float, ...], silence_s: float
     g, s = curve.gaps_s, curve.survival
     last = len(g) - 1
     floor = s[last]
-    if silence_s <= 0.0:
-        s_a = 1.0
-    elif silence_s >= g[last]:
-        s_a = floor
-    else:
-        j = bisect_right(g, silence_s)
-        w = (silence_s - g[j - 1]) / (g[j] - g[j - 1])
-        s_a = s[j - 1] + w * (s[j] - s[j - 1])
+    s_a = _survival_at(g, s, silence_s)
     alive = s_a - floor
     quantiles: list[float] = []
     for level in FORECAST_LEVELS:
@@ -576,15 +582,7 @@ def _read_curve(curve: SurvivalCurve, neg: tuple[float, ...], silence_s: float
     if s_a <= 0.0:
         p_return = 1.0
     else:
-        b = silence_s + RETURN_HORIZON_S
-        if b <= 0.0:
-            s_b = 1.0
-        elif b >= g[last]:
-            s_b = floor
-        else:
-            j = bisect_right(g, b)
-            w = (b - g[j - 1]) / (g[j] - g[j - 1])
-            s_b = s[j - 1] + w * (s[j] - s[j - 1])
+        s_b = _survival_at(g, s, silence_s + RETURN_HORIZON_S)
         p_return = min(1.0, max(0.0, (s_a - s_b) / s_a))
     return (quantiles[0], quantiles[1], quantiles[2]), p_return
 
