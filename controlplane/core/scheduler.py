@@ -633,9 +633,7 @@ class SchedulerCore:
         if s is not None:
             s.inflight_nodes.pop(node, None)
         self._drop(node, sid)
-        if s is not None and not s.in_flight and self.policy.prefetch:
-            s.pending = None
-            self._plan(sid, now_s)
+        self._plan_again(sid, now_s)
         return self._output()
 
     # ------------------------------------------------------------------ prefetch planning
@@ -698,6 +696,15 @@ class SchedulerCore:
         if self._recheck:
             due.update(sid for sid in self._recheck if sid in idle)
         return sorted(due)
+
+    def _plan_again(self, sid: str, now_s: float) -> None:
+        """The session's KV left a node other than by a plan (a transfer failed, an agent
+        reported it gone): if it is idle, any order planned against the old books is void;
+        plan it afresh."""
+        s = self._sessions.get(sid)
+        if self.policy.prefetch and s is not None and not s.in_flight:
+            s.pending = None
+            self._plan(sid, now_s)
 
     def _plan(self, sid: str, now_s: float, forecast: ArrivalForecast | None = None) -> None:
         """Plan (or re-plan) a prefetch of an idle session to its home node."""
@@ -910,8 +917,5 @@ class SchedulerCore:
             sid = entry.session_id
             if sid not in self._sessions or not holds(sid, entry.tokens):
                 self._drop(node, sid)
-                s = self._sessions.get(sid)
-                if self.policy.prefetch and s is not None and not s.in_flight:
-                    s.pending = None  # an order planned against the old books is void
-                    self._plan(sid, now_s)
+                self._plan_again(sid, now_s)
         return self._output()
