@@ -43,7 +43,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -77,8 +77,14 @@ _Z975 = 1.959964
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from controlplane.cli import demo_vllm
+
     p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.epilog = EPILOG
+    p.epilog = EPILOG + demo_vllm.EPILOG
+    p.add_argument("--engine", choices=("emulated", "vllm"), default="emulated",
+                   help="'emulated' = engine emulators on emulated GPU nodes (default); "
+                        "'vllm' = real vLLM (CPU build) + LMCache servers behind the "
+                        "OpenAI-compatible gateway (needs make setup-vllm; see below)")
     p.add_argument("--nodes", type=int, default=2, help="emulated GPU nodes (default 2)")
     p.add_argument("--backend", choices=("local", "lmcache-mp"), default="local",
                    help="node-local KV tier: 'local' = the agents' own DRAM tier; "
@@ -92,19 +98,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "with hints on it is read through "
                         "'hinted' (ewma, default, a trained FILE or KIND:FILE can be "
                         "wrapped)")
-    p.add_argument("--repeats", type=int, default=3,
-                   help="arrival seeds per policy: --seed, --seed+1, ... (default 3)")
-    p.add_argument("--compression", type=float, default=20.0,
-                   help="service seconds per wall second (default 20)")
+    p.add_argument("--repeats", type=int, default=3, action=ExplicitStore,
+                   help="arrival seeds per policy: --seed, --seed+1, ... (default 3; "
+                        "vllm: 1)")
+    p.add_argument("--compression", type=float, default=20.0, action=ExplicitStore,
+                   help="service seconds per wall second (default 20; vllm: 10)")
     p.add_argument("--kv-scale", type=float, default=1 / 4096,
                    help="real bytes per modelled KV byte (default 1/4096)")
-    p.add_argument("--chunk-tokens", type=int, default=4096,
-                   help="tokens per stored chunk (default 4096)")
-    p.add_argument("--sessions", type=int, default=12,
-                   help="sessions to replay per seed: the first to arrive (default 12)")
-    p.add_argument("--turns", type=int, default=16, help="turns per session at most (16)")
-    p.add_argument("--max-gap-s", type=float, default=60.0,
-                   help="cap idle gaps at this many trace seconds (default 60)")
+    p.add_argument("--chunk-tokens", type=int, default=4096, action=ExplicitStore,
+                   help="tokens per stored chunk (default 4096; vllm: 256, LMCache's)")
+    p.add_argument("--sessions", type=int, default=12, action=ExplicitStore,
+                   help="sessions to replay per seed: the first to arrive (default 12; "
+                        "vllm: 10)")
+    p.add_argument("--turns", type=int, default=16, action=ExplicitStore,
+                   help="turns per session at most (16; vllm: 6)")
+    p.add_argument("--max-gap-s", type=float, default=60.0, action=ExplicitStore,
+                   help="cap idle gaps at this many trace seconds (default 60; vllm: 30)")
     p.add_argument("--session-rate", type=float, default=0.05,
                    help="session starts per trace second (default 0.05)")
     p.add_argument("--hbm-gib", type=float, default=2.0, help="HBM for KV per node, GiB (2)")
@@ -121,6 +130,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", dest="json_out", help="write the report as JSON here")
     p.add_argument("--plot", help="write a PNG plot here")
     p.add_argument("--no-progress", action="store_true")
+    demo_vllm.add_arguments(p)
+
+
+class ExplicitStore(argparse._StoreAction):
+    """``store``, and the option's dest noted in ``namespace.explicit``: the engines share
+    these options with different defaults, and a default is replaced only where the user
+    gave none."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        super().__call__(parser, namespace, values, option_string)
+        explicit = set(getattr(namespace, "explicit", ()) or ())
+        namespace.explicit = explicit | {self.dest}
+
+
+@contextlib.contextmanager
+def sigint_stops(stop: threading.Event) -> Iterator[None]:
+    """While inside: the first Ctrl-C sets ``stop`` (the replay ends and everything shuts
+    down), a second one interrupts at once."""
+    previous = signal.getsignal(signal.SIGINT)
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        print("\ninterrupted: stopping the replay and shutting down...", file=sys.stderr)
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def build_trace(args: argparse.Namespace, window: int, seed: int | None = None) -> Any:
@@ -262,6 +303,10 @@ def run(args: argparse.Namespace) -> int:
     from controlplane.base.errors import ConfigError
     from controlplane.core.policies import parse_policies
 
+    if args.engine == "vllm":
+        from controlplane.cli import demo_vllm
+
+        return demo_vllm.run(args)
     if not 1 <= args.nodes <= 8:
         raise ConfigError("--nodes must be 1..8 on one machine")
     if args.compression <= 0 or not 0 < args.kv_scale <= 1:
@@ -276,20 +321,9 @@ def run(args: argparse.Namespace) -> int:
         "hbm_kv_bytes": int(args.hbm_gib * GIB), "dram_tier_bytes": int(args.dram_gib * GIB)}})
     seeds = [_seed_trace(args, fleet, args.seed + i) for i in range(args.repeats)]
     stop = threading.Event()
-    previous = signal.getsignal(signal.SIGINT)
-
-    def on_sigint(signum: int, frame: Any) -> None:
-        if stop.is_set():
-            raise KeyboardInterrupt
-        print("\ninterrupted: stopping the replay and shutting down...", file=sys.stderr)
-        stop.set()
-
-    signal.signal(signal.SIGINT, on_sigint)
     started = time.perf_counter()
-    try:
+    with sigint_stops(stop):
         runs = _run(args, fleet, [p.name for p in policies], seeds, service_predictor, stop)
-    finally:
-        signal.signal(signal.SIGINT, previous)
     if runs is None:
         return 130
     report = _report(args, fleet, seeds, runs, service_predictor,

@@ -34,7 +34,7 @@ import contextlib
 import hashlib
 import json
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -364,6 +364,37 @@ def build_app(gateway: Gateway) -> Any:
         return Response(generate_latest(gateway.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+@contextlib.contextmanager
+def serve_in_thread(gateway: Gateway, host: str = "127.0.0.1", port: int = 0,
+                    start_timeout_s: float = 30.0) -> Iterator[str]:
+    """Serve the gateway with uvicorn on a thread of this process (``port`` 0: a free
+    one); yields its base URL and stops it on exit. For demos and tests; a deployment runs
+    :func:`main` or hosts :func:`build_app` itself."""
+    import threading
+    import time
+
+    import uvicorn
+
+    if port == 0:
+        from agents.embedded import free_port
+
+        port = free_port(host)
+    server = uvicorn.Server(uvicorn.Config(build_app(gateway), host=host, port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, name="kvp-gateway", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + start_timeout_s
+    try:
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the gateway did not start listening on {host}:{port}")
+            time.sleep(0.05)
+        yield f"http://{host}:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
 
 
 def store_sink(store: Any) -> TokenSink:

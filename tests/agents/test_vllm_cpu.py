@@ -40,6 +40,7 @@ if TYPE_CHECKING:  # vLLM-side modules are imported inside the tests (fail, not 
     from agents.lmcache.server import LMCacheServer
     from agents.lmcache.warm import LMCacheWarmClient
     from agents.stores.base import ObjectStore
+    from agents.vllm.counters import EngineCounters
     from agents.vllm.server import VLLMServer
 
 pytestmark = [pytest.mark.servers, pytest.mark.slow, pytest.mark.vllm]
@@ -95,26 +96,12 @@ class RecordingScheduler:
 @contextlib.contextmanager
 def _gateway(vllm_url: str, store: object, scheduler: RecordingScheduler) -> Iterator[str]:
     """The gateway on a loopback port (uvicorn in a thread), in front of one node."""
-    import threading
-
-    import uvicorn
-
-    from agents.embedded import free_port
-    from controlplane.live.gateway import Gateway, GatewayConfig, build_app, store_sink
+    from controlplane.live.gateway import Gateway, GatewayConfig, serve_in_thread, store_sink
 
     gateway = Gateway(GatewayConfig(upstreams=[vllm_url], tenant=TENANT),
                       scheduler=scheduler, tokens=store_sink(store))
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(gateway), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        _wait(lambda: server.started, "the gateway to listen")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    with serve_in_thread(gateway) as url:
+        yield url
 
 
 def _require_vllm() -> None:
@@ -199,33 +186,21 @@ def _wait(predicate: Callable[[], bool], what: str, timeout_s: float = 30.0) -> 
         time.sleep(0.1)
 
 
-@dataclass(frozen=True)
-class Served:
-    """What one request's prefix was served from, by both engines' own counters."""
-
-    lmcache_l1_tokens: int
-    lmcache_l2_tokens: int
-    vllm_prefix_hit_tokens: int
-    vllm_external_hit_tokens: int
-    vllm_prompt_tokens: int
-
-
-def _served(node: Node, session: str, prompt: list[int]) -> Served:
-    """Send one request and read where its prefix came from."""
+def _served(node: Node, session: str, prompt: list[int]) -> EngineCounters:
+    """Send one request and read where its prefix came from (both engines' counters)."""
     from agents.lmcache.warm import LMCacheWarmClient
+    from agents.vllm.counters import read_counters, wait_for_requests
     from agents.vllm.server import VLLMServer
 
     assert isinstance(node.warm, LMCacheWarmClient) and isinstance(node.vllm, VLLMServer)
-    lm_before, vllm_before = node.warm.lookup_hits(node.model_name), node.vllm.counters()
+
+    def read() -> EngineCounters:
+        return read_counters(node.vllm, node.warm, node.model_name)
+
+    before = read()
     _complete(node, session, prompt)
     # Both count off the request path: wait for the lookup and the finished request.
-    _wait(lambda: (node.warm.lookup_hits(node.model_name) - lm_before).lookups >= 1,
-          "LMCache's lookup counters")
-    _wait(lambda: (node.vllm.counters() - vllm_before).requests >= 1, "vLLM's counters")
-    lm = node.warm.lookup_hits(node.model_name) - lm_before
-    vl = node.vllm.counters() - vllm_before
-    return Served(lm.l1_tokens, lm.l2_tokens, vl.prefix_hit_tokens, vl.external_hit_tokens,
-                  vl.prompt_tokens)
+    return wait_for_requests(read, before, requests=1, lookups=1)
 
 
 def _first_turn(node: Node, session: str, prompt: list[int]) -> None:
@@ -241,7 +216,7 @@ def _first_turn(node: Node, session: str, prompt: list[int]) -> None:
     assert isinstance(node.store, ObjectStore)
     cold = _served(node, session, prompt)
     assert cold.vllm_prompt_tokens == len(prompt)
-    assert cold.lmcache_l1_tokens == cold.lmcache_l2_tokens == 0  # nothing to find yet
+    assert cold.lmcache_l1_hit_tokens == cold.lmcache_l2_hit_tokens == 0  # nothing to find
     _wait(lambda: node.warm.l2_write_backlog() == 0, "LMCache's write-through to L2")
     assert get_session_tokens(node.store, TENANT, session) == prompt  # the gateway's part
     finished = [c for c in node.scheduler.calls if c[:2] == ("request_finished", session)]
@@ -270,8 +245,8 @@ def test_a_warmed_session_is_served_from_l1_with_no_l2_load(node: Node) -> None:
     assert report.keys_moved == PROMPT_TOKENS // CHUNK  # the 8 whole chunks, from L2
 
     served = _served(node, session, prompt)
-    assert served.lmcache_l1_tokens == LOOKED_UP, served
-    assert served.lmcache_l2_tokens == 0, served
+    assert served.lmcache_l1_hit_tokens == LOOKED_UP, served
+    assert served.lmcache_l2_hit_tokens == 0, served
     assert served.vllm_prefix_hit_tokens == 0, served  # its own cache was reset
     assert served.vllm_external_hit_tokens == LOOKED_UP, served
 
@@ -281,8 +256,8 @@ def test_an_unwarmed_session_loads_its_prefix_from_l2(node: Node) -> None:
     _first_turn(node, session, prompt)
 
     served = _served(node, session, prompt)
-    assert served.lmcache_l2_tokens == LOOKED_UP, served
-    assert served.lmcache_l1_tokens == 0, served
+    assert served.lmcache_l2_hit_tokens == LOOKED_UP, served
+    assert served.lmcache_l1_hit_tokens == 0, served
     assert served.vllm_prefix_hit_tokens == 0, served
     assert served.vllm_external_hit_tokens == LOOKED_UP, served
 

