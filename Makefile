@@ -4,7 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 EXTRAS ?= dev,plot,stores,ml,serve,lmcache
 
-.PHONY: setup setup-vllm setup-sglang demo sim test test-vllm test-fast lint sim-full clean
+.PHONY: setup setup-vllm setup-sglang setup-aiperf demo demo-vllm bench-aiperf sim test \
+	test-vllm test-fast lint sim-full clean
 
 # torch is pinned to the CPU build for CPU machines (an open range would pull a multi-GB
 # CUDA build); GPU users install their own CUDA torch and then `pip install -e .[ml]`.
@@ -51,6 +52,18 @@ setup-sglang: $(VENV)/.sglang-installed
 # hash per process), which the key-parity tests of the main venv pin down.
 VLLM_VENV ?= .venv-vllm
 
+# NVIDIA's aiperf in a venv of its own: it only talks HTTP to the gateway, and its pins
+# (pyzmq, orjson, prometheus-client, numpy ...) differ from vLLM's and LMCache's.
+AIPERF_VENV ?= .venv-aiperf
+AIPERF_VERSION := 0.13.0
+$(AIPERF_VENV)/.installed:
+	$(PYTHON) -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/python -m pip install -q --upgrade pip
+	$(AIPERF_VENV)/bin/python -m pip install -q aiperf==$(AIPERF_VERSION)
+	touch $@
+
+setup-aiperf: $(AIPERF_VENV)/.installed
+
 # The main job: the live control plane on local Ray with embedded Valkey and S3 and two
 # emulated GPU nodes, replaying the bundled trace slice with client hints, ondemand and
 # predictive over 3 arrival seeds (mean, p90 and a 95% interval per policy; ~4-5 min).
@@ -58,21 +71,42 @@ demo: setup
 	mkdir -p out
 	$(VENV)/bin/kvprefetch demo --json out/demo.json --plot out/demo.png
 
+# The demo on the real engine: vLLM's CPU build + LMCache servers on 2 CPU nodes behind the
+# gateway, ondemand then predictive, TTFT at the client (its own venv; ~5-7 min on 2 cores,
+# the first run adds the venv's setup).
+demo-vllm:
+	$(MAKE) setup-vllm VENV=$(VLLM_VENV)
+	mkdir -p out
+	$(VLLM_VENV)/bin/kvprefetch demo --engine vllm --json out/demo-vllm.json --plot out/demo-vllm.png
+
+# aiperf replays the vLLM demo's multi-turn trace through the gateway, next to our client:
+# out/bench-aiperf.json (both clients' TTFT) and out/aiperf/ (aiperf's own artifacts).
+# Offline: aiperf reads the tiny model's tokenizer from its directory (HF_HUB_OFFLINE=1).
+bench-aiperf: setup-aiperf
+	$(MAKE) setup-vllm VENV=$(VLLM_VENV)
+	mkdir -p out
+	HF_HUB_OFFLINE=1 $(VLLM_VENV)/bin/kvprefetch bench aiperf --aiperf $(AIPERF_VENV)/bin/aiperf \
+		--json out/bench-aiperf.json --artifact-dir out/aiperf
+
 # The simulator on the bundled slice, one node: the 33 sessions then load the local tiers
 # 2.4x over capacity.
 sim: setup
 	mkdir -p out
 	$(VENV)/bin/kvprefetch sim --nodes 1 --json out/sim.json --plot out/sim.png
 
-# CI: everything in the main venv (with SGLang), then the real vLLM (CPU) engine test in
-# its own venv (tests marked `vllm`; set up on first run, ~5 min).
+# CI: everything in the main venv (with SGLang), then the real vLLM (CPU) engine tests in
+# its own venv (tests marked `vllm`; vLLM's venv and aiperf's set up on first run).
 test: lint setup-sglang
 	$(PY) -m pytest -q -m "not vllm"
 	$(MAKE) test-vllm
 
+# The real-engine tests: vLLM + LMCache + agent + gateway by the engines' own counters
+# (~2 min), the vLLM demo short (~2.5 min) and aiperf through the gateway (~3 min).
 test-vllm:
 	$(MAKE) setup-vllm VENV=$(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/agents/test_vllm_cpu.py
+	$(MAKE) setup-aiperf
+	AIPERF=$(AIPERF_VENV)/bin/aiperf $(VLLM_VENV)/bin/python -m pytest -q -m vllm \
+		tests/agents/test_vllm_cpu.py tests/live/test_demo_vllm.py tests/agents/test_aiperf_bench.py
 
 # The pure tests (no servers, no Ray, no shared traces): under a minute.
 test-fast: setup
@@ -90,7 +124,7 @@ sim-full: setup
 	$(VENV)/bin/kvprefetch sim --trace ../shared/traces/claude-code --json out/sim-full.json --plot out/sim-full.png
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) out .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(AIPERF_VENV) out .pytest_cache .mypy_cache .ruff_cache
 
 # Schemathesis against the HTTP API served locally (a child process: the scheduler service
 # behind the app `kvprefetch serve` builds, two tenants with their own tokens and an admin),

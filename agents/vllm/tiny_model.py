@@ -142,6 +142,40 @@ def generate(out_dir: Path | str, spec: TinyLlamaSpec | None = None) -> Path:
     return path
 
 
+#: The repository id under which :func:`hub_cache` files the tokenizer.
+HUB_REPO_ID = "kvprefetch/tiny-llama"
+#: The tokenizer's files (what a client that counts tokens needs; no weights).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "config.json", "generation_config.json")
+
+
+def hub_cache(model_dir: Path | str, cache_dir: Path | str,
+              repo_id: str = HUB_REPO_ID) -> str:
+    """File the model directory's tokenizer in a Hugging Face hub cache layout under
+    ``cache_dir`` (``models--<org>--<name>/snapshots/<hash>/`` and ``refs/main``), so that
+    a client that loads tokenizers by hub name, even offline (aiperf with
+    ``HF_HUB_OFFLINE=1`` resolves names through ``snapshot_download(local_files_only=
+    True)``, never a path), finds it with ``HF_HUB_CACHE=cache_dir``. Returns ``repo_id``.
+    The snapshot's name is a hash of the files, so the same tokenizer gets the same one."""
+    import hashlib
+    import shutil
+
+    src = Path(model_dir)
+    files = [name for name in TOKENIZER_FILES if (src / name).is_file()]
+    digest = hashlib.sha1()
+    for name in files:
+        digest.update(name.encode() + b"\0" + (src / name).read_bytes())
+    revision = digest.hexdigest()
+    repo = Path(cache_dir) / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / revision
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for name in files:
+        shutil.copyfile(src / name, snapshot / name)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(revision)
+    return repo_id
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", type=Path)

@@ -38,6 +38,9 @@ BENCHES: dict[str, tuple[str, str]] = {
                       "session: pure core, service, one Ray actor"),
     "soak": ("controlplane.cli.bench_soak",
              "steady traffic against the scheduler service and its journal: is RSS flat?"),
+    "aiperf": ("controlplane.cli.bench_aiperf",
+               "NVIDIA's aiperf replays the vLLM demo's multi-turn trace through the gateway, "
+               "next to our own client (needs make setup-vllm and setup-aiperf)"),
 }
 
 

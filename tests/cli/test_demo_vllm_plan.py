@@ -1,6 +1,6 @@
-"""The parts of ``kvprefetch demo --engine vllm`` that run before any server: option
-defaults per engine, bad input, the scaled trace, the prompts the client sends, the
-emulated link and the fleet model of the CPU nodes. No vLLM, no
+"""The parts of ``kvprefetch demo --engine vllm`` and ``kvprefetch bench aiperf`` that run
+before any server: option defaults per engine, bad input, the scaled trace, the prompts
+both clients send, the emulated link and the fleet model of the CPU nodes. No vLLM, no
 servers (the runs themselves: tests/live/test_demo_vllm.py, marked ``vllm``)."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import pytest
 from controlplane.base.types import Trace, TraceRequest, TraceSession
 from controlplane.cli import build_parser, main
 from controlplane.cli import demo_vllm as dv
+from controlplane.cli.bench_aiperf import mooncake_rows
 from controlplane.live.gateway_replay import PromptBook, scale_trace
 
 
@@ -116,3 +117,16 @@ def test_the_fleet_model_describes_the_cpu_nodes_on_the_compressed_clock() -> No
     load_s = 2048 * 1024 / (fleet.remote.valkey_gbyte_s_per_node * 1e9)
     assert load_s == pytest.approx(2048 * 1024 / 50e6 * 10)
     assert fleet.node.dram_tier_bytes == 8 << 20 and fleet.node.hbm_kv_bytes == 5120 * 1024
+def test_aiperf_rows_carry_sessions_delays_and_our_prompts() -> None:
+    trace = scale_trace(_trace(), 1 / 32, 4000, 8)
+    rows = mooncake_rows(trace, "x", "tiny-llama", compression=10.0)
+    assert [r["session_id"] for r in rows] == ["s", "s", "s"]
+    assert rows[0]["timestamp"] == 300.0 and "delay" not in rows[0]
+    assert rows[1]["delay"] == 400.0 and rows[2]["delay"] == 200.0
+    book = PromptBook("x")
+    for row, req in zip(rows, trace.sessions[0].requests, strict=True):
+        payload = row["payload"]
+        assert payload["prompt"] == book.prompt("s", req)
+        assert payload["stream"] is True and payload["max_tokens"] == req.output_tokens
+
+
