@@ -114,6 +114,16 @@ class PlannerConfig(_Frozen):
     min_p_return: float = Field(0.3, ge=0, le=1)
     #: Skip prefetches whose forecast is less confident than this (0 = always trust).
     min_confidence: float = Field(0.7, ge=0, le=1)
+    #: A prefetch may displace residents (rather than only fill free room) when its
+    #: forecast is at least this confident: a client's hint with an ETA (0.9,
+    #: ``predictors.hinted``) or the oracle's certainty. A forecast from history alone
+    #: cannot time a return better than the residents' recency (README, "Why prefetch
+    #: without hints cannot close the gap"); letting those displace measured worse.
+    displace_min_confidence: float = Field(0.85, ge=0, le=1)
+    #: ... and only residents predicted to be used after this quantile of its arrival (a
+    #: late one: the candidate must come first with some certainty, not only on median).
+    #: Measured on 15 runs with hints (README, "Hints"): 0.75 beat 0.5 and 0.9.
+    displace_quantile: float = Field(0.75, ge=0.5, lt=1)
     #: Do not plan further ahead than this (seconds); such sessions are re-planned later,
     #: and sessions idle for longer are no longer swept.
     max_lead_s: float = Field(3600.0, gt=0)

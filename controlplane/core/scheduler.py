@@ -787,11 +787,16 @@ class SchedulerCore:
                 now_s=now_s, min_key=-net, priority=order.priority)
         else:
             # An uncertain prefetch only fills free room: under pressure, whatever it would
-            # evict is likelier to be used first (every such admission measured waste).
+            # evict is likelier to be used first (every such admission measured waste). A
+            # sharp one (a hint's ETA, the oracle) displaces the residents predicted to be
+            # used after a late quantile of its arrival (for the oracle: after it, Belady).
+            cfg = self.fleet.planner
+            sharp = forecast is not None and forecast.confidence >= cfg.displace_min_confidence
+            min_key = (max(use, forecast.arrival_at(cfg.displace_quantile))
+                       if forecast is not None and sharp else use)
             ticket = self._reserve(sid, order.node, order.tokens, prefetch=True,
-                                   deadline_s=order.deadline_s, now_s=now_s, min_key=use,
-                                   free_only=forecast is None or forecast.confidence < 1.0,
-                                   priority=order.priority)
+                                   deadline_s=order.deadline_s, now_s=now_s, min_key=min_key,
+                                   free_only=not sharp, priority=order.priority)
         if ticket is None:
             self.stats.prefetches_dropped += 1
             return self._output()

@@ -7,7 +7,7 @@ from dataclasses import replace
 from fleet_fakes import FakeFleet, finish_turn, two_node_fleet
 
 from controlplane.base.config import GIB, fleet_from_dict
-from controlplane.base.types import EventKind, SessionEvent
+from controlplane.base.types import ArrivalForecast, EventKind, HintKind, SessionEvent
 from controlplane.core.policies import POLICIES
 from controlplane.core.scheduler import SchedulerCore
 from controlplane.core.step import StepOutput
@@ -156,3 +156,67 @@ def test_a_node_that_joins_is_routed_to_and_warmed_with_sessions_local_nowhere()
     core.request_started(SessionEvent(EventKind.REQUEST_STARTED, "s0", 20.0,
                                       input_tokens=41_000, reused_tokens=40_000))
     assert core.route_request("s0", 41_000, 40_000, 20.0).node == 1
+
+
+class _SetForecasts:
+    """A predictor whose forecasts the test sets: sid -> (gap quantiles, confidence), from
+    the session's last finish, conditioned on the silence (as the learned models' are)."""
+
+    name = "set"
+
+    def __init__(self) -> None:
+        self.laws: dict[str, tuple[tuple[float, float, float], float]] = {}
+        self.finish: dict[str, float] = {}
+
+    def observe(self, event: SessionEvent) -> None:
+        if event.kind is EventKind.REQUEST_FINISHED:
+            self.finish[event.session_id] = event.time_s
+
+    def forget(self, session_id: str) -> None:
+        self.laws.pop(session_id, None)
+
+    def forecast(self, session_id: str, now_s: float) -> ArrivalForecast | None:
+        if session_id not in self.laws or session_id not in self.finish:
+            return None
+        q, confidence = self.laws[session_id]
+        return ArrivalForecast(session_id, self.finish[session_id], q, 0.95, 3600.0,
+                               confidence, conditioned=True)
+
+
+def _hinted_prefetch_over(b_gap_s: float, confidence: float) -> tuple[StepOutput, SchedulerCore]:
+    """c is evicted from node 0 (full with a and b), then a hint makes its forecast
+    (arrival q10 / q50 / q90 at 26 / 31 / 61 s; q75 at 49.75 s, linear between the knots)
+    with ``confidence``; a is next used at 40 s, b ``b_gap_s`` after its finish at 21 s.
+    The output of starting c's prefetch."""
+    pred = _SetForecasts()
+    policy = replace(POLICIES["predictive"], suffix_eviction=False)
+    core = SchedulerCore(two_node_fleet(), policy, pred, FakeFleet())  # type: ignore[arg-type]
+    pred.laws["c"] = ((1e4, 2e4, 3e4), 0.5)
+    pred.laws["a"] = ((29.0, 29.0, 29.0), 0.5)
+    pred.laws["b"] = ((b_gap_s,) * 3, 0.5)
+    finish_turn(core, "c", 0.0, node=0, ctx=40_000)
+    finish_turn(core, "a", 10.0, node=0, ctx=40_000)
+    finish_turn(core, "b", 20.0, node=0, ctx=40_000)
+    assert core.dram[0].get("c") is None and core.remote_tokens("c") == 40_000
+    pred.laws["c"] = ((25.0, 30.0, 60.0), confidence)
+    (order,) = core.hint(SessionEvent(EventKind.HINT, "c", 22.0, hint=HintKind.TOOL_RUNNING,
+                                      eta_s=30.0)).orders
+    assert order.deadline_s == 26.0 and 22.0 < order.start_at_s < 26.0
+    return core.start_prefetch(order, order.start_at_s), core
+
+
+def test_a_sharp_prefetch_displaces_only_residents_due_after_a_late_quantile_of_its_arrival(
+) -> None:
+    # b is due at 521 s, after c's q75 (49.75 s): c's prefetch evicts b (a, due at 40 s,
+    # between c's median and q75, stays).
+    out, core = _hinted_prefetch_over(500.0, 0.9)
+    (ticket,) = out.loads
+    assert ticket.session_id == "c" and ticket.prefetch
+    assert [e.session_id for e in out.evictions] == ["b"] and core.dram[0].get("a") is not None
+    # b due at 45 s: after c's median but not after its q75: nothing is displaced.
+    out, core = _hinted_prefetch_over(24.0, 0.9)
+    assert out.loads == () and out.evictions == () and core.stats.prefetches_dropped == 1
+    # An uncertain forecast (below planner.displace_min_confidence 0.85) only fills free
+    # room, whatever the residents' keys.
+    out, core = _hinted_prefetch_over(500.0, 0.8)
+    assert out.loads == () and out.evictions == () and core.dram[0].get("b") is not None
