@@ -9,11 +9,15 @@ EXTRAS ?= dev,plot,stores,ml,serve,lmcache
 
 # torch is pinned to the CPU build for CPU machines (an open range would pull a multi-GB
 # CUDA build); GPU users install their own CUDA torch and then `pip install -e .[ml]`.
+# Ray Serve (the gateway's Serve application, controlplane/live/serve_app.py) imports
+# grpc_reflection, which ray[default] does not bring; ray[serve] would move grpcio and
+# protobuf up a major version, so only the grpc_reflection build of the installed grpcio.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
+	$(PY) -m pip install -q "grpcio-reflection==$$($(PY) -c 'import grpc; print(grpc.__version__)')"
 	touch $@
 
 setup: $(VENV)/.installed
