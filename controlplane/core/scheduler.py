@@ -596,7 +596,9 @@ class SchedulerCore:
         if victims is None:
             return None
         self._evict(node, victims, now_s, need_bytes=nbytes - old_bytes)
-        if have is not None and have.prefetched_unused:
+        if have is not None and have.prefetched_unused and have_tokens == 0:
+            # A prefetch still in flight is superseded: its bytes are lost. A landed one's
+            # stay as the new entry's prefix (counted if that is evicted unused).
             self.stats.wasted_bytes += have.nbytes
         tier.put(TierEntry(sid, tokens, nbytes, now_s, ready_at_s=INF, pinned=1,
                            prefetched_unused=prefetch))
