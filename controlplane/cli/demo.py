@@ -100,7 +100,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "wrapped)")
     p.add_argument("--repeats", type=int, default=3, action=ExplicitStore,
                    help="arrival seeds per policy: --seed, --seed+1, ... (default 3; "
-                        "vllm: 1)")
+                        "vllm: 2)")
     p.add_argument("--compression", type=float, default=20.0, action=ExplicitStore,
                    help="service seconds per wall second (default 20; vllm: 10)")
     p.add_argument("--kv-scale", type=float, default=1 / 4096,

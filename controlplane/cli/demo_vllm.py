@@ -88,14 +88,16 @@ runs it, JSON to out/demo-vllm.json). Starts local Ray, Valkey + S3, per node a 
 server (a tiny random-weight Llama generated locally, nothing downloaded) and an `lmcache
 server` whose L2 is our adapter with an emulated load link, one lmcache-mp agent per node,
 and the gateway; replays the trace through the gateway (ondemand, then predictive) and
-measures TTFT at the client, in wall seconds. Scaled replay by default: 1 arrival seed, the
-first 10 sessions, at most 6 turns each, idle gaps capped at 30 trace s and replayed 10x
-faster, token counts x 1/32 (contexts up to ~4k tokens), outputs capped at 8 tokens: 60
-requests per policy, ~1-1.5 min each; with vLLM's start-up (1-3 min) about 5-7 min in all.
-The L2 link is set so that loading a token's KV costs what it would relative to
-recomputing it on the modelled GPU fleet (--load-cost-ratio; the run reports the ratio it
-measured). JSON: the emulated demo's fields plus meta.engine = "vllm", meta.vllm and, per
-policy, engine_counters (vLLM's and LMCache's own counters).
+measures TTFT at the client, in wall seconds. Scaled replay by default: 2 arrival seeds
+(the policies' order alternates), per seed the first 10 sessions, at most 6 turns each,
+idle gaps capped at 30 trace s and replayed 10x faster, token counts x 1/32 (contexts up to
+~4k tokens), outputs capped at 8 tokens: 60 requests per policy and seed, ~30-40 s each;
+with vLLM's start-up (1-3 min) about 4-6 min in all on 2 cores. L2 loads are not paced by
+default: on CPU, LMCache's L2 path already costs 0.2-1.6x the prefill it saves (measured;
+a Llama-3.1-8B on an H100 at 5 GB/s loads in ~0.4x); --link-mib-s adds pacing. The run
+measures TTFT cold / from L1 / from L2 at start and reports the ratio it got. JSON: the
+emulated demo's fields plus meta.engine = "vllm", meta.vllm and, per policy,
+engine_counters (vLLM's and LMCache's own counters).
 
   make demo-vllm
   .venv-vllm/bin/kvprefetch demo --engine vllm --json out/demo-vllm.json
@@ -104,7 +106,7 @@ policy, engine_counters (vLLM's and LMCache's own counters).
 
 #: Defaults of the shared demo options when the engine is vLLM (the emulated demo's own
 #: defaults are in controlplane.cli.demo).
-DEFAULTS = {"repeats": 1, "compression": 10.0, "sessions": 10, "turns": 6,
+DEFAULTS = {"repeats": 2, "compression": 10.0, "sessions": 10, "turns": 6,
             "max_gap_s": 30.0, "chunk_tokens": 256}
 
 
@@ -234,7 +236,7 @@ def validate(args: argparse.Namespace) -> None:
         raise ConfigError("--compression must be > 0")
     if not 1 <= args.repeats <= 10:
         raise ConfigError("--engine vllm: --repeats must be 1..10 (each seed replays every "
-                          "policy, ~1-2 min each)")
+                          "policy, ~30-40 s each)")
     if not 0.0 <= args.hint_coverage <= 1.0:
         raise ConfigError("--hint-coverage must be in [0, 1]")
     if args.chunk_tokens != 256:
@@ -793,6 +795,12 @@ def print_report(report: dict[str, Any]) -> None:
               f"{p['orders_sent'] - p['prefetches']:>7} {p['empty_text']:>6} "
               f"{p['failed_requests']:>6}")
     pol = report["policies"]
+    if meta["repeats"] > 1:
+        print("returning TTFT per arrival seed, mean / p90 (ms)")
+        for name, p in pol.items():
+            print(f"  {name:<11} " + " | ".join(
+                f"seed {s['seed']}: {s['ttft_mean_s'] * 1e3:.0f} / {s['ttft_p90_s'] * 1e3:.0f}"
+                for s in p["per_seed"]))
     for name, p in pol.items():
         if p["failed_requests"] or p["unrouted"]:
             print(f"WARNING: {name}: {p['failed_requests']} failed ({p['request_errors']}) and "
@@ -805,4 +813,14 @@ def print_report(report: dict[str, Any]) -> None:
         print(f"predictive vs ondemand, returning TTFT mean and p90 at the client: {verdict}: "
               f"mean {on['ttft_mean_s'] * 1e3:.1f} -> {pr['ttft_mean_s'] * 1e3:.1f} ms, p90 "
               f"{on['ttft_p90_s'] * 1e3:.1f} -> {pr['ttft_p90_s'] * 1e3:.1f} ms")
+        diff = (report.get("comparison") or {}).get("returning")
+        if diff is not None and len(diff["per_seed"]) > 1:
+            ci = diff["ttft_mean_diff_ci95_s"]
+            print(f"  paired by seed, predictive - ondemand returning mean: "
+                  f"{diff['ttft_mean_diff_s'] * 1e3:+.1f} ms"
+                  + (f", 95% CI [{ci[0] * 1e3:+.1f}, {ci[1] * 1e3:+.1f}] ms" if ci else ""))
+        c_on, c_pr = pol["ondemand"]["engine_counters"], pol["predictive"]["engine_counters"]
+        print(f"  LMCache, tokens found in L1 / loaded from L2: ondemand "
+              f"{c_on['lmcache_l1_hit_tokens']} / {c_on['lmcache_l2_hit_tokens']}, predictive "
+              f"{c_pr['lmcache_l1_hit_tokens']} / {c_pr['lmcache_l2_hit_tokens']}")
     print(f"wall time {meta['wall_s']:.1f} s")

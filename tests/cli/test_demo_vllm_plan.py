@@ -31,7 +31,7 @@ def test_vllm_defaults_replace_only_what_the_user_left_out() -> None:
     args = _args("--engine", "vllm")
     dv.apply_defaults(args)
     assert (args.repeats, args.compression, args.sessions, args.turns, args.max_gap_s,
-            args.chunk_tokens) == (1, 10.0, 10, 6, 30.0, 256)
+            args.chunk_tokens) == (2, 10.0, 10, 6, 30.0, 256)
     args = _args("--engine", "vllm", "--sessions", "12", "--compression", "20")
     dv.apply_defaults(args)
     assert (args.sessions, args.compression, args.turns) == (12, 20.0, 6)

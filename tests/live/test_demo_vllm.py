@@ -41,7 +41,8 @@ def test_the_vllm_demo_replays_through_the_gateway_and_reports_the_engines_count
     assert not problems(), f"vLLM's CPU build is not usable here (make setup-vllm): {problems()}"
     out = tmp_path / "demo-vllm.json"
     cmd = [sys.executable, "-c", "from controlplane.cli import main; raise SystemExit(main())",
-           "demo", "--engine", "vllm", "--sessions", "4", "--turns", "3", "--no-progress",
+           "demo", "--engine", "vllm", "--repeats", "1", "--sessions", "4", "--turns", "3",
+           "--no-progress",
            "--json", str(out)]
     started = time.monotonic()
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
