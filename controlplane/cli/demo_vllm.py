@@ -406,6 +406,7 @@ class _Extra:
     vllm_start_s: list[float]
     model_dir: str
     fleet: Any = None  # the fleet model with the measured rates
+    last_run: Any = None  # the last run's EngineCounters (for its progress line)
 
 
 @dataclass
@@ -699,6 +700,7 @@ def _run_policy(stack: Stack, policy: str, st: Any, predictor: str, stop: thread
         books = ray.get(d.deployment.scheduler.summary.remote(), timeout=30)
         statuses = ray.get([a.status.remote() for a in d.deployment.agents], timeout=30)
     extra.counters[policy] = extra.counters[policy] + counters
+    extra.last_run = counters
     extra.empty_text[policy] += out.empty_text
     for reason, count in (out.errors or {}).items():
         extra.errors[policy][reason] = extra.errors[policy].get(reason, 0) + count
@@ -717,7 +719,7 @@ def _print_run(one: Any, extra: _Extra) -> None:
     from controlplane.sim.metrics import summarize
 
     r = summarize(one.run).returning
-    c = extra.counters[one.policy].reported()
+    c = extra.last_run.reported()
     print(f"  seed {one.seed} {one.policy}: {r.requests} returning, TTFT mean "
           f"{r.ttft_mean_s * 1e3:.0f} ms, p90 {r.ttft_p90_s * 1e3:.0f} ms (wall, at the "
           f"client); LMCache L1 hit tokens {c['lmcache_l1_hit_tokens']}, L2 "
