@@ -54,11 +54,11 @@ TYPING_SIGMA = math.log(TYPING_QUANTILES_S[2] / TYPING_QUANTILES_S[1]) / 1.2816
 #: draws ETAs with the same default noise (``--tool-eta-sigma``, 0.5: the true gap is
 #: within a factor 1.9 of the ETA 80% of the time).
 ETA_SIGMA = 0.5
-#: The ETA law's knots: this many, evenly spaced in log-gap over +-ETA_Z_SPAN sigmas.
-ETA_KNOTS = 25
-ETA_Z_SPAN = 3.5
-#: Shortest arrival an ETA law is centred on (s), so its knots stay apart.
-MIN_ETA_CENTRE_S = 0.5
+#: A hint's law's knots: this many, evenly spaced in log-gap over +-LAW_Z_SPAN sigmas.
+LAW_KNOTS = 25
+LAW_Z_SPAN = 3.5
+#: Shortest arrival a hint's law is centred on (s), so its knots stay apart.
+MIN_LAW_CENTRE_S = 0.5
 #: Confidence of a hinted forecast with an ETA.
 HINT_CONFIDENCE = 0.9
 #: Confidence of a "user typing" forecast without an ETA: below the planner's default
@@ -67,7 +67,7 @@ HINT_CONFIDENCE = 0.9
 #: simulator (typing time from the new user tokens at Dhakal-2018 speeds), prefetches it
 #: started landed minutes early and 87% of their bytes were evicted unused.
 TYPING_CONFIDENCE = 0.5
-#: Probability of returning within the horizon when a hint says it is due inside it.
+#: Probability that a hinted session returns at all (an abandoned reply, a cancelled tool).
 HINT_P_RETURN = 0.95
 
 
@@ -80,15 +80,15 @@ class _Hint:
     law: tuple[float, SurvivalCurve] | None = None
 
 
-def eta_law(centre_s: float, sigma: float = ETA_SIGMA,
-            p_return: float = HINT_P_RETURN) -> SurvivalCurve:
+def lognormal_law(centre_s: float, sigma: float = ETA_SIGMA,
+                  p_return: float = HINT_P_RETURN) -> SurvivalCurve:
     """The survival of a gap that is log-normal around ``centre_s`` (its median) with
     ``sigma``, returning at all with ``p_return``: knots evenly spaced in log-gap over
-    +-:data:`ETA_Z_SPAN` sigmas (linear between them, as every :class:`SurvivalCurve`)."""
-    centre = max(MIN_ETA_CENTRE_S, centre_s)
+    +-:data:`LAW_Z_SPAN` sigmas (linear between them, as every :class:`SurvivalCurve`)."""
+    centre = max(MIN_LAW_CENTRE_S, centre_s)
     knots = [(0.0, 1.0)]
-    for i in range(ETA_KNOTS):
-        z = -ETA_Z_SPAN + 2.0 * ETA_Z_SPAN * i / (ETA_KNOTS - 1)
+    for i in range(LAW_KNOTS):
+        z = -LAW_Z_SPAN + 2.0 * LAW_Z_SPAN * i / (LAW_KNOTS - 1)
         cdf = 0.5 * math.erfc(-z / math.sqrt(2.0))
         knots.append((centre * math.exp(sigma * z), 1.0 - p_return * cdf))
     return SurvivalCurve.from_knots(knots)
@@ -147,7 +147,8 @@ class HintedPredictor:
         if base is None:
             return None
         if sid in self._closed:
-            return ArrivalForecast(sid, base.last_finish_s, (1e12,) * 3, 0.0, base.horizon_s, 1.0)
+            return ArrivalForecast(sid, base.last_finish_s, (NEVER_S,) * 3, 0.0, base.horizon_s,
+                                   1.0)
         hint = self._hints.get(sid)
         if hint is None or hint.kind is HintKind.SESSION_CLOSED:
             return base
@@ -162,7 +163,7 @@ class HintedPredictor:
         else:  # a tool is running, duration unknown: the model's view stands
             return base
         if hint.law is None or hint.law[0] != base.last_finish_s:
-            hint.law = (base.last_finish_s, eta_law(centre, sigma))
+            hint.law = (base.last_finish_s, lognormal_law(centre, sigma))
         curve = hint.law[1]
         q = tuple(min(NEVER_S, curve.quantile_after(elapsed, level)) for level in FORECAST_LEVELS)
         return ArrivalForecast(sid, base.last_finish_s, q,
