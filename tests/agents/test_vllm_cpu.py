@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from agents.embedded import EmbeddedS3, EmbeddedValkey
+from controlplane.base.keys import tenant_cache_salt
 
 if TYPE_CHECKING:  # vLLM-side modules are imported inside the tests (fail, not skip)
     from agents.agent import PrefetchAgent
@@ -46,6 +47,8 @@ pytestmark = [pytest.mark.servers, pytest.mark.slow, pytest.mark.vllm]
 
 CHUNK = 256
 TENANT = "vllm-cpu"
+#: The cache salt the gateway puts in the tenant's requests (vLLM's and LMCache's keys).
+SALT = tenant_cache_salt(TENANT)
 # 8 whole chunks and a tail: vLLM computes at least the prompt's last token itself, so its
 # connector looks up the whole chunks before it (8 x 256 tokens).
 PROMPT_TOKENS = 8 * CHUNK + 37
@@ -216,13 +219,13 @@ def _served(node: Node, session: str, prompt: list[int]) -> Served:
     from agents.vllm.server import VLLMServer
 
     assert isinstance(node.warm, LMCacheWarmClient) and isinstance(node.vllm, VLLMServer)
-    lm_before, vllm_before = node.warm.lookup_hits(node.model_name), node.vllm.counters()
+    lm_before, vllm_before = node.warm.lookup_hits(node.model_name, SALT), node.vllm.counters()
     _complete(node, session, prompt)
     # Both count off the request path: wait for the lookup and the finished request.
-    _wait(lambda: (node.warm.lookup_hits(node.model_name) - lm_before).lookups >= 1,
+    _wait(lambda: (node.warm.lookup_hits(node.model_name, SALT) - lm_before).lookups >= 1,
           "LMCache's lookup counters")
     _wait(lambda: (node.vllm.counters() - vllm_before).requests >= 1, "vLLM's counters")
-    lm = node.warm.lookup_hits(node.model_name) - lm_before
+    lm = node.warm.lookup_hits(node.model_name, SALT) - lm_before
     vl = node.vllm.counters() - vllm_before
     return Served(lm.l1_tokens, lm.l2_tokens, vl.prefix_hit_tokens, vl.external_hit_tokens,
                   vl.prompt_tokens)
