@@ -93,6 +93,9 @@ class ServiceConfig(BaseModel):
                 if not 0.0 < share <= 1.0:
                     raise ValueError(f"{field}[{tenant!r}] must be a fraction in (0, 1], "
                                      f"got {share!r}")
+                if self.tenants is not None and tenant not in self.tenants:
+                    raise ValueError(f"{field}[{tenant!r}]: not one of the tenants "
+                                     f"({', '.join(self.tenants)})")
         if self.node_names is not None and len(self.node_names) != self.fleet.nodes:
             raise ValueError(f"node_names has {len(self.node_names)} names for "
                              f"{self.fleet.nodes} nodes")

@@ -284,6 +284,8 @@ def test_serve_config_reads_tenant_secrets_from_env_and_files(
      r"tenants\.acme\.prefetch_bandwidth_share"),
     ({"service": {"tenant_local_tier_share": {"acme": 2}}},
      r"tenant_local_tier_share\['acme'\] must be a fraction in \(0, 1\]"),
+    ({"service": {"tenants": ["acme"], "tenant_prefetch_bandwidth_share": {"globex": 0.5}}},
+     r"tenant_prefetch_bandwidth_share\['globex'\]: not one of the tenants"),
     ({"tenants": {"acme": {"token": {"env": "X"}}},
       "service": {"tenant_prefetch_bandwidth_share": {"acme": 0.5}}}, "tenants section"),
 ])
