@@ -38,6 +38,7 @@ from agents.lmcache.warm import LMCacheWarmClient, object_keys
 from agents.stores.base import ObjectStore
 from agents.stores.errors import StoreError
 from agents.transfer import TransferResult
+from controlplane.base.keys import tenant_cache_salt
 from controlplane.base.types import SessionKey
 from controlplane.base.wire import TransferOrder
 
@@ -71,7 +72,10 @@ class LMCacheBackendConfig(BaseModel):
     world_size: int = Field(1, ge=1)
     chunk_size: int = Field(256, gt=0)
     hash_algorithm: str = "blake3"
-    #: LMCache's cache salt for this node's tenant isolation ("" = none).
+    #: The base of the tenants' LMCache cache salts ("" = none): the default tenant's KV
+    #: is keyed with it, every other tenant's with
+    #: :func:`~controlplane.base.keys.tenant_cache_salt` of it, which the engine's requests
+    #: must carry as their ``cache_salt`` (the gateway sets it).
     cache_salt: str = ""
     #: Longest one warm may take before the order is reported failed (wall seconds).
     warm_timeout_s: float = Field(60.0, gt=0)
@@ -190,7 +194,7 @@ class LMCacheWarmer(OrderPool):
         tokens = tokens[:order.tokens]
         full = min(total, len(tokens) // cfg.chunk_size)
         result = self._client.prefetch(cfg.model_name, cfg.world_size, tokens,
-                                       cache_salt=cfg.cache_salt,
+                                       cache_salt=tenant_cache_salt(tenant, cfg.cache_salt),
                                        timeout_s=cfg.warm_timeout_s)
         found = min(full, result.found_chunks)
         if found == full:
@@ -226,7 +230,7 @@ class LMCacheWarmer(OrderPool):
                 continue
             keys = object_keys(tokens, model_name=cfg.model_name, world_size=cfg.world_size,
                                chunk_size=cfg.chunk_size, hash_algorithm=cfg.hash_algorithm,
-                               cache_salt=cfg.cache_salt)
+                               cache_salt=tenant_cache_salt(tenant, cfg.cache_salt))
             if keys:
                 gone += self._client.delete(keys, tier="l1").deleted
         return gone

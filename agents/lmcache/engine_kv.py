@@ -28,6 +28,7 @@ from agents.lmcache.mp_client import KVLayout, LMCacheMPClient
 from agents.lmcache.tokens import put_session_tokens, synthetic_tokens
 from agents.stores.base import ObjectStore
 from agents.stores.errors import StoreError
+from controlplane.base.keys import tenant_cache_salt
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,10 @@ class LMCacheEngineConfig(BaseModel):
     #: Real bytes of KV per token (the modelled size times kv_scale); rounded to the layout.
     token_bytes: int = Field(128, ge=4)
     timeout_s: float = Field(30.0, gt=0)
+    #: The base of the tenants' cache salts, as the agents' ``lmcache.cache_salt``: a
+    #: session's KV is stored and read under its tenant's salt, as vLLM does with the
+    #: ``cache_salt`` the gateway puts in each request.
+    cache_salt: str = ""
 
     def layout(self) -> KVLayout:
         """One layer, one KV head, float16: K and V planes of ``token_bytes / 4`` each."""
@@ -83,7 +88,8 @@ class LMCacheEngineKV:
         the host-to-GPU copy, which the cost model times."""
         tokens = synthetic_tokens(tenant, session_id, min(stored, reuse))
         try:
-            got = self._client.retrieve(tokens.tolist())
+            got = self._client.retrieve(
+                tokens.tolist(), cache_salt=tenant_cache_salt(tenant, self.config.cache_salt))
         except LMCacheError as exc:
             log.warning("lmcache retrieve of %s/%s failed: %s", tenant, session_id, exc)
             return 0, 0, 0.0
@@ -108,7 +114,9 @@ class LMCacheEngineKV:
             return mark.view(1, 1, size, 1).expand(layout.kv_shape(size)).contiguous()
 
         try:
-            result = self._client.store(tokens.tolist(), chunk_kv)
+            result = self._client.store(
+                tokens.tolist(), chunk_kv,
+                cache_salt=tenant_cache_salt(tenant, self.config.cache_salt))
         except LMCacheError as exc:
             log.warning("lmcache store of %s/%s failed: %s", tenant, session_id, exc)
             return 0

@@ -56,13 +56,16 @@ from agents.stores.local import LocalTierConfig
 from agents.stores.s3_store import S3Store, S3StoreConfig
 from agents.stores.valkey_store import ValkeyStoreConfig
 from agents.transfer import TransferConfig
-from controlplane.base.keys import position_keys
+from controlplane.base.keys import position_keys, tenant_cache_salt
 from controlplane.base.types import Trace
 from controlplane.base.wire import TransferOrder
 from controlplane.traces import bundled_trace_path, load_trace
 
 MIB = 1 << 20
 TENANT = "replay"
+#: The tenant's cache salt: its SGLang requests carry it, so its pages are named under it
+#: (as the agent's warmer names them).
+SALT = tenant_cache_salt(TENANT) or None
 MODEL = "replay/model"
 #: The order's chunk size (the scheduler's naming; the warmer only uses the token count).
 _ORDER_CHUNK_TOKENS = 256
@@ -243,7 +246,8 @@ def _seed(config: ReplayConfig, requests: list[ReturningRequest], s3: EmbeddedS3
         if r.reused_tokens > len(tokens.get(r.session_id, ())):
             tokens[r.session_id] = synthetic_tokens(TENANT, r.session_id,
                                                     r.reused_tokens).tolist()
-    names = {sid: [scheme.object_name(h) for h in page_hashes(t, config.page_tokens)]
+    names = {sid: [scheme.object_name(h)
+                   for h in page_hashes(t, config.page_tokens, cache_salt=SALT)]
              for sid, t in tokens.items()}
     s3_defaults = S3StoreConfig.model_fields
     s3_cfg = s3.store_config(
@@ -271,7 +275,7 @@ def _replay_one(n: int, r: ReturningRequest, config: ReplayConfig, sessions: _Se
     on each side. Times in the row are on the replay clock."""
     pages = r.reused_tokens // config.page_tokens
     hashes = page_hashes(sessions.tokens[r.session_id][: pages * config.page_tokens],
-                         config.page_tokens)
+                         config.page_tokens, cache_salt=SALT)
     timeout = config.timeout_s(pages)
     started = time.perf_counter()
     agent.execute(TransferOrder(

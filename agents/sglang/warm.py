@@ -33,7 +33,8 @@ from agents.stores.base import ObjectStore
 from agents.stores.errors import StoreError
 from agents.stores.local import LocalTier
 from agents.transfer import TransferEngine, TransferResult
-from controlplane.base.types import SessionKey
+from controlplane.base.keys import tenant_cache_salt
+from controlplane.base.types import DEFAULT_TENANT, SessionKey
 from controlplane.base.wire import TransferOrder
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,12 @@ class SGLangWarmConfig(BaseModel):
     is_mla: bool = False
     #: Warms running at once.
     max_in_flight: int = Field(4, ge=1, le=64)
+    #: The base of the tenants' cache salts (SGLang's per-request ``cache_salt``; "" =
+    #: none): the default tenant's pages are named with it (none: as SGLang names a
+    #: request without a salt), every other tenant's with
+    #: :func:`~controlplane.base.keys.tenant_cache_salt` of it, which the tenant's SGLang
+    #: requests must carry.
+    cache_salt: str = ""
 
 
 class SGLangWarmer(OrderPool):
@@ -82,9 +89,12 @@ class SGLangWarmer(OrderPool):
     def close(self) -> None:
         self._close_pool()
 
-    def page_names(self, token_ids: list[int]) -> list[str]:
-        """Every rank's objects for the full pages of ``token_ids``, page by page."""
-        per_rank = [s.object_names(token_ids, self.config.page_size) for s in self._schemes]
+    def page_names(self, token_ids: list[int], tenant: str = DEFAULT_TENANT) -> list[str]:
+        """Every rank's objects for the full pages of ``token_ids`` of ``tenant``'s, page by
+        page (named under the tenant's cache salt)."""
+        salt = tenant_cache_salt(tenant, self.config.cache_salt) or None
+        per_rank = [s.object_names(token_ids, self.config.page_size, cache_salt=salt)
+                    for s in self._schemes]
         return [name for page in zip(*per_rank, strict=True) for name in page]
 
     def _run(self, tid: int, order: TransferOrder, cancelled: threading.Event
@@ -100,7 +110,7 @@ class SGLangWarmer(OrderPool):
         if tokens is None:
             return _result(tid, total, started, cancelled,
                            missed=(tokens_key(key.tenant, key.session_id),))
-        names = self.page_names(tokens[: order.tokens])
+        names = self.page_names(tokens[: order.tokens], key.tenant)
         if not names:  # shorter than a page: SGLang stores nothing to warm
             return _result(tid, total, started, cancelled, present=total)
         handle = self._engine.submit(names, priority=order.priority)

@@ -10,6 +10,10 @@ default is 256). Two ways to name them:
   chunks): ``{tenant}/h/{hash}``. :func:`chunk_hashes` computes chained hashes from token
   ids, ``h_i = sha256(h_{i-1} || tokens of chunk i)``, so equal prefixes share keys.
 
+The engines' own keys (LMCache's object keys, SGLang's page hashes) are named from token
+ids alone; what keeps tenants apart there is the request's *cache salt*, which
+:func:`tenant_cache_salt` gives per tenant.
+
 Pure functions, no I/O.
 """
 
@@ -20,6 +24,7 @@ import struct
 from collections.abc import Sequence
 
 from controlplane.base.errors import KvPrefetchError
+from controlplane.base.types import DEFAULT_TENANT
 
 DEFAULT_CHUNK_TOKENS = 256
 _SEP = "/"
@@ -107,3 +112,22 @@ def payload(key: str, nbytes: int) -> bytes:
     seed = hashlib.blake2b(key.encode(), digest_size=16).digest()
     reps, rest = divmod(nbytes, len(seed))
     return seed * reps + seed[:rest]
+
+
+def tenant_cache_salt(tenant: str, base_salt: str = "") -> str:
+    """The cache salt of ``tenant``'s requests and KV keys in the engines: vLLM's and
+    SGLang's per-request ``cache_salt``, which LMCache's multiprocess keys carry
+    (``ObjectKey.cache_salt``) and SGLang's page hashes start from, so two tenants' equal
+    prefixes name different objects and neither can hit the other's KV.
+
+    The default tenant keeps ``base_salt`` (a node's configured salt, ``""`` for none):
+    its keys are exactly those of before. Any other tenant's salt is
+    ``sha256(base_salt + NUL + tenant)`` in hex, the way LMCache's SGLang connector folds
+    a namespace into a salt (``build_cache_salt``): 64 characters that LMCache's salt
+    rule accepts (no ``@``, ``/``, ``\\``, NUL; tenant names may hold ``@``). A secret
+    ``base_salt`` makes the salts unguessable; without one a caller who can set a
+    request's salt could name another tenant's (the gateway sets it, callers should not).
+    """
+    if tenant == DEFAULT_TENANT:
+        return base_salt
+    return hashlib.sha256(f"{base_salt}\0{tenant}".encode()).hexdigest()

@@ -17,7 +17,9 @@ as matched at start, so a fleet that starts full ignores newcomers with one warn
 agent starts there, and the scheduler takes the node into the fleet and warms it.
 
 Tenants: ``tenants:`` gives each tenant its own bearer token (from an environment variable
-or a file, never inline, never logged) and optionally its quota of live sessions;
+or a file, never inline, never logged) and optionally its quotas: live sessions, a share of
+each node's local tier and a share of its prefetch bandwidth (enforced by the scheduling
+core, see :mod:`controlplane.core.quotas`);
 ``http.admin_token`` is the operators' token (any tenant, named in the body). A config
 with only ``http.bearer_token`` / ``bearer_token_env`` keeps the old behaviour: one shared
 token, the tenant named in each body. ``http.limits`` bounds each call (body bytes, token
@@ -178,6 +180,13 @@ class TenantSettings(_Section):
     token: SecretSource
     #: Live sessions the tenant may hold (default: ``service.max_live_sessions_per_tenant``).
     max_live_sessions: int | None = Field(None, ge=1, le=100_000_000)
+    #: Fraction (0, 1] of each node's local tier its sessions may hold (default: no cap).
+    #: At its share, its own sessions are evicted first to fit a new one, never another
+    #: tenant's; KV its own cannot make room for is not kept locally.
+    local_tier_share: float | None = Field(None, gt=0, le=1)
+    #: Fraction (0, 1] of each node's NIC rate its prefetches may use on average (default:
+    #: no cap); prefetches over it wait for a later sweep. Demand loads are not limited.
+    prefetch_bandwidth_share: float | None = Field(None, gt=0, le=1)
 
 
 class HttpSettings(_Section):
@@ -258,7 +267,8 @@ class ServeConfig(_Section):
         if "limits" in self.service:
             raise ValueError("service.limits: set in http.limits")
         if self.tenants:
-            for key in ("tenants", "tenant_max_live_sessions"):
+            for key in ("tenants", "tenant_max_live_sessions", "tenant_local_tier_share",
+                        "tenant_prefetch_bandwidth_share"):
                 if key in self.service:
                     raise ValueError(f"service.{key}: set from the tenants section")
         if "nodes" in self.fleet:
@@ -287,9 +297,12 @@ class ServeConfig(_Section):
         fleet = self.fleet_config(len(node_names))
         tenancy: dict[str, Any] = {}
         if self.tenants:
-            tenancy = {"tenants": tuple(self.tenants), "tenant_max_live_sessions": {
-                name: t.max_live_sessions for name, t in self.tenants.items()
-                if t.max_live_sessions is not None}}
+            tenancy = {"tenants": tuple(self.tenants)}
+            for key, field in (("tenant_max_live_sessions", "max_live_sessions"),
+                               ("tenant_local_tier_share", "local_tier_share"),
+                               ("tenant_prefetch_bandwidth_share", "prefetch_bandwidth_share")):
+                tenancy[key] = {name: getattr(t, field) for name, t in self.tenants.items()
+                                if getattr(t, field) is not None}
         try:
             return ServiceConfig.model_validate(
                 {**self.service, **tenancy, "limits": self.http.limits, "fleet": fleet,

@@ -45,7 +45,7 @@ sweep; the LMCache-modelled baselines keep whole-session LRU (see
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -59,6 +59,7 @@ from controlplane.core.planner import (
     predicted_use_s,
 )
 from controlplane.core.policies import EvictionKind, LoadStart, PolicySpec
+from controlplane.core.quotas import TenantQuota, TenantShares
 from controlplane.core.router import NodeView, RouteDecision, RouteRequest, route
 from controlplane.core.step import DEMAND_PRIORITY, LoadTicket, Placement, StepOutput, Trim
 from controlplane.core.sweep import GatedPredictor, IdleIndex
@@ -163,6 +164,7 @@ class SchedulerCore:
     def __init__(
         self, fleet: FleetConfig, policy: PolicySpec, predictor: Predictor, view: FleetView,
         *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, indexed_sweep: bool = True,
+        tenant_quotas: Mapping[str, TenantQuota] | None = None,
     ) -> None:
         if chunk_tokens <= 0:
             raise ValueError(f"chunk_tokens must be > 0, got {chunk_tokens}")
@@ -223,6 +225,12 @@ class SchedulerCore:
         #: The books of every node's local DRAM tier (authoritative for what agents hold).
         self.dram = [IndexedTier(f"dram{i}", capacity, strategy, holders=self._holders)
                      for i in range(fleet.nodes)]
+        #: Per-tenant shares of each node's tier and prefetch bandwidth
+        #: (:mod:`controlplane.core.quotas`); None without quotas: decisions as before.
+        self.shares: TenantShares | None = TenantShares(
+            tenant_quotas, nic_bytes_per_s=fleet.node.nic_bytes_per_s,
+            known=lambda sid: sid in self._sessions or sid in self._holders,
+        ) if tenant_quotas else None
 
     # ------------------------------------------------------------------ the step contract
     def _output(self, route_decision: RouteDecision | None = None, *, promote: bool = False,
@@ -419,6 +427,8 @@ class SchedulerCore:
                 self._plan(sid, now_s)
 
     def _observe(self, event: SessionEvent) -> None:
+        if self.shares is not None:
+            self.shares.observe(event.session_id, event.tenant)
         self.predictor.observe(event)
         self._touch(event.session_id)
         self._due_dirty.add(event.session_id)
@@ -567,6 +577,13 @@ class SchedulerCore:
                 and not self.duel.predicted_use_leads):
             min_key = self._own_key(sid, now_s)
         need = nbytes - old_bytes
+        if self.shares is not None and not self._within_share(
+                sid, node, need, now_s, min_key=min_key, prefetch=False):
+            if old is not None:
+                if old.prefetched_unused:
+                    self.stats.wasted_bytes += old.nbytes
+                self._drop(node, sid)
+            return
         victims = tier.victims_for(need, now_s, exclude=sid, min_key=min_key)
         if old is not None and old.prefetched_unused:
             self.stats.wasted_bytes += old.nbytes
@@ -591,6 +608,10 @@ class SchedulerCore:
         old_bytes = have.nbytes if have is not None else 0
         if free_only and nbytes - old_bytes > tier.capacity_bytes - tier.used_bytes:
             return None
+        if self.shares is not None and not self._within_share(
+                sid, node, nbytes - old_bytes, now_s, min_key=min_key, prefetch=prefetch,
+                free_only=free_only):
+            return None
         victims = tier.victims_for(nbytes - old_bytes, now_s, exclude=sid, min_key=min_key,
                                    strategy=self._predicted_use if prefetch else None)
         if victims is None:
@@ -604,6 +625,8 @@ class SchedulerCore:
                            prefetched_unused=prefetch))
         self._recheck.add(sid)
         ticket = LoadTicket(sid, node, tokens, delta * self.bpt, prefetch, deadline_s, priority)
+        if self.shares is not None and prefetch:
+            self.shares.charge(sid, node, ticket.nbytes, now_s)
         self._session(sid).inflight_nodes[node] = ticket
         return ticket
 
@@ -926,3 +949,25 @@ class SchedulerCore:
                 self._drop(node, sid)
                 self._plan_again(sid, now_s)
         return self._output()
+
+    # ------------------------------------------------------------------ tenant shares
+    def _within_share(self, sid: str, node: int, grow_bytes: int, now_s: float, *,
+                      min_key: float, prefetch: bool, free_only: bool = False) -> bool:
+        """Whether the session's tenant may grow the node's books by ``grow_bytes`` (and,
+        for a prefetch, start one now) within its shares; evicts the tenant's own sessions
+        first where they make the room (see :mod:`controlplane.core.quotas`)."""
+        shares = self.shares
+        assert shares is not None
+        if prefetch and not shares.may_prefetch(sid, node, now_s):
+            return False
+        tier = self.dram[node]
+        own = shares.own_victims(tier, sid, grow_bytes, now_s, min_key=min_key,
+                                 free_only=free_only,
+                                 strategy=self._predicted_use if prefetch else tier.strategy)
+        if own is None:
+            return False
+        if own:
+            # Whole sessions: a share counts whole entries (need = the whole tier keeps
+            # suffix eviction from cutting the last one back instead).
+            self._evict(node, own, now_s, need_bytes=tier.capacity_bytes)
+        return True

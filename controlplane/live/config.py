@@ -11,6 +11,7 @@ from controlplane.base.config import FleetConfig, default_fleet
 from controlplane.base.errors import InvalidRequestError
 from controlplane.base.keys import DEFAULT_CHUNK_TOKENS
 from controlplane.core.policies import POLICIES, PolicySpec
+from controlplane.core.quotas import TenantQuota
 from controlplane.live.limits import RequestLimits, check_tenant_name
 
 #: Live sessions a tenant may hold when its quota is not given.
@@ -50,6 +51,13 @@ class ServiceConfig(BaseModel):
                                               le=100_000_000)
     #: Per-tenant quotas that replace the default above.
     tenant_max_live_sessions: dict[str, int] = Field(default_factory=dict)
+    #: Per-tenant share (0, 1] of each node's local tier: a tenant at its share has its own
+    #: sessions evicted first to fit a new one, never another tenant's, and KV that its own
+    #: cannot make room for is not kept (:mod:`controlplane.core.quotas`). Unlisted: 1.
+    tenant_local_tier_share: dict[str, float] = Field(default_factory=dict)
+    #: Per-tenant share (0, 1] of each node's NIC rate its prefetches may use on average;
+    #: a prefetch over it is deferred to a later sweep. Demand loads are not limited.
+    tenant_prefetch_bandwidth_share: dict[str, float] = Field(default_factory=dict)
     #: Limits on each gateway call (token ids, hashes, names), checked before any state
     #: changes; ``kvprefetch serve`` sets them from ``http.limits``.
     limits: RequestLimits = RequestLimits()
@@ -76,6 +84,18 @@ class ServiceConfig(BaseModel):
                 raise ValueError(str(exc)) from None
             if quota < 1:
                 raise ValueError(f"tenant_max_live_sessions[{tenant!r}] must be >= 1")
+        for field in ("tenant_local_tier_share", "tenant_prefetch_bandwidth_share"):
+            for tenant, share in getattr(self, field).items():
+                try:
+                    check_tenant_name(tenant, field)
+                except InvalidRequestError as exc:
+                    raise ValueError(str(exc)) from None
+                if not 0.0 < share <= 1.0:
+                    raise ValueError(f"{field}[{tenant!r}] must be a fraction in (0, 1], "
+                                     f"got {share!r}")
+                if self.tenants is not None and tenant not in self.tenants:
+                    raise ValueError(f"{field}[{tenant!r}]: not one of the tenants "
+                                     f"({', '.join(self.tenants)})")
         if self.node_names is not None and len(self.node_names) != self.fleet.nodes:
             raise ValueError(f"node_names has {len(self.node_names)} names for "
                              f"{self.fleet.nodes} nodes")
@@ -88,6 +108,14 @@ class ServiceConfig(BaseModel):
     def max_live_sessions(self, tenant: str) -> int:
         """The live-session quota of ``tenant``."""
         return self.tenant_max_live_sessions.get(tenant, self.max_live_sessions_per_tenant)
+
+    @property
+    def tenant_quotas(self) -> dict[str, TenantQuota]:
+        """The core's per-tenant shares (empty: none configured)."""
+        tier, bw = self.tenant_local_tier_share, self.tenant_prefetch_bandwidth_share
+        return {t: TenantQuota(local_tier_share=tier.get(t, 1.0),
+                               prefetch_bandwidth_share=bw.get(t, 1.0))
+                for t in sorted(set(tier) | set(bw))}
 
     @property
     def nodes_at_start(self) -> int:

@@ -31,6 +31,7 @@ from controlplane.base.wire import (
     order_epoch,
 )
 from controlplane.core.planner import PrefetchOrder
+from controlplane.core.quotas import TenantQuotaStats
 from controlplane.core.scheduler import SchedulerCore
 from controlplane.core.step import StepOutput
 from controlplane.live.config import ServiceClock, ServiceConfig
@@ -507,8 +508,21 @@ class LiveDriver:
             "journal_records_dropped": s.journal_records_dropped,
             "quota_refusals": s.quota_refusals,
             "live_sessions_per_tenant": dict(self.registry.per_tenant),
+            "tenant_shares": self._tenant_shares(),
             "nodes_joined": self.nodes_joined,
             "nodes_out": [self.node_name(n) for n in sorted(self.out_nodes)],
             "sizes": {"sessions": len(self.registry), "core_sessions": core.sessions(),
                       "timers": len(self.timers), **self.orders.sizes()},
         }
+
+    def _tenant_shares(self) -> dict[str, Any]:
+        """Each tenant with a share: its quota, its bytes in each node's books and what its
+        shares did (empty without quotas)."""
+        shares = self.core.shares
+        if shares is None:
+            return {}
+        held = shares.tier_bytes(self.core.dram)
+        return {t: {**asdict(q), **asdict(shares.stats.get(t) or TenantQuotaStats()),
+                    "local_tier_bytes": {self.node_name(n): held[(t, n)]
+                                         for n in range(self.config.fleet.nodes)}}
+                for t, q in sorted(shares.quotas.items())}

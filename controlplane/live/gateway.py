@@ -10,7 +10,10 @@ hand-wire around the scheduler's client:
    ``POST /tokenize``; a prompt of token ids is used as it is), since LMCache keys KV by
    token ids;
 3. **asks the scheduler where to run it** (``route``, which records ``request_started``),
-   and forwards the request to that node's vLLM unchanged, streaming or not;
+   and forwards the request to that node's vLLM unchanged, streaming or not, but for the
+   tenant's ``cache_salt`` (:func:`~controlplane.base.keys.tenant_cache_salt`: vLLM's
+   prefix cache and LMCache's keys then keep tenants apart; none for the default tenant
+   without a base salt);
 4. after the answer: **stores the session's token ids** in the token store, where the
    nodes' ``lmcache-mp`` agents read them to warm the session, and reports
    ``request_finished`` with the stop reason (and a ``tool_running`` hint when the answer
@@ -34,12 +37,16 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field
+
+from controlplane.base.keys import tenant_cache_salt
+from controlplane.base.types import DEFAULT_TENANT
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +74,9 @@ class GatewayConfig(BaseModel):
     identity_prefix_tokens: int = Field(default=256, ge=1)
     upstream_timeout_s: float = Field(default=600.0, gt=0)
     scheduler_timeout_s: float = Field(default=2.0, gt=0)
+    #: The base of the tenants' cache salts: the agents' ``lmcache.cache_salt`` (a secret
+    #: makes the salts unguessable). "" and the default tenant: requests carry none.
+    cache_salt: str = ""
 
 
 @dataclass(frozen=True)
@@ -221,13 +231,21 @@ class Gateway:
         self._in_flight[node] -= 1
         self.in_flight.labels(str(node)).set(self._in_flight[node])
 
+    def salted(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The request for the engine: the caller's, with the tenant's ``cache_salt`` in
+        place of any the caller gave (a caller must not pick another tenant's)."""
+        salt = tenant_cache_salt(self.config.tenant or DEFAULT_TENANT, self.config.cache_salt)
+        if not salt:
+            return body
+        return {**body, "cache_salt": salt}
+
     async def forward(self, endpoint: Endpoint, node: int, body: dict[str, Any]
                       ) -> tuple[int, dict[str, Any]]:
         """A non-streaming request: the upstream's status and JSON body."""
         self._enter(node)
         try:
             response = await self._http.post(
-                f"{self.config.upstreams[node]}/v1/{endpoint}", json=body)
+                f"{self.config.upstreams[node]}/v1/{endpoint}", json=self.salted(body))
         finally:
             self._leave(node)
         return response.status_code, response.json()
@@ -238,8 +256,9 @@ class Gateway:
         of the upstream (to count output tokens) and its usage-only event dropped unless
         the caller asked for it; ``outcome`` gets status, finish reason and token count."""
         wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        upstream_body = {**body, "stream_options": {**(body.get("stream_options") or {}),
-                                                    "include_usage": True}}
+        upstream_body = {**self.salted(body),
+                         "stream_options": {**(body.get("stream_options") or {}),
+                                            "include_usage": True}}
         self._enter(node)
         try:
             async with self._http.stream(
@@ -415,6 +434,9 @@ def main(argv: list[str] | None = None) -> int:
                         "without it, requests are routed by load")
     parser.add_argument("--tenant")
     parser.add_argument("--token", help="the scheduler's API token (HTTP)")
+    parser.add_argument("--cache-salt-env", metavar="NAME",
+                        help="environment variable holding the base of the tenants' cache "
+                        "salts (the agents' lmcache.cache_salt)")
     parser.add_argument("--valkey", help="host:port of the token store's Valkey")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080)
@@ -434,7 +456,9 @@ def main(argv: list[str] | None = None) -> int:
         store = ValkeyStore(ValkeyStoreConfig(host=host, port=int(port)))
         store.start()
         tokens = store_sink(store)
-    gateway = Gateway(GatewayConfig(upstreams=args.upstream, tenant=args.tenant),
+    salt = os.environ.get(args.cache_salt_env, "") if args.cache_salt_env else ""
+    gateway = Gateway(GatewayConfig(upstreams=args.upstream, tenant=args.tenant,
+                                    cache_salt=salt),
                       scheduler=scheduler, tokens=tokens)
     uvicorn.run(build_app(gateway), host=args.host, port=args.port)
     return 0

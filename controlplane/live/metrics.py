@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from controlplane.core.quotas import TenantQuotaStats
 
 #: Lateness = prefetch ready - request arrival (negative = in time), seconds.
 LATENESS_BUCKETS_S = (-60, -10, -3, -1, -0.3, -0.1, 0, 0.1, 0.3, 1, 3, 10, 60)
@@ -55,6 +58,22 @@ class PrometheusMetrics:
         self._quota_refusals = Counter("kvprefetch_tenant_quota_refusals",
                                        "Calls refused: the tenant held its quota of live "
                                        "sessions", ["tenant"], registry=r)
+        self._tenant_tier = Gauge("kvprefetch_tenant_local_tier_bytes",
+                                  "Bytes of the tenant's sessions in the node's local-tier "
+                                  "books (tenants with a share only)", ["tenant", "node"],
+                                  registry=r)
+        self._share_counts = {
+            field: Counter(f"kvprefetch_tenant_{name}", help_, ["tenant"], registry=r)
+            for field, name, help_ in (
+                ("tier_evictions", "tier_share_evictions",
+                 "The tenant's own sessions evicted to keep it within its local-tier share"),
+                ("tier_refusals", "tier_share_refusals",
+                 "KV of the tenant not admitted to a local tier: its own sessions could "
+                 "not make room within its share"),
+                ("prefetch_deferrals", "prefetch_bandwidth_deferrals",
+                 "Prefetches of the tenant not started: its prefetch-bandwidth share on "
+                 "the node was in use"))}
+        self._share_seen: dict[tuple[str, str], int] = {}
         self._tenant_labels: set[str] = set()
         self._lock = threading.Lock()
         self._window_start = time.monotonic()
@@ -112,6 +131,19 @@ class PrometheusMetrics:
 
     def quota_refused(self, tenant: str) -> None:
         self._quota_refusals.labels(self._tenant(tenant)).inc()
+
+    def tenant_shares(self, tier_bytes: Mapping[tuple[str, str], int],
+                      stats: Mapping[str, TenantQuotaStats]) -> None:
+        for (tenant, node), nbytes in tier_bytes.items():
+            self._tenant_tier.labels(tenant, node).set(nbytes)  # configured tenants only
+        for tenant, st in stats.items():
+            for field, counter in self._share_counts.items():
+                value = getattr(st, field)
+                with self._lock:
+                    delta = value - self._share_seen.get((tenant, field), 0)
+                    self._share_seen[(tenant, field)] = value
+                if delta > 0:
+                    counter.labels(self._tenant(tenant)).inc(delta)
 
     def render(self) -> bytes:
         return bytes(generate_latest(self.registry))

@@ -11,6 +11,7 @@ from functools import partial
 from typing import Protocol
 
 from controlplane.base.wire import TransferOrder
+from controlplane.core.quotas import TenantQuotaStats
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,12 @@ class ServiceMetricsSink(Protocol):
         """A call of the tenant was refused: it holds its quota of live sessions."""
         ...
 
+    def tenant_shares(self, tier_bytes: Mapping[tuple[str, str], int],
+                      stats: Mapping[str, TenantQuotaStats]) -> None:
+        """Each quota'd tenant's bytes in each node's local-tier books ((tenant, node
+        name) -> bytes) and what its shares did so far (cumulative)."""
+        ...
+
 
 class NullMetrics:
     def event(self, kind: str) -> None: ...
@@ -66,6 +73,8 @@ class NullMetrics:
     def core_stats(self, wasted_bytes: int, useful_bytes: int) -> None: ...
     def tenant_sessions(self, tenant: str, live: int) -> None: ...
     def quota_refused(self, tenant: str) -> None: ...
+    def tenant_shares(self, tier_bytes: Mapping[tuple[str, str], int],
+                      stats: Mapping[str, TenantQuotaStats]) -> None: ...
 
 
 def _window() -> deque[float]:

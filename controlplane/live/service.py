@@ -156,7 +156,8 @@ class SchedulerService:
         predictor = load_predictor(self.policy.predictor or self.config.predictor)
         # Suffix eviction cuts entries back to whole chunks of the agents' size.
         core = SchedulerCore(self.config.fleet, self.policy, predictor, self.fleet,
-                             chunk_tokens=self.config.chunk_tokens)
+                             chunk_tokens=self.config.chunk_tokens,
+                             tenant_quotas=self.config.tenant_quotas)
         driver = LiveDriver(self.config, core, self.fleet, self.orders, self.clock,
                             self._metrics, self._wall)
         # Node slots without an agent yet are out until their agent says hello (a journal
@@ -302,6 +303,12 @@ class SchedulerService:
             yield box
             wasted = self.core.stats.wasted_bytes
             self.metrics.core_stats(wasted, max(0, self.stats.prefetch_model_bytes - wasted))
+            shares = self.core.shares
+            if shares is not None:
+                self.metrics.tenant_shares(
+                    {(t, self.node_name(n)): b
+                     for (t, n), b in shares.tier_bytes(self.core.dram).items()},
+                    shares.stats)
             self._wake.notify_all()  # new orders may be due before the loop's next wake-up
         self.fanout.send(box)
         for node in range(self.config.fleet.nodes):

@@ -27,13 +27,15 @@ from agents.lmcache.l2_adapter import plugin_adapter_json
 from agents.lmcache.server import LMCacheServer
 from agents.lmcache.tokens import synthetic_tokens
 from agents.lmcache.warm import LMCacheWarmClient, LookupHits
-from controlplane.base.keys import position_keys, session_prefix
+from controlplane.base.keys import position_keys, session_prefix, tenant_cache_salt
 from controlplane.base.wire import TransferOrder
 
 pytestmark = pytest.mark.servers
 
 CHUNK = 256
 TENANT = "acme"
+#: The tenant's cache salt: the engine stores and reads its KV under it, the agent warms it.
+SALT = tenant_cache_salt(TENANT)
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +85,7 @@ def _hits(warm: LMCacheWarmClient, model: str, before: LookupHits) -> LookupHits
     """The lookup counters since ``before`` (LMCache updates them just after a lookup)."""
     deadline = time.monotonic() + 5.0
     while True:
-        delta = warm.lookup_hits(model) - before
+        delta = warm.lookup_hits(model, SALT) - before
         if delta.lookups or time.monotonic() > deadline:
             return delta
         time.sleep(0.05)
@@ -122,7 +124,7 @@ def test_agent_warms_l1_and_the_engine_hits_without_an_l2_load(
     assert report.bytes_moved == 5 * engine.config.layout().chunk_bytes(CHUNK)
     assert warm.l1_usage().used_bytes > 0
 
-    before = warm.lookup_hits(model)
+    before = warm.lookup_hits(model, SALT)
     tokens, nbytes, _ = engine.read(TENANT, session, ctx, ctx)
     assert (tokens, nbytes) == (5 * CHUNK, 5 * CHUNK * 256)
     hits = _hits(warm, model, before)
@@ -138,7 +140,7 @@ def test_without_a_warm_the_engine_waits_for_an_l2_load(
         time.sleep(0.05)
     warm.clear_l1()
     model = engine.config.model_name
-    before = warm.lookup_hits(model)
+    before = warm.lookup_hits(model, SALT)
     tokens, _, _ = engine.read(TENANT, session, ctx, ctx)
     assert tokens == 3 * CHUNK
     hits = _hits(warm, model, before)

@@ -57,6 +57,7 @@ from agents.lmcache.keys import (
     resolve_implementation,
 )
 from controlplane.base.errors import ConfigError, KvPrefetchError
+from controlplane.base.keys import tenant_cache_salt
 
 VLLM_INSTALLED = importlib.util.find_spec("vllm") is not None
 MP_ALGORITHMS = NATIVE_HASH_ALGORITHMS["mp"]
@@ -491,3 +492,27 @@ def test_bad_key_styles() -> None:
         object_keys(LMCacheKeySettings("m"), [], key_prefix="a@b")
     with pytest.raises(KvPrefetchError, match="style"):
         object_keys(LMCacheKeySettings("m"), [], style="s3")
+
+
+# --- tenants ------------------------------------------------------------------------------
+
+
+def test_tenant_salts_keep_tenants_apart_and_match_lmcache() -> None:
+    """Each tenant's KV is keyed under its own cache salt (issue 15): equal tokens of two
+    tenants share no key, the keys are LMCache's own for that salt, and the default
+    tenant's keys are exactly the unsalted ones of before."""
+    tokens = list(range(5000, 5000 + 4 * 16 + 5))
+    base = LMCacheKeySettings("Qwen/Qwen3-32B", chunk_size=16, world_size=2)
+    keys: dict[str, list[str]] = {}
+    for tenant in ("default", "acme", "glob@x", "globex"):
+        s = replace(base, cache_salt=tenant_cache_salt(tenant))
+        assert_mp_parity(s, tokens)  # LMCache accepts the salt and names the same keys
+        keys[tenant] = object_keys(s, tokens)
+    assert keys["default"] == object_keys(base, tokens)  # byte-identical to before
+    for a, b in [("default", "acme"), ("acme", "globex"), ("acme", "glob@x")]:
+        assert not set(keys[a]) & set(keys[b]), (a, b)
+    # a node's base salt keeps the default tenant's keys as they were with that salt
+    salted = replace(base, cache_salt="node-secret")
+    assert tenant_cache_salt("default", "node-secret") == "node-secret"
+    assert object_keys(replace(base, cache_salt=tenant_cache_salt("acme", "node-secret")),
+                       tokens) != keys["acme"] != object_keys(salted, tokens)

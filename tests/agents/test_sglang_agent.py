@@ -28,7 +28,7 @@ from agents.lmcache.tokens import put_session_tokens, synthetic_tokens
 from agents.sglang.keys import PageKeyScheme, page_hashes
 from agents.sglang.warm import SGLangWarmConfig
 from agents.stores.local import LocalTierConfig
-from controlplane.base.keys import position_keys
+from controlplane.base.keys import position_keys, tenant_cache_salt
 from controlplane.base.wire import TransferOrder
 
 pytestmark = pytest.mark.servers
@@ -88,7 +88,8 @@ def test_an_order_warms_sglangs_pages_and_evict_frees_them(
         agent: PrefetchAgent, ranks: list[KvPrefetchHiCacheStorage]) -> None:
     session = f"s-{uuid.uuid4().hex[:6]}"
     tokens = synthetic_tokens(TENANT, session, 5 * PAGE + 3).tolist()  # 5 full pages
-    hashes = page_hashes(tokens[: 5 * PAGE], PAGE)
+    # the tenant's requests carry its cache salt: SGLang names their pages under it
+    hashes = page_hashes(tokens[: 5 * PAGE], PAGE, cache_salt=tenant_cache_salt(TENANT))
     g = torch.Generator().manual_seed(1)
     data = {r: [torch.randn(PAGE_FLOATS, generator=g) for _ in hashes] for r in range(2)}
     for r, rank in enumerate(ranks):  # what SGLang's write-back leaves in L3
@@ -130,3 +131,25 @@ def test_a_session_without_token_ids_is_reported_missed(agent: PrefetchAgent) ->
                                 time.time() + 60))
     report = agent.wait(2, timeout_s=30)
     assert report is not None and not report.complete and report.keys_missed == len(keys)
+
+
+def test_another_tenants_pages_for_the_same_tokens_are_never_warmed(
+        agent: PrefetchAgent, ranks: list[KvPrefetchHiCacheStorage]) -> None:
+    """The same token ids stored by another tenant (here: requests without a salt, the
+    default tenant's) are not this tenant's KV: its order finds none of them."""
+    session = f"s-{uuid.uuid4().hex[:6]}"
+    tokens = synthetic_tokens(TENANT, session, 3 * PAGE).tolist()
+    unsalted = page_hashes(tokens, PAGE)
+    for rank in ranks:
+        assert rank.batch_set(unsalted, [torch.zeros(PAGE_FLOATS) for _ in unsalted])
+    assert put_session_tokens(agent.store, TENANT, session, tokens)
+    keys = tuple(position_keys(TENANT, session, len(tokens), CHUNK))
+    agent.execute(TransferOrder(3, f"{TENANT}/{session}", 0, keys, len(tokens), 0, True,
+                                time.time() + 60))
+    report = agent.wait(3, timeout_s=30)
+    assert report is not None and not report.complete and report.keys_moved == 0, report
+    assert report.keys_missed == len(keys)
+    salted = page_hashes(tokens, PAGE, cache_salt=tenant_cache_salt(TENANT))
+    local = ranks[0].local
+    assert local is not None
+    assert local.prefix_hits([ranks[0].scheme.object_name(h) for h in salted]) == 0

@@ -20,6 +20,7 @@ import pytest
 from sglang_guard import sglang_missing
 
 from agents.sglang.keys import PageKeyScheme, namespace_seed, page_hashes
+from controlplane.base.keys import tenant_cache_salt
 
 try:
     from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
@@ -107,3 +108,19 @@ def test_object_names_follow_sglangs_file_backend(tmp_path: Path, mla: bool, pp:
     assert PageKeyScheme.from_storage_config(SimpleNamespace(
         model_name=None, tp_rank=0, tp_size=1, is_mla_model=False, pp_rank=0,
         pp_size=1)).suffix == "__0_1"
+
+
+def test_tenant_salts_are_sglang_namespaces_and_keep_tenants_apart() -> None:
+    """A tenant's pages are named under its cache salt as SGLang names a request that
+    carries it (issue 15); the default tenant's, with no salt, exactly as before."""
+    tokens = list(range(1000, 1300))
+    names = {}
+    for tenant in ("default", "acme", "globex"):
+        salt = tenant_cache_salt(tenant) or None
+        seed = storage_namespace_seed(None, salt)
+        names[tenant] = page_hashes(tokens, 64, cache_salt=salt)
+        assert names[tenant] == get_hash_str(tokens, seed, page_size=64)
+    assert names["default"] == page_hashes(tokens, 64) == get_hash_str(tokens, None,
+                                                                        page_size=64)
+    assert not set(names["acme"]) & set(names["globex"])
+    assert not set(names["acme"]) & set(names["default"])

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from agents.embedded import EmbeddedS3, EmbeddedValkey
+from controlplane.base.keys import tenant_cache_salt
 
 if TYPE_CHECKING:  # vLLM-side modules are imported inside the tests (fail, not skip)
     from agents.agent import PrefetchAgent
@@ -47,6 +48,8 @@ pytestmark = [pytest.mark.servers, pytest.mark.slow, pytest.mark.vllm]
 
 CHUNK = 256
 TENANT = "vllm-cpu"
+#: The cache salt the gateway puts in the tenant's requests (vLLM's and LMCache's keys).
+SALT = tenant_cache_salt(TENANT)
 # 8 whole chunks and a tail: vLLM computes at least the prompt's last token itself, so its
 # connector looks up the whole chunks before it (8 x 256 tokens).
 PROMPT_TOKENS = 8 * CHUNK + 37
@@ -195,7 +198,7 @@ def _served(node: Node, session: str, prompt: list[int]) -> EngineCounters:
     assert isinstance(node.warm, LMCacheWarmClient) and isinstance(node.vllm, VLLMServer)
 
     def read() -> EngineCounters:
-        return read_counters(node.vllm, node.warm, node.model_name)
+        return read_counters(node.vllm, node.warm, node.model_name, SALT)
 
     before = read()
     _complete(node, session, prompt)

@@ -29,6 +29,18 @@ To reach the service rather than stop at validation, in 3 of 4 positive cases th
 size is made consistent (the one rule the schema cannot state), and in 8 of 9 positive
 cases the session id is taken from a pool of 8 (so events land on live sessions).
 Deterministic per ``--seed``.
+
+**Stateful mode** (``--stateful-cases``, a share of ``--cases``): schemathesis' state
+machine (``schema.as_state_machine()``) over the same document with OpenAPI links added
+(:data:`LINKS`: each call of a session leads to the session's next calls, the session id
+taken from the request, a route's node from its answer), so scenarios run sequences such
+as route -> request_finished -> hint -> session_closed on one session, which independent
+cases rarely reach. Each step is a case, counted and checked as above (and replayed as
+globex); the JSON adds ``stateful``: its cases, scenarios, ``transitions`` (pairs of
+consecutive 2xx answers on one session within a scenario, by operation), ``lifecycles``
+(sessions that went opened -> request_finished -> hint -> session_closed, all 2xx, in that
+order within one scenario) and ``restarts`` (runs Hypothesis stopped as flaky because the
+server's state made a replayed prefix take another path; the next seed goes on).
 """
 
 from __future__ import annotations
@@ -49,8 +61,25 @@ TOKENS = {"acme": "fuzz-acme-token-0123456789", "globex": "fuzz-globex-token-012
 ADMIN_ENV = "KVPREFETCH_FUZZ_ADMIN_TOKEN"
 ADMIN = "fuzz-admin-token-0123456789"
 POOL = [f"s{i}" for i in range(8)]
+#: Nodes of the served fleet (``serve`` below).
+NODES = 2
 #: Operations that need a live session of the caller's tenant.
 NEEDS_SESSION = {"session_state", "hint", "request_finished", "session_closed"}
+#: Stateful mode: the calls that may follow each call of a session (OpenAPI links from its
+#: 200 answer, the session id taken from the request). session_state leads nowhere: an
+#: operation with links out may start a scenario, and schemathesis starts them only from
+#: the operations it deems likely to succeed with random data when there are any (a read
+#: of a random session would be the only one).
+LINKS = {
+    "route": ("request_finished", "hint", "session_closed"),
+    "request_started": ("route", "request_finished", "hint"),
+    "request_finished": ("hint", "route", "session_closed"),
+    "hint": ("session_closed", "request_finished", "route"),
+    "session_closed": ("session_state", "route"),
+}
+#: A session's life, in order, that a scenario should be able to walk (all 2xx).
+LIFECYCLE = (("route", "request_started"), ("request_finished",), ("hint",),
+             ("session_closed",))
 
 
 # ---------------------------------------------------------------------------- the server
@@ -93,7 +122,7 @@ def serve(config: Path) -> int:
     from controlplane.live.service import SchedulerService
 
     cfg = load_serve_config(config)
-    service_cfg = cfg.service_config(["node-0", "node-1"])
+    service_cfg = cfg.service_config([f"node-{i}" for i in range(NODES)])
     metrics = PrometheusMetrics()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -151,6 +180,11 @@ class Tally:
         self.replays = 0
         self.statuses: dict[str, int] = {}
         self.examples: list[str] = []
+        self.stateful_cases = 0
+        self.scenarios = 0
+        self.transitions: dict[str, int] = {}
+        self.lifecycles = 0
+        self.stateful_restarts = 0
 
     def example(self, text: str) -> None:
         if len(self.examples) < 20:
@@ -162,6 +196,10 @@ class Tally:
                 "cross_tenant_successes": self.cross_tenant_successes,
                 "cross_tenant_replays": self.replays,
                 "statuses": dict(sorted(self.statuses.items())),
+                "stateful": {"cases": self.stateful_cases, "scenarios": self.scenarios,
+                             "transitions": dict(sorted(self.transitions.items())),
+                             "lifecycles": self.lifecycles,
+                             "restarts": self.stateful_restarts},
                 "seconds": round(seconds, 1), "examples": self.examples}
 
 
@@ -226,12 +264,20 @@ class Fuzzer:
         fuzz()
 
     def case(self, op: str, case: Any) -> None:
-        t = self.tally
-        auth = {"Authorization": f"Bearer {TOKENS['acme']}"}
+        self.check(op, case, self.call(case))
+
+    def call(self, case: Any) -> Any:
         # every case is acme's (schemathesis would generate bearer tokens of its own; the
         # 401 paths are tested in tests/live/test_tenants.py)
+        auth = {"Authorization": f"Bearer {TOKENS['acme']}"}
         case.headers = {**(case.headers or {}), **auth}
-        response = case.call(base_url=self.url, headers=auth)
+        return case.call(base_url=self.url, headers=auth)
+
+    def check(self, op: str, case: Any, response: Any) -> None:
+        """Count one answer to acme's case, check it against the document, replay it as
+        globex."""
+        t = self.tally
+        auth = {"Authorization": f"Bearer {TOKENS['acme']}"}
         t.cases += 1
         key = f"{op} {response.status_code}"
         t.statuses[key] = t.statuses.get(key, 0) + 1
@@ -276,6 +322,115 @@ class Fuzzer:
                       f"{after.status_code} {after.text}")
 
 
+    # -- stateful mode -------------------------------------------------------------------
+    def linked_schema(self) -> Any:
+        """The served document with :data:`LINKS` added to each operation's 200 answer."""
+        import schemathesis
+
+        raw = self.http.get("/openapi.json").json()
+        ids = {path.removeprefix("/v1/"): ops["post"]["operationId"]
+               for path, ops in raw["paths"].items() if path.startswith("/v1/")}
+        for source, targets in LINKS.items():
+            answer = raw["paths"][f"/v1/{source}"]["post"]["responses"]["200"]
+            links = answer.setdefault("links", {})
+            for target in targets:
+                body: dict[str, str] = {"session_id": "$request.body#/session_id"}
+                if source == "route" and target == "request_finished":
+                    body["node"] = "$response.body#/node"  # where the route sent it
+                links[f"{source}_then_{target}"] = {"operationId": ids[target],
+                                                    "requestBody": body}
+        return schemathesis.openapi.from_dict(raw)
+
+    def stateful(self, scenarios: int, steps: int, seed: int) -> None:
+        """Run ``scenarios`` scenarios of up to ``steps`` linked calls each."""
+        from hypothesis import HealthCheck, Phase, settings
+        from hypothesis import seed as hseed
+        from hypothesis.errors import Flaky
+        from schemathesis.generation.stateful import run_state_machine_as_test
+
+        fuzzer, t = self, self.tally
+        base = self.linked_schema().as_state_machine()
+
+        class Machine(base):  # type: ignore[misc, valid-type]
+            rule_order_seed = seed
+
+            def setup(self) -> None:
+                t.scenarios += 1
+                #: session id -> the operations of its 2xx answers, in order
+                self.lives: dict[str, list[str]] = {}
+                #: session ids sent in this scenario
+                self.sent: set[str] = set()
+
+            def before_call(self, case: Any) -> None:
+                fuzzer.prepare_stateful(case, self.sent, self.lives)
+
+            def call(self, case: Any, **kwargs: Any) -> Any:
+                return fuzzer.call(case)
+
+            def validate_response(self, response: Any, case: Any,
+                                  additional_checks: Any = None, **kwargs: Any) -> None:
+                op = case.operation.path.removeprefix("/v1/")
+                t.stateful_cases += 1
+                fuzzer.check(op, case, response)  # counted, never raised
+                sid = case.body.get("session_id") if isinstance(case.body, dict) else None
+                if isinstance(sid, str) and 200 <= response.status_code < 300:
+                    life = self.lives.setdefault(sid, [])
+                    if life:
+                        key = f"{life[-1]} -> {op}"
+                        t.transitions[key] = t.transitions.get(key, 0) + 1
+                    life.append(op)
+
+            def teardown(self) -> None:
+                t.lifecycles += sum(_walks(life, LIFECYCLE) for life in self.lives.values())
+
+        try:
+            run_state_machine_as_test(hseed(seed)(Machine), settings=settings(
+                max_examples=scenarios, stateful_step_count=steps, deadline=None,
+                database=None, phases=[Phase.generate],
+                suppress_health_check=list(HealthCheck)))
+        except Flaky:
+            # The server's state differs between runs of a prefix (a link followed once is
+            # not the next time): Hypothesis stops the run; schemathesis' own runner treats
+            # this as success and starts again, as the caller does with the next seed.
+            t.stateful_restarts += 1
+
+    def prepare_stateful(self, case: Any, sent: set[str], lives: dict[str, list[str]]
+                         ) -> None:
+        """As positive cases above: acme's calls without a tenant (3 of 4), sizes kept. A
+        call that starts a scenario's step on a random session id (not one a link carried
+        over) and needs a live session is made on the scenario's latest open one."""
+        self._stateful_seq = getattr(self, "_stateful_seq", 0) + 1
+        if not isinstance(case.body, dict):
+            return
+        body = dict(case.body)
+        if self._stateful_seq % 4:
+            body.pop("tenant", None)
+            if case.operation.path in ("/v1/route", "/v1/request_started"):
+                _size_rule(body)
+            node = body.get("node")  # a node of the fleet (ints may come as 240.0)
+            if (isinstance(node, int | float) and not isinstance(node, bool)
+                    and node == int(node) and not 0 <= node < NODES):
+                body["node"] = int(node) % NODES
+        sid = body.get("session_id")
+        op = case.operation.path.removeprefix("/v1/")
+        if isinstance(sid, str) and sid not in sent and op in NEEDS_SESSION:
+            open_ = [s for s, life in lives.items() if life and life[-1] != "session_closed"]
+            if open_:
+                body["session_id"] = sid = open_[-1]
+        if isinstance(sid, str):
+            sent.add(sid)
+        case.body = body
+
+
+def _walks(life: list[str], steps: tuple[tuple[str, ...], ...]) -> bool:
+    """Whether ``life`` holds ``steps`` in order (each one of its alternatives)."""
+    i = 0
+    for op in life:
+        if i < len(steps) and op in steps[i]:
+            i += 1
+    return i == len(steps)
+
+
 def _size_rule(body: dict[str, Any]) -> None:
     """Make a generated body keep the one rule the schema cannot state (a size: token_ids,
     or input_tokens with optional chunk_hashes, consistent), so that it reaches the
@@ -288,14 +443,22 @@ def _size_rule(body: dict[str, Any]) -> None:
         body["input_tokens"] = 1000
 
 
-def fuzz(url: str, cases: int, seed: int = 15) -> dict[str, Any]:
-    """At least ``cases`` generated cases against the API at ``url``; the tally."""
+def fuzz(url: str, cases: int, seed: int = 15, *, stateful_cases: int = 0,
+         steps: int = 10) -> dict[str, Any]:
+    """At least ``cases`` cases against the API at ``url``: about ``stateful_cases`` of them
+    in scenarios of up to ``steps`` linked calls, the rest independent; the tally."""
     from schemathesis import GenerationMode
 
     started = time.monotonic()
     tally = Tally()
     fuzzer = Fuzzer(url, tally)
     try:
+        round_ = 0
+        while tally.stateful_cases < stateful_cases and round_ < 200:
+            # a scenario runs 2..steps calls (about steps/2 on average)
+            left = stateful_cases - tally.stateful_cases
+            fuzzer.stateful(max(1, -(-2 * left // (steps + 2))), steps, seed + round_)
+            round_ += 1
         plan = [(op, mode) for op in fuzzer.operations()
                 for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)]
         round_ = 0
@@ -315,18 +478,24 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("serve", help="(the child process) serve the API")
     s.add_argument("--config", required=True, type=Path)
     p.add_argument("--cases", type=int, default=5000)
+    p.add_argument("--stateful-cases", type=int, default=1000,
+                   help="of --cases, about this many in linked scenarios (stateful mode)")
+    p.add_argument("--steps", type=int, default=10,
+                   help="calls per stateful scenario, at most")
     p.add_argument("--seed", type=int, default=15)
     p.add_argument("--json", type=Path, default=Path("out/fuzz.json"))
     args = p.parse_args(argv)
     if args.command == "serve":
         return serve(args.config)
     with tempfile.TemporaryDirectory(prefix="kvprefetch-fuzz-") as tmp, Server(Path(tmp)) as srv:
-        result = fuzz(srv.url, args.cases, args.seed)
+        result = fuzz(srv.url, args.cases, args.seed, stateful_cases=args.stateful_cases,
+                      steps=args.steps)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")
     summary = {k: result[k] for k in ("cases", "server_errors", "undocumented",
                                       "cross_tenant_successes", "cross_tenant_replays",
                                       "seconds")}
+    summary["stateful"] = {k: v for k, v in result["stateful"].items() if k != "transitions"}
     print(json.dumps(summary))
     bad = result["server_errors"] or result["undocumented"] or result["cross_tenant_successes"]
     return 1 if bad else 0

@@ -1,7 +1,8 @@
 """A short schemathesis pass over the HTTP API served locally with two tenants (the driver
-of ``make fuzz``, tests/live/fuzz_api.py, with a few hundred cases instead of 5,000): no
-5xx, no answer the OpenAPI document does not describe, no call with tenant B's token that
-succeeds on tenant A's session."""
+of ``make fuzz``, tests/live/fuzz_api.py, with a few hundred cases instead of 5,000, some
+of them in stateful scenarios that follow a session from call to call): no 5xx, no answer
+the OpenAPI document does not describe, no call with tenant B's token that succeeds on
+tenant A's session."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ pytest.importorskip("fastapi")
 
 from fuzz_api import Server, fuzz
 
-#: Cases of the pass (``make fuzz`` runs 5,000).
+#: Cases of the pass (``make fuzz`` runs 5,000), and how many of them are stateful (1,000).
 CASES = int(os.environ.get("KVPREFETCH_FUZZ_CASES", "240"))
+STATEFUL_CASES = int(os.environ.get("KVPREFETCH_FUZZ_STATEFUL_CASES", "100"))
 
 
 @pytest.mark.servers
@@ -24,7 +26,7 @@ CASES = int(os.environ.get("KVPREFETCH_FUZZ_CASES", "240"))
 def test_a_short_schemathesis_pass_finds_no_5xx_undocumented_or_cross_tenant_answer(
         tmp_path: Path) -> None:
     with Server(tmp_path) as srv:
-        result = fuzz(srv.url, CASES, seed=3)
+        result = fuzz(srv.url, CASES, seed=3, stateful_cases=STATEFUL_CASES)
     assert result["cases"] >= CASES
     assert result["server_errors"] == 0, result["examples"]
     assert result["undocumented"] == 0, result["examples"]
@@ -32,3 +34,7 @@ def test_a_short_schemathesis_pass_finds_no_5xx_undocumented_or_cross_tenant_ans
     # the pass reached the scheduler (2xx) and replayed calls against the other tenant
     assert any(k.endswith(" 200") for k in result["statuses"]), result["statuses"]
     assert result["cross_tenant_replays"] > 0
+    # the stateful scenarios carried sessions from call to call (2xx after 2xx on one id)
+    stateful = result["stateful"]
+    assert stateful["cases"] >= STATEFUL_CASES and stateful["scenarios"] > 0
+    assert sum(stateful["transitions"].values()) > 0, stateful

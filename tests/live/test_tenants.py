@@ -24,6 +24,7 @@ from controlplane.base.errors import (  # noqa: E402
     WrongTenantError,
 )
 from controlplane.cli.serve import load_serve_config  # noqa: E402
+from controlplane.core.quotas import TenantQuota  # noqa: E402
 from controlplane.live.client import connect  # noqa: E402
 from controlplane.live.http_api import HttpServer, create_app  # noqa: E402
 from controlplane.live.metrics import PrometheusMetrics  # noqa: E402
@@ -169,6 +170,53 @@ def test_a_tenant_over_its_quota_gets_429_and_the_others_are_unaffected(tenants:
     assert summary["live_sessions_per_tenant"] == {"acme": 3, "globex": 5}
 
 
+def test_a_tenant_over_its_tier_share_loses_its_own_sessions_and_the_other_is_unaffected(
+        ) -> None:
+    # acme may hold a quarter of each node's 16 GiB tier (4 GiB) and prefetch at 10% of the
+    # NIC; globex has no share. Every session below leaves 2 GiB (16,384 tokens at 128 KiB).
+    metrics = PrometheusMetrics()
+    cfg = ServiceConfig(fleet=FLEET, tenants=("acme", "globex"),
+                        tenant_local_tier_share={"acme": 0.25},
+                        tenant_prefetch_bandwidth_share={"acme": 0.1})
+    svc = SchedulerService(cfg, metrics=metrics).start()
+    auth = TenantAuth(TOKENS, admin_token=ADMIN)
+    try:
+        with HttpServer(create_app(svc, auth=auth, metrics_registry=metrics)) as srv:
+            t = Tenants(svc, srv.url)
+
+            def turn(tenant: str, sid: str) -> None:
+                token = TOKENS[tenant]
+                assert t.post("route", {"session_id": sid, "input_tokens": 16_284},
+                              token).status_code == 200
+                assert t.post("request_finished", {"session_id": sid, "node": 0,
+                                                   "input_tokens": 16_284,
+                                                   "output_tokens": 100},
+                              token).status_code == 200
+
+            turn("globex", "g1")
+            turn("globex", "g2")
+            for sid in ("a1", "a2", "a3", "a4"):
+                turn("acme", sid)
+            held = {e.session_id: e.nbytes for e in svc.core.dram[0]}
+            # acme kept 2 of its 4 sessions (its 4 GiB); globex's two are all there
+            assert sum(n for sid, n in held.items() if sid.startswith("acme/")) == 4 * GIB
+            assert {"globex/g1", "globex/g2"} <= set(held)
+            shares = svc.summary()["tenant_shares"]
+            assert shares["acme"]["tier_evictions"] == 2
+            assert shares["acme"]["local_tier_bytes"] == {"node-0": 4 * GIB, "node-1": 0}
+            assert shares["acme"]["local_tier_share"] == 0.25
+            assert shares["acme"]["prefetch_bandwidth_share"] == 0.1
+            assert set(shares) == {"acme"}
+            text = httpx.get(f"{t.url}/metrics").text
+            assert ('kvprefetch_tenant_local_tier_bytes{node="node-0",tenant="acme"} '
+                    "4.294967296e+09") in text
+            assert 'kvprefetch_tenant_tier_share_evictions_total{tenant="acme"} 2.0' in text
+            assert 'tenant="globex"' not in "".join(
+                line for line in text.splitlines() if line.startswith("kvprefetch_tenant_tier"))
+    finally:
+        svc.close()
+
+
 def test_credentials_are_checked_at_start_and_never_shown() -> None:
     with pytest.raises(ConfigError, match="exactly one tenant") as err:
         TenantAuth({"a": "same-token-0123456789", "b": "same-token-0123456789"})
@@ -198,7 +246,8 @@ def test_serve_config_reads_tenant_secrets_from_env_and_files(
         tmp_path, http={"admin_token": {"env": "KVP_T_ADMIN"},
                         "limits": {"max_token_ids": 1000, "max_body_bytes": 1 << 20}},
         tenants={"acme": {"token": {"env": "KVP_T_ACME"}, "max_live_sessions": 7},
-                 "globex": {"token": {"file": str(secret_file)}}})
+                 "globex": {"token": {"file": str(secret_file)}, "local_tier_share": 0.5,
+                            "prefetch_bandwidth_share": 0.2}})
     cfg = load_serve_config(path)
     auth = cfg.auth()
     assert auth.authenticate(TOKENS["acme"]).tenant == "acme"
@@ -209,6 +258,8 @@ def test_serve_config_reads_tenant_secrets_from_env_and_files(
     assert service.max_live_sessions("acme") == 7
     assert service.max_live_sessions("globex") == service.max_live_sessions_per_tenant
     assert service.limits.max_token_ids == 1000
+    assert service.tenant_quotas == {"globex": TenantQuota(local_tier_share=0.5,
+                                                           prefetch_bandwidth_share=0.2)}
     assert TOKENS["acme"] not in repr(cfg) and ADMIN not in repr(cfg)
     # a missing secret names where it was looked for, not a value
     monkeypatch.delenv("KVP_T_ACME")
@@ -227,6 +278,16 @@ def test_serve_config_reads_tenant_secrets_from_env_and_files(
     ({"service": {"limits": {}}}, "http.limits"),
     ({"tenants": {"acme": {"token": {"env": "X"}}}, "service": {"tenants": ["b"]}},
      "tenants section"),
+    ({"tenants": {"acme": {"token": {"env": "X"}, "local_tier_share": 1.5}}},
+     r"tenants\.acme\.local_tier_share"),
+    ({"tenants": {"acme": {"token": {"env": "X"}, "prefetch_bandwidth_share": 0}}},
+     r"tenants\.acme\.prefetch_bandwidth_share"),
+    ({"service": {"tenant_local_tier_share": {"acme": 2}}},
+     r"tenant_local_tier_share\['acme'\] must be a fraction in \(0, 1\]"),
+    ({"service": {"tenants": ["acme"], "tenant_prefetch_bandwidth_share": {"globex": 0.5}}},
+     r"tenant_prefetch_bandwidth_share\['globex'\]: not one of the tenants"),
+    ({"tenants": {"acme": {"token": {"env": "X"}}},
+      "service": {"tenant_prefetch_bandwidth_share": {"acme": 0.5}}}, "tenants section"),
 ])
 def test_bad_tenant_configs_fail_at_start(tmp_path: Path, over: dict[str, Any],
                                           message: str) -> None:

@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from controlplane.base import api
+from controlplane.base.keys import tenant_cache_salt
 from controlplane.live.gateway import Gateway, GatewayConfig, build_app
 
 UPSTREAMS = ["http://node0", "http://node1"]
@@ -104,7 +105,8 @@ class RecordingScheduler:
 
 
 class Harness:
-    def __init__(self, scheduler: RecordingScheduler | None, finish: str = "stop") -> None:
+    def __init__(self, scheduler: RecordingScheduler | None, finish: str = "stop",
+                 tenant: str | None = "acme", cache_salt: str = "") -> None:
         self.seen: list[tuple[str, dict[str, Any]]] = []
         self.stored: list[tuple[str, str, list[int]]] = []
         self.scheduler = scheduler
@@ -112,7 +114,8 @@ class Harness:
         def sink(tenant: str, session: str, ids: Sequence[int]) -> None:
             self.stored.append((tenant, session, list(ids)))
 
-        self.gateway = Gateway(GatewayConfig(upstreams=UPSTREAMS, tenant="acme"),
+        self.gateway = Gateway(GatewayConfig(upstreams=UPSTREAMS, tenant=tenant,
+                                             cache_salt=cache_salt),
                                scheduler=scheduler, tokens=sink,
                                transport=httpx.ASGITransport(app=_fake_engine(self.seen,
                                                                               finish)))
@@ -146,7 +149,8 @@ def test_a_completion_goes_to_the_scheduler_s_node_and_is_reported() -> None:
     response = h.run(calls)
     assert response.status_code == 200 and response.json()["choices"][0]["text"] == "ok"
     assert response.headers["x-kvp-node"] == "1" and response.headers["x-session-id"] == "s1"
-    assert h.seen == [("node1", body)]  # forwarded unchanged, to node 1
+    # forwarded unchanged but for the tenant's cache salt, to node 1
+    assert h.seen == [("node1", {**body, "cache_salt": tenant_cache_salt("acme")})]
     ids = list(b"hello")
     assert h.stored == [("acme", "s1", ids)]
     kinds = [(c[0], c[1]) for c in h.scheduler.calls] if h.scheduler else []
@@ -176,6 +180,7 @@ def test_a_streamed_chat_is_forwarded_event_by_event_and_counted() -> None:
                    for x in lines[:-1]) == "hello"
     host, sent = h.seen[0]
     assert host == "node0" and sent["stream_options"] == {"include_usage": True}
+    assert sent["cache_salt"] == tenant_cache_salt("acme")
     assert h.stored == [("acme", "u-7", list(b"<user>hi"))]  # the engine's tokenization
     finished = [c for c in h.scheduler.calls if c[0] == "request_finished"]  # type: ignore[union-attr]
     assert finished[0][2]["output_tokens"] == 3
@@ -236,3 +241,24 @@ def test_models_and_upstream_errors_pass_through() -> None:
     assert bad.status_code == 400 and "not a string" in bad.text and h.stored == []
     assert h.metric("kvp_gateway_requests_total", endpoint="completions",
                     outcome="tokenize_error") == 1
+
+
+@pytest.mark.parametrize(("tenant", "base", "salt"), [
+    (None, "", None),  # the default tenant without a base salt: the body as it came
+    ("default", "node-secret", "node-secret"),
+    ("acme", "", tenant_cache_salt("acme")),
+    ("acme", "node-secret", tenant_cache_salt("acme", "node-secret")),
+])
+def test_each_tenant_s_requests_carry_its_cache_salt(tenant: str | None, base: str,
+                                                     salt: str | None) -> None:
+    """The engine keys KV (vLLM's prefix cache, LMCache's objects) by the request's
+    cache_salt: the gateway sets the tenant's, replacing any the caller gave."""
+    h = Harness(RecordingScheduler(node=0), tenant=tenant, cache_salt=base)
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 1, "cache_salt": "forged"}
+
+    async def calls(client: httpx.AsyncClient) -> httpx.Response:
+        return await client.post("/v1/completions", json=body, headers={"X-Session-ID": "s"})
+
+    assert h.run(calls).status_code == 200
+    (_, sent), = h.seen
+    assert sent.get("cache_salt") == (salt or "forged")
