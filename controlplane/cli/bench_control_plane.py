@@ -5,6 +5,7 @@ memory an idle session costs (logic in :mod:`controlplane.live.loadgen`)."""
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 EPILOG = """\
@@ -13,6 +14,9 @@ modes:
            planning step (due prefetch orders, the sweep) runs inline every
            planner.sweep_interval_s of service time
   service  SchedulerService in this process through the Python client
+  http     the same behind the HTTP API (kvprefetch serve's app, uvicorn on loopback,
+           started here) through the client's HTTP transport: one HTTP call per event;
+           server and generator share this process
   ray-1    one scheduler actor on a local Ray runtime (started here) through the
            Python client, fire-and-forget events batched: each request_finished is
            queued and rides with the next route's actor call (or the 5 ms flush
@@ -45,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = EPILOG
     parser.add_argument("--modes", default="inproc,service,ray-1",
-                        help="comma-separated: inproc, service, ray-1, ray-1-sync "
+                        help="comma-separated: inproc, service, http, ray-1, ray-1-sync "
                         "(default: inproc, service, ray-1)")
     parser.add_argument("--sessions", type=int, default=2_000,
                         help="live sessions held while measuring (default 2,000)")
@@ -87,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     path = args.trace or bundled_trace_path("claude-code")
     trace = load_trace(path, args.trace_format, seed=args.seed)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per call in http mode
     # Progress in units of 1,000 events (populating counts its route and finish too).
     steps_per_mode = (2 * spec.sessions + spec.events) // 1000
 

@@ -13,7 +13,13 @@ It replays a trace's session events, sped up, against one *target*:
   (:class:`~controlplane.live.client.EventBatching`: each ``request_finished`` is queued
   and goes with the next ``route``'s actor call or the flush timer); the measurement ends
   when every queued event is answered, and refused ones count as lost;
-* ``ray-1-sync``: the same without batching (one synchronous actor call per event).
+* ``ray-1-sync``: the same without batching (one synchronous actor call per event);
+* ``http``: the HTTP API (``kvprefetch serve``'s FastAPI app on uvicorn, loopback, no
+  auth) in front of a :class:`~controlplane.live.service.SchedulerService`, through the
+  Python client's :class:`~controlplane.live.client.HttpTransport`: JSON, validation and
+  one HTTP round trip per event. Server and generator share this process (and its GIL),
+  so its figures are the whole path's cost on one interpreter, a floor for a server of
+  its own.
 
 Sessions: ``sessions`` live sessions, session ``i`` playing the trace's session
 ``i mod len(trace)`` turn after turn (cycling). First every session plays its first turn
@@ -45,7 +51,7 @@ from controlplane.base.errors import ConfigError, KvPrefetchError
 from controlplane.base.types import EventKind, SessionEvent, Trace
 
 #: Modes this generator knows, in the order a table lists them.
-MODES: tuple[str, ...] = ("inproc", "service", "ray-1", "ray-1-sync")
+MODES: tuple[str, ...] = ("inproc", "service", "http", "ray-1", "ray-1-sync")
 
 
 @dataclass(frozen=True, slots=True)
@@ -366,14 +372,23 @@ def _target(mode: str, fleet: FleetConfig, spec: LoadSpec) -> Target:
     cfg = ServiceConfig(fleet=fleet, policy=spec.policy, predictor=spec.predictor,
                         time_compression=spec.time_compression,
                         max_live_sessions_per_tenant=max(100_000, 2 * spec.sessions))
-    if mode == "service":
+    if mode in ("service", "http"):
         from controlplane.live.service import SchedulerService
 
         svc = SchedulerService(cfg).start()
-        client = connect(service=svc, timeout_s=spec.timeout_s)
+        server: Any = None
+        if mode == "http":
+            from controlplane.live.http_api import HttpServer, create_app
+
+            server = HttpServer(create_app(svc)).start()
+            client = connect(server.url, timeout_s=spec.timeout_s)
+        else:
+            client = connect(service=svc, timeout_s=spec.timeout_s)
 
         def close_service() -> None:
             client.close()
+            if server is not None:
+                server.close()
             svc.close()
 
         return ClientTarget(client, svc.summary, close_service)

@@ -15,14 +15,14 @@ def test_bench_control_plane_inproc_and_service_tiny(tmp_path: Path,
                                                      capsys: pytest.CaptureFixture[str]
                                                      ) -> None:
     out = tmp_path / "cp.json"
-    rc = main(["bench", "control-plane", "--modes", "inproc,service", "--sessions", "300",
+    rc = main(["bench", "control-plane", "--modes", "inproc,service,http", "--sessions", "300",
                "--events", "1000", "--speedup", "5000", "--json", str(out), "--no-progress"])
     assert rc == 0
     table = capsys.readouterr().out
-    assert "inproc" in table and "service" in table and "events/s" in table
+    assert "inproc" in table and "http" in table and "events/s" in table
     result = json.loads(out.read_text())
     assert result["sessions"] == 300
-    assert set(result["modes"]) == {"inproc", "service"}
+    assert set(result["modes"]) == {"inproc", "service", "http"}
     for mode, m in result["modes"].items():
         assert {"events_per_s", "route_p50_ms", "route_p99_ms", "plan_p99_ms",
                 "bytes_per_session", "lost_events"} <= set(m), mode
