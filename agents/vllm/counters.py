@@ -79,12 +79,13 @@ def read_counters(vllm: VLLMServer, lmcache: LMCacheWarmClient, model_name: str,
         lmcache_lookups=lm.lookups)
 
 
-def read_fleet(nodes: Sequence[tuple[VLLMServer, LMCacheWarmClient]], model_name: str
-               ) -> EngineCounters:
-    """The counters of several nodes, summed."""
+def read_fleet(nodes: Sequence[tuple[VLLMServer, LMCacheWarmClient]], model_name: str,
+               cache_salt: str = "") -> EngineCounters:
+    """The counters of several nodes, summed (LMCache's for one cache salt: the tenant's
+    whose requests are counted)."""
     total = EngineCounters()
     for vllm, lmcache in nodes:
-        total = total + read_counters(vllm, lmcache, model_name)
+        total = total + read_counters(vllm, lmcache, model_name, cache_salt)
     return total
 
 

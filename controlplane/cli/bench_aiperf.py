@@ -195,7 +195,6 @@ def _gateway_outcomes(url: str) -> dict[str, int]:
 
 
 def _ours(stack: Any, plan: Any, st: Any) -> dict[str, Any]:
-    from agents.vllm.counters import wait_for_requests
     from controlplane.cli import demo_vllm
     from controlplane.live.gateway_replay import GatewayReplayer
 
@@ -207,7 +206,7 @@ def _ours(stack: Any, plan: Any, st: Any) -> dict[str, Any]:
                               stack.engines[0].vllm.served_model_name,
                               compression=args.compression, nodes=stack.fleet.nodes,
                               salt=f"ours-{uuid.uuid4().hex[:6]}").run()
-        counters = wait_for_requests(stack.counters, before, requests=len(out.records))
+        counters = stack.counters_since(before, len(out.records))
         outcomes = _gateway_outcomes(d.gateway_url)
     ttft = [(r.first_token_s - r.arrival_s) * 1e3 for r in out.records]
     returning = [(r.first_token_s - r.arrival_s) * 1e3 for r in out.records if r.returning]
@@ -219,7 +218,6 @@ def _ours(stack: Any, plan: Any, st: Any) -> dict[str, Any]:
 
 def _aiperf(stack: Any, plan: Any, st: Any, aiperf: str, artifacts: Path,
             timeout_s: float) -> dict[str, Any]:
-    from agents.vllm.counters import wait_for_requests
     from controlplane.cli import demo_vllm
 
     args = stack.args
@@ -257,13 +255,7 @@ def _aiperf(stack: Any, plan: Any, st: Any, aiperf: str, artifacts: Path,
             raise RuntimeError(f"aiperf exited with {proc.returncode}: {tail}")
         summary = _read_summary(run_dir)
         records = _read_records(run_dir)
-        sent = summary.get("request_count") or len(records)
-        try:
-            counters = wait_for_requests(stack.counters, before, requests=int(sent),
-                                         timeout_s=30.0).reported()
-        except TimeoutError as exc:
-            log.warning("%s", exc)
-            counters = (stack.counters() - before).reported()
+        counters = stack.counters_since(before, len(rows)).reported()
         outcomes = _gateway_outcomes(d.gateway_url)
     gateway_failed = sum(n for k, n in outcomes.items() if k != "ok")
     errors = summary.get("errors") or []

@@ -428,9 +428,25 @@ class Stack:
         return [(n.vllm, n.warm) for n in self.engines]
 
     def counters(self) -> Any:
+        """The nodes' counters now; LMCache's for :data:`TENANT`'s cache salt (the gateway
+        salts the tenant's requests, LMCache labels its counters by salt)."""
         from agents.vllm.counters import read_fleet
+        from controlplane.base.keys import tenant_cache_salt
 
-        return read_fleet(self.pairs(), self.model_dir)
+        return read_fleet(self.pairs(), self.model_dir, tenant_cache_salt(TENANT))
+
+    def counters_since(self, before: Any, requests: int, timeout_s: float = 30.0) -> Any:
+        """The engines' counters since ``before`` once they count ``requests`` finished
+        requests and as many LMCache lookups (both count off the request path, LMCache's
+        exporter on an interval); after ``timeout_s``, what they count then (logged)."""
+        from agents.vllm.counters import wait_for_requests
+
+        try:
+            return wait_for_requests(self.counters, before, requests=requests,
+                                     lookups=requests, timeout_s=timeout_s)
+        except TimeoutError as exc:
+            log.warning("%s; reporting what they count now", exc)
+            return self.counters() - before
 
 
 @contextlib.contextmanager
@@ -687,7 +703,6 @@ def _run_policy(stack: Stack, policy: str, st: Any, predictor: str, stop: thread
     import ray
     from tqdm import tqdm
 
-    from agents.vllm.counters import wait_for_requests
     from controlplane.cli.demo import _Run
     from controlplane.live.gateway_replay import GatewayReplayer
     from controlplane.sim.simulator import PolicyRun
@@ -706,8 +721,7 @@ def _run_policy(stack: Stack, policy: str, st: Any, predictor: str, stop: thread
                                   hints=st.hints).run()
         if stop.is_set():
             return None
-        counters = wait_for_requests(stack.counters, before, requests=len(out.records),
-                                     timeout_s=30.0)
+        counters = stack.counters_since(before, len(out.records))
         time.sleep(0.5)  # let the last reports land
         books = ray.get(d.deployment.scheduler.summary.remote(), timeout=30)
         statuses = ray.get([a.status.remote() for a in d.deployment.agents], timeout=30)
