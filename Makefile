@@ -85,7 +85,9 @@ demo-vllm:
 
 # aiperf replays the vLLM demo's multi-turn trace through the gateway, next to our client:
 # out/bench-aiperf.json (both clients' TTFT) and out/aiperf/ (aiperf's own artifacts).
-# Offline: aiperf reads the tiny model's tokenizer from its directory (HF_HUB_OFFLINE=1).
+# Offline (HF_HUB_OFFLINE=1): aiperf loads tokenizers by hub name, so the tiny model's is
+# filed in a hub cache layout under out/aiperf/hf-cache (agents.vllm.tiny_model.hub_cache).
+# ~3-4 min on 2 cores.
 bench-aiperf: setup-aiperf
 	$(MAKE) setup-vllm VENV=$(VLLM_VENV)
 	mkdir -p out
@@ -105,7 +107,8 @@ test: lint setup-sglang
 	$(MAKE) test-vllm
 
 # The real-engine tests: vLLM + LMCache + agent + gateway by the engines' own counters
-# (~2 min), the vLLM demo short (~2.5 min) and aiperf through the gateway (~3 min).
+# (~2 min), the vLLM demo short and aiperf through the gateway (~2-3 min each; the three
+# files took 386 s in one run here, aiperf's venv ~1 min to set up the first time).
 test-vllm:
 	$(MAKE) setup-vllm VENV=$(VLLM_VENV)
 	$(MAKE) setup-aiperf
