@@ -47,7 +47,8 @@ def _remove_tiers() -> Iterator[None]:
 
 
 def _configs(tmp: Path, valkey: EmbeddedValkey, s3: EmbeddedS3, *, journal: Path | None = None,
-             limit_mib_s: float | None = None) -> tuple[ServiceConfig, list[AgentConfig], Any]:
+             limit_mib_s: float | None = None, time_compression: float = 100.0
+             ) -> tuple[ServiceConfig, list[AgentConfig], Any]:
     prefix = uuid.uuid4().hex[:8]
     _TIER_DIRS.extend(Path("/dev/shm") / f"kvp-ray-{prefix}-{i}" for i in range(FLEET.nodes))
     remote = remote_config(valkey, s3, prefix)
@@ -57,7 +58,7 @@ def _configs(tmp: Path, valkey: EmbeddedValkey, s3: EmbeddedS3, *, journal: Path
                           transfer=TransferConfig(concurrency=2, bandwidth_limit_mib_s=limit_mib_s,
                                                   burst_bytes=256 * 1024))
               for i in range(FLEET.nodes)]
-    svc = ServiceConfig(fleet=FLEET, predictor="hinted", time_compression=100.0,
+    svc = ServiceConfig(fleet=FLEET, predictor="hinted", time_compression=time_compression,
                         chunk_tokens=CHUNK, journal_path=str(journal) if journal else None,
                         order_timeout_s=60)
     return svc, agents, remote
@@ -74,14 +75,15 @@ def _seed(remote: Any, tenant: str, sid: str, tokens: int, nbytes: int) -> list[
         store.close()
 
 
-def _prefetch_to(client: Any, dep: Any, node: int, tenant: str, sid: str, tokens: int) -> None:
+def _prefetch_to(client: Any, dep: Any, node: int, tenant: str, sid: str, tokens: int,
+                 eta_s: float = 30.0) -> None:
     """A finished turn on ``node`` (whose tier then loses it), then a hint: the scheduler
     must prefetch the session back to ``node``."""
     client.route(sid, input_tokens=tokens, tenant=tenant)
     client.request_finished(sid, node=node, input_tokens=tokens, tenant=tenant)
     ray.get(dep.agents[node].greet.remote())  # its inventory lacks the session: books drop it
     time.sleep(0.3)
-    client.hint(sid, "tool_running", eta_s=30.0, tenant=tenant)
+    client.hint(sid, "tool_running", eta_s=eta_s, tenant=tenant)
 
 
 def _wait(pred: Any, timeout_s: float = 30.0) -> bool:
@@ -147,14 +149,18 @@ def local_ray() -> Iterator[None]:
 def test_agent_killed_mid_transfer_is_restarted_and_the_scheduler_replans(
         tmp_path: Path, servers: tuple[EmbeddedValkey, EmbeddedS3], local_ray: None) -> None:
     valkey, s3 = servers
-    svc, agents, remote = _configs(tmp_path, valkey, s3, limit_mib_s=4.0)
+    svc, agents, remote = _configs(tmp_path, valkey, s3, limit_mib_s=4.0, time_compression=1.0)
     dep = deploy(svc, agents, local_placements(FLEET.nodes))
     try:
         keys = _seed(remote, "t", "k", 12 * CHUNK, 1 * MIB)  # 12 MiB at 4 MiB/s: ~3 s
         client = connect("auto", timeout_s=10)
         pid_before = ray.get(dep.agents[0].where.remote())["pid"]
+        # The service clock runs at wall speed here: a hinted ETA's law is conditioned on
+        # the silence, so at 100x the agent's restart (seconds of wall time) would outlast
+        # the hint (the session is then taken not to come back: nothing to re-plan). The
+        # prefetch starts a little before the 30 s ETA.
         _prefetch_to(client, dep, 0, "t", "k", 12 * CHUNK)
-        assert _wait(lambda: ray.get(dep.agents[0].status.remote()).orders_in_flight > 0, 10)
+        assert _wait(lambda: ray.get(dep.agents[0].status.remote()).orders_in_flight > 0, 45)
         time.sleep(0.8)  # some chunks are in, some on the wire
         ray.kill(dep.agents[0], no_restart=False)
         assert _wait(lambda: ray.get(dep.agents[0].where.remote(), timeout=5)["pid"]
