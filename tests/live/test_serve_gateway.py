@@ -58,6 +58,7 @@ def test_the_gateway_serves_a_request_as_a_ray_serve_application() -> None:
     from ray import serve
 
     from agents.embedded import free_port
+    from controlplane.base.keys import tenant_cache_salt
     from controlplane.live.gateway import GatewayConfig
     from controlplane.live.serve_app import gateway_application
 
@@ -78,7 +79,9 @@ def test_the_gateway_serves_a_request_as_a_ray_serve_application() -> None:
             assert response.json()["choices"][0]["text"] == "hi"
             assert response.headers["x-session-id"] == "s1"
             assert response.headers["x-kvp-node"] == "0"
-            assert seen == [{"model": "m", "prompt": [1, 2, 3], "max_tokens": 1}]
+            # forwarded unchanged but for tenant t's cache salt (tenants never share KV)
+            assert seen == [{"model": "m", "prompt": [1, 2, 3], "max_tokens": 1,
+                             "cache_salt": tenant_cache_salt("t")}]
             metrics = httpx.get(f"{url}/metrics", timeout=30.0).text
             assert 'kvp_gateway_requests_total{endpoint="completions",outcome="ok"} 1.0' \
                 in metrics
