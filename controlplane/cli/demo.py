@@ -404,7 +404,6 @@ def _run_policy(args: argparse.Namespace, fleet: Any, policy: str, st: _SeedTrac
     from controlplane.live.ray_app import deploy, local_placements
     from controlplane.live.replay import Replayer
     from controlplane.live.service import ServiceConfig
-    from controlplane.sim.simulator import PolicyRun
 
     trace = st.trace
     # Fresh key prefixes, tier folders and deployment per run: no tier carries over.
@@ -470,13 +469,21 @@ def _run_policy(args: argparse.Namespace, fleet: Any, policy: str, st: _SeedTrac
         stack.close()
         for d in dirs:
             shutil.rmtree(d, ignore_errors=True)
-    policy_run = PolicyRun(
-        policy, records=out.records, prefetched_bytes=books["prefetch_model_bytes"],
+    policy_run = run_from_books(policy, out.records, books)
+    return _Run(st.seed, policy, policy_run, out, books, list(statuses), link_mib_s)
+
+
+def run_from_books(policy: str, records: Any, books: dict[str, Any]) -> Any:
+    """A replay's ``PolicyRun``: its records at the client, its byte counts from the
+    scheduler's summary (``books``)."""
+    from controlplane.sim.simulator import PolicyRun
+
+    return PolicyRun(
+        policy, records=records, prefetched_bytes=books["prefetch_model_bytes"],
         wasted_bytes=books["wasted_bytes_modelled"],
         remote_bytes=books["prefetch_model_bytes"] + books["demand_model_bytes"],
         prefetches=books["prefetches"], prefetches_dropped=books["prefetches_dropped"],
         ttlb_s=books["ttlb_s"], lateness_s=books["lateness_s"], events=books["events"])
-    return _Run(st.seed, policy, policy_run, out, books, list(statuses), link_mib_s)
 
 
 def _start_lmcache(args: argparse.Namespace, fleet: Any, remote: Any, tier_bytes: int,

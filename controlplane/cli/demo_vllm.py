@@ -703,9 +703,8 @@ def _run_policy(stack: Stack, policy: str, st: Any, predictor: str, stop: thread
     import ray
     from tqdm import tqdm
 
-    from controlplane.cli.demo import _Run
+    from controlplane.cli.demo import _Run, run_from_books
     from controlplane.live.gateway_replay import GatewayReplayer
-    from controlplane.sim.simulator import PolicyRun
 
     args = stack.args
     run_id = f"{policy}-s{st.seed}-{uuid.uuid4().hex[:6]}"
@@ -732,12 +731,7 @@ def _run_policy(stack: Stack, policy: str, st: Any, predictor: str, stop: thread
         extra.errors[policy][reason] = extra.errors[policy].get(reason, 0) + count
     for node, count in (out.per_node or {}).items():
         extra.per_node[policy][node] = extra.per_node[policy].get(node, 0) + count
-    policy_run = PolicyRun(
-        policy, records=out.records, prefetched_bytes=books["prefetch_model_bytes"],
-        wasted_bytes=books["wasted_bytes_modelled"],
-        remote_bytes=books["prefetch_model_bytes"] + books["demand_model_bytes"],
-        prefetches=books["prefetches"], prefetches_dropped=books["prefetches_dropped"],
-        ttlb_s=books["ttlb_s"], lateness_s=books["lateness_s"], events=books["events"])
+    policy_run = run_from_books(policy, out.records, books)
     return _Run(st.seed, policy, policy_run, out, books, list(statuses), rate_mib_s)
 
 
