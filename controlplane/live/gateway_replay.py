@@ -37,7 +37,7 @@ from typing import Any
 from agents.engine_emulator import ServeRequest, ServeResult
 from controlplane.base.types import Trace, TraceRequest, TraceSession
 from controlplane.live.client import Client
-from controlplane.live.replay import Replayer, ReplayResult, _Arrival, _HintDue
+from controlplane.live.replay import Replayer, ReplayResult
 from controlplane.sim.hints import PlannedHint
 from controlplane.sim.simulator import RequestRecord
 
@@ -163,15 +163,7 @@ class GatewayReplayer(Replayer):
             out.per_node[answer.node] = out.per_node.get(answer.node, 0) + 1
             if not answer.text:
                 out.empty_text += 1
-        finished = time.time()
-        nxt = req.turn + 1
-        c = self.compression
-        for h in self._hints.get((sid, nxt), ()):
-            self._push(finished + h.after_finish_s / c, _HintDue(session, h))
-        if nxt < len(session.requests):
-            gap = session.requests[nxt].gap_s or 0.0
-            self._push(finished + gap / c, _Arrival(session, session.requests[nxt]))
-        self._done()
+        self._turn_done(session, req.turn, time.time())
 
     def _send(self, session_id: str, prompt: list[int], max_tokens: int) -> _Answer:
         import httpx

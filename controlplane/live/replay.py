@@ -194,10 +194,14 @@ class Replayer:
             self._out.results.append(res)
             if res.error:
                 self._out.failed += 1
-        finished = time.time()
-        nxt = req.turn + 1
+        self._turn_done(session, req.turn, time.time())
+
+    def _turn_done(self, session: TraceSession, turn: int, finished: float) -> None:
+        """Turn ``turn`` of ``session`` ended at wall time ``finished``: queue the hints of
+        the gap after it and the next turn's arrival, and count the turn done."""
+        nxt, c = turn + 1, self.compression
         # Hints first: one due at the same instant as the request is dispatched before it.
-        for h in self._hints.get((sid, nxt), ()):
+        for h in self._hints.get((session.session_id, nxt), ()):
             self._push(finished + h.after_finish_s / c, _HintDue(session, h))
         if nxt < len(session.requests):
             gap = session.requests[nxt].gap_s or 0.0
