@@ -816,12 +816,13 @@ class SchedulerCore:
             # sharp one (a hint's ETA, the oracle) displaces the residents predicted to be
             # used after a late quantile of its arrival (for the oracle: after it, Belady).
             cfg = self.fleet.planner
-            sharp = forecast is not None and forecast.confidence >= cfg.displace_min_confidence
-            min_key = (max(use, forecast.arrival_at(cfg.displace_quantile))
-                       if forecast is not None and sharp else use)
+            free_only, min_key = True, use
+            if forecast is not None and forecast.confidence >= cfg.displace_min_confidence:
+                free_only = False
+                min_key = max(use, forecast.arrival_at(cfg.displace_quantile))
             ticket = self._reserve(sid, order.node, order.tokens, prefetch=True,
                                    deadline_s=order.deadline_s, now_s=now_s, min_key=min_key,
-                                   free_only=not sharp, priority=order.priority)
+                                   free_only=free_only, priority=order.priority)
         if ticket is None:
             self.stats.prefetches_dropped += 1
             return self._output()
