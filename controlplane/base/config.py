@@ -127,6 +127,10 @@ class PlannerConfig(_Frozen):
     #: Do not plan further ahead than this (seconds); such sessions are re-planned later,
     #: and sessions idle for longer are no longer swept.
     max_lead_s: float = Field(3600.0, gt=0)
+    #: The waste budget's allowance (GiB): prefetched bytes evicted unread may exceed the
+    #: prefetched bytes requests read by at most this much (policies with
+    #: ``waste_budget``). It is the credit prefetch starts with; used prefetches earn more.
+    waste_allowance_gib: float = Field(32.0, ge=0)
     #: How often idle sessions whose KV left their node are re-planned (seconds).
     sweep_interval_s: float = Field(10.0, gt=0)
     #: ``predictive`` loads a missing context at the request's arrival when the node's

@@ -38,8 +38,15 @@ class TierEntry:
     #: When the bytes are usable; > now while a transfer into this entry is in flight.
     ready_at_s: float = 0.0
     pinned: int = 0
-    #: Filled by a prefetch and not yet read by a request (counts as waste if evicted).
-    prefetched_unused: bool = False
+    #: Bytes of the entry (its suffix) that a prefetch brought and no request has read
+    #: yet: counted as waste if they are evicted or cut, as used when a request reads
+    #: the entry. The prefix a prefetch extended was not brought by it.
+    prefetch_unused_bytes: int = 0
+
+    @property
+    def prefetched_unused(self) -> bool:
+        """Holds bytes a prefetch brought that no request has read."""
+        return self.prefetch_unused_bytes > 0
 
     @property
     def session_id(self) -> str:

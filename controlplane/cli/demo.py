@@ -481,6 +481,8 @@ def run_from_books(policy: str, records: Any, books: dict[str, Any]) -> Any:
     return PolicyRun(
         policy, records=records, prefetched_bytes=books["prefetch_model_bytes"],
         wasted_bytes=books["wasted_bytes_modelled"],
+        prefetch_used_bytes=books["prefetch_used_bytes_modelled"],
+        prefetches_over_budget=books["prefetches_over_budget"],
         remote_bytes=books["prefetch_model_bytes"] + books["demand_model_bytes"],
         prefetches=books["prefetches"], prefetches_dropped=books["prefetches_dropped"],
         ttlb_s=books["ttlb_s"], lateness_s=books["lateness_s"], events=books["events"])
@@ -556,10 +558,12 @@ def pooled_run(policy: str, runs: Sequence[Any]) -> Any:
         out.lateness_s.extend(r.lateness_s)
         out.prefetched_bytes += r.prefetched_bytes
         out.wasted_bytes += r.wasted_bytes
+        out.prefetch_used_bytes += r.prefetch_used_bytes
         out.remote_bytes += r.remote_bytes
         out.prefetches += r.prefetches
         out.prefetches_dropped += r.prefetches_dropped
         out.prefetches_cancelled += r.prefetches_cancelled
+        out.prefetches_over_budget += r.prefetches_over_budget
         out.events += r.events
     return out
 

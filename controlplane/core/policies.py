@@ -59,6 +59,12 @@ class PolicySpec:
     #: and the suffix it leaves is of no use to a prefix lookup, so whole-session LRU is
     #: the generous model of it.
     suffix_eviction: bool = False
+    #: Prefetch only within a waste budget: a prefetch starts only if, were all its bytes
+    #: and those of every unread prefetch wasted, the wasted bytes would still not exceed
+    #: the bytes prefetches brought that requests read, plus ``planner.waste_allowance_gib``
+    #: (see :meth:`SchedulerCore._within_waste_budget`). Off for the oracle, whose
+    #: forecasts are not guesses.
+    waste_budget: bool = False
 
 
 POLICIES: dict[str, PolicySpec] = {
@@ -77,7 +83,7 @@ POLICIES: dict[str, PolicySpec] = {
         # requests ahead in the queue need (measured: on the shared Claude Code set and
         # the slice on one node `queue` is slower than `ondemand` for that reason).
         PolicySpec("predictive", True, True, LoadStart.ADAPTIVE, EvictionKind.PREDICTED_USE,
-                   True, modelled_on="kvprefetch", suffix_eviction=True),
+                   True, modelled_on="kvprefetch", suffix_eviction=True, waste_budget=True),
         PolicySpec("oracle", True, True, LoadStart.ON_ARRIVAL, EvictionKind.PREDICTED_USE, True,
                    predictor="oracle", safety_margin_s=0.0, modelled_on="the physical limit",
                    suffix_eviction=True),
@@ -86,13 +92,13 @@ POLICIES: dict[str, PolicySpec] = {
         # far it prefetches but wastes most of it (README, "The value rule").
         PolicySpec("predictive-value", True, True, LoadStart.ADAPTIVE, EvictionKind.VALUE,
                    True, modelled_on="kvprefetch, value rule (experimental)",
-                   suffix_eviction=True),
+                   suffix_eviction=True, waste_budget=True),
         # Experimental, by name only: eviction by predicted use or LRU, whichever wins the
         # duels between their victims. Measured: fewer and smaller losses than predictive
         # at light load, smaller gains under load (README, "Prefetch: where it stands").
         PolicySpec("predictive-duel", True, True, LoadStart.ADAPTIVE, EvictionKind.ADAPTIVE,
                    True, modelled_on="kvprefetch, dueling eviction (experimental)",
-                   suffix_eviction=True),
+                   suffix_eviction=True, waste_budget=True),
     )
 }
 

@@ -129,6 +129,12 @@ class CoreStats:
     prefetches_dropped: int = 0
     #: Prefetched bytes evicted or overwritten before any request read them.
     wasted_bytes: int = 0
+    #: Prefetched bytes a request read.
+    prefetch_used_bytes: int = 0
+    #: Bytes of every prefetch order started (what the waste budget bounds).
+    prefetch_exposed_bytes: int = 0
+    #: Prefetches not started because the waste budget was spent.
+    prefetches_over_budget: int = 0
 
 
 @dataclass(slots=True)
@@ -414,14 +420,13 @@ class SchedulerCore:
         for i, v in enumerate(victims):
             sid = v.session_id
             if keep > 0 and i == len(victims) - 1:
-                freed = tier.trim(sid, keep, keep * self.bpt)
+                cut = min(tier.trim(sid, keep, keep * self.bpt), v.prefetch_unused_bytes)
                 self._step.trims[(sid, node)] = keep
-                if v.prefetched_unused:
-                    self.stats.wasted_bytes += freed
+                v.prefetch_unused_bytes -= cut
+                self.stats.wasted_bytes += cut
             else:
                 self._drop(node, sid)
-                if v.prefetched_unused:
-                    self.stats.wasted_bytes += v.nbytes
+                self.stats.wasted_bytes += v.prefetch_unused_bytes
             s = self._sessions.get(sid)
             if self.policy.prefetch and s is not None and not s.in_flight:
                 self._plan(sid, now_s)
@@ -545,7 +550,8 @@ class SchedulerCore:
         usable = min(reused_tokens, d.tokens) if d.ready_at_s <= now_s else 0
         if usable > 0:
             d.last_use_s = now_s
-            d.prefetched_unused = False
+            self.stats.prefetch_used_bytes += d.prefetch_unused_bytes
+            d.prefetch_unused_bytes = 0
         return usable
 
     def request_finished(self, event: SessionEvent, context_tokens: int) -> StepOutput:
@@ -580,13 +586,12 @@ class SchedulerCore:
         if self.shares is not None and not self._within_share(
                 sid, node, need, now_s, min_key=min_key, prefetch=False):
             if old is not None:
-                if old.prefetched_unused:
-                    self.stats.wasted_bytes += old.nbytes
+                self.stats.wasted_bytes += old.prefetch_unused_bytes
                 self._drop(node, sid)
             return
         victims = tier.victims_for(need, now_s, exclude=sid, min_key=min_key)
-        if old is not None and old.prefetched_unused:
-            self.stats.wasted_bytes += old.nbytes
+        if old is not None:
+            self.stats.wasted_bytes += old.prefetch_unused_bytes
         if victims is None:
             if old is not None:
                 self._drop(node, sid)
@@ -608,6 +613,8 @@ class SchedulerCore:
         old_bytes = have.nbytes if have is not None else 0
         if free_only and nbytes - old_bytes > tier.capacity_bytes - tier.used_bytes:
             return None
+        if prefetch and not self._within_waste_budget(delta * self.bpt):
+            return None
         if self.shares is not None and not self._within_share(
                 sid, node, nbytes - old_bytes, now_s, min_key=min_key, prefetch=prefetch,
                 free_only=free_only):
@@ -617,16 +624,25 @@ class SchedulerCore:
         if victims is None:
             return None
         self._evict(node, victims, now_s, need_bytes=nbytes - old_bytes)
-        if have is not None and have.prefetched_unused and have_tokens == 0:
-            # A prefetch still in flight is superseded: its bytes are lost. A landed one's
-            # stay as the new entry's prefix (counted if that is evicted unused).
-            self.stats.wasted_bytes += have.nbytes
+        carried = 0
+        if have is not None and have_tokens == 0:
+            # A prefetch still in flight is superseded: its bytes are lost.
+            self.stats.wasted_bytes += have.prefetch_unused_bytes
+        elif have is not None:
+            # A landed one's stay as the new entry's prefix: unused still if this is a
+            # prefetch too, read by the request this demand load is for otherwise.
+            carried = have.prefetch_unused_bytes
+            if not prefetch:
+                self.stats.prefetch_used_bytes += carried
         tier.put(TierEntry(sid, tokens, nbytes, now_s, ready_at_s=INF, pinned=1,
-                           prefetched_unused=prefetch))
+                           prefetch_unused_bytes=(min(nbytes, carried + delta * self.bpt)
+                                                  if prefetch else 0)))
         self._recheck.add(sid)
         ticket = LoadTicket(sid, node, tokens, delta * self.bpt, prefetch, deadline_s, priority)
-        if self.shares is not None and prefetch:
-            self.shares.charge(sid, node, ticket.nbytes, now_s)
+        if prefetch:
+            self.stats.prefetch_exposed_bytes += ticket.nbytes
+            if self.shares is not None:
+                self.shares.charge(sid, node, ticket.nbytes, now_s)
         self._session(sid).inflight_nodes[node] = ticket
         return ticket
 
@@ -867,8 +883,7 @@ class SchedulerCore:
         for node, tier in enumerate(self.dram):
             for e in tier.clear():
                 self._step.dropped.append(Placement(e.session_id, node))
-                if e.prefetched_unused:
-                    self.stats.wasted_bytes += e.nbytes
+                self.stats.wasted_bytes += e.prefetch_unused_bytes
         if self.policy.prefetch:
             for sid in sorted(self._sessions):
                 s = self._sessions[sid]
@@ -950,6 +965,23 @@ class SchedulerCore:
                 self._drop(node, sid)
                 self._plan_again(sid, now_s)
         return self._output()
+
+    def _within_waste_budget(self, nbytes: int) -> bool:
+        """Whether a prefetch of ``nbytes`` more may start: every byte a prefetch started
+        ends read (used), evicted or cut unread, or cancelled (wasted), or is still
+        unread, so keeping ``exposed + nbytes <= 2 * used + allowance`` at every start
+        keeps ``wasted <= used + allowance`` at all times, whatever the forecasts: a
+        prefetch never wastes more than it brings to requests, beyond a fixed credit.
+        Forecasts that are right earn the budget they need; on traffic where they are
+        wrong, prefetch stops after the credit and resumes as prefetches are read."""
+        if not self.policy.waste_budget:
+            return True
+        st = self.stats
+        allowance = self.fleet.planner.waste_allowance_gib * GIB
+        if st.prefetch_exposed_bytes + nbytes <= 2 * st.prefetch_used_bytes + allowance:
+            return True
+        st.prefetches_over_budget += 1
+        return False
 
     # ------------------------------------------------------------------ tenant shares
     def _within_share(self, sid: str, node: int, grow_bytes: int, now_s: float, *,

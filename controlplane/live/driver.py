@@ -497,6 +497,8 @@ class LiveDriver:
             "prefetches": core.stats.prefetches,
             "prefetches_dropped": core.stats.prefetches_dropped,
             "wasted_bytes_modelled": core.stats.wasted_bytes,
+            "prefetch_used_bytes_modelled": core.stats.prefetch_used_bytes,
+            "prefetches_over_budget": core.stats.prefetches_over_budget,
             "ttlb_s": list(s.ttlb_s), "lateness_s": list(s.lateness_s),
             "plan_step_s": list(s.plan_step_s),
             "eviction_index": asdict(core.eviction_index_stats()),

@@ -43,7 +43,7 @@ class PrometheusMetrics:
                              "Prefetched bytes evicted or overwritten unread (modelled)",
                              registry=r)
         self._useful = Gauge("kvprefetch_useful_bytes",
-                             "Prefetched bytes not wasted (modelled)", registry=r)
+                             "Prefetched bytes a request read (modelled)", registry=r)
         self._local_tokens = Counter("kvprefetch_local_tokens",
                                      "Reusable tokens found in HBM or the local tier",
                                      registry=r)

@@ -301,8 +301,8 @@ class SchedulerService:
         box = Outbox()
         with self._lock:
             yield box
-            wasted = self.core.stats.wasted_bytes
-            self.metrics.core_stats(wasted, max(0, self.stats.prefetch_model_bytes - wasted))
+            self.metrics.core_stats(self.core.stats.wasted_bytes,
+                                    self.core.stats.prefetch_used_bytes)
             shares = self.core.shares
             if shares is not None:
                 self.metrics.tenant_shares(

@@ -60,10 +60,12 @@ def summarize(run: PolicyRun) -> PolicySummary:
         stall_s=_round(sum(r.stall_s for r in records)),
         prefetched_bytes=int(run.prefetched_bytes),
         wasted_bytes=int(run.wasted_bytes),
+        prefetch_used_bytes=int(run.prefetch_used_bytes),
         remote_bytes=int(run.remote_bytes),
         prefetches=run.prefetches,
         prefetches_dropped=run.prefetches_dropped,
         prefetches_cancelled=run.prefetches_cancelled,
+        prefetches_over_budget=run.prefetches_over_budget,
         local_hit_fraction=_round(
             sum(r.reused_local_tokens for r in returning)
             / max(1, sum(r.reused_tokens for r in returning))

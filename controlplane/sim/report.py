@@ -78,11 +78,15 @@ class PolicySummary:
     prefetched_bytes: int
     #: Prefetched bytes that no request read.
     wasted_bytes: int
+    #: Prefetched bytes that a request read.
+    prefetch_used_bytes: int
     #: Bytes read from the remote stores (prefetch and demand).
     remote_bytes: int
     prefetches: int
     prefetches_dropped: int
     prefetches_cancelled: int
+    #: Prefetches not started because the policy's waste budget was spent.
+    prefetches_over_budget: int
     #: Of the tokens returning requests reused, the fraction found in the local tier.
     local_hit_fraction: float
     transfers: TransferTimes | None
@@ -100,9 +104,12 @@ class PolicySummary:
         if self.returning_ttft_quantiles_s is not None:
             out["returning_ttft_quantiles_s"] = list(self.returning_ttft_quantiles_s)
         out.update(stall_s=self.stall_s, prefetched_bytes=self.prefetched_bytes,
-                   wasted_bytes=self.wasted_bytes, remote_bytes=self.remote_bytes,
+                   wasted_bytes=self.wasted_bytes,
+                   prefetch_used_bytes=self.prefetch_used_bytes,
+                   remote_bytes=self.remote_bytes,
                    prefetches=self.prefetches, prefetches_dropped=self.prefetches_dropped,
                    prefetches_cancelled=self.prefetches_cancelled,
+                   prefetches_over_budget=self.prefetches_over_budget,
                    local_hit_fraction=self.local_hit_fraction)
         if self.transfers is not None:
             out.update(ttlb_mean_s=self.transfers.ttlb_mean_s,

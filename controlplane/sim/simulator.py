@@ -98,8 +98,10 @@ class PolicyRun:
     records: list[RequestRecord] = field(default_factory=list)
     prefetched_bytes: int = 0
     wasted_bytes: int = 0
+    prefetch_used_bytes: int = 0
     remote_bytes: int = 0
     prefetches: int = 0
+    prefetches_over_budget: int = 0
     prefetches_dropped: int = 0
     prefetches_cancelled: int = 0
     ttlb_s: list[float] = field(default_factory=list)
@@ -279,6 +281,8 @@ class Simulation:
         self.out.prefetches = stats.prefetches
         self.out.prefetches_dropped = stats.prefetches_dropped
         self.out.wasted_bytes += stats.wasted_bytes
+        self.out.prefetch_used_bytes = stats.prefetch_used_bytes
+        self.out.prefetches_over_budget = stats.prefetches_over_budget
         return self.out
 
     # ------------------------------------------------------------------ helpers

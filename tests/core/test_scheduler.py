@@ -183,14 +183,19 @@ class _SetForecasts:
                                confidence, conditioned=True)
 
 
-def _hinted_prefetch_over(b_gap_s: float, confidence: float) -> tuple[StepOutput, SchedulerCore]:
+def _hinted_prefetch_over(b_gap_s: float, confidence: float, *,
+                          waste_allowance_gib: float = 32.0
+                          ) -> tuple[StepOutput, SchedulerCore]:
     """c is evicted from node 0 (full with a and b), then a hint makes its forecast
     (arrival q10 / q50 / q90 at 26 / 31 / 61 s; q75 at 49.75 s, linear between the knots)
     with ``confidence``; a is next used at 40 s, b ``b_gap_s`` after its finish at 21 s.
     The output of starting c's prefetch."""
     pred = _SetForecasts()
     policy = replace(POLICIES["predictive"], suffix_eviction=False)
-    core = SchedulerCore(two_node_fleet(), policy, pred, FakeFleet())  # type: ignore[arg-type]
+    fleet = two_node_fleet()
+    fleet = fleet.model_copy(update={"planner": fleet.planner.model_copy(  # type: ignore[attr-defined]
+        update={"waste_allowance_gib": waste_allowance_gib})})
+    core = SchedulerCore(fleet, policy, pred, FakeFleet())  # type: ignore[arg-type]
     pred.laws["c"] = ((1e4, 2e4, 3e4), 0.5)
     pred.laws["a"] = ((29.0, 29.0, 29.0), 0.5)
     pred.laws["b"] = ((b_gap_s,) * 3, 0.5)
@@ -220,3 +225,28 @@ def test_a_sharp_prefetch_displaces_only_residents_due_after_a_late_quantile_of_
     # room, whatever the residents' keys.
     out, core = _hinted_prefetch_over(500.0, 0.8)
     assert out.loads == () and out.evictions == () and core.dram[0].get("b") is not None
+
+
+def test_the_waste_budget_starts_a_prefetch_only_if_its_loss_would_stay_within_the_credit(
+) -> None:
+    # c's prefetch brings 40,000 tokens x 128 KiB = 4.88 GiB; nothing prefetched was read
+    # yet, so it may start only with an allowance of at least that (exposed + new <=
+    # 2 x used + allowance).
+    c_bytes = 40_000 * (128 << 10)
+    out, core = _hinted_prefetch_over(500.0, 0.9, waste_allowance_gib=4.8)
+    assert out.loads == () and core.stats.prefetches_over_budget == 1
+    assert core.dram[0].get("b") is not None  # nothing displaced for it either
+    out, core = _hinted_prefetch_over(500.0, 0.9, waste_allowance_gib=4.9)
+    (ticket,) = out.loads
+    assert core.stats.prefetch_exposed_bytes == ticket.nbytes == c_bytes
+    # Read by c's request: used, not wasted.
+    core.transfer_done("c", 0, 25.0, demand=False)
+    core.request_started(SessionEvent(EventKind.REQUEST_STARTED, "c", 30.0,
+                                      input_tokens=41_000, reused_tokens=40_000))
+    assert core.use_local("c", 0, 40_000, 30.0) == 40_000
+    assert (core.stats.prefetch_used_bytes, core.stats.wasted_bytes) == (c_bytes, 0)
+    # The same prefetch lost before any request read it (the node restarts): all wasted.
+    out, core = _hinted_prefetch_over(500.0, 0.9, waste_allowance_gib=4.9)
+    core.transfer_done("c", 0, 25.0, demand=False)
+    core.clear_local(26.0)
+    assert (core.stats.prefetch_used_bytes, core.stats.wasted_bytes) == (0, c_bytes)
