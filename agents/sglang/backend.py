@@ -189,9 +189,17 @@ class KvPrefetchHiCacheStorage(HiCacheStorage):
             for k, v in deltas.items():
                 self.counts[k] += v
 
-    def get_stats(self) -> dict[str, int]:
+    def counters(self) -> dict[str, int]:
+        """Pages served from the local tier, from the remote store, missed, written."""
         with self._lock:
             return dict(self.counts)
+
+    def get_stats(self) -> None:
+        """SGLang's metrics hook: with ``--enable-metrics`` its cache calls this every
+        scheduler step and expects its own ``StorageMetrics`` or None
+        (``sglang/srt/mem_cache/unified_radix_cache.py``); our counters are
+        :meth:`counters`."""
+        return None
 
     # ------------------------------------------------------------------ reads
     def _read(self, destinations: dict[str, Sequence[memoryview]]) -> dict[str, bool]:
