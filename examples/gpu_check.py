@@ -1,4 +1,7 @@
-"""One real vLLM + LMCache + kvprefetch agent round trip on a GPU node (run by gpu_check.sh).
+"""One real engine + kvprefetch agent round trip on a GPU node (run by gpu_check.sh).
+
+``--engine vllm`` (the default) is described here; ``--engine sglang`` (SGLang HiCache with
+our L3 backend) in examples/gpu_check_sglang.py. The vLLM round trip:
 
 1. Starts Valkey and S3 on loopback (embedded), a node-local ``lmcache server`` whose L2 is
    kvprefetch's adapter over them, and ``vllm serve MODEL`` with the LMCache MP connector.
@@ -23,8 +26,6 @@ import contextlib
 import json
 import logging
 import os
-import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,29 +33,75 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from examples.gpu_check_common import (  # after the path above
+    SESSION,
+    TENANT,
+    launched,
+    print_rows,
+    publish_session_tokens,
+    session_order,
+    synthetic_prompt,
+    wait_http,
+    warm_session,
+    write_results,
+)
+
 log = logging.getLogger("gpu_check")
-TENANT, SESSION = "gpu-check", "session-1"
+#: Each engine's server port unless --port says otherwise.
+DEFAULT_PORTS = {"vllm": 8100, "sglang": 30000}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True,
-                   help="a small model vLLM can load offline (a local path or a cached name)")
+                   help="a small model the engine can load offline (a local path or a "
+                        "cached name)")
+    p.add_argument("--engine", choices=("vllm", "sglang"), default="vllm",
+                   help="vllm: vLLM + LMCache (default); sglang: SGLang HiCache with "
+                        "kvprefetch as its L3 storage backend")
     p.add_argument("--prompt-tokens", type=int, default=8292,
                    help="prompt length (default 8292: 32 whole chunks of 256 and a tail)")
-    p.add_argument("--chunk-size", type=int, default=256, help="LMCache chunk size (256)")
-    p.add_argument("--l1-size-gb", type=float, default=8.0)
-    p.add_argument("--vllm-port", type=int, default=8100)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
-    p.add_argument("--max-model-len", type=int, default=16384)
-    p.add_argument("--vllm-start-timeout-s", type=float, default=900.0)
+    p.add_argument("--chunk-size", type=int, default=256,
+                   help="LMCache chunk size and the scheduler's chunk size (256)")
+    p.add_argument("--port", "--vllm-port", dest="port", type=int,
+                   help="the engine's port (vllm 8100, sglang 30000)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.5,
+                   help="vLLM's --gpu-memory-utilization, SGLang's --mem-fraction-static")
+    p.add_argument("--max-model-len", type=int, default=16384,
+                   help="vLLM's --max-model-len, SGLang's --context-length")
+    p.add_argument("--start-timeout-s", "--vllm-start-timeout-s", dest="start_timeout_s",
+                   type=float, default=900.0)
     p.add_argument("--json", dest="json_out", help="write the figures here as JSON")
-    return p.parse_args(argv)
+    g = p.add_argument_group("vllm")
+    g.add_argument("--l1-size-gb", type=float, default=8.0, help="LMCache L1 (8)")
+    g = p.add_argument_group("sglang")
+    g.add_argument("--page-size", type=int, default=64, help="SGLang's --page-size (64)")
+    g.add_argument("--tp", type=int, default=1, help="SGLang's --tp (1)")
+    g.add_argument("--prefetch-policy", default="timeout",
+                   choices=("best_effort", "wait_complete", "timeout"),
+                   help="SGLang's --hicache-storage-prefetch-policy (timeout)")
+    g.add_argument("--hicache-size-gb", type=int, default=16,
+                   help="SGLang's --hicache-size, its host pool per rank (16; its default, "
+                        "twice the GPU pool, can be 100+ GB to pin on a large GPU)")
+    g.add_argument("--dram-gb", type=float, default=8.0,
+                   help="the node-local tier the agent warms, in /dev/shm (8)")
+    args = p.parse_args(argv)
+    if args.port is None:
+        args.port = DEFAULT_PORTS[args.engine]
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     args = parse_args(argv)
+    if args.engine == "sglang":
+        from examples.gpu_check_sglang import run_sglang
+
+        return run_sglang(args)
+    return run_vllm(args)
+
+
+def run_vllm(args: argparse.Namespace) -> int:
     import httpx
 
     from agents.agent import AgentConfig, PrefetchAgent, RemoteStoreConfig
@@ -62,14 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     from agents.lmcache.backend import LMCacheBackendConfig
     from agents.lmcache.l2_adapter import plugin_adapter_json
     from agents.lmcache.server import LMCacheServer
-    from agents.lmcache.tokens import put_session_tokens
     from agents.lmcache.warm import LMCacheWarmClient
-    from controlplane.base.keys import position_keys
-    from controlplane.base.wire import TransferOrder
 
-    rng = random.Random(0)
-    # Ids every current tokenizer has (vocabularies are >= 32k); one output token each.
-    prompt = [rng.randrange(1000, 30000) for _ in range(args.prompt_tokens)]
+    prompt = synthetic_prompt(args.prompt_tokens)  # one output token each request
     with contextlib.ExitStack() as stack:
         valkey = stack.enter_context(EmbeddedValkey())
         s3 = stack.enter_context(EmbeddedS3())
@@ -77,9 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         server = stack.enter_context(LMCacheServer(
             l2_adapter=plugin_adapter_json(valkey=remote.valkey, s3=remote.s3),
             chunk_size=args.chunk_size, l1_size_gb=args.l1_size_gb, transfer_mode="auto"))
-        vllm_url = f"http://127.0.0.1:{args.vllm_port}"
-        stack.enter_context(_vllm(args, server))
-        _wait_http(f"{vllm_url}/health", args.vllm_start_timeout_s)
+        vllm_url = f"http://127.0.0.1:{args.port}"
+        proc = stack.enter_context(launched(*_vllm_command(args, server)))
+        wait_http(f"{vllm_url}/health", args.start_timeout_s, proc)
         warm = stack.enter_context(LMCacheWarmClient(server.http_url))
         http = stack.enter_context(httpx.Client(timeout=600.0))
 
@@ -105,15 +147,11 @@ def main(argv: list[str] | None = None) -> int:
             http.post(f"{vllm_url}/reset_prefix_cache").raise_for_status()
             warm.clear_l1()
 
-        results: dict[str, Any] = {"model": args.model, "prompt_tokens": len(prompt)}
+        results: dict[str, Any] = {"engine": "vllm", "model": args.model,
+                                   "prompt_tokens": len(prompt)}
         results["cold"] = measured("cold")
         _wait_l2(warm)
-        store = remote.build()
-        store.start()
-        try:
-            put_session_tokens(store, TENANT, SESSION, prompt)  # the gateway glue's part
-        finally:
-            store.close()
+        publish_session_tokens(remote, TENANT, SESSION, prompt)
         cold_caches()
         results["no_prefetch"] = measured("no prefetch (L2 load on arrival)")
         cold_caches()
@@ -121,15 +159,8 @@ def main(argv: list[str] | None = None) -> int:
             node=0, backend="lmcache-mp", remote=remote,
             lmcache=LMCacheBackendConfig(http_url=server.http_url, model_name=args.model,
                                          chunk_size=args.chunk_size))))
-        keys = tuple(position_keys(TENANT, SESSION, len(prompt), args.chunk_size))
-        order = TransferOrder(1, f"{TENANT}/{SESSION}", 0, keys, len(prompt), 0, True,
-                              time.time() + 60)
-        agent.execute(order)
-        report = agent.wait(order.order_id, 120.0)
-        results["warm"] = {"complete": bool(report and report.complete),
-                           "chunks_warmed": report.keys_moved if report else 0,
-                           "ttlb_s": round(report.ttlb_wall_s, 4) if report else None}
-        log.info("warm: %s", results["warm"])
+        results["warm"] = warm_session(
+            agent, session_order(1, TENANT, SESSION, len(prompt), args.chunk_size))
         results["prefetch"] = measured("after prefetch")
     # vLLM computes at least the prompt's last token itself, so its lookup may stop one
     # chunk short of the prompt's whole chunks.
@@ -137,51 +168,23 @@ def main(argv: list[str] | None = None) -> int:
     after = results["prefetch"]
     hit = after["l1_tokens"] >= max(full, 1) and after["l2_tokens"] == 0
     results["warmed_request_hit_l1"] = hit
-    print(f"\n{'request':<14} {'TTFT s':>8} {'L1 tokens':>10} {'L2 tokens':>10}")
-    for name in ("cold", "no_prefetch", "prefetch"):
-        r = results[name]
-        print(f"{name:<14} {r['ttft_s']:>8.3f} {r['l1_tokens']:>10} {r['l2_tokens']:>10}")
+    print_rows(results, ("cold", "no_prefetch", "prefetch"),
+               (("ttft_s", "TTFT s"), ("l1_tokens", "L1 tokens"), ("l2_tokens", "L2 tokens")))
     print(f"warm: {results['warm']}; warmed request hit L1: {hit}")
-    if args.json_out:
-        from controlplane.base.atomic import write_json_atomic
-
-        write_json_atomic(args.json_out, results)
+    write_results(args.json_out, results)
     return 0 if hit else 1
 
 
-@contextlib.contextmanager
-def _vllm(args: argparse.Namespace, server: Any) -> Any:
+def _vllm_command(args: argparse.Namespace, server: Any) -> tuple[list[str], dict[str, str]]:
     transfer = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
                 "kv_connector_extra_config": {"lmcache.mp.host": f"tcp://{server.host}",
                                               "lmcache.mp.port": server.port}}
-    cmd = ["vllm", "serve", args.model, "--port", str(args.vllm_port),
+    cmd = ["vllm", "serve", args.model, "--port", str(args.port),
            "--gpu-memory-utilization", str(args.gpu_memory_utilization),
            "--max-model-len", str(args.max_model_len),
            "--kv-transfer-config", json.dumps(transfer)]
     # /reset_prefix_cache is a development endpoint of vLLM's server.
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
-    log.info("starting: %s", " ".join(cmd))
-    proc = subprocess.Popen(cmd, env=env)
-    try:
-        yield proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
-def _wait_http(url: str, timeout_s: float) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=2.0).status_code == 200:
-                return
-        time.sleep(2.0)
-    raise SystemExit(f"{url} did not answer within {timeout_s:g} s")
+    return cmd, {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
 
 
 def _wait_l2(warm: Any, timeout_s: float = 60.0) -> None:

@@ -1,22 +1,54 @@
 #!/usr/bin/env bash
-# One real vLLM + LMCache + kvprefetch agent round trip on a GPU node: prints TTFT cold,
-# without prefetch (LMCache loads L2 on arrival) and after the agent's warm prefetch, and
-# exits non-zero unless the warmed request found its KV in LMCache's L1.
+# One real engine + kvprefetch agent round trip on a GPU node: prints TTFT cold, without
+# prefetch (the KV loaded from Valkey/S3 on arrival) and after the agent's warm prefetch,
+# and exits non-zero unless the warmed request found its KV where the agent put it.
+#   --engine vllm (default): vLLM + LMCache; the warmed request must hit LMCache's L1.
+#   --engine sglang: SGLang HiCache with kvprefetch as its L3 backend
+#     (examples/sglang_node.sh); the warmed request's pages must all come from the
+#     node-local tier, none from Valkey/S3.
 #
-# Needs a GPU node with vLLM installed next to kvprefetch, e.g.
+# Needs a GPU node with the engine installed next to kvprefetch, e.g.
 #   python3 -m venv .venv-gpu && . .venv-gpu/bin/activate
-#   pip install vllm && pip install -e '.[stores,lmcache]'
-# and a small model vLLM can load offline (a local path, or a name in the HF cache):
+#   pip install vllm && pip install -e '.[stores,lmcache]'      # --engine vllm
+#   pip install 'sglang==0.5.23' && pip install -e '.[stores]'    # --engine sglang
+# and a small model the engine can load offline (a local path, or a name in the HF cache):
 #   examples/gpu_check.sh /models/Qwen2.5-0.5B-Instruct [--prompt-tokens 16000 ...]
+#   examples/gpu_check.sh /models/Qwen2.5-0.5B-Instruct --engine sglang
+# Figures go to out/gpu_check.json (out/gpu_check_sglang.json); --help lists the options.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-MODEL=${1:?usage: examples/gpu_check.sh MODEL [gpu_check.py options]}
-shift
 PY=${PYTHON:-python3}
-if ! "$PY" -c 'import vllm, lmcache' 2>/dev/null; then
-    echo "gpu_check: $PY cannot import vllm and lmcache; install them first (see the top of $0)" >&2
-    exit 2
-fi
-command -v lmcache >/dev/null || { echo "gpu_check: the lmcache command is not on PATH" >&2; exit 2; }
+case "${1:-}" in
+    -h|--help) exec "$PY" examples/gpu_check.py --help ;;
+esac
+MODEL=${1:?usage: examples/gpu_check.sh MODEL [--engine vllm|sglang] [gpu_check.py options]}
+shift
+ENGINE=vllm
+prev=
+for arg in "$@"; do
+    case "$arg" in
+        --engine=*) ENGINE=${arg#--engine=} ;;
+        *) [[ "$prev" == --engine ]] && ENGINE=$arg ;;
+    esac
+    prev=$arg
+done
+case "$ENGINE" in
+    vllm)
+        if ! "$PY" -c 'import vllm, lmcache' 2>/dev/null; then
+            echo "gpu_check: $PY cannot import vllm and lmcache; install them first (see the top of $0)" >&2
+            exit 2
+        fi
+        command -v lmcache >/dev/null || { echo "gpu_check: the lmcache command is not on PATH" >&2; exit 2; }
+        JSON=out/gpu_check.json ;;
+    sglang)
+        if ! "$PY" -c 'import sglang' 2>/dev/null; then
+            echo "gpu_check: $PY cannot import sglang; install it first (see the top of $0)" >&2
+            exit 2
+        fi
+        JSON=out/gpu_check_sglang.json ;;
+    *)
+        echo "gpu_check: --engine is vllm or sglang, not '$ENGINE'" >&2
+        exit 2 ;;
+esac
 mkdir -p out
-exec "$PY" examples/gpu_check.py --model "$MODEL" --json out/gpu_check.json "$@"
+exec "$PY" examples/gpu_check.py --model "$MODEL" --json "$JSON" "$@"

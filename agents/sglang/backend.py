@@ -27,6 +27,9 @@ pool (each page is its K and V regions, in the order of the pool's flat data pag
 layouts go through one flat page and a copy.
 ``batch_exists`` answers from the local tier's files first and asks the remote store only
 about the pages after the local prefix.
+Per-page counters (:meth:`KvPrefetchHiCacheStorage.counters`: local tier, Valkey, S3,
+missed) are also published to files with ``stats_dir`` (:mod:`agents.sglang.stats`), for
+a process outside SGLang's.
 
 Writes go to the remote store with the tiered store's write policy
 (:class:`~agents.stores.tiered.TieredStoreConfig`: write-through or write-back); never to
@@ -54,6 +57,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from agents.agent import RemoteStoreConfig
 from agents.sglang.keys import PageKeyScheme
 from agents.sglang.node_tier import NodeTierReader, TierRead
+from agents.sglang.stats import COUNTERS, StatsPublisher
 from agents.stores.base import Buffer, ObjectStore
 from agents.stores.errors import StoreError
 from agents.stores.format import ObjectHeader
@@ -77,6 +81,9 @@ class SGLangStorageConfig(BaseModel):
     #: calling thread is one of them).
     local_read_threads: int = Field(4, ge=1, le=64)
     remote: RemoteStoreConfig
+    #: A directory where each rank publishes its counters for other processes (one JSON
+    #: file per rank, :mod:`agents.sglang.stats`); None: not published.
+    stats_dir: str | None = None
 
 
 class _SegmentWriter:
@@ -173,9 +180,11 @@ class KvPrefetchHiCacheStorage(HiCacheStorage):
         self.store = store if store is not None else self.config.remote.build()
         self.mem_pool_host: Any = None
         self._lock = threading.Lock()
-        self.counts = {"local_hits": 0, "local_bad": 0, "remote_hits": 0, "misses": 0,
-                       "pages_written": 0}
+        self.counts = dict.fromkeys(COUNTERS, 0)
+        self._stats = (StatsPublisher(self.config.stats_dir, self.scheme)
+                       if self.config.stats_dir else None)
         self.store.start()
+        self._count()  # publishes the (zero) counters and the model name SGLang gave us
         log.info("kvprefetch HiCache storage: rank suffix %s, local tier %s",
                  self.scheme.suffix, self.config.local.path if self.config.local else None)
 
@@ -188,10 +197,21 @@ class KvPrefetchHiCacheStorage(HiCacheStorage):
         with self._lock:
             for k, v in deltas.items():
                 self.counts[k] += v
+            if self._stats is not None:
+                self._stats.publish(self.counts)
 
-    def get_stats(self) -> dict[str, int]:
+    def counters(self) -> dict[str, int]:
+        """Pages served from the local tier, from the remote store (``remote_hits``, of
+        them ``valkey_hits`` and ``s3_hits``), missed, damaged locally, written."""
         with self._lock:
             return dict(self.counts)
+
+    def get_stats(self) -> None:
+        """SGLang's metrics hook: with ``--enable-metrics`` its cache calls this every
+        scheduler step and expects its own ``StorageMetrics`` or None
+        (``sglang/srt/mem_cache/unified_radix_cache.py``); our counters are
+        :meth:`counters`."""
+        return None
 
     # ------------------------------------------------------------------ reads
     def _read(self, destinations: dict[str, Sequence[memoryview]]) -> dict[str, bool]:
@@ -207,11 +227,14 @@ class KvPrefetchHiCacheStorage(HiCacheStorage):
                         local_bad=sum(r is TierRead.BAD for r in reads))
         if rest:
             sink = _PageSink({n: destinations[n] for n in rest})
+            sources: list[str] = []
             for r in self.store.get(rest, sink=sink):
                 writer = sink.writers.get(r.key)
                 done[r.key] = r.ok and writer is not None and writer.ok
-            hits = sum(done[n] for n in rest)
-            self._count(remote_hits=hits, misses=len(rest) - hits)
+                if done[r.key]:
+                    sources.append(r.source)
+            self._count(remote_hits=len(sources), misses=len(rest) - len(sources),
+                        valkey_hits=sources.count("valkey"), s3_hits=sources.count("s3"))
         return done
 
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None

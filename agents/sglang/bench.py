@@ -210,7 +210,7 @@ def _run(config: SGLangBenchConfig) -> dict[str, Any]:
                                             strict=True):
                         ok = fn(name, start, batch)
                         verified[mode][name] = verified[mode][name] and ok
-            local_hits = backends["kvprefetch-local"].get_stats()["local_hits"]
+            local_hits = backends["kvprefetch-local"].counters()["local_hits"]
         finally:
             backends["kvprefetch-local"].close()
             backends["kvprefetch-valkey"].close()

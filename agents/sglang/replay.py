@@ -177,14 +177,14 @@ def hicache_prefetch(backend: KvPrefetchHiCacheStorage, hashes: list[str],
             break
         batch = hashes[i : min(i + STORAGE_BATCH_SIZE, found)]
         indices = torch.arange(i * pool.page_size, (i + len(batch)) * pool.page_size)
-        before = backend.get_stats()["local_hits"]
+        before = backend.counters()["local_hits"]
         results = backend.batch_get_v1(batch, indices)
         landed = time.perf_counter()
         landed_s.append(landed - start)
         hits = next((j for j, ok in enumerate(results) if not ok), len(results))
         if landed <= deadline:
             in_time += hits
-            local += min(hits, backend.get_stats()["local_hits"] - before)
+            local += min(hits, backend.counters()["local_hits"] - before)
         if hits < len(batch) or landed > deadline:
             break
     return PrefetchOutcome(found, in_time, local, exists_s, tuple(landed_s))

@@ -96,7 +96,7 @@ def test_an_order_warms_sglangs_pages_and_evict_frees_them(
         assert rank.batch_set(hashes, data[r])
     assert put_session_tokens(agent.store, TENANT, session, tokens)
     assert all(rank.batch_exists(hashes) == 5 for rank in ranks)
-    assert ranks[0].get_stats()["local_hits"] == 0
+    assert ranks[0].counters()["local_hits"] == 0
 
     keys = tuple(position_keys(TENANT, session, len(tokens), CHUNK))
     order = TransferOrder(1, f"{TENANT}/{session}", 0, keys, len(tokens), 0, True,
@@ -114,7 +114,7 @@ def test_an_order_warms_sglangs_pages_and_evict_frees_them(
         dest = [torch.zeros(PAGE_FLOATS) for _ in hashes]
         assert all(x is not None for x in rank.batch_get(hashes, dest))
         assert all(torch.equal(a, b) for a, b in zip(dest, data[r], strict=True))
-        stats = rank.get_stats()
+        stats = rank.counters()
         assert stats["local_hits"] == 5 and stats["remote_hits"] == 0
 
     assert agent.evict(prefixes=[f"{TENANT}/{session}/"]) == 10
