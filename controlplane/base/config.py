@@ -131,6 +131,9 @@ class PlannerConfig(_Frozen):
     #: prefetched bytes requests read by at most this much (policies with
     #: ``waste_budget``). It is the credit prefetch starts with; used prefetches earn more.
     waste_allowance_gib: float = Field(32.0, ge=0)
+    #: ... and wasted bytes may reach this multiple of the bytes requests read (1: a
+    #: prefetch never wastes more than it brings, beyond the allowance).
+    waste_per_used_byte: float = Field(1.0, ge=0)
     #: How often idle sessions whose KV left their node are re-planned (seconds).
     sweep_interval_s: float = Field(10.0, gt=0)
     #: ``predictive`` loads a missing context at the request's arrival when the node's

@@ -977,8 +977,10 @@ class SchedulerCore:
         if not self.policy.waste_budget:
             return True
         st = self.stats
-        allowance = self.fleet.planner.waste_allowance_gib * GIB
-        if st.prefetch_exposed_bytes + nbytes <= 2 * st.prefetch_used_bytes + allowance:
+        planner = self.fleet.planner
+        credit = ((1.0 + planner.waste_per_used_byte) * st.prefetch_used_bytes
+                  + planner.waste_allowance_gib * GIB)
+        if st.prefetch_exposed_bytes + nbytes <= credit:
             return True
         st.prefetches_over_budget += 1
         return False
