@@ -135,16 +135,20 @@ clean:
 
 # Schemathesis against the HTTP API served locally (a child process: the scheduler service
 # behind the app `kvprefetch serve` builds, two tenants with their own tokens and an admin),
-# >= 5,000 generated cases in positive and negative mode, 1,000 of them in stateful
-# scenarios (schemathesis' state machine over OpenAPI links: route -> request_finished ->
-# hint -> session_closed on one session), every one replayed against the other tenant
-# where it names a live session: writes out/fuzz.json (cases, server_errors, undocumented,
-# cross_tenant_successes, stateful) and fails unless the three counts are 0. Several
-# minutes: not part of `make test` (tests/live/test_fuzz.py runs a short pass there).
+# >= 5,000 generated cases in positive and negative mode: first the boundary pass
+# (schemathesis' coverage phase: each field's limits and the values just past them, as both
+# tenants, ~1,050 calls), then 1,000 in stateful scenarios (schemathesis' state machine over
+# OpenAPI links: route -> request_finished -> hint -> session_closed on one session), every
+# one replayed against the other tenant where it names a live session: writes
+# out/fuzz.json (cases, server_errors, undocumented, cross_tenant_successes,
+# boundary_cases, boundary, stateful) and fails unless the three counts and the boundary
+# rule violations are 0. Several minutes: not part of `make test` (tests/live/test_fuzz.py
+# runs a short pass and the whole boundary pass there).
 .PHONY: fuzz
 fuzz: setup
 	mkdir -p out
-	$(PY) tests/live/fuzz_api.py --cases 5000 --stateful-cases 1000 --json out/fuzz.json
+	$(PY) tests/live/fuzz_api.py --cases 5000 --boundary-cases all --stateful-cases 1000 \
+		--json out/fuzz.json
 
 # Soak: steady traffic (sessions open, turn and close) against the scheduler service in
 # process with its journal compacting, for 30 minutes; samples RSS and collection sizes and

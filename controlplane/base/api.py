@@ -5,20 +5,68 @@ Every call names its ``tenant``; session ids are the gateway's (unique per tenan
 size of a request is given as ``input_tokens``, or as ``token_ids`` (the service then keys
 the session's chunks by content, as LMCache does), or as ``input_tokens`` plus precomputed
 ``chunk_hashes``.
+
+Numbers are JSON numbers: ``true``/``false`` and strings such as ``"5"`` are refused where
+the schema says integer or number (pydantic alone would take them), and ``5.0`` counts as
+the integer 5, as in JSON Schema.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from controlplane.base.errors import InvalidRequestError, MalformedHintError
 
+
+def _not_bool_or_text(kind: str, what: str) -> BeforeValidator:
+    """A check, run before pydantic's own, that refuses ``true``/``false`` and strings
+    (``"5"``) where the schema says ``kind``: pydantic's lax mode would take them as 1/0
+    and 5, which the OpenAPI document does not allow. Integral floats (``5.0``) stay
+    accepted for integers, as JSON Schema counts them as integers. Put it after any
+    ``Field`` constraints in ``Annotated[...]`` (so that it runs first and the
+    constraints stay in the JSON schema)."""
+
+    def check(value: Any) -> Any:
+        if isinstance(value, bool | str | bytes):
+            raise PydanticCustomError(kind, f"Input should be a valid {what}")
+        return value
+
+    return BeforeValidator(check)
+
+
+#: JSON integers and numbers only (see :func:`_not_bool_or_text`).
+JSON_INT = _not_bool_or_text("int_type", "integer")
+JSON_NUMBER = _not_bool_or_text("float_type", "number")
+
+
+def _ints_only(value: Any) -> Any:
+    # One pass over the types, then pydantic's own (fast) check of each item: a check per
+    # item would make a million token ids 5 times slower to validate.
+    if isinstance(value, list) and not set(map(type, value)) <= {int}:
+        for index, item in enumerate(value):
+            if isinstance(item, bool | str | bytes):
+                raise PydanticCustomError("int_type", "Input should be a valid integer "
+                                          "(item {index})", {"index": index})
+    return value
+
+
+#: A list of JSON integers (``JSON_INT`` for each item, at the cost of one pass).
+JSON_INTS = BeforeValidator(_ints_only)
+
 Name = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:@+=-]+$")]
-Tokens = Annotated[int, Field(ge=0, le=100_000_000)]
+Tokens = Annotated[int, Field(ge=0, le=100_000_000), JSON_INT]
 #: A hint ETA: at most one day.
-EtaSeconds = Annotated[float, Field(ge=0, le=86_400)]
+EtaSeconds = Annotated[float, Field(ge=0, le=86_400), JSON_NUMBER]
 
 
 class _Model(BaseModel):
@@ -37,7 +85,7 @@ class _SessionCall(_Model):
 
 class _Sized(_SessionCall):
     input_tokens: Tokens | None = None
-    token_ids: list[int] | None = Field(None, max_length=10_000_000)
+    token_ids: Annotated[list[int], JSON_INTS] | None = Field(None, max_length=10_000_000)
     chunk_hashes: list[Annotated[str, Field(min_length=1, max_length=128,
                                             pattern=r"^[A-Za-z0-9_-]+$")]] | None = None
     #: Tokens of the previous context this request reuses (default: all of it).
@@ -73,7 +121,9 @@ class RequestFinished(_SessionCall):
     """The response ended on ``node``; the session's context is now
     ``input_tokens + output_tokens`` tokens (or ``context_tokens`` when given)."""
 
-    node: int = Field(ge=0)
+    node: Annotated[int, Field(ge=0), JSON_INT] = Field(
+        description="the index of the node that served the request, one of the fleet's "
+                    "(422 when out of range)")
     input_tokens: Tokens
     output_tokens: Tokens = 0
     context_tokens: Tokens | None = None

@@ -181,7 +181,7 @@ def _edge_models(limits: RequestLimits) -> dict[str, type[BaseModel]]:
     parent = Annotated[str | None, Field(None, min_length=1, max_length=SESSION_ID_MAX_CHARS,
                                          pattern=SESSION_ID_PATTERN)]
     token_id = Annotated[int, Field(ge=0, le=limits.max_token_id)]
-    token_ids: Any = (list[token_id] | None,
+    token_ids: Any = (Annotated[list[token_id], api.JSON_INTS] | None,
                       Field(None, max_length=limits.max_token_ids,
                             description=f"the prompt's token ids (at most "
                                         f"{limits.max_token_ids}, each 0.."

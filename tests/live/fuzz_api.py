@@ -11,7 +11,8 @@ positive and negative mode, sends each with acme's token, stops the server, and 
     {"cases": int, "server_errors": int, "undocumented": int,
      "cross_tenant_successes": int, ...}
 
-* ``cases``: generated requests sent (acme's); replays below are not counted in it.
+* ``cases``: generated requests sent (acme's; in boundary mode below, both tenants'); the
+  replays below are not counted in it.
 * ``server_errors``: answers 5xx.
 * ``undocumented``: answers that fail schemathesis' conformance checks (a status the
   OpenAPI document does not list for the operation, a wrong content type, a body or
@@ -41,11 +42,34 @@ consecutive 2xx answers on one session within a scenario, by operation), ``lifec
 (sessions that went opened -> request_finished -> hint -> session_closed, all 2xx, in that
 order within one scenario) and ``restarts`` (runs Hypothesis stopped as flaky because the
 server's state made a replayed prefix take another path; the next seed goes on).
+
+**Boundary mode** (``--boundary-cases``, a share of ``--cases``; run first, on a fresh
+server): schemathesis' coverage phase (``schema.iter_coverage_cases``, the cases its
+``coverage`` phase sends) over every operation, in positive and negative mode: each
+field's boundaries taken from the document (minimum and maximum lengths and values, the
+values just outside them, an empty and a maximum-length list, every enum value and a
+wrong one, null, wrong types, missing required fields, unexpected properties, methods the
+document does not list, a missing or unusable body or content type, no bearer token),
+plus the lists too long for schemathesis to build (``token_ids`` at ``maxItems`` and one
+past it, each id at the document's maximum). Operations run in :data:`BOUNDARY_ORDER`, so
+that the sessions route's cases open are live for the events' cases. Each case is sent
+with acme's token and again with globex's (both count; the case without a token once); in
+a positive case the body's ``tenant`` becomes the caller's (unless the case is about
+``tenant``) and a route's size is made consistent without touching the field under test.
+Each answer is checked as above (5xx, conformance, replayed as the other tenant, with a
+2xx not counted where the other tenant holds its own session by that id) and by
+schemathesis' checks for these cases: invalid data is refused with 4xx, a method the
+document does not list answers 405 with ``Allow``, a call without a token answers 401
+(``boundary.rule_violations``, which must be 0 too). The JSON adds ``boundary_cases`` and
+``boundary``: its cases, the distinct cases generated, the cases per scenario and the
+rule violations. With fewer ``--boundary-cases`` than the pass has, an even spread of its
+cases is sent.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import signal
@@ -55,7 +79,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 TOKENS = {"acme": "fuzz-acme-token-0123456789", "globex": "fuzz-globex-token-0123456789"}
 ADMIN_ENV = "KVPREFETCH_FUZZ_ADMIN_TOKEN"
@@ -77,6 +101,11 @@ LINKS = {
     "hint": ("session_closed", "request_finished", "route"),
     "session_closed": ("session_state", "route"),
 }
+#: Boundary mode: the operations in the order their cases are sent (the sessions route's
+#: cases open stay live for the events' cases and are read before session_closed's close
+#: them).
+BOUNDARY_ORDER = ("route", "request_started", "request_finished", "hint", "session_state",
+                  "session_closed")
 #: A session's life, in order, that a scenario should be able to walk (all 2xx).
 LIFECYCLE = (("route", "request_started"), ("request_finished",), ("hint",),
              ("session_closed",))
@@ -185,6 +214,10 @@ class Tally:
         self.transitions: dict[str, int] = {}
         self.lifecycles = 0
         self.stateful_restarts = 0
+        self.boundary_cases = 0
+        self.boundary_generated = 0
+        self.boundary_scenarios: dict[str, int] = {}
+        self.rule_violations = 0
 
     def example(self, text: str) -> None:
         if len(self.examples) < 20:
@@ -196,6 +229,11 @@ class Tally:
                 "cross_tenant_successes": self.cross_tenant_successes,
                 "cross_tenant_replays": self.replays,
                 "statuses": dict(sorted(self.statuses.items())),
+                "boundary_cases": self.boundary_cases,
+                "boundary": {"cases": self.boundary_cases,
+                             "generated": self.boundary_generated,
+                             "scenarios": dict(sorted(self.boundary_scenarios.items())),
+                             "rule_violations": self.rule_violations},
                 "stateful": {"cases": self.stateful_cases, "scenarios": self.scenarios,
                              "transitions": dict(sorted(self.transitions.items())),
                              "lifecycles": self.lifecycles,
@@ -210,9 +248,12 @@ class Fuzzer:
         from schemathesis.checks import not_a_server_error
         from schemathesis.specs.openapi.checks import (
             content_type_conformance,
+            missing_required_header,
+            negative_data_rejection,
             response_headers_conformance,
             response_schema_conformance,
             status_code_conformance,
+            unsupported_method,
         )
 
         self.url = url
@@ -222,6 +263,9 @@ class Fuzzer:
         self.conformance = [status_code_conformance, content_type_conformance,
                             response_schema_conformance, response_headers_conformance]
         self.server_error = not_a_server_error
+        #: boundary mode's own checks (schemathesis runs them in its coverage phase)
+        self.boundary_rules = [negative_data_rejection, unsupported_method,
+                               missing_required_header]
 
     def close(self) -> None:
         self.http.close()
@@ -231,8 +275,8 @@ class Fuzzer:
                               headers={"Authorization": f"Bearer {TOKENS[tenant]}"})
 
     def operations(self) -> list[Any]:
-        return [r.ok() for r in self.schema.get_all_operations()
-                if r.ok().path.startswith("/v1/")]
+        results: list[Any] = list(self.schema.get_all_operations())
+        return [r.ok() for r in results if r.ok().path.startswith("/v1/")]
 
     def run(self, operation: Any, mode: Any, examples: int, seed: int) -> None:
         from hypothesis import HealthCheck, Phase, given, settings
@@ -266,18 +310,19 @@ class Fuzzer:
     def case(self, op: str, case: Any) -> None:
         self.check(op, case, self.call(case))
 
-    def call(self, case: Any) -> Any:
-        # every case is acme's (schemathesis would generate bearer tokens of its own; the
-        # 401 paths are tested in tests/live/test_tenants.py)
-        auth = {"Authorization": f"Bearer {TOKENS['acme']}"}
+    def call(self, case: Any, tenant: str = "acme") -> Any:
+        # random and stateful cases are acme's (schemathesis would generate bearer tokens
+        # of its own; the 401 paths are tested in tests/live/test_tenants.py)
+        auth = {"Authorization": f"Bearer {TOKENS[tenant]}"}
         case.headers = {**(case.headers or {}), **auth}
         return case.call(base_url=self.url, headers=auth)
 
-    def check(self, op: str, case: Any, response: Any) -> None:
-        """Count one answer to acme's case, check it against the document, replay it as
-        globex."""
+    def check(self, op: str, case: Any, response: Any, tenant: str = "acme", *,
+              other_may_hold: bool = False) -> None:
+        """Count one answer to ``tenant``'s case, check it against the document, replay it
+        as the other tenant (``other_may_hold``: who may hold a session by the same id)."""
         t = self.tally
-        auth = {"Authorization": f"Bearer {TOKENS['acme']}"}
+        auth = {"Authorization": f"Bearer {TOKENS[tenant]}"}
         t.cases += 1
         key = f"{op} {response.status_code}"
         t.statuses[key] = t.statuses.get(key, 0) + 1
@@ -290,36 +335,111 @@ class Fuzzer:
             t.undocumented += 1
             t.example(f"undocumented {op} {response.status_code} {case.body!r:.200}: {exc}")
         if isinstance(case.body, dict):
-            self.replay_as_globex(op, case.body)
+            self.replay(op, case.body, tenant, _other(tenant), other_may_hold=other_may_hold)
 
-    def replay_as_globex(self, op: str, body: dict[str, Any]) -> None:
+    def replay(self, op: str, body: dict[str, Any], owner: str, intruder: str, *,
+               other_may_hold: bool = False) -> None:
+        """Replay ``owner``'s call as ``intruder`` (and once more naming ``owner``) when it
+        names a live session of ``owner``'s; count what succeeds or changes that session.
+        ``other_may_hold``: ``intruder`` may hold a session by the same id of its own (the
+        boundary pass sends every case as both tenants), whose 2xx is then no success."""
         sid = body.get("session_id")
         if not isinstance(sid, str):
             return
-        before = self._post("session_state", {"session_id": sid}, "acme")
+        before = self._post("session_state", {"session_id": sid}, owner)
         if before.status_code != 200:
-            return  # acme has no live session by this id: nothing to steal
+            return  # the owner has no live session by this id: nothing to steal
+        holds = (other_may_hold and
+                 self._post("session_state", {"session_id": sid}, intruder).status_code == 200)
         t = self.tally
         t.replays += 1
-        as_globex = {k: v for k, v in body.items() if k != "tenant"}
-        answer = self._post(op, as_globex, "globex")
+        as_intruder = {k: v for k, v in body.items() if k != "tenant"}
+        answer = self._post(op, as_intruder, intruder)
         ok = 200 <= answer.status_code < 300
-        if ok and op in NEEDS_SESSION:
+        if ok and op in NEEDS_SESSION and not holds:
             t.cross_tenant_successes += 1
             t.example(f"cross-tenant {op} {sid!r}: {answer.status_code} {answer.text}")
-        if ok and op not in NEEDS_SESSION:  # globex opened its own session: close it
-            closed = self._post("session_closed", {"session_id": sid}, "globex")
+        if ok and op not in NEEDS_SESSION and not holds:  # it opened its own: close it
+            closed = self._post("session_closed", {"session_id": sid}, intruder)
             if closed.status_code != 200:
-                t.example(f"globex could not close its own {sid!r}: {closed.text}")
-        forged = self._post(op, {**as_globex, "tenant": "acme"}, "globex")
+                t.example(f"{intruder} could not close its own {sid!r}: {closed.text}")
+        forged = self._post(op, {**as_intruder, "tenant": owner}, intruder)
         if 200 <= forged.status_code < 300:
             t.cross_tenant_successes += 1
             t.example(f"forged tenant {op} {sid!r}: {forged.status_code} {forged.text}")
-        after = self._post("session_state", {"session_id": sid}, "acme")
+        after = self._post("session_state", {"session_id": sid}, owner)
         if after.status_code != 200 or after.json() != before.json():
             t.cross_tenant_successes += 1
-            t.example(f"acme's {sid!r} changed by globex's {op}: {before.text} -> "
+            t.example(f"{owner}'s {sid!r} changed by {intruder}'s {op}: {before.text} -> "
                       f"{after.status_code} {after.text}")
+
+    # -- boundary mode -------------------------------------------------------------------
+    def boundary_plan(self) -> list[BoundaryCase]:
+        """Every operation's boundary cases (schemathesis' coverage phase, positive and
+        negative), in :data:`BOUNDARY_ORDER`, with the over-long lists it leaves out."""
+        from schemathesis import GenerationMode
+
+        config = self.schema.config.generation_for(phase="coverage")
+        operations = {o.path.removeprefix("/v1/"): o for o in self.operations()}
+        plan: list[BoundaryCase] = []
+        for op in BOUNDARY_ORDER:
+            operation = operations[op]
+            # generated once: the schema remembers the unexpected methods it has probed
+            cases: list[Any] = list(self.schema.iter_coverage_cases(
+                operation, generation_modes=[GenerationMode.POSITIVE, GenerationMode.NEGATIVE],
+                generation_config=config))
+            for case in cases:
+                data = case.meta.phase.data
+                plan.append(BoundaryCase(op, case, str(data.scenario), _target(data),
+                                         case.meta.generation.mode.is_positive,
+                                         data.parameter == "Authorization"
+                                         and data.scenario == "missing_parameter"))
+            plan += [c._replace(op=op) for c in _long_lists(operation, cases)]
+        return plan
+
+    def boundary(self, limit: int | None = None) -> None:
+        """Send the boundary cases (about ``limit`` calls, an even spread, when given) as
+        both tenants, check each answer, then close the sessions the pass opened."""
+        t = self.tally
+        plan = self.boundary_plan()
+        t.boundary_generated = len(plan)
+        if limit is not None and limit < 2 * len(plan):  # each case is sent twice
+            keep = max(1, -(-limit // 2))
+            plan = [plan[i * len(plan) // keep] for i in range(keep)]
+        sids: set[str] = set()
+        for b in plan:
+            for tenant in ("acme",) if b.no_token else tuple(TOKENS):
+                case = _copy(b.case)
+                if isinstance(case.body, dict):
+                    case.body = _aim(b.op, dict(case.body), tenant, b.target)
+                response = (case.call(base_url=self.url) if b.no_token
+                            else self.call(case, tenant))
+                t.boundary_cases += 1
+                t.boundary_scenarios[b.scenario] = t.boundary_scenarios.get(b.scenario, 0) + 1
+                self.check(b.op, case, response, tenant, other_may_hold=True)
+                self.check_rules(b, case, response, tenant)
+                sid = case.body.get("session_id") if isinstance(case.body, dict) else None
+                if isinstance(sid, str):
+                    sids.add(sid)
+        for sid in sorted(sids):  # leave no session of the pass to the later passes
+            for tenant in TOKENS:
+                self._post("session_closed", {"session_id": sid}, tenant)
+
+    def check_rules(self, b: BoundaryCase, case: Any, response: Any, tenant: str) -> None:
+        """Schemathesis' checks of boundary cases: invalid data refused (4xx), 405 with
+        ``Allow`` for methods the document does not list, 401 without a token (a case
+        of the fuzzer's own, without schemathesis' metadata: refused with 4xx when
+        invalid)."""
+        auth = {"Authorization": f"Bearer {TOKENS[tenant]}"}
+        try:
+            if case.meta is not None:
+                case.validate_response(response, checks=self.boundary_rules, headers=auth)
+            elif not b.positive and not 400 <= response.status_code < 500:
+                raise AssertionError(f"invalid data answered {response.status_code}")
+        except (Exception, BaseExceptionGroup) as exc:
+            self.tally.rule_violations += 1
+            self.tally.example(f"rule {b.op} {b.scenario} {response.status_code} "
+                               f"{case.body!r:.200}: {exc}")
 
 
     # -- stateful mode -------------------------------------------------------------------
@@ -422,6 +542,92 @@ class Fuzzer:
         case.body = body
 
 
+class BoundaryCase(NamedTuple):
+    """One case of the boundary pass: the operation, the case as generated, its coverage
+    scenario, the body field it is about (if one), whether it is valid, and whether it is
+    the call without a bearer token."""
+
+    op: str
+    case: Any
+    scenario: str
+    target: str | None
+    positive: bool
+    no_token: bool = False
+
+
+def _other(tenant: str) -> str:
+    return next(other for other in TOKENS if other != tenant)
+
+
+def _copy(case: Any) -> Any:
+    """A case of its own (body and metadata copied), to send once per tenant."""
+    return case.operation.Case(
+        method=case.method, headers=dict(case.headers or {}), query=dict(case.query or {}),
+        body=copy.deepcopy(case.body), media_type=case.media_type,
+        _meta=copy.deepcopy(case.meta))
+
+
+def _target(data: Any) -> str | None:
+    """The body field a coverage case is about: where its schema keyword is
+    (``/properties/input_tokens/anyOf/0/maximum``) or, for a valid value, what its
+    description quotes (``Object with valid 'eta_s' value: ...``)."""
+    location = data.location or ""
+    if location.startswith("/properties/"):
+        return str(location.split("/")[2])
+    parts = data.description.split("'")
+    return parts[1] if len(parts) >= 3 else None
+
+
+def _aim(op: str, body: dict[str, Any], tenant: str, target: str | None) -> dict[str, Any]:
+    """A boundary case as ``tenant``'s call that gets past the checks it is not about, so
+    that a valid one can reach the scheduler and an invalid one that the server does not
+    refuse is seen: its ``tenant`` the caller's (unless the case is about it; another
+    tenant's name is refused with 403 whatever the rest holds) and a route's size
+    consistent (the one rule the schema cannot state), the field under test left as
+    generated."""
+    if target != "tenant" and isinstance(body.get("tenant"), str):
+        body["tenant"] = tenant
+    if op not in ("route", "request_started"):
+        return body
+    if target == "chunk_hashes" or (target == "input_tokens" and
+                                    body.get("input_tokens") is not None):
+        body.pop("token_ids", None)
+        if body.get("input_tokens") is None:
+            body["input_tokens"] = 1000
+    elif isinstance(body.get("token_ids"), list):
+        body.pop("chunk_hashes", None)
+        if body.get("input_tokens") is not None:
+            body["input_tokens"] = len(body["token_ids"])
+    elif body.get("input_tokens") is None:
+        body["input_tokens"] = 1000
+    return body
+
+
+def _long_lists(operation: Any, cases: list[Any]) -> list[BoundaryCase]:
+    """Cases with each body list at its ``maxItems`` and one past it, where the coverage
+    phase built neither (it leaves out lists of 16,384 items or more), each item the
+    largest the document allows (``op`` left for the caller)."""
+    bodies = list(operation.body)
+    schema = bodies[0].definition.get("schema", {}) if bodies else {}
+    built = {(name, len(value)) for case in cases if isinstance(case.body, dict)
+             for name, value in case.body.items() if isinstance(value, list)}
+    out = []
+    for name, prop in schema.get("properties", {}).items():
+        array = next((s for s in prop.get("anyOf", [prop]) if s.get("type") == "array"), None)
+        if array is None or not isinstance(array.get("maxItems"), int):
+            continue
+        items = array.get("items", {})
+        item: Any = int(items.get("maximum", 0)) if items.get("type") == "integer" else "a"
+        for n in (array["maxItems"], array["maxItems"] + 1):
+            if (name, n) not in built:
+                case = operation.Case(body={"session_id": "0", name: [item] * n},
+                                      media_type="application/json")
+                at_most = n <= array["maxItems"]
+                scenario = "maximum_items_array" if at_most else "array_above_max_items"
+                out.append(BoundaryCase("", case, scenario, name, at_most))
+    return out
+
+
 def _walks(life: list[str], steps: tuple[tuple[str, ...], ...]) -> bool:
     """Whether ``life`` holds ``steps`` in order (each one of its alternatives)."""
     i = 0
@@ -444,15 +650,19 @@ def _size_rule(body: dict[str, Any]) -> None:
 
 
 def fuzz(url: str, cases: int, seed: int = 15, *, stateful_cases: int = 0,
-         steps: int = 10) -> dict[str, Any]:
-    """At least ``cases`` cases against the API at ``url``: about ``stateful_cases`` of them
-    in scenarios of up to ``steps`` linked calls, the rest independent; the tally."""
+         steps: int = 10, boundary_cases: int | None = 0) -> dict[str, Any]:
+    """At least ``cases`` cases against the API at ``url``: first the boundary pass
+    (``boundary_cases`` calls of it, all of it with None, none with 0), then about
+    ``stateful_cases`` in scenarios of up to ``steps`` linked calls, the rest independent;
+    the tally."""
     from schemathesis import GenerationMode
 
     started = time.monotonic()
     tally = Tally()
     fuzzer = Fuzzer(url, tally)
     try:
+        if boundary_cases is None or boundary_cases > 0:
+            fuzzer.boundary(boundary_cases)
         round_ = 0
         while tally.stateful_cases < stateful_cases and round_ < 200:
             # a scenario runs 2..steps calls (about steps/2 on average)
@@ -482,6 +692,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="of --cases, about this many in linked scenarios (stateful mode)")
     p.add_argument("--steps", type=int, default=10,
                    help="calls per stateful scenario, at most")
+    p.add_argument("--boundary-cases", default=None, metavar="N|all",
+                   type=lambda v: None if v == "all" else int(v),
+                   help="of --cases, this many boundary-value calls first (schemathesis' "
+                        "coverage phase, as both tenants): a number, or 'all' (the default)")
     p.add_argument("--seed", type=int, default=15)
     p.add_argument("--json", type=Path, default=Path("out/fuzz.json"))
     args = p.parse_args(argv)
@@ -489,15 +703,17 @@ def main(argv: list[str] | None = None) -> int:
         return serve(args.config)
     with tempfile.TemporaryDirectory(prefix="kvprefetch-fuzz-") as tmp, Server(Path(tmp)) as srv:
         result = fuzz(srv.url, args.cases, args.seed, stateful_cases=args.stateful_cases,
-                      steps=args.steps)
+                      steps=args.steps, boundary_cases=args.boundary_cases)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")
     summary = {k: result[k] for k in ("cases", "server_errors", "undocumented",
                                       "cross_tenant_successes", "cross_tenant_replays",
-                                      "seconds")}
+                                      "boundary_cases", "seconds")}
+    summary["boundary"] = {k: v for k, v in result["boundary"].items() if k != "scenarios"}
     summary["stateful"] = {k: v for k, v in result["stateful"].items() if k != "transitions"}
     print(json.dumps(summary))
-    bad = result["server_errors"] or result["undocumented"] or result["cross_tenant_successes"]
+    bad = (result["server_errors"] or result["undocumented"]
+           or result["cross_tenant_successes"] or result["boundary"]["rule_violations"])
     return 1 if bad else 0
 
 

@@ -127,6 +127,46 @@ def test_session_id_rules_are_documented_and_enforced(
                                                       ["responses"])
 
 
+@pytest.mark.servers
+def test_booleans_and_strings_are_refused_where_the_document_says_integer_or_number(
+        served: tuple[SchedulerService, str]) -> None:
+    # Found by the boundary pass of `make fuzz` (schemathesis' coverage phase): pydantic's
+    # lax mode took `false` as 0 (and "5" as 5) for every integer and number field, which
+    # the OpenAPI document does not allow; the calls were answered 200 and recorded.
+    svc, url = served
+    route = {"session_id": "s", "input_tokens": 10}
+    finished = {"session_id": "s", "node": 0, "input_tokens": 10}
+    cases = [
+        ("route", {"session_id": "s", "input_tokens": False}, "input_tokens"),
+        ("route", {"session_id": "s", "input_tokens": "10"}, "input_tokens"),
+        ("route", {**route, "reused_tokens": True}, "reused_tokens"),
+        ("route", {"session_id": "s", "token_ids": [1, True]}, "token_ids"),
+        ("request_started", {"session_id": "s", "token_ids": ["7"]}, "token_ids"),
+        ("request_finished", {**finished, "node": False}, "node"),
+        ("request_finished", {**finished, "output_tokens": "5"}, "output_tokens"),
+        ("request_finished", {**finished, "context_tokens": True}, "context_tokens"),
+        ("hint", {"session_id": "s", "hint": {"kind": "tool_running", "eta_s": True}},
+         "hint.eta_s"),
+        ("hint", {"session_id": "s", "hint": {"kind": "tool_running", "eta_s": "3"}},
+         "hint.eta_s"),
+    ]
+    for op, body, field in cases:
+        resp = _post(url, op, body)
+        assert resp.status_code == 422, (op, body, resp.text)
+        assert field in [e["loc"] for e in resp.json()["errors"]], resp.json()
+    assert svc.sessions() == 0 and svc.stats.events == 0
+    # JSON Schema counts 10.0 as an integer: still accepted, as are ints for numbers
+    assert _post(url, "route", {"session_id": "s", "input_tokens": 10.0}).status_code == 200
+    assert _post(url, "route", {"session_id": "t", "token_ids": [1.0, 2]}).status_code == 200
+    assert _post(url, "hint", {"session_id": "s", "hint": {"kind": "tool_running",
+                                                           "eta_s": 3}}).status_code == 200
+    # the same rule for Python callers (one schema for the client, the API and the service)
+    with pytest.raises(ValidationError, match="valid integer"):
+        api.RouteQuery(session_id="s", input_tokens=True)
+    with pytest.raises(ValidationError, match="valid number"):
+        api.Hint(kind="tool_running", eta_s="3")
+
+
 def test_the_service_checks_limits_too_before_touching_state() -> None:
     with SchedulerService(ServiceConfig(fleet=FLEET, limits=SMALL)) as svc:
         c = connect(service=svc, tenant="acme")
