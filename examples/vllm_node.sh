@@ -37,6 +37,8 @@ for _ in $(seq 180); do
     sleep 1
 done
 echo "vllm_node: lmcache server up (ZMQ :$LMCACHE_PORT, HTTP :$LMCACHE_HTTP_PORT)" >&2
-${VLLM:-vllm} serve "$MODEL" --kv-transfer-config \
+# --enable-prompt-tokens-details: the cached-token count the gateway reports to the
+# scheduler (a prefetch read counts as used, not wasted).
+${VLLM:-vllm} serve "$MODEL" --enable-prompt-tokens-details --kv-transfer-config \
     "{\"kv_connector\":\"LMCacheMPConnector\",\"kv_role\":\"kv_both\",\"kv_connector_extra_config\":{\"lmcache.mp.host\":\"tcp://127.0.0.1\",\"lmcache.mp.port\":$LMCACHE_PORT}}" \
     "$@"

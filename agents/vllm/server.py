@@ -146,7 +146,10 @@ class VLLMServer(ServerProcess):
         args = [sys.executable, "-m", VLLM_SERVER_MODULE, "--model", self.model,
                 "--served-model-name", self.served_model_name,
                 "--host", self.host, "--port", str(self.port),
-                "--max-model-len", str(self.max_model_len), "--dtype", self.dtype]
+                "--max-model-len", str(self.max_model_len), "--dtype", self.dtype,
+                # usage.prompt_tokens_details.cached_tokens: what the gateway reports as
+                # the request's local-tier read (vLLM tells the scheduler nothing itself)
+                "--enable-prompt-tokens-details"]
         if self.lmcache is not None:
             args += ["--kv-transfer-config", json.dumps(lmcache_connector_config(*self.lmcache))]
         return args + list(self._extra)

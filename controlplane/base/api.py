@@ -128,6 +128,13 @@ class RequestFinished(_SessionCall):
     output_tokens: Tokens = 0
     context_tokens: Tokens | None = None
     stop_reason: Annotated[str, Field(max_length=64)] | None = None
+    local_tokens_read: Tokens | None = Field(
+        default=None,
+        description="prompt tokens the engine took from a cache instead of computing them "
+                    "(vLLM: usage.prompt_tokens_details.cached_tokens), for engines that do "
+                    "not report their local-tier reads themselves: a prefetch of the "
+                    "session to this node that had landed when the request arrived then "
+                    "counts as read, not wasted")
     #: Hashes of the whole context's chunks, when the gateway keys by content.
     chunk_hashes: list[Annotated[str, Field(min_length=1, max_length=128,
                                             pattern=r"^[A-Za-z0-9_-]+$")]] | None = None

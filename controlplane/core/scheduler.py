@@ -554,6 +554,16 @@ class SchedulerCore:
             d.prefetch_unused_bytes = 0
         return usable
 
+    def mark_read(self, sid: str, node: int, tokens: int, arrived_s: float) -> None:
+        """A request that arrived at ``arrived_s`` and ran on ``node`` took ``tokens`` of
+        its prompt from a cache, as its engine says after the fact (an engine that does
+        not call :meth:`use_local`): the session's DRAM entry there, if it had landed by
+        then, was read. Changes nothing but the prefetch accounting."""
+        d = self.dram[node].get(sid)
+        if d is not None and tokens > 0 and d.ready_at_s <= arrived_s:
+            self.stats.prefetch_used_bytes += d.prefetch_unused_bytes
+            d.prefetch_unused_bytes = 0
+
     def request_finished(self, event: SessionEvent, context_tokens: int) -> StepOutput:
         """The response ended on ``event.node``: the session's KV is written through to the
         node's DRAM tier and the remote store; plan its next visit."""

@@ -600,11 +600,12 @@ class Client:
                          output_tokens: int = 0, context_tokens: int | None = None,
                          stop_reason: str | None = None,
                          chunk_hashes: Sequence[str] | None = None, tenant: str | None = None,
+                         local_tokens_read: int | None = None,
                          timeout_s: float | None = None) -> api.Ack:
         payload = api.parse(api.RequestFinished, self._fields(
             session_id, tenant, node=node, input_tokens=input_tokens,
             output_tokens=output_tokens, context_tokens=context_tokens,
-            stop_reason=stop_reason,
+            stop_reason=stop_reason, local_tokens_read=local_tokens_read,
             chunk_hashes=list(chunk_hashes) if chunk_hashes is not None else None))
         return self._ack("request_finished", self._bounded(timeout_s).request_finished,
                          payload)

@@ -248,6 +248,8 @@ class LiveDriver:
 
     def request_finished(self, call: api.RequestFinished, box: Outbox) -> None:
         info = self.registry.known(SessionKey(call.tenant, call.session_id))
+        if call.local_tokens_read:
+            self.core.mark_read(info.sid, call.node, call.local_tokens_read, info.arrival_s)
         hashes = tuple(call.chunk_hashes) if call.chunk_hashes is not None else None
         self.record_and_apply(SessionEvent(
             EventKind.REQUEST_FINISHED, info.sid, self.clock.now_s(), max(0, info.turns - 1),

@@ -187,9 +187,14 @@ class Gateway:
         return Routed(self.least_loaded(), "load")
 
     async def finished(self, session: str, node: int, token_ids: Sequence[int],
-                       output_tokens: int, stop_reason: str | None) -> None:
+                       output_tokens: int, stop_reason: str | None,
+                       cached_tokens: int | None = None) -> None:
         """Token ids to the store first (an agent warming the session needs them), then
-        the scheduler's ``request_finished`` (and a hint for tool calls)."""
+        the scheduler's ``request_finished`` (and a hint for tool calls). ``cached_tokens``
+        is the engine's count of prompt tokens it did not compute (vLLM's
+        ``prompt_tokens_details``), sent as ``local_tokens_read``: vLLM does not tell the
+        scheduler when it reads the node's local tier, so this is how a prefetch that
+        landed before the request counts as read."""
         tenant = self.config.tenant or "default"
         if self._tokens is not None:
             try:
@@ -204,7 +209,7 @@ class Gateway:
                 self._scheduler.request_finished, session, node=node,
                 input_tokens=len(token_ids), output_tokens=output_tokens,
                 stop_reason=stop_reason, tenant=self.config.tenant,
-                timeout_s=self.config.scheduler_timeout_s)
+                local_tokens_read=cached_tokens, timeout_s=self.config.scheduler_timeout_s)
             if stop_reason == "tool_calls":
                 await asyncio.to_thread(self._scheduler.hint, session, "tool_running",
                                         tenant=self.config.tenant,
@@ -278,6 +283,14 @@ class Gateway:
             self._leave(node)
 
 
+def cached_tokens(usage: dict[str, Any]) -> int | None:
+    """The prompt tokens an OpenAI-style ``usage`` says were cached (vLLM fills it with
+    ``--enable-prompt-tokens-details``); None when it does not say."""
+    details = usage.get("prompt_tokens_details") or {}
+    value = details.get("cached_tokens")
+    return int(value) if isinstance(value, int) and value >= 0 else None
+
+
 def _observe_event(line: str, outcome: dict[str, Any]) -> bool:
     """Note a stream event's finish reason and usage; False for a usage-only event."""
     if not line.startswith("data:"):
@@ -293,6 +306,7 @@ def _observe_event(line: str, outcome: dict[str, Any]) -> bool:
         usage = event.get("usage")
         if usage:
             outcome["output_tokens"] = int(usage.get("completion_tokens", 0))
+            outcome["cached_tokens"] = cached_tokens(usage)
             return bool(event.get("choices"))
     return True
 
@@ -341,7 +355,8 @@ def build_app(gateway: Gateway) -> Any:
                     if ok:
                         await gateway.finished(session, routed.node, ids,
                                                outcome.get("output_tokens", 0),
-                                               outcome.get("finish_reason"))
+                                               outcome.get("finish_reason"),
+                                               outcome.get("cached_tokens"))
 
             return StreamingResponse(events(), media_type="text/event-stream",
                                      headers={"X-Session-ID": session,
@@ -354,9 +369,10 @@ def build_app(gateway: Gateway) -> Any:
         gateway.requests.labels(endpoint, "ok" if status == 200 else "upstream_error").inc()
         if status == 200:
             choices = answer.get("choices") or [{}]
+            usage = answer.get("usage") or {}
             await gateway.finished(session, routed.node, ids,
-                                   int((answer.get("usage") or {}).get("completion_tokens", 0)),
-                                   choices[0].get("finish_reason"))
+                                   int(usage.get("completion_tokens", 0)),
+                                   choices[0].get("finish_reason"), cached_tokens(usage))
         return JSONResponse(answer, status, headers={"X-Session-ID": session,
                                                      "X-KVP-Node": str(routed.node)})
 

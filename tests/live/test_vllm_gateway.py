@@ -52,7 +52,8 @@ def _fake_engine(seen: list[tuple[str, dict[str, Any]]], finish: str = "stop") -
         seen.append((request.headers["host"], body))
         return JSONResponse({"id": "c1", "object": "text_completion", "choices": [
             {"index": 0, "text": "ok", "finish_reason": finish}],
-            "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}})
+            "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                      "prompt_tokens_details": {"cached_tokens": 2}}})
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> StreamingResponse:
@@ -67,7 +68,8 @@ def _fake_engine(seen: list[tuple[str, dict[str, Any]]], finish: str = "stop") -
                 {"index": 0, "delta": {}, "finish_reason": finish}]}) + "\n\n"
             if (body.get("stream_options") or {}).get("include_usage"):
                 yield "data: " + json.dumps({"choices": [], "usage": {
-                    "prompt_tokens": 9, "completion_tokens": 3}}) + "\n\n"
+                    "prompt_tokens": 9, "completion_tokens": 3,
+                    "prompt_tokens_details": {"cached_tokens": 8}}}) + "\n\n"
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -159,6 +161,8 @@ def test_a_completion_goes_to_the_scheduler_s_node_and_is_reported() -> None:
     assert route["token_ids"] == ids and route["tenant"] == "acme"
     assert finished["node"] == 1 and finished["input_tokens"] == 5
     assert finished["output_tokens"] == 2 and finished["stop_reason"] == "stop"
+    # vLLM's cached prompt tokens: the request's local-tier read, for the prefetch books
+    assert finished["local_tokens_read"] == 2
     assert h.metric("kvp_gateway_routed_total", by="scheduler") == 1
     assert h.metric("kvp_gateway_requests_total", endpoint="completions", outcome="ok") == 1
 
@@ -183,7 +187,7 @@ def test_a_streamed_chat_is_forwarded_event_by_event_and_counted() -> None:
     assert sent["cache_salt"] == tenant_cache_salt("acme")
     assert h.stored == [("acme", "u-7", list(b"<user>hi"))]  # the engine's tokenization
     finished = [c for c in h.scheduler.calls if c[0] == "request_finished"]  # type: ignore[union-attr]
-    assert finished[0][2]["output_tokens"] == 3
+    assert finished[0][2]["output_tokens"] == 3 and finished[0][2]["local_tokens_read"] == 8
     assert finished[0][2]["stop_reason"] == "tool_calls"
     hints = [c for c in h.scheduler.calls if c[0] == "hint"]  # type: ignore[union-attr]
     assert hints == [("hint", "u-7", {"hint": "tool_running", "tenant": "acme",
