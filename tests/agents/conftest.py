@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from agents.agent import RemoteStoreConfig
 from agents.embedded import EmbeddedS3, EmbeddedValkey
+from agents.stores.local import LocalTierConfig
 
 
 @pytest.fixture(scope="session")
@@ -41,3 +43,19 @@ def dram_dir(tmp_path: Path) -> Path:
         shutil.rmtree(d, ignore_errors=True)
     else:
         yield tmp_path / "dram"
+
+
+@pytest.fixture
+def remote(valkey_server: EmbeddedValkey, s3_server: EmbeddedS3, key_prefix: str
+           ) -> RemoteStoreConfig:
+    """Valkey in front of S3, under the test's own key prefix (modules that need other
+    settings define their own ``remote``)."""
+    return RemoteStoreConfig(
+        valkey=valkey_server.store_config(key_prefix=f"kvp:{key_prefix}"),
+        s3=s3_server.store_config(key_prefix=f"kvp/{key_prefix}"))
+
+
+@pytest.fixture
+def dram(dram_dir: Path) -> LocalTierConfig:
+    """A 64 MiB node-local tier in the test's own directory."""
+    return LocalTierConfig(path=str(dram_dir), capacity_bytes=64 << 20)

@@ -9,7 +9,6 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 from sglang_guard import sglang_missing
@@ -23,7 +22,6 @@ except ImportError as exc:  # pragma: no cover - the environment decides
     sglang_missing(exc)
 
 from agents.agent import AgentConfig, PrefetchAgent, RemoteStoreConfig
-from agents.embedded import EmbeddedS3, EmbeddedValkey
 from agents.lmcache.tokens import put_session_tokens, synthetic_tokens
 from agents.sglang.keys import PageKeyScheme, page_hashes
 from agents.sglang.warm import SGLangWarmConfig
@@ -35,19 +33,6 @@ pytestmark = pytest.mark.servers
 
 TENANT, PAGE, CHUNK, MODEL = "acme", 16, 64, "test/tiny"
 PAGE_FLOATS = 2 * PAGE * 2 * 4 * 8  # K and V, page tokens, layers, heads, dim
-
-
-@pytest.fixture
-def remote(valkey_server: EmbeddedValkey, s3_server: EmbeddedS3, key_prefix: str
-           ) -> RemoteStoreConfig:
-    return RemoteStoreConfig(
-        valkey=valkey_server.store_config(key_prefix=f"kvp:{key_prefix}"),
-        s3=s3_server.store_config(key_prefix=f"kvp/{key_prefix}"))
-
-
-@pytest.fixture
-def dram(dram_dir: Path) -> LocalTierConfig:
-    return LocalTierConfig(path=str(dram_dir), capacity_bytes=64 << 20)
 
 
 def engines(remote: RemoteStoreConfig, dram: LocalTierConfig

@@ -43,7 +43,6 @@ except ImportError as exc:  # pragma: no cover - the environment decides
     sglang_missing(exc)
 
 from agents.agent import PrefetchAgent, RemoteStoreConfig
-from agents.embedded import EmbeddedS3, EmbeddedValkey
 from agents.sglang.keys import page_hashes
 from agents.sglang.stats import BackendStats, read_stats
 from agents.stores.local import LocalTierConfig
@@ -62,19 +61,6 @@ pytestmark = pytest.mark.servers
 PAGE, CHUNK, MODEL, FULL_PAGES = 16, 64, "org/tiny-model", 5
 PAGE_FLOATS = 2 * PAGE * 2 * 4 * 8  # K and V, page tokens, layers, heads, dim
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def remote(valkey_server: EmbeddedValkey, s3_server: EmbeddedS3, key_prefix: str
-           ) -> RemoteStoreConfig:
-    return RemoteStoreConfig(
-        valkey=valkey_server.store_config(key_prefix=f"kvp:{key_prefix}"),
-        s3=s3_server.store_config(key_prefix=f"kvp/{key_prefix}"))
-
-
-@pytest.fixture
-def dram(dram_dir: Path) -> LocalTierConfig:
-    return LocalTierConfig(path=str(dram_dir), capacity_bytes=64 << 20)
 
 
 @pytest.fixture
