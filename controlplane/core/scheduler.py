@@ -979,11 +979,13 @@ class SchedulerCore:
     def _within_waste_budget(self, nbytes: int) -> bool:
         """Whether a prefetch of ``nbytes`` more may start: every byte a prefetch started
         ends read (used), evicted or cut unread, or cancelled (wasted), or is still
-        unread, so keeping ``exposed + nbytes <= 2 * used + allowance`` at every start
-        keeps ``wasted <= used + allowance`` at all times, whatever the forecasts: a
-        prefetch never wastes more than it brings to requests, beyond a fixed credit.
-        Forecasts that are right earn the budget they need; on traffic where they are
-        wrong, prefetch stops after the credit and resumes as prefetches are read."""
+        unread, so keeping ``exposed + nbytes <= (1 + r) x used + allowance`` at every
+        start keeps ``wasted <= r x used + allowance`` at all times, whatever the forecasts
+        (``r`` = ``planner.waste_per_used_byte``, 1: a prefetch never wastes more than it
+        brings to requests, beyond a fixed credit). Forecasts that are right earn the
+        budget they need; on traffic where they are wrong, prefetch stops once the credit
+        is spent and resumes only as prefetches already started are read: a budget spent
+        with none of them left unread stays spent until the scheduler restarts."""
         if not self.policy.waste_budget:
             return True
         st = self.stats
