@@ -44,6 +44,11 @@ class PrometheusMetrics:
                              registry=r)
         self._useful = Gauge("kvprefetch_useful_bytes",
                              "Prefetched bytes a request read (modelled)", registry=r)
+        self._over_budget = Gauge(
+            "kvprefetch_prefetches_over_budget",
+            "Prefetches the waste budget refused (planner.waste_allowance_gib): once it "
+            "grows with nothing prefetched left unread, prefetch is off until a restart",
+            registry=r)
         self._local_tokens = Counter("kvprefetch_local_tokens",
                                      "Reusable tokens found in HBM or the local tier",
                                      registry=r)
@@ -111,9 +116,10 @@ class PrometheusMetrics:
     def orders_in_flight(self, node: str, count: int) -> None:
         self._inflight.labels(node).set(count)
 
-    def core_stats(self, wasted_bytes: int, useful_bytes: int) -> None:
+    def core_stats(self, wasted_bytes: int, useful_bytes: int, over_budget: int) -> None:
         self._wasted.set(wasted_bytes)
         self._useful.set(useful_bytes)
+        self._over_budget.set(over_budget)
 
     def _tenant(self, tenant: str) -> str:
         with self._lock:

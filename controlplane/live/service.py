@@ -301,8 +301,9 @@ class SchedulerService:
         box = Outbox()
         with self._lock:
             yield box
-            self.metrics.core_stats(self.core.stats.wasted_bytes,
-                                    self.core.stats.prefetch_used_bytes)
+            st = self.core.stats
+            self.metrics.core_stats(st.wasted_bytes, st.prefetch_used_bytes,
+                                    st.prefetches_over_budget)
             shares = self.core.shares
             if shares is not None:
                 self.metrics.tenant_shares(

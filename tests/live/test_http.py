@@ -260,6 +260,7 @@ def test_metrics_after_traffic_have_lateness_and_ttlb(
     for name in ("kvprefetch_local_hit_rate", "kvprefetch_wasted_bytes",
                  "kvprefetch_useful_bytes", "kvprefetch_events_per_second"):
         assert name in samples
+    assert samples["kvprefetch_prefetches_over_budget"] == 0
     assert 'kvprefetch_orders_in_flight{node="node-0"}' in samples
 
 
