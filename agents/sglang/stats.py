@@ -42,13 +42,16 @@ class StatsPublisher:
         self._tmp = self._dir / f".{rank_label(scheme)}.json.tmp"
         self._model_name = scheme.model_name
         self._failing = False
+        try:  # once: publish runs per storage batch
+            self._dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            log.warning("kvprefetch HiCache storage: stats directory %s: %s", self._dir, exc)
 
     def publish(self, counts: Mapping[str, int]) -> None:
         """Best effort: a stats file that cannot be written never fails a storage call
         (logged once until a write succeeds again)."""
         record = {"model_name": self._model_name, "counters": dict(counts)}
         try:
-            self._dir.mkdir(parents=True, exist_ok=True)
             self._tmp.write_text(json.dumps(record))
             os.replace(self._tmp, self._path)
             self._failing = False

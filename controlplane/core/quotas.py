@@ -32,7 +32,7 @@ Cost: one scan of the node's entries per admission of a tenant with a local-tier
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from controlplane.base.tiers import INF, EvictionStrategy, Tier, TierEntry
@@ -185,7 +185,3 @@ class TenantShares:
     def busy_until_s(self, tenant: str, node: int) -> float:
         """When the tenant's prefetch-bandwidth share on the node is free again."""
         return self._busy_until.get((tenant, node), -INF)
-
-    def tenants(self) -> Iterable[str]:
-        """The tenants with a quota."""
-        return self.quotas.keys()

@@ -550,9 +550,13 @@ class SchedulerCore:
         usable = min(reused_tokens, d.tokens) if d.ready_at_s <= now_s else 0
         if usable > 0:
             d.last_use_s = now_s
-            self.stats.prefetch_used_bytes += d.prefetch_unused_bytes
-            d.prefetch_unused_bytes = 0
+            self._count_read(d)
         return usable
+
+    def _count_read(self, d: TierEntry) -> None:
+        """A request read the entry: what a prefetch brought into it was used."""
+        self.stats.prefetch_used_bytes += d.prefetch_unused_bytes
+        d.prefetch_unused_bytes = 0
 
     def mark_read(self, sid: str, node: int, tokens: int, arrived_s: float) -> None:
         """A request that arrived at ``arrived_s`` and ran on ``node`` took ``tokens`` of
@@ -561,8 +565,7 @@ class SchedulerCore:
         then, was read. Changes nothing but the prefetch accounting."""
         d = self.dram[node].get(sid)
         if d is not None and tokens > 0 and d.ready_at_s <= arrived_s:
-            self.stats.prefetch_used_bytes += d.prefetch_unused_bytes
-            d.prefetch_unused_bytes = 0
+            self._count_read(d)
 
     def request_finished(self, event: SessionEvent, context_tokens: int) -> StepOutput:
         """The response ended on ``event.node``: the session's KV is written through to the

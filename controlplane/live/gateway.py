@@ -97,6 +97,8 @@ class Gateway:
         from prometheus_client import CollectorRegistry, Counter, Gauge
 
         self.config = config
+        #: The tenant's cache salt (fixed by the config: one hash, not one per request).
+        self._salt = tenant_cache_salt(config.tenant or DEFAULT_TENANT, config.cache_salt)
         self._scheduler = scheduler
         self._tokens = tokens
         self._in_flight = [0] * len(config.upstreams)
@@ -239,10 +241,9 @@ class Gateway:
     def salted(self, body: dict[str, Any]) -> dict[str, Any]:
         """The request for the engine: the caller's, with the tenant's ``cache_salt`` in
         place of any the caller gave (a caller must not pick another tenant's)."""
-        salt = tenant_cache_salt(self.config.tenant or DEFAULT_TENANT, self.config.cache_salt)
-        if not salt:
+        if not self._salt:
             return body
-        return {**body, "cache_salt": salt}
+        return {**body, "cache_salt": self._salt}
 
     async def forward(self, endpoint: Endpoint, node: int, body: dict[str, Any]
                       ) -> tuple[int, dict[str, Any]]:

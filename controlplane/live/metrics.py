@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from controlplane.core.quotas import TenantQuotaStats
+from controlplane.live.ports import ShareBooks
 
 #: Lateness = prefetch ready - request arrival (negative = in time), seconds.
 LATENESS_BUCKETS_S = (-60, -10, -3, -1, -0.3, -0.1, 0, 0.1, 0.3, 1, 3, 10, 60)
@@ -63,22 +64,9 @@ class PrometheusMetrics:
         self._quota_refusals = Counter("kvprefetch_tenant_quota_refusals",
                                        "Calls refused: the tenant held its quota of live "
                                        "sessions", ["tenant"], registry=r)
-        self._tenant_tier = Gauge("kvprefetch_tenant_local_tier_bytes",
-                                  "Bytes of the tenant's sessions in the node's local-tier "
-                                  "books (tenants with a share only)", ["tenant", "node"],
-                                  registry=r)
-        self._share_counts = {
-            field: Counter(f"kvprefetch_tenant_{name}", help_, ["tenant"], registry=r)
-            for field, name, help_ in (
-                ("tier_evictions", "tier_share_evictions",
-                 "The tenant's own sessions evicted to keep it within its local-tier share"),
-                ("tier_refusals", "tier_share_refusals",
-                 "KV of the tenant not admitted to a local tier: its own sessions could "
-                 "not make room within its share"),
-                ("prefetch_deferrals", "prefetch_bandwidth_deferrals",
-                 "Prefetches of the tenant not started: its prefetch-bandwidth share on "
-                 "the node was in use"))}
-        self._share_seen: dict[tuple[str, str], int] = {}
+        #: Read when the metrics are (scrape time), not per event: see tenant_shares_from.
+        self._share_books: ShareBooks | None = None
+        r.register(_TenantSharesCollector(self))
         self._tenant_labels: set[str] = set()
         self._lock = threading.Lock()
         self._window_start = time.monotonic()
@@ -138,18 +126,47 @@ class PrometheusMetrics:
     def quota_refused(self, tenant: str) -> None:
         self._quota_refusals.labels(self._tenant(tenant)).inc()
 
-    def tenant_shares(self, tier_bytes: Mapping[tuple[str, str], int],
-                      stats: Mapping[str, TenantQuotaStats]) -> None:
-        for (tenant, node), nbytes in tier_bytes.items():
-            self._tenant_tier.labels(tenant, node).set(nbytes)  # configured tenants only
-        for tenant, st in stats.items():
-            for field, counter in self._share_counts.items():
-                value = getattr(st, field)
-                with self._lock:
-                    delta = value - self._share_seen.get((tenant, field), 0)
-                    self._share_seen[(tenant, field)] = value
-                if delta > 0:
-                    counter.labels(self._tenant(tenant)).inc(delta)
+    def tenant_shares_from(self, books: ShareBooks) -> None:
+        self._share_books = books
 
     def render(self) -> bytes:
         return bytes(generate_latest(self.registry))
+
+
+#: The per-tenant share counters: (TenantQuotaStats field, metric name, help).
+_SHARE_COUNTS = (
+    ("tier_evictions", "kvprefetch_tenant_tier_share_evictions",
+     "The tenant's own sessions evicted to keep it within its local-tier share"),
+    ("tier_refusals", "kvprefetch_tenant_tier_share_refusals",
+     "KV of the tenant not admitted to a local tier: its own sessions could not make "
+     "room within its share"),
+    ("prefetch_deferrals", "kvprefetch_tenant_prefetch_bandwidth_deferrals",
+     "Prefetches of the tenant not started: its prefetch-bandwidth share on the node was "
+     "in use"),
+)
+
+
+class _TenantSharesCollector:
+    """The tenants' shares, read from the scheduler's books when the registry is scraped
+    (counting a tenant's bytes scans every node's books: once per scrape, not per event).
+    Only tenants with a share appear: their number is bounded by the configuration."""
+
+    def __init__(self, metrics: PrometheusMetrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        books = self._metrics._share_books
+        if books is None:
+            return
+        tier_bytes, stats = books()
+        tier = GaugeMetricFamily("kvprefetch_tenant_local_tier_bytes",
+                                 "Bytes of the tenant's sessions in the node's local-tier "
+                                 "books (tenants with a share only)", labels=["tenant", "node"])
+        for (tenant, node), nbytes in sorted(tier_bytes.items()):
+            tier.add_metric([tenant, node], nbytes)
+        yield tier
+        for field, name, help_ in _SHARE_COUNTS:
+            counter = CounterMetricFamily(name, help_, labels=["tenant"])
+            for tenant, st in sorted(stats.items()):
+                counter.add_metric([tenant], getattr(st, field))
+            yield counter

@@ -15,6 +15,10 @@ from controlplane.core.quotas import TenantQuotaStats
 
 log = logging.getLogger(__name__)
 
+#: Reads the tenants' share books: ((tenant, node name) -> bytes, tenant -> what its
+#: shares did).
+ShareBooks = Callable[[], tuple[Mapping[tuple[str, str], int], Mapping[str, TenantQuotaStats]]]
+
 #: TTLB and lateness samples kept for the summary (a rolling window; Prometheus histograms
 #: see every sample).
 SAMPLE_WINDOW = 10_000
@@ -59,10 +63,10 @@ class ServiceMetricsSink(Protocol):
         """A call of the tenant was refused: it holds its quota of live sessions."""
         ...
 
-    def tenant_shares(self, tier_bytes: Mapping[tuple[str, str], int],
-                      stats: Mapping[str, TenantQuotaStats]) -> None:
-        """Each quota'd tenant's bytes in each node's local-tier books ((tenant, node
-        name) -> bytes) and what its shares did so far (cumulative)."""
+    def tenant_shares_from(self, books: ShareBooks) -> None:
+        """Where to read, when the metrics are read, each quota'd tenant's bytes in each
+        node's local-tier books ((tenant, node name) -> bytes) and what its shares did so
+        far (cumulative)."""
         ...
 
 
@@ -76,8 +80,7 @@ class NullMetrics:
     def core_stats(self, wasted_bytes: int, useful_bytes: int, over_budget: int) -> None: ...
     def tenant_sessions(self, tenant: str, live: int) -> None: ...
     def quota_refused(self, tenant: str) -> None: ...
-    def tenant_shares(self, tier_bytes: Mapping[tuple[str, str], int],
-                      stats: Mapping[str, TenantQuotaStats]) -> None: ...
+    def tenant_shares_from(self, books: ShareBooks) -> None: ...
 
 
 def _window() -> deque[float]:

@@ -49,6 +49,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -64,6 +65,7 @@ from controlplane.base.wire import (
     TransferOrder,
     TransferReport,
 )
+from controlplane.core.quotas import TenantQuotaStats
 from controlplane.core.scheduler import SchedulerCore
 from controlplane.live.config import ServiceClock, ServiceConfig
 from controlplane.live.driver import LiveDriver
@@ -182,6 +184,7 @@ class SchedulerService:
                                                   self.config.time_compression))
             self._journal.flush(sync=True)
         self._driver = driver
+        self._attach_share_books()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="kvprefetch-scheduler",
                                         daemon=True)
@@ -274,6 +277,22 @@ class SchedulerService:
         self._metrics = sink
         if self._driver is not None:
             self._driver.metrics = sink
+            self._attach_share_books()
+
+    def _attach_share_books(self) -> None:
+        """Let the metrics sink read the tenants' share books when it is read (counting a
+        tenant's bytes scans every node's books: not per event)."""
+        if self.core.shares is not None:
+            self._metrics.tenant_shares_from(self._share_books)
+
+    def _share_books(self) -> tuple[dict[tuple[str, str], int],
+                                    dict[str, TenantQuotaStats]]:
+        with self._lock:
+            shares = self.core.shares
+            assert shares is not None
+            return ({(t, self.node_name(n)): b
+                     for (t, n), b in shares.tier_bytes(self.core.dram).items()},
+                    {t: replace(st) for t, st in shares.stats.items()})
 
     @property
     def core(self) -> SchedulerCore:
@@ -304,12 +323,6 @@ class SchedulerService:
             st = self.core.stats
             self.metrics.core_stats(st.wasted_bytes, st.prefetch_used_bytes,
                                     st.prefetches_over_budget)
-            shares = self.core.shares
-            if shares is not None:
-                self.metrics.tenant_shares(
-                    {(t, self.node_name(n)): b
-                     for (t, n), b in shares.tier_bytes(self.core.dram).items()},
-                    shares.stats)
             self._wake.notify_all()  # new orders may be due before the loop's next wake-up
         self.fanout.send(box)
         for node in range(self.config.fleet.nodes):

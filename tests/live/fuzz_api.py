@@ -266,6 +266,8 @@ class Fuzzer:
         #: boundary mode's own checks (schemathesis runs them in its coverage phase)
         self.boundary_rules = [negative_data_rejection, unsupported_method,
                                missing_required_header]
+        #: stateful calls prepared so far (3 of 4 are made consistent, as positive cases)
+        self._stateful_seq = 0
 
     def close(self) -> None:
         self.http.close()
@@ -441,7 +443,6 @@ class Fuzzer:
             self.tally.example(f"rule {b.op} {b.scenario} {response.status_code} "
                                f"{case.body!r:.200}: {exc}")
 
-
     # -- stateful mode -------------------------------------------------------------------
     def linked_schema(self) -> Any:
         """The served document with :data:`LINKS` added to each operation's 200 answer."""
@@ -519,7 +520,7 @@ class Fuzzer:
         """As positive cases above: acme's calls without a tenant (3 of 4), sizes kept. A
         call that starts a scenario's step on a random session id (not one a link carried
         over) and needs a live session is made on the scenario's latest open one."""
-        self._stateful_seq = getattr(self, "_stateful_seq", 0) + 1
+        self._stateful_seq += 1
         if not isinstance(case.body, dict):
             return
         body = dict(case.body)
