@@ -38,6 +38,11 @@ SCHEDULER_NAME = "kvprefetch-scheduler"
 ENGINE_CALL_TIMEOUT_S = 10.0
 
 
+def scheduler_name(shard: int = 0) -> str:
+    """The named actor of scheduler shard ``shard`` (shard 0 keeps the unsharded name)."""
+    return SCHEDULER_NAME if shard == 0 else f"{SCHEDULER_NAME}-{shard}"
+
+
 def agent_name(node: int) -> str:
     return f"kvprefetch-agent-{node}"
 

@@ -88,6 +88,13 @@ class WrongTenantError(ServiceError):
     http_status = 403
 
 
+class WrongShardError(ServiceError):
+    """The session belongs to another scheduler shard (the caller's shard count is not the
+    deployment's); nothing was changed."""
+
+    http_status = 421
+
+
 class ServiceUnavailableError(ServiceError):
     """The scheduler cannot be reached (not deployed, restarting, timed out)."""
 

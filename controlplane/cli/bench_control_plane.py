@@ -65,6 +65,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speedup", type=float, default=100.0,
                         help="service seconds per wall second (default 100)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--concurrency", type=int, default=1, metavar="K",
+                        help="turns played at once while measuring: K sessions' routes go "
+                             "together (one actor call per shard through Ray), as from a "
+                             "gateway with K requests arriving at once (default 1: one "
+                             "route call at a time)")
+    parser.add_argument("--kill-shard", type=int, default=None, metavar="I",
+                        help="in the ray-N modes that have shard I: kill it halfway through "
+                             "the measurement (Ray restarts it from its journal segment) "
+                             "and report lost events, its restart time and each shard's "
+                             "route p99 before and after")
     parser.add_argument("--json", metavar="OUT", help="write the result as JSON (atomically)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -85,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         spec = LoadSpec(sessions=args.sessions, events=args.events, nodes=args.nodes,
                         policy=args.policy, predictor=args.predictor,
-                        time_compression=args.speedup, seed=args.seed)
+                        time_compression=args.speedup, seed=args.seed,
+                        concurrency=args.concurrency, kill_shard=args.kill_shard)
     except ConfigError as exc:
         print(f"bench control-plane: {exc}", file=sys.stderr)
         return 2

@@ -56,10 +56,13 @@ from controlplane.live.tenants import TenantQuotaError
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 2.0
+#: Seconds between attempts at a call while a Ray scheduler actor restarts.
+RETRY_PAUSE_S = 0.05
 #: Threads of an in-process transport: calls waiting on the service's lock at once.
 INPROC_WORKERS = 8
 
 _Call = TypeVar("_Call", bound=BaseModel)
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +143,16 @@ class EventBatcher:
             events, self._queue = self._queue, []
             self.stats.with_route += len(events)
             return events
+
+    def put_back(self, events: list[tuple[str, Any]]) -> None:
+        """Events :meth:`take` gave out whose call failed before the actor had them: queued
+        again ahead of the rest (counted as resent)."""
+        if events:
+            with self._lock:
+                if not self._queue:
+                    self._oldest_s = time.monotonic()
+                self._queue[:0] = events
+                self.stats.resent += len(events)
 
     def settle_refusals(self, refused: Sequence[str]) -> None:
         if refused:
@@ -229,19 +242,20 @@ class RayTransport:
 
     def __init__(self, address: str, namespace: str, *,
                  timeout_s: float = DEFAULT_TIMEOUT_S,
-                 batching: EventBatching | None = None) -> None:
+                 batching: EventBatching | None = None, shard: int = 0) -> None:
         import ray
 
-        from agents.ray_entry import SCHEDULER_NAME
+        from agents.ray_entry import scheduler_name
 
         if not ray.is_initialized():
             ray.init(address=address, namespace=namespace, log_to_driver=False)
         try:
-            self._handle = ray.get_actor(SCHEDULER_NAME, namespace=namespace)
+            self._handle = ray.get_actor(scheduler_name(shard), namespace=namespace)
         except ValueError as exc:
             raise ServiceUnavailableError(
-                f"no kvprefetch scheduler in Ray namespace {namespace!r} at {address!r}: "
-                "start one with `kvprefetch serve`") from exc
+                f"no kvprefetch scheduler (shard {shard}) in Ray namespace {namespace!r} "
+                f"at {address!r}: start one with `kvprefetch serve`") from exc
+        self.shard = shard
         self.timeout_s = timeout_s
         self.batcher: EventBatcher | None = (
             None if batching is None else EventBatcher(self._handle, batching, self._get))
@@ -292,6 +306,10 @@ class RayTransport:
         return answer
 
     def route(self, call: api.RouteQuery) -> api.RouteAnswer:
+        answer: api.RouteAnswer = self._retried("route", lambda: self._route_once(call))
+        return answer
+
+    def _route_once(self, call: api.RouteQuery) -> api.RouteAnswer:
         events = self.batcher.take() if self.batcher is not None else []
         if not events:
             answer: api.RouteAnswer = self._get("route", self._handle.route.remote(call))
@@ -299,9 +317,55 @@ class RayTransport:
         # The queued events go first, in the same call. If it times out they were sent
         # all the same (the actor applies them); a refusal is counted.
         assert self.batcher is not None
-        refused, answer = self._get("route", self._handle.route_after.remote(events, call))
+        try:
+            refused, answer = self._get("route",
+                                        self._handle.route_after.remote(events, call))
+        except ServiceUnavailableError:
+            self.batcher.put_back(events)  # the actor died: they go again, first
+            raise
         self.batcher.settle_refusals(refused)
         return answer
+
+    def _retried(self, op: str, call: Callable[[], _T]) -> _T:
+        """``call`` again while the actor is unavailable (Ray is restarting it; the calls
+        sent meanwhile wait for the new incarnation), until ``timeout_s`` has passed. A
+        route is safe to repeat: a second one for the same request routes it again."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                return call()
+            except ServiceUnavailableError:
+                if time.monotonic() + RETRY_PAUSE_S >= deadline:
+                    raise
+                log.info("%s: scheduler shard %d unavailable; retrying", op, self.shard)
+                time.sleep(RETRY_PAUSE_S)
+
+    def send_routes(self, calls: Sequence[api.RouteQuery]) -> tuple[Any, list[tuple[str, Any]]]:
+        """Send ``calls`` (and the queued events, ahead of them) in one actor call; the
+        reference and the events it carried, for :meth:`routes_answered`."""
+        events = self.batcher.take() if self.batcher is not None else []
+        return self._handle.route_many_after.remote(events, list(calls)), events
+
+    def routes_answered(self, sent: tuple[Any, list[tuple[str, Any]]]
+                        ) -> list[api.RouteAnswer | ServiceError]:
+        """The answers to :meth:`send_routes`, one per call (a refused one is its error)."""
+        ref, events = sent
+        try:
+            refused, answers = self._get("route_many", ref)
+        except ServiceUnavailableError:
+            if self.batcher is not None:
+                self.batcher.put_back(events)
+            raise
+        if self.batcher is not None:
+            self.batcher.settle_refusals(refused)
+        return list(answers)
+
+    def route_many(self, calls: Sequence[api.RouteQuery]
+                   ) -> list[api.RouteAnswer | ServiceError]:
+        """Route several requests (of any sessions) in one actor call, in order: a gateway
+        with many requests arriving at once pays one round trip, not one each."""
+        return self._retried("route_many",
+                             lambda: self.routes_answered(self.send_routes(calls)))
 
     def request_finished(self, call: api.RequestFinished) -> api.Ack:
         if self._queued("request_finished", call):
@@ -363,6 +427,19 @@ class RayTransport:
         return state
 
 
+def route_each(route: Callable[[api.RouteQuery], api.RouteAnswer],
+               calls: Sequence[api.RouteQuery]) -> list[api.RouteAnswer | ServiceError]:
+    """``route_many`` of a transport without a batched call: one call each, in order (a
+    refusal is that call's answer; a timeout is raised)."""
+    answers: list[api.RouteAnswer | ServiceError] = []
+    for call in calls:
+        try:
+            answers.append(route(call))
+        except ServiceError as exc:
+            answers.append(exc)
+    return answers
+
+
 class InProcessTransport:
     """:class:`~controlplane.live.protocol.RemoteAPI` over a scheduler in this process:
     each call runs on a small shared thread pool and is waited for at most ``timeout_s``
@@ -400,6 +477,10 @@ class InProcessTransport:
     def route(self, call: api.RouteQuery) -> api.RouteAnswer:
         answer: api.RouteAnswer = self._wait("route", lambda: self.scheduler.route(call))
         return answer
+
+    def route_many(self, calls: Sequence[api.RouteQuery]
+                   ) -> list[api.RouteAnswer | ServiceError]:
+        return route_each(self.route, calls)
 
     def request_finished(self, call: api.RequestFinished) -> api.Ack:
         answer: api.Ack = self._wait("request_finished",
@@ -482,6 +563,10 @@ class HttpTransport:
 
     def route(self, call: api.RouteQuery) -> api.RouteAnswer:
         return api.RouteAnswer.model_validate(self._post("route", call))
+
+    def route_many(self, calls: Sequence[api.RouteQuery]
+                   ) -> list[api.RouteAnswer | ServiceError]:
+        return route_each(self.route, calls)
 
     def request_finished(self, call: api.RequestFinished) -> api.Ack:
         return api.Ack.model_validate(self._post("request_finished", call))
@@ -584,6 +669,35 @@ class Client:
             log.warning("route: %s; running without prefetch", exc)
             return api.RouteAnswer.no_prefetch(timed_out=isinstance(exc, TimeoutError))
 
+    def route_many(self, requests: Sequence[dict[str, Any]], *,
+                   timeout_s: float | None = None) -> list[api.RouteAnswer]:
+        """Route several requests at once (a gateway with many arriving together): each
+        item holds :meth:`route`'s keyword arguments (``session_id`` and the rest); the
+        answers in order. Through Ray it is one actor call per shard, all shards at once.
+        As with ``route``, a request that cannot be routed (refused, timed out, the
+        scheduler unreachable) answers ``RouteAnswer.no_prefetch``; a refusal is logged."""
+        payloads = []
+        for item in requests:
+            fields = dict(item)
+            session_id = fields.pop("session_id")
+            tenant = fields.pop("tenant", None)
+            payloads.append(api.parse(api.RouteQuery, self._fields(session_id, tenant,
+                                                                   **fields)))
+        try:
+            got = self._bounded(timeout_s).route_many(payloads)
+        except (TimeoutError, ServiceUnavailableError) as exc:
+            self.timeouts += isinstance(exc, TimeoutError)
+            log.warning("route_many: %s; running without prefetch", exc)
+            return [api.RouteAnswer.no_prefetch(timed_out=isinstance(exc, TimeoutError))
+                    for _ in payloads]
+        answers = []
+        for payload, answer in zip(payloads, got, strict=True):
+            if isinstance(answer, ServiceError):
+                log.warning("route of %s refused: %s", payload.session_id, answer)
+                answer = api.RouteAnswer.no_prefetch()
+            answers.append(answer)
+        return answers
+
     def request_started(self, session_id: str, *, input_tokens: int | None = None,
                         token_ids: Sequence[int] | None = None,
                         chunk_hashes: Sequence[str] | None = None,
@@ -656,7 +770,9 @@ def connect(address: str = "auto", *, tenant: str | None = None,
     elif address.startswith(("http://", "https://")):
         target = HttpTransport(address, token, timeout_s=timeout_s)
     else:
-        target = RayTransport(address, namespace, timeout_s=timeout_s, batching=batching)
+        from controlplane.live.sharded import open_ray
+
+        target = open_ray(address, namespace, timeout_s=timeout_s, batching=batching)
     return Client(target, tenant=tenant, timeout_s=timeout_s)
 
 

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from controlplane.base.config import FleetConfig, default_fleet
 from controlplane.base.errors import InvalidRequestError
 from controlplane.base.keys import DEFAULT_CHUNK_TOKENS
+from controlplane.base.shards import MAX_SHARDS
 from controlplane.core.policies import POLICIES, PolicySpec
 from controlplane.core.quotas import TenantQuota
 from controlplane.live.limits import RequestLimits, check_tenant_name
@@ -67,6 +68,11 @@ class ServiceConfig(BaseModel):
     loop_interval_s: float = Field(0.05, gt=0, le=5)
     #: An order not reported after this long (wall seconds) is given up and re-planned.
     order_timeout_s: float = Field(120.0, gt=0)
+    #: This service is shard ``shard`` of ``shards`` (:mod:`controlplane.base.shards`):
+    #: it owns the sessions the ring gives it, with its quota of every node's tiers and
+    #: links (:meth:`for_shard`); its epochs are congruent to ``shard`` modulo ``shards``.
+    shard: int = Field(0, ge=0)
+    shards: int = Field(1, ge=1, le=MAX_SHARDS)
 
     @model_validator(mode="after")
     def _check(self) -> ServiceConfig:
@@ -96,6 +102,8 @@ class ServiceConfig(BaseModel):
                 if self.tenants is not None and tenant not in self.tenants:
                     raise ValueError(f"{field}[{tenant!r}]: not one of the tenants "
                                      f"({', '.join(self.tenants)})")
+        if self.shard >= self.shards:
+            raise ValueError(f"shard {self.shard} is not one of {self.shards} shards")
         if self.node_names is not None and len(self.node_names) != self.fleet.nodes:
             raise ValueError(f"node_names has {len(self.node_names)} names for "
                              f"{self.fleet.nodes} nodes")
@@ -116,6 +124,33 @@ class ServiceConfig(BaseModel):
         return {t: TenantQuota(local_tier_share=tier.get(t, 1.0),
                                prefetch_bandwidth_share=bw.get(t, 1.0))
                 for t in sorted(set(tier) | set(bw))}
+
+    def for_shard(self, shard: int, shards: int) -> ServiceConfig:
+        """The configuration of shard ``shard`` of ``shards`` cut from this whole-fleet one.
+
+        Each node's HBM and DRAM tier bytes, its NIC rate and its Valkey read rate (and the
+        Valkey capacity) are divided evenly among the shards (a static quota: two shards
+        never promise the same bytes; each shard's books see only its own sessions), as is
+        every tenant's live-session quota (rounded up). The journal gets one segment per
+        shard (``<path>.shard<i>of<n>``)."""
+        if shards == 1:
+            return self.model_copy(update={"shard": 0, "shards": 1})
+        node, remote = self.fleet.node, self.fleet.remote
+        fleet = FleetConfig.model_validate({
+            **self.fleet.model_dump(),
+            "node": {**node.model_dump(), "hbm_kv_bytes": node.hbm_kv_bytes // shards,
+                     "dram_tier_bytes": node.dram_tier_bytes // shards,
+                     "nic_gbps": node.nic_gbps / shards},
+            "remote": {**remote.model_dump(),
+                       "valkey_gbyte_s_per_node": remote.valkey_gbyte_s_per_node / shards,
+                       "valkey_capacity_bytes": remote.valkey_capacity_bytes // shards}})
+        journal = (None if self.journal_path is None
+                   else f"{self.journal_path}.shard{shard}of{shards}")
+        per_shard = {t: -(-q // shards) for t, q in self.tenant_max_live_sessions.items()}
+        return ServiceConfig.model_validate({
+            **self.model_dump(exclude={"fleet"}), "fleet": fleet, "journal_path": journal,
+            "max_live_sessions_per_tenant": -(-self.max_live_sessions_per_tenant // shards),
+            "tenant_max_live_sessions": per_shard, "shard": shard, "shards": shards})
 
     @property
     def nodes_at_start(self) -> int:

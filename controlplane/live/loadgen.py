@@ -51,7 +51,8 @@ from controlplane.base.errors import ConfigError, KvPrefetchError
 from controlplane.base.types import EventKind, SessionEvent, Trace
 
 #: Modes this generator knows, in the order a table lists them.
-MODES: tuple[str, ...] = ("inproc", "service", "http", "ray-1", "ray-1-sync")
+MODES: tuple[str, ...] = ("inproc", "service", "http", "ray-1", "ray-1-sync", "ray-2",
+                          "ray-4")
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,10 +71,22 @@ class LoadSpec:
     seed: int = 0
     #: Each call's timeout through a client (seconds).
     timeout_s: float = 10.0
+    #: Turns played at once while measuring: this many distinct sessions' requests are
+    #: routed together (``route_many``: one actor call per shard), then finished; 1 = one
+    #: route call at a time.
+    concurrency: int = 1
+    #: Ray modes with this shard: kill it when half the events are measured (Ray restarts
+    #: it; it resumes from its journal segment, so those shards journal in a temporary
+    #: folder). Other modes run as without it.
+    kill_shard: int | None = None
 
     def __post_init__(self) -> None:
         if self.sessions < 1 or self.events < 2 or self.nodes < 1:
             raise ConfigError("sessions and nodes must be >= 1 and events >= 2")
+        if not 1 <= self.concurrency <= self.sessions:
+            raise ConfigError(f"concurrency must be 1-{self.sessions} (the sessions)")
+        if self.kill_shard is not None and self.kill_shard < 0:
+            raise ConfigError("kill_shard must be >= 0")
         if self.time_compression <= 0:
             raise ConfigError("time_compression must be > 0")
 
@@ -94,8 +107,12 @@ class ModeResult:
     populate_s: float = 0.0
     #: Eviction-index work of the core over the run, where it is visible.
     eviction_index: dict[str, int] = field(default_factory=dict)
-    #: The client's event batching (ray-1), cumulative over populating and measuring.
+    #: The client's event batching (ray modes), cumulative over populating and measuring.
     batching: dict[str, int] = field(default_factory=dict)
+    shards: int = 1
+    #: With ``kill_shard``: seconds until the killed shard answered again, and each shard's
+    #: route p99 (ms) before and after the kill.
+    kill: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -107,6 +124,10 @@ class Target(Protocol):
     planning step of ``inproc``)."""
 
     def route(self, sid: str, input_tokens: int, reused_tokens: int) -> int | None: ...
+
+    def route_many(self, turns: Sequence[tuple[str, int, int]]) -> list[int | None]:
+        """``route`` of each (session, input, reused), at once where the target can."""
+        ...
 
     def finished(self, sid: str, node: int, input_tokens: int, output_tokens: int,
                  stop_reason: str | None) -> bool: ...
@@ -171,6 +192,9 @@ class CoreTarget:
         self._arm(out.orders)
         return out.node
 
+    def route_many(self, turns: Sequence[tuple[str, int, int]]) -> list[int | None]:
+        return [self.route(*t) for t in turns]
+
     def finished(self, sid: str, node: int, input_tokens: int, output_tokens: int,
                  stop_reason: str | None) -> bool:
         now = self._now()
@@ -230,7 +254,13 @@ class ClientTarget:
                                     reused_tokens=reused_tokens)
         except KvPrefetchError:
             return None
-        return None if ans.timed_out or ans.node is None else int(ans.node)
+        return _node_of(ans)
+
+    def route_many(self, turns: Sequence[tuple[str, int, int]]) -> list[int | None]:
+        answers = self.client.route_many([{"session_id": sid, "input_tokens": inp,
+                                           "reused_tokens": reused}
+                                          for sid, inp, reused in turns])
+        return [_node_of(a) for a in answers]
 
     def finished(self, sid: str, node: int, input_tokens: int, output_tokens: int,
                  stop_reason: str | None) -> bool:
@@ -245,17 +275,28 @@ class ClientTarget:
     def poll(self) -> None:
         return None
 
+    def _batchers(self) -> list[Any]:
+        transport = self.client.scheduler
+        batchers = getattr(transport, "batchers", None)
+        if batchers is not None:
+            return list(batchers)
+        batcher = getattr(transport, "batcher", None)
+        return [] if batcher is None else [batcher]
+
     def settle(self) -> int:
-        batcher = getattr(self.client.scheduler, "batcher", None)
-        if batcher is None:
-            return 0
-        before = batcher.stats.refused
-        batcher.flush(wait=True)
-        return int(batcher.stats.refused - before)
+        refused = 0
+        for batcher in self._batchers():
+            before = batcher.stats.refused
+            batcher.flush(wait=True)
+            refused += int(batcher.stats.refused - before)
+        return refused
 
     def batch_stats(self) -> dict[str, int]:
-        batcher = getattr(self.client.scheduler, "batcher", None)
-        return {} if batcher is None else asdict(batcher.stats)
+        total: dict[str, int] = {}
+        for batcher in self._batchers():
+            for k, v in asdict(batcher.stats).items():
+                total[k] = total.get(k, 0) + v
+        return total
 
     def mark(self) -> None:
         """Planning steps from now on are the measurement's."""
@@ -270,6 +311,10 @@ class ClientTarget:
 
     def close(self) -> None:
         self._close()
+
+
+def _node_of(answer: Any) -> int | None:
+    return None if answer.timed_out or answer.node is None else int(answer.node)
 
 
 # ------------------------------------------------------------------------------- the loop
@@ -328,18 +373,33 @@ def run_mode(mode: str, trace: Trace, spec: LoadSpec,
         rng = random.Random(spec.seed)
         routes: list[float] = []
         turns = spec.events // 2
+        kill_at = turns // 2 if spec.kill_shard is not None else None
         began = time.perf_counter()
-        for k in range(turns):
-            i = rng.randrange(spec.sessions)
-            lost += _turn(target, player, i, sids[i], routes)
+        k = 0
+        while k < turns:
+            if kill_at is not None and k >= kill_at:
+                if isinstance(target, RayTarget):
+                    target.kill()
+                kill_at = None
+            if spec.concurrency == 1:
+                i = rng.randrange(spec.sessions)
+                lost += _turn(target, player, i, sids[i], routes)
+                n = 1
+            else:
+                n = min(spec.concurrency, turns - k)
+                lost += _turns(target, player, rng.sample(range(spec.sessions), n), sids,
+                               routes)
             target.poll()
-            if progress is not None and (k + 1) % 500 == 0:
-                progress(1000)
+            if progress is not None and (k + n) // 500 > k // 500:
+                progress(1000 * ((k + n) // 500 - k // 500))
+            k += n
         lost += target.settle()  # queued events count once answered
         elapsed = time.perf_counter() - began
         plans = target.plan_steps_s()[plan_before:]
         index = target.index_stats()
         batching = target.batch_stats() if isinstance(target, ClientTarget) else {}
+        kill = target.kill_report() if isinstance(target, RayTarget) else {}
+        shards = target.shards if isinstance(target, RayTarget) else 1
     finally:
         if traced:
             tracemalloc.stop()
@@ -347,7 +407,7 @@ def run_mode(mode: str, trace: Trace, spec: LoadSpec,
     return ModeResult(
         mode, 2 * turns / elapsed if elapsed > 0 else 0.0, quantile(routes, 0.5) * 1e3,
         quantile(routes, 0.99) * 1e3, quantile(plans, 0.99) * 1e3 if plans else None,
-        bytes_per, lost, 2 * turns, round(populate_s, 3), index, batching)
+        bytes_per, lost, 2 * turns, round(populate_s, 3), index, batching, shards, kill)
 
 
 def _turn(target: Target, player: _Player, i: int, sid: str,
@@ -361,6 +421,24 @@ def _turn(target: Target, player: _Player, i: int, sid: str,
     if node is None:
         return 2  # nothing to finish on
     return 0 if target.finished(sid, node, inp, out, stop) else 1
+
+
+def _turns(target: Target, player: _Player, idx: Sequence[int], sids: Sequence[str],
+           routes: list[float]) -> int:
+    """One turn each of sessions ``idx``, played at once: their routes together, then
+    their finishes. Every route waited as long as the call that carried it."""
+    plays = [player.turn(i) for i in idx]
+    began = time.perf_counter()
+    nodes = target.route_many([(sids[i], inp, reused)
+                               for i, (inp, reused, _, _) in zip(idx, plays, strict=True)])
+    routes.extend([time.perf_counter() - began] * len(idx))
+    lost = 0
+    for i, (inp, _, out, stop), node in zip(idx, plays, nodes, strict=True):
+        if node is None:
+            lost += 2
+        elif not target.finished(sids[i], node, inp, out, stop):
+            lost += 1
+    return lost
 
 
 def _target(mode: str, fleet: FleetConfig, spec: LoadSpec) -> Target:
@@ -392,39 +470,110 @@ def _target(mode: str, fleet: FleetConfig, spec: LoadSpec) -> Target:
             svc.close()
 
         return ClientTarget(client, svc.summary, close_service)
-    return _ray_target(cfg, spec, batched=mode == "ray-1")
+    return RayTarget(cfg, spec, shards=1 if mode.startswith("ray-1") else int(mode[4:]),
+                     batched=mode != "ray-1-sync")
 
 
-def _ray_target(cfg: Any, spec: LoadSpec, *, batched: bool) -> ClientTarget:
-    """One scheduler actor (no agents) on a local Ray runtime started here."""
-    import uuid
+class RayTarget(ClientTarget):
+    """``ray-N``: ``N`` scheduler shards (no agents) on a local Ray runtime started here,
+    through the Python client (sharded when ``N`` > 1). :meth:`kill` kills one shard the
+    way a crash would; Ray restarts it and it resumes from its journal segment."""
 
-    import ray
+    def __init__(self, cfg: Any, spec: LoadSpec, *, shards: int, batched: bool) -> None:
+        import tempfile
+        import uuid
 
-    from controlplane.live.client import EventBatching, RayTransport, connect
-    from controlplane.live.ray_app import start_scheduler
+        import ray
 
-    namespace = f"kvprefetch-bench-{uuid.uuid4().hex[:8]}"
-    started = not ray.is_initialized()
-    if started:
-        ray.init(namespace=namespace, include_dashboard=False, log_to_driver=False,
-                 configure_logging=False)
-    handle = start_scheduler(cfg, namespace=namespace, with_agents=False)
-    client = connect("auto", namespace=namespace, timeout_s=spec.timeout_s,
-                     batching=EventBatching() if batched else None)
-    transport = client.scheduler
-    assert isinstance(transport, RayTransport)
+        from controlplane.live.client import EventBatching, connect
+        from controlplane.live.ray_app import start_shards
 
-    def close_ray() -> None:
-        client.close()
+        self._tmp = tempfile.TemporaryDirectory(prefix="kvprefetch-bench-")
+        #: The shard to kill (None: none, or this mode has no such shard).
+        self._to_kill = (spec.kill_shard if spec.kill_shard is not None
+                         and spec.kill_shard < shards else None)
+        if self._to_kill is not None:
+            cfg = cfg.model_copy(update={"journal_path": f"{self._tmp.name}/journal.jsonl"})
+        self.shards = shards
+        namespace = f"kvprefetch-bench-{uuid.uuid4().hex[:8]}"
+        self._started = not ray.is_initialized()
+        if self._started:
+            ray.init(namespace=namespace, include_dashboard=False, log_to_driver=False,
+                     configure_logging=False)
+        self._handles = start_shards(cfg, shards, namespace=namespace, with_agents=False)
+        client = connect("auto", namespace=namespace, timeout_s=spec.timeout_s,
+                         batching=EventBatching() if batched else None)
+        transport: Any = client.scheduler
+        super().__init__(client, transport.summary, self._close_ray)
+        #: (seconds since the kill, shard, route seconds) of every shard answer after
+        #: the kill began; negative before it.
+        self._shard_routes: list[tuple[float, int, float]] = []
+        self._killed_at: float | None = None
+        self._restart_s: float | None = None
+        self._killed: int | None = None
+
+    def route_many(self, turns: Sequence[tuple[str, int, int]]) -> list[int | None]:
+        nodes = super().route_many(turns)
+        per_shard = getattr(self.client.scheduler, "last_route_s", None)
+        if per_shard is not None:
+            since = (time.perf_counter() - self._killed_at
+                     if self._killed_at is not None else -1.0)
+            self._shard_routes.extend((since, s, t) for s, t in enumerate(per_shard)
+                                      if t is not None)
+        return nodes
+
+    def kill(self) -> None:
+        """Kill the shard ``kill_shard`` names, if this mode has it (Ray restarts it); a
+        thread times its first answer."""
+        import threading
+
+        import ray
+
+        shard = self._to_kill
+        if shard is None:
+            return
+        handle = self._handles[shard]
+        self._killed, self._killed_at = shard, time.perf_counter()
+        ray.kill(handle, no_restart=False)
+
+        def wait_up() -> None:
+            while True:
+                try:
+                    ray.get(handle.ping.remote(), timeout=30)
+                except Exception:  # dead or still restarting: ask again
+                    time.sleep(0.05)
+                    continue
+                assert self._killed_at is not None
+                self._restart_s = time.perf_counter() - self._killed_at
+                return
+
+        threading.Thread(target=wait_up, name="kvprefetch-bench-restart", daemon=True).start()
+
+    def kill_report(self) -> dict[str, Any]:
+        if self._killed is None:
+            return {}
+        p99: dict[str, dict[str, float]] = {}
+        for shard in range(self.shards):
+            for side, picked in (("before", [t for since, s, t in self._shard_routes
+                                             if s == shard and since < 0]),
+                                 ("after", [t for since, s, t in self._shard_routes
+                                            if s == shard and since >= 0])):
+                p99.setdefault(str(shard), {})[side] = round(quantile(picked, 0.99) * 1e3, 3)
+        return {"shard": self._killed, "restart_s": self._restart_s,
+                "route_p99_ms_by_shard": p99}
+
+    def _close_ray(self) -> None:
+        import ray
+
+        self.client.close()
         try:
-            ray.get(handle.close.remote(), timeout=10)
-            ray.kill(handle, no_restart=True)
+            ray.get([h.close.remote() for h in self._handles], timeout=10)
+            for h in self._handles:
+                ray.kill(h, no_restart=True)
         finally:
-            if started:
+            if self._started:
                 ray.shutdown()
-
-    return ClientTarget(client, transport.summary, close_ray)
+            self._tmp.cleanup()
 
 
 def format_table(result: dict[str, Any]) -> str:
@@ -443,4 +592,16 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(f"{mode:<9} {m['events_per_s']:>10,.0f} {m['route_p50_ms']:>8.3f}ms "
                      f"{m['route_p99_ms']:>8.3f}ms {num(m['plan_p99_ms'], '>7.2f')}ms "
                      f"{num(m['bytes_per_session'], '>10,.0f'):>10} {m['lost_events']:>6}")
+    base = result["modes"].get("ray-1", {}).get("events_per_s")
+    for mode, m in result["modes"].items():
+        if m.get("shards", 1) > 1 and base:
+            lines.append(f"{mode}: {m['events_per_s'] / base:.2f}x ray-1's events/s")
+        kill = m.get("kill") or {}
+        if kill:
+            restart = kill["restart_s"]
+            lines.append(f"{mode}: shard {kill['shard']} killed halfway, answering again "
+                         f"after {num(restart, '.2f')} s; route p99 ms by shard before -> "
+                         "after: " + ", ".join(
+                             f"{s} {v['before']:.3f} -> {v['after']:.3f}"
+                             for s, v in kill["route_p99_ms_by_shard"].items()))
     return "\n".join(lines)

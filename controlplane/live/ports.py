@@ -19,6 +19,18 @@ log = logging.getLogger(__name__)
 #: shares did).
 ShareBooks = Callable[[], tuple[Mapping[tuple[str, str], int], Mapping[str, TenantQuotaStats]]]
 
+@dataclass(frozen=True, slots=True)
+class SchedulerGauges:
+    """The scheduler's gauges, read at scrape time: orders in flight by node name and the
+    core's prefetch accounting so far (bytes wasted, bytes read, prefetches its waste
+    budget refused)."""
+
+    orders_in_flight: Mapping[str, int]
+    wasted_bytes: int
+    useful_bytes: int
+    over_budget: int
+
+
 #: TTLB and lateness samples kept for the summary (a rolling window; Prometheus histograms
 #: see every sample).
 SAMPLE_WINDOW = 10_000
@@ -48,11 +60,8 @@ class ServiceMetricsSink(Protocol):
 
     def bytes_moved(self, nbytes: int, prefetch: bool) -> None: ...
 
-    def orders_in_flight(self, node: str, count: int) -> None: ...
-
-    def core_stats(self, wasted_bytes: int, useful_bytes: int, over_budget: int) -> None:
-        """The core's prefetch accounting so far: bytes wasted, bytes read, prefetches
-        its waste budget refused."""
+    def scheduler_gauges_from(self, read: Callable[[], SchedulerGauges]) -> None:
+        """Where to read, when the metrics are read, the scheduler's gauges."""
         ...
 
     def tenant_sessions(self, tenant: str, live: int) -> None:
@@ -76,8 +85,7 @@ class NullMetrics:
     def lateness(self, seconds: float) -> None: ...
     def local_lookup(self, local_tokens: int, reused_tokens: int) -> None: ...
     def bytes_moved(self, nbytes: int, prefetch: bool) -> None: ...
-    def orders_in_flight(self, node: str, count: int) -> None: ...
-    def core_stats(self, wasted_bytes: int, useful_bytes: int, over_budget: int) -> None: ...
+    def scheduler_gauges_from(self, read: Callable[[], SchedulerGauges]) -> None: ...
     def tenant_sessions(self, tenant: str, live: int) -> None: ...
     def quota_refused(self, tenant: str) -> None: ...
     def tenant_shares_from(self, books: ShareBooks) -> None: ...

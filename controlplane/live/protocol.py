@@ -23,9 +23,11 @@ also raises ``TimeoutError`` when the scheduler does not answer in time and
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from controlplane.base import api
+from controlplane.base.errors import ServiceError
 from controlplane.base.wire import AgentHello, EngineReport, GpuStartPlan, TransferReport
 from controlplane.live.sessions import SessionQuery, SessionState
 
@@ -132,6 +134,12 @@ class RemoteAPI(GatewayAPI, Protocol):
     """A :class:`GatewayAPI` in another process (the Ray and HTTP transports): each call
     waits at most the transport's timeout, then raises ``TimeoutError``. Whoever opened
     the transport closes it."""
+
+    def route_many(self, calls: Sequence[api.RouteQuery]
+                   ) -> list[api.RouteAnswer | ServiceError]:
+        """``route`` for each call, in order, in as few round trips as the transport can
+        (one per shard through Ray); a refused call answers its typed error."""
+        ...
 
     def with_timeout(self, timeout_s: float) -> RemoteAPI:
         """The same connection, its calls bounded by ``timeout_s`` instead (cheap: made

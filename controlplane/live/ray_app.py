@@ -39,9 +39,10 @@ from agents.ray_entry import (
     agent_name,
     engine_name,
     node_resource,
+    scheduler_name,
 )
 from controlplane.base import api
-from controlplane.base.errors import ServiceUnavailableError
+from controlplane.base.errors import ServiceError, ServiceUnavailableError
 from controlplane.base.wire import (
     AgentHello,
     EngineReport,
@@ -156,6 +157,24 @@ class _SchedulerActor:
         """The events queued before this route, then the route: one actor call."""
         refused = self.apply_events(events)
         return refused, self.svc.route(call)
+
+    def route_many_after(self, events: Sequence[tuple[str, Any]],
+                         calls: Sequence[api.RouteQuery]
+                         ) -> tuple[list[str], list[api.RouteAnswer | ServiceError]]:
+        """The events queued before these routes, then the routes in order: one actor
+        call. A refused route answers its typed error; the others are routed."""
+        refused = self.apply_events(events)
+        answers: list[api.RouteAnswer | ServiceError] = []
+        for call in calls:
+            try:
+                answers.append(self.svc.route(call))
+            except ServiceError as exc:
+                answers.append(exc)
+        return refused, answers
+
+    def shard_info(self) -> tuple[int, int]:
+        """(this shard, how many): what a client needs to hash sessions to shards."""
+        return self.svc.config.shard, self.svc.config.shards
 
     def gpu_start(self, node: int, tenant: str, session_id: str,
                   reused_tokens: int) -> GpuStartPlan:
@@ -360,13 +379,26 @@ def start_scheduler(service: ServiceConfig, *, namespace: str = NAMESPACE,
                     placement: Placement | None = None, with_agents: bool = True) -> Any:
     """Start the named scheduler actor (or get the one running) and wait until it answers.
     ``with_agents=False``: it sends nothing to agents (``kvprefetch bench control-plane``)."""
+    return start_shards(service, 1, namespace=namespace, detached=detached,
+                        ready_timeout_s=ready_timeout_s, placement=placement,
+                        with_agents=with_agents)[0]
+
+
+def start_shards(service: ServiceConfig, shards: int, *, namespace: str = NAMESPACE,
+                 detached: bool = False, ready_timeout_s: float = 120.0,
+                 placement: Placement | None = None, with_agents: bool = True) -> list[Any]:
+    """Start ``shards`` scheduler shards (named ``scheduler_name(i)``; each with
+    ``service.for_shard(i, shards)``: its quota of every node, its journal segment) or get
+    those running, and wait until each answers. Ray restarts a shard that dies; it resumes
+    from its own journal segment while the others keep serving."""
     where = placement.options() if placement is not None else {}
-    scheduler = SchedulerActor.options(name=SCHEDULER_NAME, namespace=namespace,
-                                       get_if_exists=True, **_lifetime(detached),
-                                       **where).remote(service, namespace,
-                                                       with_agents=with_agents)
-    ray.get(scheduler.ping.remote(), timeout=ready_timeout_s)
-    return scheduler
+    handles = [SchedulerActor.options(name=scheduler_name(i), namespace=namespace,
+                                      get_if_exists=True, **_lifetime(detached),
+                                      **where).remote(service.for_shard(i, shards), namespace,
+                                                      with_agents=with_agents)
+               for i in range(shards)]
+    ray.get([h.ping.remote() for h in handles], timeout=ready_timeout_s)
+    return handles
 
 
 def deploy(service: ServiceConfig, agents: Sequence[AgentConfig],

@@ -56,7 +56,8 @@ from typing import Any, TypeVar, cast
 from pydantic import ValidationError
 
 from controlplane.base import api
-from controlplane.base.errors import ConfigError, InvalidRequestError
+from controlplane.base.errors import ConfigError, InvalidRequestError, WrongShardError
+from controlplane.base.shards import ShardRing, shard_epoch
 from controlplane.base.types import SessionKey
 from controlplane.base.wire import (
     AgentHello,
@@ -85,6 +86,7 @@ from controlplane.live.ports import (
     AgentPort,
     NullMetrics,
     Outbox,
+    SchedulerGauges,
     ServiceMetricsSink,
     ServiceStats,
 )
@@ -146,6 +148,7 @@ class SchedulerService:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._last_sync = 0.0
+        self._ring = ShardRing(config.shards)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> SchedulerService:
@@ -173,8 +176,9 @@ class SchedulerService:
             limit = self.config.journal_compact_records
             if limit and scan.records >= limit:
                 self._compact_at_start(driver, Path(path))
-        self.epoch = next_epoch(last_epoch, self._calendar(),
-                                damaged=driver.stats.journal_quarantined > 0)
+        self.epoch = shard_epoch(next_epoch(last_epoch, self._calendar(),
+                                            damaged=driver.stats.journal_quarantined > 0),
+                                 self.config.shard, self.config.shards)
         self.orders.begin_epoch(self.epoch)
         if path is not None:
             self._journal = driver.journal = LiveJournalWriter(
@@ -280,10 +284,19 @@ class SchedulerService:
             self._attach_share_books()
 
     def _attach_share_books(self) -> None:
-        """Let the metrics sink read the tenants' share books when it is read (counting a
-        tenant's bytes scans every node's books: not per event)."""
+        """Let the metrics sink read the scheduler's gauges and the tenants' share books
+        when it is read (counting a tenant's bytes scans every node's books: not per
+        event)."""
+        self._metrics.scheduler_gauges_from(self._gauges)
         if self.core.shares is not None:
             self._metrics.tenant_shares_from(self._share_books)
+
+    def _gauges(self) -> SchedulerGauges:
+        with self._lock:
+            st = self.core.stats
+            return SchedulerGauges(
+                {self.node_name(n): self.orders.count(n) for n in range(self.config.fleet.nodes)},
+                st.wasted_bytes, st.prefetch_used_bytes, st.prefetches_over_budget)
 
     def _share_books(self) -> tuple[dict[tuple[str, str], int],
                                     dict[str, TenantQuotaStats]]:
@@ -320,18 +333,24 @@ class SchedulerService:
         box = Outbox()
         with self._lock:
             yield box
-            st = self.core.stats
-            self.metrics.core_stats(st.wasted_bytes, st.prefetch_used_bytes,
-                                    st.prefetches_over_budget)
             self._wake.notify_all()  # new orders may be due before the loop's next wake-up
         self.fanout.send(box)
-        for node in range(self.config.fleet.nodes):
-            self.metrics.orders_in_flight(self.node_name(node), self.orders.count(node))
 
     # ------------------------------------------------------------------ gateway calls
+    def _check_owner(self, tenant: str, session_id: str) -> None:
+        """Refuse a session another shard owns (a client that hashes to the wrong shard
+        would otherwise split one session's state between two)."""
+        if self.config.shards > 1:
+            owner = self._ring.owner(tenant, session_id)
+            if owner != self.config.shard:
+                raise WrongShardError(
+                    f"session {session_id!r} of tenant {tenant!r} belongs to shard {owner} "
+                    f"of {self.config.shards}, not to this shard {self.config.shard}")
+
     def _admit(self, call: _Call) -> _Call:
         """Check ``call`` against the limits and hash its token ids, outside the lock."""
         check_call(call, self.config.limits, self.config.chunk_tokens)
+        self._check_owner(call.tenant, call.session_id)
         if isinstance(call, api.RouteQuery | api.RequestStarted):
             return cast(_Call, prehash(call, self.config.chunk_tokens))
         return call
@@ -392,6 +411,7 @@ class SchedulerService:
         """The node's GPU picks the request up: the core may start its demand load; the
         engine waits for the order it is told of, then reads its local tier."""
         self._check_node(node)
+        self._check_owner(tenant, session_id)
         with self._step() as box:
             return self.driver.gpu_start(node, tenant, session_id, reused_tokens, box)
 
@@ -400,6 +420,7 @@ class SchedulerService:
         """The engine is about to read its local tier: apply the report of the order it
         waited for (it may arrive here before the agent's own report), mark the DRAM entry
         read, and return the booked usable tokens."""
+        self._check_owner(tenant, session_id)
         if done is not None:
             self.report_transfer(done)
         with self._lock:
@@ -534,4 +555,7 @@ class SchedulerService:
 
     def summary(self) -> dict[str, Any]:
         with self._lock:
-            return self.driver.summary()
+            out = self.driver.summary()
+        if self.config.shards > 1:
+            out["shard"], out["shards"] = self.config.shard, self.config.shards
+        return out

@@ -1,0 +1,188 @@
+"""The scheduler as ``N`` shards on Ray, seen by a client as one.
+
+:class:`ShardedTransport` holds one :class:`~controlplane.live.client.RayTransport` per
+shard (each with its own event batcher) and sends every call about a session to the shard
+that owns it (:class:`~controlplane.base.shards.ShardRing`, computed here: one hop). Calls
+that concern the whole fleet go to every shard: an engine's report (the sessions its HBM
+dropped may be any shard's) and an agent's hello (each shard keeps its own books of the
+node). A transfer report goes to the shard that issued the order: each shard's epochs are
+congruent to its number modulo the shard count, and every order id carries its epoch.
+
+:func:`open_ray` is what :func:`~controlplane.live.client.connect` calls for a Ray
+address: it asks shard 0 how many shards there are, and answers a plain ``RayTransport``
+when there is one.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from controlplane.base import api
+from controlplane.base.errors import ServiceError, ServiceUnavailableError
+from controlplane.base.shards import ShardRing
+from controlplane.base.wire import (
+    AgentHello,
+    EngineReport,
+    GpuStartPlan,
+    TransferReport,
+    order_epoch,
+)
+from controlplane.live.client import EventBatcher, EventBatching, RayTransport
+from controlplane.live.protocol import RemoteAPI, SchedulerAPI
+from controlplane.live.sessions import SessionQuery, SessionState
+
+
+def open_ray(address: str, namespace: str, *, timeout_s: float,
+             batching: EventBatching | None) -> RayTransport | ShardedTransport:
+    """The transport to the scheduler in ``namespace``: one shard or all of them."""
+    first = RayTransport(address, namespace, timeout_s=timeout_s, batching=batching)
+    _, shards = first._get("shard_info", first._handle.shard_info.remote())
+    if shards == 1:
+        return first
+    rest = [RayTransport(address, namespace, timeout_s=timeout_s, batching=batching,
+                         shard=i) for i in range(1, shards)]
+    return ShardedTransport([first, *rest])
+
+
+def merge_summaries(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One summary of several shards': numbers added, lists joined, dicts merged the same
+    way key by key; anything else is shard 0's. ``per_shard`` keeps each one."""
+    def merge(values: list[Any]) -> Any:
+        first = values[0]
+        if isinstance(first, bool) or not all(type(v) is type(first) for v in values):
+            return first
+        if isinstance(first, int | float):
+            return sum(values)
+        if isinstance(first, list):
+            return [x for v in values for x in v]
+        if isinstance(first, dict):
+            keys = dict.fromkeys(k for v in values for k in v)
+            return {k: merge([v[k] for v in values if k in v]) for k in keys}
+        return first
+
+    out = merge(list(parts))
+    out.pop("shard", None)
+    out["shards"] = len(parts)
+    out["per_shard"] = list(parts)
+    return dict(out)
+
+
+class ShardedTransport:
+    """:class:`~controlplane.live.protocol.SchedulerAPI` over every shard (module doc).
+    ``last_route_s[i]``: how long the last :meth:`route_many` waited for shard ``i``'s
+    answers (None: it had none of them)."""
+
+    def __init__(self, transports: Sequence[RayTransport]) -> None:
+        self.transports = list(transports)
+        self.ring = ShardRing(len(self.transports))
+        self.timeout_s = self.transports[0].timeout_s
+        self.last_route_s: list[float | None] = [None] * len(self.transports)
+
+    @property
+    def batchers(self) -> list[EventBatcher]:
+        return [t.batcher for t in self.transports if t.batcher is not None]
+
+    def with_timeout(self, timeout_s: float) -> ShardedTransport:
+        view = copy.copy(self)
+        view.transports = [t.with_timeout(timeout_s) for t in self.transports]
+        view.timeout_s = timeout_s
+        return view
+
+    def close(self) -> None:
+        for t in self.transports:
+            t.close()
+
+    def owner(self, tenant: str, session_id: str) -> RayTransport:
+        return self.transports[self.ring.owner(tenant, session_id)]
+
+    # ------------------------------------------------------------------ gateway calls
+    def request_started(self, call: api.RequestStarted) -> api.Ack:
+        return self.owner(call.tenant, call.session_id).request_started(call)
+
+    def route(self, call: api.RouteQuery) -> api.RouteAnswer:
+        return self.owner(call.tenant, call.session_id).route(call)
+
+    def route_many(self, calls: Sequence[api.RouteQuery]
+                   ) -> list[api.RouteAnswer | ServiceError]:
+        """Each shard's routes in one actor call, all shards at once; answers in order."""
+        import ray
+
+        groups: dict[int, list[int]] = {}
+        for i, call in enumerate(calls):
+            groups.setdefault(self.ring.owner(call.tenant, call.session_id), []).append(i)
+        began = time.perf_counter()
+        sent = {s: self.transports[s].send_routes([calls[i] for i in idx])
+                for s, idx in groups.items()}
+        self.last_route_s = [None] * len(self.transports)
+        answers: list[api.RouteAnswer | ServiceError | None] = [None] * len(calls)
+        waiting = {sent[s][0]: s for s in sent}
+        while waiting:  # each shard's answers as they come, so one slow shard is its own
+            ready, _ = ray.wait(list(waiting), num_returns=1,
+                                timeout=max(0.0, self.timeout_s))
+            if not ready:
+                ready = list(waiting)  # past the deadline: each get raises its timeout
+            for ref in ready:
+                s = waiting.pop(ref)
+                t = self.transports[s]
+                try:
+                    got = t.routes_answered(sent[s])
+                except ServiceUnavailableError:  # restarting: retried until the deadline
+                    got = t.route_many([calls[i] for i in groups[s]])
+                self.last_route_s[s] = time.perf_counter() - began
+                for i, answer in zip(groups[s], got, strict=True):
+                    answers[i] = answer
+        return [a for a in answers if a is not None]
+
+    def request_finished(self, call: api.RequestFinished) -> api.Ack:
+        return self.owner(call.tenant, call.session_id).request_finished(call)
+
+    def hint(self, call: api.HintCall) -> api.Ack:
+        return self.owner(call.tenant, call.session_id).hint(call)
+
+    def session_closed(self, call: api.SessionClosed) -> api.Ack:
+        return self.owner(call.tenant, call.session_id).session_closed(call)
+
+    def session_state(self, call: SessionQuery) -> SessionState:
+        return self.owner(call.tenant, call.session_id).session_state(call)
+
+    # ------------------------------------------------------------------ engine calls
+    def gpu_start(self, node: int, tenant: str, session_id: str,
+                  reused_tokens: int) -> GpuStartPlan:
+        return self.owner(tenant, session_id).gpu_start(node, tenant, session_id,
+                                                        reused_tokens)
+
+    def use_local(self, node: int, tenant: str, session_id: str, reused_tokens: int,
+                  done: TransferReport | None = None) -> int:
+        return self.owner(tenant, session_id).use_local(node, tenant, session_id,
+                                                        reused_tokens, done)
+
+    def engine_report(self, report: EngineReport) -> None:
+        for t in self.transports:
+            t.engine_report(report)
+
+    # ------------------------------------------------------------------ agent calls
+    def agent_hello(self, hello: AgentHello) -> None:
+        for t in self.transports:
+            t.agent_hello(hello)
+
+    def report_transfer(self, report: TransferReport) -> None:
+        shard = order_epoch(report.order_id) % len(self.transports)
+        self.transports[shard].report_transfer(report)
+
+    # ------------------------------------------------------------------ introspection
+    def summary(self) -> dict[str, Any]:
+        return merge_summaries([t.summary() for t in self.transports])
+
+    def sessions(self) -> int:
+        return sum(t.sessions() for t in self.transports)
+
+    def has_session(self, tenant: str, session_id: str) -> bool:
+        return self.owner(tenant, session_id).has_session(tenant, session_id)
+
+
+if TYPE_CHECKING:  # mypy checks the transport against the Protocols its callers rely on
+    _SHARDED: type[SchedulerAPI] = ShardedTransport
+    _SHARDED_REMOTE: type[RemoteAPI] = ShardedTransport
