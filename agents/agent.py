@@ -59,6 +59,7 @@ from agents.stores.valkey_store import ValkeyStore, ValkeyStoreConfig
 from agents.transfer import TransferConfig, TransferEngine, TransferHandle, TransferResult
 from controlplane.base.errors import ConfigError
 from controlplane.base.keys import parse_session_prefix
+from controlplane.base.shards import MAX_SHARDS
 from controlplane.base.wire import (
     AgentHello,
     AgentStatus,
@@ -120,6 +121,9 @@ class AgentConfig(BaseModel):
     transfer: TransferConfig = TransferConfig()
     #: Threads that wait on transfers and send their reports.
     report_threads: int = Field(16, ge=1, le=256)
+    #: Scheduler shards that send this agent orders (each shard's epochs are congruent to
+    #: its number modulo this; the agent tracks each shard's newest epoch on its own).
+    scheduler_shards: int = Field(1, ge=1, le=MAX_SHARDS)
 
     @model_validator(mode="after")
     def _backend_settings(self) -> AgentConfig:
@@ -165,8 +169,8 @@ class PrefetchAgent:
         self._starting: dict[int, tuple[str, ...]] = {}
         self._reports: OrderedDict[int, TransferReport] = OrderedDict()
         self._seen: OrderedDict[int, None] = OrderedDict()
-        #: The newest scheduler epoch seen in an order.
-        self._epoch = 0
+        #: The newest scheduler epoch seen in an order, per scheduler shard.
+        self._epochs: dict[int, int] = {}
         self.stale_orders = 0
         self.incarnation = uuid.uuid4().hex
         self._done = self._failed = self._bytes = self._evicted = 0
@@ -288,26 +292,32 @@ class PrefetchAgent:
         busy.update(k for r in self._running.values() for k in r.order.keys)
         return busy
 
+    def _current(self, order_id: int) -> bool:
+        """Under the lock: whether the order is of its shard's newest epoch (or newer): an
+        older one's scheduler incarnation is gone, so no one waits for it."""
+        epoch = order_epoch(order_id)
+        return epoch >= self._epochs.get(epoch % self.config.scheduler_shards, 0)
+
     def _admit(self, order: TransferOrder) -> bool:
         """Under the lock: whether to run ``order`` (new, and not of a replaced scheduler).
         The first order of a newer epoch drops the older epochs' state."""
         epoch = order_epoch(order.order_id)
-        if epoch < self._epoch:
+        shard = epoch % self.config.scheduler_shards
+        newest = self._epochs.get(shard, 0)
+        if epoch < newest:
             self.stale_orders += 1
             log.warning("agent %d: order %s is from scheduler epoch %d, replaced by %d; "
-                        "dropped", self.node, format_order_id(order.order_id), epoch,
-                        self._epoch)
+                        "dropped", self.node, format_order_id(order.order_id), epoch, newest)
             return False
-        if epoch > self._epoch:
-            if self._epoch:
+        if epoch > newest:
+            if newest:
                 log.info("agent %d: scheduler epoch %d replaces %d; forgetting %d seen "
-                         "orders and %d reports", self.node, epoch, self._epoch,
+                         "orders and %d reports", self.node, epoch, newest,
                          len(self._seen), len(self._reports))
-            self._epoch = epoch
-            self._seen = OrderedDict((oid, None) for oid in self._seen
-                                     if order_epoch(oid) >= epoch)
+            self._epochs[shard] = epoch
+            self._seen = OrderedDict((oid, None) for oid in self._seen if self._current(oid))
             self._reports = OrderedDict((oid, r) for oid, r in self._reports.items()
-                                        if order_epoch(oid) >= epoch)
+                                        if self._current(oid))
         if order.order_id in self._seen:
             return False
         self._seen[order.order_id] = None
@@ -332,7 +342,7 @@ class PrefetchAgent:
             report = self._empty_report(order, error=f"{type(exc).__name__}: {exc}")
         with self._lock:
             self._running.pop(order.order_id, None)
-            if order_epoch(order.order_id) >= self._epoch:  # else no one may wait for it
+            if self._current(order.order_id):  # else no one may wait for it
                 self._reports[order.order_id] = report
                 while len(self._reports) > REPORT_MEMORY:  # bounded: oldest reports first
                     self._reports.popitem(last=False)
@@ -379,7 +389,7 @@ class PrefetchAgent:
         with self._lock:
             done = self._reports.get(order_id)
             running = self._running.get(order_id)
-            if done is None and running is None and order_epoch(order_id) >= self._epoch:
+            if done is None and running is None and self._current(order_id):
                 # The scheduler's execute and the engine's wait travel separately: the order
                 # may still be on its way here. Give it a moment to appear.
                 grace = UNSEEN_ORDER_GRACE_S if timeout_s is None else min(

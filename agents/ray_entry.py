@@ -21,6 +21,7 @@ import ray
 
 from agents.agent import AgentConfig, PrefetchAgent, RemoteStoreConfig
 from agents.engine_emulator import EngineConfig, EngineEmulator, ServeRequest, ServeResult
+from controlplane.base.shards import ShardRing
 from controlplane.base.wire import (
     AgentHello,
     AgentStatus,
@@ -28,6 +29,7 @@ from controlplane.base.wire import (
     GpuStartPlan,
     TransferOrder,
     TransferReport,
+    order_epoch,
 )
 
 log = logging.getLogger(__name__)
@@ -38,9 +40,9 @@ SCHEDULER_NAME = "kvprefetch-scheduler"
 ENGINE_CALL_TIMEOUT_S = 10.0
 
 
-def scheduler_name(shard: int = 0) -> str:
+def scheduler_name(shard: int = 0, base: str = SCHEDULER_NAME) -> str:
     """The named actor of scheduler shard ``shard`` (shard 0 keeps the unsharded name)."""
-    return SCHEDULER_NAME if shard == 0 else f"{SCHEDULER_NAME}-{shard}"
+    return base if shard == 0 else f"{base}-{shard}"
 
 
 def agent_name(node: int) -> str:
@@ -73,31 +75,49 @@ class _SchedulerRef:
         self._handle = None
 
 
+class _Shards:
+    """Every scheduler shard's reference: the one that issued an order (its epoch modulo
+    the shard count), the one that owns a session (:class:`ShardRing`), or all."""
+
+    def __init__(self, shards: int, base: str, namespace: str) -> None:
+        self.refs = [_SchedulerRef(scheduler_name(i, base), namespace) for i in range(shards)]
+        self.ring = ShardRing(shards)
+
+    def of_order(self, order_id: int) -> _SchedulerRef:
+        return self.refs[order_epoch(order_id) % len(self.refs)]
+
+    def owner(self, tenant: str, session_id: str) -> _SchedulerRef:
+        return self.refs[self.ring.owner(tenant, session_id)]
+
+
 class _AgentActor:
     def __init__(self, config: AgentConfig, scheduler_name: str = SCHEDULER_NAME,
                  namespace: str = NAMESPACE) -> None:
         logging.basicConfig(level=logging.INFO)
-        self._scheduler = _SchedulerRef(scheduler_name, namespace)
+        self._shards = _Shards(config.scheduler_shards, scheduler_name, namespace)
         self.agent = PrefetchAgent(config, reporter=self._report)
         self.agent.start()
         self.greet()
 
     def _report(self, report: TransferReport) -> None:
+        ref = self._shards.of_order(report.order_id)
         try:
-            self._scheduler.get().report_transfer.remote(report)
+            ref.get().report_transfer.remote(report)
         except Exception:
-            self._scheduler.reset()
+            ref.reset()
             raise
 
     def greet(self) -> bool:
-        """Tell the scheduler this incarnation is up (also after the scheduler restarts)."""
-        try:
-            self._scheduler.get().agent_hello.remote(self.agent.hello())
-            return True
-        except Exception as exc:
-            self._scheduler.reset()
-            log.warning("agent %d: scheduler not reachable yet: %s", self.agent.node, exc)
-            return False
+        """Tell every scheduler shard this incarnation is up (also after one restarts)."""
+        ok = True
+        for ref in self._shards.refs:
+            try:
+                ref.get().agent_hello.remote(self.agent.hello())
+            except Exception as exc:
+                ref.reset()
+                log.warning("agent %d: scheduler not reachable yet: %s", self.agent.node, exc)
+                ok = False
+        return ok
 
     def hello(self) -> AgentHello:
         return self.agent.hello()
@@ -141,9 +161,10 @@ class _AgentActor:
 
 class _EngineActor:
     def __init__(self, config: EngineConfig, remote: RemoteStoreConfig | None,
-                 scheduler_name: str = SCHEDULER_NAME, namespace: str = NAMESPACE) -> None:
+                 scheduler_name: str = SCHEDULER_NAME, namespace: str = NAMESPACE,
+                 shards: int = 1) -> None:
         logging.basicConfig(level=logging.INFO)
-        self._scheduler = _SchedulerRef(scheduler_name, namespace)
+        self._shards = _Shards(shards, scheduler_name, namespace)
         self._agent = ray.get_actor(agent_name(config.node), namespace=namespace)
         self.engine = EngineEmulator(
             config, gpu_start=self._gpu_start, use_local=self._use_local, report=self._send,
@@ -151,27 +172,28 @@ class _EngineActor:
             store=remote.build() if remote is not None else None)
         self.engine.start()
 
-    def _call(self, method: str, *args: Any, timeout_s: float = ENGINE_CALL_TIMEOUT_S) -> Any:
-        try:
-            return ray.get(getattr(self._scheduler.get(), method).remote(*args),
-                           timeout=timeout_s)
-        except (ray.exceptions.RayActorError, ValueError):
-            self._scheduler.reset()
-            raise
-
     def _gpu_start(self, node: int, tenant: str, sid: str, reused: int) -> GpuStartPlan:
-        plan: GpuStartPlan = self._call("gpu_start", node, tenant, sid, reused)
+        ref = self._shards.owner(tenant, sid)
+        try:
+            plan: GpuStartPlan = ray.get(
+                ref.get().gpu_start.remote(node, tenant, sid, reused),
+                timeout=ENGINE_CALL_TIMEOUT_S)
+        except (ray.exceptions.RayActorError, ValueError):
+            ref.reset()
+            raise
         return plan
 
     def _use_local(self, node: int, tenant: str, sid: str, reused: int,
                    done: TransferReport | None) -> int:
         # Fire and forget: it carries the report it depends on, and the GPU must not wait
         # a round trip for book-keeping (the engine reads what its tier really holds).
-        self._scheduler.get().use_local.remote(node, tenant, sid, reused, done)
+        self._shards.owner(tenant, sid).get().use_local.remote(node, tenant, sid, reused, done)
         return 0
 
     def _send(self, report: EngineReport) -> None:
-        self._scheduler.get().engine_report.remote(report)
+        # Every shard: the sessions its HBM dropped may be any shard's.
+        for ref in self._shards.refs:
+            ref.get().engine_report.remote(report)
 
     def _wait(self, order_id: int, timeout_s: float) -> TransferReport | None:
         ref: Any = self._agent.wait.remote(order_id, timeout_s)

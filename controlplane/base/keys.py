@@ -71,9 +71,10 @@ def chunk_sizes(tokens: int, chunk_tokens: int) -> list[int]:
 def position_keys(tenant: str, session_id: str, tokens: int, chunk_tokens: int) -> list[str]:
     """Keys of the first ``tokens`` tokens of a session named by position."""
     base = session_prefix(tenant, session_id)
-    out = []
-    for i, n in enumerate(chunk_sizes(tokens, chunk_tokens)):
-        out.append(f"{base}{i}" if n == chunk_tokens else f"{base}{i}.{n}")
+    full, rest = divmod(max(0, tokens), chunk_tokens)
+    out = [f"{base}{i}" for i in range(full)]
+    if rest:
+        out.append(f"{base}{full}.{rest}")
     return out
 
 

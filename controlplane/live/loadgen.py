@@ -533,14 +533,16 @@ class RayTarget(ClientTarget):
         if shard is None:
             return
         handle = self._handles[shard]
+        old_epoch = ray.get(handle.epoch.remote(), timeout=30)
         self._killed, self._killed_at = shard, time.perf_counter()
         ray.kill(handle, no_restart=False)
 
         def wait_up() -> None:
             while True:
                 try:
-                    ray.get(handle.ping.remote(), timeout=30)
-                except Exception:  # dead or still restarting: ask again
+                    if ray.get(handle.epoch.remote(), timeout=30) == old_epoch:
+                        raise RuntimeError("the old incarnation still answers")
+                except Exception:  # dead, restarting or not yet dead: ask again
                     time.sleep(0.05)
                     continue
                 assert self._killed_at is not None

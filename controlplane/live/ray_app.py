@@ -172,6 +172,10 @@ class _SchedulerActor:
                 answers.append(exc)
         return refused, answers
 
+    def epoch(self) -> int:
+        """This incarnation's epoch (a restarted shard answers a new one)."""
+        return self.svc.epoch
+
     def shard_info(self) -> tuple[int, int]:
         """(this shard, how many): what a client needs to hash sessions to shards."""
         return self.svc.config.shard, self.svc.config.shards
@@ -254,6 +258,7 @@ class Deployment:
     forever when ``detached``). ``agents``/``engines`` are in the order they started
     (node order at deploy; joined nodes after); ``placements[i]`` is node ``i``'s."""
 
+    #: Scheduler shard 0 (the only one when unsharded); every shard in ``schedulers``.
     scheduler: Any
     agents: list[Any] = field(default_factory=list)
     engines: list[Any] = field(default_factory=list)
@@ -264,6 +269,7 @@ class Deployment:
     detached: bool = False
     ready_timeout_s: float = 120.0
     watcher: NodeWatcher | None = None
+    schedulers: list[Any] = field(default_factory=list)
 
     def watch_nodes(self, discover: Callable[[], Sequence[NodeCandidate]],
                     make_agent: Callable[[int, NodeCandidate], AgentConfig], *,
@@ -283,11 +289,13 @@ class Deployment:
             started: list[Any] = []
             try:  # all or nothing: a named actor left behind would pin the slot's next try
                 started.append(_start_agent(make_agent(node, candidate), where,
-                                            self.namespace, self.detached))
+                                            self.namespace, self.detached,
+                                            len(self.schedulers) or 1))
                 ray.get(started[0].status.remote(), timeout=self.ready_timeout_s)
                 if engine is not None:
                     started.append(_start_engine(engine, engine_remote, where,
-                                                 self.namespace, self.detached))
+                                                 self.namespace, self.detached,
+                                                 len(self.schedulers) or 1))
                     ray.get(started[1].ping.remote(), timeout=self.ready_timeout_s)
             except Exception:
                 for handle in started:
@@ -314,7 +322,7 @@ class Deployment:
         """Stop the node watcher, then close and kill every actor (no restart)."""
         if self.watcher is not None:
             self.watcher.stop()
-        for handle in [*self.engines, *self.agents, self.scheduler]:
+        for handle in [*self.engines, *self.agents, *(self.schedulers or [self.scheduler])]:
             try:
                 ray.get(handle.close.remote(), timeout=10)
             except Exception:
@@ -360,18 +368,21 @@ def _lifetime(detached: bool) -> dict[str, Any]:
     return {"lifetime": "detached"} if detached else {}
 
 
-def _start_agent(cfg: AgentConfig, where: Placement, namespace: str, detached: bool) -> Any:
+def _start_agent(cfg: AgentConfig, where: Placement, namespace: str, detached: bool,
+                 shards: int = 1) -> Any:
+    """Node ``cfg.node``'s agent, taking orders from (and reporting to) ``shards`` shards."""
+    cfg = cfg.model_copy(update={"scheduler_shards": shards})
     return AgentActor.options(name=agent_name(cfg.node), namespace=namespace,
                               get_if_exists=True, **_lifetime(detached),
                               **where.options()).remote(cfg, SCHEDULER_NAME, namespace)
 
 
 def _start_engine(cfg: EngineConfig, remote: RemoteStoreConfig | None, where: Placement,
-                  namespace: str, detached: bool) -> Any:
+                  namespace: str, detached: bool, shards: int = 1) -> Any:
     return EngineActor.options(name=engine_name(cfg.node), namespace=namespace,
                                get_if_exists=True, **_lifetime(detached),
                                **where.options()).remote(cfg, remote, SCHEDULER_NAME,
-                                                         namespace)
+                                                         namespace, shards)
 
 
 def start_scheduler(service: ServiceConfig, *, namespace: str = NAMESPACE,
@@ -405,29 +416,29 @@ def deploy(service: ServiceConfig, agents: Sequence[AgentConfig],
            placements: Sequence[Placement], *, engines: Sequence[EngineConfig] = (),
            engine_remote: RemoteStoreConfig | None = None, namespace: str = NAMESPACE,
            detached: bool = False, ready_timeout_s: float = 120.0,
-           scheduler_placement: Placement | None = None) -> Deployment:
-    """Start the scheduler (at ``scheduler_placement``, e.g. the head node that holds its
-    journal; anywhere when None), then agent ``i`` (and engine ``i``) at ``placements[i]``
-    for the nodes present at start (``service.initial_nodes``, default all). Waits until
-    every actor answers. Nodes that join later: :meth:`Deployment.watch_nodes`."""
+           scheduler_placement: Placement | None = None, shards: int = 1) -> Deployment:
+    """Start the scheduler's ``shards`` shards (at ``scheduler_placement``, e.g. the head
+    node that holds their journals; anywhere when None), then agent ``i`` (and engine
+    ``i``) at ``placements[i]`` for the nodes present at start (``service.initial_nodes``,
+    default all), each talking to every shard. Waits until every actor answers. Nodes that
+    join later: :meth:`Deployment.watch_nodes`."""
     if len(agents) != len(placements) or len(agents) != service.nodes_at_start:
         raise ValueError(f"one agent config and one placement per node present at start "
                          f"({service.nodes_at_start}); got {len(agents)} and "
                          f"{len(placements)}")
-    scheduler = start_scheduler(service, namespace=namespace, detached=detached,
-                                ready_timeout_s=ready_timeout_s,
-                                placement=scheduler_placement)
-    handles = [_start_agent(cfg, p, namespace, detached)
+    schedulers = start_shards(service, shards, namespace=namespace, detached=detached,
+                              ready_timeout_s=ready_timeout_s, placement=scheduler_placement)
+    handles = [_start_agent(cfg, p, namespace, detached, shards)
                for cfg, p in zip(agents, placements, strict=True)]
     ray.get([h.status.remote() for h in handles], timeout=ready_timeout_s)
     engine_handles = [_start_engine(cfg, engine_remote, placements[cfg.node], namespace,
-                                    detached) for cfg in engines]
+                                    detached, shards) for cfg in engines]
     ray.get([h.ping.remote() for h in engine_handles], timeout=ready_timeout_s)
-    return Deployment(scheduler, handles, engine_handles, namespace,
+    return Deployment(schedulers[0], handles, engine_handles, namespace,
                       placements={cfg.node: p for cfg, p in zip(agents, placements,
                                                                 strict=True)},
                       capacity=service.fleet.nodes, detached=detached,
-                      ready_timeout_s=ready_timeout_s)
+                      ready_timeout_s=ready_timeout_s, schedulers=schedulers)
 
 
 # ---------------------------------------------------------------------------- joining nodes

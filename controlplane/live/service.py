@@ -402,6 +402,7 @@ class SchedulerService:
             except ValidationError as exc:
                 raise InvalidRequestError(f"invalid SessionQuery: {exc}") from None
         check_call(call, self.config.limits)
+        self._check_owner(call.tenant, call.session_id)
         with self._lock:
             return self.driver.session_state(call)
 

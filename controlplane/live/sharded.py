@@ -72,8 +72,8 @@ def merge_summaries(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 class ShardedTransport:
     """:class:`~controlplane.live.protocol.SchedulerAPI` over every shard (module doc).
-    ``last_route_s[i]``: how long the last :meth:`route_many` waited for shard ``i``'s
-    answers (None: it had none of them)."""
+    ``last_route_s[i]``: how long the last :meth:`route_many` (of this transport or a view
+    of it) waited for shard ``i``'s answers (None: it had none of them)."""
 
     def __init__(self, transports: Sequence[RayTransport]) -> None:
         self.transports = list(transports)
@@ -116,7 +116,8 @@ class ShardedTransport:
         began = time.perf_counter()
         sent = {s: self.transports[s].send_routes([calls[i] for i in idx])
                 for s, idx in groups.items()}
-        self.last_route_s = [None] * len(self.transports)
+        # In place: views made by with_timeout share the list.
+        self.last_route_s[:] = [None] * len(self.transports)
         answers: list[api.RouteAnswer | ServiceError | None] = [None] * len(calls)
         waiting = {sent[s][0]: s for s in sent}
         while waiting:  # each shard's answers as they come, so one slow shard is its own

@@ -3,12 +3,14 @@ implements which Protocol, and how the client uses a remote one (pure logic: no 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import pytest
 
 from controlplane.base import api
 from controlplane.base.config import fleet_from_dict
+from controlplane.base.errors import ServiceError
 from controlplane.live.client import (
     Client,
     HttpTransport,
@@ -72,6 +74,11 @@ class _Remote:
         self._seen("route")
         return api.RouteAnswer(node=1, node_name="node-1")
 
+    def route_many(self, calls: Sequence[api.RouteQuery]
+                   ) -> list[api.RouteAnswer | ServiceError]:
+        self._seen("route_many")
+        return [api.RouteAnswer(node=1, node_name="node-1") for _ in calls]
+
     def request_finished(self, call: api.RequestFinished) -> api.Ack:
         self._seen("request_finished")
         return api.Ack()
@@ -125,3 +132,20 @@ def test_a_client_in_process_leaves_the_service_running() -> None:
         assert svc.has_session("acme", "s") and svc.sessions() == 1  # still serving
     with pytest.raises(Exception, match="needs service="):
         connect("inproc")
+
+
+def test_route_many_answers_in_order_and_a_refusal_runs_without_prefetch() -> None:
+    """Through a service in this process (route_each): every answer in its request's
+    place; a refused one (an unknown tenant) answers no_prefetch instead of raising."""
+    svc = SchedulerService(ServiceConfig(fleet=fleet_from_dict({"nodes": 2}),
+                                         tenants=("a",))).start()
+    try:
+        with Client(svc, tenant="a") as c:
+            answers = c.route_many([{"session_id": "s1", "input_tokens": 100},
+                                    {"session_id": "s2", "input_tokens": 100, "tenant": "b"},
+                                    {"session_id": "s3", "input_tokens": 100}])
+            assert [a.node is not None for a in answers] == [True, False, True]
+            assert svc.has_session("a", "s1") and svc.has_session("a", "s3")
+            assert not svc.has_session("b", "s2")
+    finally:
+        svc.close()

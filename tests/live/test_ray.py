@@ -211,3 +211,32 @@ def _alive(handle: Any) -> bool:
         return bool(ray.get(handle.ping.remote(), timeout=5))
     except Exception:
         return False
+
+
+def test_two_scheduler_shards_share_the_agents(
+        tmp_path: Path, servers: tuple[EmbeddedValkey, EmbeddedS3], local_ray: None) -> None:
+    """Each node's agent takes orders from both shards and reports each to the shard that
+    issued it: sessions owned by either shard are prefetched, and each shard books its own
+    orders done."""
+    from controlplane.base.shards import ShardRing
+    from controlplane.live.sharded import ShardedTransport
+
+    valkey, s3 = servers
+    svc, agents, remote = _configs(tmp_path, valkey, s3)
+    dep = deploy(svc, agents, local_placements(FLEET.nodes), shards=2)
+    try:
+        ring = ShardRing(2)
+        sids = [next(f"sh{k}-{i}" for i in range(100) if ring.owner("t", f"sh{k}-{i}") == k)
+                for k in (0, 1)]
+        keys = {sid: _seed(remote, "t", sid, 3 * CHUNK, 256 * 1024) for sid in sids}
+        client = connect("auto", timeout_s=10)
+        assert isinstance(client.scheduler, ShardedTransport)
+        for sid in sids:
+            _prefetch_to(client, dep, 1, "t", sid, 3 * CHUNK)
+        for sid in sids:
+            assert _wait(lambda sid=sid: all(ray.get(dep.agents[1].has.remote(keys[sid]))))
+        done = [ray.get(h.summary.remote())["orders_done"] for h in dep.schedulers]
+        assert all(n >= 1 for n in done), done
+        assert ray.get(dep.agents[1].status.remote()).stale_orders == 0
+    finally:
+        dep.shutdown()

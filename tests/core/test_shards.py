@@ -1,0 +1,94 @@
+"""Scheduler shards, pure parts: the consistent-hash ring (owners stable, spread even,
+~1/N moved when a shard is added), shard epochs (disjoint per shard, growing), a shard's
+configuration (its quota of each node), and a shard refusing a session it does not own."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from controlplane.base.config import default_fleet
+from controlplane.base.errors import WrongShardError
+from controlplane.base.shards import ShardRing, shard_epoch
+from controlplane.live.config import ServiceConfig
+from controlplane.live.service import SchedulerService
+
+SESSIONS = [(f"t{i % 3}", f"session-{i}") for i in range(20_000)]
+
+
+def test_one_shard_owns_everything() -> None:
+    ring = ShardRing(1)
+    assert {ring.owner(t, s) for t, s in SESSIONS[:100]} == {0}
+
+
+def test_owners_are_stable_and_spread_evenly() -> None:
+    ring, again = ShardRing(4), ShardRing(4)
+    owners = [ring.owner(t, s) for t, s in SESSIONS]
+    assert owners == [again.owner(t, s) for t, s in SESSIONS]  # any client computes the same
+    counts = Counter(owners)
+    assert set(counts) == {0, 1, 2, 3}
+    assert max(counts.values()) / (len(SESSIONS) / 4) < 1.3  # documented: ~28% at most
+
+
+def test_adding_a_shard_moves_about_one_in_n_sessions() -> None:
+    for n in (1, 2, 4, 8):
+        before, after = ShardRing(n), ShardRing(n + 1)
+        moved = [(t, s) for t, s in SESSIONS if before.owner(t, s) != after.owner(t, s)]
+        share = len(moved) / len(SESSIONS)
+        assert 0.5 / (n + 1) < share < 1.5 / (n + 1), (n, share)
+        # Only to the new shard: no session moves between old shards.
+        assert all(after.owner(t, s) == n for t, s in moved)
+
+
+def test_tenant_is_part_of_the_key() -> None:
+    ring = ShardRing(8)
+    assert len({ring.owner(f"tenant-{k}", "same-id") for k in range(64)}) > 1
+
+
+def test_shard_epochs_are_disjoint_and_grow() -> None:
+    for shards in (1, 2, 3, 4):
+        for shard in range(shards):
+            e = shard_epoch(1000, shard, shards)
+            assert e >= 1000 and e % shards == shard and e - 1000 < shards
+            assert shard_epoch(e + 1, shard, shards) == e + shards
+    with pytest.raises(ValueError):
+        shard_epoch(5, 2, 2)
+    with pytest.raises(ValueError):
+        ShardRing(0)
+
+
+def test_a_shard_config_holds_its_quota_of_each_node() -> None:
+    whole = ServiceConfig(fleet=default_fleet("8b", 4), journal_path="/j/journal.jsonl",
+                          max_live_sessions_per_tenant=10, tenant_max_live_sessions={"a": 3})
+    part = whole.for_shard(2, 4)
+    assert (part.shard, part.shards) == (2, 4)
+    node, whole_node = part.fleet.node, whole.fleet.node
+    assert node.dram_tier_bytes == whole_node.dram_tier_bytes // 4
+    assert node.hbm_kv_bytes == whole_node.hbm_kv_bytes // 4
+    assert node.nic_gbps == pytest.approx(whole_node.nic_gbps / 4)
+    assert part.fleet.remote.valkey_gbyte_s_per_node == pytest.approx(
+        whole.fleet.remote.valkey_gbyte_s_per_node / 4)
+    assert part.fleet.nodes == 4 and part.policy == whole.policy
+    assert part.journal_path == "/j/journal.jsonl.shard2of4"
+    assert part.max_live_sessions_per_tenant == 3 and part.tenant_max_live_sessions == {"a": 1}
+    assert whole.for_shard(0, 1).fleet == whole.fleet
+    with pytest.raises(ValueError, match="not one of 2 shards"):
+        ServiceConfig(shard=2, shards=2)
+
+
+def test_a_shard_refuses_a_session_it_does_not_own_and_serves_its_own() -> None:
+    ring = ShardRing(2)
+    mine = next(s for _, s in SESSIONS if ring.owner("default", s) == 1)
+    other = next(s for _, s in SESSIONS if ring.owner("default", s) == 0)
+    svc = SchedulerService(ServiceConfig(fleet=default_fleet("8b", 2)).for_shard(1, 2)).start()
+    try:
+        assert svc.epoch % 2 == 1
+        assert ring.owner("default", mine) == 1
+        assert svc.route({"session_id": mine, "input_tokens": 1000}).node is not None
+        with pytest.raises(WrongShardError, match="belongs to shard 0 of 2"):
+            svc.route({"session_id": other, "input_tokens": 1000})
+        assert not svc.has_session("default", other)  # nothing was recorded
+        assert svc.summary()["shard"] == 1
+    finally:
+        svc.close()
