@@ -284,7 +284,7 @@ class IndexedTier(Tier):
         chosen: list[TierEntry] = []
         gained = 0
         popped: list[tuple[float, str, int]] = []
-        best = self._in_order(now_s, exclude, popped)
+        best = self._in_order(now_s, exclude, popped, min_key)
         try:
             for key, e in best:
                 if gained >= need or key <= min_key:
@@ -298,9 +298,12 @@ class IndexedTier(Tier):
         return chosen if gained >= need else None
 
     def _in_order(self, now_s: float, exclude: str | None,
-                  popped: list[tuple[float, str, int]]) -> Iterator[tuple[float, TierEntry]]:
+                  popped: list[tuple[float, str, int]], floor: float = -INF
+                  ) -> Iterator[tuple[float, TierEntry]]:
         """Unpinned entries other than ``exclude`` with their exact keys, largest key
-        first (ties by name), computing exact keys only for heap tops that could be next."""
+        first (ties by name), computing exact keys only for heap tops that could be next.
+        Entries whose bound is at or below ``floor`` are not looked at (the caller stops
+        at the first key there: none of them could come before it)."""
         assert self._bounded is not None
         heap = self._heap
         ready: list[tuple[float, str, TierEntry]] = []  # (-exact key, name, entry)
@@ -310,6 +313,8 @@ class IndexedTier(Tier):
         while True:
             while heap:
                 neg_upper, key, seq = heap[0]
+                if -neg_upper <= floor:
+                    break  # every key left is at or below the floor
                 if ready and (-ready[0][0] > -neg_upper
                               or (-ready[0][0] == -neg_upper and ready[0][1] < key)):
                     break  # the best exact key beats every bound left

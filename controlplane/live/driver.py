@@ -503,6 +503,7 @@ class LiveDriver:
             "prefetches_over_budget": core.stats.prefetches_over_budget,
             "ttlb_s": list(s.ttlb_s), "lateness_s": list(s.lateness_s),
             "plan_step_s": list(s.plan_step_s),
+            "plan_steps": s.plan_steps,
             "eviction_index": asdict(core.eviction_index_stats()),
             "loop_errors": s.loop_errors, "sweeps": s.sweeps, "clock_s": self.clock.now_s(),
             "epoch": self.orders.epoch, "reports_rejected": dict(s.reports_rejected),

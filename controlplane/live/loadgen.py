@@ -110,6 +110,9 @@ class ModeResult:
     #: The client's event batching (ray modes), cumulative over populating and measuring.
     batching: dict[str, int] = field(default_factory=dict)
     shards: int = 1
+    #: Ray modes: each shard actor's resident memory (MiB) before populating and after the
+    #: measurement (the actors' memory is not traced from here).
+    shard_rss_mib: dict[str, list[float]] = field(default_factory=dict)
     #: With ``kill_shard``: seconds until the killed shard answered again, and each shard's
     #: route p99 (ms) before and after the kill.
     kill: dict[str, Any] = field(default_factory=dict)
@@ -246,7 +249,7 @@ class ClientTarget:
         self.client = client
         self._summary = summary
         self._close = close
-        self._plan_from = 0
+        self._plan_from: list[int] = []
 
     def route(self, sid: str, input_tokens: int, reused_tokens: int) -> int | None:
         try:
@@ -298,13 +301,24 @@ class ClientTarget:
                 total[k] = total.get(k, 0) + v
         return total
 
+    def _plan_windows(self) -> list[tuple[int, list[float]]]:
+        """(planning steps so far, the latest ones' seconds) of each shard."""
+        summary = self._summary()
+        return [(int(p.get("plan_steps", 0)), list(p.get("plan_step_s", ())))
+                for p in summary.get("per_shard", [summary])]
+
     def mark(self) -> None:
         """Planning steps from now on are the measurement's."""
-        self._plan_from = len(self._summary().get("plan_step_s", ()))
+        self._plan_from = [n for n, _ in self._plan_windows()]
 
     def plan_steps_s(self) -> list[float]:
-        steps = list(self._summary().get("plan_step_s", ()))
-        return steps[self._plan_from:] if self._plan_from <= len(steps) else steps
+        """Each shard's planning steps since :meth:`mark` (as many as its rolling window
+        still holds)."""
+        out: list[float] = []
+        for (n, window), before in zip(self._plan_windows(), self._plan_from, strict=True):
+            new = n - before
+            out.extend(window[-new:] if 0 < new else [])
+        return out
 
     def index_stats(self) -> dict[str, int]:
         return dict(self._summary().get("eviction_index", {}))
@@ -354,12 +368,18 @@ def run_mode(mode: str, trace: Trace, spec: LoadSpec,
     target = _target(mode, fleet, spec)
     try:
         base = tracemalloc.get_traced_memory()[0] if traced else 0
+        rss_before = target.rss_mib() if isinstance(target, RayTarget) else []
         began = time.perf_counter()
-        for i, sid in enumerate(sids):  # populate: every session plays its first turn
-            lost += _turn(target, player, i, sid, None)
+        # Populate: every session plays its first turn, ``concurrency`` at a time.
+        for start in range(0, spec.sessions, spec.concurrency):
+            idx = range(start, min(spec.sessions, start + spec.concurrency))
+            if len(idx) == 1:
+                lost += _turn(target, player, idx[0], sids[idx[0]], None)
+            else:
+                lost += _turns(target, player, idx, sids, None)
             target.poll()
-            if progress is not None and (i + 1) % 1000 == 0:
-                progress(2000)
+            if progress is not None and (idx[-1] + 1) // 1000 > start // 1000:
+                progress(2000 * ((idx[-1] + 1) // 1000 - start // 1000))
         lost += target.settle()
         populate_s = time.perf_counter() - began
         bytes_per = None
@@ -400,6 +420,9 @@ def run_mode(mode: str, trace: Trace, spec: LoadSpec,
         batching = target.batch_stats() if isinstance(target, ClientTarget) else {}
         kill = target.kill_report() if isinstance(target, RayTarget) else {}
         shards = target.shards if isinstance(target, RayTarget) else 1
+        rss = ({str(i): [b, a] for i, (b, a) in enumerate(zip(rss_before, target.rss_mib(),
+                                                              strict=True))}
+               if isinstance(target, RayTarget) else {})
     finally:
         if traced:
             tracemalloc.stop()
@@ -407,7 +430,7 @@ def run_mode(mode: str, trace: Trace, spec: LoadSpec,
     return ModeResult(
         mode, 2 * turns / elapsed if elapsed > 0 else 0.0, quantile(routes, 0.5) * 1e3,
         quantile(routes, 0.99) * 1e3, quantile(plans, 0.99) * 1e3 if plans else None,
-        bytes_per, lost, 2 * turns, round(populate_s, 3), index, batching, shards, kill)
+        bytes_per, lost, 2 * turns, round(populate_s, 3), index, batching, shards, rss, kill)
 
 
 def _turn(target: Target, player: _Player, i: int, sid: str,
@@ -424,14 +447,15 @@ def _turn(target: Target, player: _Player, i: int, sid: str,
 
 
 def _turns(target: Target, player: _Player, idx: Sequence[int], sids: Sequence[str],
-           routes: list[float]) -> int:
+           routes: list[float] | None) -> int:
     """One turn each of sessions ``idx``, played at once: their routes together, then
     their finishes. Every route waited as long as the call that carried it."""
     plays = [player.turn(i) for i in idx]
     began = time.perf_counter()
     nodes = target.route_many([(sids[i], inp, reused)
                                for i, (inp, reused, _, _) in zip(idx, plays, strict=True)])
-    routes.extend([time.perf_counter() - began] * len(idx))
+    if routes is not None:
+        routes.extend([time.perf_counter() - began] * len(idx))
     lost = 0
     for i, (inp, _, out, stop), node in zip(idx, plays, nodes, strict=True):
         if node is None:
@@ -521,6 +545,13 @@ class RayTarget(ClientTarget):
             self._shard_routes.extend((since, s, t) for s, t in enumerate(per_shard)
                                       if t is not None)
         return nodes
+
+    def rss_mib(self) -> list[float]:
+        """Each shard actor's resident memory now, MiB."""
+        import ray
+
+        return [round(b / (1 << 20), 1)
+                for b in ray.get([h.rss_bytes.remote() for h in self._handles], timeout=30)]
 
     def kill(self) -> None:
         """Kill the shard ``kill_shard`` names, if this mode has it (Ray restarts it); a

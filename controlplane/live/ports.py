@@ -133,8 +133,9 @@ class ServiceStats:
     ttlb_s: deque[float] = field(default_factory=_window)
     lateness_s: deque[float] = field(default_factory=_window)
     #: Wall seconds of each control-loop planning step (firing due orders and sweeps,
-    #: expiring lost orders, under the lock).
+    #: expiring lost orders, under the lock), and how many there were in all.
     plan_step_s: deque[float] = field(default_factory=_window)
+    plan_steps: int = 0
 
 
 @dataclass(slots=True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -171,6 +172,14 @@ class _SchedulerActor:
             except ServiceError as exc:
                 answers.append(exc)
         return refused, answers
+
+    def rss_bytes(self) -> int:
+        """This actor process's resident memory (Linux ``/proc``; 0 elsewhere)."""
+        try:
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, IndexError):
+            return 0
 
     def epoch(self) -> int:
         """This incarnation's epoch (a restarted shard answers a new one)."""

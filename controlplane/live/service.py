@@ -480,6 +480,7 @@ class SchedulerService:
             self.driver.sweep(now, box)
             self.driver.expire(wall, now, box)
             self.stats.plan_step_s.append(self._wall() - wall)
+            self.stats.plan_steps += 1
         if self._journal is not None:
             sync = wall - self._last_sync > self.config.journal_sync_interval_s
             if sync:
