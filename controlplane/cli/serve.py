@@ -436,6 +436,7 @@ class Serve:
         from agents.ray_entry import SCHEDULER_NAME
         from controlplane.live.client import connect
         from controlplane.live.http_api import HttpServer
+        from controlplane.live.metrics import merge_shard_metrics
         from controlplane.live.ray_app import (
             NodeCandidate,
             Placement,
@@ -475,7 +476,7 @@ class Serve:
         log.info("deploying the scheduler (policy %s) and %d agents in namespace %r",
                  service.policy, len(agents), cfg.ray.namespace)
         dep = deploy(service, agents, placements, namespace=cfg.ray.namespace,
-                     scheduler_placement=here)
+                     scheduler_placement=here, shards=service.shards)
         stack.callback(dep.shutdown)
         for w in ray.get([a.where.remote() for a in dep.agents], timeout=60):
             log.info("placed agent %d (%s) on Ray node %s at %s: tier %s", w["node"],
@@ -497,13 +498,14 @@ class Serve:
         client = connect(self.address, namespace=cfg.ray.namespace,
                          timeout_s=cfg.http.call_timeout_s)
         stack.callback(client.close)
-        scheduler = dep.scheduler
+        shards = dep.schedulers
 
         def metrics_text() -> bytes:
-            return bytes(ray.get(scheduler.metrics_text.remote(), timeout=5))
+            texts = ray.get([h.metrics_text.remote() for h in shards], timeout=5)
+            return texts[0] if len(texts) == 1 else merge_shard_metrics(texts)
 
         def health() -> None:
-            ray.get(scheduler.ping.remote(), timeout=2)
+            ray.get([h.ping.remote() for h in shards], timeout=2)
 
         app = http_app(cfg, client, self.auth, chunk_tokens=service.chunk_tokens,
                        metrics=metrics_text, health=health)

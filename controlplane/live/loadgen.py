@@ -317,7 +317,7 @@ class ClientTarget:
         out: list[float] = []
         for (n, window), before in zip(self._plan_windows(), self._plan_from, strict=True):
             new = n - before
-            out.extend(window[-new:] if 0 < new else [])
+            out.extend(window[-new:] if new > 0 else [])
         return out
 
     def index_stats(self) -> dict[str, int]:

@@ -187,3 +187,29 @@ class _TenantSharesCollector:
             for tenant, st in sorted(stats.items()):
                 counter.add_metric([tenant], getattr(st, field))
             yield counter
+
+
+def merge_shard_metrics(texts: list[bytes]) -> bytes:
+    """One exposition of several scheduler shards' metrics: every sample gets a ``shard``
+    label (its index in ``texts``), and each metric family is written once with all the
+    shards' samples (the text format wants a family's samples together)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families: dict[str, Metric] = {}
+    for shard, text in enumerate(texts):
+        for fam in text_string_to_metric_families(text.decode("utf-8")):
+            merged = families.get(fam.name)
+            if merged is None:
+                merged = families[fam.name] = Metric(fam.name, fam.documentation, fam.type,
+                                                     fam.unit)
+            for sample in fam.samples:
+                merged.samples.append(sample._replace(
+                    labels={**sample.labels, "shard": str(shard)}))
+
+    class _Merged:
+        def collect(self) -> Iterator[Metric]:
+            yield from families.values()
+
+    registry = CollectorRegistry()
+    registry.register(_Merged())
+    return bytes(generate_latest(registry))
