@@ -170,6 +170,24 @@ class FleetConfig(_Frozen):
             )
         return self
 
+    def shard_quota(self, shards: int) -> FleetConfig:
+        """What one of ``shards`` scheduler shards may plan with: each node's DRAM tier,
+        NIC rate and Valkey read rate, the Valkey capacity and the waste allowance divided
+        evenly (a static quota: two shards never promise the same bytes or bandwidth). HBM
+        is the engine's, not the scheduler's to divide: each shard sees it as it is."""
+        if shards == 1:
+            return self
+        node, remote, planner = self.node, self.remote, self.planner
+        return FleetConfig.model_validate({
+            **self.model_dump(),
+            "node": {**node.model_dump(), "dram_tier_bytes": node.dram_tier_bytes // shards,
+                     "nic_gbps": node.nic_gbps / shards},
+            "remote": {**remote.model_dump(),
+                       "valkey_gbyte_s_per_node": remote.valkey_gbyte_s_per_node / shards,
+                       "valkey_capacity_bytes": remote.valkey_capacity_bytes // shards},
+            "planner": {**planner.model_dump(),
+                        "waste_allowance_gib": planner.waste_allowance_gib / shards}})
+
     @property
     def local_capacity_bytes(self) -> int:
         """HBM KV + DRAM tier over all nodes: what local tiers can hold at once."""

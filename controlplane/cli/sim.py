@@ -8,6 +8,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from controlplane.base.errors import ConfigError
+from controlplane.base.shards import MAX_SHARDS
 from controlplane.base.types import Trace
 from controlplane.cli.predictor_option import add_predictor_option
 from controlplane.core.policies import POLICY_NAMES
@@ -90,6 +91,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     hints.add_argument("--typing-abandon-share", type=float, metavar="F",
                        help="share of typing hints that lead nowhere (the user stops typing; no "
                        "request follows for a while), in [0, 1) (default 0)")
+    p.add_argument("--shards", type=int, default=1, metavar="N",
+                   help="split the decisions over N scheduler shards, as `service.shards` "
+                   "does live: each session is decided by the shard it hashes to, each shard "
+                   "plans with 1/N of every node's DRAM tier, link and Valkey rate and its "
+                   "own copy of the predictor (default 1)")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                    help="parallel worker processes, one policy each (default: all cores)")
     p.add_argument("--json", dest="json_out", help="write the report as JSON here (atomic)")
@@ -168,6 +174,8 @@ def run(args: argparse.Namespace) -> int:
     from predictors.registry import resolve
 
     policies = parse_policies(args.policies)
+    if not 1 <= args.shards <= MAX_SHARDS:
+        raise ConfigError(f"--shards must be 1-{MAX_SHARDS}, got {args.shards}")
     hints = hint_config(args)
     resolve(args.predictor)  # fail fast on an unknown predictor, before loading anything
     if args.fleet:
@@ -199,7 +207,8 @@ def run(args: argparse.Namespace) -> int:
     trace = clamp_to_window(trace, fleet.model.max_context_tokens)
     options = SimOptions(predictor=args.predictor, seed=args.seed,
                          clear_tiers_at_s=events.clear_tiers_at_s, join_at_s=events.join_at_s,
-                         scenario=args.scenario, workers=args.workers, hints=hints)
+                         scenario=args.scenario, workers=args.workers, hints=hints,
+                         shards=args.shards)
     bar = tqdm(total=trace.requests * len(policies), unit="req", desc="replaying",
                disable=args.no_progress, mininterval=0.5)
     with bar:

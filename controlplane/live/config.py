@@ -126,29 +126,18 @@ class ServiceConfig(BaseModel):
                 for t in sorted(set(tier) | set(bw))}
 
     def for_shard(self, shard: int, shards: int) -> ServiceConfig:
-        """The configuration of shard ``shard`` of ``shards`` cut from this whole-fleet one.
-
-        Each node's HBM and DRAM tier bytes, its NIC rate and its Valkey read rate (and the
-        Valkey capacity) are divided evenly among the shards (a static quota: two shards
-        never promise the same bytes; each shard's books see only its own sessions), as is
-        every tenant's live-session quota (rounded up). The journal gets one segment per
-        shard (``<path>.shard<i>of<n>``)."""
+        """The configuration of shard ``shard`` of ``shards`` cut from this whole-fleet one:
+        the fleet's quota for one shard (:meth:`FleetConfig.shard_quota`), every tenant's
+        live-session quota divided (rounded up), and one journal segment per shard
+        (``<path>.shard<i>of<n>``)."""
         if shards == 1:
             return self.model_copy(update={"shard": 0, "shards": 1})
-        node, remote = self.fleet.node, self.fleet.remote
-        fleet = FleetConfig.model_validate({
-            **self.fleet.model_dump(),
-            "node": {**node.model_dump(), "hbm_kv_bytes": node.hbm_kv_bytes // shards,
-                     "dram_tier_bytes": node.dram_tier_bytes // shards,
-                     "nic_gbps": node.nic_gbps / shards},
-            "remote": {**remote.model_dump(),
-                       "valkey_gbyte_s_per_node": remote.valkey_gbyte_s_per_node / shards,
-                       "valkey_capacity_bytes": remote.valkey_capacity_bytes // shards}})
         journal = (None if self.journal_path is None
                    else f"{self.journal_path}.shard{shard}of{shards}")
         per_shard = {t: -(-q // shards) for t, q in self.tenant_max_live_sessions.items()}
         return ServiceConfig.model_validate({
-            **self.model_dump(exclude={"fleet"}), "fleet": fleet, "journal_path": journal,
+            **self.model_dump(exclude={"fleet"}), "fleet": self.fleet.shard_quota(shards),
+            "journal_path": journal,
             "max_live_sessions_per_tenant": -(-self.max_live_sessions_per_tenant // shards),
             "tenant_max_live_sessions": per_shard, "shard": shard, "shards": shards})
 

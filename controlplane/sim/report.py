@@ -169,6 +169,8 @@ class SimMeta:
     wall_s: float
     #: The client hints sent; None when the replay sent none (the JSON then has no key).
     hints: HintsMeta | None = None
+    #: Scheduler shards the decisions were split over (the JSON has the key only when > 1).
+    shards: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -180,6 +182,8 @@ class SimMeta:
             "pressure_ratio": self.pressure_ratio, "wall_s": self.wall_s}
         if self.hints is not None:
             out["hints"] = self.hints.to_dict()
+        if self.shards > 1:
+            out["shards"] = self.shards
         return out
 
 

@@ -43,6 +43,8 @@ class SimOptions:
     workers: int = 1
     #: Client hints the simulated clients send; None = no hints at all.
     hints: HintConfig | None = None
+    #: Scheduler shards the decisions are split over (:mod:`controlplane.core.sharded`).
+    shards: int = 1
 
 
 def hinted_predictor(policy: PolicySpec, predictor: Predictor) -> Predictor:
@@ -58,14 +60,14 @@ def run_policy(trace: Trace, fleet: FleetConfig, policy: PolicySpec, predictor_s
                clear_tiers_at_s: float | None = None,
                progress: Callable[[int], None] | None = None, *,
                hints: Sequence[PlannedHint] | None = None,
-               join_at_s: float | None = None) -> PolicyRun:
+               join_at_s: float | None = None, shards: int = 1) -> PolicyRun:
     """One policy's replay. ``hints``: the planned client hints (:func:`plan_hints`), which
     also turns the predictor's hint reading on (even when empty); None = no hints."""
     predictor = load_predictor(policy.predictor or predictor_spec, trace=trace)
     if hints is not None:
         predictor = hinted_predictor(policy, predictor)
     sim = Simulation(trace, fleet, policy, predictor, clear_tiers_at_s=clear_tiers_at_s,
-                     join_at_s=join_at_s, hints=hints or ())
+                     join_at_s=join_at_s, hints=hints or (), shards=shards)
     return sim.run(progress)
 
 
@@ -73,9 +75,10 @@ _WORKER_STATE: dict[str, Any] = {}
 
 
 def _init_worker(trace: Trace, fleet: FleetConfig, predictor: str, clear: float | None,
-                 queue: Any, hints: Sequence[PlannedHint] | None, join: float | None) -> None:
+                 queue: Any, hints: Sequence[PlannedHint] | None, join: float | None,
+                 shards: int) -> None:
     _WORKER_STATE.update(trace=trace, fleet=fleet, predictor=predictor, clear=clear,
-                         queue=queue, hints=hints, join=join)
+                         queue=queue, hints=hints, join=join, shards=shards)
 
 
 def _run_in_worker(policy: PolicySpec) -> PolicySummary:
@@ -83,7 +86,7 @@ def _run_in_worker(policy: PolicySpec) -> PolicySummary:
     queue = st["queue"]
     run = run_policy(st["trace"], st["fleet"], policy, st["predictor"], st["clear"],
                      progress=queue.put if queue is not None else None, hints=st["hints"],
-                     join_at_s=st["join"])
+                     join_at_s=st["join"], shards=st["shards"])
     return summarize(run)
 
 
@@ -102,7 +105,8 @@ def run_policies(
     if options.workers <= 1 or len(policies) <= 1:
         for policy in policies:
             run = run_policy(trace, fleet, policy, options.predictor, options.clear_tiers_at_s,
-                             progress, hints=hints, join_at_s=options.join_at_s)
+                             progress, hints=hints, join_at_s=options.join_at_s,
+                             shards=options.shards)
             results[policy.name] = summarize(run)
     else:
         ctx = mp.get_context("fork")
@@ -111,7 +115,7 @@ def run_policies(
             max_workers=min(options.workers, len(policies)), mp_context=ctx,
             initializer=_init_worker,
             initargs=(trace, fleet, options.predictor, options.clear_tiers_at_s, queue, hints,
-                      options.join_at_s),
+                      options.join_at_s, options.shards),
         ) as pool:
             futures = {p.name: pool.submit(_run_in_worker, p) for p in policies}
             while queue is not None and progress is not None and not all(
@@ -142,6 +146,7 @@ def run_policies(
         pressure_ratio=round(working_set / max(1, local_capacity), 3),
         wall_s=round(time.perf_counter() - started, 3),
         hints=_hints_meta(options.hints, hints),
+        shards=options.shards,
     )
     closure = gap_closure({name: p.returning.ttft_mean_s for name, p in results.items()})
     return SimReport(meta, results, closure)

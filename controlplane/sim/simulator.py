@@ -27,6 +27,7 @@ from controlplane.base.types import EventKind, SessionEvent, Trace, TraceRequest
 from controlplane.core.planner import PrefetchOrder
 from controlplane.core.policies import PolicySpec
 from controlplane.core.scheduler import SchedulerCore
+from controlplane.core.sharded import ShardedCore
 from controlplane.core.step import LoadTicket, StepOutput
 from controlplane.core.tiers import LruEviction, Tier, TierEntry
 from predictors.base import Predictor
@@ -58,9 +59,8 @@ class _Req:
 @dataclass(slots=True)
 class _Node:
     idx: int
+    #: (Its DRAM tier is the scheduling core's books: the core answers for it.)
     hbm: Tier
-    #: The node's DRAM tier; its books are kept by the scheduling core (the same object).
-    dram: Tier
     link: Link
     queue: deque[_Req] = field(default_factory=deque)
     running: _Req | None = None
@@ -148,6 +148,7 @@ class Simulation:
         join_at_s: float | None = None,
         record_links: bool = False,
         hints: Iterable[PlannedHint] = (),
+        shards: int = 1,
     ) -> None:
         self.trace = trace
         self.fleet = fleet
@@ -167,13 +168,13 @@ class Simulation:
         self._orders: list[PrefetchOrder] = []
         self._valkey: OrderedDict[str, int] = OrderedDict()
         self._valkey_bytes = 0
-        self.core = SchedulerCore(fleet, policy, predictor, self)
+        #: One core, or ``shards`` cores each planning with its quota of the fleet.
+        self.core: SchedulerCore | ShardedCore = (
+            SchedulerCore(fleet, policy, predictor, self) if shards == 1
+            else ShardedCore(fleet, policy, predictor, self, shards))
         node_cfg = fleet.node
-        self.nodes = [
-            _Node(i, Tier(f"hbm{i}", node_cfg.hbm_kv_bytes, LruEviction()), self.core.dram[i],
-                  Link(i))
-            for i in range(fleet.nodes)
-        ]
+        self.nodes = [_Node(i, Tier(f"hbm{i}", node_cfg.hbm_kv_bytes, LruEviction()), Link(i))
+                      for i in range(fleet.nodes)]
         if record_links:
             for n in self.nodes:
                 n.link.record = []

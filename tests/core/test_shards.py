@@ -65,7 +65,9 @@ def test_a_shard_config_holds_its_quota_of_each_node() -> None:
     assert (part.shard, part.shards) == (2, 4)
     node, whole_node = part.fleet.node, whole.fleet.node
     assert node.dram_tier_bytes == whole_node.dram_tier_bytes // 4
-    assert node.hbm_kv_bytes == whole_node.hbm_kv_bytes // 4
+    assert node.hbm_kv_bytes == whole_node.hbm_kv_bytes  # the engine's: not divided
+    assert part.fleet.planner.waste_allowance_gib == pytest.approx(
+        whole.fleet.planner.waste_allowance_gib / 4)
     assert node.nic_gbps == pytest.approx(whole_node.nic_gbps / 4)
     assert part.fleet.remote.valkey_gbyte_s_per_node == pytest.approx(
         whole.fleet.remote.valkey_gbyte_s_per_node / 4)
