@@ -21,7 +21,7 @@ import ray
 
 from agents.agent import AgentConfig, PrefetchAgent, RemoteStoreConfig
 from agents.engine_emulator import EngineConfig, EngineEmulator, ServeRequest, ServeResult
-from controlplane.base.shards import ShardRing
+from controlplane.base.shards import ShardRing, split_engine_report
 from controlplane.base.wire import (
     AgentHello,
     AgentStatus,
@@ -191,9 +191,9 @@ class _EngineActor:
         return 0
 
     def _send(self, report: EngineReport) -> None:
-        # Every shard: the sessions its HBM dropped may be any shard's.
-        for ref in self._shards.refs:
-            ref.get().engine_report.remote(report)
+        # The served session's shard, and drop notices to the shards of the dropped ones.
+        for shard, part in split_engine_report(report, self._shards.ring).items():
+            self._shards.refs[shard].get().engine_report.remote(part)
 
     def _wait(self, order_id: int, timeout_s: float) -> TransferReport | None:
         ref: Any = self._agent.wait.remote(order_id, timeout_s)

@@ -18,7 +18,11 @@ Pure functions, no I/O.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import hashlib
+
+from controlplane.base.types import SessionKey
+from controlplane.base.wire import EngineReport
 
 #: Points on the ring per shard: with 128 the largest shard of 4 owns about 28% of the
 #: sessions instead of 25% (measured by tests/core/test_shards.py's spread check).
@@ -61,3 +65,23 @@ def shard_epoch(epoch: int, shard: int, shards: int) -> int:
     if not 0 <= shard < shards:
         raise ValueError(f"shard {shard} is not one of {shards}")
     return epoch + (shard - epoch) % shards
+
+
+def split_engine_report(report: EngineReport, ring: ShardRing) -> dict[int, EngineReport]:
+    """What each shard needs of an engine's report: the shard that owns the served session
+    gets it whole (its HBM evictions narrowed to that shard's sessions); every other shard
+    whose sessions the engine's HBM dropped gets a drop notice naming only those (an empty
+    ``session_id`` and no tokens). No shard hears of another's sessions, and the report's
+    counters are counted once."""
+    if ring.shards == 1:
+        return {0: report}
+    dropped: dict[int, list[str]] = {}
+    for sid in report.hbm_evicted:
+        key = SessionKey.parse(sid)
+        dropped.setdefault(ring.owner(key.tenant, key.session_id), []).append(sid)
+    key = SessionKey.parse(report.session_id)
+    owner = ring.owner(key.tenant, key.session_id)
+    out = {owner: dataclasses.replace(report, hbm_evicted=tuple(dropped.pop(owner, ())))}
+    for shard, sids in dropped.items():
+        out[shard] = EngineReport("", report.node, 0, 0, 0, tuple(sids))
+    return out

@@ -300,11 +300,15 @@ class LiveDriver:
         return self.core.use_local(info.sid, node, reused_tokens, self.clock.now_s())
 
     def engine_report(self, report: EngineReport) -> None:
+        """The engine's HBM now holds the served session's context and no longer the ones
+        it dropped. A drop notice (empty ``session_id``, from a sharded engine client:
+        :func:`~controlplane.base.shards.split_engine_report`) only drops."""
         hbm = self.fleet.nodes[report.node].hbm
-        hbm[report.session_id] = report.context_tokens
         for sid in report.hbm_evicted:
             hbm.pop(sid, None)
-        self.metrics.local_lookup(report.local_tokens, report.reused_tokens)
+        if report.session_id:
+            hbm[report.session_id] = report.context_tokens
+            self.metrics.local_lookup(report.local_tokens, report.reused_tokens)
 
     # ------------------------------------------------------------------ fleet changes
     def mark_out(self, nodes: Iterable[int], box: Outbox) -> None:

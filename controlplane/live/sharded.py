@@ -2,11 +2,12 @@
 
 :class:`ShardedTransport` holds one :class:`~controlplane.live.client.RayTransport` per
 shard (each with its own event batcher) and sends every call about a session to the shard
-that owns it (:class:`~controlplane.base.shards.ShardRing`, computed here: one hop). Calls
-that concern the whole fleet go to every shard: an engine's report (the sessions its HBM
-dropped may be any shard's) and an agent's hello (each shard keeps its own books of the
-node). A transfer report goes to the shard that issued the order: each shard's epochs are
-congruent to its number modulo the shard count, and every order id carries its epoch.
+that owns it (:class:`~controlplane.base.shards.ShardRing`, computed here: one hop). An
+engine's report goes to the served session's shard, and a drop notice to each other shard
+whose sessions its HBM dropped (:func:`~controlplane.base.shards.split_engine_report`); an
+agent's hello goes to every shard (each keeps its own books of the node). A transfer
+report goes to the shard that issued the order: each shard's epochs are congruent to its
+number modulo the shard count, and every order id carries its epoch.
 
 :func:`open_ray` is what :func:`~controlplane.live.client.connect` calls for a Ray
 address: it asks shard 0 how many shards there are, and answers a plain ``RayTransport``
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from controlplane.base import api
 from controlplane.base.errors import ServiceError, ServiceUnavailableError
-from controlplane.base.shards import ShardRing
+from controlplane.base.shards import ShardRing, split_engine_report
 from controlplane.base.wire import (
     AgentHello,
     EngineReport,
@@ -161,8 +162,8 @@ class ShardedTransport:
                                                         reused_tokens, done)
 
     def engine_report(self, report: EngineReport) -> None:
-        for t in self.transports:
-            t.engine_report(report)
+        for shard, part in split_engine_report(report, self.ring).items():
+            self.transports[shard].engine_report(part)
 
     # ------------------------------------------------------------------ agent calls
     def agent_hello(self, hello: AgentHello) -> None:

@@ -94,3 +94,26 @@ def test_a_shard_refuses_a_session_it_does_not_own_and_serves_its_own() -> None:
         assert svc.summary()["shard"] == 1
     finally:
         svc.close()
+
+
+def test_an_engine_report_goes_to_its_owner_and_drop_notices_to_the_others() -> None:
+    from controlplane.base.shards import split_engine_report
+    from controlplane.base.wire import EngineReport
+
+    ring = ShardRing(4)
+    served = "t0/session-1"
+    dropped = tuple(f"t1/session-{i}" for i in range(40))
+    report = EngineReport(served, 2, 5000, 1000, 4000, dropped, 7, 9)
+    parts = split_engine_report(report, ring)
+    owner = ring.owner("t0", "session-1")
+    assert parts[owner].session_id == served and parts[owner].context_tokens == 5000
+    assert parts[owner].kv_written_bytes == 7  # counters travel once, with the owner
+    seen: list[str] = []
+    for shard, part in parts.items():
+        assert part.node == 2
+        assert all(ring.owner(*sid.split("/", 1)) == shard for sid in part.hbm_evicted)
+        if shard != owner:
+            assert part.session_id == "" and part.local_tokens == part.reused_tokens == 0
+        seen.extend(part.hbm_evicted)
+    assert sorted(seen) == sorted(dropped)
+    assert split_engine_report(report, ShardRing(1)) == {0: report}

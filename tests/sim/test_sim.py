@@ -31,6 +31,7 @@ from controlplane.core.policies import (
     parse_policies,
 )
 from controlplane.core.router import NodeView, RouteRequest, route
+from controlplane.core.scheduler import SchedulerCore
 from controlplane.core.tiers import LruEviction, Tier, TierEntry
 from controlplane.sim import SimOptions, Simulation, run_policies
 from controlplane.sim.link import DEMAND, PREFETCH, Link, Transfer
@@ -171,9 +172,12 @@ def test_invariants_under_pressure(policy: str) -> None:
     sim = _run(policy, trace, fleet)
     assert len(sim.out.records) == trace.requests
     nic = fleet.node.nic_bytes_per_s  # type: ignore[attr-defined]
+    core = sim.core
+    assert isinstance(core, SchedulerCore)
     for node in sim.nodes:
+        dram = core.dram[node.idx]
         assert node.hbm.used_bytes <= node.hbm.capacity_bytes
-        assert node.dram.used_bytes <= node.dram.capacity_bytes
+        assert dram.used_bytes <= dram.capacity_bytes
         for start, end, moved in node.link.record or []:
             assert moved <= (end - start) * nic * 1.000001 + 1
     for rec in sim.out.records:
