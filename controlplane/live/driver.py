@@ -304,11 +304,11 @@ class LiveDriver:
         it dropped. A drop notice (empty ``session_id``, from a sharded engine client:
         :func:`~controlplane.base.shards.split_engine_report`) only drops."""
         hbm = self.fleet.nodes[report.node].hbm
-        for sid in report.hbm_evicted:
-            hbm.pop(sid, None)
         if report.session_id:
             hbm[report.session_id] = report.context_tokens
             self.metrics.local_lookup(report.local_tokens, report.reused_tokens)
+        for sid in report.hbm_evicted:  # the served session too, when it did not fit
+            hbm.pop(sid, None)
 
     # ------------------------------------------------------------------ fleet changes
     def mark_out(self, nodes: Iterable[int], box: Outbox) -> None:

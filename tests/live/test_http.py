@@ -5,7 +5,7 @@ transfers, the OpenAPI document, timeouts answered without prefetch."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -298,6 +298,9 @@ class _SlowScheduler:
 
     def route(self, call: api.RouteQuery) -> api.RouteAnswer:
         return self._late("route")
+
+    def route_many(self, calls: Sequence[api.RouteQuery]) -> list[api.RouteAnswer]:
+        return self._late("route_many")
 
     def request_finished(self, call: api.RequestFinished) -> api.Ack:
         return self._late("request_finished")
