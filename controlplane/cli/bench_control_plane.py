@@ -23,24 +23,34 @@ modes:
            timer); route stays synchronous; measuring ends when every queued event is
            answered (refused ones count as lost)
   ray-1-sync  the same, one synchronous actor call per event (no batching)
+  ray-2, ray-4  2 or 4 scheduler shards (Ray actors), each owning the sessions that hash
+           to it, with its quota of every node; the client sends each call to its owner
+           (routes of one --concurrency batch: one actor call per shard, all at once)
 
 How it runs: SESSIONS live sessions each play a trace session (cycled, so any number of
 sessions can be made from a small trace) turn by turn. First every session plays its
 first turn (populating; memory traced over it gives bytes per idle session where the
 scheduler is in this process), then EVENTS events are measured: a random session plays
 its next turn, route then request_finished, closed loop (the next call leaves when the
-previous answered), the service clock running --speedup times the wall clock.
+previous answered), the service clock running --speedup times the wall clock. With
+--concurrency K, K distinct sessions play a turn at once (their routes together, then
+their finishes); a route's latency is then its batch's.
 
 Reported per mode: events/s, route p50/p99 in ms (as the caller sees it), planning-step
-p99 in ms, bytes per idle session (n/a through Ray), lost events (refused, timed out or
-failed calls). JSON (--json, written atomically):
+p99 in ms, bytes per idle session (n/a through Ray: each shard actor's RSS before and
+after is in shard_rss_mib instead), lost events (refused, timed out or failed calls); for
+ray-N the ratio to ray-1 and, with --kill-shard, the restart time and each shard's route
+p99 before and after the kill. JSON (--json, written atomically):
   {"modes": {"<mode>": {"events_per_s", "route_p50_ms", "route_p99_ms", "plan_p99_ms",
-   "bytes_per_session", "lost_events", ...}}, "sessions": N, ...}
+   "bytes_per_session", "lost_events", "shards", "shard_rss_mib", "kill", ...}},
+   "sessions": N, ...}
 
 examples:
   kvprefetch bench control-plane                       # ~1 min: inproc, service, ray-1
   kvprefetch bench control-plane --modes inproc --sessions 100000 --events 100000
   kvprefetch bench control-plane --trace ../shared/traces/claude-code --json out/cp.json
+  kvprefetch bench control-plane --modes ray-1,ray-2,ray-4 --concurrency 256 --speedup 1
+  kvprefetch bench control-plane --modes ray-2 --concurrency 64 --kill-shard 1
 """
 
 
@@ -49,8 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = EPILOG
     parser.add_argument("--modes", default="inproc,service,ray-1",
-                        help="comma-separated: inproc, service, http, ray-1, ray-1-sync "
-                        "(default: inproc, service, ray-1)")
+                        help="comma-separated: inproc, service, http, ray-1, ray-1-sync, "
+                        "ray-2, ray-4 (default: inproc, service, ray-1)")
     parser.add_argument("--sessions", type=int, default=2_000,
                         help="live sessions held while measuring (default 2,000)")
     parser.add_argument("--events", type=int, default=10_000,
