@@ -14,6 +14,9 @@ It replays a trace's session events, sped up, against one *target*:
   and goes with the next ``route``'s actor call or the flush timer); the measurement ends
   when every queued event is answered, and refused ones count as lost;
 * ``ray-1-sync``: the same without batching (one synchronous actor call per event);
+* ``ray-2``, ``ray-4``: 2 or 4 scheduler shards (:mod:`controlplane.live.sharded`), each
+  call sent to the shard that owns its session, each shard's events batched; with
+  ``kill_shard`` one shard is killed halfway through the measurement;
 * ``http``: the HTTP API (``kvprefetch serve``'s FastAPI app on uvicorn, loopback, no
   auth) in front of a :class:`~controlplane.live.service.SchedulerService`, through the
   Python client's :class:`~controlplane.live.client.HttpTransport`: JSON, validation and
@@ -29,7 +32,9 @@ scheduler runs in this process). Then ``events`` events are measured: a random l
 (seeded) plays its next turn: ``route`` (the request's arrival and routing, one event)
 then ``request_finished`` (one event), back to back with no think time (closed loop: the
 next call leaves when the previous one answered), while the service clock runs
-``time_compression`` times faster than the wall clock.
+``time_compression`` times faster than the wall clock. With ``concurrency`` K, K distinct
+sessions play a turn at once: their routes in one ``route_many`` (one actor call per shard
+through Ray), then their finishes.
 
 Reported per mode: events per second over the measurement, route latency p50/p99 (as the
 caller sees it), planning-step p99 (the control loop's step: due orders, sweeps, expiry),
@@ -529,8 +534,8 @@ class RayTarget(ClientTarget):
                          batching=EventBatching() if batched else None)
         transport: Any = client.scheduler
         super().__init__(client, transport.summary, self._close_ray)
-        #: (seconds since the kill, shard, route seconds) of every shard answer after
-        #: the kill began; negative before it.
+        #: (seconds since the kill, -1 before it; shard; seconds it took) of each shard's
+        #: answer to every batch of routes.
         self._shard_routes: list[tuple[float, int, float]] = []
         self._killed_at: float | None = None
         self._restart_s: float | None = None
