@@ -7,9 +7,13 @@ and where the per-node actors are placed.
   and asks every agent to greet it again (their tier inventories rebuild its books). Its
   methods run one at a time, in the order each caller sent them; a thread inside it runs
   the control loop.
-* :func:`deploy`: starts the scheduler, then one agent (and, on CPU-only clusters, one
-  engine emulator) per node present at start, pinned by a per-node custom resource or by
-  node affinity.
+* :func:`start_shards`: ``N`` such actors as scheduler shards (``scheduler_name(i)``; shard 0
+  keeps the unsharded name), each with its quota of the fleet and its journal segment
+  (:meth:`ServiceConfig.for_shard`); clients find them through shard 0
+  (:mod:`controlplane.live.sharded`).
+* :func:`deploy`: starts the scheduler (its shards), then one agent (and, on CPU-only
+  clusters, one engine emulator) per node present at start, pinned by a per-node custom
+  resource or by node affinity; agents and engines talk to every shard.
 * :class:`NodeWatcher` (:meth:`Deployment.watch_nodes`): a thread in the deploying process
   that polls Ray every few seconds and gives a node that joins the cluster the next free
   node slot (``ServiceConfig.fleet.nodes`` is the capacity): it starts that slot's agent
