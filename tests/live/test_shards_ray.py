@@ -50,6 +50,19 @@ def test_sessions_go_to_their_owning_shard() -> None:
         summary = transport.summary()
         assert summary["shards"] == 2 and len(summary["per_shard"]) == 2
         assert transport.sessions() == 24
+        # The HTTP front over the sharded client: one hop to the owner as well.
+        import httpx
+
+        from controlplane.live.http_api import HttpServer, create_app
+
+        with HttpServer(create_app(client, bearer_token=None)) as srv:
+            for sid in ("http-a", "http-b", "http-c", "http-d"):
+                r = httpx.post(f"{srv.url}/v1/route",
+                               json={"session_id": sid, "input_tokens": 500}, timeout=10)
+                assert r.status_code == 200 and r.json()["node"] is not None
+                owner = ring.owner("default", sid)
+                assert ray.get(handles[owner].has_session.remote("default", sid))
+                assert not ray.get(handles[1 - owner].has_session.remote("default", sid))
         # A client that ignores the shards (shard 0 only) is refused, not half-served.
         stray = next(s for s, o in zip(sids, owners, strict=True) if o == 1)
         lone = RayTransport("auto", namespace, timeout_s=10.0)
