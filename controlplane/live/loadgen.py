@@ -56,6 +56,9 @@ from controlplane.base.errors import ConfigError, KvPrefetchError
 from controlplane.base.types import EventKind, SessionEvent, Trace
 
 #: Modes this generator knows, in the order a table lists them.
+#: Seconds after a killed shard answers again before its routes count as "settled".
+SETTLE_S = 2.0
+
 MODES: tuple[str, ...] = ("inproc", "service", "http", "ray-1", "ray-1-sync", "ray-2",
                           "ray-4")
 
@@ -590,13 +593,17 @@ class RayTarget(ClientTarget):
     def kill_report(self) -> dict[str, Any]:
         if self._killed is None:
             return {}
-        p99: dict[str, dict[str, float]] = {}
+        settled = (self._restart_s or 0.0) + SETTLE_S
+        windows: dict[str, Callable[[float], bool]] = {
+            "before": lambda since: since < 0, "after": lambda since: since >= 0,
+            # from SETTLE_S after the killed shard answered again (its replay is over)
+            "settled": lambda since: since >= settled}
+        p99: dict[str, dict[str, float | None]] = {}
         for shard in range(self.shards):
-            for side, picked in (("before", [t for since, s, t in self._shard_routes
-                                             if s == shard and since < 0]),
-                                 ("after", [t for since, s, t in self._shard_routes
-                                            if s == shard and since >= 0])):
-                p99.setdefault(str(shard), {})[side] = round(quantile(picked, 0.99) * 1e3, 3)
+            for side, within in windows.items():
+                picked = [t for since, s, t in self._shard_routes if s == shard and within(since)]
+                p99.setdefault(str(shard), {})[side] = (
+                    round(quantile(picked, 0.99) * 1e3, 3) if picked else None)
         return {"shard": self._killed, "restart_s": self._restart_s,
                 "route_p99_ms_by_shard": p99}
 
@@ -639,7 +646,8 @@ def format_table(result: dict[str, Any]) -> str:
             restart = kill["restart_s"]
             lines.append(f"{mode}: shard {kill['shard']} killed halfway, answering again "
                          f"after {num(restart, '.2f')} s; route p99 ms by shard before -> "
-                         "after: " + ", ".join(
-                             f"{s} {v['before']:.3f} -> {v['after']:.3f}"
+                         "after (-> from 2 s after its restart): " + ", ".join(
+                             f"{s} {num(v['before'], '.3f')} -> {num(v['after'], '.3f')} "
+                             f"({num(v['settled'], '.3f')})"
                              for s, v in kill["route_p99_ms_by_shard"].items()))
     return "\n".join(lines)
