@@ -25,6 +25,7 @@ from raycluster import _end, _pids_under  # noqa: E402
 
 from agents.embedded import EmbeddedS3, EmbeddedValkey, free_port  # noqa: E402
 from controlplane.base.errors import ConfigError  # noqa: E402
+from controlplane.base.shards import ShardRing  # noqa: E402
 from controlplane.cli import main  # noqa: E402
 from controlplane.cli.serve import load_serve_config  # noqa: E402
 from controlplane.live.client import connect  # noqa: E402
@@ -136,8 +137,9 @@ def test_placement_matches_gpu_resource_custom_resource_and_labels() -> None:
 
 
 @pytest.mark.servers
+@pytest.mark.parametrize("shards", [1, 2])
 def test_serve_on_a_local_ray_runtime(tmp_path: Path, valkey_server: EmbeddedValkey,
-                                      s3_server: EmbeddedS3) -> None:
+                                      s3_server: EmbeddedS3, shards: int) -> None:
     port = free_port()
     ray_tmp = tempfile.mkdtemp(prefix="kvps", dir="/tmp")  # short: Ray's socket paths
     tier = f"/dev/shm/kvp-serve-{os.getpid()}-{{node}}"
@@ -148,7 +150,7 @@ def test_serve_on_a_local_ray_runtime(tmp_path: Path, valkey_server: EmbeddedVal
         "placement": {"resource": "GPU", "min_nodes": 1},
         "fleet": {"model": "8b"},
         "service": {"policy": "predictive", "predictor": "hinted",
-                    "journal_path": str(tmp_path / "journal.jsonl")},
+                    "journal_path": str(tmp_path / "journal.jsonl"), "shards": shards},
         "stores": {"valkey": valkey_server.store_config(key_prefix="serve-test:")
                    .model_dump(mode="json"), "s3": s3},
         "agent": {"tier_path": tier, "tier_capacity_bytes": 64 * MIB},
@@ -175,7 +177,13 @@ def test_serve_on_a_local_ray_runtime(tmp_path: Path, valkey_server: EmbeddedVal
         assert httpx.post(f"{url}/v1/route", json={"session_id": "x", "input_tokens": 1}
                           ).status_code == 401
         metrics = httpx.get(f"{url}/metrics").text
-        assert 'kvprefetch_events_total{kind="request_started"} 1.0' in metrics
+        if shards == 1:
+            assert 'kvprefetch_events_total{kind="request_started"} 1.0' in metrics
+        else:  # each shard's samples, labelled; s1's shard saw the one request
+            owner = ShardRing(shards).owner("acme", "s1")
+            started = f'kvprefetch_events_total{{kind="request_started",shard="{owner}"}} 1.0'
+            assert started in metrics
+            assert metrics.count("# TYPE kvprefetch_events_total counter") == 1
         assert "kvprefetch_prefetch_lateness_seconds" in metrics
         assert "kvprefetch_ttlb_seconds" in metrics
         proc.send_signal(signal.SIGTERM)
@@ -193,7 +201,9 @@ def test_serve_on_a_local_ray_runtime(tmp_path: Path, valkey_server: EmbeddedVal
     assert "placed agent 0" in out and "HTTP API on" in out, out[-4000:]
     assert "kvprefetch serve stopped" in out, out[-4000:]
     assert not leftovers, f"Ray processes left running after SIGTERM: {leftovers}"
-    assert (tmp_path / "journal.jsonl").stat().st_size > 0
+    journals = ([tmp_path / "journal.jsonl"] if shards == 1 else
+                [tmp_path / f"journal.jsonl.shard{i}of{shards}" for i in range(shards)])
+    assert all(j.stat().st_size > 0 for j in journals)  # every shard journals (its epoch)
     print(f"serve ready after {ready_s:.1f} s")
 
 
