@@ -411,6 +411,11 @@ class RayTransport:
             self._get("report_transfer", self._handle.report_transfer.remote(report))
 
     # ------------------------------------------------------------------ introspection
+    def shard_info(self) -> tuple[int, int]:
+        """(the shard this transport calls, how many the deployment runs)."""
+        shard, shards = self._get("shard_info", self._handle.shard_info.remote())
+        return int(shard), int(shards)
+
     def summary(self) -> dict[str, Any]:
         return dict(self._get("summary", self._handle.summary.remote()))
 

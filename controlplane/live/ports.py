@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 #: shares did).
 ShareBooks = Callable[[], tuple[Mapping[tuple[str, str], int], Mapping[str, TenantQuotaStats]]]
 
+
 @dataclass(frozen=True, slots=True)
 class SchedulerGauges:
     """The scheduler's gauges, read at scrape time: orders in flight by node name and the

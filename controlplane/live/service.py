@@ -188,7 +188,7 @@ class SchedulerService:
                                                   self.config.time_compression))
             self._journal.flush(sync=True)
         self._driver = driver
-        self._attach_share_books()
+        self._attach_metric_readers()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="kvprefetch-scheduler",
                                         daemon=True)
@@ -281,9 +281,9 @@ class SchedulerService:
         self._metrics = sink
         if self._driver is not None:
             self._driver.metrics = sink
-            self._attach_share_books()
+            self._attach_metric_readers()
 
-    def _attach_share_books(self) -> None:
+    def _attach_metric_readers(self) -> None:
         """Let the metrics sink read the scheduler's gauges and the tenants' share books
         when it is read (counting a tenant's bytes scans every node's books: not per
         event)."""

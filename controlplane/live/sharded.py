@@ -40,7 +40,7 @@ def open_ray(address: str, namespace: str, *, timeout_s: float,
              batching: EventBatching | None) -> RayTransport | ShardedTransport:
     """The transport to the scheduler in ``namespace``: one shard or all of them."""
     first = RayTransport(address, namespace, timeout_s=timeout_s, batching=batching)
-    _, shards = first._get("shard_info", first._handle.shard_info.remote())
+    _, shards = first.shard_info()
     if shards == 1:
         return first
     rest = [RayTransport(address, namespace, timeout_s=timeout_s, batching=batching,
