@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Protocol
 
 from controlplane.base.config import GIB, FleetConfig
@@ -179,6 +179,8 @@ class SchedulerCore:
         self.chunk_tokens = chunk_tokens
         self.policy = policy
         self.predictor = predictor
+        #: (session, time, forecast) of the last forecast asked (see ``_forecast``).
+        self._last_forecast: tuple[str, float, ArrivalForecast | None] | None = None
         self.view = view
         self.bpt = fleet.model.kv_bytes_per_token
         self.stats = CoreStats()
@@ -301,11 +303,8 @@ class SchedulerCore:
         """The eviction indexes' work, summed over the nodes."""
         total = IndexStats()
         for tier in self.dram:
-            st = tier.index_stats
-            total.decisions += st.decisions
-            total.bounds += st.bounds
-            total.exact_keys += st.exact_keys
-            total.bound_misses += st.bound_misses
+            for f in fields(IndexStats):
+                setattr(total, f.name, getattr(total, f.name) + getattr(tier.index_stats, f.name))
         return total
 
     def _touch(self, sid: str) -> None:
@@ -395,8 +394,19 @@ class SchedulerCore:
         if many is not None and len(sids) > 1:
             return list(many(list(sids), now_s))
         if isinstance(now_s, int | float):
-            return [self.predictor.forecast(sid, now_s) for sid in sids]
-        return [self.predictor.forecast(sid, t) for sid, t in zip(sids, now_s, strict=True)]
+            return [self._forecast(sid, now_s) for sid in sids]
+        return [self._forecast(sid, t) for sid, t in zip(sids, now_s, strict=True)]
+
+    def _forecast(self, sid: str, now_s: float) -> ArrivalForecast | None:
+        """The predictor's forecast of one session, the last one asked for again when
+        nothing was observed since: a finish asks the same (session, time) twice, for the
+        write-through's own eviction key and for the prefetch plan."""
+        last = self._last_forecast
+        if last is not None and last[0] == sid and last[1] == now_s:
+            return last[2]
+        fc = self.predictor.forecast(sid, now_s)
+        self._last_forecast = (sid, now_s, fc)
+        return fc
 
     def local_tokens(self, node: int, sid: str) -> int:
         """Tokens of the session on the node, in HBM or DRAM (ready or arriving)."""
@@ -435,6 +445,7 @@ class SchedulerCore:
         if self.shares is not None:
             self.shares.observe(event.session_id, event.tenant)
         self.predictor.observe(event)
+        self._last_forecast = None
         self._touch(event.session_id)
         self._due_dirty.add(event.session_id)
 
@@ -776,7 +787,7 @@ class SchedulerCore:
             return
         self._evicted.add(sid)
         if forecast is None:
-            forecast = self.predictor.forecast(sid, now_s)
+            forecast = self._forecast(sid, now_s)
         s_per_byte, latency = self.view.remote_source(sid)
         transfer = TransferEstimate(latency, s_per_byte, self.view.link_backlog_s(s.home,
                                                                                   now_s))
@@ -814,7 +825,7 @@ class SchedulerCore:
         if s is None or s.pending is not order or s.in_flight:
             return self._output()
         self._due_dirty.add(sid)
-        forecast = self.predictor.forecast(sid, now_s)
+        forecast = self._forecast(sid, now_s)
         if forecast is not None and s.replans < MAX_REPLANS:
             q = self.fleet.planner.arrival_quantile
             later = (forecast.arrival_quantile_after(q, now_s) if self._valued
@@ -888,6 +899,7 @@ class SchedulerCore:
         self._evicted.discard(sid)
         self._recheck.discard(sid)
         self.predictor.forget(sid)
+        self._last_forecast = None
         return self._output()
 
     # ------------------------------------------------------------------ node restarts

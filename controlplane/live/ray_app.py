@@ -146,6 +146,11 @@ class _SchedulerActor:
         service refused or failed (empty: all applied). A refusal does not stop the rest:
         each event stands alone, as when it was its own call."""
         refused: list[str] = []
+        with self.svc.batch():
+            self._apply(events, refused)
+        return refused
+
+    def _apply(self, events: Sequence[tuple[str, Any]], refused: list[str]) -> None:
         for kind, call in events:
             method = _BATCHED.get(kind)
             try:
@@ -155,7 +160,6 @@ class _SchedulerActor:
             except Exception as exc:  # counted by the client, never fatal to the batch
                 log.debug("batched %s refused", kind, exc_info=True)
                 refused.append(f"{kind}: {type(exc).__name__}: {exc}")
-        return refused
 
     def route_after(self, events: Sequence[tuple[str, Any]], call: api.RouteQuery
                     ) -> tuple[list[str], api.RouteAnswer]:
@@ -168,13 +172,15 @@ class _SchedulerActor:
                          ) -> tuple[list[str], list[api.RouteAnswer | ServiceError]]:
         """The events queued before these routes, then the routes in order: one actor
         call. A refused route answers its typed error; the others are routed."""
-        refused = self.apply_events(events)
+        refused: list[str] = []
         answers: list[api.RouteAnswer | ServiceError] = []
-        for call in calls:
-            try:
-                answers.append(self.svc.route(call))
-            except ServiceError as exc:
-                answers.append(exc)
+        with self.svc.batch():
+            self._apply(events, refused)
+            for call in calls:
+                try:
+                    answers.append(self.svc.route(call))
+                except ServiceError as exc:
+                    answers.append(exc)
         return refused, answers
 
     def rss_bytes(self) -> int:

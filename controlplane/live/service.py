@@ -139,6 +139,8 @@ class SchedulerService:
         self.fanout = AgentFanout(agents or {}, self._unsent)
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
+        #: The outboxes of the calls of a :meth:`batch` under way (None: none).
+        self._batched: list[Outbox] | None = None
         self._driver: LiveDriver | None = None
         self._journal: LiveJournalWriter | None = None
         #: The background compaction under way, if any.
@@ -329,12 +331,37 @@ class SchedulerService:
 
     @contextmanager
     def _step(self) -> Iterator[Outbox]:
-        """Decide under the lock, then send what was decided."""
+        """Decide under the lock, then send what was decided (in a :meth:`batch`: when
+        the batch ends)."""
         box = Outbox()
         with self._lock:
             yield box
+            if self._batched is not None:
+                self._batched.append(box)
+                return
             self._wake.notify_all()  # new orders may be due before the loop's next wake-up
         self.fanout.send(box)
+
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        """Many calls as one step (the actor's batched events and routes): the lock held
+        across them, the control loop woken once, every call's messages sent once the
+        lock is released. A call that fails inside still fails alone: the messages of
+        those before it are sent."""
+        boxes: list[Outbox] = []
+        with self._lock:
+            outer, self._batched = self._batched, boxes
+            try:
+                yield
+            finally:
+                self._batched = outer
+                if outer is None:
+                    self._wake.notify_all()
+        if outer is not None:
+            outer.extend(boxes)
+            return
+        for box in boxes:
+            self.fanout.send(box)
 
     # ------------------------------------------------------------------ gateway calls
     def _check_owner(self, tenant: str, session_id: str) -> None:

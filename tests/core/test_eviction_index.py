@@ -94,8 +94,28 @@ def test_indexed_victims_equal_a_full_sort_under_random_churn() -> None:
     assert decisions > 500 and evicting > 300
     st = tier.index_stats
     assert st.bound_misses == 0
+    assert st.rejected > 0  # some decisions were refused from the bounds alone
     # Far fewer exact keys than a full sort's, which asks every resident per decision.
     assert st.exact_keys < 0.1 * st.decisions * len(tier), (st, len(tier))
+
+
+def test_a_decision_the_bounds_cannot_meet_is_refused_without_exact_keys() -> None:
+    keys = _RisingKeys()
+    tier = IndexedTier("t", 1_000, keys)
+    for name, base, size in (("a", 10.0, 300), ("b", 20.0, 300), ("c", 1.0, 300)):
+        keys.set(name, base, 1.0)
+        tier.put(TierEntry(name, 1, size, 0.0))
+    tier.victims_for(1, 0.0)  # binds every entry (bounds over [0, 5]: a 10-15, b 20-25)
+    asked, exact = keys.asked, tier.index_stats.exact_keys
+    # Above 16 only b's bound is: 300 bytes, not 400: refused, no exact key asked.
+    assert tier.victims_for(500, 1.0, min_key=16.0) is None
+    assert Tier.victims_for(tier, 500, 1.0, min_key=16.0) is None
+    assert tier.index_stats.rejected == 1
+    assert tier.index_stats.exact_keys == exact and keys.asked == asked + 3  # the sort's
+    # Above 12: a's bound (15) and b's are, 600 bytes: decided from exact keys (a is 11).
+    assert _names(tier.victims_for(500, 1.0, min_key=12.0)) is None
+    assert tier.index_stats.exact_keys > exact and tier.index_stats.rejected == 1
+    assert _names(tier.victims_for(500, 1.0, min_key=5.0)) == ["b", "a"]
 
 
 def test_lru_index_follows_uses_without_invalidation() -> None:

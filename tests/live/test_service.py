@@ -199,3 +199,28 @@ def test_the_control_loop_re_plans_idle_sessions_every_sweep_interval(
     interval = FLEET.planner.sweep_interval_s
     assert 4 <= len(swept) <= 5, swept
     assert all(b - a >= interval for a, b in itertools.pairwise(swept)), swept
+
+
+def test_a_batch_holds_the_lock_once_and_sends_every_call_s_messages_after_it() -> None:
+    with _service() as svc:
+        sent: list[tuple[bool, bool]] = []  # (lock held by this thread, inside the batch)
+        real_send = svc.fanout.send
+
+        def send(box):  # type: ignore[no-untyped-def]
+            sent.append((svc._lock._is_owned(), svc._batched is not None))
+            real_send(box)
+
+        svc.fanout.send = send  # type: ignore[method-assign]
+        with svc.batch():
+            svc.route(api.RouteQuery(session_id="b1", input_tokens=1000))
+            with pytest.raises(UnknownSessionError):  # fails alone
+                svc.request_finished(api.RequestFinished(session_id="nope", node=0,
+                                                         input_tokens=1))
+            with svc.batch():  # nested: one batch
+                svc.request_finished(api.RequestFinished(session_id="b1", node=0,
+                                                         input_tokens=1000))
+            assert sent == []  # nothing sent while the batch holds the lock
+        assert sent == [(False, False), (False, False)]
+        assert svc.registry.get(SessionKey("default", "b1")) is not None
+        svc.route(api.RouteQuery(session_id="b1", input_tokens=1100))  # outside: sent at once
+        assert len(sent) == 3
