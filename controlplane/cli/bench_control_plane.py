@@ -34,7 +34,10 @@ scheduler is in this process), then EVENTS events are measured: a random session
 its next turn, route then request_finished, closed loop (the next call leaves when the
 previous answered), the service clock running --speedup times the wall clock. With
 --concurrency K, K distinct sessions play a turn at once (their routes together, then
-their finishes); a route's latency is then its batch's.
+their finishes); a route's latency is then its batch's. With --lanes L, L client threads
+(a gateway's workers) each play their own share of the sessions in their own closed loop,
+so up to L calls are in flight at once (the scheduler works on one while the others are
+built); inproc always has one.
 
 Reported per mode: events/s, route p50/p99 in ms (as the caller sees it), planning-step
 p99 in ms, bytes per idle session (n/a through Ray: each shard actor's RSS before and
@@ -50,6 +53,7 @@ examples:
   kvprefetch bench control-plane --modes inproc --sessions 100000 --events 100000
   kvprefetch bench control-plane --trace ../shared/traces/claude-code --json out/cp.json
   kvprefetch bench control-plane --modes ray-1,ray-2,ray-4 --concurrency 256 --speedup 1
+  kvprefetch bench control-plane --modes ray-1,ray-2 --concurrency 128 --lanes 2 --speedup 1
   kvprefetch bench control-plane --modes ray-2 --concurrency 64 --kill-shard 1
 """
 
@@ -80,6 +84,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "together (one actor call per shard through Ray), as from a "
                              "gateway with K requests arriving at once (default 1: one "
                              "route call at a time)")
+    parser.add_argument("--lanes", type=int, default=1, metavar="L",
+                        help="client threads, each playing its own sessions, K turns at a "
+                             "time (so K x L sessions in flight); inproc uses one "
+                             "(default 1)")
     parser.add_argument("--kill-shard", type=int, default=None, metavar="I",
                         help="in the ray-N modes that have shard I: kill it halfway through "
                              "the measurement (Ray restarts it from its journal segment) "
@@ -106,7 +114,8 @@ def run(args: argparse.Namespace) -> int:
         spec = LoadSpec(sessions=args.sessions, events=args.events, nodes=args.nodes,
                         policy=args.policy, predictor=args.predictor,
                         time_compression=args.speedup, seed=args.seed,
-                        concurrency=args.concurrency, kill_shard=args.kill_shard)
+                        concurrency=args.concurrency, lanes=args.lanes,
+                        kill_shard=args.kill_shard)
     except ConfigError as exc:
         print(f"bench control-plane: {exc}", file=sys.stderr)
         return 2
@@ -122,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
         result: dict[str, object] = {
             "sessions": spec.sessions, "events": spec.events, "trace": trace.name,
             "nodes": spec.nodes, "policy": spec.policy, "speedup": spec.time_compression,
-            "modes": {},
+            "concurrency": spec.concurrency, "lanes": spec.lanes, "modes": {},
         }
         modes_out: dict[str, object] = {}
         bar = tqdm(total=steps_per_mode * len(modes), unit="k events", file=sys.stderr,

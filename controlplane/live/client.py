@@ -137,12 +137,17 @@ class EventBatcher:
             if len(self._queue) >= self.cfg.max_events:
                 self._flush_locked()
 
-    def take(self) -> list[tuple[str, Any]]:
-        """The queued events, to go with a synchronous call (the caller sends them)."""
+    def send_with(self, send: Callable[[list[tuple[str, Any]]], _T]
+                  ) -> tuple[_T, list[tuple[str, Any]]]:
+        """The queued events, handed to ``send`` (which submits the synchronous call that
+        carries them) under the queue's lock, so that no call of another thread (a flush,
+        another gateway thread's route) is submitted between taking them and sending
+        them: a session's events reach the actor in the order they were queued. Returns
+        what ``send`` returned and the events."""
         with self._lock:
             events, self._queue = self._queue, []
             self.stats.with_route += len(events)
-            return events
+            return send(events), events
 
     def put_back(self, events: list[tuple[str, Any]]) -> None:
         """Events :meth:`take` gave out whose call failed before the actor had them: queued
@@ -310,16 +315,15 @@ class RayTransport:
         return answer
 
     def _route_once(self, call: api.RouteQuery) -> api.RouteAnswer:
-        events = self.batcher.take() if self.batcher is not None else []
-        if not events:
+        if self.batcher is None:
             answer: api.RouteAnswer = self._get("route", self._handle.route.remote(call))
             return answer
         # The queued events go first, in the same call. If it times out they were sent
         # all the same (the actor applies them); a refusal is counted.
-        assert self.batcher is not None
+        ref, events = self.batcher.send_with(
+            lambda events: self._handle.route_after.remote(events, call))
         try:
-            refused, answer = self._get("route",
-                                        self._handle.route_after.remote(events, call))
+            refused, answer = self._get("route", ref)
         except ServiceUnavailableError:
             self.batcher.put_back(events)  # the actor died: they go again, first
             raise
@@ -343,8 +347,10 @@ class RayTransport:
     def send_routes(self, calls: Sequence[api.RouteQuery]) -> tuple[Any, list[tuple[str, Any]]]:
         """Send ``calls`` (and the queued events, ahead of them) in one actor call; the
         reference and the events it carried, for :meth:`routes_answered`."""
-        events = self.batcher.take() if self.batcher is not None else []
-        return self._handle.route_many_after.remote(events, list(calls)), events
+        if self.batcher is None:
+            return self._handle.route_many_after.remote([], list(calls)), []
+        return self.batcher.send_with(
+            lambda events: self._handle.route_many_after.remote(events, list(calls)))
 
     def routes_answered(self, sent: tuple[Any, list[tuple[str, Any]]]
                         ) -> list[api.RouteAnswer | ServiceError]:

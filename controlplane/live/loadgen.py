@@ -48,6 +48,7 @@ import random
 import time
 import tracemalloc
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -83,6 +84,11 @@ class LoadSpec:
     #: routed together (``route_many``: one actor call per shard), then finished; 1 = one
     #: route call at a time.
     concurrency: int = 1
+    #: Client threads (gateway workers), each playing its own share of the sessions in
+    #: its own closed loop (``concurrency`` turns at a time per lane), so that this many
+    #: calls can be in flight at once: the scheduler works on one lane's batch while the
+    #: others build theirs. ``inproc`` has one (the core is not thread-safe).
+    lanes: int = 1
     #: Ray modes with this shard: kill it when half the events are measured (Ray restarts
     #: it; it resumes from its journal segment, so those shards journal in a temporary
     #: folder). Other modes run as without it.
@@ -91,8 +97,13 @@ class LoadSpec:
     def __post_init__(self) -> None:
         if self.sessions < 1 or self.events < 2 or self.nodes < 1:
             raise ConfigError("sessions and nodes must be >= 1 and events >= 2")
-        if not 1 <= self.concurrency <= self.sessions:
-            raise ConfigError(f"concurrency must be 1-{self.sessions} (the sessions)")
+        if not 1 <= self.lanes <= 64:
+            raise ConfigError("lanes must be 1-64")
+        if self.kill_shard is not None and self.lanes > 1:
+            # each shard's route times are read after each call, one call at a time
+            raise ConfigError("kill_shard is measured with one lane")
+        if not 1 <= self.concurrency * self.lanes <= self.sessions:
+            raise ConfigError(f"concurrency x lanes must be 1-{self.sessions} (the sessions)")
         if self.kill_shard is not None and self.kill_shard < 0:
             raise ConfigError("kill_shard must be >= 0")
         if self.time_compression <= 0:
@@ -398,29 +409,10 @@ def run_mode(mode: str, trace: Trace, spec: LoadSpec,
         if isinstance(target, ClientTarget):
             target.mark()
         plan_before = len(target.plan_steps_s()) if isinstance(target, CoreTarget) else 0
-        rng = random.Random(spec.seed)
         routes: list[float] = []
         turns = spec.events // 2
-        kill_at = turns // 2 if spec.kill_shard is not None else None
         began = time.perf_counter()
-        k = 0
-        while k < turns:
-            if kill_at is not None and k >= kill_at:
-                if isinstance(target, RayTarget):
-                    target.kill()
-                kill_at = None
-            if spec.concurrency == 1:
-                i = rng.randrange(spec.sessions)
-                lost += _turn(target, player, i, sids[i], routes)
-                n = 1
-            else:
-                n = min(spec.concurrency, turns - k)
-                lost += _turns(target, player, rng.sample(range(spec.sessions), n), sids,
-                               routes)
-            target.poll()
-            if progress is not None and (k + n) // 500 > k // 500:
-                progress(1000 * ((k + n) // 500 - k // 500))
-            k += n
+        lost += _measure(target, player, sids, spec, turns, routes, progress)
         lost += target.settle()  # queued events count once answered
         elapsed = time.perf_counter() - began
         plans = target.plan_steps_s()[plan_before:]
@@ -439,6 +431,51 @@ def run_mode(mode: str, trace: Trace, spec: LoadSpec,
         mode, 2 * turns / elapsed if elapsed > 0 else 0.0, quantile(routes, 0.5) * 1e3,
         quantile(routes, 0.99) * 1e3, quantile(plans, 0.99) * 1e3 if plans else None,
         bytes_per, lost, 2 * turns, round(populate_s, 3), index, batching, shards, rss, kill)
+
+
+def _measure(target: Target, player: _Player, sids: Sequence[str], spec: LoadSpec,
+             turns: int, routes: list[float], progress: Callable[[int], None] | None
+             ) -> int:
+    """Play ``turns`` turns over ``spec.lanes`` client threads; the events lost. Lane
+    ``j`` plays sessions ``j, j + lanes, ...`` (no session is in two lanes) with its own
+    random stream; lane 0 kills the shard (``kill_shard``) when it is halfway."""
+    lanes = 1 if isinstance(target, CoreTarget) else spec.lanes
+    share = [turns // lanes + (j < turns % lanes) for j in range(lanes)]
+    done_lost = [0] * lanes
+    lane_routes: list[list[float]] = [[] for _ in range(lanes)]
+
+    def lane(j: int) -> None:
+        mine = list(range(j, spec.sessions, lanes))
+        rng = random.Random(spec.seed + 7919 * j)
+        kill_at = share[j] // 2 if j == 0 and spec.kill_shard is not None else None
+        k = 0
+        while k < share[j]:
+            if kill_at is not None and k >= kill_at:
+                if isinstance(target, RayTarget):
+                    target.kill()
+                kill_at = None
+            if spec.concurrency == 1:
+                i = mine[rng.randrange(len(mine))]
+                done_lost[j] += _turn(target, player, i, sids[i], lane_routes[j])
+                n = 1
+            else:
+                n = min(spec.concurrency, share[j] - k)
+                done_lost[j] += _turns(target, player, rng.sample(mine, n), sids,
+                                       lane_routes[j])
+            target.poll()
+            if progress is not None and (k + n) // 500 > k // 500:
+                progress(1000 * ((k + n) // 500 - k // 500))
+            k += n
+
+    if lanes == 1:
+        lane(0)
+    else:
+        with ThreadPoolExecutor(lanes, thread_name_prefix="loadgen-lane") as pool:
+            for f in [pool.submit(lane, j) for j in range(lanes)]:
+                f.result()
+    for r in lane_routes:
+        routes.extend(r)
+    return sum(done_lost)
 
 
 def _turn(target: Target, player: _Player, i: int, sid: str,

@@ -61,3 +61,80 @@ def test_a_refused_batched_event_is_counted_not_dropped() -> None:
         ray.get(handle.close.remote(), timeout=10)
     finally:
         ray.shutdown()
+
+
+def test_gateway_threads_sharing_a_client_keep_each_session_s_events_in_order() -> None:
+    """Two threads route and finish their own sessions through one batching client: a
+    route of one thread never overtakes the queued finish (of the same session) another
+    thread's route carries. Overtaken, the route would find its session still running
+    and record no request_started: the scheduler would count fewer events than 2 per
+    turn."""
+    import itertools
+    import threading
+    import time
+
+    import ray
+
+    from controlplane.base.config import default_fleet
+    from controlplane.live.client import EventBatching, connect
+    from controlplane.live.config import ServiceConfig
+    from controlplane.live.ray_app import start_scheduler
+
+    namespace = "kvprefetch-test-lanes"
+    ray.init(namespace=namespace, include_dashboard=False, log_to_driver=False,
+             configure_logging=False)
+    try:
+        handle = start_scheduler(ServiceConfig(fleet=default_fleet("8b", 2)),
+                                 namespace=namespace, with_agents=False)
+        client = connect("auto", namespace=namespace, timeout_s=30.0,
+                         batching=EventBatching(max_events=64, flush_interval_s=0.002))
+        # Every other call paused between taking the queued events and sending them (as
+        # the GIL may pause a thread there): the other thread must not get its own route
+        # out meanwhile.
+        transport = client.scheduler  # type: ignore[attr-defined]
+        real = transport._handle
+        calls = itertools.count()
+
+        class _Slow:
+            def __getattr__(self, name: str) -> object:
+                return getattr(real, name)
+
+            class route_many_after:  # the actor method's name
+                @staticmethod
+                def remote(*args: object) -> object:
+                    if next(calls) % 2:
+                        time.sleep(0.006)
+                    return real.route_many_after.remote(*args)
+
+        transport._handle = _Slow()
+        turns = 100
+        errors: list[BaseException] = []
+
+        def lane(j: int) -> None:
+            try:
+                for k in range(turns):
+                    sids = [f"lane{j}-s{i}" for i in range(4)]
+                    answers = client.route_many([{"session_id": sid, "input_tokens": 100 + k}
+                                                 for sid in sids])
+                    for sid, ans in zip(sids, answers, strict=True):
+                        assert ans.node is not None
+                        client.request_finished(sid, node=ans.node, input_tokens=100 + k)
+                    time.sleep(0.001 * (1 + j))  # the finishes wait queued a while
+            except BaseException as exc:  # reported by the main thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=lane, args=(j,)) for j in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        client.scheduler.batcher.flush(wait=True)  # type: ignore[attr-defined]
+        summary = client.scheduler.summary()  # type: ignore[attr-defined]
+        assert summary["routes"] == 2 * 4 * turns
+        assert summary["events"] == 2 * summary["routes"], summary["events"]
+        assert client.scheduler.batcher.stats.refused == 0  # type: ignore[attr-defined]
+        client.close()
+        ray.get(handle.close.remote(), timeout=10)
+    finally:
+        ray.shutdown()
