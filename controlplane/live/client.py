@@ -320,8 +320,9 @@ class RayTransport:
             return answer
         # The queued events go first, in the same call. If it times out they were sent
         # all the same (the actor applies them); a refusal is counted.
-        ref, events = self.batcher.send_with(
+        sent: tuple[Any, list[tuple[str, Any]]] = self.batcher.send_with(
             lambda events: self._handle.route_after.remote(events, call))
+        ref, events = sent
         try:
             refused, answer = self._get("route", ref)
         except ServiceUnavailableError:
