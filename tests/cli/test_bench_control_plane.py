@@ -40,3 +40,26 @@ def test_bench_control_plane_refuses_an_unknown_mode(capsys: pytest.CaptureFixtu
                                                      ) -> None:
     assert main(["bench", "control-plane", "--modes", "ray-9", "--no-progress"]) == 2
     assert "unknown mode" in capsys.readouterr().err
+
+
+def test_bench_control_plane_lanes_play_every_turn_once(tmp_path: Path) -> None:
+    """Three client threads against the service (and one for inproc, whose core is not
+    thread-safe): the events are split over the lanes, every one measured, none lost."""
+    out = tmp_path / "cp.json"
+    assert main(["bench", "control-plane", "--modes", "inproc,service", "--sessions", "90",
+                 "--events", "900", "--concurrency", "5", "--lanes", "3", "--speedup", "5000",
+                 "--json", str(out), "--no-progress"]) == 0
+    result = json.loads(out.read_text())
+    assert result["lanes"] == 3 and result["concurrency"] == 5
+    for mode, m in result["modes"].items():
+        assert m["events"] == 900 and m["lost_events"] == 0, mode
+
+
+def test_bench_control_plane_refuses_lanes_with_a_kill_and_too_many_in_flight(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "control-plane", "--modes", "ray-2", "--lanes", "2",
+                 "--kill-shard", "1", "--no-progress"]) == 2
+    assert "one lane" in capsys.readouterr().err
+    assert main(["bench", "control-plane", "--sessions", "100", "--concurrency", "60",
+                 "--lanes", "2", "--no-progress"]) == 2
+    assert "concurrency x lanes" in capsys.readouterr().err
