@@ -34,7 +34,9 @@ then ``request_finished`` (one event), back to back with no think time (closed l
 next call leaves when the previous one answered), while the service clock runs
 ``time_compression`` times faster than the wall clock. With ``concurrency`` K, K distinct
 sessions play a turn at once: their routes in one ``route_many`` (one actor call per shard
-through Ray), then their finishes.
+through Ray), then their finishes. With ``lanes`` L, L client threads (a gateway's
+workers) each run that loop over their own share of the sessions, so up to L calls are in
+flight at once (``inproc`` keeps one: the core is not thread-safe).
 
 Reported per mode: events per second over the measurement, route latency p50/p99 (as the
 caller sees it), planning-step p99 (the control loop's step: due orders, sweeps, expiry),
