@@ -331,8 +331,11 @@ class IndexedTier(Tier):
         it is refused without one exact key. Most write-through decisions under pressure
         are refused (the session that just finished is wanted sooner than the residents
         that could make room: 11,000 of 12,000 in ``kvprefetch bench control-plane``),
-        each after the exact key of every entry above the floor; this check refuses 20-60%
-        of them from the bounds alone (``IndexStats.rejected``). A walk of the heap from
+        each after the exact key of every entry above the floor; this check refuses from
+        the bounds alone (``IndexStats.rejected``) 28% of all decisions at 2,000 sessions
+        and speedup 1, 93% at 10^5 sessions (there, with the window halving below, the
+        exact keys fell from 481,851 to 187,907 and events/s rose from 9,581 to 22,552).
+        A walk of the heap from
         its top that skips every subtree at or below ``floor`` (a max-heap's children are
         no larger): the records above it, and their children."""
         heap = self._heap

@@ -150,7 +150,7 @@ class EventBatcher:
             return send(events), events
 
     def put_back(self, events: list[tuple[str, Any]]) -> None:
-        """Events :meth:`take` gave out whose call failed before the actor had them: queued
+        """Events :meth:`send_with` gave out whose call failed before the actor had them: queued
         again ahead of the rest (counted as resent)."""
         if events:
             with self._lock:
