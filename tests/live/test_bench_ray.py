@@ -5,8 +5,14 @@ the scheduler refuses is counted, not dropped."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,7 +39,11 @@ def test_bench_control_plane_ray_1_tiny(tmp_path: Path) -> None:
     assert modes["ray-1-sync"]["batching"] == {}
 
 
-def test_a_refused_batched_event_is_counted_not_dropped() -> None:
+@contextmanager
+def _batching_client(namespace: str, max_events: int, flush_interval_s: float
+                     ) -> Iterator[Any]:
+    """One scheduler actor (no agents) on a fresh local Ray runtime, and a batching Python
+    client of it; the actor closed and Ray shut down after."""
     import ray
 
     from controlplane.base.config import default_fleet
@@ -41,15 +51,24 @@ def test_a_refused_batched_event_is_counted_not_dropped() -> None:
     from controlplane.live.config import ServiceConfig
     from controlplane.live.ray_app import start_scheduler
 
-    namespace = "kvprefetch-test-batching"
     ray.init(namespace=namespace, include_dashboard=False, log_to_driver=False,
              configure_logging=False)
     try:
         handle = start_scheduler(ServiceConfig(fleet=default_fleet("8b", 2)),
                                  namespace=namespace, with_agents=False)
-        client = connect("auto", namespace=namespace, timeout_s=10.0,
-                         batching=EventBatching(max_events=4, flush_interval_s=0.01))
-        batcher = client.scheduler.batcher  # type: ignore[attr-defined]
+        client = connect("auto", namespace=namespace, timeout_s=30.0,
+                         batching=EventBatching(max_events=max_events,
+                                                flush_interval_s=flush_interval_s))
+        yield client
+        client.close()
+        ray.get(handle.close.remote(), timeout=10)
+    finally:
+        ray.shutdown()
+
+
+def test_a_refused_batched_event_is_counted_not_dropped() -> None:
+    with _batching_client("kvprefetch-test-batching", 4, 0.01) as client:
+        batcher = client.scheduler.batcher
         # Finished without ever starting: the scheduler refuses it.
         ack = client.request_finished("never-started", node=0, input_tokens=10)
         assert ack.accepted  # queued: its fate is known later
@@ -57,10 +76,6 @@ def test_a_refused_batched_event_is_counted_not_dropped() -> None:
         assert client.request_finished("s1", node=0, input_tokens=100).accepted
         batcher.flush(wait=True)
         assert batcher.stats.queued == 2 and batcher.stats.refused == 1
-        client.close()
-        ray.get(handle.close.remote(), timeout=10)
-    finally:
-        ray.shutdown()
 
 
 def test_gateway_threads_sharing_a_client_keep_each_session_s_events_in_order() -> None:
@@ -69,29 +84,11 @@ def test_gateway_threads_sharing_a_client_keep_each_session_s_events_in_order() 
     thread's route carries. Overtaken, the route would find its session still running
     and record no request_started: the scheduler would count fewer events than 2 per
     turn."""
-    import itertools
-    import threading
-    import time
-
-    import ray
-
-    from controlplane.base.config import default_fleet
-    from controlplane.live.client import EventBatching, connect
-    from controlplane.live.config import ServiceConfig
-    from controlplane.live.ray_app import start_scheduler
-
-    namespace = "kvprefetch-test-lanes"
-    ray.init(namespace=namespace, include_dashboard=False, log_to_driver=False,
-             configure_logging=False)
-    try:
-        handle = start_scheduler(ServiceConfig(fleet=default_fleet("8b", 2)),
-                                 namespace=namespace, with_agents=False)
-        client = connect("auto", namespace=namespace, timeout_s=30.0,
-                         batching=EventBatching(max_events=64, flush_interval_s=0.002))
+    with _batching_client("kvprefetch-test-lanes", 64, 0.002) as client:
         # Every other call paused between taking the queued events and sending them (as
         # the GIL may pause a thread there): the other thread must not get its own route
         # out meanwhile.
-        transport = client.scheduler  # type: ignore[attr-defined]
+        transport = client.scheduler
         real = transport._handle
         calls = itertools.count()
 
@@ -129,12 +126,8 @@ def test_gateway_threads_sharing_a_client_keep_each_session_s_events_in_order() 
         for t in threads:
             t.join(120)
         assert not errors, errors
-        client.scheduler.batcher.flush(wait=True)  # type: ignore[attr-defined]
-        summary = client.scheduler.summary()  # type: ignore[attr-defined]
+        client.scheduler.batcher.flush(wait=True)
+        summary = client.scheduler.summary()
         assert summary["routes"] == 2 * 4 * turns
         assert summary["events"] == 2 * summary["routes"], summary["events"]
-        assert client.scheduler.batcher.stats.refused == 0  # type: ignore[attr-defined]
-        client.close()
-        ray.get(handle.close.remote(), timeout=10)
-    finally:
-        ray.shutdown()
+        assert client.scheduler.batcher.stats.refused == 0
