@@ -45,9 +45,9 @@ sweep; the LMCache-modelled baselines keep whole-session LRU (see
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from controlplane.base.config import GIB, FleetConfig
 from controlplane.base.keys import DEFAULT_CHUNK_TOKENS
@@ -135,6 +135,18 @@ class CoreStats:
     prefetch_exposed_bytes: int = 0
     #: Prefetches not started because the waste budget was spent.
     prefetches_over_budget: int = 0
+
+
+_Counters = TypeVar("_Counters", CoreStats, IndexStats)
+
+
+def summed(cls: type[_Counters], parts: Iterable[_Counters]) -> _Counters:
+    """Counters of several cores (or tiers) added field by field."""
+    total = cls()
+    for part in parts:
+        for f in fields(cls):
+            setattr(total, f.name, getattr(total, f.name) + getattr(part, f.name))
+    return total
 
 
 @dataclass(slots=True)
@@ -301,11 +313,7 @@ class SchedulerCore:
 
     def eviction_index_stats(self) -> IndexStats:
         """The eviction indexes' work, summed over the nodes."""
-        total = IndexStats()
-        for tier in self.dram:
-            for f in fields(IndexStats):
-                setattr(total, f.name, getattr(total, f.name) + getattr(tier.index_stats, f.name))
-        return total
+        return summed(IndexStats, (tier.index_stats for tier in self.dram))
 
     def _touch(self, sid: str) -> None:
         """The session's state changed (an event, a prefetch): its eviction key may have

@@ -21,7 +21,7 @@ from controlplane.base.shards import ShardRing
 from controlplane.base.types import DEFAULT_TENANT, SessionEvent
 from controlplane.core.planner import PrefetchOrder
 from controlplane.core.policies import PolicySpec
-from controlplane.core.scheduler import CoreStats, FleetView, SchedulerCore
+from controlplane.core.scheduler import CoreStats, FleetView, SchedulerCore, summed
 from controlplane.core.step import StepOutput
 from predictors.base import Predictor
 
@@ -96,8 +96,4 @@ class ShardedCore:
 
     @property
     def stats(self) -> CoreStats:
-        total = CoreStats()
-        for core in self.cores:
-            for name in CoreStats.__dataclass_fields__:
-                setattr(total, name, getattr(total, name) + getattr(core.stats, name))
-        return total
+        return summed(CoreStats, (core.stats for core in self.cores))

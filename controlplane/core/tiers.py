@@ -352,8 +352,7 @@ class IndexedTier(Tier):
                 stack.append(child)
                 if child + 1 < size:
                     stack.append(child + 1)
-            cur = self._bounds.get(key)
-            if cur is None or cur[0] != seq or key == exclude:
+            if key == exclude or not self._current(key, seq):
                 continue
             e = self._entries[key]
             if not e.pinned:

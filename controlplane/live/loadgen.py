@@ -58,10 +58,9 @@ from controlplane.base.config import FleetConfig, default_fleet
 from controlplane.base.errors import ConfigError, KvPrefetchError
 from controlplane.base.types import EventKind, SessionEvent, Trace
 
-#: Modes this generator knows, in the order a table lists them.
 #: Seconds after a killed shard answers again before its routes count as "settled".
 SETTLE_S = 2.0
-
+#: Modes this generator knows, in the order a table lists them.
 MODES: tuple[str, ...] = ("inproc", "service", "http", "ray-1", "ray-1-sync", "ray-2",
                           "ray-4")
 
@@ -685,7 +684,7 @@ def format_table(result: dict[str, Any]) -> str:
             restart = kill["restart_s"]
             lines.append(f"{mode}: shard {kill['shard']} killed halfway, answering again "
                          f"after {num(restart, '.2f')} s; route p99 ms by shard before -> "
-                         "after (-> from 2 s after its restart): " + ", ".join(
+                         f"after (-> from {SETTLE_S:g} s after its restart): " + ", ".join(
                              f"{s} {num(v['before'], '.3f')} -> {num(v['after'], '.3f')} "
                              f"({num(v['settled'], '.3f')})"
                              for s, v in kill["route_p99_ms_by_shard"].items()))

@@ -163,9 +163,13 @@ class _SchedulerActor:
 
     def route_after(self, events: Sequence[tuple[str, Any]], call: api.RouteQuery
                     ) -> tuple[list[str], api.RouteAnswer]:
-        """The events queued before this route, then the route: one actor call."""
-        refused = self.apply_events(events)
-        return refused, self.svc.route(call)
+        """The events queued before this route, then the route: one actor call, one
+        step."""
+        refused: list[str] = []
+        with self.svc.batch():
+            self._apply(events, refused)
+            answer = self.svc.route(call)
+        return refused, answer
 
     def route_many_after(self, events: Sequence[tuple[str, Any]],
                          calls: Sequence[api.RouteQuery]

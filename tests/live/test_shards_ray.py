@@ -16,6 +16,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.servers]
 
 
 def test_sessions_go_to_their_owning_shard() -> None:
+    import httpx
     import ray
 
     from controlplane.base.config import default_fleet
@@ -23,6 +24,7 @@ def test_sessions_go_to_their_owning_shard() -> None:
     from controlplane.base.shards import ShardRing
     from controlplane.live.client import RayTransport, connect
     from controlplane.live.config import ServiceConfig
+    from controlplane.live.http_api import HttpServer, create_app
     from controlplane.live.ray_app import start_shards
     from controlplane.live.sessions import SessionQuery
     from controlplane.live.sharded import ShardedTransport
@@ -51,10 +53,6 @@ def test_sessions_go_to_their_owning_shard() -> None:
         assert summary["shards"] == 2 and len(summary["per_shard"]) == 2
         assert transport.sessions() == 24
         # The HTTP front over the sharded client: one hop to the owner as well.
-        import httpx
-
-        from controlplane.live.http_api import HttpServer, create_app
-
         with HttpServer(create_app(client, bearer_token=None)) as srv:
             for sid in ("http-a", "http-b", "http-c", "http-d"):
                 r = httpx.post(f"{srv.url}/v1/route",
