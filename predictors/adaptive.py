@@ -198,6 +198,9 @@ class _Bucket:
     pending: int = 0
     #: the curve's survival negated (non-decreasing, for bisect)
     neg: tuple[float, ...] = ()
+    #: (curve, quantiles, p_return, confidence) read at silence 0 from that curve: what
+    #: every forecast of a session that has just finished asks (see ``AdaptivePredictor._one``)
+    fresh: tuple[SurvivalCurve, tuple[float, float, float], float, float] | None = None
 
     @classmethod
     def from_table(cls, grid: tuple[float, ...], seg_probs: Sequence[float],
@@ -253,8 +256,9 @@ def _bucket_curve(grid: tuple[float, ...], seg: Sequence[float], p_never: float
     knot is ``P(never)`` exactly. Every array operation here is elementwise or a
     left-to-right accumulation, so each number is the one the plain Python loops give, bit
     for bit (tests/predictors/test_adaptive_fast_path.py); the curve is valid by this
-    construction, so it is made without :class:`SurvivalCurve`'s checks, with the knot
-    integral those would compute (the same additions in the same order). A rebuild runs
+    construction, so it is made without :class:`SurvivalCurve`'s checks and without its
+    knot integral (only the value rule integrates a curve; ``SurvivalCurve._areas`` then
+    makes it with the same additions the checks would). A rebuild runs
     every :data:`REBUILD_EVERY` gaps of a bucket: it was a third of the scheduler's time
     per event (issue 12).
     """
@@ -266,29 +270,14 @@ def _bucket_curve(grid: tuple[float, ...], seg: Sequence[float], p_never: float
     np.minimum(1.0, np.maximum(p_never, 1.0 - k * done), out=surv[1:])
     np.minimum.accumulate(surv, out=surv)
     surv[-1] = p_never
-    g = _grid_array(grid)
-    area = np.empty(len(grid))
-    area[0] = 0.0
-    area[1:] = 0.5 * (g[1:] - g[:-1]) * (surv[1:] + surv[:-1])
-    np.add.accumulate(area, out=area)
     survival = tuple(surv.tolist())
     curve = object.__new__(SurvivalCurve)
     object.__setattr__(curve, "gaps_s", grid)
     object.__setattr__(curve, "survival", survival)
-    object.__setattr__(curve, "_area", tuple(area.tolist()))
+    object.__setattr__(curve, "_area", None)  # computed if a caller integrates the curve
     neg = tuple((-surv).tolist())
     object.__setattr__(curve, "_neg", neg)
     return curve, neg
-
-
-_GRID_ARRAYS: dict[tuple[float, ...], np.ndarray] = {}
-
-
-def _grid_array(grid: tuple[float, ...]) -> np.ndarray:
-    arr = _GRID_ARRAYS.get(grid)
-    if arr is None:
-        arr = _GRID_ARRAYS[grid] = np.asarray(grid, dtype=np.float64)
-    return arr
 
 
 def _broad_prior(grid: Sequence[float], pooled: Sequence[float]) -> list[float]:
@@ -368,8 +357,15 @@ class AdaptivePredictor:
         bucket = self._buckets[st.bucket]
         curve = bucket.survival_curve()
         silence = max(0.0, now_s - last)
-        q, p_return = _read_curve(curve, bucket.neg, silence)
-        confidence = min(MAX_CONFIDENCE, math.exp(-0.5 * (math.log1p(q[2]) - math.log1p(q[0]))))
+        fresh = bucket.fresh
+        if silence == 0.0 and fresh is not None and fresh[0] is curve:
+            _, q, p_return, confidence = fresh
+        else:
+            q, p_return = _read_curve(curve, bucket.neg, silence)
+            confidence = min(MAX_CONFIDENCE,
+                             math.exp(-0.5 * (math.log1p(q[2]) - math.log1p(q[0]))))
+            if silence == 0.0:
+                bucket.fresh = (curve, q, p_return, confidence)
         return ArrivalForecast(
             sid, last, q, p_return, silence + RETURN_HORIZON_S,
             confidence, conditioned=True, survival=curve,

@@ -311,8 +311,9 @@ class SurvivalCurve:
 
     gaps_s: tuple[float, ...]
     survival: tuple[float, ...]
-    #: integral of S over [0, gaps_s[i]], per knot
-    _area: tuple[float, ...] = field(init=False, repr=False, compare=False)
+    #: integral of S over [0, gaps_s[i]], per knot (None until :meth:`integral` needs it:
+    #: the predictors' fast builds skip it, see :meth:`_areas`)
+    _area: tuple[float, ...] | None = field(init=False, repr=False, compare=False)
     #: -survival, non-decreasing, for bisect
     _neg: tuple[float, ...] = field(init=False, repr=False, compare=False)
 
@@ -361,15 +362,28 @@ class SurvivalCurve:
         w = (gap_s - g[j - 1]) / (g[j] - g[j - 1])
         return s[j - 1] + w * (s[j] - s[j - 1])
 
+    def _areas(self) -> tuple[float, ...]:
+        """The knots' cumulative integral, computed on first use by a curve built without
+        it (the same additions in the same order as :meth:`__post_init__`)."""
+        area = self._area
+        if area is None:
+            g, s = self.gaps_s, self.survival
+            acc = [0.0]
+            for i in range(1, len(g)):
+                acc.append(acc[-1] + 0.5 * (g[i] - g[i - 1]) * (s[i] + s[i - 1]))
+            area = tuple(acc)
+            object.__setattr__(self, "_area", area)
+        return area
+
     def integral(self, gap_s: float) -> float:
         """Integral of ``S`` over [0, ``gap_s``]."""
         g, s = self.gaps_s, self.survival
         if gap_s <= 0.0:
             return 0.0
         if gap_s >= g[-1]:
-            return self._area[-1] + (gap_s - g[-1]) * s[-1]
+            return self._areas()[-1] + (gap_s - g[-1]) * s[-1]
         j = bisect_right(g, gap_s)
-        return self._area[j - 1] + 0.5 * (gap_s - g[j - 1]) * (s[j - 1] + self.at(gap_s))
+        return self._areas()[j - 1] + 0.5 * (gap_s - g[j - 1]) * (s[j - 1] + self.at(gap_s))
 
     def p_within(self, silence_s: float, h_s: float) -> float:
         """P(gap in (a, a + h] | gap > a), ``a`` = ``silence_s``; 1 when no mass is left

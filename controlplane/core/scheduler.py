@@ -60,7 +60,7 @@ from controlplane.core.planner import (
 )
 from controlplane.core.policies import EvictionKind, LoadStart, PolicySpec
 from controlplane.core.quotas import TenantQuota, TenantShares
-from controlplane.core.router import NodeView, RouteDecision, RouteRequest, route
+from controlplane.core.router import NodeNumbers, RouteDecision, Router, RouteRequest
 from controlplane.core.step import DEMAND_PRIORITY, LoadTicket, Placement, StepOutput, Trim
 from controlplane.core.sweep import GatedPredictor, IdleIndex
 from controlplane.core.tiers import (
@@ -195,6 +195,7 @@ class SchedulerCore:
         self._last_forecast: tuple[str, float, ArrivalForecast | None] | None = None
         self.view = view
         self.bpt = fleet.model.kv_bytes_per_token
+        self._router = Router(fleet)
         self.stats = CoreStats()
         self._sessions: dict[str, _Session] = {}
         #: (forecast, when it was made) of resident sessions whose eviction keys were
@@ -523,17 +524,17 @@ class SchedulerCore:
         s_per_byte, latency = self.view.remote_source(sid)
         req = RouteRequest(sid, input_tokens, reused_tokens, s.home, self.remote_tokens(sid),
                            s_per_byte, latency)
-        views = []
+        view = self.view
+        nodes: list[NodeNumbers] = []
         for n in range(self.fleet.nodes):
             if n in self._down:
                 continue
             d = self.dram[n].get(sid)
-            backlog = self.view.link_backlog_s(n, now_s)
+            backlog = view.link_backlog_s(n, now_s)
             dram_wait = backlog if d is not None and d.ready_at_s > now_s else 0.0
-            views.append(NodeView(n, self.view.queue_wait_s(n, now_s),
-                                  self.view.hbm_tokens(n, sid), d.tokens if d else 0,
-                                  dram_wait, backlog))
-        return route(req, views, self.fleet)
+            nodes.append((n, view.queue_wait_s(n, now_s), view.hbm_tokens(n, sid),
+                          d.tokens if d else 0, dram_wait, backlog))
+        return self._router.decide(req, nodes)
 
     def gpu_start(self, sid: str, node: int, reused_tokens: int, now_s: float) -> StepOutput:
         """The node's GPU picks the request up: policies that load then start the demand
