@@ -187,7 +187,8 @@ class _Bucket:
     (decay multiplies ``scale``, O(1)); the curve is rebuilt lazily."""
 
     grid: tuple[float, ...]
-    seg: list[float]
+    #: float64, one weight per grid segment (an array: a rebuild reads it without a copy)
+    seg: np.ndarray
     returned: float
     never: float
     prior_never_share: float
@@ -206,13 +207,13 @@ class _Bucket:
     def from_table(cls, grid: tuple[float, ...], seg_probs: Sequence[float],
                    never_share: float, weight: float) -> _Bucket:
         total = sum(seg_probs)
-        seg = [weight * p / total for p in seg_probs]
+        seg = np.array([weight * p / total for p in seg_probs], dtype=np.float64)
         return cls(grid, seg, weight * (1.0 - never_share), weight * never_share, never_share)
 
     def _decay(self) -> None:
         self.scale *= DECAY
         if self.scale < 1e-150:  # fold the scale back in before it underflows
-            self.seg = [w * self.scale for w in self.seg]
+            self.seg = self.seg * self.scale
             self.returned *= self.scale
             self.never *= self.scale
             self.scale = 1.0
@@ -246,7 +247,7 @@ class _Bucket:
         return self.curve
 
 
-def _bucket_curve(grid: tuple[float, ...], seg: Sequence[float], p_never: float
+def _bucket_curve(grid: tuple[float, ...], seg: np.ndarray, p_never: float
                   ) -> tuple[SurvivalCurve, tuple[float, ...]]:
     """A bucket's survival curve from its segment weights and never share, and its
     survival negated (for bisect).
@@ -262,9 +263,9 @@ def _bucket_curve(grid: tuple[float, ...], seg: Sequence[float], p_never: float
     every :data:`REBUILD_EVERY` gaps of a bucket: it was a third of the scheduler's time
     per event (issue 12).
     """
-    total = sum(seg)  # sequential, as the loops summed it
+    done = np.add.accumulate(seg)
+    total = float(done[-1])  # the running sum's last value: the loops' total
     k = (1.0 - p_never) / total
-    done = np.add.accumulate(np.asarray(seg, dtype=np.float64))
     surv = np.empty(len(seg) + 1)
     surv[0] = 1.0
     np.minimum(1.0, np.maximum(p_never, 1.0 - k * done), out=surv[1:])

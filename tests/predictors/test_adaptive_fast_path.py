@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
+
 from controlplane.base.types import FORECAST_LEVELS, SurvivalCurve
 from predictors.adaptive import BUCKETS, NEVER_S, RETURN_HORIZON_S, _read_curve, load_default
 
@@ -42,9 +44,9 @@ def _reference_curve(grid: tuple[float, ...], seg: list[float], p_never: float
     """The bucket curve as the plain loops built it before (issue 12)."""
     from itertools import accumulate
 
-    total = sum(seg)
-    k = (1.0 - p_never) / total
-    surv = [1.0, *(min(1.0, max(p_never, 1.0 - k * c)) for c in accumulate(seg))]
+    done = list(accumulate(seg))
+    k = (1.0 - p_never) / done[-1]  # the running total (Python 3.12's sum() compensates)
+    surv = [1.0, *(min(1.0, max(p_never, 1.0 - k * c)) for c in done)]
     surv = list(accumulate(surv, min))
     surv[-1] = p_never
     return SurvivalCurve(grid, tuple(surv))
@@ -61,7 +63,7 @@ def test_bucket_curve_equals_the_checked_construction_bit_for_bit() -> None:
             for i in rng.sample(range(n), n // 2):
                 seg[i] = 0.0
         p_never = rng.choice([0.0, 0.5, rng.random(), 1.0 - 1e-12])
-        got, neg = _bucket_curve(GRID_S, seg, p_never)
+        got, neg = _bucket_curve(GRID_S, np.array(seg), p_never)
         want = _reference_curve(GRID_S, seg, p_never)
         assert got.survival == want.survival
         assert got._areas() == want._areas()
