@@ -337,7 +337,8 @@ class AdaptivePredictor:
         self._sessions.pop(session_id, None)
 
     def forecast(self, session_id: str, now_s: float) -> ArrivalForecast | None:
-        return self.forecast_many((session_id,), now_s)[0]
+        self._require_fitted()
+        return self._one(session_id, float(now_s))
 
     def forecast_many(
         self, session_ids: Sequence[str], now_s: float | Sequence[float]

@@ -361,11 +361,16 @@ class SchedulerCore:
             forecasts = self._forecasts([sids[i] for i in ask],
                                         at[0] if isinstance(now_s, int | float) else at)
             for i, fc in zip(ask, forecasts, strict=True):
-                out[i] = predicted_use_s(fc, self.fleet.planner, times[i])
-                if (fc is not None and fc.conditioned and fc.survival is not None
-                        and sids[i] in self._holders):  # kept for residents only
-                    self._laws[sids[i]] = (fc, times[i])
+                out[i] = self._use_from(sids[i], times[i], fc)
         return out
+
+    def _use_from(self, sid: str, t: float, fc: ArrivalForecast | None) -> float:
+        """The predicted use of a forecast made at ``t``; its law is kept for reuse (see
+        :meth:`_reused_use`) while the session is resident somewhere."""
+        if (fc is not None and fc.conditioned and fc.survival is not None
+                and sid in self._holders):
+            self._laws[sid] = (fc, t)
+        return predicted_use_s(fc, self.fleet.planner, t)
 
     def _next_use(self, sid: str, now_s: float) -> float:
         """``_next_uses([sid], now_s)[0]``, without the batch's lists when the session is
@@ -379,7 +384,7 @@ class SchedulerCore:
             if s.planned_use_s is not None and t <= s.planned_use_s:
                 return s.planned_use_s
         use = self._reused_use(sid, t)
-        return self._next_uses([sid], t)[0] if use is None else use
+        return self._use_from(sid, t, self._forecast(sid, t)) if use is None else use
 
     def _reused_use(self, sid: str, t: float) -> float | None:
         """The predicted use at ``t`` from the session's last whole-law forecast (see
