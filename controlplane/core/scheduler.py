@@ -485,8 +485,9 @@ class SchedulerCore:
         decision = self._route(sid, input_tokens, reused_tokens, now_s)
         node = decision.node
         s = self._session(sid)
-        for other in sorted(n for n in s.inflight_nodes if n != node):
-            self._cancel(sid, other)
+        if s.inflight_nodes:
+            for other in sorted(n for n in s.inflight_nodes if n != node):
+                self._cancel(sid, other)
         heading = s.inflight_nodes.get(node)
         promote = heading is not None and heading.prefetch
         ready: float | None = INF if promote else None
