@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -59,6 +60,10 @@ class PrometheusMetrics:
         r.register(_ScrapeTime(self._scheduler_families))
         r.register(_ScrapeTime(self._share_families))
         self._tenant_labels: set[str] = set()
+        #: Label children by value (the same objects ``labels()`` returns), per event kind
+        #: and per tenant: each event updates both.
+        self._event_counts: dict[str, Any] = {}
+        self._tenant_gauges: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._window_start = time.monotonic()
         self._window_events = 0
@@ -66,7 +71,10 @@ class PrometheusMetrics:
         self._reused = 0
 
     def event(self, kind: str) -> None:
-        self._events.labels(kind).inc()
+        child = self._event_counts.get(kind)
+        if child is None:  # labels() takes a lock and checks the values: once per kind
+            child = self._event_counts[kind] = self._events.labels(kind)
+        child.inc()
         with self._lock:
             self._window_events += 1
             now = time.monotonic()
@@ -105,9 +113,13 @@ class PrometheusMetrics:
         return OTHER_TENANTS
 
     def tenant_sessions(self, tenant: str, live: int) -> None:
-        label = self._tenant(tenant)
-        if label != OTHER_TENANTS:  # a sum over the others would need their counts
-            self._tenant_live.labels(label).set(live)
+        child = self._tenant_gauges.get(tenant)
+        if child is None:
+            label = self._tenant(tenant)
+            if label == OTHER_TENANTS:  # a sum over the others would need their counts
+                return
+            child = self._tenant_gauges[label] = self._tenant_live.labels(label)
+        child.set(live)
 
     def quota_refused(self, tenant: str) -> None:
         self._quota_refusals.labels(self._tenant(tenant)).inc()
