@@ -13,6 +13,8 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
+from controlplane.base.records import quick_init
+
 #: The tenant of sessions whose client names none.
 DEFAULT_TENANT = "default"
 
@@ -146,6 +148,7 @@ class HintKind(enum.StrEnum):
     SESSION_CLOSED = "session_closed"  # the session will not return
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class SessionEvent:
     """One event of one session.
@@ -190,6 +193,7 @@ class SessionEvent:
 FORECAST_LEVELS: tuple[float, ...] = (0.1, 0.5, 0.9)
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class ArrivalForecast:
     """A predictor's view of when one idle session sends its next request.

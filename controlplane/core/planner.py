@@ -12,9 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from controlplane.base.config import PlannerConfig
+from controlplane.base.records import quick_init
 from controlplane.base.types import ArrivalForecast
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class PrefetchOrder:
     """Warm ``tokens`` of ``session_id``'s KV on ``node`` between ``start_at_s`` and
@@ -32,6 +34,7 @@ class PrefetchOrder:
     predicted_use_s: float
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class TransferEstimate:
     """How long a transfer of ``nbytes`` to a node would take if started now."""

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from controlplane.base.config import FleetConfig
+from controlplane.base.records import quick_init
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +30,7 @@ class NodeView:
     link_backlog_s: float = 0.0
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class RouteRequest:
     session_id: str
@@ -42,6 +44,7 @@ class RouteRequest:
     remote_latency_s: float
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class RouteDecision:
     node: int

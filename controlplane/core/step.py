@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from controlplane.base.records import quick_init
 from controlplane.core.planner import PrefetchOrder
 from controlplane.core.router import RouteDecision
 
@@ -34,6 +35,7 @@ from controlplane.core.router import RouteDecision
 DEMAND_PRIORITY = 100.0
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class LoadTicket:
     """Move ``nbytes`` of ``session_id``'s KV into ``node``'s local tier, where the core has
@@ -49,6 +51,7 @@ class LoadTicket:
     priority: float = DEMAND_PRIORITY
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Placement:
     """One session's KV on one node: what a cancel or an eviction refers to."""
@@ -67,6 +70,7 @@ class Trim:
     keep_tokens: int
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class StepOutput:
     """What one core call decided; see the module docstring. Empty: :meth:`empty`."""
