@@ -64,6 +64,7 @@ class PrometheusMetrics:
         #: and per tenant: each event updates both.
         self._event_counts: dict[str, Any] = {}
         self._tenant_gauges: dict[str, Any] = {}
+        self._tenant_counts: dict[str, int] = {}
         self._lock = threading.Lock()
         self._window_start = time.monotonic()
         self._window_events = 0
@@ -119,7 +120,9 @@ class PrometheusMetrics:
             if label == OTHER_TENANTS:  # a sum over the others would need their counts
                 return
             child = self._tenant_gauges[label] = self._tenant_live.labels(label)
-        child.set(live)
+        if self._tenant_counts.get(tenant) != live:  # most events leave the count as it was
+            self._tenant_counts[tenant] = live
+            child.set(live)
 
     def quota_refused(self, tenant: str) -> None:
         self._quota_refusals.labels(self._tenant(tenant)).inc()
