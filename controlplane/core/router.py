@@ -111,8 +111,8 @@ class Router:
         return out
 
     def decide(self, req: RouteRequest, nodes: Sequence[NodeNumbers]) -> RouteDecision:
-        """The node with the lowest estimated TTFT (ties: the lowest index), unless the
-        session's home node is within the affinity margin of it."""
+        """The node with the lowest estimated TTFT (ties: the lower node number), unless
+        the session's home node is within the affinity margin of it."""
         estimates = self.estimates(req, nodes)
         best = min(range(len(nodes)), key=lambda i: (estimates[i], nodes[i][0]))
         if req.home_node is not None:

@@ -69,3 +69,35 @@ def test_bucket_curve_equals_the_checked_construction_bit_for_bit() -> None:
         assert got._areas() == want._areas()
         assert got._neg == want._neg == neg
         assert got == want
+
+
+def test_forecasts_at_silence_zero_read_once_per_curve_are_the_curve_s_numbers() -> None:
+    """A just-finished session's forecast comes from the bucket's memo while the bucket's
+    curve stands, and from the new curve once gaps have rebuilt it."""
+    from controlplane.base.types import EventKind, SessionEvent
+    from predictors.adaptive import REBUILD_EVERY
+
+    model = load_default()
+
+    def turn(sid: str, start: float, end: float) -> None:
+        model.observe(SessionEvent(EventKind.REQUEST_STARTED, sid, start))
+        model.observe(SessionEvent(EventKind.REQUEST_FINISHED, sid, end,
+                                   stop_reason="tool_use"))
+
+    def check(sid: str, now: float) -> SurvivalCurve:
+        fc = model.forecast(sid, now)
+        assert fc is not None and fc.survival is not None
+        neg = tuple(-v for v in fc.survival.survival)
+        assert (fc.gap_quantiles_s, fc.p_return) == _read_curve(fc.survival, neg, 0.0)
+        return fc.survival
+
+    turn("a", 0.0, 1.0)
+    turn("b", 0.0, 1.0)
+    first = check("a", 1.0)
+    assert check("b", 1.0) is first  # the memo's curve, same numbers
+    bucket = model.idle_group("a")
+    assert bucket is not None
+    for _ in range(REBUILD_EVERY):  # gaps of the same bucket: its curve is rebuilt
+        model._buckets[bucket].add_gap(30.0)
+    turn("c", 500.0, 501.0)  # the same history as "a": the same bucket
+    assert check("c", 501.0) is model.curve_of(bucket) is not first
