@@ -257,9 +257,8 @@ def _bucket_curve(grid: tuple[float, ...], seg: np.ndarray, p_never: float
     knot is ``P(never)`` exactly. Every array operation here is elementwise or a
     left-to-right accumulation, so each number is the one the plain Python loops give, bit
     for bit (tests/predictors/test_adaptive_fast_path.py); the curve is valid by this
-    construction, so it is made without :class:`SurvivalCurve`'s checks and without its
-    knot integral (only the value rule integrates a curve; ``SurvivalCurve._areas`` then
-    makes it with the same additions the checks would). A rebuild runs
+    construction, so it is made without :class:`SurvivalCurve`'s checks (its knot
+    integral is left to the first ``integral`` call, as for any curve). A rebuild runs
     every :data:`REBUILD_EVERY` gaps of a bucket: it was a third of the scheduler's time
     per event (issue 12).
     """
@@ -275,7 +274,7 @@ def _bucket_curve(grid: tuple[float, ...], seg: np.ndarray, p_never: float
     curve = object.__new__(SurvivalCurve)
     object.__setattr__(curve, "gaps_s", grid)
     object.__setattr__(curve, "survival", survival)
-    object.__setattr__(curve, "_area", None)  # computed if a caller integrates the curve
+    object.__setattr__(curve, "_area", None)
     neg = tuple((-surv).tolist())
     object.__setattr__(curve, "_neg", neg)
     return curve, neg

@@ -188,6 +188,11 @@ class Ack(_Model):
     timed_out: bool = False
 
 
+#: The answer of an event call that was recorded or queued (frozen: one object serves every
+#: call; it was a model built per event on the scheduler's and the batching client's paths).
+ACCEPTED = Ack()
+
+
 def parse(model: type[_Model], data: Any) -> Any:
     """Validate ``data`` as ``model``; raise the typed error a caller can catch."""
     if isinstance(data, model):

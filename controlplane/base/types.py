@@ -315,8 +315,8 @@ class SurvivalCurve:
 
     gaps_s: tuple[float, ...]
     survival: tuple[float, ...]
-    #: integral of S over [0, gaps_s[i]], per knot (None until :meth:`integral` needs it:
-    #: the predictors' fast builds skip it, see :meth:`_areas`)
+    #: integral of S over [0, gaps_s[i]], per knot (None until :meth:`integral` first
+    #: needs it, see :meth:`_areas`: only the value rule integrates a curve)
     _area: tuple[float, ...] | None = field(init=False, repr=False, compare=False)
     #: -survival, non-decreasing, for bisect
     _neg: tuple[float, ...] = field(init=False, repr=False, compare=False)
@@ -328,7 +328,6 @@ class SurvivalCurve:
                              f"{len(g)} gaps and {len(s)} survivals")
         if g[0] != 0.0 or s[0] != 1.0:
             raise ValueError(f"a survival curve starts at (0, 1), got ({g[0]}, {s[0]})")
-        area = [0.0]
         for i in range(1, len(g)):
             if not g[i] > g[i - 1] or not math.isfinite(g[i]):
                 raise ValueError(f"survival knot gaps must increase strictly and be finite: "
@@ -336,8 +335,7 @@ class SurvivalCurve:
             if not 0.0 <= s[i] <= s[i - 1]:
                 raise ValueError(f"survival must not increase and stay in [0, 1]: "
                                  f"{s[i - 1]} then {s[i]} at gap {g[i]}")
-            area.append(area[-1] + 0.5 * (g[i] - g[i - 1]) * (s[i] + s[i - 1]))
-        object.__setattr__(self, "_area", tuple(area))
+        object.__setattr__(self, "_area", None)
         object.__setattr__(self, "_neg", tuple(-v for v in s))
 
     @classmethod
@@ -367,8 +365,8 @@ class SurvivalCurve:
         return s[j - 1] + w * (s[j] - s[j - 1])
 
     def _areas(self) -> tuple[float, ...]:
-        """The knots' cumulative integral, computed on first use by a curve built without
-        it (the same additions in the same order as :meth:`__post_init__`)."""
+        """The knots' cumulative integral (trapezoids, exact for a curve linear between
+        knots), computed on first use and kept."""
         area = self._area
         if area is None:
             g, s = self.gaps_s, self.survival

@@ -305,7 +305,7 @@ class RayTransport:
     # ------------------------------------------------------------------ gateway calls
     def request_started(self, call: api.RequestStarted) -> api.Ack:
         if self._queued("request_started", call):
-            return api.Ack()
+            return api.ACCEPTED
         answer: api.Ack = self._get("request_started",
                                     self._handle.request_started.remote(call))
         return answer
@@ -376,20 +376,20 @@ class RayTransport:
 
     def request_finished(self, call: api.RequestFinished) -> api.Ack:
         if self._queued("request_finished", call):
-            return api.Ack()
+            return api.ACCEPTED
         answer: api.Ack = self._get("request_finished",
                                     self._handle.request_finished.remote(call))
         return answer
 
     def hint(self, call: api.HintCall) -> api.Ack:
         if self._queued("hint", call):
-            return api.Ack()
+            return api.ACCEPTED
         answer: api.Ack = self._get("hint", self._handle.hint.remote(call))
         return answer
 
     def session_closed(self, call: api.SessionClosed) -> api.Ack:
         if self._queued("session_closed", call):
-            return api.Ack()
+            return api.ACCEPTED
         answer: api.Ack = self._get("session_closed", self._handle.session_closed.remote(call))
         return answer
 

@@ -64,6 +64,8 @@ class PrometheusMetrics:
         #: and per tenant: each event updates both.
         self._event_counts: dict[str, Any] = {}
         self._tenant_gauges: dict[str, Any] = {}
+        #: The live count each tenant's gauge shows (set under the service's lock, as every
+        #: call of this sink is).
         self._tenant_counts: dict[str, int] = {}
         self._lock = threading.Lock()
         self._window_start = time.monotonic()

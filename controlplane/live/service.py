@@ -94,9 +94,6 @@ from controlplane.live.sessions import SessionQuery, SessionRegistry, SessionSta
 from controlplane.traces.journal import EpochRecord, TimeLimits, quarantine
 
 log = logging.getLogger(__name__)
-#: The answer of an event call that was recorded (frozen: one object serves every call).
-ACCEPTED = api.Ack()
-
 
 _Call = TypeVar("_Call", bound=api.RouteQuery | api.RequestStarted | api.RequestFinished
                 | api.HintCall | api.SessionClosed)
@@ -391,7 +388,7 @@ class SchedulerService:
             api.parse(api.RequestStarted, call) if isinstance(call, dict) else call)
         with self._step() as box:
             self.driver.start_request(started, box)
-        return ACCEPTED
+        return api.ACCEPTED
 
     def route(self, call: api.RouteQuery | dict[str, Any]) -> api.RouteAnswer:
         """Pick the node for a request; records ``request_started`` when the gateway has
@@ -407,21 +404,21 @@ class SchedulerService:
         self._check_node(checked.node)
         with self._step() as box:
             self.driver.request_finished(checked, box)
-        return ACCEPTED
+        return api.ACCEPTED
 
     def hint(self, call: api.HintCall | dict[str, Any]) -> api.Ack:
         checked: api.HintCall = self._admit(
             api.parse(api.HintCall, call) if isinstance(call, dict) else call)
         with self._step() as box:
             self.driver.hint(checked, box)
-        return ACCEPTED
+        return api.ACCEPTED
 
     def session_closed(self, call: api.SessionClosed | dict[str, Any]) -> api.Ack:
         checked: api.SessionClosed = self._admit(
             api.parse(api.SessionClosed, call) if isinstance(call, dict) else call)
         with self._step() as box:
             self.driver.session_closed(checked, box)
-        return ACCEPTED
+        return api.ACCEPTED
 
     def session_state(self, call: SessionQuery | dict[str, Any]) -> SessionState:
         """The caller's live session; UnknownSessionError (404) when its tenant has none by
