@@ -77,8 +77,14 @@ class LMCacheBenchConfig(BaseModel):
     #: ``num_keys`` keys (store, lookup, load).
     rounds: int = Field(3, ge=1)
     warmup_rounds: int = Field(1, ge=0)
-    #: Runs of every adapter; the order rotates each repeat and figures are medians.
-    repeats: int = Field(5, ge=1)
+    #: Runs of every adapter; the order rotates each repeat and figures are medians. Even,
+    #: so that with two adapters each runs second as often as first (the later run of a
+    #: pair was the faster one in 4 of 5 pairs: the server's memory warms up).
+    repeats: int = Field(6, ge=1)
+    #: Runs of every adapter before the measured ones, not counted: a fresh Valkey stores
+    #: its first hundreds of MiB at a third of its later speed (first-touch pages), whoever
+    #: writes them.
+    warmup_runs: int = Field(1, ge=0)
     adapters: tuple[AdapterName, ...] = ADAPTERS
     #: Our adapter's write policy (the store figure includes S3 only in write-through).
     write_mode: Literal["write-through", "write-back"] = "write-back"
@@ -327,7 +333,8 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def bench_steps(config: LMCacheBenchConfig) -> int:
     """How many times ``on_step`` is called (for a progress bar)."""
     final = int("kvprefetch" in config.adapters and config.write_mode == "write-back")
-    return 1 + final + config.repeats * (len(config.adapters) + int(config.raw_get_loop))
+    return 1 + final + config.warmup_runs * len(config.adapters) + config.repeats * (
+        len(config.adapters) + int(config.raw_get_loop))
 
 
 def run_lmcache_bench(config: LMCacheBenchConfig,
@@ -350,18 +357,20 @@ def run_lmcache_bench(config: LMCacheBenchConfig,
             stack.callback(raw.close)
         step("servers up")
         load_before = os.getloadavg()
-        for repeat in range(cfg.repeats):
-            order = list(cfg.adapters[repeat % len(cfg.adapters):]
-                         + cfg.adapters[: repeat % len(cfg.adapters)])
+        warmup: dict[str, list[dict[str, Any]]] = {a: [] for a in cfg.adapters}
+        for repeat in range(-cfg.warmup_runs, cfg.repeats):
+            shift = repeat % len(cfg.adapters)
+            order = list(cfg.adapters[shift:] + cfg.adapters[:shift])
             for adapter in order:
                 figures = run_lmcache_bench_l2(specs[adapter], cfg)
                 figures["repeat"] = repeat
                 if adapter == "kvprefetch" and cfg.write_mode == "write-back":
                     figures["write_back"] = drain_and_verify_from_s3(
                         specs[adapter], valkey, cfg, flush=False)
-                runs[adapter].append(figures)
-                step(f"{adapter} {figures['load_mib_s']:.0f} MiB/s")
-            if raw is not None:
+                (runs if repeat >= 0 else warmup)[adapter].append(figures)
+                step(f"{adapter} {figures['load_mib_s']:.0f} MiB/s"
+                     + (" (warm-up)" if repeat < 0 else ""))
+            if raw is not None and repeat >= 0:
                 raw_runs.append(raw.run())
                 step(f"raw {raw_runs[-1]:.0f} MiB/s")
         load_after = os.getloadavg()
@@ -373,6 +382,9 @@ def run_lmcache_bench(config: LMCacheBenchConfig,
             step("S3 alone, Valkey flushed: "
                  f"{final_check['s3_alone_keys_ok']}/{final_check['s3_alone_keys']}")
     adapters = {a: _summary(r) for a, r in runs.items()}
+    for a, w in warmup.items():  # reported, never in the figures
+        adapters[a]["warmup_runs"] = w
+        adapters[a]["verified"] = adapters[a]["verified"] and all(r["verified"] for r in w)
     if final_check is not None:
         wb = adapters["kvprefetch"]["write_back"]
         wb["after_valkey_flush"] = final_check
@@ -383,7 +395,8 @@ def run_lmcache_bench(config: LMCacheBenchConfig,
         "adapters": adapters,
         "config": cfg.model_dump(),
         "data_size_bytes": cfg.data_size_kb * 1024,
-        "statistic": f"median of {cfg.repeats} interleaved runs per adapter (MiB/s = "
+        "statistic": f"median of {cfg.repeats} interleaved runs per adapter, after "
+                     f"{cfg.warmup_runs} uncounted (MiB/s = "
                      "LMCache's figure: bytes / 2^20 / round time)",
         "kvprefetch_mode": f"valkey+s3 {cfg.write_mode}",
         "load_avg_1m": [round(load_before[0], 2), round(load_after[0], 2)],

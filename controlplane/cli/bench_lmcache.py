@@ -19,9 +19,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=3,
                         help="measured rounds per run, after one warm-up round (default 3)")
     parser.add_argument("--warmup-rounds", type=int, default=1, help="(default 1)")
-    parser.add_argument("--repeats", type=int, default=5,
-                        help="runs of every adapter, order rotating; figures are medians "
-                        "(default 5)")
+    parser.add_argument("--repeats", type=int, default=6,
+                        help="measured runs of every adapter, order rotating; figures are "
+                        "medians (default 6: even, so each adapter runs first as often as "
+                        "second)")
+    parser.add_argument("--warmup-runs", type=int, default=1,
+                        help="runs of every adapter first, not counted (default 1: a fresh "
+                        "Valkey stores its first few hundred MiB far slower, whoever writes "
+                        "them)")
     parser.add_argument("--adapters", default=",".join(DEFAULT_ADAPTERS),
                         help="comma-separated subset of: " + ", ".join(ADAPTER_NAMES))
     parser.add_argument("--write-mode", choices=("write-through", "write-back"),
@@ -57,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
             rounds=args.rounds,
             warmup_rounds=args.warmup_rounds,
             repeats=args.repeats,
+            warmup_runs=args.warmup_runs,
             adapters=tuple(a.strip() for a in args.adapters.split(",") if a.strip()),
             write_mode=args.write_mode,
             lookup_hit_rate=args.lookup_hit_rate,

@@ -461,12 +461,16 @@ def test_kvprefetch_bench_lmcache_runs_lmcache_bench_l2_verified(tmp_path: Path)
     bench_lmcache.add_arguments(parser)
     out = tmp_path / "lmcache.json"
     args = parser.parse_args(["--data-size-kb", "512", "--num-keys", "4", "--rounds", "1",
-                              "--repeats", "1", "--json", str(out), "--no-progress"])
+                              "--repeats", "1", "--warmup-runs", "1", "--json", str(out),
+                              "--no-progress"])
     assert bench_lmcache.run(args) == 0
     result = json.loads(out.read_text())
     assert set(result["adapters"]) == {"kvprefetch", "lmcache-valkey", "lmcache-s3"}
     for row in result["adapters"].values():
         assert row["verified"] is True
+        # The warm-up run is reported apart and not in the figures.
+        assert [r["repeat"] for r in row["warmup_runs"]] == [-1]
+        assert [r["repeat"] for r in row["runs"]] == [0]
         assert row["store_mib_s"] > 0 and row["load_mib_s"] > 0
         assert row["runs"][0]["load_keys_ok"] == row["runs"][0]["keys"] == 4
     assert result["speedup_vs_lmcache_valkey"] > 0 and result["raw_get_loop_mib_s"] > 0

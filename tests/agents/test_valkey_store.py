@@ -219,3 +219,71 @@ def test_delete_takes_the_head_and_every_part(store: ValkeyStore) -> None:
     assert [r.ok for r in store.delete(["d", "e", "nope"])] == [True, True, False]
     assert not any(store.client.exists(n) for n in names)
     assert store.stats().deletes == 2
+
+
+INLINE_SIZES = [0, 1, 5, 40 * KIB, 64 * KIB - 1, 64 * KIB]
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_inline_objects_travel_on_every_lane_whole(
+    valkey_server: EmbeddedValkey, key_prefix: str, dram_dir: Path, direct: bool
+) -> None:
+    """Objects of at most a part live in their head (header, then payload: one value, no
+    part keys), written and read on the bulk lanes side by side with striped ones; the
+    direct reader receives them straight into the sink (here a local tier's file)."""
+    s = ValkeyStore(valkey_server.store_config(key_prefix=key_prefix, part_bytes=64 * KIB,
+                                               connections=3, direct_reads=direct))
+    s.start()
+    try:
+        payloads = {f"i{n}": os.urandom(n) for n in INLINE_SIZES}
+        payloads["striped"] = os.urandom(150 * KIB)
+        assert all(r.ok for r in s.put(list(payloads.items())))
+        for name, payload in payloads.items():
+            raw = s.client.get(s.head_key(name))
+            if name != "striped":
+                assert raw.endswith(payload) and len(raw) == make_header(
+                    name, payload, 64 * KIB).header_bytes + len(payload)
+        assert not list(s.client.scan_iter(match=f"{key_prefix}v:i*"))
+        got = s.get([*payloads, "nope"])
+        assert [bytes(r.data or b"") for r in got[:-1]] == list(payloads.values())
+        assert got[-1].miss
+        tier = LocalTier(LocalTierConfig(path=str(dram_dir), capacity_bytes=8 << 20))
+        tier.start()
+        assert all(r.ok for r in s.get(list(payloads), sink=tier))
+        assert [bytes(r.data or b"") for r in tier.get(list(payloads))] == list(
+            payloads.values())
+        assert [bytes(s.get([name])[0].data or b"") for name in payloads] == list(
+            payloads.values())  # one key: read on the calling thread
+    finally:
+        s.client.delete(*s.client.scan_iter(match=f"{key_prefix}*"))
+        s.close()
+
+
+def test_a_flipped_byte_in_an_inline_object_is_detected_deleted_and_counted(
+        store: ValkeyStore) -> None:
+    payload = os.urandom(40 * KIB)
+    store.put([("c", payload), ("ok", payload)])
+    name = store.head_key("c")
+    store.client.setrange(name, 1000, bytes([store.client.getrange(name, 1000, 1000)[0] ^ 1]))
+    r, ok = store.get(["c", "ok"])
+    assert isinstance(r.error, CorruptObjectError) and r.miss
+    assert bytes(ok.data or b"") == payload
+    assert not store.exists(["c"])[0].ok
+    assert store.stats().corrupt == 1
+
+
+def test_each_overwrite_drops_the_parts_of_the_version_it_replaced(store: ValkeyStore) -> None:
+    """``SET ... GET`` hands back the replaced head (read only as far as its header and
+    tag, however much inline payload follows): striped -> inline -> striped -> inline
+    leaves no part of an older version behind, and reads give the newest."""
+    def parts() -> set[bytes]:
+        return set(store.client.scan_iter(match=f"{store.config.key_prefix}v:*"))
+
+    versions = [os.urandom(200 * KIB), os.urandom(64 * KIB), os.urandom(130 * KIB),
+                os.urandom(10)]
+    seen: list[set[bytes]] = []
+    for payload in versions:
+        assert store.put([("k", payload), ("other", b"x")])[0].ok
+        assert bytes(store.get(["k"])[0].data or b"") == payload
+        seen.append(parts())
+    assert len(seen[0]) == 4 and not seen[1] and len(seen[2]) == 3 and not seen[3]
