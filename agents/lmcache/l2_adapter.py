@@ -104,6 +104,13 @@ CLASS_NAME: Final = "KvPrefetchL2Adapter"
 #: 1 MiB puts a 4 MiB chunk on the direct path (the store's own default, 4 MiB, is sized
 #: for 32 MiB chunks).
 DEFAULT_VALKEY_PART_BYTES: Final = 1 * MIB
+#: The ``valkey`` section's defaults here, where it does not set them: the stripe above, and
+#: each load batch's stripes read on the batch's own thread and connection (``get_lanes``
+#: 1). The store's default hands each chunk to a pool thread and its stripes to more: 32 x
+#: 4 MiB loads through LMCache's benchmark ran at 1,711 against 2,221 MiB/s median (6
+#: interleaved runs each, one server), and in-process at 0.93-0.95 against 0.74-0.77 client
+#: CPU seconds per GiB, Valkey's the same.
+VALKEY_DEFAULTS: Final = {"part_bytes": DEFAULT_VALKEY_PART_BYTES, "get_lanes": 1}
 _SEP: Final = "@"
 _PREFIX_RE: Final = re.compile(r"[A-Za-z0-9._/:-]+")
 
@@ -143,7 +150,8 @@ class KvPrefetchL2Params(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     #: The hot tier (see :class:`ValkeyStoreConfig`: host, port, password, tls, key_prefix,
-    #: connections, part_bytes ...). ``part_bytes`` defaults to 1 MiB here.
+    #: connections, part_bytes ...). ``part_bytes`` defaults to 1 MiB and ``get_lanes`` to 1
+    #: here (:data:`VALKEY_DEFAULTS`).
     valkey: ValkeyStoreConfig | None = None
     #: The cold, durable tier (see :class:`S3StoreConfig`: bucket, endpoint_url, region,
     #: access_key_id, secret_access_key, key_prefix, connections ...).
@@ -192,13 +200,12 @@ class KvPrefetchL2Params(BaseModel):
 
     @field_validator("valkey", mode="before")
     @classmethod
-    def _valkey_part_default(cls, value: Any) -> Any:
-        if isinstance(value, Mapping) and "part_bytes" not in value:
-            return {**value, "part_bytes": DEFAULT_VALKEY_PART_BYTES}
-        if isinstance(value, ValkeyStoreConfig) and "part_bytes" not in value.model_fields_set:
-            return ValkeyStoreConfig(**{name: getattr(value, name)
-                                        for name in value.model_fields_set},
-                                     part_bytes=DEFAULT_VALKEY_PART_BYTES)
+    def _valkey_defaults(cls, value: Any) -> Any:
+        if isinstance(value, Mapping):
+            return {**VALKEY_DEFAULTS, **value}
+        if isinstance(value, ValkeyStoreConfig):
+            given = {name: getattr(value, name) for name in value.model_fields_set}
+            return ValkeyStoreConfig(**{**VALKEY_DEFAULTS, **given})
         return value
 
     @field_validator("tiered", mode="before")

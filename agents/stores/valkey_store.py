@@ -133,6 +133,12 @@ class ValkeyStoreConfig(BaseModel):
     #: Receive stripes straight into the destination (standalone mode only); see
     #: ``_BulkConnection``. Off = every value goes through valkey-py.
     direct_reads: bool = True
+    #: With ``direct_reads``: read the parts of all of a ``get``'s striped objects on this
+    #: many connections, one thread each (the calling thread takes the first); 0 = object
+    #: by object on the ``connections`` pool, each object's parts on up to ``connections``
+    #: lanes (for a few large objects). 1 suits many small striped objects: no thread
+    #: hand-off per object or part (the LMCache adapter's default).
+    get_lanes: int = Field(0, ge=0, le=256)
     connect_timeout_s: float = Field(1.0, gt=0)
     socket_timeout_s: float = Field(5.0, gt=0)
 
@@ -647,20 +653,32 @@ class ValkeyStore(StoreLifecycle):
         sink: PayloadSink | None = None,
         cancel: CancelToken | None = None,
     ) -> list[GetResult]:
-        """Fetch ``keys``: heads in one pipelined round trip (with ``direct_reads``, an
-        object held inline in its head is received straight into the sink), then every part
-        of the striped ones in parallel."""
+        """Fetch ``keys``: heads in one pipelined round trip, then every part of the striped
+        ones. With ``direct_reads``, an object held inline in its head is received straight
+        into the sink; with ``get_lanes`` too, the parts of every striped object are read on
+        that many connections (the calling thread takes the first), straight into the sink,
+        and any object that goes wrong there (a part gone, damaged, a lane's connection
+        lost) is read again alone by the checked path (which re-reads a replaced head and
+        drops damage)."""
         check_cancel(cancel)
         keep = sink is None
         use = sink if sink is not None else MemorySink()
-        heads: Sequence[GetResult | bytes | StoreError | None]
+        out: list[GetResult | bytes | StoreError | None]
         if self.config.direct_reads and not self.config.cluster and keys:
-            heads = self._heads_direct(keys, use, keep)
+            out = self._heads_direct(keys, use, keep)
+            striped = []
+            for i, (key, raw) in enumerate(zip(keys, out, strict=True)):
+                if isinstance(raw, bytes) and self.config.get_lanes:
+                    with contextlib.suppress(StoreError):  # the checked path decides
+                        head = self._parse_head(key, raw)
+                        if head.tag is not None:
+                            striped.append((i, head))
+            for i, result in self._fetch_striped(striped, use, keep, cancel).items():
+                out[i] = result
         else:
-            heads = self._heads(keys)
-        rest = [(i, k, h) for i, (k, h) in enumerate(zip(keys, heads, strict=True))
+            out = list(self._heads(keys))
+        rest = [(i, k, h) for i, (k, h) in enumerate(zip(keys, out, strict=True))
                 if not isinstance(h, GetResult)]
-        out = list(heads)
         if len(rest) == 1:
             i, k, h = rest[0]
             out[i] = self._get_one(k, h, use, keep, cancel)
@@ -670,6 +688,98 @@ class ValkeyStore(StoreLifecycle):
             for i, f in futures:
                 out[i] = f.result()
         return [self._stats.count_get(r) for r in out]  # type: ignore[arg-type]
+
+    def _fetch_striped(self, heads: list[tuple[int, _Head]], sink: PayloadSink, keep: bool,
+                       cancel: CancelToken | None) -> dict[int, GetResult]:
+        """The parts of every object in ``heads`` (``(index, head)``) over up to
+        ``get_lanes`` lanes (this thread takes the first), each lane one ``GET`` at a time,
+        each part received straight into its object's writer and verified. Returns the
+        result of every object read whole or whose writer could not open; the others'
+        writers are aborted and they are left out (for the checked path).
+
+        One GET at a time: sending a lane's GETs all at once made Valkey queue the replies
+        in its output buffers, ~3x its CPU per GiB (0.94-1.01 against 0.31-0.35 s, loads of
+        32 x 4 MiB through the LMCache adapter)."""
+        out: dict[int, GetResult] = {}
+        writers: dict[int, Any] = {}
+        for i, head in heads:
+            try:
+                writers[i] = sink.open(head.header)
+            except StoreError as exc:
+                out[i] = GetResult(head.header.key, header=head.header, error=exc)
+        if not writers:
+            return out
+        by_index = dict(heads)
+        jobs = [(i, j) for i in writers for j in range(by_index[i].header.parts)]
+        failed: set[int] = set()
+
+        def lane(chunk: list[tuple[int, int]]) -> None:
+            at = 0
+            try:
+                check_cancel(cancel)
+                with translate_valkey_errors("get part"), self._bulk.connection() as conn:
+                    for i, j in chunk:
+                        head = by_index[i]
+                        conn.send_gets([self._part_name(head.header.key, head.tag or "", j)])
+                        if not self._receive_part(conn, head.header, j, writers[i]):
+                            failed.add(i)
+                        at += 1
+            except StoreError:
+                failed.update(i for i, _ in chunk[at:])
+
+        lanes = max(1, min(self.config.get_lanes, len(jobs)))
+        chunks = [jobs[n::lanes] for n in range(lanes)]
+        futures = [self._parts.submit(partial(lane, c)) for c in chunks[1:]]
+        try:
+            lane(chunks[0])
+        finally:
+            wait(futures)  # nothing may write into the writers after this returns
+        for f in futures:
+            f.result()
+        for i, writer in writers.items():
+            header = by_index[i].header
+            if i in failed:
+                writer.abort()
+                continue
+            try:
+                writer.commit()
+            except StoreError as exc:
+                writer.abort()
+                out[i] = GetResult(header.key, header=header, error=exc)
+                continue
+            data = memoryview(writer.buffer) if keep and hasattr(writer, "buffer") else None
+            out[i] = GetResult(header.key, header=header, data=data, source=self.name)
+        return out
+
+    @staticmethod
+    def _receive_part(conn: _BulkConnection, header: ObjectHeader, index: int,
+                      writer: Any) -> bool:
+        """Receive the next reply of ``conn``, part ``index`` of ``header``'s object, into
+        ``writer``; False (the bytes read and dropped) when it is gone, of another size or
+        damaged."""
+        start, end = header.part_range(index)
+        n = conn.reply_size()
+        if n != end - start:
+            if n >= 0:
+                conn.skip(n + 2)
+            return False
+        view = writer.target(start, n)
+        data = view if view is not None else memoryview(bytearray(n))
+        try:
+            conn.read_into(data)
+            conn.skip(2)
+            try:
+                header.verify_part(index, data)
+            except CorruptObjectError:
+                return False
+            if view is None:
+                writer.write_at(start, data)
+            else:
+                writer.written(start, n)
+        finally:
+            if view is not None:
+                view.release()
+        return True
 
     def _heads_direct(self, keys: Sequence[str], sink: PayloadSink, keep: bool
                       ) -> list[GetResult | bytes | StoreError | None]:

@@ -24,10 +24,14 @@ pytestmark = pytest.mark.servers
 KIB = 1024
 
 
-@pytest.fixture
-def store(valkey_server: EmbeddedValkey, key_prefix: str) -> Iterator[ValkeyStore]:
+@pytest.fixture(params=[0, 2], ids=["parts-per-object", "parts-pipelined"])
+def store(valkey_server: EmbeddedValkey, key_prefix: str,
+          request: pytest.FixtureRequest) -> Iterator[ValkeyStore]:
+    """Every test on both read paths: each object's parts one GET at a time on lanes, and
+    every part of a get pipelined on ``get_lanes`` streams."""
     s = ValkeyStore(valkey_server.store_config(key_prefix=key_prefix, part_bytes=64 * KIB,
-                                               max_object_bytes=4 << 20, connections=3))
+                                               max_object_bytes=4 << 20, connections=3,
+                                               get_lanes=request.param))
     s.start()
     yield s
     names = list(s.client.scan_iter(match=f"{key_prefix}*"))
@@ -102,14 +106,16 @@ def test_wrong_endpoint_and_credentials(valkey_server: EmbeddedValkey) -> None:
         good.close()
 
 
-@pytest.mark.parametrize("connections", [1, 3])
+@pytest.mark.parametrize("connections,get_lanes", [(1, 0), (3, 0), (1, 1), (3, 2), (3, 5)])
 def test_lanes_fetch_every_part_and_a_lost_part_publishes_nothing(
-    valkey_server: EmbeddedValkey, key_prefix: str, dram_dir: Path, connections: int
+    valkey_server: EmbeddedValkey, key_prefix: str, dram_dir: Path, connections: int,
+    get_lanes: int,
 ) -> None:
-    """Parts are fetched by the caller plus ``connections - 1`` pool lanes; a part gone
-    mid-object makes a miss, drops the rest of the object and leaves the tier untouched."""
+    """Parts are fetched by the caller plus ``connections - 1`` pool lanes (or pipelined on
+    ``get_lanes`` streams); a part gone mid-object makes a miss, drops the rest of the
+    object and leaves the tier untouched."""
     s = ValkeyStore(valkey_server.store_config(key_prefix=key_prefix, part_bytes=64 * KIB,
-                                               connections=connections))
+                                               connections=connections, get_lanes=get_lanes))
     s.start()
     tier = LocalTier(LocalTierConfig(path=str(dram_dir), capacity_bytes=8 << 20))
     tier.start()
@@ -159,7 +165,9 @@ def test_an_overwrite_under_a_reader_never_tears_or_deletes_the_new_version(
     sink = _OverwriteOnOpen(store, "k", v2, batch)
     r = store.get(["k"], sink=sink)[0]
     assert r.ok and r.header is not None and r.header.payload_bytes == len(v2)
-    assert sink.opened == 2  # version 1 missed cleanly, then version 2 read
+    # Version 1 missed cleanly (pipelined: on the lanes, then again on the checked path),
+    # then version 2 read.
+    assert sink.opened == (3 if store.config.get_lanes else 2)
     assert bytes(store.get(["k"])[0].data or b"") == v2
     assert store.stats().corrupt == 0
     # Only version 2 is left: its head and its 4 parts (version 1's 5 parts are gone).
