@@ -716,9 +716,9 @@ class ValkeyStore(StoreLifecycle):
         def lane(chunk: list[tuple[int, int]]) -> None:
             at = 0
             try:
-                check_cancel(cancel)
                 with translate_valkey_errors("get part"), self._bulk.connection() as conn:
                     for i, j in chunk:
+                        check_cancel(cancel)
                         head = by_index[i]
                         conn.send_gets([self._part_name(head.header.key, head.tag or "", j)])
                         if not self._receive_part(conn, head.header, j, writers[i]):
