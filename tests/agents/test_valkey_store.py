@@ -24,11 +24,11 @@ pytestmark = pytest.mark.servers
 KIB = 1024
 
 
-@pytest.fixture(params=[0, 2], ids=["parts-per-object", "parts-pipelined"])
+@pytest.fixture(params=[0, 2], ids=["parts-per-object", "parts-on-get-lanes"])
 def store(valkey_server: EmbeddedValkey, key_prefix: str,
           request: pytest.FixtureRequest) -> Iterator[ValkeyStore]:
-    """Every test on both read paths: each object's parts one GET at a time on lanes, and
-    every part of a get pipelined on ``get_lanes`` streams."""
+    """Every test on both read paths: object by object, each object's parts on pool lanes;
+    and every part of a get on ``get_lanes`` connections, one thread each."""
     s = ValkeyStore(valkey_server.store_config(key_prefix=key_prefix, part_bytes=64 * KIB,
                                                max_object_bytes=4 << 20, connections=3,
                                                get_lanes=request.param))
@@ -111,8 +111,8 @@ def test_lanes_fetch_every_part_and_a_lost_part_publishes_nothing(
     valkey_server: EmbeddedValkey, key_prefix: str, dram_dir: Path, connections: int,
     get_lanes: int,
 ) -> None:
-    """Parts are fetched by the caller plus ``connections - 1`` pool lanes (or pipelined on
-    ``get_lanes`` streams); a part gone mid-object makes a miss, drops the rest of the
+    """Parts are fetched by the caller plus ``connections - 1`` pool lanes (or on
+    ``get_lanes`` connections); a part gone mid-object makes a miss, drops the rest of the
     object and leaves the tier untouched."""
     s = ValkeyStore(valkey_server.store_config(key_prefix=key_prefix, part_bytes=64 * KIB,
                                                connections=connections, get_lanes=get_lanes))
@@ -165,8 +165,8 @@ def test_an_overwrite_under_a_reader_never_tears_or_deletes_the_new_version(
     sink = _OverwriteOnOpen(store, "k", v2, batch)
     r = store.get(["k"], sink=sink)[0]
     assert r.ok and r.header is not None and r.header.payload_bytes == len(v2)
-    # Version 1 missed cleanly (pipelined: on the lanes, then again on the checked path),
-    # then version 2 read.
+    # Version 1 missed cleanly (with get_lanes: on the lanes, then again on the checked
+    # path), then version 2 read.
     assert sink.opened == (3 if store.config.get_lanes else 2)
     assert bytes(store.get(["k"])[0].data or b"") == v2
     assert store.stats().corrupt == 0
