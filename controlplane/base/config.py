@@ -144,10 +144,12 @@ class PlannerConfig(_Frozen):
     #: Measured on the shared Claude Code set and the bundled slice (README, "Choosing
     #: when to load"): 0.5 beat 0 (always at arrival when queued) and 2.
     arrival_load_min_wait_fraction: float = Field(0.5, ge=0)
-    #: ... and no longer than this multiple of it: behind a longer queue, loading at
-    #: arrival holds DRAM for the whole wait and an overloaded fleet thrashes (measured:
-    #: Claude Code on 2 nodes, returning mean 35.0 s without the bound, 11.3 s with 3,
-    #: ondemand 16.5 s, queue 154 s).
+    #: ... and starts it at most this multiple of the time to last byte before the GPU is
+    #: expected to pick the request up: behind a longer queue, a load at arrival would
+    #: hold DRAM for the whole wait and an overloaded fleet thrashes (measured: Claude
+    #: Code on 2 nodes, returning mean 35.0 s loading at arrival, 11.3 s at GPU start past
+    #: 3x, ondemand 16.5 s, queue 154 s), so the load waits in the queue with its request
+    #: and starts that long before the request's estimated GPU start.
     arrival_load_max_wait_fraction: float = Field(3.0, gt=0)
 
 

@@ -20,7 +20,8 @@ from controlplane.base.types import ArrivalForecast
 @dataclass(frozen=True, slots=True)
 class PrefetchOrder:
     """Warm ``tokens`` of ``session_id``'s KV on ``node`` between ``start_at_s`` and
-    ``deadline_s``. Orders are idempotent per (session, node): a newer one replaces it."""
+    ``deadline_s``. Orders are idempotent per (session, node): a newer one replaces it.
+    A ``queued`` order is the timed demand load of a request waiting in a node's queue."""
 
     session_id: str
     node: int
@@ -32,6 +33,10 @@ class PrefetchOrder:
     priority: float
     #: The predicted next use (for eviction): the forecast's median arrival.
     predicted_use_s: float
+    #: Not a prefetch: the load of a request already queued on ``node``, timed to land
+    #: before the GPU is expected to pick it up (``deadline_s``). See
+    #: :meth:`SchedulerCore.route_request`.
+    queued: bool = False
 
 
 @quick_init

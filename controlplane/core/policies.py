@@ -18,8 +18,10 @@ class LoadStart(enum.Enum):
     NEVER = "never"  # no remote store: recompute what is not local
     ON_SCHEDULE = "on_schedule"  # when the GPU picks the request up (blocking the GPU)
     ON_ARRIVAL = "on_arrival"  # as soon as the request arrives, overlapped with queue wait
-    #: At arrival when the node's queue wait hides enough of the load
-    #: (``planner.arrival_load_min_wait_fraction``), else when the GPU picks it up.
+    #: During the queue wait when it hides enough of the load
+    #: (``planner.arrival_load_min_wait_fraction``), else when the GPU picks it up; behind
+    #: a long queue the load starts ``planner.arrival_load_max_wait_fraction`` TTLBs
+    #: before the request's estimated GPU start rather than at arrival.
     ADAPTIVE = "adaptive"
 
 
@@ -78,10 +80,11 @@ POLICIES: dict[str, PolicySpec] = {
                    modelled_on="LMCache + remote backend"),
         PolicySpec("queue", True, True, LoadStart.ON_ARRIVAL, EvictionKind.LRU, False,
                    modelled_on="SGLang HiCache, CachedAttention"),
-        # Misses are loaded at arrival only when the queue wait hides much of the load:
-        # loading every miss at arrival (`queue`) holds DRAM early and evicts KV that
-        # requests ahead in the queue need (measured: on the shared Claude Code set and
-        # the slice on one node `queue` is slower than `ondemand` for that reason).
+        # Misses are loaded during the queue wait only when it hides much of the load,
+        # and at most a few TTLBs before the GPU start: loading every miss at arrival
+        # (`queue`) holds DRAM early and evicts KV that requests ahead in the queue need
+        # (measured: on the shared Claude Code set and the slice on one node `queue` is
+        # slower than `ondemand` for that reason).
         PolicySpec("predictive", True, True, LoadStart.ADAPTIVE, EvictionKind.PREDICTED_USE,
                    True, modelled_on="kvprefetch", suffix_eviction=True, waste_budget=True),
         PolicySpec("oracle", True, True, LoadStart.ON_ARRIVAL, EvictionKind.PREDICTED_USE, True,

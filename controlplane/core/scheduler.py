@@ -61,7 +61,14 @@ from controlplane.core.planner import (
 from controlplane.core.policies import EvictionKind, LoadStart, PolicySpec
 from controlplane.core.quotas import TenantQuota, TenantShares
 from controlplane.core.router import NodeNumbers, RouteDecision, Router, RouteRequest
-from controlplane.core.step import DEMAND_PRIORITY, LoadTicket, Placement, StepOutput, Trim
+from controlplane.core.step import (
+    DEMAND_PRIORITY,
+    QUEUED_PRIORITY,
+    LoadTicket,
+    Placement,
+    StepOutput,
+    Trim,
+)
 from controlplane.core.sweep import GatedPredictor, IdleIndex
 from controlplane.core.tiers import (
     DuelingEviction,
@@ -162,6 +169,14 @@ class _Session:
     inflight_nodes: dict[int, LoadTicket] = field(default_factory=dict)
     #: The node whose transfer the request in flight waits for (set when it is routed).
     awaiting_node: int | None = None
+    #: The timed load of the request waiting in a node's queue, not started yet, and the
+    #: node's queue drift when it was armed (see :class:`_QueueDrift`).
+    queued: PrefetchOrder | None = None
+    queued_drift_s: float = 0.0
+    #: When the GPU was expected to pick the request in flight up, as estimated at its
+    #: routing, and the node's queue drift then (``ADAPTIVE`` policies only).
+    expected_start_s: float | None = None
+    routed_drift_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -218,6 +233,11 @@ class SchedulerCore:
         self._recheck: set[str] = set()
         #: Nodes not in the fleet now (left, or not joined yet): never routed to.
         self._down: set[int] = set()
+        #: Per node: how far ahead of the estimates made at routing its GPU queue runs
+        #: (seconds, summed over its GPU starts), and the timed loads armed for requests
+        #: waiting in it (session -> order).
+        self._drift = [0.0] * fleet.nodes
+        self._armed: list[dict[str, PrefetchOrder]] = [{} for _ in range(fleet.nodes)]
         planner = fleet.planner
         self._valued = policy.eviction is EvictionKind.VALUE
         self._values = SessionValues(ValueConfig(landing_level=planner.arrival_quantile,
@@ -472,6 +492,7 @@ class SchedulerCore:
         s.prefetches = 0
         s.planned_use_s = None
         s.awaiting_node = None
+        self._disarm(event.session_id, s)
         self._evicted.discard(event.session_id)
         self.duel.returned(event.session_id)
         self._observe(event)
@@ -481,7 +502,9 @@ class SchedulerCore:
                       ) -> StepOutput:
         """Pick the node for a request and act on it: transfers of the session heading to
         other nodes are cancelled, one heading to the chosen node becomes a demand load
-        (``promote``), and policies that load at arrival start the demand load now."""
+        (``promote``), and policies that load at arrival start the demand load now, or
+        (``ADAPTIVE`` behind a long queue) arm it to start later (see
+        :meth:`_arrival_load_start`)."""
         decision = self._route(sid, input_tokens, reused_tokens, now_s)
         node = decision.node
         s = self._session(sid)
@@ -496,32 +519,85 @@ class SchedulerCore:
             ready = d.ready_at_s
         if heading is not None:
             s.awaiting_node = node
-        elif self._load_at_arrival(sid, node, reused_tokens, now_s):
-            self._demand_load(sid, node, reused_tokens, now_s)
+        else:
+            start = self._arrival_load_start(sid, node, reused_tokens, now_s)
+            if start is not None and start[0] <= now_s:
+                self._demand_load(sid, node, reused_tokens, now_s, start[1])
+            elif start is not None:
+                want = min(reused_tokens, self.remote_tokens(sid))
+                self._arm(s, PrefetchOrder(sid, node, want, want * self.bpt, start[0],
+                                           start[1], DEMAND_PRIORITY, start[1], queued=True))
+        if self.policy.load_start is LoadStart.ADAPTIVE:
+            s.expected_start_s = now_s + self.view.queue_wait_s(node, now_s)
+            s.routed_drift_s = self._drift[node]
         return self._output(decision, promote=promote, prefetch_ready_s=ready)
 
-    def _load_at_arrival(self, sid: str, node: int, reused_tokens: int, now_s: float) -> bool:
-        """Whether the policy loads what the node lacks now, at the request's arrival:
-        always (``ON_ARRIVAL``), or (``ADAPTIVE``) when the node's estimated queue wait
+    # A timed load waits with its request in the node's queue. Its times come from the
+    # queue wait estimated at routing, and a queue runs ahead of or behind its estimates
+    # (a load stalls a GPU, a prefill was over-estimated). Each GPU start on a node says by
+    # how much: the request's estimated start minus now, counted into the node's drift,
+    # and every armed load on the node moves by the drift since it was armed: started at
+    # once when its time has come, armed again earlier when it moved by more than a tenth
+    # of its lead (and checked again when its timer fires, if it moved later).
+    def _arm(self, s: _Session, order: PrefetchOrder) -> None:
+        s.queued = order
+        s.queued_drift_s = self._drift[order.node]
+        self._armed[order.node][order.session_id] = order
+        self._step.orders.append(order)
+
+    def _disarm(self, sid: str, s: _Session) -> None:
+        if s.queued is not None:
+            self._armed[s.queued.node].pop(sid, None)
+            s.queued = None
+
+    def _queue_moved(self, node: int, now_s: float) -> None:
+        """A GPU start on ``node``: start or re-arm the timed loads its drift moved."""
+        drift = self._drift[node]
+        for sid, order in list(self._armed[node].items()):
+            s = self._sessions[sid]
+            shift = drift - s.queued_drift_s
+            start = order.start_at_s - shift
+            if start <= now_s:
+                self._start_armed(sid, s, order, order.deadline_s - shift, now_s)
+            elif shift > 0.1 * (order.deadline_s - order.start_at_s):
+                self._disarm(sid, s)
+                self._arm(s, PrefetchOrder(sid, node, order.tokens, order.nbytes, start,
+                                           order.deadline_s - shift, order.priority,
+                                           order.deadline_s - shift, queued=True))
+
+    def _start_armed(self, sid: str, s: _Session, order: PrefetchOrder, deadline_s: float,
+                     now_s: float) -> None:
+        self._disarm(sid, s)
+        self._demand_load(sid, order.node, order.tokens, now_s, deadline_s)
+
+    def _arrival_load_start(self, sid: str, node: int, reused_tokens: int, now_s: float
+                            ) -> tuple[float, float] | None:
+        """When to start loading what the node lacks for a request routed to it now, and
+        when the GPU is expected to pick the request up; None: when it does (at GPU
+        start). ``ON_ARRIVAL``: now. ``ADAPTIVE``: when the node's estimated queue wait
         hides at least ``arrival_load_min_wait_fraction`` of the load's time to last byte
-        (estimated as the router does: first-byte latency + bytes at the source's rate)
-        and is no longer than ``arrival_load_max_wait_fraction`` of it: behind a long
-        queue the load would hold DRAM for the whole wait, evicting what the requests
-        ahead need (an overloaded fleet then thrashes, as ``queue`` does)."""
+        (estimated as the router does: first-byte latency + bytes at the source's rate),
+        ``arrival_load_max_wait_fraction`` TTLBs before the estimated GPU start, or now if
+        that is sooner: behind a long queue a load at arrival would hold DRAM for the
+        whole wait, evicting what the requests ahead need (an overloaded fleet then
+        thrashes, as ``queue`` does), while one started a few TTLBs before the GPU start
+        still lands off the GPU's critical path."""
         load_start = self.policy.load_start
         if load_start is LoadStart.ON_ARRIVAL:
-            return True
+            return now_s, now_s
         if load_start is not LoadStart.ADAPTIVE:
-            return False
+            return None
         missing = min(reused_tokens, self.remote_tokens(sid)) - self.local_tokens(node, sid)
         if missing <= 0:
-            return False
+            return None
         s_per_byte, latency = self.view.remote_source(sid)
         ttlb = latency + missing * self.bpt * s_per_byte
         wait = self.view.queue_wait_s(node, now_s)
         planner = self.fleet.planner
-        return (planner.arrival_load_min_wait_fraction * ttlb <= wait
-                <= planner.arrival_load_max_wait_fraction * ttlb)
+        if wait < planner.arrival_load_min_wait_fraction * ttlb:
+            return None
+        return (now_s + max(0.0, wait - planner.arrival_load_max_wait_fraction * ttlb),
+                now_s + wait)
 
     def _route(self, sid: str, input_tokens: int, reused_tokens: int, now_s: float
                ) -> RouteDecision:
@@ -547,21 +623,34 @@ class SchedulerCore:
         load of what the node lacks, unless the request already waits for a transfer."""
         s = self._session(sid)
         awaiting, s.awaiting_node = s.awaiting_node, None
+        self._disarm(sid, s)  # picked up before its timed load started: load now
         if awaiting is None and self.policy.load_start in (LoadStart.ON_SCHEDULE,
                                                           LoadStart.ADAPTIVE):
             self._demand_load(sid, node, reused_tokens, now_s)
+        if s.expected_start_s is not None:
+            expected = s.expected_start_s - (self._drift[node] - s.routed_drift_s)
+            self._drift[node] += expected - now_s
+            s.expected_start_s = None
+            if self._armed[node]:
+                self._queue_moved(node, now_s)
         return self._output()
 
-    def _demand_load(self, sid: str, node: int, reused_tokens: int, now_s: float) -> None:
+    def _demand_load(self, sid: str, node: int, reused_tokens: int, now_s: float,
+                     deadline_s: float | None = None) -> None:
         """A remote read of the reusable KV the node lacks, unless there is nothing to load,
-        no remote copy, a transfer already under way, or no room."""
+        no remote copy, a transfer already under way, or no room. Due now (the GPU waits
+        for it) unless a later ``deadline_s`` says when the GPU is expected to pick the
+        request up: such a load yields the link to those a GPU waits for
+        (``QUEUED_PRIORITY``)."""
         s = self._session(sid)
         if node in s.inflight_nodes:
             return
         want = min(reused_tokens, self.remote_tokens(sid))
         if want <= self.local_tokens(node, sid):
             return
-        ticket = self._reserve(sid, node, want, prefetch=False, deadline_s=now_s, now_s=now_s)
+        due = now_s if deadline_s is None else deadline_s
+        ticket = self._reserve(sid, node, want, prefetch=False, deadline_s=due, now_s=now_s,
+                               priority=QUEUED_PRIORITY if due > now_s else DEMAND_PRIORITY)
         if ticket is not None:
             s.awaiting_node = node
             self._step.loads.append(ticket)
@@ -834,9 +923,22 @@ class SchedulerCore:
     def start_prefetch(self, order: PrefetchOrder, now_s: float) -> StepOutput:
         """An armed order's start time came: re-check it and start the load, re-arm it
         (its forecast moved later), or drop it (superseded, the session is back, or no
-        room)."""
+        room). A ``queued`` order starts the demand load of its request if the GPU has
+        not picked it up yet (the engine then waits for that transfer)."""
         sid = order.session_id
         s = self._sessions.get(sid)
+        if order.queued:
+            if s is not None and s.queued is order:  # its request still waits in the queue
+                shift = self._drift[order.node] - s.queued_drift_s
+                if order.start_at_s - shift > now_s:  # the queue fell behind: not yet
+                    self._disarm(sid, s)
+                    self._arm(s, PrefetchOrder(
+                        sid, order.node, order.tokens, order.nbytes, order.start_at_s - shift,
+                        order.deadline_s - shift, order.priority, order.deadline_s - shift,
+                        queued=True))
+                else:
+                    self._start_armed(sid, s, order, order.deadline_s - shift, now_s)
+            return self._output()
         if s is None or s.pending is not order or s.in_flight:
             return self._output()
         self._due_dirty.add(sid)
@@ -909,6 +1011,7 @@ class SchedulerCore:
         sid = event.session_id
         s = self._sessions.pop(sid, None)
         if s is not None:
+            self._disarm(sid, s)
             for node in sorted(s.inflight_nodes):
                 self._cancel(sid, node)
         self._evicted.discard(sid)

@@ -33,6 +33,9 @@ from controlplane.core.router import RouteDecision
 #: Priority of demand loads: a request is waiting for them, so they go before prefetches
 #: (whose priority is the planner's expected stall avoided per GiB, always lower).
 DEMAND_PRIORITY = 100.0
+#: Priority of the load of a request still waiting in a node's queue (due at its estimated
+#: GPU start): after the loads a GPU is blocked on, before any prefetch.
+QUEUED_PRIORITY = 50.0
 
 
 @quick_init
@@ -95,9 +98,12 @@ class StepOutput:
             raise ValueError("this step routed no request")
         return self.route.node
 
-    def demand_load(self) -> LoadTicket | None:
-        """The demand load among ``loads`` (a step starts at most one)."""
-        return next((t for t in self.loads if not t.prefetch), None)
+    def demand_load(self, session_id: str | None = None) -> LoadTicket | None:
+        """The demand load among ``loads`` for ``session_id`` (default: any). A step starts
+        at most one for the request it is about, and may start the timed loads of requests
+        waiting in a queue (see :meth:`SchedulerCore.gpu_start`)."""
+        return next((t for t in self.loads if not t.prefetch
+                     and (session_id is None or t.session_id == session_id)), None)
 
 
 _EMPTY = StepOutput()

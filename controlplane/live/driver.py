@@ -291,7 +291,7 @@ class LiveDriver:
         order = self.orders.of_session(info.sid, node)
         if order is None:
             return GpuStartPlan()
-        return GpuStartPlan(order.order_id, order.nbytes, out.demand_load() is not None)
+        return GpuStartPlan(order.order_id, order.nbytes, out.demand_load(info.sid) is not None)
 
     def use_local(self, node: int, tenant: str, session_id: str, reused_tokens: int) -> int:
         """The engine is about to read its local tier: mark the DRAM entry read and return

@@ -2,8 +2,9 @@
 
 Transfers are served one at a time at the full rate of the link (bounded by the source's
 rate), so a node never receives faster than its NIC: the bandwidth invariant holds by
-construction. Demand loads (a request is waiting) pre-empt prefetches; within a class,
-earlier deadlines go first. A pre-empted transfer keeps the bytes it has received.
+construction. Demand loads (a GPU is waiting) pre-empt the loads of requests still waiting
+in the queue, which pre-empt prefetches; within a class, earlier deadlines go first. A
+pre-empted transfer keeps the bytes it has received.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import heapq
 from dataclasses import dataclass, field
 
 DEMAND = 0
-PREFETCH = 1
+#: A request's load started while it waits in the node's queue, due at its GPU start.
+QUEUED = 1
+PREFETCH = 2
 
 
 @dataclass(slots=True, eq=False)
@@ -101,7 +104,7 @@ class Link:
         return None
 
     def promote(self, t: Transfer, now: float) -> tuple[float, Transfer] | None:
-        """Make ``t`` a demand load (a request now waits for it)."""
+        """Make ``t`` a demand load (a request, or now its GPU, waits for it)."""
         if t.klass == DEMAND or t.done_s is not None or t.cancelled:
             return None
         if self.current is t:

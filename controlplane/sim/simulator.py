@@ -28,12 +28,12 @@ from controlplane.core.planner import PrefetchOrder
 from controlplane.core.policies import PolicySpec
 from controlplane.core.scheduler import SchedulerCore
 from controlplane.core.sharded import ShardedCore
-from controlplane.core.step import LoadTicket, StepOutput
+from controlplane.core.step import DEMAND_PRIORITY, LoadTicket, StepOutput
 from controlplane.core.tiers import LruEviction, Tier, TierEntry
 from predictors.base import Predictor
 
 from .hints import HintCounts, PlannedHint, hints_by_turn
-from .link import DEMAND, PREFETCH, Link, Transfer
+from .link import DEMAND, PREFETCH, QUEUED, Link, Transfer
 
 (_ARRIVE, _XFER_DONE, _PREFILL_DONE, _FINISH, _PREFETCH_START, _CLEAR, _SWEEP, _HINT,
  _JOIN) = range(9)
@@ -219,11 +219,13 @@ class Simulation:
             t, xfer = nxt
             self._push(t, _XFER_DONE, (xfer, xfer.version))
 
-    def _carry(self, out: StepOutput) -> None:
+    def _carry(self, out: StepOutput, own: str | None = None) -> None:
         """Carry out what the core decided: stop the transfers it cancelled, start its
-        prefetch loads, and keep its new orders to arm once the event is handled. (Demand
-        loads belong to a request: the caller attaches them.) Evictions need nothing here:
-        the DRAM tiers the nodes use are the core's books."""
+        prefetch loads and the timed loads of requests waiting in a queue (each such
+        request then waits for its own), and keep its new orders to arm once the event is
+        handled. (The demand load of ``own``, the request the call is about, is the
+        caller's to attach.) Evictions need nothing here: the DRAM tiers the nodes use are
+        the core's books."""
         for c in out.cancels:
             node = self.nodes[c.node]
             xfer = node.inflight.get(c.session_id)
@@ -232,6 +234,10 @@ class Simulation:
         for ticket in out.loads:
             if ticket.prefetch:
                 self._submit(ticket)
+            elif ticket.session_id != own:
+                queued = self.nodes[ticket.node].queue
+                r = next(r for r in queued if r.req.session_id == ticket.session_id)
+                r.waiting_on = self._submit(ticket)
         self._orders.extend(out.orders)
 
     def _arm_orders(self) -> None:
@@ -326,7 +332,8 @@ class Simulation:
         node = self.nodes[ticket.node]
         s_per_byte, latency, from_s3 = self._source(ticket.session_id)
         self._tid += 1
-        klass = PREFETCH if ticket.prefetch else DEMAND
+        klass = (PREFETCH if ticket.prefetch
+                 else QUEUED if ticket.priority < DEMAND_PRIORITY else DEMAND)
         xfer = Transfer(self._tid, ticket.session_id, node.idx, ticket.tokens, ticket.nbytes,
                         s_per_byte, latency, klass, ticket.deadline_s, self._now,
                         from_s3=from_s3, prefetch=ticket.prefetch)
@@ -359,7 +366,7 @@ class Simulation:
             self.out.prefetched_bytes += xfer.nbytes
         self._valkey_touch(xfer.session_id)
         self._carry(self.core.transfer_done(xfer.session_id, node.idx, self._now,
-                                            demand=xfer.klass == DEMAND))
+                                            demand=xfer.klass != PREFETCH))
         waiting = node.running
         if waiting is not None and waiting.waiting_on is xfer:
             waiting.waiting_on = None
@@ -387,7 +394,7 @@ class Simulation:
         sid = r.req.session_id
         self._carry(self.core.request_started(self._event(EventKind.REQUEST_STARTED, r, None)))
         out = self.core.route_request(sid, r.req.input_tokens, r.req.reused_tokens, self._now)
-        self._carry(out)
+        self._carry(out, sid)
         node = self.nodes[out.node]
         r.node = node.idx
         r.prefetch_ready_s = out.prefetch_ready_s
@@ -406,7 +413,7 @@ class Simulation:
         self._try_start(node)
 
     def _attach_demand(self, r: _Req, out: StepOutput) -> None:
-        ticket = out.demand_load()
+        ticket = out.demand_load(r.req.session_id)
         if ticket is not None:
             r.waiting_on = self._submit(ticket)
 
@@ -419,10 +426,12 @@ class Simulation:
         node.running_end_est_s = self._now + r.est_service_s
         r.start_s = self._now
         out = self.core.gpu_start(r.req.session_id, node.idx, r.req.reused_tokens, self._now)
-        self._carry(out)
+        self._carry(out, r.req.session_id)
         self._attach_demand(r, out)
         if r.waiting_on is not None and r.waiting_on.done_s is None:
-            return  # the GPU waits for the transfer: resumed by _on_transfer_done
+            # The GPU waits for the transfer (resumed by _on_transfer_done): it goes first.
+            self._push_completion(node.link.promote(r.waiting_on, self._now))
+            return
         if r.waiting_on is not None and r.prefetch_ready_s == INF:
             r.prefetch_ready_s = r.waiting_on.done_s  # the prefetch landed while it queued
         r.waiting_on = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 from fleet_fakes import FakeFleet, finish_turn, two_node_fleet
 
 from controlplane.base.config import GIB, fleet_from_dict
@@ -90,9 +91,9 @@ class _QueuedFleet(FakeFleet):
         return self.wait_s
 
 
-def _evicted_session_returns(wait_s: float) -> tuple[StepOutput, StepOutput]:
-    """s0 finishes on node 0, its agent then reports it no longer holds it, and it returns:
-    the outputs of its routing and of its GPU start."""
+def _evicted_session_routed(wait_s: float) -> tuple[SchedulerCore, StepOutput]:
+    """s0 finishes on node 0, its agent then reports it no longer holds it, and it returns
+    at 10 s: the core and the output of its routing."""
     core = SchedulerCore(two_node_fleet(), POLICIES["predictive"], load("last-gap"),
                          _QueuedFleet(wait_s))
     finish_turn(core, "s0", 0.0, 0, 40_000)
@@ -102,6 +103,13 @@ def _evicted_session_returns(wait_s: float) -> tuple[StepOutput, StepOutput]:
                                       input_tokens=41_000, reused_tokens=40_000))
     routed = core.route_request("s0", 41_000, 40_000, 10.0)
     assert routed.node == 0
+    return core, routed
+
+
+def _evicted_session_returns(wait_s: float) -> tuple[StepOutput, StepOutput]:
+    """The outputs of s0's routing (:func:`_evicted_session_routed`) and of its GPU start
+    after the queue wait, with no timer firing in between."""
+    core, routed = _evicted_session_routed(wait_s)
     return routed, core.gpu_start("s0", 0, 40_000, 10.0 + wait_s)
 
 
@@ -133,11 +141,76 @@ def test_a_node_that_restarts_empty_is_warmed_with_its_sessions_within_its_free_
     assert not any(e.session_id == "x" for e in core.dram[0])
 
 
-def test_behind_a_long_queue_predictive_loads_when_the_gpu_picks_the_request_up() -> None:
-    # 3.2 s of queue is beyond arrival_load_max_wait_fraction (3) x 1.0491 s.
-    routed, started = _evicted_session_returns(3.2)
-    assert routed.demand_load() is None
-    assert started.demand_load() is not None
+def test_behind_a_long_queue_predictive_loads_a_few_ttlbs_before_the_gpu_start() -> None:
+    # 5 s of queue is beyond arrival_load_max_wait_fraction (3) x 1.0491 s: the load is
+    # armed to start 3 TTLBs before the estimated GPU start (15 s), not at arrival.
+    core, routed = _evicted_session_routed(5.0)
+    assert routed.loads == ()
+    (order,) = routed.orders
+    assert order.queued and order.node == 0 and order.tokens == 40_000
+    assert order.start_at_s == pytest.approx(15.0 - 3 * 1.0491, abs=1e-3)
+    assert order.deadline_s == pytest.approx(15.0)
+    started = core.start_prefetch(order, order.start_at_s)
+    ticket = started.demand_load()
+    assert ticket is not None and not ticket.prefetch and ticket.deadline_s == order.deadline_s
+    assert core.gpu_start("s0", 0, 40_000, 15.0).loads == ()  # under way: not loaded twice
+    # The GPU picks the request up before the timer: it loads then, and the timer is void.
+    core, routed = _evicted_session_routed(5.0)
+    (order,) = routed.orders
+    assert core.gpu_start("s0", 0, 40_000, 11.0).demand_load() is not None
+    assert core.start_prefetch(order, order.start_at_s).loads == ()
+
+
+def _queued_behind(wait_a_s: float, start_a_s: float
+                   ) -> tuple[SchedulerCore, StepOutput, StepOutput]:
+    """Request "a" is routed to node 0 at 9 s with ``wait_a_s`` of queue ahead, then s0
+    (its KV gone from node 0) at 10 s with 7 s (expected on the GPU at 17 s, its load armed
+    3 TTLBs before: 13.85 s); "a" reaches the GPU at ``start_a_s``. The core, s0's routing
+    and a's GPU start."""
+    fleet = _QueuedFleet(wait_a_s)
+    core = SchedulerCore(two_node_fleet(), POLICIES["predictive"], load("last-gap"), fleet)
+    finish_turn(core, "s0", 0.0, 0, 40_000)
+    core.reconcile(0, lambda sid, tokens: sid != "s0", 5.0)
+    core.request_started(SessionEvent(EventKind.REQUEST_STARTED, "a", 9.0, input_tokens=500))
+    assert core.route_request("a", 500, 0, 9.0).node == 0
+    fleet.wait_s = 7.0
+    core.request_started(SessionEvent(EventKind.REQUEST_STARTED, "s0", 10.0,
+                                      input_tokens=41_000, reused_tokens=40_000))
+    routed = core.route_request("s0", 41_000, 40_000, 10.0)
+    (order,) = routed.orders
+    assert order.queued and order.start_at_s == pytest.approx(17.0 - 3 * 1.0491, abs=1e-3)
+    return core, routed, core.gpu_start("a", 0, 0, start_a_s)
+
+
+def test_a_queue_that_runs_ahead_of_its_estimates_starts_the_timed_loads_behind_sooner(
+) -> None:
+    # "a" starts 3 s before its estimate (15 s): s0 is now expected at 14 s, its load due
+    # at 10.85 s: started at once.
+    _, _, started = _queued_behind(6.0, 12.0)
+    assert started.demand_load("a") is None
+    ticket = started.demand_load("s0")
+    assert ticket is not None and ticket.deadline_s == pytest.approx(14.0)
+    # "a" starts 1 s before its estimate (13.5 s): s0's load moves 1 s earlier, to 12.85 s
+    # (more than a tenth of its 3.1 s lead): re-armed.
+    _, routed, started = _queued_behind(4.5, 12.5)
+    (moved,) = started.orders
+    assert moved.queued and started.loads == ()
+    assert moved.start_at_s == pytest.approx(routed.orders[0].start_at_s - 1.0)
+    assert moved.deadline_s == pytest.approx(16.0)
+
+
+def test_a_queue_that_falls_behind_its_estimates_starts_the_timed_loads_behind_later() -> None:
+    # "a" starts 1 s after its estimate (11 s): when s0's timer fires, its load is re-armed
+    # 1 s later.
+    core, routed, started = _queued_behind(2.0, 12.0)
+    assert started.orders == () and started.loads == ()
+    (order,) = routed.orders
+    rearmed = core.start_prefetch(order, order.start_at_s)
+    (later,) = rearmed.orders
+    assert rearmed.loads == () and later.start_at_s == pytest.approx(order.start_at_s + 1.0)
+    assert core.start_prefetch(order, later.start_at_s).loads == ()  # the old one is void
+    ticket = core.start_prefetch(later, later.start_at_s).demand_load("s0")
+    assert ticket is not None and ticket.deadline_s == pytest.approx(18.0)
 
 
 def test_a_node_that_joins_is_routed_to_and_warmed_with_sessions_local_nowhere() -> None:

@@ -34,7 +34,7 @@ from controlplane.core.router import NodeView, RouteRequest, route
 from controlplane.core.scheduler import SchedulerCore
 from controlplane.core.tiers import LruEviction, Tier, TierEntry
 from controlplane.sim import SimOptions, Simulation, run_policies
-from controlplane.sim.link import DEMAND, PREFETCH, Link, Transfer
+from controlplane.sim.link import DEMAND, PREFETCH, QUEUED, Link, Transfer
 from controlplane.sim.scenarios import apply_scenario, cold_start
 from controlplane.traces import ArrivalOptions, bundled_trace_path, load_trace
 from predictors.registry import load as load_predictor
@@ -129,6 +129,20 @@ def test_link_preempts_prefetch_for_demand_and_never_exceeds_rate() -> None:
     link.complete(pf, t2)
     for start, end, moved in link.record:
         assert moved <= (end - start) / 0.01 + 1e-6
+
+
+def test_link_serves_a_waiting_gpu_before_a_queued_request_and_that_before_prefetch() -> None:
+    link = Link(0)
+    queued = Transfer(1, "q", 0, 1, 1000, 0.01, 0.0, QUEUED, 20.0, 0.0)
+    assert link.submit(queued, 0.0) == (pytest.approx(10.0), queued)
+    assert link.submit(Transfer(2, "p", 0, 1, 100, 0.01, 0.0, PREFETCH, 5.0, 1.0), 1.0) is None
+    demand = Transfer(3, "d", 0, 1, 100, 0.01, 0.0, DEMAND, 2.0, 2.0)
+    t, cur = link.submit(demand, 2.0)  # type: ignore[misc]
+    assert cur is demand and t == pytest.approx(3.0)
+    t2, nxt = link.complete(demand, 3.0)  # type: ignore[misc]
+    assert nxt is queued and t2 == pytest.approx(3.0 + 8.0)  # the prefetch waits behind it
+    # Its GPU now waits for it: promoted, it is no longer pre-empted by another demand load.
+    assert link.promote(queued, 4.0) is None and queued.klass == DEMAND
 
 
 # ------------------------------------------------------------------ simulator
@@ -402,6 +416,27 @@ def test_console_script_loads_a_user_predictor_from_the_current_directory() -> N
     )
     assert res.returncode == 0, res.stderr
     assert "predictive" in res.stdout
+
+
+def test_behind_a_long_queue_predictive_loads_while_the_request_waits() -> None:
+    """A returning session whose KV left the node arrives behind ~7.5 s of prefill work,
+    beyond 3 TTLBs of its ~1 s load: predictive starts the load during the wait, timed to
+    land before the GPU picks the request up, so the GPU waits only for the host copy,
+    as with `queue`; `ondemand` holds the GPU for the whole load."""
+    sessions = [_session("r", 0.0, [(40_000, 100, 0.0), (500, 50, 100.0)])]
+    sessions += [_session(f"e{i}", 10.0 + 10 * i, [(40_000, 100, 0.0)]) for i in range(3)]
+    sessions += [_session(f"f{i}", 95.0 + 0.1 * i, [(60_000, 50, 0.0)]) for i in range(4)]
+    trace = Trace("queued", tuple(sessions), "test")
+    fleet = fleet_from_dict({"nodes": 1, "node": {"hbm_kv_bytes": 6 * GIB,
+                                                  "dram_tier_bytes": 6 * GIB}})
+    stall = {}
+    for policy in ("ondemand", "queue", "predictive"):
+        (rec,) = [r for r in _run(policy, trace, fleet).out.records
+                  if r.session_id == "r" and r.turn == 1]
+        assert rec.start_s - rec.arrival_s > 7.0 and rec.reused_local_tokens == 40_100
+        stall[policy] = rec.stall_s
+    assert stall["ondemand"] > 1.0
+    assert stall["predictive"] == pytest.approx(stall["queue"]) and stall["queue"] < 0.3
 
 
 def test_prefetch_lateness_is_finite_when_the_prefetch_lands_while_the_request_queues() -> None:
