@@ -170,7 +170,7 @@ class _Session:
     #: The node whose transfer the request in flight waits for (set when it is routed).
     awaiting_node: int | None = None
     #: The timed load of the request waiting in a node's queue, not started yet, and the
-    #: node's queue drift when it was armed (see :class:`_QueueDrift`).
+    #: node's queue drift when it was armed (see :meth:`SchedulerCore._queue_moved`).
     queued: PrefetchOrder | None = None
     queued_drift_s: float = 0.0
     #: When the GPU was expected to pick the request in flight up, as estimated at its
@@ -526,7 +526,7 @@ class SchedulerCore:
             elif start is not None:
                 want = min(reused_tokens, self.remote_tokens(sid))
                 self._arm(s, PrefetchOrder(sid, node, want, want * self.bpt, start[0],
-                                           start[1], DEMAND_PRIORITY, start[1], queued=True))
+                                           start[1], QUEUED_PRIORITY, start[1], queued=True))
         if self.policy.load_start is LoadStart.ADAPTIVE:
             s.expected_start_s = now_s + self.view.queue_wait_s(node, now_s)
             s.routed_drift_s = self._drift[node]
@@ -556,19 +556,23 @@ class SchedulerCore:
         for sid, order in list(self._armed[node].items()):
             s = self._sessions[sid]
             shift = drift - s.queued_drift_s
-            start = order.start_at_s - shift
-            if start <= now_s:
-                self._start_armed(sid, s, order, order.deadline_s - shift, now_s)
+            if order.start_at_s - shift <= now_s:
+                self._start_armed(sid, s, order, shift, now_s)
             elif shift > 0.1 * (order.deadline_s - order.start_at_s):
-                self._disarm(sid, s)
-                self._arm(s, PrefetchOrder(sid, node, order.tokens, order.nbytes, start,
-                                           order.deadline_s - shift, order.priority,
-                                           order.deadline_s - shift, queued=True))
+                self._rearm(sid, s, order, shift)
 
-    def _start_armed(self, sid: str, s: _Session, order: PrefetchOrder, deadline_s: float,
+    def _rearm(self, sid: str, s: _Session, order: PrefetchOrder, shift: float) -> None:
+        """Arm ``order`` again, ``shift`` seconds earlier (later if negative)."""
+        self._disarm(sid, s)
+        due = order.deadline_s - shift
+        self._arm(s, PrefetchOrder(sid, order.node, order.tokens, order.nbytes,
+                                   order.start_at_s - shift, due, order.priority, due,
+                                   queued=True))
+
+    def _start_armed(self, sid: str, s: _Session, order: PrefetchOrder, shift: float,
                      now_s: float) -> None:
         self._disarm(sid, s)
-        self._demand_load(sid, order.node, order.tokens, now_s, deadline_s)
+        self._demand_load(sid, order.node, order.tokens, now_s, order.deadline_s - shift)
 
     def _arrival_load_start(self, sid: str, node: int, reused_tokens: int, now_s: float
                             ) -> tuple[float, float] | None:
@@ -931,13 +935,9 @@ class SchedulerCore:
             if s is not None and s.queued is order:  # its request still waits in the queue
                 shift = self._drift[order.node] - s.queued_drift_s
                 if order.start_at_s - shift > now_s:  # the queue fell behind: not yet
-                    self._disarm(sid, s)
-                    self._arm(s, PrefetchOrder(
-                        sid, order.node, order.tokens, order.nbytes, order.start_at_s - shift,
-                        order.deadline_s - shift, order.priority, order.deadline_s - shift,
-                        queued=True))
+                    self._rearm(sid, s, order, shift)
                 else:
-                    self._start_armed(sid, s, order, order.deadline_s - shift, now_s)
+                    self._start_armed(sid, s, order, shift, now_s)
             return self._output()
         if s is None or s.pending is not order or s.in_flight:
             return self._output()
