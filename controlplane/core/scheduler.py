@@ -17,11 +17,14 @@ policy of their own.
 
 * per request: :meth:`request_started` (arrival) -> :meth:`route_request` (the node, and at
   arrival the demand load for policies that load then, ``ADAPTIVE`` ones when the queue
-  wait hides enough of it) -> :meth:`gpu_start` when the node's GPU picks it up (the
-  demand load for policies that load then) -> :meth:`use_local` when it reads its local
-  tier -> :meth:`request_finished`;
+  wait hides enough of it, or behind a long queue a timed load armed to start a few TTLBs
+  before the estimated GPU start) -> :meth:`gpu_start` when the node's GPU picks it up
+  (the demand load for policies that load then; the node's queue drift, which moves the
+  timed loads armed behind it) -> :meth:`use_local` when it reads its local tier ->
+  :meth:`request_finished`;
 * per transfer: :meth:`transfer_done` or :meth:`transfer_failed`;
-* per armed prefetch order, at its ``start_at_s``: :meth:`start_prefetch`;
+* per armed order (a prefetch, or a queued request's timed load), at its ``start_at_s``:
+  :meth:`start_prefetch`;
 * every ``planner.sweep_interval_s``: :meth:`sweep`;
 * per hint and session close: :meth:`hint`, :meth:`close`;
 * node restarts: :meth:`clear_local` (every node cold), :meth:`reconcile` (one node's agent
