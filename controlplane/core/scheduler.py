@@ -520,18 +520,19 @@ class SchedulerCore:
         d = self.dram[node].get(sid)
         if d is not None and d.prefetched_unused and d.ready_at_s <= now_s:
             ready = d.ready_at_s
+        adaptive = self.policy.load_start is LoadStart.ADAPTIVE
+        wait = self.view.queue_wait_s(node, now_s) if adaptive else 0.0
         if heading is not None:
             s.awaiting_node = node
         else:
-            start = self._arrival_load_start(sid, node, reused_tokens, now_s)
-            if start is not None and start[0] <= now_s:
-                self._demand_load(sid, node, reused_tokens, now_s, start[1])
+            start = self._arrival_load_start(sid, node, reused_tokens, now_s, wait)
+            if start is not None and start <= now_s:
+                self._demand_load(sid, node, reused_tokens, now_s, now_s + wait)
             elif start is not None:
-                want = min(reused_tokens, self.remote_tokens(sid))
-                self._arm(s, PrefetchOrder(sid, node, want, want * self.bpt, start[0],
-                                           start[1], QUEUED_PRIORITY, start[1], queued=True))
-        if self.policy.load_start is LoadStart.ADAPTIVE:
-            s.expected_start_s = now_s + self.view.queue_wait_s(node, now_s)
+                self._arm(s, sid, node, min(reused_tokens, self.remote_tokens(sid)), start,
+                          now_s + wait)
+        if adaptive:
+            s.expected_start_s = now_s + wait
             s.routed_drift_s = self._drift[node]
         return self._output(decision, promote=promote, prefetch_ready_s=ready)
 
@@ -542,10 +543,15 @@ class SchedulerCore:
     # and every armed load on the node moves by the drift since it was armed: started at
     # once when its time has come, armed again earlier when it moved by more than a tenth
     # of its lead (and checked again when its timer fires, if it moved later).
-    def _arm(self, s: _Session, order: PrefetchOrder) -> None:
+    def _arm(self, s: _Session, sid: str, node: int, tokens: int, start_s: float,
+             due_s: float) -> None:
+        """Arm the timed load of ``tokens`` for ``sid``'s request queued on ``node``, to
+        start at ``start_s``, due at its estimated GPU start ``due_s``."""
+        order = PrefetchOrder(sid, node, tokens, tokens * self.bpt, start_s, due_s,
+                              QUEUED_PRIORITY, due_s, queued=True)
         s.queued = order
-        s.queued_drift_s = self._drift[order.node]
-        self._armed[order.node][order.session_id] = order
+        s.queued_drift_s = self._drift[node]
+        self._armed[node][sid] = order
         self._step.orders.append(order)
 
     def _disarm(self, sid: str, s: _Session) -> None:
@@ -567,20 +573,18 @@ class SchedulerCore:
     def _rearm(self, sid: str, s: _Session, order: PrefetchOrder, shift: float) -> None:
         """Arm ``order`` again, ``shift`` seconds earlier (later if negative)."""
         self._disarm(sid, s)
-        due = order.deadline_s - shift
-        self._arm(s, PrefetchOrder(sid, order.node, order.tokens, order.nbytes,
-                                   order.start_at_s - shift, due, order.priority, due,
-                                   queued=True))
+        self._arm(s, sid, order.node, order.tokens, order.start_at_s - shift,
+                  order.deadline_s - shift)
 
     def _start_armed(self, sid: str, s: _Session, order: PrefetchOrder, shift: float,
                      now_s: float) -> None:
         self._disarm(sid, s)
         self._demand_load(sid, order.node, order.tokens, now_s, order.deadline_s - shift)
 
-    def _arrival_load_start(self, sid: str, node: int, reused_tokens: int, now_s: float
-                            ) -> tuple[float, float] | None:
-        """When to start loading what the node lacks for a request routed to it now, and
-        when the GPU is expected to pick the request up; None: when it does (at GPU
+    def _arrival_load_start(self, sid: str, node: int, reused_tokens: int, now_s: float,
+                            wait: float) -> float | None:
+        """When to start loading what the node lacks for a request routed to it now, with
+        an estimated ``wait`` before the GPU picks it up; None: when it does (at GPU
         start). ``ON_ARRIVAL``: now. ``ADAPTIVE``: when the node's estimated queue wait
         hides at least ``arrival_load_min_wait_fraction`` of the load's time to last byte
         (estimated as the router does: first-byte latency + bytes at the source's rate),
@@ -591,7 +595,7 @@ class SchedulerCore:
         still lands off the GPU's critical path."""
         load_start = self.policy.load_start
         if load_start is LoadStart.ON_ARRIVAL:
-            return now_s, now_s
+            return now_s
         if load_start is not LoadStart.ADAPTIVE:
             return None
         missing = min(reused_tokens, self.remote_tokens(sid)) - self.local_tokens(node, sid)
@@ -599,12 +603,10 @@ class SchedulerCore:
             return None
         s_per_byte, latency = self.view.remote_source(sid)
         ttlb = latency + missing * self.bpt * s_per_byte
-        wait = self.view.queue_wait_s(node, now_s)
         planner = self.fleet.planner
         if wait < planner.arrival_load_min_wait_fraction * ttlb:
             return None
-        return (now_s + max(0.0, wait - planner.arrival_load_max_wait_fraction * ttlb),
-                now_s + wait)
+        return now_s + max(0.0, wait - planner.arrival_load_max_wait_fraction * ttlb)
 
     def _route(self, sid: str, input_tokens: int, reused_tokens: int, now_s: float
                ) -> RouteDecision:

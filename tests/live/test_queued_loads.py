@@ -9,7 +9,7 @@ import time
 from harness import RecordingPort
 
 from controlplane.base.config import fleet_from_dict
-from controlplane.base.wire import AgentHello
+from controlplane.base.wire import AgentHello, TransferOrder
 from controlplane.live.config import ServiceConfig
 from controlplane.live.service import SchedulerService
 
@@ -38,9 +38,11 @@ def test_a_request_behind_a_long_queue_gets_its_load_before_the_gpu_picks_it_up(
         assert not [o for o in port.orders if o.session_id == "t/s0"]  # not at arrival
         wall[0] += wait - 0.5  # within 3 TTLBs of its estimated GPU start
         deadline = time.monotonic() + 5.0
-        while not port.orders and time.monotonic() < deadline:
+        mine: list[TransferOrder] = []
+        while not mine and time.monotonic() < deadline:
             time.sleep(0.01)
-        (order,) = [o for o in port.orders if o.session_id == "t/s0"]
+            mine = [o for o in port.orders if o.session_id == "t/s0"]
+        (order,) = mine
         assert not order.prefetch and order.node == 0
         plan = svc.gpu_start(0, "t", "s0", 8 * CHUNK)
         assert plan.wait_order_id == order.order_id  # the engine waits for that one
