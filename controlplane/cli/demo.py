@@ -483,6 +483,7 @@ def run_from_books(policy: str, records: Any, books: dict[str, Any]) -> Any:
         wasted_bytes=books["wasted_bytes_modelled"],
         prefetch_used_bytes=books["prefetch_used_bytes_modelled"],
         prefetches_over_budget=books["prefetches_over_budget"],
+        warmup_bytes=books["warmup_bytes"],
         remote_bytes=books["prefetch_model_bytes"] + books["demand_model_bytes"],
         prefetches=books["prefetches"], prefetches_dropped=books["prefetches_dropped"],
         ttlb_s=books["ttlb_s"], lateness_s=books["lateness_s"], events=books["events"])
@@ -564,6 +565,7 @@ def pooled_run(policy: str, runs: Sequence[Any]) -> Any:
         out.prefetches_dropped += r.prefetches_dropped
         out.prefetches_cancelled += r.prefetches_cancelled
         out.prefetches_over_budget += r.prefetches_over_budget
+        out.warmup_bytes += r.warmup_bytes
         out.events += r.events
     return out
 

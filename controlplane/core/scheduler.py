@@ -145,6 +145,9 @@ class CoreStats:
     prefetch_exposed_bytes: int = 0
     #: Prefetches not started because the waste budget was spent.
     prefetches_over_budget: int = 0
+    #: Bytes of the warm-ups of empty nodes started (free room only: outside the budget,
+    #: which they widen by as much).
+    warmup_bytes: int = 0
 
 
 _Counters = TypeVar("_Counters", CoreStats, IndexStats)
@@ -739,7 +742,7 @@ class SchedulerCore:
     # ------------------------------------------------------------------ transfers
     def _reserve(self, sid: str, node: int, tokens: int, *, prefetch: bool, deadline_s: float,
                  now_s: float, min_key: float = -INF, free_only: bool = False,
-                 priority: float = DEMAND_PRIORITY) -> LoadTicket | None:
+                 priority: float = DEMAND_PRIORITY, warm_up: bool = False) -> LoadTicket | None:
         tier = self.dram[node]
         have = tier.get(sid)
         have_tokens = have.tokens if have is not None and have.ready_at_s <= now_s else 0
@@ -750,7 +753,10 @@ class SchedulerCore:
         old_bytes = have.nbytes if have is not None else 0
         if free_only and nbytes - old_bytes > tier.capacity_bytes - tier.used_bytes:
             return None
-        if prefetch and not self._within_waste_budget(delta * self.bpt):
+        if warm_up:
+            assert prefetch and free_only
+            self.stats.warmup_bytes += delta * self.bpt
+        elif prefetch and not self._within_waste_budget(delta * self.bpt):
             return None
         if self.shares is not None and not self._within_share(
                 sid, node, nbytes - old_bytes, now_s, min_key=min_key, prefetch=prefetch,
@@ -1048,7 +1054,8 @@ class SchedulerCore:
         idle sessions of ``sids`` that routing will send there, soonest predicted use
         first, at once (``rehome``: make the node their home). Free room displaces
         nothing, so no forecast has to be confident; the transfers yield the link to
-        demand loads."""
+        demand loads, and the waste budget does not hold them back (see
+        :meth:`_within_waste_budget`)."""
         homed = [sid for sid in sids
                  if not self._sessions[sid].in_flight and self._sessions[sid].remote_tokens > 0
                  and node not in self._sessions[sid].inflight_nodes]
@@ -1062,7 +1069,7 @@ class SchedulerCore:
         for use, sid in order:
             s = self._sessions[sid]
             ticket = self._reserve(sid, node, s.remote_tokens, prefetch=True, deadline_s=use,
-                                   now_s=now_s, free_only=True, priority=0.0)
+                                   now_s=now_s, free_only=True, priority=0.0, warm_up=True)
             if ticket is not None:
                 self._start_load(s, ticket, use)
                 if rehome:
@@ -1123,13 +1130,19 @@ class SchedulerCore:
         brings to requests, beyond a fixed credit). Forecasts that are right earn the
         budget they need; on traffic where they are wrong, prefetch stops once the credit
         is spent and resumes only as prefetches already started are read: a budget spent
-        with none of them left unread stays spent until the scheduler restarts."""
+        with none of them left unread stays spent until the scheduler restarts.
+
+        Warm-ups of empty nodes (:meth:`_warm`) are outside it: they fill free room only,
+        so what they can waste is bounded by the room, once per restart or join, and a
+        budget spent (or never earned: a cold start) must not leave a restarted node empty.
+        Their bytes widen the credit by as much, so the bound reads ``wasted <= r x used +
+        allowance + warmed``."""
         if not self.policy.waste_budget:
             return True
         st = self.stats
         planner = self.fleet.planner
         credit = ((1.0 + planner.waste_per_used_byte) * st.prefetch_used_bytes
-                  + planner.waste_allowance_gib * GIB)
+                  + planner.waste_allowance_gib * GIB + st.warmup_bytes)
         if st.prefetch_exposed_bytes + nbytes <= credit:
             return True
         st.prefetches_over_budget += 1

@@ -505,6 +505,7 @@ class LiveDriver:
             "wasted_bytes_modelled": core.stats.wasted_bytes,
             "prefetch_used_bytes_modelled": core.stats.prefetch_used_bytes,
             "prefetches_over_budget": core.stats.prefetches_over_budget,
+            "warmup_bytes": core.stats.warmup_bytes,
             "ttlb_s": list(s.ttlb_s), "lateness_s": list(s.lateness_s),
             "plan_step_s": list(s.plan_step_s),
             "plan_steps": s.plan_steps,

@@ -66,6 +66,7 @@ def summarize(run: PolicyRun) -> PolicySummary:
         prefetches_dropped=run.prefetches_dropped,
         prefetches_cancelled=run.prefetches_cancelled,
         prefetches_over_budget=run.prefetches_over_budget,
+        warmup_bytes=run.warmup_bytes,
         local_hit_fraction=_round(
             sum(r.reused_local_tokens for r in returning)
             / max(1, sum(r.reused_tokens for r in returning))

@@ -87,6 +87,8 @@ class PolicySummary:
     prefetches_cancelled: int
     #: Prefetches not started because the policy's waste budget was spent.
     prefetches_over_budget: int
+    #: Bytes of the warm-ups of empty nodes (restart, join), part of ``prefetched_bytes``.
+    warmup_bytes: int
     #: Of the tokens returning requests reused, the fraction found in the local tier.
     local_hit_fraction: float
     transfers: TransferTimes | None
@@ -110,6 +112,7 @@ class PolicySummary:
                    prefetches=self.prefetches, prefetches_dropped=self.prefetches_dropped,
                    prefetches_cancelled=self.prefetches_cancelled,
                    prefetches_over_budget=self.prefetches_over_budget,
+                   warmup_bytes=self.warmup_bytes,
                    local_hit_fraction=self.local_hit_fraction)
         if self.transfers is not None:
             out.update(ttlb_mean_s=self.transfers.ttlb_mean_s,

@@ -102,6 +102,7 @@ class PolicyRun:
     remote_bytes: int = 0
     prefetches: int = 0
     prefetches_over_budget: int = 0
+    warmup_bytes: int = 0
     prefetches_dropped: int = 0
     prefetches_cancelled: int = 0
     ttlb_s: list[float] = field(default_factory=list)
@@ -290,6 +291,7 @@ class Simulation:
         self.out.wasted_bytes += stats.wasted_bytes
         self.out.prefetch_used_bytes = stats.prefetch_used_bytes
         self.out.prefetches_over_budget = stats.prefetches_over_budget
+        self.out.warmup_bytes = stats.warmup_bytes
         return self.out
 
     # ------------------------------------------------------------------ helpers

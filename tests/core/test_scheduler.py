@@ -127,7 +127,10 @@ def test_predictive_loads_at_arrival_only_when_the_queue_wait_hides_half_the_loa
 def test_a_node_that_restarts_empty_is_warmed_with_its_sessions_within_its_free_room() -> None:
     # Node 0's tier holds two 40k-token sessions; three idle sessions call it home. The
     # default planner orders no prefetch for them (last-gap is not confident enough).
-    fleet = fleet_from_dict({"nodes": 2, "node": {"dram_tier_bytes": 10 * GIB}})
+    # No waste allowance and nothing prefetched read yet: the waste budget would refuse
+    # any prefetch, and does not hold a warm-up back (free room only).
+    fleet = fleet_from_dict({"nodes": 2, "node": {"dram_tier_bytes": 10 * GIB},
+                             "planner": {"waste_allowance_gib": 0}})
     core = SchedulerCore(fleet, POLICIES["predictive"], load("last-gap"), FakeFleet())
     for i, t in enumerate((0.0, 2.0, 4.0)):
         finish_turn(core, f"s{i}", t, 0, 40_000)
@@ -139,6 +142,10 @@ def test_a_node_that_restarts_empty_is_warmed_with_its_sessions_within_its_free_
     assert all(ticket.prefetch and ticket.priority < 100.0 for ticket in out.loads)
     assert core.dram[0].used_bytes <= core.dram[0].capacity_bytes
     assert not any(e.session_id == "x" for e in core.dram[0])
+    warmed = sum(ticket.nbytes for ticket in out.loads)
+    assert core.stats.warmup_bytes == warmed and core.stats.prefetches_over_budget == 0
+    # The credit grows by what was warmed, not more: a prefetch beyond it is refused.
+    assert core._within_waste_budget(0) and not core._within_waste_budget(1)
 
 
 def test_behind_a_long_queue_predictive_loads_a_few_ttlbs_before_the_gpu_start() -> None:

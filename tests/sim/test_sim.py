@@ -229,7 +229,7 @@ POLICY_KEYS = ["requests", "ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_
                "returning", "returning_ttft_quantiles_s", "stall_s", "prefetched_bytes",
                "wasted_bytes", "prefetch_used_bytes", "remote_bytes", "prefetches",
                "prefetches_dropped", "prefetches_cancelled", "prefetches_over_budget",
-               "local_hit_fraction", "ttlb_mean_s", "ttlb_p90_s",
+               "warmup_bytes", "local_hit_fraction", "ttlb_mean_s", "ttlb_p90_s",
                "lateness_p50_s", "prefetch_in_time_fraction", "events"]
 
 
