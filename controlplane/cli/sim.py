@@ -56,7 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     arr.add_argument("--concurrency", type=int,
                      help="instead of a rate: keep this many sessions live")
     p.add_argument("--load", type=float, default=1.0,
-                   help="multiply the session arrival rate (load sweeps; default 1.0)")
+                   help="multiply the session arrival rate (load sweeps; default 1.0); "
+                        "traces with timestamps of their own (mooncake, azure, journal) "
+                        "run on a clock this many times faster")
     p.add_argument("--limit-sessions", type=int, help="replay only the first N sessions")
     p.add_argument("--test-split", type=float, metavar="FRACTION",
                    help="replay only the held-out session groups of the split that "

@@ -13,16 +13,23 @@ Two arrival processes, both seeded and deterministic (same seed, same sessions, 
 Sessions are taken in a seeded random order, so a different seed mixes long and short
 sessions differently. Child sessions (sub-agents) are not arrivals: they start at their
 parent's start plus their offset in the parent.
+
+Traces with a clock of their own (Mooncake, Azure, a journal) keep their timestamps; for
+them ``load`` scales the clock (:func:`scale_clock`: load 2 replays the same requests in
+half the time), so a load sweep means the same on every trace.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, Self
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from controlplane.base.types import Trace
 
 #: Default Poisson rate of session starts when neither a rate nor a concurrency is given:
 #: one new session every 60 s. With the shared Claude Code set (mean session length about
@@ -105,3 +112,21 @@ def assign_start_times(
         starts[int(position)] = start
         heapq.heappush(free_at, start + max(0.0, float(durations_s[int(position)])))
     return starts
+
+
+def scale_clock(trace: Trace, load: float) -> Trace:
+    """``trace`` replayed at ``load`` times its rate: every session's start and every
+    open-loop request's offset divided by ``load`` (sessions stay in their order). A
+    closed-loop request's ``gap_s`` (the client's think or tool time) is the client's, not
+    the arrival process's, and is kept."""
+    if not load > 0.0:
+        raise ValueError(f"load must be > 0, got {load}")
+    if load == 1.0:
+        return trace
+    k = 1.0 / load
+    sessions = tuple(
+        replace(s, start_s=s.start_s * k,
+                requests=tuple(r if r.gap_s is not None else replace(r, offset_s=r.offset_s * k)
+                               for r in s.requests))
+        for s in trace.sessions)
+    return replace(trace, sessions=sessions)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from controlplane.base.errors import UnknownFormatError
 from controlplane.base.types import Trace
-from controlplane.traces.arrivals import ArrivalOptions
+from controlplane.traces.arrivals import ArrivalOptions, scale_clock
 from controlplane.traces.azure import load_azure
 from controlplane.traces.claude_code import load_claude_code
 from controlplane.traces.detect import FORMATS, detect_format, known_formats_text
@@ -64,7 +64,8 @@ def load_trace(
 
     ``fmt`` is one of :data:`FORMATS` or ``"auto"`` (guess from the name and first line).
     ``arrivals`` and ``seed`` place sessions on the replay clock for formats without a shared
-    clock (claude-code); the others keep their timestamps (0 = first one). Sessions come
+    clock (claude-code); the others keep their timestamps (0 = first one), on a clock
+    scaled by ``arrivals.load`` (:func:`~controlplane.traces.arrivals.scale_clock`). Sessions come
     sorted by ``(start_s, session_id)``. ``limit_sessions`` keeps the first N sessions: by
     file name before start times are drawn for claude-code (so the choice does not depend on
     the seed; their sub-agents come along), by start time otherwise.
@@ -80,4 +81,7 @@ def load_trace(
         raise UnknownFormatError(
             f"unknown trace format {fmt!r}; known formats: {known_formats_text()} (or 'auto')"
         )
-    return loader(source, arrivals, seed, limit_sessions, progress)
+    trace = loader(source, arrivals, seed, limit_sessions, progress)
+    if name != "claude-code" and arrivals is not None:
+        trace = scale_clock(trace, arrivals.load)
+    return trace

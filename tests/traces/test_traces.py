@@ -7,6 +7,7 @@ import gzip
 import json
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,7 @@ from controlplane.traces import (
     load_trace,
     read_journal_events,
 )
-from controlplane.traces.arrivals import assign_start_times
+from controlplane.traces.arrivals import assign_start_times, scale_clock
 from controlplane.traces.claude_code import common_prefix_length
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "traces"
@@ -437,6 +438,29 @@ def test_poisson_rate_and_load() -> None:
         assign_start_times(durations, ArrivalOptions(session_rate_per_s=0.5, load=2.0), 3)
     )
     assert doubled[-1] == pytest.approx(starts[-1] / 2, rel=0.1)
+
+
+def test_load_runs_a_timestamped_trace_on_a_faster_clock() -> None:
+    # Mooncake keeps its own timestamps: load 2 replays the same requests in half the time
+    # (it used to be ignored, so a load sweep on such a trace changed nothing).
+    path = FIXTURES / "mooncake_sessions.jsonl"
+    base = load_trace(path, arrivals=ArrivalOptions(session_rate_per_s=0.5))
+    fast = load_trace(path, arrivals=ArrivalOptions(session_rate_per_s=0.5, load=2.0))
+    assert [s.session_id for s in fast.sessions] == [s.session_id for s in base.sessions]
+    assert any(s.start_s > 0 for s in base.sessions)
+    for b, f in zip(base.sessions, fast.sessions, strict=True):
+        assert f.start_s == b.start_s / 2
+        assert [r.offset_s for r in f.requests] == [r.offset_s / 2 for r in b.requests]
+        assert [r.input_tokens for r in f.requests] == [r.input_tokens for r in b.requests]
+    assert load_trace(path) == base  # no arrivals, or load 1: the trace's own clock
+    # A closed-loop request keeps its gap (the client's think time), only its start moves.
+    closed = replace(base, sessions=(replace(base.sessions[0], requests=tuple(
+        replace(r, gap_s=3.0) for r in base.sessions[0].requests)),))
+    (session,) = scale_clock(closed, 4.0).sessions
+    assert session.start_s == base.sessions[0].start_s / 4
+    assert session.requests == closed.sessions[0].requests
+    with pytest.raises(ValueError, match="load must be > 0"):
+        scale_clock(base, 0.0)
 
 
 def _max_live(intervals: list[tuple[float, float]]) -> int:
