@@ -18,8 +18,9 @@ class LoadStart(enum.Enum):
     NEVER = "never"  # no remote store: recompute what is not local
     ON_SCHEDULE = "on_schedule"  # when the GPU picks the request up (blocking the GPU)
     ON_ARRIVAL = "on_arrival"  # as soon as the request arrives, overlapped with queue wait
-    #: During the queue wait when it hides enough of the load
-    #: (``planner.arrival_load_min_wait_fraction``), else when the GPU picks it up; behind
+    #: During the queue wait (when it hides at least
+    #: ``planner.arrival_load_min_wait_fraction`` of the load: by default any wait), else
+    #: when the GPU picks it up; behind
     #: a long queue the load starts ``planner.arrival_load_max_wait_fraction`` TTLBs
     #: before the request's estimated GPU start rather than at arrival.
     ADAPTIVE = "adaptive"

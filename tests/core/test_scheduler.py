@@ -11,7 +11,7 @@ from controlplane.base.config import GIB, fleet_from_dict
 from controlplane.base.types import ArrivalForecast, EventKind, HintKind, SessionEvent
 from controlplane.core.policies import POLICIES
 from controlplane.core.scheduler import SchedulerCore
-from controlplane.core.step import StepOutput
+from controlplane.core.step import QUEUED_PRIORITY, StepOutput
 from predictors.registry import load
 
 
@@ -76,9 +76,11 @@ def test_suffix_eviction_cuts_the_victim_back_to_the_whole_chunks_of_its_prefix_
         sid = trim.session_id
         core.request_started(SessionEvent(EventKind.REQUEST_STARTED, sid, 40.0,
                                           input_tokens=40_500))
-        node = core.route_request(sid, 40_500, 40_000, 40.0).node
-        (load_ticket,) = core.gpu_start(sid, node, 40_000, 40.5).loads
-        assert node == 0 and load_ticket.nbytes == (40_000 - keep) * core.bpt
+        routed = core.route_request(sid, 40_500, 40_000, 40.0)
+        started = core.gpu_start(sid, routed.node, 40_000, 40.5)
+        load_ticket = routed.demand_load() or started.demand_load()  # the one load
+        assert len(routed.loads) + len(started.loads) == 1 and load_ticket is not None
+        assert routed.node == 0 and load_ticket.nbytes == (40_000 - keep) * core.bpt
 
 
 class _QueuedFleet(FakeFleet):
@@ -91,10 +93,15 @@ class _QueuedFleet(FakeFleet):
         return self.wait_s
 
 
-def _evicted_session_routed(wait_s: float) -> tuple[SchedulerCore, StepOutput]:
+def _evicted_session_routed(wait_s: float, min_wait_fraction: float = 0.0
+                            ) -> tuple[SchedulerCore, StepOutput]:
     """s0 finishes on node 0, its agent then reports it no longer holds it, and it returns
-    at 10 s: the core and the output of its routing."""
-    core = SchedulerCore(two_node_fleet(), POLICIES["predictive"], load("last-gap"),
+    at 10 s: the core and the output of its routing (``min_wait_fraction``:
+    ``planner.arrival_load_min_wait_fraction``)."""
+    fleet = two_node_fleet()
+    fleet = fleet.model_copy(update={"planner": fleet.planner.model_copy(
+        update={"arrival_load_min_wait_fraction": min_wait_fraction})})
+    core = SchedulerCore(fleet, POLICIES["predictive"], load("last-gap"),
                          _QueuedFleet(wait_s))
     finish_turn(core, "s0", 0.0, 0, 40_000)
     core.reconcile(0, lambda sid, tokens: sid != "s0", 5.0)
@@ -106,20 +113,30 @@ def _evicted_session_routed(wait_s: float) -> tuple[SchedulerCore, StepOutput]:
     return core, routed
 
 
-def _evicted_session_returns(wait_s: float) -> tuple[StepOutput, StepOutput]:
+def _evicted_session_returns(wait_s: float, min_wait_fraction: float = 0.0
+                             ) -> tuple[StepOutput, StepOutput]:
     """The outputs of s0's routing (:func:`_evicted_session_routed`) and of its GPU start
     after the queue wait, with no timer firing in between."""
-    core, routed = _evicted_session_routed(wait_s)
+    core, routed = _evicted_session_routed(wait_s, min_wait_fraction)
     return routed, core.gpu_start("s0", 0, 40_000, 10.0 + wait_s)
 
 
-def test_predictive_loads_at_arrival_only_when_the_queue_wait_hides_half_the_load() -> None:
-    # The load: 40k tokens x 128 KiB at 5 GB/s + 0.5 ms = 1.0491 s to last byte; the
-    # default arrival_load_min_wait_fraction 0.5 puts the line at a 0.5246 s queue wait.
-    routed, started = _evicted_session_returns(0.6)
-    assert routed.demand_load() is not None and not routed.demand_load().prefetch
-    assert started.demand_load() is None  # already under way: not loaded twice
-    routed, started = _evicted_session_returns(0.5)
+def test_predictive_loads_during_any_queue_wait_unless_told_to_wait_for_a_longer_one(
+) -> None:
+    # The load: 40k tokens x 128 KiB at 5 GB/s + 0.5 ms = 1.0491 s to last byte. By default
+    # (arrival_load_min_wait_fraction 0) it starts at arrival behind any queue, at the
+    # priority of a load whose request still waits, due at the estimated GPU start.
+    for wait in (0.1, 0.6):
+        routed, started = _evicted_session_returns(wait)
+        ticket = routed.demand_load()
+        assert ticket is not None and not ticket.prefetch
+        assert ticket.priority == QUEUED_PRIORITY and ticket.deadline_s == 10.0 + wait
+        assert started.demand_load() is None  # already under way: not loaded twice
+    # 0.5 puts the line at a 0.5246 s queue wait: a shorter one loads at GPU start.
+    routed, started = _evicted_session_returns(0.6, 0.5)
+    assert routed.demand_load() is not None
+    assert started.demand_load() is None
+    routed, started = _evicted_session_returns(0.5, 0.5)
     assert routed.demand_load() is None
     assert started.demand_load() is not None
 
