@@ -81,11 +81,11 @@ POLICIES: dict[str, PolicySpec] = {
                    modelled_on="LMCache + remote backend"),
         PolicySpec("queue", True, True, LoadStart.ON_ARRIVAL, EvictionKind.LRU, False,
                    modelled_on="SGLang HiCache, CachedAttention"),
-        # Misses are loaded during the queue wait only when it hides much of the load,
-        # and at most a few TTLBs before the GPU start: loading every miss at arrival
-        # (`queue`) holds DRAM early and evicts KV that requests ahead in the queue need
-        # (measured: on the shared Claude Code set and the slice on one node `queue` is
-        # slower than `ondemand` for that reason).
+        # Misses are loaded during the queue wait, but at most a few TTLBs before the GPU
+        # start: loading every miss at arrival (`queue`) holds DRAM for the whole of a
+        # long wait and evicts KV that requests ahead in the queue need (measured: on the
+        # shared Claude Code set and the slice on one node `queue` is slower than
+        # `ondemand` for that reason).
         PolicySpec("predictive", True, True, LoadStart.ADAPTIVE, EvictionKind.PREDICTED_USE,
                    True, modelled_on="kvprefetch", suffix_eviction=True, waste_budget=True),
         PolicySpec("oracle", True, True, LoadStart.ON_ARRIVAL, EvictionKind.PREDICTED_USE, True,

@@ -158,6 +158,10 @@ class PrometheusMetrics:
             "Prefetches the waste budget refused (planner.waste_allowance_gib): once it "
             "grows with nothing prefetched left unread, prefetch is off until a restart",
             value=g.over_budget)
+        yield GaugeMetricFamily(
+            "kvprefetch_warmup_bytes",
+            "Bytes ordered to warm nodes that restarted or joined empty (free room only; "
+            "outside the waste budget, modelled)", value=g.warmup_bytes)
 
     def _share_families(self) -> Iterator[Metric]:
         """The tenants' shares, read from the scheduler's books at scrape time (counting a

@@ -24,12 +24,13 @@ ShareBooks = Callable[[], tuple[Mapping[tuple[str, str], int], Mapping[str, Tena
 class SchedulerGauges:
     """The scheduler's gauges, read at scrape time: orders in flight by node name and the
     core's prefetch accounting so far (bytes wasted, bytes read, prefetches its waste
-    budget refused)."""
+    budget refused, bytes of warm-ups of empty nodes)."""
 
     orders_in_flight: Mapping[str, int]
     wasted_bytes: int
     useful_bytes: int
     over_budget: int
+    warmup_bytes: int = 0
 
 
 #: TTLB and lateness samples kept for the summary (a rolling window; Prometheus histograms

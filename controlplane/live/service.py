@@ -298,7 +298,8 @@ class SchedulerService:
             st = self.core.stats
             return SchedulerGauges(
                 {self.node_name(n): self.orders.count(n) for n in range(self.config.fleet.nodes)},
-                st.wasted_bytes, st.prefetch_used_bytes, st.prefetches_over_budget)
+                st.wasted_bytes, st.prefetch_used_bytes, st.prefetches_over_budget,
+                st.warmup_bytes)
 
     def _share_books(self) -> tuple[dict[tuple[str, str], int],
                                     dict[str, TenantQuotaStats]]:

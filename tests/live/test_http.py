@@ -261,6 +261,7 @@ def test_metrics_after_traffic_have_lateness_and_ttlb(
                  "kvprefetch_useful_bytes", "kvprefetch_events_per_second"):
         assert name in samples
     assert samples["kvprefetch_prefetches_over_budget"] == 0
+    assert samples["kvprefetch_warmup_bytes"] == 0  # no node restarted or joined
     assert 'kvprefetch_orders_in_flight{node="node-0"}' in samples
 
 

@@ -41,7 +41,9 @@ def test_shards_metrics_merge_into_one_exposition_labelled_by_shard() -> None:
 def test_the_gauges_are_read_at_scrape_time() -> None:
     seen = {"orders": 1}
     m = PrometheusMetrics()
-    m.scheduler_gauges_from(lambda: SchedulerGauges({"node-0": seen["orders"]}, 0, 0, 0))
+    m.scheduler_gauges_from(lambda: SchedulerGauges({"node-0": seen["orders"]}, 0, 0, 0,
+                                                    warmup_bytes=seen["orders"] << 30))
     assert b'kvprefetch_orders_in_flight{node="node-0"} 1.0' in m.render()
+    assert b"kvprefetch_warmup_bytes 1.073741824e+09" in m.render()
     seen["orders"] = 7
     assert b'kvprefetch_orders_in_flight{node="node-0"} 7.0' in m.render()
