@@ -588,8 +588,9 @@ class SchedulerCore:
                             wait: float) -> float | None:
         """When to start loading what the node lacks for a request routed to it now, with
         an estimated ``wait`` before the GPU picks it up; None: when it does (at GPU
-        start). ``ON_ARRIVAL``: now. ``ADAPTIVE``: when the node's estimated queue wait
-        hides at least ``arrival_load_min_wait_fraction`` of the load's time to last byte
+        start). ``ON_ARRIVAL``: now. ``ADAPTIVE``: when the request queues (an estimated
+        wait above 0) and the wait hides at least ``arrival_load_min_wait_fraction`` (by
+        default 0) of the load's time to last byte
         (estimated as the router does: first-byte latency + bytes at the source's rate),
         ``arrival_load_max_wait_fraction`` TTLBs before the estimated GPU start, or now if
         that is sooner: behind a long queue a load at arrival would hold DRAM for the
@@ -607,7 +608,9 @@ class SchedulerCore:
         s_per_byte, latency = self.view.remote_source(sid)
         ttlb = latency + missing * self.bpt * s_per_byte
         planner = self.fleet.planner
-        if wait < planner.arrival_load_min_wait_fraction * ttlb:
+        if wait <= 0.0 or wait < planner.arrival_load_min_wait_fraction * ttlb:
+            # No queue: the GPU picks the request up now, and an engine that reads the
+            # remote store on its own (vLLM + LMCache) would fetch the same bytes.
             return None
         return now_s + max(0.0, wait - planner.arrival_load_max_wait_fraction * ttlb)
 

@@ -132,6 +132,10 @@ def test_predictive_loads_during_any_queue_wait_unless_told_to_wait_for_a_longer
         assert ticket is not None and not ticket.prefetch
         assert ticket.priority == QUEUED_PRIORITY and ticket.deadline_s == 10.0 + wait
         assert started.demand_load() is None  # already under way: not loaded twice
+    # No queue: loaded when the GPU picks it up (now), as an engine that fetches on its own
+    # would, so not twice.
+    routed, started = _evicted_session_returns(0.0)
+    assert routed.demand_load() is None and started.demand_load() is not None
     # 0.5 puts the line at a 0.5246 s queue wait: a shorter one loads at GPU start.
     routed, started = _evicted_session_returns(0.6, 0.5)
     assert routed.demand_load() is not None
