@@ -139,13 +139,14 @@ class PlannerConfig(_Frozen):
     #: ``predictive`` loads a missing context at the request's arrival when the node's
     #: estimated queue wait hides at least this share of the load's time to last byte,
     #: and when the GPU picks the request up otherwise. 0 (the default): during any
-    #: queue wait. While the request waits its load yields the link to the loads GPUs
-    #: wait for (``QUEUED_PRIORITY``), so even a short overlap is a gain: measured on 49
-    #: runs (README, "Choosing when to load", tenth session), 0 gave 0.989 of 0.5's
-    #: returning mean TTFT and left predictive behind the better of ``ondemand`` and
-    #: ``queue`` in none of them (0.5: 7, by loading at GPU start what ``queue`` overlapped
-    #: with a short wait). Before the loads of waiting requests had that priority, 0.5
-    #: beat 0 and 2.
+    #: queue wait (a request that does not queue is loaded at its GPU start). While the
+    #: request waits its load yields the link to the loads GPUs wait for
+    #: (``QUEUED_PRIORITY``), so even a short overlap is a gain: measured on 69 runs
+    #: (README, "Loading during any queue wait"), 0 gave 0.987 of 0.5's returning mean
+    #: TTFT and left predictive behind the better of ``ondemand`` and ``queue`` in 3 of
+    #: them (0.5: 13, mostly by loading at GPU start what ``queue`` overlapped with a
+    #: short wait). Before the loads of waiting requests had that priority, 0.5 beat 0
+    #: and 2.
     arrival_load_min_wait_fraction: float = Field(0.0, ge=0)
     #: ... and starts it at most this multiple of the time to last byte before the GPU is
     #: expected to pick the request up: behind a longer queue, a load at arrival would

@@ -20,9 +20,9 @@ class LoadStart(enum.Enum):
     ON_ARRIVAL = "on_arrival"  # as soon as the request arrives, overlapped with queue wait
     #: During the queue wait (when it hides at least
     #: ``planner.arrival_load_min_wait_fraction`` of the load: by default any wait), else
-    #: when the GPU picks it up; behind
-    #: a long queue the load starts ``planner.arrival_load_max_wait_fraction`` TTLBs
-    #: before the request's estimated GPU start rather than at arrival.
+    #: when the GPU picks it up; behind a long queue the load starts
+    #: ``planner.arrival_load_max_wait_fraction`` TTLBs before the request's estimated GPU
+    #: start rather than at arrival.
     ADAPTIVE = "adaptive"
 
 

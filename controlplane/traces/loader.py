@@ -49,6 +49,9 @@ _LOADERS: dict[str, _Loader] = {
     "journal": _journal,
 }
 assert tuple(_LOADERS) == FORMATS
+#: Formats whose sessions share no clock: ``arrivals`` places them (and ``load`` scales the
+#: arrival process); every other format keeps its timestamps, ``load`` scaling the clock.
+PLACED_BY_ARRIVALS = frozenset({"claude-code"})
 
 
 def load_trace(
@@ -65,10 +68,10 @@ def load_trace(
     ``fmt`` is one of :data:`FORMATS` or ``"auto"`` (guess from the name and first line).
     ``arrivals`` and ``seed`` place sessions on the replay clock for formats without a shared
     clock (claude-code); the others keep their timestamps (0 = first one), on a clock
-    scaled by ``arrivals.load`` (:func:`~controlplane.traces.arrivals.scale_clock`). Sessions come
-    sorted by ``(start_s, session_id)``. ``limit_sessions`` keeps the first N sessions: by
-    file name before start times are drawn for claude-code (so the choice does not depend on
-    the seed; their sub-agents come along), by start time otherwise.
+    scaled by ``arrivals.load`` (:func:`~controlplane.traces.arrivals.scale_clock`).
+    Sessions come sorted by ``(start_s, session_id)``. ``limit_sessions`` keeps the first N
+    sessions: by file name before start times are drawn for claude-code (so the choice does
+    not depend on the seed; their sub-agents come along), by start time otherwise.
 
     Raises :class:`~controlplane.base.errors.UnknownFormatError` for an unknown ``fmt`` or an
     undetectable file, :class:`~controlplane.base.errors.TraceFormatError` for a missing path,
@@ -82,6 +85,6 @@ def load_trace(
             f"unknown trace format {fmt!r}; known formats: {known_formats_text()} (or 'auto')"
         )
     trace = loader(source, arrivals, seed, limit_sessions, progress)
-    if name != "claude-code" and arrivals is not None:
+    if name not in PLACED_BY_ARRIVALS and arrivals is not None:
         trace = scale_clock(trace, arrivals.load)
     return trace
