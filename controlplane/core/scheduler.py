@@ -600,7 +600,9 @@ class SchedulerCore:
         load_start = self.policy.load_start
         if load_start is LoadStart.ON_ARRIVAL:
             return now_s
-        if load_start is not LoadStart.ADAPTIVE:
+        if load_start is not LoadStart.ADAPTIVE or wait <= 0.0:
+            # No queue: the GPU picks the request up now, and an engine that reads the
+            # remote store on its own (vLLM + LMCache) would fetch the same bytes.
             return None
         missing = min(reused_tokens, self.remote_tokens(sid)) - self.local_tokens(node, sid)
         if missing <= 0:
@@ -608,9 +610,7 @@ class SchedulerCore:
         s_per_byte, latency = self.view.remote_source(sid)
         ttlb = latency + missing * self.bpt * s_per_byte
         planner = self.fleet.planner
-        if wait <= 0.0 or wait < planner.arrival_load_min_wait_fraction * ttlb:
-            # No queue: the GPU picks the request up now, and an engine that reads the
-            # remote store on its own (vLLM + LMCache) would fetch the same bytes.
+        if wait < planner.arrival_load_min_wait_fraction * ttlb:
             return None
         return now_s + max(0.0, wait - planner.arrival_load_max_wait_fraction * ttlb)
 
