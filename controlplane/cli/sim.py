@@ -35,7 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = EPILOG
     p.add_argument("--trace", help="trace file or directory (default: the bundled Claude Code "
-                   "slice shipped with kvprefetch)")
+                   "slice shipped with kvprefetch), or synthetic:PROFILE[:SESSIONS] for "
+                   "traffic drawn from --seed (profiles: agentic, agentic-nostop, chat, "
+                   "research, random)")
     p.add_argument("--trace-format", default="auto",
                    help="auto | claude-code | mooncake | azure | journal (default: auto)")
     p.add_argument("--policies", default="all",

@@ -13,6 +13,7 @@ from controlplane.traces.claude_code import load_claude_code
 from controlplane.traces.detect import FORMATS, detect_format, known_formats_text
 from controlplane.traces.journal import load_journal
 from controlplane.traces.mooncake import load_mooncake
+from controlplane.traces.synthetic import is_synthetic, load_synthetic
 
 
 def _claude_code(
@@ -73,10 +74,17 @@ def load_trace(
     sessions: by file name before start times are drawn for claude-code (so the choice does
     not depend on the seed; their sub-agents come along), by start time otherwise.
 
-    Raises :class:`~controlplane.base.errors.UnknownFormatError` for an unknown ``fmt`` or an
-    undetectable file, :class:`~controlplane.base.errors.TraceFormatError` for a missing path,
+    ``path`` may also name synthetic traffic, ``synthetic:NAME[:SESSIONS]``
+    (:mod:`~controlplane.traces.synthetic`): drawn from ``seed``, placed like claude-code.
+
+    Raises :class:`~controlplane.base.errors.UnknownFormatError` for an unknown ``fmt``, an
+    undetectable file or an unknown synthetic profile,
+    :class:`~controlplane.base.errors.TraceFormatError` for a missing path,
     an empty trace or a malformed record (naming file, line and field).
     """
+    if is_synthetic(path):
+        assert isinstance(path, str)
+        return load_synthetic(path, seed=seed, arrivals=arrivals, limit_sessions=limit_sessions)
     source = Path(path)
     name = detect_format(source) if fmt == "auto" else fmt
     loader = _LOADERS.get(name)
