@@ -522,3 +522,21 @@ def test_cli_sim_with_hints_reports_them(tmp_path: Path) -> None:
     for flag in ("--hints", "--hint-coverage", "--hint-seed", "--tool-eta-sigma",
                  "--typing-abandon-share"):
         assert flag in res.stdout
+
+
+@pytest.mark.parametrize("spec, seed", [("synthetic:research:80", 0),
+                                        ("synthetic:agentic-nostop:60", 2)])
+def test_predictive_beats_ondemand_on_traffic_its_predictor_never_saw(spec: str, seed: int
+                                                                      ) -> None:
+    """The shipped predictor learned Claude Code; synthetic sessions have laws of their own
+    (slow tools and large contexts; a client without stop reasons). One node under
+    pressure: predictive's returning mean TTFT is >= 10% below ondemand's, p90 below too
+    (measured: 2.79 vs 3.79 s and 0.97 vs 1.61 s means)."""
+    from controlplane.cli.sim import DEFAULT_SIM_SESSION_RATE_PER_S
+    trace = load_trace(spec, seed=seed,
+                       arrivals=ArrivalOptions(session_rate_per_s=DEFAULT_SIM_SESSION_RATE_PER_S))
+    rep = run_policies(trace, default_fleet("8b", 1), parse_policies("ondemand,predictive"),
+                       SimOptions(seed=seed))
+    od, pr = rep.policies["ondemand"].returning, rep.policies["predictive"].returning
+    assert pr.ttft_mean_s < 0.9 * od.ttft_mean_s
+    assert pr.ttft_p90_s < od.ttft_p90_s
