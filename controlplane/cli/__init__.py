@@ -15,6 +15,8 @@ from controlplane.base.errors import KvPrefetchError
 #: sub-command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "sim": ("controlplane.cli.sim", "replay a trace over a modelled fleet, compare policies"),
+    "sim-grid": ("controlplane.cli.sim_grid",
+                 "judge a policy over traces x fleet sizes x loads x seeds (sim per cell)"),
     "train": ("controlplane.cli.train", "train a predictor on a trace"),
     "eval-predictor": ("controlplane.cli.eval_predictor",
                        "evaluate predictors side by side on held-out gaps"),

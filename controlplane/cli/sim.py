@@ -73,6 +73,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "them all again; scale-out: the last of --nodes joins (empty) at the "
                    "median session start")
     p.add_argument("--seed", type=int, default=0, help="seed of the arrival process")
+    add_hint_arguments(p)
+    p.add_argument("--shards", type=int, default=1, metavar="N",
+                   help="split the decisions over N scheduler shards, as `service.shards` "
+                   "does live: each session is decided by the shard it hashes to, each shard "
+                   "plans with 1/N of every node's DRAM tier, link and Valkey rate and its "
+                   "own copy of the predictor (default 1)")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                   help="parallel worker processes, one policy each (default: all cores)")
+    p.add_argument("--json", dest="json_out", help="write the report as JSON here (atomic)")
+    p.add_argument("--plot", help="write a PNG: TTFT CDF per policy, useful vs wasted bytes")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_hint_arguments(p: argparse.ArgumentParser) -> None:
+    """The client-hint flags (``sim`` and ``sim-grid``); read them with :func:`hint_config`."""
     hints = p.add_argument_group(
         "client hints", "simulated clients that tell the control plane what comes next "
         "(planned from the trace; without --hints none are sent)")
@@ -95,16 +110,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     hints.add_argument("--typing-abandon-share", type=float, metavar="F",
                        help="share of typing hints that lead nowhere (the user stops typing; no "
                        "request follows for a while), in [0, 1) (default 0)")
-    p.add_argument("--shards", type=int, default=1, metavar="N",
-                   help="split the decisions over N scheduler shards, as `service.shards` "
-                   "does live: each session is decided by the shard it hashes to, each shard "
-                   "plans with 1/N of every node's DRAM tier, link and Valkey rate and its "
-                   "own copy of the predictor (default 1)")
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
-                   help="parallel worker processes, one policy each (default: all cores)")
-    p.add_argument("--json", dest="json_out", help="write the report as JSON here (atomic)")
-    p.add_argument("--plot", help="write a PNG: TTFT CDF per policy, useful vs wasted bytes")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def held_out(trace: Trace, fraction: float, seed: int, predictor_spec: str) -> Trace:

@@ -1,0 +1,228 @@
+"""``kvprefetch sim-grid``: judge a policy over traces x fleet sizes x loads x seeds.
+
+A policy change is judged on several traces, seeds, loads and fleet sizes, never on one
+run: single runs of a closed-loop replay are chaotic (a decision that moves one request
+moves every later one), so only aggregates over many settings decide. This command runs
+``kvprefetch sim`` once per cell of the grid (every policy of ``--policies`` in each) in
+parallel worker processes, then summarises the subject policy (``--subject``, default
+``predictive``) per trace and over all cells: the geometric mean of its returning mean
+and p90 TTFT over ``ondemand``'s, the cells where it is worse than ``ondemand`` (mean or
+p90) and worse than the better of ``ondemand`` and ``queue`` (mean), and the median
+``gap_closure``. A table on the terminal, every cell and the summary in ``--json``
+(written atomically).
+
+Traces may be files, folders or synthetic traffic (``synthetic:PROFILE[:SESSIONS]``,
+drawn from each cell's seed): the way to check a gain on traffic the predictor has
+never seen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from typing import Any
+
+from controlplane.base.errors import ConfigError
+from controlplane.cli.predictor_option import add_predictor_option
+from controlplane.cli.sim import DEFAULT_SIM_SESSION_RATE_PER_S, add_hint_arguments, hint_config
+
+EPILOG = """\
+examples:
+  kvprefetch sim-grid --traces synthetic:agentic,synthetic:chat,synthetic:research \\
+      --nodes 2,4,8 --loads 0.5,1,2 --seeds 0,1 --json out/grid.json
+  kvprefetch sim-grid --traces ../shared/traces/claude-code --nodes 2,4 --loads 1 \\
+      --seeds 0,1,2 --policies ondemand,queue,predictive,predictive-duel --subject predictive-duel
+  kvprefetch sim-grid --traces synthetic:research --hints typing,tool --hint-coverage 1
+"""
+
+#: A ratio above 1 + this counts as worse (rounding of the reported TTFTs aside).
+WORSE_TOLERANCE = 5e-4
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = EPILOG
+    p.add_argument("--traces", required=True,
+                   help="comma-separated traces: files, folders or synthetic:PROFILE[:SESSIONS]")
+    p.add_argument("--nodes", default="2,4,8", help="comma-separated fleet sizes (default 2,4,8)")
+    p.add_argument("--loads", default="0.5,1,2",
+                   help="comma-separated --load values (default 0.5,1,2)")
+    p.add_argument("--seeds", default="0,1", help="comma-separated seeds (default 0,1)")
+    p.add_argument("--policies", default="ondemand,queue,predictive,oracle",
+                   help="policies run in every cell; must include ondemand and the subject "
+                   "(default ondemand,queue,predictive,oracle)")
+    p.add_argument("--subject", default="predictive",
+                   help="the policy the summary judges (default predictive)")
+    add_predictor_option(p, several=False, default="default",
+                         help="the predictor of the policies that take one (default 'default')")
+    p.add_argument("--model", default="8b", help="model preset: 8b or 70b (default 8b)")
+    add_hint_arguments(p)
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                   help="cells run at once, one process each (default: all cores)")
+    p.add_argument("--json", dest="json_out", help="write every cell and the summary here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _numbers(flag: str, text: str, kind: type[int] | type[float]) -> list[Any]:
+    out: list[Any] = []
+    for raw in text.split(","):
+        try:
+            value = kind(raw.strip())
+        except ValueError:
+            raise ConfigError(f"{flag}: {raw.strip()!r} is not a {kind.__name__}") from None
+        if value < 0 or (flag != "--seeds" and value == 0):
+            raise ConfigError(f"{flag}: {value} must be positive")
+        out.append(value)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Cell:
+    """One run of the grid."""
+
+    trace: str
+    nodes: int
+    load: float
+    seed: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.trace} nodes={self.nodes} load={self.load:g} seed={self.seed}"
+
+
+def _run_cell(cell: Cell, policies: str, predictor: str, model: str,
+              hints: Any) -> dict[str, Any]:
+    """One cell's ``kvprefetch sim``, as the JSON of its report (in a worker process)."""
+    from controlplane.base.config import default_fleet
+    from controlplane.core.policies import parse_policies
+    from controlplane.sim.runner import SimOptions, run_policies
+    from controlplane.sim.simulator import clamp_to_window
+    from controlplane.traces import ArrivalOptions, load_trace
+
+    fleet = default_fleet(model, cell.nodes)
+    arrivals = ArrivalOptions(session_rate_per_s=DEFAULT_SIM_SESSION_RATE_PER_S, load=cell.load)
+    trace = load_trace(cell.trace, arrivals=arrivals, seed=cell.seed)
+    trace = clamp_to_window(trace, fleet.model.max_context_tokens)
+    options = SimOptions(predictor=predictor, seed=cell.seed, hints=hints)
+    report = run_policies(trace, fleet, parse_policies(policies), options)
+    return report.to_dict()
+
+
+def _ratio_row(cell: Cell, report: dict[str, Any], subject: str) -> dict[str, Any]:
+    pol = report["policies"]
+
+    def ret(name: str, key: str) -> float:
+        return float(pol[name]["returning"][key])
+
+    od, od90 = ret("ondemand", "ttft_mean_s"), ret("ondemand", "ttft_p90_s")
+    mean, p90 = ret(subject, "ttft_mean_s"), ret(subject, "ttft_p90_s")
+    best = min(od, ret("queue", "ttft_mean_s")) if "queue" in pol else od
+    closure = None
+    if "oracle" in pol and od - ret("oracle", "ttft_mean_s") > 1e-9:
+        closure = (od - mean) / (od - ret("oracle", "ttft_mean_s"))
+    return {"trace": cell.trace, "nodes": cell.nodes, "load": cell.load, "seed": cell.seed,
+            "ratio_mean": mean / od, "ratio_p90": p90 / od90,
+            "worse_than_ondemand": mean > od * (1 + WORSE_TOLERANCE)
+            or p90 > od90 * (1 + WORSE_TOLERANCE),
+            "worse_than_best": mean > best * (1 + WORSE_TOLERANCE),
+            "gap_closure": closure, "pressure_ratio": report["meta"]["pressure_ratio"],
+            "policies": {name: p["returning"] | {"prefetched_bytes": p["prefetched_bytes"],
+                                                 "wasted_bytes": p["wasted_bytes"]}
+                         for name, p in pol.items()}}
+
+
+def _geomean(xs: Sequence[float]) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
+def summarize_rows(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The subject over ``rows``: geometric means of its ratios to ondemand, the cells
+    worse than ondemand and than the better of ondemand and queue, median closure."""
+    closures = [r["gap_closure"] for r in rows if r["gap_closure"] is not None]
+    return {"cells": len(rows),
+            "ratio_mean_geomean": _geomean([r["ratio_mean"] for r in rows]),
+            "ratio_p90_geomean": _geomean([r["ratio_p90"] for r in rows]),
+            "worse_than_ondemand": sum(r["worse_than_ondemand"] for r in rows),
+            "worse_than_best": sum(r["worse_than_best"] for r in rows),
+            "gap_closure_median": statistics.median(closures) if closures else None}
+
+
+def format_summary(summary: dict[str, dict[str, Any]], subject: str) -> str:
+    head = (f"{'trace':34s} {'cells':>5s} {subject + '/ondemand mean':>24s} {'p90':>6s} "
+            f"{'worse than od':>13s} {'worse than best':>15s} {'closure':>7s}")
+    lines = [head, "-" * len(head)]
+    for name, s in summary.items():
+        closure = s["gap_closure_median"]
+        lines.append(f"{name[-34:]:34s} {s['cells']:5d} {s['ratio_mean_geomean']:24.3f} "
+                     f"{s['ratio_p90_geomean']:6.3f} {s['worse_than_ondemand']:13d} "
+                     f"{s['worse_than_best']:15d} "
+                     f"{'n/a' if closure is None else f'{closure:.2f}':>7s}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from controlplane.base.atomic import write_atomic
+    from controlplane.core.policies import parse_policies
+    from predictors.registry import resolve
+
+    traces = [t.strip() for t in args.traces.split(",") if t.strip()]
+    if not traces:
+        raise ConfigError("--traces: give at least one trace")
+    nodes = _numbers("--nodes", args.nodes, int)
+    loads = _numbers("--loads", args.loads, float)
+    seeds = _numbers("--seeds", args.seeds, int)
+    names = [p.name for p in parse_policies(args.policies)]
+    for needed in ("ondemand", args.subject):
+        if needed not in names:
+            raise ConfigError(f"--policies must include {needed!r} (the summary compares "
+                              f"{args.subject!r} with ondemand)")
+    if args.workers < 1:
+        raise ConfigError(f"--workers must be >= 1, got {args.workers}")
+    resolve(args.predictor)
+    hints = hint_config(args)
+    cells = [Cell(t, n, load, s) for t in traces for n in nodes for load in loads for s in seeds]
+    reports: dict[Cell, dict[str, Any]] = {}
+    bar = tqdm(total=len(cells), unit="cell", desc="sim-grid",
+               disable=args.no_progress or not sys.stderr.isatty())
+    with bar, ProcessPoolExecutor(max_workers=min(args.workers, len(cells))) as pool:
+        futures = {pool.submit(_run_cell, c, args.policies, args.predictor, args.model, hints): c
+                   for c in cells}
+        for fut in as_completed(futures):
+            cell = futures[fut]
+            try:
+                reports[cell] = fut.result()
+            except Exception as exc:
+                for other in futures:
+                    other.cancel()
+                raise ConfigError(f"cell {cell.name}: {exc}") from exc
+            bar.update(1)
+    rows = [_ratio_row(c, reports[c], args.subject) for c in cells]
+    summary = {t: summarize_rows([r for r in rows if r["trace"] == t]) for t in traces}
+    if len(traces) > 1:
+        summary["all"] = summarize_rows(rows)
+    for r in rows:
+        print(f"{r['trace'][-34:]:34s} nodes {r['nodes']:2d} load {r['load']:4g} seed "
+              f"{r['seed']:2d}: {args.subject}/ondemand {r['ratio_mean']:.3f} "
+              f"(p90 {r['ratio_p90']:.3f})"
+              + ("  worse than ondemand" if r["worse_than_ondemand"] else "")
+              + ("  worse than the best baseline" if r["worse_than_best"] else ""))
+    print()
+    print(format_summary(summary, args.subject))
+    if args.json_out:
+        import json
+        data = {"meta": {"traces": traces, "nodes": nodes, "loads": loads, "seeds": seeds,
+                         "policies": names, "subject": args.subject,
+                         "predictor": args.predictor, "model": args.model,
+                         "hints": None if hints is None else args.hints},
+                "cells": rows, "summary": summary}
+        write_atomic(args.json_out, [(json.dumps(data, indent=1) + "\n").encode()])
+        print(f"wrote {args.json_out}")
+    return 0

@@ -1,0 +1,83 @@
+"""``kvprefetch sim-grid``: every cell is the sim it names, the summary is computed from
+the cells, and bad grids are refused with the flag that is wrong."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from controlplane.base.config import default_fleet
+from controlplane.cli import main
+from controlplane.cli.sim import DEFAULT_SIM_SESSION_RATE_PER_S
+from controlplane.core.policies import parse_policies
+from controlplane.sim import SimOptions, run_policies
+from controlplane.sim.simulator import clamp_to_window
+from controlplane.traces import ArrivalOptions, load_trace
+
+
+def test_grid_cells_are_the_sims_they_name_and_the_summary_follows(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "grid.json"
+    rc = main(["sim-grid", "--traces", "synthetic:research:24,synthetic:chat:24", "--nodes",
+               "1,2", "--loads", "1", "--seeds", "0,3", "--workers", "2", "--no-progress",
+               "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert data["meta"]["subject"] == "predictive"
+    assert len(data["cells"]) == 2 * 2 * 1 * 2
+    assert list(data["summary"]) == ["synthetic:research:24", "synthetic:chat:24", "all"]
+    # One cell, run again by hand as `kvprefetch sim` would: the same figures.
+    cell = next(c for c in data["cells"] if c["trace"] == "synthetic:chat:24"
+                and c["nodes"] == 2 and c["seed"] == 3)
+    fleet = default_fleet("8b", 2)
+    trace = clamp_to_window(load_trace(
+        "synthetic:chat:24", seed=3,
+        arrivals=ArrivalOptions(session_rate_per_s=DEFAULT_SIM_SESSION_RATE_PER_S)),
+        fleet.model.max_context_tokens)
+    rep = run_policies(trace, fleet, parse_policies("ondemand,queue,predictive,oracle"),
+                       SimOptions(seed=3)).to_dict()
+    for name in ("ondemand", "queue", "predictive", "oracle"):
+        assert cell["policies"][name]["ttft_mean_s"] == rep["policies"][name]["returning"][
+            "ttft_mean_s"]
+    od = rep["policies"]["ondemand"]["returning"]["ttft_mean_s"]
+    assert cell["ratio_mean"] == pytest.approx(
+        rep["policies"]["predictive"]["returning"]["ttft_mean_s"] / od)
+    # The summary is the cells' aggregate.
+    cells = data["cells"]
+    total = data["summary"]["all"]
+    assert total["cells"] == len(cells)
+    assert total["ratio_mean_geomean"] == pytest.approx(
+        math.exp(sum(math.log(c["ratio_mean"]) for c in cells) / len(cells)))
+    assert total["worse_than_ondemand"] == sum(c["worse_than_ondemand"] for c in cells)
+    assert total["worse_than_best"] == sum(c["worse_than_best"] for c in cells)
+    for c in cells:
+        pol = c["policies"]
+        best = min(pol["ondemand"]["ttft_mean_s"], pol["queue"]["ttft_mean_s"])
+        assert c["worse_than_best"] == (pol["predictive"]["ttft_mean_s"] > best * 1.0005)
+    printed = capsys.readouterr().out
+    assert "predictive/ondemand mean" in printed and "synthetic:research:24" in printed
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--nodes", "0"], "--nodes: 0 must be positive"),
+    (["--loads", "fast"], "--loads: 'fast' is not a float"),
+    (["--policies", "queue,predictive"], "--policies must include 'ondemand'"),
+    (["--subject", "oracle", "--policies", "ondemand,predictive"],
+     "--policies must include 'oracle'"),
+    (["--traces", "synthetic:nope"], "unknown synthetic profile 'nope'"),
+])
+def test_bad_grids_name_what_is_wrong(argv: list[str], words: str,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    base = {"--traces": "synthetic:chat:4", "--nodes": "1", "--loads": "1", "--seeds": "0"}
+    for flag, value in zip(argv[::2], argv[1::2], strict=True):
+        base[flag] = value
+    args = [x for kv in base.items() for x in kv]
+    if "--policies" in argv:
+        args += ["--policies", argv[argv.index("--policies") + 1]]
+    if "--subject" in argv:
+        args += ["--subject", argv[argv.index("--subject") + 1]]
+    assert main(["sim-grid", *args, "--workers", "1", "--no-progress"]) == 2
+    assert words in capsys.readouterr().err
