@@ -114,6 +114,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="turns per session at most (16; vllm: 6)")
     p.add_argument("--max-gap-s", type=float, default=60.0, action=ExplicitStore,
                    help="cap idle gaps at this many trace seconds (default 60; vllm: 30)")
+    p.add_argument("--trace",
+                   help="replay this trace instead of the bundled Claude Code slice: a "
+                   "Claude Code folder or synthetic:PROFILE (traffic no predictor has seen, "
+                   "drawn from each arrival seed; see `kvprefetch sim --help`)")
     p.add_argument("--session-rate", type=float, default=0.05,
                    help="session starts per trace second (default 0.05)")
     p.add_argument("--hbm-gib", type=float, default=2.0, help="HBM for KV per node, GiB (2)")
@@ -169,7 +173,7 @@ def build_trace(args: argparse.Namespace, window: int, seed: int | None = None) 
     from controlplane.sim.simulator import clamp_to_window
     from controlplane.traces import ArrivalOptions, bundled_trace_path, load_trace
 
-    trace = load_trace(bundled_trace_path("claude-code"),
+    trace = load_trace(getattr(args, "trace", None) or bundled_trace_path("claude-code"),
                        arrivals=ArrivalOptions(session_rate_per_s=args.session_rate),
                        seed=args.seed if seed is None else seed)
     sessions = []

@@ -140,6 +140,17 @@ def test_the_arrival_seed_drives_start_times() -> None:
     assert all(len(s.requests) <= 4 for s in build_trace(args, window, 3).sessions)
 
 
+def test_the_demo_replays_another_trace_when_told() -> None:
+    args = _demo_args("--trace", "synthetic:research", "--sessions", "5", "--turns", "3",
+                      "--max-gap-s", "30")
+    trace = build_trace(args, 131_072, 2)
+    assert trace.source_format == "synthetic" and len(trace.sessions) == 5
+    assert all(s.session_id.startswith("syn-") and len(s.requests) <= 3
+               for s in trace.sessions)
+    assert all(r.gap_s is None or r.gap_s <= 30 for s in trace.sessions for r in s.requests)
+    assert build_trace(_demo_args(), 131_072, 2).source_format == "claude-code"
+
+
 # ---------------------------------------------------------------------------------------------
 # The replayer sends the planned hints on the compressed clock.
 # ---------------------------------------------------------------------------------------------
