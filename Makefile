@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 EXTRAS ?= dev,plot,stores,ml,serve,lmcache
 
 .PHONY: setup setup-vllm setup-sglang setup-aiperf demo demo-vllm bench-aiperf sim test \
-	test-vllm test-fast lint sim-full clean
+	test-vllm test-fast lint sim-full sim-unseen clean
 
 # torch is pinned to the CPU build for CPU machines (an open range would pull a multi-GB
 # CUDA build); GPU users install their own CUDA torch and then `pip install -e .[ml]`.
@@ -129,6 +129,14 @@ lint: setup
 sim-full: setup
 	mkdir -p out
 	$(VENV)/bin/kvprefetch sim --trace ../shared/traces/claude-code --json out/sim-full.json --plot out/sim-full.png
+
+# A policy judged on traffic no predictor here was trained on: four synthetic profiles x
+# 2/4/8 nodes x load 0.5/1/2 x 2 seeds (72 sims, ~8 min on 2 cores; README, "Prefetch: where
+# it stands", section 8).
+sim-unseen: setup
+	mkdir -p out
+	$(VENV)/bin/kvprefetch sim-grid --traces synthetic:agentic,synthetic:agentic-nostop,synthetic:chat,synthetic:research \
+		--nodes 2,4,8 --loads 0.5,1,2 --seeds 0,1 --no-progress --json out/sim-unseen.json
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(AIPERF_VENV) out .pytest_cache .mypy_cache .ruff_cache
