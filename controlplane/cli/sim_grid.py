@@ -76,7 +76,9 @@ def _numbers(flag: str, text: str, kind: type[int] | type[float]) -> list[Any]:
             value = kind(raw.strip())
         except ValueError:
             raise ConfigError(f"{flag}: {raw.strip()!r} is not a {kind.__name__}") from None
-        if value < 0 or (flag != "--seeds" and value == 0):
+        if flag == "--seeds" and value < 0:
+            raise ConfigError(f"{flag}: {value} must be >= 0")
+        if flag != "--seeds" and value <= 0:
             raise ConfigError(f"{flag}: {value} must be positive")
         out.append(value)
     return out
@@ -170,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from controlplane.base.atomic import write_atomic
+    from controlplane.base.config import default_fleet
     from controlplane.core.policies import parse_policies
     from predictors.registry import resolve
 
@@ -187,6 +190,7 @@ def run(args: argparse.Namespace) -> int:
     if args.workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {args.workers}")
     resolve(args.predictor)
+    default_fleet(args.model, nodes[0])  # an unknown --model fails here, not in every cell
     hints = hint_config(args)
     cells = [Cell(t, n, load, s) for t in traces for n in nodes for load in loads for s in seeds]
     reports: dict[Cell, dict[str, Any]] = {}

@@ -64,10 +64,12 @@ def test_grid_cells_are_the_sims_they_name_and_the_summary_follows(
 @pytest.mark.parametrize("argv, words", [
     (["--nodes", "0"], "--nodes: 0 must be positive"),
     (["--loads", "fast"], "--loads: 'fast' is not a float"),
+    (["--seeds", "-1"], "--seeds: -1 must be >= 0"),
     (["--policies", "queue,predictive"], "--policies must include 'ondemand'"),
     (["--subject", "oracle", "--policies", "ondemand,predictive"],
      "--policies must include 'oracle'"),
     (["--traces", "synthetic:nope"], "unknown synthetic profile 'nope'"),
+    (["--model", "13b"], "unknown model '13b'"),
 ])
 def test_bad_grids_name_what_is_wrong(argv: list[str], words: str,
                                       capsys: pytest.CaptureFixture[str]) -> None:
