@@ -2,7 +2,8 @@
 
 Starts Ray (small object store), embedded Valkey and S3 (SeaweedFS), N emulated GPU nodes
 (one prefetch agent and one engine emulator each, pinned by a per-node custom resource),
-and replays the bundled Claude Code slice at a time compression through the Python client,
+and replays the bundled Claude Code slice (or ``--trace``: a Claude Code folder, or
+``synthetic:PROFILE`` traffic) at a time compression through the Python client,
 once per policy (``ondemand``, then ``predictive``) and arrival seed. Prints a table, writes
 a JSON report (the fields of ``kvprefetch sim``, pooled over the seeds, plus real bytes and
 how sure the means are) and a PNG. Everything is shut down at the end, also on Ctrl-C.

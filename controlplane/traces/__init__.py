@@ -9,6 +9,10 @@ Formats (see each module's docstring for the exact mapping):
 * ``azure``: arrivals and lengths only, one request per session (:mod:`.azure`);
 * ``journal``: kvprefetch's own event journal, written by :class:`JournalWriter`
   (:mod:`.journal`).
+
+Not a file format: ``synthetic:PROFILE[:SESSIONS]`` draws seeded multi-turn sessions from a
+parametric model with laws of its own (:mod:`.synthetic`), for traffic no predictor was
+trained on; :func:`load_trace` takes it in place of a path.
 """
 
 from controlplane.traces.arrivals import DEFAULT_SESSION_RATE_PER_S, ArrivalOptions
