@@ -131,7 +131,7 @@ sim-full: setup
 	$(VENV)/bin/kvprefetch sim --trace ../shared/traces/claude-code --json out/sim-full.json --plot out/sim-full.png
 
 # A policy judged on traffic no predictor here was trained on: four synthetic profiles x
-# 2/4/8 nodes x load 0.5/1/2 x 2 seeds (72 sims, ~8 min on 2 cores; README, "Prefetch: where
+# 2/4/8 nodes x load 0.5/1/2 x 2 seeds (72 sims, ~7 min on 2 cores; README, "Prefetch: where
 # it stands", section 8).
 sim-unseen: setup
 	mkdir -p out

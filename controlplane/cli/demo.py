@@ -174,7 +174,7 @@ def build_trace(args: argparse.Namespace, window: int, seed: int | None = None) 
     from controlplane.sim.simulator import clamp_to_window
     from controlplane.traces import ArrivalOptions, bundled_trace_path, load_trace
 
-    trace = load_trace(getattr(args, "trace", None) or bundled_trace_path("claude-code"),
+    trace = load_trace(args.trace or bundled_trace_path("claude-code"),
                        arrivals=ArrivalOptions(session_rate_per_s=args.session_rate),
                        seed=args.seed if seed is None else seed)
     sessions = []

@@ -139,9 +139,10 @@ _HINT_FIELD_FLAGS = (
 )
 
 
-def hint_config(args: argparse.Namespace) -> HintConfig | None:
+def hint_config(args: argparse.Namespace, *, seed: int | None = None) -> HintConfig | None:
     """The client hints of the command line, or None without --hints; a bad value is a
-    :class:`ConfigError` that names its flag."""
+    :class:`ConfigError` that names its flag. The hint draws use ``--hint-seed``, else
+    ``seed`` (the run's seed; default ``args.seed``)."""
     from controlplane.sim.hints import HintConfig, parse_hint_kinds
 
     given = [flag for flag, dest, _ in _HINT_FIELD_FLAGS if getattr(args, dest) is not None]
@@ -165,7 +166,10 @@ def hint_config(args: argparse.Namespace) -> HintConfig | None:
         except ConfigError as exc:
             raise ConfigError(f"{flag}: {exc}") from exc
         fields[name] = value
-    seed = args.seed if args.hint_seed is None else args.hint_seed
+    if args.hint_seed is not None:
+        seed = args.hint_seed
+    elif seed is None:
+        seed = args.seed
     return HintConfig(kinds=kinds, seed=seed, **fields)
 
 

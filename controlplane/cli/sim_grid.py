@@ -26,11 +26,14 @@ import sys
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from controlplane.base.errors import ConfigError
 from controlplane.cli.predictor_option import add_predictor_option
 from controlplane.cli.sim import DEFAULT_SIM_SESSION_RATE_PER_S, add_hint_arguments, hint_config
+
+if TYPE_CHECKING:
+    from controlplane.sim.hints import HintConfig
 
 EPILOG = """\
 examples:
@@ -99,7 +102,7 @@ class Cell:
 
 
 def _run_cell(cell: Cell, policies: str, predictor: str, model: str,
-              hints: Any) -> dict[str, Any]:
+              hints: HintConfig | None) -> dict[str, Any]:
     """One cell's ``kvprefetch sim``, as the JSON of its report (in a worker process)."""
     from controlplane.base.config import default_fleet
     from controlplane.core.policies import parse_policies
@@ -117,6 +120,8 @@ def _run_cell(cell: Cell, policies: str, predictor: str, model: str,
 
 
 def _ratio_row(cell: Cell, report: dict[str, Any], subject: str) -> dict[str, Any]:
+    from controlplane.sim.metrics import gap_closure
+
     pol = report["policies"]
 
     def ret(name: str, key: str) -> float:
@@ -125,9 +130,8 @@ def _ratio_row(cell: Cell, report: dict[str, Any], subject: str) -> dict[str, An
     od, od90 = ret("ondemand", "ttft_mean_s"), ret("ondemand", "ttft_p90_s")
     mean, p90 = ret(subject, "ttft_mean_s"), ret(subject, "ttft_p90_s")
     best = min(od, ret("queue", "ttft_mean_s")) if "queue" in pol else od
-    closure = None
-    if "oracle" in pol and od - ret("oracle", "ttft_mean_s") > 1e-9:
-        closure = (od - mean) / (od - ret("oracle", "ttft_mean_s"))
+    closure = gap_closure({"ondemand": od, "predictive": mean} | (
+        {"oracle": ret("oracle", "ttft_mean_s")} if "oracle" in pol else {}))
     return {"trace": cell.trace, "nodes": cell.nodes, "load": cell.load, "seed": cell.seed,
             "ratio_mean": mean / od, "ratio_p90": p90 / od90,
             "worse_than_ondemand": mean > od * (1 + WORSE_TOLERANCE)
@@ -191,13 +195,15 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--workers must be >= 1, got {args.workers}")
     resolve(args.predictor)
     default_fleet(args.model, nodes[0])  # an unknown --model fails here, not in every cell
-    hints = hint_config(args)
+    # Each cell's hints are drawn from its own seed, as `sim --seed S --hints ...` would.
+    hints = {s: hint_config(args, seed=s) for s in seeds}
     cells = [Cell(t, n, load, s) for t in traces for n in nodes for load in loads for s in seeds]
     reports: dict[Cell, dict[str, Any]] = {}
     bar = tqdm(total=len(cells), unit="cell", desc="sim-grid",
                disable=args.no_progress or not sys.stderr.isatty())
     with bar, ProcessPoolExecutor(max_workers=min(args.workers, len(cells))) as pool:
-        futures = {pool.submit(_run_cell, c, args.policies, args.predictor, args.model, hints): c
+        futures = {pool.submit(_run_cell, c, args.policies, args.predictor, args.model,
+                               hints[c.seed]): c
                    for c in cells}
         for fut in as_completed(futures):
             cell = futures[fut]
@@ -225,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
         data = {"meta": {"traces": traces, "nodes": nodes, "loads": loads, "seeds": seeds,
                          "policies": names, "subject": args.subject,
                          "predictor": args.predictor, "model": args.model,
-                         "hints": None if hints is None else args.hints},
+                         "hints": args.hints},
                 "cells": rows, "summary": summary}
         write_atomic(args.json_out, [(json.dumps(data, indent=1) + "\n").encode()])
         print(f"wrote {args.json_out}")

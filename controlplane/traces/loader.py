@@ -83,7 +83,6 @@ def load_trace(
     an empty trace or a malformed record (naming file, line and field).
     """
     if is_synthetic(path):
-        assert isinstance(path, str)
         return load_synthetic(path, seed=seed, arrivals=arrivals, limit_sessions=limit_sessions)
     source = Path(path)
     name = detect_format(source) if fmt == "auto" else fmt

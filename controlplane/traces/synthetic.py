@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import TypeGuard
 
 import numpy as np
 
@@ -136,7 +137,7 @@ def random_profile(rng: np.random.Generator) -> SyntheticProfile:
         stop_reasons=bool(rng.uniform() < 0.7))
 
 
-def is_synthetic(path: object) -> bool:
+def is_synthetic(path: object) -> TypeGuard[str]:
     """Whether a ``--trace`` value names synthetic traffic rather than a file."""
     return isinstance(path, str) and path.startswith(PREFIX)
 

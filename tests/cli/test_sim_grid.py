@@ -14,6 +14,7 @@ from controlplane.cli import main
 from controlplane.cli.sim import DEFAULT_SIM_SESSION_RATE_PER_S
 from controlplane.core.policies import parse_policies
 from controlplane.sim import SimOptions, run_policies
+from controlplane.sim.hints import HintConfig
 from controlplane.sim.simulator import clamp_to_window
 from controlplane.traces import ArrivalOptions, load_trace
 
@@ -77,9 +78,22 @@ def test_bad_grids_name_what_is_wrong(argv: list[str], words: str,
     for flag, value in zip(argv[::2], argv[1::2], strict=True):
         base[flag] = value
     args = [x for kv in base.items() for x in kv]
-    if "--policies" in argv:
-        args += ["--policies", argv[argv.index("--policies") + 1]]
-    if "--subject" in argv:
-        args += ["--subject", argv[argv.index("--subject") + 1]]
     assert main(["sim-grid", *args, "--workers", "1", "--no-progress"]) == 2
     assert words in capsys.readouterr().err
+
+
+def test_each_cell_draws_its_hints_from_its_own_seed(tmp_path: Path) -> None:
+    out = tmp_path / "grid.json"
+    assert main(["sim-grid", "--traces", "synthetic:agentic:12", "--nodes", "1", "--loads",
+                 "1", "--seeds", "4", "--policies", "ondemand,predictive", "--hints",
+                 "typing,tool", "--workers", "1", "--no-progress", "--json", str(out)]) == 0
+    cell = json.loads(out.read_text())["cells"][0]
+    fleet = default_fleet("8b", 1)
+    trace = clamp_to_window(load_trace(
+        "synthetic:agentic:12", seed=4,
+        arrivals=ArrivalOptions(session_rate_per_s=DEFAULT_SIM_SESSION_RATE_PER_S)),
+        fleet.model.max_context_tokens)
+    rep = run_policies(trace, fleet, parse_policies("ondemand,predictive"),
+                       SimOptions(seed=4, hints=HintConfig(seed=4))).to_dict()
+    assert cell["policies"]["predictive"]["ttft_mean_s"] == rep["policies"]["predictive"][
+        "returning"]["ttft_mean_s"]

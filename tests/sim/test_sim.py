@@ -22,6 +22,7 @@ from controlplane.base.config import (
 )
 from controlplane.base.errors import ConfigError
 from controlplane.base.types import ArrivalForecast, Trace, TraceRequest, TraceSession
+from controlplane.cli.sim import DEFAULT_SIM_SESSION_RATE_PER_S
 from controlplane.core.planner import TransferEstimate, plan_prefetch
 from controlplane.core.policies import (
     POLICIES,
@@ -532,7 +533,6 @@ def test_predictive_beats_ondemand_on_traffic_its_predictor_never_saw(spec: str,
     (slow tools and large contexts; a client without stop reasons). One node under
     pressure: predictive's returning mean TTFT is >= 10% below ondemand's, p90 below too
     (measured: 2.79 vs 3.79 s and 0.97 vs 1.61 s means)."""
-    from controlplane.cli.sim import DEFAULT_SIM_SESSION_RATE_PER_S
     trace = load_trace(spec, seed=seed,
                        arrivals=ArrivalOptions(session_rate_per_s=DEFAULT_SIM_SESSION_RATE_PER_S))
     rep = run_policies(trace, default_fleet("8b", 1), parse_policies("ondemand,predictive"),
