@@ -124,6 +124,13 @@ class AgentConfig(BaseModel):
     #: Scheduler shards that send this agent orders (each shard's epochs are congruent to
     #: its number modulo this; the agent tracks each shard's newest epoch on its own).
     scheduler_shards: int = Field(1, ge=1, le=MAX_SHARDS)
+    #: Real bytes per byte the scheduler books (the engine emulator's ``kv_scale``; 1 on a
+    #: real node): the scheduler divides the tier capacity this agent reports by it.
+    kv_scale: float = Field(1.0, gt=0, le=1)
+    #: Report the tier's capacity and occupancy (:meth:`PrefetchAgent.status`) to every
+    #: scheduler shard this often, in wall seconds: each shard's quota of the node follows
+    #: it. 0: never (the shards plan with the configured tier).
+    status_interval_s: float = Field(5.0, ge=0)
 
     @model_validator(mode="after")
     def _backend_settings(self) -> AgentConfig:
@@ -489,4 +496,5 @@ class PrefetchAgent:
         with self._lock:
             return AgentStatus(self.node, self.node_name, self.incarnation, os.getpid(),
                                used, capacity, held, len(self._running), self._done,
-                               self._failed, self._bytes, self._evicted, self.stale_orders)
+                               self._failed, self._bytes, self._evicted, self.stale_orders,
+                               self.config.kv_scale)

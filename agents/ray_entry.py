@@ -3,7 +3,9 @@
 
 * ``AgentActor``: one per GPU node (named ``kvprefetch-agent-<node>``), restarted by Ray
   when it dies; on every (re)start it greets the scheduler with its incarnation and the
-  keys its tier still holds, so orders sent to a dead predecessor are re-planned.
+  keys its tier still holds, so orders sent to a dead predecessor are re-planned; every
+  ``status_interval_s`` it reports its tier's capacity and occupancy to every shard
+  (their quotas of the node follow it).
 * ``EngineActor``: one per node on CPU-only clusters (named ``kvprefetch-engine-<node>``),
   serving many requests at once (threads), each blocking until its response ends.
 
@@ -14,6 +16,7 @@ cluster, a per-node custom resource (:func:`node_resource`) on one machine.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -98,6 +101,27 @@ class _AgentActor:
         self.agent = PrefetchAgent(config, reporter=self._report)
         self.agent.start()
         self.greet()
+        self._closed = threading.Event()
+        if config.status_interval_s > 0:
+            threading.Thread(target=self._send_status, args=(config.status_interval_s,),
+                             name=f"agent-{config.node}-status", daemon=True).start()
+
+    def _send_status(self, interval_s: float) -> None:
+        """Every ``interval_s``: the tier's capacity and occupancy to every shard (fire and
+        forget: a shard that is down gets the next one)."""
+        while not self._closed.wait(interval_s):
+            try:
+                status = self.agent.status()
+            except Exception:  # the agent is closing, or its tier is not reachable now
+                log.warning("agent %d: no status to report", self.agent.node, exc_info=True)
+                continue
+            for ref in self._shards.refs:
+                try:
+                    ref.get().node_status.remote(status)
+                except Exception as exc:
+                    ref.reset()
+                    log.debug("agent %d: shard not reachable for a status: %s",
+                              self.agent.node, exc)
 
     def _report(self, report: TransferReport) -> None:
         ref = self._shards.of_order(report.order_id)
@@ -156,6 +180,7 @@ class _AgentActor:
                 "lmcache_url": cfg.lmcache.http_url if cfg.lmcache else ""}
 
     def close(self) -> None:
+        self._closed.set()
         self.agent.close()
 
 

@@ -73,7 +73,8 @@ class LruEviction:
 
 
 class Tier:
-    """A capacity-bounded set of entries, one per key. Never holds more than its capacity.
+    """A capacity-bounded set of entries, one per key. Never admits an entry past its
+    capacity (an owner that lowers ``capacity_bytes`` under what it holds evicts to fit).
 
     Not thread-safe: an owner with threads holds its own lock around every call.
     """

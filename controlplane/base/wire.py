@@ -154,6 +154,13 @@ class AgentStatus:
     evicted_keys: int
     #: Orders refused because a newer scheduler epoch had been seen.
     stale_orders: int = 0
+    #: Real bytes per byte the scheduler books (``AgentConfig.kv_scale``; 1 on a real node).
+    kv_scale: float = 1.0
+
+    @property
+    def booked_capacity_bytes(self) -> int:
+        """The tier's capacity in the scheduler's bytes."""
+        return int(self.capacity_bytes / self.kv_scale)
 
 
 @dataclass(frozen=True, slots=True)

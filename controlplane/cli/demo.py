@@ -437,7 +437,8 @@ def _run_policy(args: argparse.Namespace, fleet: Any, policy: str, st: _SeedTrac
         if servers:
             agent_kv, kv = _lmcache_configs(args, fleet, servers[i])
         agents.append(AgentConfig(node=i, node_name=f"gpu-{i}", remote=remote,
-                                  transfer=transfer, backend=args.backend, **agent_kv))
+                                  transfer=transfer, backend=args.backend,
+                                  kv_scale=args.kv_scale, **agent_kv))
         engines.append(EngineConfig(node=i, fleet=fleet, time_compression=args.compression,
                                     kv_scale=args.kv_scale, chunk_tokens=args.chunk_tokens,
                                     backend=args.backend, **kv))

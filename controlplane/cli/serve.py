@@ -118,6 +118,10 @@ class AgentSettings(_Section):
     tier_capacity_bytes: int | None = Field(None, gt=0)
     tier_kind: str = Field("dram", pattern="^(dram|disk)$")
     transfer: TransferConfig = TransferConfig()
+    #: Each agent reports its tier's capacity to the scheduler this often (seconds): every
+    #: shard's quota of the node follows it (a tier smaller than ``fleet.node.
+    #: dram_tier_bytes`` is planned at its real size). 0: never.
+    status_interval_s: float = Field(5.0, ge=0)
 
     @model_validator(mode="after")
     def _check(self) -> AgentSettings:
@@ -468,7 +472,7 @@ class Serve:
         def agent_config(i: int, name: str) -> AgentConfig:
             return AgentConfig(node=i, node_name=name, remote=cfg.stores, transfer=a.transfer,
                                backend=a.backend, lmcache=a.lmcache, sglang=a.sglang,
-                               dram=a.dram(i))
+                               dram=a.dram(i), status_interval_s=a.status_interval_s)
 
         agents = [agent_config(i, names[i]) for i in range(len(nodes))]
         placements = [Placement(node_id=n["NodeID"]) for n in nodes]

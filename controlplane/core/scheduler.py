@@ -1124,6 +1124,26 @@ class SchedulerCore:
                 self._plan_again(sid, now_s)
         return self._output()
 
+    def set_tier_capacity(self, node: int, capacity_bytes: int, now_s: float) -> StepOutput:
+        """The node's DRAM-tier books may hold ``capacity_bytes`` from now on (its agent
+        reported a smaller tier than configured, or this shard's quota of it moved). Over
+        the new capacity, the sessions the policy evicts first go (the last one cut back
+        to a prefix under suffix eviction) and are planned again. KV still arriving (or
+        loaded for a waiting request) is pinned: if that alone is over, every other session
+        goes and the books stay over until it lands (admissions find no free room). More
+        capacity is free room for the next plans."""
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        tier = self.dram[node]
+        tier.capacity_bytes = capacity_bytes
+        over = tier.used_bytes - capacity_bytes
+        if over > 0:
+            victims = tier.victims_for(0, now_s)
+            if victims is None:  # the pinned entries alone are over: all others go
+                victims = [e for e in tier if not e.pinned]
+            self._evict(node, victims, now_s, need_bytes=over)
+        return self._output()
+
     def _within_waste_budget(self, nbytes: int) -> bool:
         """Whether a prefetch of ``nbytes`` more may start: every byte a prefetch started
         ends read (used), evicted or cut unread, or cancelled (wasted), or is still

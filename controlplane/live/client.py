@@ -48,7 +48,13 @@ from controlplane.base.errors import (
     UnknownSessionError,
     WrongTenantError,
 )
-from controlplane.base.wire import AgentHello, EngineReport, GpuStartPlan, TransferReport
+from controlplane.base.wire import (
+    AgentHello,
+    AgentStatus,
+    EngineReport,
+    GpuStartPlan,
+    TransferReport,
+)
 from controlplane.live.protocol import GatewayAPI, RemoteAPI, SchedulerAPI
 from controlplane.live.sessions import SessionQuery, SessionState
 from controlplane.live.tenants import TenantQuotaError
@@ -416,6 +422,9 @@ class RayTransport:
     def report_transfer(self, report: TransferReport) -> None:
         if not self._queued("report_transfer", report):
             self._get("report_transfer", self._handle.report_transfer.remote(report))
+
+    def node_status(self, status: AgentStatus) -> None:
+        self._get("node_status", self._handle.node_status.remote(status))
 
     # ------------------------------------------------------------------ introspection
     def shard_info(self) -> tuple[int, int]:

@@ -23,6 +23,7 @@ from controlplane.base.keys import chunk_hashes, session_prefix
 from controlplane.base.types import EventKind, HintKind, SessionEvent, SessionKey
 from controlplane.base.wire import (
     AgentHello,
+    AgentStatus,
     EngineReport,
     GpuStartPlan,
     TransferOrder,
@@ -370,6 +371,30 @@ class LiveDriver:
         if joining:
             self.node_joined(hello.node, now, box)
 
+    def node_status(self, status: AgentStatus, box: Outbox) -> None:
+        """An agent's periodic report of its tier (``AgentConfig.status_interval_s``). This
+        shard's quota of the node's DRAM tier follows the capacity the tier really has: its
+        share (1/``shards``) of the reported capacity in booked bytes, never more than the
+        configured quota. Every shard receives the same report and takes the same share, so
+        the quotas never add up to more than the tier; a quota that shrinks evicts what
+        no longer fits (:meth:`SchedulerCore.set_tier_capacity`). A report of another
+        incarnation than the node's current one, or of no capacity, changes nothing."""
+        node = self.fleet.nodes[status.node]
+        if status.capacity_bytes <= 0 or (node.incarnation
+                                          and status.incarnation != node.incarnation):
+            return
+        quota = min(self.config.fleet.node.dram_tier_bytes,
+                    status.booked_capacity_bytes // self.config.shards)
+        tier = self.core.dram[status.node]
+        if quota == tier.capacity_bytes:
+            return
+        log.info("node %d (%s): this shard's tier quota %d -> %d bytes (the agent reports "
+                 "%d bytes, kv_scale %g, %d shards)", status.node, status.node_name,
+                 tier.capacity_bytes, quota, status.capacity_bytes, status.kv_scale,
+                 self.config.shards)
+        self.stats.quota_changes += 1
+        self.carry(self.core.set_tier_capacity(status.node, quota, self.clock.now_s()), box)
+
     def report_transfer(self, report: TransferReport, box: Outbox) -> None:
         """An agent finished (or gave up) an order. Idempotent per order id; a report that
         does not match its order (another epoch, session, node, kind or keys) is counted
@@ -517,6 +542,9 @@ class LiveDriver:
             "journal_compactions": s.journal_compactions,
             "journal_records_dropped": s.journal_records_dropped,
             "quota_refusals": s.quota_refusals,
+            "quota_changes": s.quota_changes,
+            "tier_quota_bytes": {self.node_name(i): t.capacity_bytes
+                                 for i, t in enumerate(core.dram)},
             "live_sessions_per_tenant": dict(self.registry.per_tenant),
             "tenant_shares": self._tenant_shares(),
             "nodes_joined": self.nodes_joined,

@@ -162,6 +162,14 @@ class PrometheusMetrics:
             "kvprefetch_warmup_bytes",
             "Bytes ordered to warm nodes that restarted or joined empty (free room only; "
             "outside the waste budget, modelled)", value=g.warmup_bytes)
+        quota = GaugeMetricFamily(
+            "kvprefetch_node_tier_quota_bytes",
+            "This scheduler's quota of the node's DRAM tier (modelled bytes): the configured "
+            "tier divided among the shards, lowered to the capacity the node's agent reports",
+            labels=["node"])
+        for node, nbytes in g.tier_quota_bytes.items():
+            quota.add_metric([node], nbytes)
+        yield quota
 
     def _share_families(self) -> Iterator[Metric]:
         """The tenants' shares, read from the scheduler's books at scrape time (counting a

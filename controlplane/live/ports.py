@@ -24,13 +24,15 @@ ShareBooks = Callable[[], tuple[Mapping[tuple[str, str], int], Mapping[str, Tena
 class SchedulerGauges:
     """The scheduler's gauges, read at scrape time: orders in flight by node name and the
     core's prefetch accounting so far (bytes wasted, bytes read, prefetches its waste
-    budget refused, bytes of warm-ups of empty nodes)."""
+    budget refused, bytes of warm-ups of empty nodes) and its quota of each node's DRAM
+    tier by node name (booked bytes; it follows the agents' reports)."""
 
     orders_in_flight: Mapping[str, int]
     wasted_bytes: int
     useful_bytes: int
     over_budget: int
     warmup_bytes: int = 0
+    tier_quota_bytes: Mapping[str, int] = field(default_factory=dict)
 
 
 #: TTLB and lateness samples kept for the summary (a rolling window; Prometheus histograms
@@ -131,6 +133,8 @@ class ServiceStats:
     journal_records_dropped: int = 0
     #: Calls refused because their tenant held its quota of live sessions.
     quota_refusals: int = 0
+    #: Times an agent's status moved this shard's quota of a node's tier.
+    quota_changes: int = 0
     #: The latest :data:`SAMPLE_WINDOW` samples.
     ttlb_s: deque[float] = field(default_factory=_window)
     lateness_s: deque[float] = field(default_factory=_window)

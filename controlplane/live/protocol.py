@@ -28,7 +28,13 @@ from typing import Any, Protocol, runtime_checkable
 
 from controlplane.base import api
 from controlplane.base.errors import ServiceError
-from controlplane.base.wire import AgentHello, EngineReport, GpuStartPlan, TransferReport
+from controlplane.base.wire import (
+    AgentHello,
+    AgentStatus,
+    EngineReport,
+    GpuStartPlan,
+    TransferReport,
+)
 from controlplane.live.sessions import SessionQuery, SessionState
 
 
@@ -107,6 +113,12 @@ class SchedulerAPI(GatewayAPI, Protocol):
         orders sent to an older incarnation are failed and the node's books reconciled
         with its inventory. Once per agent start (and when the scheduler restarts);
         idempotent for one incarnation."""
+        ...
+
+    def node_status(self, status: AgentStatus) -> None:
+        """The prefetch agent of ``status.node`` reports its tier's capacity and occupancy
+        (every ``AgentConfig.status_interval_s``): the shard's quota of the node's tier
+        follows the reported capacity. Idempotent."""
         ...
 
     def report_transfer(self, report: TransferReport) -> None:

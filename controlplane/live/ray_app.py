@@ -50,6 +50,7 @@ from controlplane.base import api
 from controlplane.base.errors import ServiceError, ServiceUnavailableError
 from controlplane.base.wire import (
     AgentHello,
+    AgentStatus,
     EngineReport,
     GpuStartPlan,
     TransferOrder,
@@ -219,6 +220,9 @@ class _SchedulerActor:
 
     def report_transfer(self, report: TransferReport) -> None:
         self.svc.report_transfer(report)
+
+    def node_status(self, status: AgentStatus) -> None:
+        self.svc.node_status(status)
 
     def summary(self) -> dict[str, Any]:
         return self.svc.summary()

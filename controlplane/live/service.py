@@ -61,6 +61,7 @@ from controlplane.base.shards import ShardRing, shard_epoch
 from controlplane.base.types import SessionKey
 from controlplane.base.wire import (
     AgentHello,
+    AgentStatus,
     EngineReport,
     GpuStartPlan,
     TransferOrder,
@@ -299,7 +300,8 @@ class SchedulerService:
             return SchedulerGauges(
                 {self.node_name(n): self.orders.count(n) for n in range(self.config.fleet.nodes)},
                 st.wasted_bytes, st.prefetch_used_bytes, st.prefetches_over_budget,
-                st.warmup_bytes)
+                st.warmup_bytes,
+                {self.node_name(n): t.capacity_bytes for n, t in enumerate(self.core.dram)})
 
     def _share_books(self) -> tuple[dict[tuple[str, str], int],
                                     dict[str, TenantQuotaStats]]:
@@ -469,6 +471,13 @@ class SchedulerService:
         self._check_node(hello.node)
         with self._step() as box:
             self.driver.agent_hello(hello, box)
+
+    def node_status(self, status: AgentStatus) -> None:
+        """An agent's periodic report of its tier: this shard's quota of the node follows
+        the capacity it reports (:meth:`LiveDriver.node_status`)."""
+        self._check_node(status.node)
+        with self._step() as box:
+            self.driver.node_status(status, box)
 
     def report_transfer(self, report: TransferReport) -> None:
         """An agent finished (or gave up) an order. Idempotent per order id."""

@@ -26,6 +26,7 @@ from controlplane.base.errors import ServiceError, ServiceUnavailableError
 from controlplane.base.shards import ShardRing, split_engine_report
 from controlplane.base.wire import (
     AgentHello,
+    AgentStatus,
     EngineReport,
     GpuStartPlan,
     TransferReport,
@@ -169,6 +170,10 @@ class ShardedTransport:
     def agent_hello(self, hello: AgentHello) -> None:
         for t in self.transports:
             t.agent_hello(hello)
+
+    def node_status(self, status: AgentStatus) -> None:
+        for t in self.transports:
+            t.node_status(status)
 
     def report_transfer(self, report: TransferReport) -> None:
         shard = order_epoch(report.order_id) % len(self.transports)

@@ -132,3 +132,31 @@ def test_quotas_are_validated() -> None:
         TenantQuota(local_tier_share=0.0)
     with pytest.raises(ValueError, match=r"prefetch_bandwidth_share must be in \(0, 1\]"):
         TenantQuota(prefetch_bandwidth_share=1.5)
+
+
+def test_a_node_tier_whose_capacity_shrinks_evicts_in_the_policys_order_to_fit() -> None:
+    # An agent reported a smaller tier (or a shard's quota moved): 10 GiB -> 6 GiB.
+    core = _core("local-lru", None)
+    for sid, t, gib in [("g1", 0.0, 3), ("g2", 10.0, 3), ("a1", 20.0, 2), ("a2", 30.0, 2)]:
+        _finish(core, "acme", sid, t, gib)
+    assert core.dram[0].used_bytes == 10 * GIB
+    out = core.set_tier_capacity(0, 6 * GIB, 40.0)
+    # 4 GiB over: the least recently used go first, g1 then g2 (3 + 3 GiB).
+    assert [e.session_id for e in out.evictions] == ["acme/g1", "acme/g2"]
+    assert _held(core) == {"acme/a1": 2, "acme/a2": 2}
+    assert core.dram[0].capacity_bytes == 6 * GIB
+    # Within the smaller tier a new 3 GiB context evicts a1 (2 free + 2 freed >= 3).
+    out = _finish(core, "acme", "a3", 50.0, 3)
+    assert [e.session_id for e in out.evictions] == ["acme/a1"]
+    assert core.dram[0].used_bytes <= 6 * GIB
+    # Back to 10 GiB: nothing moves, and 4 GiB more fit without an eviction.
+    assert core.set_tier_capacity(0, 10 * GIB, 60.0).evictions == ()
+    out = _finish(core, "acme", "a4", 70.0, 4)
+    assert out.evictions == ()
+    assert _held(core) == {"acme/a2": 2, "acme/a3": 3, "acme/a4": 4}
+    # No tier at all: every session goes; a negative capacity is refused.
+    out = core.set_tier_capacity(0, 0, 80.0)
+    assert sorted(e.session_id for e in out.evictions) == ["acme/a2", "acme/a3", "acme/a4"]
+    assert core.dram[0].used_bytes == 0
+    with pytest.raises(ValueError, match="capacity_bytes"):
+        core.set_tier_capacity(0, -1, 90.0)

@@ -220,7 +220,8 @@ def test_a_raylet_that_joins_gets_an_agent_and_is_warmed(
         tiers.append(Path("/dev/shm") / f"kvp-join-{prefix}-{slot}")
         return AgentConfig(node=slot, node_name=f"gpu-{slot}", remote=remote,
                            dram=LocalTierConfig(path=str(tiers[-1]), capacity_bytes=64 * MIB),
-                           transfer=TransferConfig(concurrency=2))
+                           transfer=TransferConfig(concurrency=2),
+                           kv_scale=1 / 2048)  # 256 KiB chunks of 4,096 tokens, 8B model
 
     sids = ["a", "b", "c"]
     store = remote.build()

@@ -34,6 +34,9 @@ MIB = 1 << 20
 FLEET = fleet_from_dict({"nodes": 2, "node": {"hbm_kv_bytes": 4 * GIB,
                                               "dram_tier_bytes": 16 * GIB}})
 CHUNK = 4096
+#: The chunks seeded here hold 256 KiB for 4,096 tokens, 64 bytes a token, against the 8B
+#: model's 128 KiB: the agents' 128 MiB tiers are 256 GiB of booked bytes.
+KV_SCALE = 1 / 2048
 
 
 _TIER_DIRS: list[Path] = []
@@ -47,7 +50,8 @@ def _remove_tiers() -> Iterator[None]:
 
 
 def _configs(tmp: Path, valkey: EmbeddedValkey, s3: EmbeddedS3, *, journal: Path | None = None,
-             limit_mib_s: float | None = None, time_compression: float = 100.0
+             limit_mib_s: float | None = None, time_compression: float = 100.0,
+             kv_scale: float = KV_SCALE, status_interval_s: float = 5.0
              ) -> tuple[ServiceConfig, list[AgentConfig], Any]:
     prefix = uuid.uuid4().hex[:8]
     _TIER_DIRS.extend(Path("/dev/shm") / f"kvp-ray-{prefix}-{i}" for i in range(FLEET.nodes))
@@ -56,7 +60,8 @@ def _configs(tmp: Path, valkey: EmbeddedValkey, s3: EmbeddedS3, *, journal: Path
                           dram=LocalTierConfig(path=str(Path("/dev/shm") / f"kvp-ray-{prefix}-{i}"),
                                                capacity_bytes=128 * MIB),
                           transfer=TransferConfig(concurrency=2, bandwidth_limit_mib_s=limit_mib_s,
-                                                  burst_bytes=256 * 1024))
+                                                  burst_bytes=256 * 1024),
+                          kv_scale=kv_scale, status_interval_s=status_interval_s)
               for i in range(FLEET.nodes)]
     svc = ServiceConfig(fleet=FLEET, predictor="hinted", time_compression=time_compression,
                         chunk_tokens=CHUNK, journal_path=str(journal) if journal else None,
@@ -217,12 +222,15 @@ def test_two_scheduler_shards_share_the_agents(
         tmp_path: Path, servers: tuple[EmbeddedValkey, EmbeddedS3], local_ray: None) -> None:
     """Each node's agent takes orders from both shards and reports each to the shard that
     issued it: sessions owned by either shard are prefetched, and each shard books its own
-    orders done."""
+    orders done. Each agent's status reaches both shards on its timer: a tier of 8 GiB
+    booked (128 MiB at kv_scale 1/64) gives each shard 4 GiB of the node, not the
+    configured 8 GiB (16 GiB / 2)."""
     from controlplane.base.shards import ShardRing
     from controlplane.live.sharded import ShardedTransport
 
     valkey, s3 = servers
-    svc, agents, remote = _configs(tmp_path, valkey, s3)
+    svc, agents, remote = _configs(tmp_path, valkey, s3, kv_scale=1 / 64,
+                                   status_interval_s=0.5)
     dep = deploy(svc, agents, local_placements(FLEET.nodes), shards=2)
     try:
         ring = ShardRing(2)
@@ -238,5 +246,10 @@ def test_two_scheduler_shards_share_the_agents(
         done = [ray.get(h.summary.remote())["orders_done"] for h in dep.schedulers]
         assert all(n >= 1 for n in done), done
         assert ray.get(dep.agents[1].status.remote()).stale_orders == 0
+
+        def quotas() -> list[dict[str, int]]:
+            return [ray.get(h.summary.remote())["tier_quota_bytes"] for h in dep.schedulers]
+
+        assert _wait(lambda: quotas() == [{"node-0": 4 * GIB, "node-1": 4 * GIB}] * 2), quotas()
     finally:
         dep.shutdown()
