@@ -136,7 +136,8 @@ sim-full: setup
 sim-unseen: setup
 	mkdir -p out
 	$(VENV)/bin/kvprefetch sim-grid --traces synthetic:agentic,synthetic:agentic-nostop,synthetic:chat,synthetic:research \
-		--nodes 2,4,8 --loads 0.5,1,2 --seeds 0,1 --no-progress --json out/sim-unseen.json
+		--nodes 2,4,8 --loads 0.5,1,2 --seeds 0,1 --no-progress --json out/sim-unseen.json \
+		--plot out/sim-unseen.png
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(AIPERF_VENV) out .pytest_cache .mypy_cache .ruff_cache

@@ -107,21 +107,25 @@ class _AgentActor:
                              name=f"agent-{config.node}-status", daemon=True).start()
 
     def _send_status(self, interval_s: float) -> None:
-        """Every ``interval_s``: the tier's capacity and occupancy to every shard (fire and
-        forget: a shard that is down gets the next one)."""
+        """Every ``interval_s``: the tier's capacity and occupancy to every shard."""
         while not self._closed.wait(interval_s):
+            self._status_to(self._shards.refs)
+
+    def _status_to(self, refs: Sequence[_SchedulerRef]) -> None:
+        """The tier's capacity and occupancy to ``refs`` (fire and forget: a shard that is
+        down gets the next one)."""
+        try:
+            status = self.agent.status()
+        except Exception:  # the agent is closing, or its tier is not reachable now
+            log.warning("agent %d: no status to report", self.agent.node, exc_info=True)
+            return
+        for ref in refs:
             try:
-                status = self.agent.status()
-            except Exception:  # the agent is closing, or its tier is not reachable now
-                log.warning("agent %d: no status to report", self.agent.node, exc_info=True)
-                continue
-            for ref in self._shards.refs:
-                try:
-                    ref.get().node_status.remote(status)
-                except Exception as exc:
-                    ref.reset()
-                    log.debug("agent %d: shard not reachable for a status: %s",
-                              self.agent.node, exc)
+                ref.get().node_status.remote(status)
+            except Exception as exc:
+                ref.reset()
+                log.debug("agent %d: shard not reachable for a status: %s",
+                          self.agent.node, exc)
 
     def _report(self, report: TransferReport) -> None:
         ref = self._shards.of_order(report.order_id)
@@ -132,15 +136,20 @@ class _AgentActor:
             raise
 
     def greet(self) -> bool:
-        """Tell every scheduler shard this incarnation is up (also after one restarts)."""
+        """Tell every scheduler shard this incarnation is up (also after one restarts),
+        then the tier's status (a restarted shard plans with the real capacity at once)."""
         ok = True
+        greeted = []
         for ref in self._shards.refs:
             try:
                 ref.get().agent_hello.remote(self.agent.hello())
+                greeted.append(ref)
             except Exception as exc:
                 ref.reset()
                 log.warning("agent %d: scheduler not reachable yet: %s", self.agent.node, exc)
                 ok = False
+        if self.agent.config.status_interval_s > 0:
+            self._status_to(greeted)
         return ok
 
     def hello(self) -> AgentHello:

@@ -9,7 +9,8 @@ parallel worker processes, then summarises the subject policy (``--subject``, de
 and p90 TTFT over ``ondemand``'s, the cells where it is worse than ``ondemand`` (mean or
 p90) and worse than the better of ``ondemand`` and ``queue`` (mean), and the median
 ``gap_closure``. A table on the terminal, every cell and the summary in ``--json``
-(written atomically).
+(written atomically), and with ``--plot`` a PNG: per trace, the subject's ratio to
+``ondemand`` in every cell against the load, one series per fleet size.
 
 Traces may be files, folders or synthetic traffic (``synthetic:PROFILE[:SESSIONS]``,
 drawn from each cell's seed): the way to check a gain on traffic the predictor has
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 EPILOG = """\
 examples:
   kvprefetch sim-grid --traces synthetic:agentic,synthetic:chat,synthetic:research \\
-      --nodes 2,4,8 --loads 0.5,1,2 --seeds 0,1 --json out/grid.json
+      --nodes 2,4,8 --loads 0.5,1,2 --seeds 0,1 --json out/grid.json --plot out/grid.png
   kvprefetch sim-grid --traces ../shared/traces/claude-code --nodes 2,4 --loads 1 \\
       --seeds 0,1,2 --policies ondemand,queue,predictive,predictive-duel --subject predictive-duel
   kvprefetch sim-grid --traces synthetic:research --hints typing,tool --hint-coverage 1
@@ -69,6 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                    help="cells run at once, one process each (default: all cores)")
     p.add_argument("--json", dest="json_out", help="write every cell and the summary here")
+    p.add_argument("--plot", help="write a PNG here: per trace, the subject's ratio to "
+                   "ondemand (returning mean TTFT) in every cell against the load, one "
+                   "series per fleet size")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -172,6 +176,45 @@ def format_summary(summary: dict[str, dict[str, Any]], subject: str) -> str:
     return "\n".join(lines)
 
 
+def write_grid_plot(rows: Sequence[dict[str, Any]], subject: str, path: str) -> None:
+    """One panel per trace: ``subject``'s returning mean TTFT over ondemand's in every cell
+    (a point per seed, the line through their geometric means) against the load, one
+    colour per fleet size; 1 = ondemand, below it the subject wins."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from controlplane.sim.report import save_figure_atomic
+
+    traces = list(dict.fromkeys(r["trace"] for r in rows))
+    fig, axes = plt.subplots(1, len(traces), figsize=(4.2 * len(traces), 4), squeeze=False,
+                             sharey=True)
+    for ax, trace in zip(axes[0], traces, strict=True):
+        mine = [r for r in rows if r["trace"] == trace]
+        for nodes in sorted({r["nodes"] for r in mine}):
+            cells = [r for r in mine if r["nodes"] == nodes]
+            loads = sorted({r["load"] for r in cells})
+            points = ax.scatter([r["load"] for r in cells], [r["ratio_mean"] for r in cells],
+                                s=14, alpha=0.6)
+            ax.plot(loads, [_geomean([r["ratio_mean"] for r in cells if r["load"] == load])
+                            for load in loads],
+                    color=points.get_facecolor()[0],
+                    label=f"{nodes} node{'s' if nodes > 1 else ''}")
+        ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({r["load"] for r in mine}),
+                      [f"{load:g}" for load in sorted({r["load"] for r in mine})])
+        ax.minorticks_off()
+        ax.set_xlabel("load")
+        ax.set_title(trace[-40:], fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel(f"{subject} / ondemand, returning mean TTFT")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    save_figure_atomic(fig, path)
+
+
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -235,4 +278,7 @@ def run(args: argparse.Namespace) -> int:
                 "cells": rows, "summary": summary}
         write_atomic(args.json_out, [(json.dumps(data, indent=1) + "\n").encode()])
         print(f"wrote {args.json_out}")
+    if args.plot:
+        write_grid_plot(rows, args.subject, args.plot)
+        print(f"wrote {args.plot}")
     return 0

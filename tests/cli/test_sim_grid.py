@@ -21,11 +21,12 @@ from controlplane.traces import ArrivalOptions, load_trace
 
 def test_grid_cells_are_the_sims_they_name_and_the_summary_follows(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    out = tmp_path / "grid.json"
+    out, png = tmp_path / "grid.json", tmp_path / "grid.png"
     rc = main(["sim-grid", "--traces", "synthetic:research:24,synthetic:chat:24", "--nodes",
                "1,2", "--loads", "1", "--seeds", "0,3", "--workers", "2", "--no-progress",
-               "--json", str(out)])
+               "--json", str(out), "--plot", str(png)])
     assert rc == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = json.loads(out.read_text())
     assert data["meta"]["subject"] == "predictive"
     assert len(data["cells"]) == 2 * 2 * 1 * 2
