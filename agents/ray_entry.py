@@ -100,8 +100,8 @@ class _AgentActor:
         self._shards = _Shards(config.scheduler_shards, scheduler_name, namespace)
         self.agent = PrefetchAgent(config, reporter=self._report)
         self.agent.start()
-        self.greet()
         self._closed = threading.Event()
+        self.greet()
         if config.status_interval_s > 0:
             threading.Thread(target=self._send_status, args=(config.status_interval_s,),
                              name=f"agent-{config.node}-status", daemon=True).start()
