@@ -35,7 +35,7 @@ import socket
 import threading
 import time
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -58,11 +58,12 @@ from agents.stores.tiered import TieredStore, TieredStoreConfig
 from agents.stores.valkey_store import ValkeyStore, ValkeyStoreConfig
 from agents.transfer import TransferConfig, TransferEngine, TransferHandle, TransferResult
 from controlplane.base.errors import ConfigError
-from controlplane.base.keys import parse_session_prefix
+from controlplane.base.keys import parse_session_prefix, position_key_session
 from controlplane.base.shards import MAX_SHARDS
 from controlplane.base.wire import (
     AgentHello,
     AgentStatus,
+    TierEvictions,
     TransferOrder,
     TransferReport,
     format_order_id,
@@ -79,6 +80,9 @@ UNSEEN_ORDER_GRACE_S = 5.0
 #: the oldest go first).
 SEEN_MEMORY = 65_536
 REPORT_MEMORY = 10_000
+#: Keys the tier evicted by its own order, kept until the scheduler takes them (bounded:
+#: past it the oldest go, counted; the node's next greeting reconciles the books in full).
+EVICTION_MEMORY = 65_536
 
 
 class RemoteStoreConfig(BaseModel):
@@ -181,6 +185,10 @@ class PrefetchAgent:
         self.stale_orders = 0
         self.incarnation = uuid.uuid4().hex
         self._done = self._failed = self._bytes = self._evicted = 0
+        #: Keys the tier's own policy evicted, for :meth:`take_evictions`.
+        self._tier_evicted: deque[str] = deque()
+        self._evictions = threading.Condition(threading.Lock())
+        self.evictions_dropped = 0
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> PrefetchAgent:
@@ -203,7 +211,8 @@ class PrefetchAgent:
             where = f"LMCache L1 at {cfg.lmcache.http_url}"
         else:
             assert cfg.dram is not None  # the validator's rule
-            self._tier = LocalTier(cfg.dram, name=f"dram{self.node}")
+            self._tier = LocalTier(cfg.dram, name=f"dram{self.node}",
+                                   on_evict=self._on_tier_evict)
             self._tier.start()
             self._engine = TransferEngine(self._store, self._tier, cfg.transfer,
                                           name=f"agent{self.node}")
@@ -457,6 +466,37 @@ class PrefetchAgent:
             gone = sum(1 for r in tier.delete(sorted(victims)) if r.ok) if victims else 0
             self._evicted += gone
         return gone
+
+    def _on_tier_evict(self, keys: list[str]) -> None:
+        """The tier evicted ``keys`` to make room (called under the tier's lock)."""
+        with self._evictions:
+            self._tier_evicted.extend(keys)
+            over = len(self._tier_evicted) - EVICTION_MEMORY
+            if over > 0:
+                for _ in range(over):
+                    self._tier_evicted.popleft()
+                self.evictions_dropped += over
+            self._evictions.notify_all()
+
+    def take_evictions(self, timeout_s: float) -> TierEvictions | None:
+        """The sessions whose chunks the tier evicted by its own order (to fit a write)
+        since the last call, waiting up to ``timeout_s`` for one; keys written again since
+        are left out (a newer copy landed). None if there are none. The scheduler's books
+        of this node are stale for each session named (sent to its owner shard)."""
+        with self._evictions:
+            if not self._tier_evicted:
+                self._evictions.wait(timeout_s)
+            keys = list(dict.fromkeys(self._tier_evicted))
+            self._tier_evicted.clear()
+        if not keys or self._tier is None:
+            return None
+        back = self._tier.exists(keys)
+        sessions = {s for k, r in zip(keys, back, strict=True) if not r.ok
+                    and (s := position_key_session(k)) is not None}
+        if not sessions:
+            return None
+        return TierEvictions(self.node, self.incarnation,
+                             tuple(sorted(f"{t}/{sid}" for t, sid in sessions)))
 
     def write_local(self, items: Sequence[tuple[str, bytes]], drop: Sequence[str] = ()
                     ) -> int:

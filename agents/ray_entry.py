@@ -5,7 +5,8 @@
   when it dies; on every (re)start it greets the scheduler with its incarnation and the
   keys its tier still holds, so orders sent to a dead predecessor are re-planned; every
   ``status_interval_s`` it reports its tier's capacity and occupancy to every shard
-  (their quotas of the node follow it).
+  (their quotas of the node follow it), and what its tier evicts by its own order goes to
+  the shards that own those sessions (their books drop them).
 * ``EngineActor``: one per node on CPU-only clusters (named ``kvprefetch-engine-<node>``),
   serving many requests at once (threads), each blocking until its response ends.
 
@@ -24,7 +25,7 @@ import ray
 
 from agents.agent import AgentConfig, PrefetchAgent, RemoteStoreConfig
 from agents.engine_emulator import EngineConfig, EngineEmulator, ServeRequest, ServeResult
-from controlplane.base.shards import ShardRing, split_engine_report
+from controlplane.base.shards import ShardRing, split_engine_report, split_tier_evictions
 from controlplane.base.wire import (
     AgentHello,
     AgentStatus,
@@ -41,6 +42,8 @@ NAMESPACE = "kvprefetch"
 SCHEDULER_NAME = "kvprefetch-scheduler"
 #: Seconds an engine waits for the scheduler before serving without its advice.
 ENGINE_CALL_TIMEOUT_S = 10.0
+#: Longest wait of the agent's eviction sender for the tier's next evictions (seconds).
+EVICTIONS_WAIT_S = 0.5
 
 
 def scheduler_name(shard: int = 0, base: str = SCHEDULER_NAME) -> str:
@@ -105,6 +108,30 @@ class _AgentActor:
         if config.status_interval_s > 0:
             threading.Thread(target=self._send_status, args=(config.status_interval_s,),
                              name=f"agent-{config.node}-status", daemon=True).start()
+        if config.backend != "lmcache-mp":  # LMCache's L1 evicts without telling us
+            threading.Thread(target=self._send_evictions, name=f"agent-{config.node}-evicted",
+                             daemon=True).start()
+
+    def _send_evictions(self) -> None:
+        """What the tier evicted by its own order, to the shards that own the sessions
+        (batched: what accrued while the last batch was sent goes in the next)."""
+        while not self._closed.is_set():
+            try:
+                evicted = self.agent.take_evictions(EVICTIONS_WAIT_S)
+            except Exception:  # the agent is closing
+                log.warning("agent %d: evictions not read", self.agent.node, exc_info=True)
+                self._closed.wait(EVICTIONS_WAIT_S)
+                continue
+            if evicted is None:
+                continue
+            for shard, part in split_tier_evictions(evicted, self._shards.ring).items():
+                ref = self._shards.refs[shard]
+                try:
+                    ref.get().tier_evicted.remote(part)
+                except Exception as exc:  # the shard's next reconcile drops them
+                    ref.reset()
+                    log.warning("agent %d: shard %d not told of %d evicted sessions: %s",
+                                self.agent.node, shard, len(part.sessions), exc)
 
     def _send_status(self, interval_s: float) -> None:
         """Every ``interval_s``: the tier's capacity and occupancy to every shard."""

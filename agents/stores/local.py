@@ -247,8 +247,12 @@ class LocalTier(StoreLifecycle):
         policy: EvictionPolicy | None = None,
         clock: Callable[[], float] = time.monotonic,
         name: str | None = None,
+        on_evict: Callable[[list[str]], None] | None = None,
     ) -> None:
         self.config = config
+        #: Told the keys the tier's own policy evicted to make room (not deletes), under
+        #: the tier's lock: it must not block nor call the tier.
+        self._on_evict = on_evict
         self.name = name or config.kind
         self.root = Path(config.path)
         self.policy = policy if policy is not None else make_policy(config.eviction)
@@ -472,6 +476,8 @@ class LocalTier(StoreLifecycle):
         if victims:
             self.policy.forget(e.key for e in victims)
             self._stats.add(evictions=len(victims))
+            if self._on_evict is not None:
+                self._on_evict([e.key for e in victims])
             log.debug("%s: evicted %d objects (%s)", self.name, len(victims), self.policy.name)
         return True
 

@@ -176,17 +176,20 @@ class FleetConfig(_Frozen):
             )
         return self
 
-    def shard_quota(self, shards: int) -> FleetConfig:
+    def shard_quota(self, shards: int, *, shared_tier: bool = False) -> FleetConfig:
         """What one of ``shards`` scheduler shards may plan with: each node's DRAM tier,
         NIC rate and Valkey read rate, the Valkey capacity and the waste allowance divided
         evenly (a static quota: two shards never promise the same bytes or bandwidth). HBM
-        is the engine's, not the scheduler's to divide: each shard sees it as it is."""
+        is the engine's, not the scheduler's to divide: each shard sees it as it is.
+        ``shared_tier``: every shard books the whole DRAM tier, and the node's tier decides
+        what stays when their writes overfill it (each eviction reported to its owner)."""
         if shards == 1:
             return self
         node, remote, planner = self.node, self.remote, self.planner
+        tier = node.dram_tier_bytes if shared_tier else node.dram_tier_bytes // shards
         return FleetConfig.model_validate({
             **self.model_dump(),
-            "node": {**node.model_dump(), "dram_tier_bytes": node.dram_tier_bytes // shards,
+            "node": {**node.model_dump(), "dram_tier_bytes": tier,
                      "nic_gbps": node.nic_gbps / shards},
             "remote": {**remote.model_dump(),
                        "valkey_gbyte_s_per_node": remote.valkey_gbyte_s_per_node / shards,

@@ -78,6 +78,19 @@ def position_keys(tenant: str, session_id: str, tokens: int, chunk_tokens: int) 
     return out
 
 
+def position_key_session(key: str) -> tuple[str, str] | None:
+    """(tenant, session id) of a chunk key named by position (:func:`position_keys`); None
+    for a key named by content (its session is not in its name) or not a chunk key."""
+    prefix, sep, chunk = key.rpartition(_SEP)
+    index, _, partial = chunk.partition(".")
+    if not sep or not index.isdigit() or (partial and not partial.isdigit()) or len(chunk) > 24:
+        return None
+    try:
+        return parse_session_prefix(prefix + _SEP)
+    except KvPrefetchError:
+        return None
+
+
 def hash_keys(tenant: str, hashes: Sequence[str]) -> list[str]:
     """Keys of chunks named by content hash."""
     _check_part(tenant, "tenant")

@@ -22,7 +22,7 @@ import dataclasses
 import hashlib
 
 from controlplane.base.types import SessionKey
-from controlplane.base.wire import EngineReport
+from controlplane.base.wire import EngineReport, TierEvictions
 
 #: Points on the ring per shard: with 128 the largest shard of 4 owns about 28% of the
 #: sessions instead of 25% (measured by tests/core/test_shards.py's spread check).
@@ -65,6 +65,17 @@ def shard_epoch(epoch: int, shard: int, shards: int) -> int:
     if not 0 <= shard < shards:
         raise ValueError(f"shard {shard} is not one of {shards}")
     return epoch + (shard - epoch) % shards
+
+
+def split_tier_evictions(evictions: TierEvictions, ring: ShardRing
+                         ) -> dict[int, TierEvictions]:
+    """Each shard's part of a tier's eviction report: the sessions it owns."""
+    parts: dict[int, list[str]] = {}
+    for sid in evictions.sessions:
+        key = SessionKey.parse(sid)
+        parts.setdefault(ring.owner(key.tenant, key.session_id), []).append(sid)
+    return {shard: dataclasses.replace(evictions, sessions=tuple(sids))
+            for shard, sids in parts.items()}
 
 
 def split_engine_report(report: EngineReport, ring: ShardRing) -> dict[int, EngineReport]:

@@ -125,6 +125,16 @@ class TransferReport:
 
 
 @dataclass(frozen=True, slots=True)
+class TierEvictions:
+    """Sessions whose chunks ``node``'s tier evicted by its own order (to fit a write), as
+    wire names (``tenant/session``): each one's books entry on the node is stale."""
+
+    node: int
+    incarnation: str
+    sessions: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class AgentHello:
     """An agent (re)started on ``node``: orders sent to an older incarnation are lost."""
 

@@ -79,6 +79,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "does live: each session is decided by the shard it hashes to, each shard "
                    "plans with 1/N of every node's DRAM tier, link and Valkey rate and its "
                    "own copy of the predictor (default 1)")
+    p.add_argument("--shared-tier", action="store_true",
+                   help="with --shards: the shards book each node's whole DRAM tier and the "
+                   "node evicts least recently used first across them when they overfill it, "
+                   "as `service.shard_tier: shared` does live (default: 1/N each)")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                    help="parallel worker processes, one policy each (default: all cores)")
     p.add_argument("--json", dest="json_out", help="write the report as JSON here (atomic)")
@@ -189,6 +193,8 @@ def run(args: argparse.Namespace) -> int:
     policies = parse_policies(args.policies)
     if not 1 <= args.shards <= MAX_SHARDS:
         raise ConfigError(f"--shards must be 1-{MAX_SHARDS}, got {args.shards}")
+    if args.shared_tier and args.shards == 1:
+        raise ConfigError("--shared-tier needs --shards N with N >= 2")
     hints = hint_config(args)
     resolve(args.predictor)  # fail fast on an unknown predictor, before loading anything
     if args.fleet:
@@ -221,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
     options = SimOptions(predictor=args.predictor, seed=args.seed,
                          clear_tiers_at_s=events.clear_tiers_at_s, join_at_s=events.join_at_s,
                          scenario=args.scenario, workers=args.workers, hints=hints,
-                         shards=args.shards)
+                         shards=args.shards, shared_tier=args.shared_tier)
     bar = tqdm(total=trace.requests * len(policies), unit="req", desc="replaying",
                disable=args.no_progress, mininterval=0.5)
     with bar:

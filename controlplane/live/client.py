@@ -53,6 +53,7 @@ from controlplane.base.wire import (
     AgentStatus,
     EngineReport,
     GpuStartPlan,
+    TierEvictions,
     TransferReport,
 )
 from controlplane.live.protocol import GatewayAPI, RemoteAPI, SchedulerAPI
@@ -425,6 +426,9 @@ class RayTransport:
 
     def node_status(self, status: AgentStatus) -> None:
         self._get("node_status", self._handle.node_status.remote(status))
+
+    def tier_evicted(self, evictions: TierEvictions) -> None:
+        self._get("tier_evicted", self._handle.tier_evicted.remote(evictions))
 
     # ------------------------------------------------------------------ introspection
     def shard_info(self) -> tuple[int, int]:

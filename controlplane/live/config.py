@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -73,6 +74,12 @@ class ServiceConfig(BaseModel):
     #: links (:meth:`for_shard`); its epochs are congruent to ``shard`` modulo ``shards``.
     shard: int = Field(0, ge=0)
     shards: int = Field(1, ge=1, le=MAX_SHARDS)
+    #: How shards hold each node's DRAM tier: ``split`` = 1/N each (a static quota, which
+    #: fragments a tier of few large contexts); ``shared`` = each books the whole tier,
+    #: the node's own tier evicts by its order when their writes overfill it and tells the
+    #: owner of each session it evicted (:meth:`LiveDriver.tier_evicted`). ``shared`` needs
+    #: agents with their own tier (backend ``local`` or ``sglang``, not ``lmcache-mp``).
+    shard_tier: Literal["split", "shared"] = "split"
 
     @model_validator(mode="after")
     def _check(self) -> ServiceConfig:
@@ -136,7 +143,8 @@ class ServiceConfig(BaseModel):
                    else f"{self.journal_path}.shard{shard}of{shards}")
         per_shard = {t: -(-q // shards) for t, q in self.tenant_max_live_sessions.items()}
         return ServiceConfig.model_validate({
-            **self.model_dump(exclude={"fleet"}), "fleet": self.fleet.shard_quota(shards),
+            **self.model_dump(exclude={"fleet"}),
+            "fleet": self.fleet.shard_quota(shards, shared_tier=self.shard_tier == "shared"),
             "journal_path": journal,
             "max_live_sessions_per_tenant": -(-self.max_live_sessions_per_tenant // shards),
             "tenant_max_live_sessions": per_shard, "shard": shard, "shards": shards})

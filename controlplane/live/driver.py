@@ -26,6 +26,7 @@ from controlplane.base.wire import (
     AgentStatus,
     EngineReport,
     GpuStartPlan,
+    TierEvictions,
     TransferOrder,
     TransferReport,
     format_order_id,
@@ -383,8 +384,9 @@ class LiveDriver:
         if status.capacity_bytes <= 0 or (node.incarnation
                                           and status.incarnation != node.incarnation):
             return
+        share = 1 if self.config.shard_tier == "shared" else self.config.shards
         quota = min(self.config.fleet.node.dram_tier_bytes,
-                    status.booked_capacity_bytes // self.config.shards)
+                    status.booked_capacity_bytes // share)
         tier = self.core.dram[status.node]
         if quota == tier.capacity_bytes:
             return
@@ -394,6 +396,21 @@ class LiveDriver:
                  self.config.shards)
         self.stats.quota_changes += 1
         self.carry(self.core.set_tier_capacity(status.node, quota, self.clock.now_s()), box)
+
+    def tier_evicted(self, evictions: TierEvictions, box: Outbox) -> None:
+        """The node's tier evicted chunks of these sessions by its own order (the shards'
+        books together wanted more than it holds): their entries in this shard's books of
+        the node go, and idle ones are planned again (as after a reconcile). Entries still
+        arriving are kept (their transfer decides). A report of another incarnation than
+        the node's current one changes nothing."""
+        node = self.fleet.nodes[evictions.node]
+        if node.incarnation and evictions.incarnation != node.incarnation:
+            return
+        gone = set(evictions.sessions)
+        before = len(self.core.dram[evictions.node])
+        self.carry(self.core.reconcile(evictions.node, lambda sid, _: sid not in gone,
+                                       self.clock.now_s()), box)
+        self.stats.tier_evictions += before - len(self.core.dram[evictions.node])
 
     def report_transfer(self, report: TransferReport, box: Outbox) -> None:
         """An agent finished (or gave up) an order. Idempotent per order id; a report that
@@ -543,6 +560,7 @@ class LiveDriver:
             "journal_records_dropped": s.journal_records_dropped,
             "quota_refusals": s.quota_refusals,
             "quota_changes": s.quota_changes,
+            "tier_evictions": s.tier_evictions,
             "tier_quota_bytes": {self.node_name(i): t.capacity_bytes
                                  for i, t in enumerate(core.dram)},
             "live_sessions_per_tenant": dict(self.registry.per_tenant),

@@ -135,6 +135,8 @@ class ServiceStats:
     quota_refusals: int = 0
     #: Times an agent's status moved this shard's quota of a node's tier.
     quota_changes: int = 0
+    #: Books entries dropped because the node's tier evicted them by its own order.
+    tier_evictions: int = 0
     #: The latest :data:`SAMPLE_WINDOW` samples.
     ttlb_s: deque[float] = field(default_factory=_window)
     lateness_s: deque[float] = field(default_factory=_window)

@@ -33,6 +33,7 @@ from controlplane.base.wire import (
     AgentStatus,
     EngineReport,
     GpuStartPlan,
+    TierEvictions,
     TransferReport,
 )
 from controlplane.live.sessions import SessionQuery, SessionState
@@ -119,6 +120,12 @@ class SchedulerAPI(GatewayAPI, Protocol):
         """The prefetch agent of ``status.node`` reports its tier's capacity and occupancy
         (every ``AgentConfig.status_interval_s``): the shard's quota of the node's tier
         follows the reported capacity. Idempotent."""
+        ...
+
+    def tier_evicted(self, evictions: TierEvictions) -> None:
+        """The prefetch agent of ``evictions.node``: its tier evicted chunks of these
+        sessions by its own order, to fit a write; their books entries on the node go.
+        Idempotent."""
         ...
 
     def report_transfer(self, report: TransferReport) -> None:

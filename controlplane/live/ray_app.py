@@ -53,6 +53,7 @@ from controlplane.base.wire import (
     AgentStatus,
     EngineReport,
     GpuStartPlan,
+    TierEvictions,
     TransferOrder,
     TransferReport,
 )
@@ -223,6 +224,9 @@ class _SchedulerActor:
 
     def node_status(self, status: AgentStatus) -> None:
         self.svc.node_status(status)
+
+    def tier_evicted(self, evictions: TierEvictions) -> None:
+        self.svc.tier_evicted(evictions)
 
     def summary(self) -> dict[str, Any]:
         return self.svc.summary()

@@ -64,6 +64,7 @@ from controlplane.base.wire import (
     AgentStatus,
     EngineReport,
     GpuStartPlan,
+    TierEvictions,
     TransferOrder,
     TransferReport,
 )
@@ -478,6 +479,13 @@ class SchedulerService:
         self._check_node(status.node)
         with self._step() as box:
             self.driver.node_status(status, box)
+
+    def tier_evicted(self, evictions: TierEvictions) -> None:
+        """The node's tier evicted these sessions' chunks by its own order: their books
+        entries go (:meth:`LiveDriver.tier_evicted`)."""
+        self._check_node(evictions.node)
+        with self._step() as box:
+            self.driver.tier_evicted(evictions, box)
 
     def report_transfer(self, report: TransferReport) -> None:
         """An agent finished (or gave up) an order. Idempotent per order id."""

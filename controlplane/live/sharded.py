@@ -23,12 +23,13 @@ from typing import TYPE_CHECKING, Any
 
 from controlplane.base import api
 from controlplane.base.errors import ServiceError, ServiceUnavailableError
-from controlplane.base.shards import ShardRing, split_engine_report
+from controlplane.base.shards import ShardRing, split_engine_report, split_tier_evictions
 from controlplane.base.wire import (
     AgentHello,
     AgentStatus,
     EngineReport,
     GpuStartPlan,
+    TierEvictions,
     TransferReport,
     order_epoch,
 )
@@ -174,6 +175,10 @@ class ShardedTransport:
     def node_status(self, status: AgentStatus) -> None:
         for t in self.transports:
             t.node_status(status)
+
+    def tier_evicted(self, evictions: TierEvictions) -> None:
+        for shard, part in split_tier_evictions(evictions, self.ring).items():
+            self.transports[shard].tier_evicted(part)
 
     def report_transfer(self, report: TransferReport) -> None:
         shard = order_epoch(report.order_id) % len(self.transports)

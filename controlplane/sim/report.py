@@ -174,6 +174,8 @@ class SimMeta:
     hints: HintsMeta | None = None
     #: Scheduler shards the decisions were split over (the JSON has the key only when > 1).
     shards: int = 1
+    #: Whether the shards shared each node's tier (the JSON has the key only when true).
+    shared_tier: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -187,6 +189,8 @@ class SimMeta:
             out["hints"] = self.hints.to_dict()
         if self.shards > 1:
             out["shards"] = self.shards
+        if self.shared_tier:
+            out["shared_tier"] = True
         return out
 
 

@@ -45,6 +45,9 @@ class SimOptions:
     hints: HintConfig | None = None
     #: Scheduler shards the decisions are split over (:mod:`controlplane.core.sharded`).
     shards: int = 1
+    #: The shards book each node's whole tier and the node evicts LRU across them (live:
+    #: ``shard_tier: shared``), instead of 1/N each.
+    shared_tier: bool = False
 
 
 def hinted_predictor(policy: PolicySpec, predictor: Predictor) -> Predictor:
@@ -60,14 +63,16 @@ def run_policy(trace: Trace, fleet: FleetConfig, policy: PolicySpec, predictor_s
                clear_tiers_at_s: float | None = None,
                progress: Callable[[int], None] | None = None, *,
                hints: Sequence[PlannedHint] | None = None,
-               join_at_s: float | None = None, shards: int = 1) -> PolicyRun:
+               join_at_s: float | None = None, shards: int = 1,
+               shared_tier: bool = False) -> PolicyRun:
     """One policy's replay. ``hints``: the planned client hints (:func:`plan_hints`), which
     also turns the predictor's hint reading on (even when empty); None = no hints."""
     predictor = load_predictor(policy.predictor or predictor_spec, trace=trace)
     if hints is not None:
         predictor = hinted_predictor(policy, predictor)
     sim = Simulation(trace, fleet, policy, predictor, clear_tiers_at_s=clear_tiers_at_s,
-                     join_at_s=join_at_s, hints=hints or (), shards=shards)
+                     join_at_s=join_at_s, hints=hints or (), shards=shards,
+                     shared_tier=shared_tier)
     return sim.run(progress)
 
 
@@ -76,9 +81,10 @@ _WORKER_STATE: dict[str, Any] = {}
 
 def _init_worker(trace: Trace, fleet: FleetConfig, predictor: str, clear: float | None,
                  queue: Any, hints: Sequence[PlannedHint] | None, join: float | None,
-                 shards: int) -> None:
+                 shards: int, shared_tier: bool) -> None:
     _WORKER_STATE.update(trace=trace, fleet=fleet, predictor=predictor, clear=clear,
-                         queue=queue, hints=hints, join=join, shards=shards)
+                         queue=queue, hints=hints, join=join, shards=shards,
+                         shared_tier=shared_tier)
 
 
 def _run_in_worker(policy: PolicySpec) -> PolicySummary:
@@ -86,7 +92,8 @@ def _run_in_worker(policy: PolicySpec) -> PolicySummary:
     queue = st["queue"]
     run = run_policy(st["trace"], st["fleet"], policy, st["predictor"], st["clear"],
                      progress=queue.put if queue is not None else None, hints=st["hints"],
-                     join_at_s=st["join"], shards=st["shards"])
+                     join_at_s=st["join"], shards=st["shards"],
+                     shared_tier=st["shared_tier"])
     return summarize(run)
 
 
@@ -106,7 +113,7 @@ def run_policies(
         for policy in policies:
             run = run_policy(trace, fleet, policy, options.predictor, options.clear_tiers_at_s,
                              progress, hints=hints, join_at_s=options.join_at_s,
-                             shards=options.shards)
+                             shards=options.shards, shared_tier=options.shared_tier)
             results[policy.name] = summarize(run)
     else:
         ctx = mp.get_context("fork")
@@ -115,7 +122,7 @@ def run_policies(
             max_workers=min(options.workers, len(policies)), mp_context=ctx,
             initializer=_init_worker,
             initargs=(trace, fleet, options.predictor, options.clear_tiers_at_s, queue, hints,
-                      options.join_at_s, options.shards),
+                      options.join_at_s, options.shards, options.shared_tier),
         ) as pool:
             futures = {p.name: pool.submit(_run_in_worker, p) for p in policies}
             while queue is not None and progress is not None and not all(
@@ -147,6 +154,7 @@ def run_policies(
         wall_s=round(time.perf_counter() - started, 3),
         hints=_hints_meta(options.hints, hints),
         shards=options.shards,
+        shared_tier=options.shared_tier,
     )
     closure = gap_closure({name: p.returning.ttft_mean_s for name, p in results.items()})
     return SimReport(meta, results, closure)

@@ -150,6 +150,7 @@ class Simulation:
         record_links: bool = False,
         hints: Iterable[PlannedHint] = (),
         shards: int = 1,
+        shared_tier: bool = False,
     ) -> None:
         self.trace = trace
         self.fleet = fleet
@@ -169,10 +170,11 @@ class Simulation:
         self._orders: list[PrefetchOrder] = []
         self._valkey: OrderedDict[str, int] = OrderedDict()
         self._valkey_bytes = 0
-        #: One core, or ``shards`` cores each planning with its quota of the fleet.
+        #: One core, or ``shards`` cores each planning with its quota of the fleet (or
+        #: sharing each node's tier).
         self.core: SchedulerCore | ShardedCore = (
             SchedulerCore(fleet, policy, predictor, self) if shards == 1
-            else ShardedCore(fleet, policy, predictor, self, shards))
+            else ShardedCore(fleet, policy, predictor, self, shards, shared_tier=shared_tier))
         node_cfg = fleet.node
         self.nodes = [_Node(i, Tier(f"hbm{i}", node_cfg.hbm_kv_bytes, LruEviction()), Link(i))
                       for i in range(fleet.nodes)]

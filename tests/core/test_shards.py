@@ -75,6 +75,10 @@ def test_a_shard_config_holds_its_quota_of_each_node() -> None:
     assert part.journal_path == "/j/journal.jsonl.shard2of4"
     assert part.max_live_sessions_per_tenant == 3 and part.tenant_max_live_sessions == {"a": 1}
     assert whole.for_shard(0, 1).fleet == whole.fleet
+    # Shards that share each node's tier book the whole of it; the links stay divided.
+    shared = whole.model_copy(update={"shard_tier": "shared"}).for_shard(2, 4)
+    assert shared.fleet.node.dram_tier_bytes == whole_node.dram_tier_bytes
+    assert shared.fleet.node.nic_gbps == pytest.approx(whole_node.nic_gbps / 4)
     with pytest.raises(ValueError, match="not one of 2 shards"):
         ServiceConfig(shard=2, shards=2)
 
@@ -117,3 +121,26 @@ def test_an_engine_report_goes_to_its_owner_and_drop_notices_to_the_others() -> 
         seen.extend(part.hbm_evicted)
     assert sorted(seen) == sorted(dropped)
     assert split_engine_report(report, ShardRing(1)) == {0: report}
+
+
+def test_a_tier_eviction_report_goes_to_the_owners_of_its_sessions() -> None:
+    from controlplane.base.keys import hash_keys, position_key_session, position_keys
+    from controlplane.base.shards import split_tier_evictions
+    from controlplane.base.wire import TierEvictions
+
+    # A chunk key named by position names its session (ids with '/' escaped); one named
+    # by content does not.
+    for sid in ("s1", "a/b", "h", "100%"):
+        for key in position_keys("acme", sid, 3 * 256 + 7, 256):
+            assert position_key_session(key) == ("acme", sid)
+    assert position_key_session(hash_keys("acme", ["ab" * 32])[0]) is None
+    assert position_key_session("acme/s1/x") is None
+    assert position_key_session("no-slash") is None
+    ring = ShardRing(4)
+    sids = [f"t/s{i}" for i in range(40)]
+    parts = split_tier_evictions(TierEvictions(3, "inc", tuple(sids)), ring)
+    assert sorted(s for p in parts.values() for s in p.sessions) == sorted(sids)
+    for shard, part in parts.items():
+        assert (part.node, part.incarnation) == (3, "inc")
+        assert all(ring.owner("t", s.split("/")[1]) == shard for s in part.sessions)
+    assert len(parts) == 4

@@ -51,14 +51,14 @@ def _remove_tiers() -> Iterator[None]:
 
 def _configs(tmp: Path, valkey: EmbeddedValkey, s3: EmbeddedS3, *, journal: Path | None = None,
              limit_mib_s: float | None = None, time_compression: float = 100.0,
-             kv_scale: float = KV_SCALE, status_interval_s: float = 5.0
-             ) -> tuple[ServiceConfig, list[AgentConfig], Any]:
+             kv_scale: float = KV_SCALE, status_interval_s: float = 5.0,
+             tier_bytes: int = 128 * MIB) -> tuple[ServiceConfig, list[AgentConfig], Any]:
     prefix = uuid.uuid4().hex[:8]
     _TIER_DIRS.extend(Path("/dev/shm") / f"kvp-ray-{prefix}-{i}" for i in range(FLEET.nodes))
     remote = remote_config(valkey, s3, prefix)
     agents = [AgentConfig(node=i, node_name=f"gpu-{i}", remote=remote,
                           dram=LocalTierConfig(path=str(Path("/dev/shm") / f"kvp-ray-{prefix}-{i}"),
-                                               capacity_bytes=128 * MIB),
+                                               capacity_bytes=tier_bytes),
                           transfer=TransferConfig(concurrency=2, bandwidth_limit_mib_s=limit_mib_s,
                                                   burst_bytes=256 * 1024),
                           kv_scale=kv_scale, status_interval_s=status_interval_s)
@@ -251,5 +251,42 @@ def test_two_scheduler_shards_share_the_agents(
             return [ray.get(h.summary.remote())["tier_quota_bytes"] for h in dep.schedulers]
 
         assert _wait(lambda: quotas() == [{"node-0": 4 * GIB, "node-1": 4 * GIB}] * 2), quotas()
+    finally:
+        dep.shutdown()
+
+
+def test_shards_sharing_a_tier_drop_what_it_evicts_from_their_books(
+        tmp_path: Path, servers: tuple[EmbeddedValkey, EmbeddedS3], local_ray: None) -> None:
+    """``shard_tier: shared``: both shards book node 1's whole tier (24 MiB at kv_scale
+    1/256: 6 GiB, four 1.5 GiB sessions); eight sessions written there (four per shard)
+    overfill it, and the agent actor tells each owner what its tier evicted."""
+    from controlplane.base.shards import ShardRing
+
+    valkey, s3 = servers
+    svc, agents, _ = _configs(tmp_path, valkey, s3, kv_scale=1 / 256, status_interval_s=0.5,
+                              tier_bytes=24 * MIB)
+    svc = svc.model_copy(update={"shard_tier": "shared"})
+    dep = deploy(svc, agents, local_placements(FLEET.nodes), shards=2)
+    try:
+        ring = ShardRing(2)
+        client = connect("auto", timeout_s=10)
+
+        def summaries() -> list[dict[str, Any]]:
+            return [ray.get(h.summary.remote()) for h in dep.schedulers]
+
+        assert _wait(lambda: [s["tier_quota_bytes"]["node-1"] for s in summaries()]
+                     == [6 * GIB] * 2), summaries()
+        sids = [[s for s in (f"w{i}" for i in range(60)) if ring.owner("t", s) == k][:4]
+                for k in (0, 1)]
+        for sid in sids[0] + sids[1]:  # shard 0's first, the least recently written
+            client.route(sid, input_tokens=3 * CHUNK, tenant="t")
+            client.request_finished(sid, node=1, input_tokens=3 * CHUNK, tenant="t")
+            keys = position_keys("t", sid, 3 * CHUNK, CHUNK)
+            ray.get(dep.agents[1].write_local.remote([(k, payload(k, 2 * MIB)) for k in keys]))
+        assert _wait(lambda: sum(s["tier_evictions"] for s in summaries()) >= 3), summaries()
+        first = position_keys("t", sids[0][0], 3 * CHUNK, CHUNK)
+        assert not all(ray.get(dep.agents[1].has.remote(first)))
+        assert summaries()[0]["tier_evictions"] >= 1
+        assert ray.get(dep.agents[1].status.remote()).used_bytes <= 24 * MIB
     finally:
         dep.shutdown()

@@ -1,7 +1,8 @@
 """A shard's quota of a node's DRAM tier follows what the node's agent reports (issue 12):
 the configured tier divided among the shards, lowered to the real capacity; what no longer
-fits is evicted and the agent told. A real agent's status (its tier on /dev/shm, real
-Valkey behind it); the service in process, with 1 and 2 shards.
+fits is evicted and the agent told. Shards may instead share the tier: each books all of
+it, and what the tier evicts leaves its owner's books. A real agent (its tier on /dev/shm,
+real Valkey behind it); the service in process, with 1 and 2 shards.
 
 Hand-computed: the 8B model's KV is 128 KiB per token, so 8,192 tokens are 1 GiB; the
 agent's 8 MiB tier at kv_scale 1/1024 is 8 GiB of booked bytes."""
@@ -21,7 +22,8 @@ from agents.agent import AgentConfig, PrefetchAgent
 from agents.embedded import EmbeddedValkey
 from agents.stores.local import LocalTierConfig
 from controlplane.base.config import GIB, fleet_from_dict
-from controlplane.base.shards import ShardRing
+from controlplane.base.keys import payload, position_keys
+from controlplane.base.shards import ShardRing, split_tier_evictions
 from controlplane.base.wire import TransferOrder
 from controlplane.live.config import ServiceConfig
 from controlplane.live.metrics import PrometheusMetrics
@@ -131,4 +133,57 @@ def test_two_shards_split_the_reported_capacity_and_never_promise_more_together(
             assert len(port.evicted) == 1
     finally:
         for svc, _ in shards:
+            svc.close()
+
+
+def test_shards_sharing_the_tier_book_all_of_it_and_drop_what_the_tier_evicts(
+        agent: PrefetchAgent) -> None:
+    """``shard_tier: shared``: each shard books the node's whole reported tier; when their
+    writes overfill it, the tier evicts by its own order (LRU) and each evicted session
+    leaves its owner's books."""
+    ring = ShardRing(2)
+    shards = []
+    for k in range(2):
+        cfg = ServiceConfig(fleet=FLEET, policy="local-lru", predictor="last-gap",
+                            chunk_tokens=4096, shard_tier="shared").for_shard(k, 2)
+        svc = SchedulerService(cfg, agents={0: EvictPort()})
+        svc.start()
+        svc.agent_hello(agent.hello())
+        shards.append(svc)
+    try:
+        status = agent.status()
+        owned = {k: [s for s in (f"y{i}" for i in range(40)) if ring.owner("t", s) == k][:3]
+                 for k in range(2)}
+        for svc in shards:
+            svc.node_status(status)
+            assert svc.summary()["tier_quota_bytes"] == {"node-0": 8 * GIB}  # not 4 GiB
+        # Shard 0's three 2 GiB sessions are written first, then shard 1's: 12 GiB booked
+        # in all, 8 MiB of real tier (8 GiB booked) for them.
+        chunk = 4096 * FLEET.model.kv_bytes_per_token // 1024
+        for k in range(2):
+            for sid in owned[k]:
+                _serve(shards[k], sid, 2)
+                keys = position_keys("t", sid, 2 * GIB_TOKENS, 4096)
+                agent.write_local([(key, payload(key, chunk)) for key in keys])
+        evicted = agent.take_evictions(1.0)
+        assert evicted is not None and evicted.node == 0
+        gone = set(evicted.sessions)
+        # The least recently written went: shard 0's first sessions.
+        assert f"t/{owned[0][0]}" in gone and f"t/{owned[1][-1]}" not in gone
+        for sid in gone:
+            keys = position_keys("t", sid.split("/")[1], 2 * GIB_TOKENS, 4096)
+            assert not all(agent.has(keys))
+        for shard, part in split_tier_evictions(evicted, ring).items():
+            shards[shard].tier_evicted(part)
+        for k, svc in enumerate(shards):
+            held = {e.session_id for e in svc.core.dram[0]}
+            mine = {f"t/{sid}" for sid in owned[k]}
+            assert held == mine - gone, (k, held, gone)
+            assert svc.summary()["tier_evictions"] == len(mine & gone)
+        # A report of another incarnation changes nothing.
+        shards[1].tier_evicted(dataclasses.replace(evicted, incarnation="gone",
+                                                   sessions=(f"t/{owned[1][-1]}",)))
+        assert f"t/{owned[1][-1]}" in {e.session_id for e in shards[1].core.dram[0]}
+    finally:
+        for svc in shards:
             svc.close()

@@ -54,3 +54,36 @@ def test_one_shard_is_the_unsharded_core_and_the_report_names_the_shards() -> No
     assert one == again and "shards" not in one["meta"]
     assert two["meta"]["shards"] == 2
     assert two["policies"] != one["policies"]  # half the room per shard: other decisions
+
+
+def test_shards_that_share_the_tier_never_hold_more_than_it_together() -> None:
+    """``--shared-tier``: each shard books the node's whole tier; after every call the
+    node evicts least recently used first across the shards until their books fit."""
+    trace = _trace()
+    policy = POLICIES["predictive"]
+    sim = Simulation(trace, FLEET, policy, load("default", trace=trace), shards=2,
+                     shared_tier=True)
+    core = sim.core
+    assert isinstance(core, ShardedCore)
+    fit = core._fit
+    worst = [0]
+
+    def checked(out, now_s):  # type: ignore[no-untyped-def]
+        out = fit(out, now_s)
+        for node in range(FLEET.nodes):
+            together = sum(c.dram[node].used_bytes for c in core.cores)
+            pinned = sum(e.nbytes for c in core.cores for e in c.dram[node] if e.pinned)
+            worst[0] = max(worst[0], together - max(32 * GIB, pinned))
+        return out
+
+    core._fit = checked  # type: ignore[method-assign]
+    run = sim.run()
+    assert all(t.capacity_bytes == 32 * GIB for c in core.cores for t in c.dram)
+    assert worst[0] <= 0  # never over the tier (unless arriving KV alone is)
+    assert core.tier_evictions > 0  # the shards did overfill it, and it evicted
+    assert len(run.records) == trace.requests
+    with_quotas = run_policies(trace, FLEET, (policy,), SimOptions(shards=2)).to_dict()
+    shared = run_policies(trace, FLEET, (policy,),
+                          SimOptions(shards=2, shared_tier=True)).to_dict()
+    assert shared["meta"]["shared_tier"] is True and "shared_tier" not in with_quotas["meta"]
+    assert shared["policies"] != with_quotas["policies"]
