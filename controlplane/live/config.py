@@ -78,7 +78,9 @@ class ServiceConfig(BaseModel):
     #: fragments a tier of few large contexts); ``shared`` = each books the whole tier,
     #: the node's own tier evicts by its order when their writes overfill it and tells the
     #: owner of each session it evicted (:meth:`LiveDriver.tier_evicted`). ``shared`` needs
-    #: agents with their own tier (backend ``local`` or ``sglang``, not ``lmcache-mp``).
+    #: agents with their own tier holding chunks named by position (backend ``local``, the
+    #: gateway sending token counts): an evicted chunk named by content (a hash, an SGLang
+    #: page) does not say whose it is, and LMCache's L1 (``lmcache-mp``) evicts unseen.
     shard_tier: Literal["split", "shared"] = "split"
 
     @model_validator(mode="after")
