@@ -74,6 +74,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "median session start")
     p.add_argument("--seed", type=int, default=0, help="seed of the arrival process")
     add_hint_arguments(p)
+    add_shard_arguments(p)
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                   help="parallel worker processes, one policy each (default: all cores)")
+    p.add_argument("--json", dest="json_out", help="write the report as JSON here (atomic)")
+    p.add_argument("--plot", help="write a PNG: TTFT CDF per policy, useful vs wasted bytes")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_shard_arguments(p: argparse.ArgumentParser) -> None:
+    """``--shards`` and ``--shared-tier`` (``sim`` and ``sim-grid``); checked by
+    :func:`check_shards`."""
     p.add_argument("--shards", type=int, default=1, metavar="N",
                    help="split the decisions over N scheduler shards, as `service.shards` "
                    "does live: each session is decided by the shard it hashes to, each shard "
@@ -83,11 +94,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --shards: the shards book each node's whole DRAM tier and the "
                    "node evicts least recently used first across them when they overfill it, "
                    "as `service.shard_tier: shared` does live (default: 1/N each)")
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
-                   help="parallel worker processes, one policy each (default: all cores)")
-    p.add_argument("--json", dest="json_out", help="write the report as JSON here (atomic)")
-    p.add_argument("--plot", help="write a PNG: TTFT CDF per policy, useful vs wasted bytes")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def check_shards(args: argparse.Namespace) -> None:
+    """Refuse a shard count out of range and ``--shared-tier`` without shards."""
+    if not 1 <= args.shards <= MAX_SHARDS:
+        raise ConfigError(f"--shards must be 1-{MAX_SHARDS}, got {args.shards}")
+    if args.shared_tier and args.shards == 1:
+        raise ConfigError("--shared-tier needs --shards N with N >= 2")
 
 
 def add_hint_arguments(p: argparse.ArgumentParser) -> None:
@@ -191,10 +205,7 @@ def run(args: argparse.Namespace) -> int:
     from predictors.registry import resolve
 
     policies = parse_policies(args.policies)
-    if not 1 <= args.shards <= MAX_SHARDS:
-        raise ConfigError(f"--shards must be 1-{MAX_SHARDS}, got {args.shards}")
-    if args.shared_tier and args.shards == 1:
-        raise ConfigError("--shared-tier needs --shards N with N >= 2")
+    check_shards(args)
     hints = hint_config(args)
     resolve(args.predictor)  # fail fast on an unknown predictor, before loading anything
     if args.fleet:

@@ -31,7 +31,13 @@ from typing import TYPE_CHECKING, Any
 
 from controlplane.base.errors import ConfigError
 from controlplane.cli.predictor_option import add_predictor_option
-from controlplane.cli.sim import DEFAULT_SIM_SESSION_RATE_PER_S, add_hint_arguments, hint_config
+from controlplane.cli.sim import (
+    DEFAULT_SIM_SESSION_RATE_PER_S,
+    add_hint_arguments,
+    add_shard_arguments,
+    check_shards,
+    hint_config,
+)
 
 if TYPE_CHECKING:
     from controlplane.sim.hints import HintConfig
@@ -43,6 +49,8 @@ examples:
   kvprefetch sim-grid --traces ../shared/traces/claude-code --nodes 2,4 --loads 1 \\
       --seeds 0,1,2 --policies ondemand,queue,predictive,predictive-duel --subject predictive-duel
   kvprefetch sim-grid --traces synthetic:research --hints typing,tool --hint-coverage 1
+  kvprefetch sim-grid --traces ../shared/traces/claude-code,synthetic:agentic --nodes 4,8 \\
+      --loads 1,2 --seeds 0 --policies ondemand,predictive --shards 2 --shared-tier
 """
 
 #: A ratio above 1 + this counts as worse (rounding of the reported TTFTs aside).
@@ -67,6 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                          help="the predictor of the policies that take one (default 'default')")
     p.add_argument("--model", default="8b", help="model preset: 8b or 70b (default 8b)")
     add_hint_arguments(p)
+    add_shard_arguments(p)
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                    help="cells run at once, one process each (default: all cores)")
     p.add_argument("--json", dest="json_out", help="write every cell and the summary here")
@@ -106,7 +115,8 @@ class Cell:
 
 
 def _run_cell(cell: Cell, policies: str, predictor: str, model: str,
-              hints: HintConfig | None) -> dict[str, Any]:
+              hints: HintConfig | None, shards: tuple[int, bool] = (1, False)
+              ) -> dict[str, Any]:
     """One cell's ``kvprefetch sim``, as the JSON of its report (in a worker process)."""
     from controlplane.base.config import default_fleet
     from controlplane.core.policies import parse_policies
@@ -118,7 +128,8 @@ def _run_cell(cell: Cell, policies: str, predictor: str, model: str,
     arrivals = ArrivalOptions(session_rate_per_s=DEFAULT_SIM_SESSION_RATE_PER_S, load=cell.load)
     trace = load_trace(cell.trace, arrivals=arrivals, seed=cell.seed)
     trace = clamp_to_window(trace, fleet.model.max_context_tokens)
-    options = SimOptions(predictor=predictor, seed=cell.seed, hints=hints)
+    options = SimOptions(predictor=predictor, seed=cell.seed, hints=hints, shards=shards[0],
+                         shared_tier=shards[1])
     report = run_policies(trace, fleet, parse_policies(policies), options)
     return report.to_dict()
 
@@ -238,6 +249,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--workers must be >= 1, got {args.workers}")
     resolve(args.predictor)
     default_fleet(args.model, nodes[0])  # an unknown --model fails here, not in every cell
+    check_shards(args)
     # Each cell's hints are drawn from its own seed, as `sim --seed S --hints ...` would.
     hints = {s: hint_config(args, seed=s) for s in seeds}
     cells = [Cell(t, n, load, s) for t in traces for n in nodes for load in loads for s in seeds]
@@ -246,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
                disable=args.no_progress or not sys.stderr.isatty())
     with bar, ProcessPoolExecutor(max_workers=min(args.workers, len(cells))) as pool:
         futures = {pool.submit(_run_cell, c, args.policies, args.predictor, args.model,
-                               hints[c.seed]): c
+                               hints[c.seed], (args.shards, args.shared_tier)): c
                    for c in cells}
         for fut in as_completed(futures):
             cell = futures[fut]
@@ -274,7 +286,8 @@ def run(args: argparse.Namespace) -> int:
         data = {"meta": {"traces": traces, "nodes": nodes, "loads": loads, "seeds": seeds,
                          "policies": names, "subject": args.subject,
                          "predictor": args.predictor, "model": args.model,
-                         "hints": args.hints},
+                         "hints": args.hints, "shards": args.shards,
+                         "shared_tier": args.shared_tier},
                 "cells": rows, "summary": summary}
         write_atomic(args.json_out, [(json.dumps(data, indent=1) + "\n").encode()])
         print(f"wrote {args.json_out}")

@@ -72,6 +72,7 @@ def test_grid_cells_are_the_sims_they_name_and_the_summary_follows(
      "--policies must include 'oracle'"),
     (["--traces", "synthetic:nope"], "unknown synthetic profile 'nope'"),
     (["--model", "13b"], "unknown model '13b'"),
+    (["--shards", "0"], "--shards must be 1-"),
 ])
 def test_bad_grids_name_what_is_wrong(argv: list[str], words: str,
                                       capsys: pytest.CaptureFixture[str]) -> None:
@@ -98,3 +99,26 @@ def test_each_cell_draws_its_hints_from_its_own_seed(tmp_path: Path) -> None:
                        SimOptions(seed=4, hints=HintConfig(seed=4))).to_dict()
     assert cell["policies"]["predictive"]["ttft_mean_s"] == rep["policies"]["predictive"][
         "returning"]["ttft_mean_s"]
+
+
+def test_a_sharded_grid_runs_each_cell_with_its_shards_sharing_the_tier(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "grid.json"
+    base = ["sim-grid", "--traces", "synthetic:agentic:16", "--nodes", "2", "--loads", "1",
+            "--seeds", "1", "--policies", "ondemand,predictive", "--workers", "1",
+            "--no-progress"]
+    assert main([*base, "--shared-tier"]) == 2
+    assert "--shared-tier needs --shards N" in capsys.readouterr().err
+    assert main([*base, "--shards", "2", "--shared-tier", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert (data["meta"]["shards"], data["meta"]["shared_tier"]) == (2, True)
+    fleet = default_fleet("8b", 2)
+    trace = clamp_to_window(load_trace(
+        "synthetic:agentic:16", seed=1,
+        arrivals=ArrivalOptions(session_rate_per_s=DEFAULT_SIM_SESSION_RATE_PER_S)),
+        fleet.model.max_context_tokens)
+    rep = run_policies(trace, fleet, parse_policies("ondemand,predictive"),
+                       SimOptions(seed=1, shards=2, shared_tier=True)).to_dict()
+    for name in ("ondemand", "predictive"):
+        assert data["cells"][0]["policies"][name]["ttft_mean_s"] == rep["policies"][name][
+            "returning"]["ttft_mean_s"]
