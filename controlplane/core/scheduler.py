@@ -1124,6 +1124,11 @@ class SchedulerCore:
                 self._plan_again(sid, now_s)
         return self._output()
 
+    def forget_local(self, node: int, sids: set[str], now_s: float) -> StepOutput:
+        """The node's tier lost these sessions (it evicted them by its own order): their
+        book entries go and idle ones are planned again, as in :meth:`reconcile`."""
+        return self.reconcile(node, lambda sid, _tokens: sid not in sids, now_s)
+
     def set_tier_capacity(self, node: int, capacity_bytes: int, now_s: float) -> StepOutput:
         """The node's DRAM-tier books may hold ``capacity_bytes`` from now on (its agent
         reported a smaller tier than configured, or this shard's quota of it moved). Over

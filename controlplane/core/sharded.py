@@ -46,11 +46,6 @@ def join_outputs(outs: Sequence[StepOutput]) -> StepOutput:
         trims=tuple(t for o in outs for t in o.trims))
 
 
-def _all_but(gone: set[str]) -> Callable[[str, int], bool]:
-    """``holds`` of :meth:`SchedulerCore.reconcile`: every session but ``gone``."""
-    return lambda sid, _tokens: sid not in gone
-
-
 class ShardedCore:
     """``shards`` cores behind the calls the simulator makes (module docstring)."""
 
@@ -94,7 +89,7 @@ class ShardedCore:
                 over -= e.nbytes
             for i, sids in gone.items():
                 self.tier_evictions += len(sids)
-                evicted.append(self.cores[i].reconcile(node, _all_but(sids), now_s))
+                evicted.append(self.cores[i].forget_local(node, sids, now_s))
         if not evicted:
             return out
         more = join_outputs(evicted)

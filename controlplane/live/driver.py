@@ -406,10 +406,9 @@ class LiveDriver:
         node = self.fleet.nodes[evictions.node]
         if node.incarnation and evictions.incarnation != node.incarnation:
             return
-        gone = set(evictions.sessions)
         before = len(self.core.dram[evictions.node])
-        self.carry(self.core.reconcile(evictions.node, lambda sid, _: sid not in gone,
-                                       self.clock.now_s()), box)
+        self.carry(self.core.forget_local(evictions.node, set(evictions.sessions),
+                                          self.clock.now_s()), box)
         self.stats.tier_evictions += before - len(self.core.dram[evictions.node])
 
     def report_transfer(self, report: TransferReport, box: Outbox) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,6 +18,17 @@ from controlplane.sim import SimOptions, run_policies
 from controlplane.sim.hints import HintConfig
 from controlplane.sim.simulator import clamp_to_window
 from controlplane.traces import ArrivalOptions, load_trace
+
+
+def _sim_by_hand(trace_name: str, nodes: int, policies: str, options: SimOptions
+                 ) -> dict[str, Any]:
+    """``kvprefetch sim`` of one grid cell run by hand (the cell's seed is ``options.seed``)."""
+    fleet = default_fleet("8b", nodes)
+    trace = clamp_to_window(load_trace(
+        trace_name, seed=options.seed,
+        arrivals=ArrivalOptions(session_rate_per_s=DEFAULT_SIM_SESSION_RATE_PER_S)),
+        fleet.model.max_context_tokens)
+    return run_policies(trace, fleet, parse_policies(policies), options).to_dict()
 
 
 def test_grid_cells_are_the_sims_they_name_and_the_summary_follows(
@@ -34,13 +46,8 @@ def test_grid_cells_are_the_sims_they_name_and_the_summary_follows(
     # One cell, run again by hand as `kvprefetch sim` would: the same figures.
     cell = next(c for c in data["cells"] if c["trace"] == "synthetic:chat:24"
                 and c["nodes"] == 2 and c["seed"] == 3)
-    fleet = default_fleet("8b", 2)
-    trace = clamp_to_window(load_trace(
-        "synthetic:chat:24", seed=3,
-        arrivals=ArrivalOptions(session_rate_per_s=DEFAULT_SIM_SESSION_RATE_PER_S)),
-        fleet.model.max_context_tokens)
-    rep = run_policies(trace, fleet, parse_policies("ondemand,queue,predictive,oracle"),
-                       SimOptions(seed=3)).to_dict()
+    rep = _sim_by_hand("synthetic:chat:24", 2, "ondemand,queue,predictive,oracle",
+                       SimOptions(seed=3))
     for name in ("ondemand", "queue", "predictive", "oracle"):
         assert cell["policies"][name]["ttft_mean_s"] == rep["policies"][name]["returning"][
             "ttft_mean_s"]
@@ -90,13 +97,8 @@ def test_each_cell_draws_its_hints_from_its_own_seed(tmp_path: Path) -> None:
                  "1", "--seeds", "4", "--policies", "ondemand,predictive", "--hints",
                  "typing,tool", "--workers", "1", "--no-progress", "--json", str(out)]) == 0
     cell = json.loads(out.read_text())["cells"][0]
-    fleet = default_fleet("8b", 1)
-    trace = clamp_to_window(load_trace(
-        "synthetic:agentic:12", seed=4,
-        arrivals=ArrivalOptions(session_rate_per_s=DEFAULT_SIM_SESSION_RATE_PER_S)),
-        fleet.model.max_context_tokens)
-    rep = run_policies(trace, fleet, parse_policies("ondemand,predictive"),
-                       SimOptions(seed=4, hints=HintConfig(seed=4))).to_dict()
+    rep = _sim_by_hand("synthetic:agentic:12", 1, "ondemand,predictive",
+                       SimOptions(seed=4, hints=HintConfig(seed=4)))
     assert cell["policies"]["predictive"]["ttft_mean_s"] == rep["policies"]["predictive"][
         "returning"]["ttft_mean_s"]
 
@@ -112,13 +114,8 @@ def test_a_sharded_grid_runs_each_cell_with_its_shards_sharing_the_tier(
     assert main([*base, "--shards", "2", "--shared-tier", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert (data["meta"]["shards"], data["meta"]["shared_tier"]) == (2, True)
-    fleet = default_fleet("8b", 2)
-    trace = clamp_to_window(load_trace(
-        "synthetic:agentic:16", seed=1,
-        arrivals=ArrivalOptions(session_rate_per_s=DEFAULT_SIM_SESSION_RATE_PER_S)),
-        fleet.model.max_context_tokens)
-    rep = run_policies(trace, fleet, parse_policies("ondemand,predictive"),
-                       SimOptions(seed=1, shards=2, shared_tier=True)).to_dict()
+    rep = _sim_by_hand("synthetic:agentic:16", 2, "ondemand,predictive",
+                       SimOptions(seed=1, shards=2, shared_tier=True))
     for name in ("ondemand", "predictive"):
         assert data["cells"][0]["policies"][name]["ttft_mean_s"] == rep["policies"][name][
             "returning"]["ttft_mean_s"]
