@@ -203,6 +203,11 @@ class IndexedTier(Tier):
         self._expiry: list[tuple[float, str, int]] = []
         #: keys with no current bound (new, invalidated)
         self._dirty: set[str] = set()
+        #: key -> a lower bound of its key, as long as its bound is current: the key when
+        #: it was bound, raised to every exact key computed since (keys only rise)
+        self._lower: dict[str, float] = {}
+        #: (time, key -> exact key at that time): the exact keys of the decision at hand
+        self._exact_at: tuple[float, dict[str, float]] = (-INF, {})
         self._seq = 0
         self.index_stats = IndexStats()
 
@@ -216,6 +221,7 @@ class IndexedTier(Tier):
         e = super().remove(key)
         if e is not None:
             self._bounds.pop(key, None)
+            self._lower.pop(key, None)
             self._dirty.discard(key)
             held = self._holders.get(key)
             if held is not None:
@@ -233,6 +239,7 @@ class IndexedTier(Tier):
     def _unbind(self, key: str) -> None:
         if self._bounded is not None:
             self._bounds.pop(key, None)
+            self._lower.pop(key, None)
             self._dirty.add(key)
 
     def _bind(self, now_s: float) -> None:
@@ -252,6 +259,7 @@ class IndexedTier(Tier):
         for key, bound in zip(keys, self._bounded.bounds(entries, now_s), strict=True):
             self._seq += 1
             self._bounds[key] = (self._seq, bound)
+            self._lower[key] = bound.now_key
             heapq.heappush(self._heap, (-bound.upper, key, self._seq))
             if bound.until_s < INF:
                 heapq.heappush(self._expiry, (bound.until_s, key, self._seq))
@@ -306,8 +314,11 @@ class IndexedTier(Tier):
     def _choose(self, need: int, now_s: float, exclude: str | None, min_key: float
                 ) -> list[TierEntry] | None:
         self._bind(now_s)
-        if not self._may_free(need, exclude, min_key):
-            self.index_stats.rejected += 1
+        self._exact_at = (now_s, {})
+        exact_keys = self.index_stats.exact_keys
+        if not self._may_free(need, exclude, min_key, now_s):
+            if self.index_stats.exact_keys == exact_keys:
+                self.index_stats.rejected += 1
             return None
         chosen: list[TierEntry] = []
         gained = 0
@@ -325,23 +336,48 @@ class IndexedTier(Tier):
                     heapq.heappush(self._heap, rec)
         return chosen if gained >= need else None
 
-    def _may_free(self, need: int, exclude: str | None, floor: float) -> bool:
-        """Whether the evictable entries whose *bound* is above ``floor`` hold ``need``
-        bytes. If not, no decision can free them (an exact key is at most its bound), so
-        it is refused without one exact key. Most write-through decisions under pressure
-        are refused (the session that just finished is wanted sooner than the residents
-        that could make room: 11,000 of 12,000 in ``kvprefetch bench control-plane``),
-        each after the exact key of every entry above the floor; this check refuses from
-        the bounds alone (``IndexStats.rejected``) 28% of all decisions at 2,000 sessions
-        and speedup 1, 93% at 10^5 sessions (there, with the window halving below, the
-        exact keys fell from 481,851 to 187,907 and events/s rose from 9,581 to 22,552).
-        A walk of the heap from
-        its top that skips every subtree at or below ``floor`` (a max-heap's children are
-        no larger): the records above it, and their children."""
+    def _exact_key(self, key: str, e: TierEntry, bound: KeyBound, now_s: float) -> float:
+        """The entry's key at ``now_s`` (the decision's time), computed once per decision;
+        it becomes the entry's lower bound. A key above its bound is a miss: the entry is
+        re-bounded and the decision taken again (:meth:`victims_for`). A key below its
+        lower bound (a shared law fell) only lowers it: like a rise above a bound, such a
+        fall is seen only when that entry's key is computed (see the module doc)."""
+        if bound.exact:
+            return bound.now_key
+        done = self._exact_at[1]
+        exact = done.get(key)
+        if exact is not None:
+            return exact
+        bounded = self._bounded
+        assert bounded is not None
+        key_of = getattr(bounded, "exact_key", None)
+        exact = bounded.keys([e], now_s)[0] if key_of is None else key_of(e, now_s)
+        done[key] = exact
+        self.index_stats.exact_keys += 1
+        if exact > bound.upper:
+            self.index_stats.bound_misses += 1
+            self._unbind(key)
+        else:
+            self._lower[key] = exact
+        return exact
+
+    def _may_free(self, need: int, exclude: str | None, floor: float, now_s: float) -> bool:
+        """Whether the evictable entries whose key is above ``floor`` hold ``need`` bytes:
+        the question a decision answers first, and most answer no (the session that just
+        finished is wanted sooner than the residents that could make room). Entries whose
+        *bound* is at or below ``floor`` cannot count (an exact key is at most its bound);
+        entries whose *lower* bound is above it do (keys only rise between events: the
+        key when bound, or the last exact key computed, bounds it from below); exact keys
+        are computed only for the entries in between, largest bound first, until the
+        answer is certain. A walk of the heap from its top that skips every subtree at or
+        below ``floor`` (a max-heap's children are no larger): the records above it, and
+        their children."""
         heap = self._heap
         size = len(heap)
         stack = [0] if size else []
-        got = 0
+        sure = maybe = 0
+        lower = self._lower
+        unsure: list[tuple[float, str, TierEntry, KeyBound]] = []
         while stack:
             i = stack.pop()
             neg_upper, key, seq = heap[i]
@@ -352,14 +388,34 @@ class IndexedTier(Tier):
                 stack.append(child)
                 if child + 1 < size:
                     stack.append(child + 1)
-            if key == exclude or not self._current(key, seq):
+            if key == exclude:
+                continue
+            cur = self._bounds.get(key)
+            if cur is None or cur[0] != seq:
                 continue
             e = self._entries[key]
-            if not e.pinned:
-                got += e.nbytes
-                if got >= need:
+            if e.pinned:
+                continue
+            maybe += e.nbytes
+            if floor == -INF or lower[key] > floor:
+                sure += e.nbytes
+                if sure >= need:
                     return True
-        return False
+            else:
+                unsure.append((neg_upper, key, e, cur[1]))
+        if maybe < need:
+            return False
+        unsure.sort(key=lambda u: (u[0], u[1]))
+        for _, key, e, bound in unsure:
+            if self._exact_key(key, e, bound, now_s) > floor:
+                sure += e.nbytes
+                if sure >= need:
+                    return True
+            else:
+                maybe -= e.nbytes
+                if maybe < need:
+                    return False
+        return sure >= need
 
     def _in_order(self, now_s: float, exclude: str | None,
                   popped: list[tuple[float, str, int]], floor: float = -INF
@@ -371,9 +427,6 @@ class IndexedTier(Tier):
         assert self._bounded is not None
         heap = self._heap
         ready: list[tuple[float, str, TierEntry]] = []  # (-exact key, name, entry)
-        stats = self.index_stats
-        bounded = self._bounded
-        key_of = getattr(bounded, "exact_key", None)
         while True:
             while heap:
                 neg_upper, key, seq = heap[0]
@@ -390,16 +443,7 @@ class IndexedTier(Tier):
                 e = self._entries[key]
                 if e.pinned or key == exclude:
                     continue
-                bound = cur[1]
-                if bound.exact:
-                    exact = bound.now_key
-                else:
-                    exact = (bounded.keys([e], now_s)[0] if key_of is None
-                             else key_of(e, now_s))
-                    stats.exact_keys += 1
-                    if exact > bound.upper:
-                        stats.bound_misses += 1
-                        self._unbind(key)
+                exact = self._exact_key(key, e, cur[1], now_s)
                 heapq.heappush(ready, (-exact, key, e))
             if not ready:
                 return
