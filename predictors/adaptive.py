@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import json
 import math
+from array import array
 import time
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Sequence
@@ -198,7 +199,7 @@ class _Bucket:
     #: gaps folded in since the curve was built
     pending: int = 0
     #: the curve's survival negated (non-decreasing, for bisect)
-    neg: tuple[float, ...] = ()
+    neg: Sequence[float] = ()
     #: (curve, quantiles, p_return, confidence) read at silence 0 from that curve: what
     #: every forecast of a session that has just finished asks (see ``AdaptivePredictor._one``)
     fresh: tuple[SurvivalCurve, tuple[float, float, float], float, float] | None = None
@@ -248,7 +249,7 @@ class _Bucket:
 
 
 def _bucket_curve(grid: tuple[float, ...], seg: np.ndarray, p_never: float
-                  ) -> tuple[SurvivalCurve, tuple[float, ...]]:
+                  ) -> tuple[SurvivalCurve, Sequence[float]]:
     """A bucket's survival curve from its segment weights and never share, and its
     survival negated (for bisect).
 
@@ -275,7 +276,9 @@ def _bucket_curve(grid: tuple[float, ...], seg: np.ndarray, p_never: float
     object.__setattr__(curve, "gaps_s", grid)
     object.__setattr__(curve, "survival", survival)
     object.__setattr__(curve, "_area", None)
-    neg = tuple((-surv).tolist())
+    # Read only by bisect: a copy of the array's bytes, not 1,300 Python floats.
+    neg = array("d")
+    neg.frombytes((-surv).tobytes())
     object.__setattr__(curve, "_neg", neg)
     return curve, neg
 
@@ -546,7 +549,7 @@ def _survival_at(g: Sequence[float], s: Sequence[float], t: float) -> float:
     return s[j - 1] + w * (s[j] - s[j - 1])
 
 
-def _read_curve(curve: SurvivalCurve, neg: tuple[float, ...], silence_s: float
+def _read_curve(curve: SurvivalCurve, neg: Sequence[float], silence_s: float
                 ) -> tuple[tuple[float, float, float], float]:
     """The forecast's numbers at a silence: ``min(NEVER_S, curve.quantile_after(silence_s,
     level))`` for the three :data:`FORECAST_LEVELS` and ``curve.p_within(silence_s,

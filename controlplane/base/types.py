@@ -10,7 +10,7 @@ import enum
 import itertools
 import math
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from controlplane.base.records import quick_init
@@ -319,7 +319,8 @@ class SurvivalCurve:
     #: needs it, see :meth:`_areas`: only the value rule integrates a curve)
     _area: tuple[float, ...] | None = field(init=False, repr=False, compare=False)
     #: -survival, non-decreasing, for bisect
-    _neg: tuple[float, ...] = field(init=False, repr=False, compare=False)
+    #: ``survival`` negated (non-decreasing, for bisect); any sequence of floats
+    _neg: Sequence[float] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         g, s = self.gaps_s, self.survival

@@ -93,16 +93,21 @@ class Router:
         held = min(reuse, req.remote_tokens)
         prefill: dict[int, float] = {}  # by the tokens reused from anywhere
         out = []
+        # min(a, b) and max(a, b) written out (``b if b < a else a`` is what they return)
         for _, queue_wait_s, hbm_tokens, dram_tokens, dram_wait_s, backlog_s in nodes:
-            hbm = min(reuse, hbm_tokens)
-            dram = max(hbm, min(reuse, dram_tokens))
-            remote = max(dram, held)
+            hbm = hbm_tokens if hbm_tokens < reuse else reuse
+            dram = dram_tokens if dram_tokens < reuse else reuse
+            if not dram > hbm:
+                dram = hbm
+            remote = held if held > dram else dram
             load_s = (dram - hbm) * bpt / h2d
             if dram > hbm:
                 load_s += dram_wait_s
             if remote > dram:
-                load_s = max(load_s, backlog_s + req.remote_latency_s
-                             + (remote - dram) * bpt * req.remote_s_per_byte)
+                fetch_s = (backlog_s + req.remote_latency_s
+                           + (remote - dram) * bpt * req.remote_s_per_byte)
+                if fetch_s > load_s:
+                    load_s = fetch_s
             prefill_s = prefill.get(remote)
             if prefill_s is None:
                 prefill_s = prefill[remote] = self._fleet.prefill_s(req.input_tokens - remote,
@@ -114,7 +119,13 @@ class Router:
         """The node with the lowest estimated TTFT (ties: the lower node number), unless
         the session's home node is within the affinity margin of it."""
         estimates = self.estimates(req, nodes)
-        best = min(range(len(nodes)), key=lambda i: (estimates[i], nodes[i][0]))
+        if not nodes:
+            raise ValueError("no node to route to")
+        best = 0  # min over (estimate, node number), written out
+        for i in range(1, len(nodes)):
+            e, b = estimates[i], estimates[best]
+            if e < b or (e == b and nodes[i][0] < nodes[best][0]):
+                best = i
         if req.home_node is not None:
             for i, numbers in enumerate(nodes):
                 if numbers[0] == req.home_node:
