@@ -500,7 +500,10 @@ class EvictionDuel:
 
     def returned(self, sid: str) -> None:
         """The session's next request arrived: decide every open duel it is in."""
-        for did in sorted(self._by_session.pop(sid, ())):
+        ids = self._by_session.pop(sid, None)
+        if not ids:
+            return  # every request asks; duels exist only under the dueling policy
+        for did in sorted(ids):
             pair = self._forget(did)
             if pair is None:
                 continue
