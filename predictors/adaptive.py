@@ -54,8 +54,8 @@ from __future__ import annotations
 
 import json
 import math
-from array import array
 import time
+from array import array
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field

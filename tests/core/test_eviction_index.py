@@ -118,6 +118,30 @@ def test_a_decision_the_bounds_cannot_meet_is_refused_without_exact_keys() -> No
     assert _names(tier.victims_for(500, 1.0, min_key=5.0)) == ["b", "a"]
 
 
+def test_lower_bounds_settle_a_decision_without_exact_keys() -> None:
+    # Keys only rise between events, so an entry's key when it was bound (or its last
+    # exact key) bounds it from below: entries above the floor by that alone count
+    # without an exact key; only those whose bounds straddle the floor are computed.
+    keys = _RisingKeys()
+    tier = IndexedTier("t", 1_200, keys)
+    for name, base, size in (("a", 10.0, 300), ("b", 20.0, 300), ("c", 1.0, 300),
+                             ("d", 7.0, 200)):
+        keys.set(name, base, 1.0)
+        tier.put(TierEntry(name, 1, size, 0.0))
+    tier.victims_for(1, 0.0)  # binds: a in [10, 15], b in [20, 25], c in [1, 6], d in [7, 12]
+    # 700 bytes above 9.5? Bounds: a, b and d may be (800). Lower bounds: a and b are (600);
+    # d straddles 9.5, its exact key (8) is not: refused after one exact key, where
+    # ranking the entries would have computed b's, a's and d's.
+    exact = tier.index_stats.exact_keys
+    assert tier.victims_for(800, 1.0, min_key=9.5) is None
+    assert Tier.victims_for(tier, 800, 1.0, min_key=9.5) is None
+    assert tier.index_stats.exact_keys - exact == 1
+    assert tier.index_stats.rejected == 0  # decided by an exact key, not the bounds alone
+    # A decision that can be met still takes its victims in the full sort's order.
+    assert _names(tier.victims_for(500, 1.0, min_key=9.5)) == ["b", "a"]
+    assert _names(Tier.victims_for(tier, 500, 1.0, min_key=9.5)) == ["b", "a"]
+
+
 def test_lru_index_follows_uses_without_invalidation() -> None:
     tier = IndexedTier("t", 300, IndexedLruEviction())
     for i, name in enumerate("abc"):
