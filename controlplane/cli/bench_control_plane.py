@@ -43,10 +43,14 @@ Reported per mode: events/s, route p50/p99 in ms (as the caller sees it), planni
 p99 in ms, bytes per idle session (n/a through Ray: each shard actor's RSS before and
 after is in shard_rss_mib instead), lost events (refused, timed out or failed calls); for
 ray-N the ratio to ray-1 and, with --kill-shard, the restart time and each shard's route
-p99 before and after the kill. JSON (--json, written atomically):
+p99 before and after the kill. Ray modes also report the CPU seconds each shard actor's
+process and this one (the generator with its Ray driver) used while measuring, as cores
+busy, and the events per shard-CPU-second: with the generator sharing the machine's
+cores, what ray-N would give with a core per shard at the CPU cost per event measured
+(its ratio to ray-1's is printed). JSON (--json, written atomically):
   {"modes": {"<mode>": {"events_per_s", "route_p50_ms", "route_p99_ms", "plan_p99_ms",
-   "bytes_per_session", "lost_events", "shards", "shard_rss_mib", "kill", ...}},
-   "sessions": N, ...}
+   "bytes_per_session", "lost_events", "shards", "shard_rss_mib", "kill", "cpu_s",
+   "events_per_shard_cpu_s", ...}}, "sessions": N, ...}
 
 examples:
   kvprefetch bench control-plane                       # ~1 min: inproc, service, ray-1

@@ -136,9 +136,24 @@ class ModeResult:
     #: With ``kill_shard``: seconds until the killed shard answered again, and each shard's
     #: route p99 (ms) before and after the kill.
     kill: dict[str, Any] = field(default_factory=dict)
+    #: Ray modes: CPU seconds used while measuring by each shard actor's process (None for
+    #: one restarted meanwhile) and by this process (the generator and its Ray driver).
+    cpu_s: dict[str, float | None] = field(default_factory=dict)
+
+    @property
+    def events_per_shard_cpu_s(self) -> float | None:
+        """Events per CPU second of the shards together: what they would sustain with a
+        core each at the CPU cost per event measured (Ray modes; None without it)."""
+        shard_cpu = [v for k, v in self.cpu_s.items() if k != "generator"]
+        if not shard_cpu or any(v is None for v in shard_cpu):
+            return None
+        total = sum(v for v in shard_cpu if v is not None)
+        return self.events / total if total > 0 else None
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        out["events_per_shard_cpu_s"] = self.events_per_shard_cpu_s
+        return out
 
 
 class Target(Protocol):
@@ -410,12 +425,19 @@ def run_mode(mode: str, trace: Trace, spec: LoadSpec,
         if isinstance(target, ClientTarget):
             target.mark()
         plan_before = len(target.plan_steps_s()) if isinstance(target, CoreTarget) else 0
+        cpu_before = target.cpu_s() if isinstance(target, RayTarget) else []
+        generator_cpu = time.process_time()
         routes: list[float] = []
         turns = spec.events // 2
         began = time.perf_counter()
         lost += _measure(target, player, sids, spec, turns, routes, progress)
         lost += target.settle()  # queued events count once answered
         elapsed = time.perf_counter() - began
+        cpu: dict[str, float | None] = {}
+        if isinstance(target, RayTarget):
+            for i, (b, a) in enumerate(zip(cpu_before, target.cpu_s(), strict=True)):
+                cpu[f"shard-{i}"] = round(a - b, 3) if a >= b else None  # None: restarted
+            cpu["generator"] = round(time.process_time() - generator_cpu, 3)
         plans = target.plan_steps_s()[plan_before:]
         index = target.index_stats()
         batching = target.batch_stats() if isinstance(target, ClientTarget) else {}
@@ -431,7 +453,8 @@ def run_mode(mode: str, trace: Trace, spec: LoadSpec,
     return ModeResult(
         mode, 2 * turns / elapsed if elapsed > 0 else 0.0, quantile(routes, 0.5) * 1e3,
         quantile(routes, 0.99) * 1e3, quantile(plans, 0.99) * 1e3 if plans else None,
-        bytes_per, lost, 2 * turns, round(populate_s, 3), index, batching, shards, rss, kill)
+        bytes_per, lost, 2 * turns, round(populate_s, 3), index, batching, shards, rss, kill,
+        cpu)
 
 
 def _measure(target: Target, player: _Player, sids: Sequence[str], spec: LoadSpec,
@@ -592,6 +615,12 @@ class RayTarget(ClientTarget):
                                       if t is not None)
         return nodes
 
+    def cpu_s(self) -> list[float]:
+        """Each shard actor process's CPU seconds so far (a restarted one counts anew)."""
+        import ray
+
+        return list(ray.get([h.cpu_seconds.remote() for h in self._handles], timeout=30))
+
     def rss_mib(self) -> list[float]:
         """Each shard actor's resident memory now, MiB."""
         import ray
@@ -675,10 +704,23 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(f"{mode:<9} {m['events_per_s']:>10,.0f} {m['route_p50_ms']:>8.3f}ms "
                      f"{m['route_p99_ms']:>8.3f}ms {num(m['plan_p99_ms'], '>7.2f')}ms "
                      f"{num(m['bytes_per_session'], '>10,.0f'):>10} {m['lost_events']:>6}")
-    base = result["modes"].get("ray-1", {}).get("events_per_s")
+    ray1 = result["modes"].get("ray-1", {})
+    base, base_cpu = ray1.get("events_per_s"), ray1.get("events_per_shard_cpu_s")
     for mode, m in result["modes"].items():
         if m.get("shards", 1) > 1 and base:
             lines.append(f"{mode}: {m['events_per_s'] / base:.2f}x ray-1's events/s")
+        cpu, per_cpu = m.get("cpu_s") or {}, m.get("events_per_shard_cpu_s")
+        if cpu and m.get("events"):
+            wall = m["events"] / m["events_per_s"] if m["events_per_s"] else 0.0
+            cores = ", ".join(f"{k} {num(v / wall if v is not None and wall else None, '.2f')}"
+                              for k, v in cpu.items())
+            line = f"{mode}: cores busy while measuring: {cores}"
+            if per_cpu:
+                line += f"; {per_cpu:,.0f} events per shard-CPU-second"
+                if base_cpu and m.get("shards", 1) > 1:
+                    line += (f" (with a core per shard: {m['shards'] * per_cpu / base_cpu:.2f}x "
+                             "ray-1's)")
+            lines.append(line)
         kill = m.get("kill") or {}
         if kill:
             restart = kill["restart_s"]

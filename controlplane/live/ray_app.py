@@ -27,6 +27,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -188,6 +189,10 @@ class _SchedulerActor:
                 except ServiceError as exc:
                     answers.append(exc)
         return refused, answers
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds this actor process has used (all its threads, Ray's included)."""
+        return time.process_time()
 
     def rss_bytes(self) -> int:
         """This actor process's resident memory (Linux ``/proc``; 0 elsewhere)."""

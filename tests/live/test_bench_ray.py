@@ -21,7 +21,8 @@ from controlplane.cli import main
 pytestmark = [pytest.mark.slow, pytest.mark.servers]
 
 
-def test_bench_control_plane_ray_1_tiny(tmp_path: Path) -> None:
+def test_bench_control_plane_ray_1_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                       ) -> None:
     out = tmp_path / "cp.json"
     assert main(["bench", "control-plane", "--modes", "ray-1,ray-1-sync", "--sessions", "100",
                  "--events", "400", "--json", str(out), "--no-progress"]) == 0
@@ -32,6 +33,11 @@ def test_bench_control_plane_ray_1_tiny(tmp_path: Path) -> None:
         assert m["events_per_s"] > 0 and 0 < m["route_p50_ms"] <= m["route_p99_ms"]
         assert m["bytes_per_session"] is None  # the actor's memory is not traced from here
         assert m["plan_p99_ms"] is not None  # the actor's control loop ran and was timed
+        # The shard actor's CPU while measuring, and this process's (the generator's).
+        assert set(m["cpu_s"]) == {"shard-0", "generator"}
+        assert m["cpu_s"]["shard-0"] > 0 and m["cpu_s"]["generator"] > 0
+        assert m["events_per_shard_cpu_s"] == pytest.approx(400 / m["cpu_s"]["shard-0"])
+    assert "ray-1: cores busy while measuring: shard-0 " in capsys.readouterr().out
     batching = modes["ray-1"]["batching"]
     # Every request_finished was queued (100 populating + 200 measured) and answered.
     assert batching["queued"] == 300 and batching["refused"] == 0
