@@ -318,7 +318,6 @@ class SurvivalCurve:
     #: integral of S over [0, gaps_s[i]], per knot (None until :meth:`integral` first
     #: needs it, see :meth:`_areas`: only the value rule integrates a curve)
     _area: tuple[float, ...] | None = field(init=False, repr=False, compare=False)
-    #: -survival, non-decreasing, for bisect
     #: ``survival`` negated (non-decreasing, for bisect); any sequence of floats
     _neg: Sequence[float] = field(init=False, repr=False, compare=False)
 

@@ -213,8 +213,8 @@ class IndexedTier(Tier):
         #: key -> a lower bound of its key, as long as its bound is current: the key when
         #: it was bound, raised to every exact key computed since (keys only rise)
         self._lower: dict[str, float] = {}
-        #: (time, key -> exact key at that time): the exact keys of the decision at hand
-        self._exact_at: tuple[float, dict[str, float]] = (-INF, {})
+        #: key -> its exact key at the time of the decision at hand (reset per decision)
+        self._exact_now: dict[str, float] = {}
         self._seq = 0
         self.index_stats = IndexStats()
 
@@ -321,7 +321,7 @@ class IndexedTier(Tier):
     def _choose(self, need: int, now_s: float, exclude: str | None, min_key: float
                 ) -> list[TierEntry] | None:
         self._bind(now_s)
-        self._exact_at = (now_s, {})
+        self._exact_now = {}
         exact_keys = self.index_stats.exact_keys
         if not self._may_free(need, exclude, min_key, now_s):
             if self.index_stats.exact_keys == exact_keys:
@@ -351,7 +351,7 @@ class IndexedTier(Tier):
         fall is seen only when that entry's key is computed (see the module doc)."""
         if bound.exact:
             return bound.now_key
-        done = self._exact_at[1]
+        done = self._exact_now
         exact = done.get(key)
         if exact is not None:
             return exact

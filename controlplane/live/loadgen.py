@@ -436,7 +436,8 @@ def run_mode(mode: str, trace: Trace, spec: LoadSpec,
         cpu: dict[str, float | None] = {}
         if isinstance(target, RayTarget):
             for i, (b, a) in enumerate(zip(cpu_before, target.cpu_s(), strict=True)):
-                cpu[f"shard-{i}"] = round(a - b, 3) if a >= b else None  # None: restarted
+                # A killed shard's new process counts from its restart: not comparable.
+                cpu[f"shard-{i}"] = None if i == target.killed_shard else round(a - b, 3)
             cpu["generator"] = round(time.process_time() - generator_cpu, 3)
         plans = target.plan_steps_s()[plan_before:]
         index = target.index_stats()
@@ -614,6 +615,11 @@ class RayTarget(ClientTarget):
             self._shard_routes.extend((since, s, t) for s, t in enumerate(per_shard)
                                       if t is not None)
         return nodes
+
+    @property
+    def killed_shard(self) -> int | None:
+        """The shard :meth:`kill` killed, if it did."""
+        return self._killed
 
     def cpu_s(self) -> list[float]:
         """Each shard actor process's CPU seconds so far (a restarted one counts anew)."""

@@ -88,3 +88,6 @@ def test_bench_kills_a_shard_and_loses_nothing(tmp_path: Path) -> None:
     assert all(v["before"] > 0 and v["after"] > 0 for v in by_shard.values())
     # The client re-sent what the dead incarnation never answered, or had nothing queued.
     assert m["batching"]["refused"] == 0
+    # The killed shard's CPU is not comparable across its restart; the other's is counted.
+    assert m["cpu_s"]["shard-1"] is None and m["cpu_s"]["shard-0"] > 0
+    assert m["events_per_shard_cpu_s"] is None
