@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from pydantic import BaseModel
 
@@ -56,6 +56,7 @@ from controlplane.base.wire import (
     TierEvictions,
     TransferReport,
 )
+from controlplane.live.packing import pack, unpack
 from controlplane.live.protocol import GatewayAPI, RemoteAPI, SchedulerAPI
 from controlplane.live.sessions import SessionQuery, SessionState
 from controlplane.live.tenants import TenantQuotaError
@@ -70,6 +71,24 @@ INPROC_WORKERS = 8
 
 _Call = TypeVar("_Call", bound=BaseModel)
 _T = TypeVar("_T")
+
+
+class _Timed(Protocol):
+    timeout_s: float
+
+
+_Transport = TypeVar("_Transport", bound=_Timed)
+
+
+def with_timeout(transport: _Transport, timeout_s: float) -> _Transport:
+    """``transport`` with its calls bounded by ``timeout_s``: itself when that is already
+    its timeout (a client asks for a view on every call), else a shallow copy, which shares
+    its connection."""
+    if timeout_s == transport.timeout_s:
+        return transport
+    view = copy.copy(transport)
+    view.timeout_s = timeout_s
+    return view
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,7 +269,8 @@ class RayTransport:
     translated here (the service's typed errors are raised as they are). With
     ``batching`` the fire-and-forget events are queued (:class:`EventBatcher`): their
     calls answer ``Ack(accepted=True)`` at once, and a refusal is counted in
-    ``batcher.stats`` and logged."""
+    ``batcher.stats`` and logged. The calls made per request and the route answers cross
+    as tuples (:mod:`controlplane.live.packing`)."""
 
     def __init__(self, address: str, namespace: str, *,
                  timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -273,9 +293,7 @@ class RayTransport:
             None if batching is None else EventBatcher(self._handle, batching, self._get))
 
     def with_timeout(self, timeout_s: float) -> RayTransport:
-        view = copy.copy(self)
-        view.timeout_s = timeout_s
-        return view
+        return with_timeout(self, timeout_s)
 
     def close(self) -> None:
         if self.batcher is not None:
@@ -284,7 +302,7 @@ class RayTransport:
     def _queued(self, kind: str, call: Any) -> bool:
         if self.batcher is None:
             return False
-        self.batcher.submit(kind, call)
+        self.batcher.submit(kind, pack(call))
         return True
 
     def _get(self, op: str, ref: Any) -> Any:
@@ -327,8 +345,9 @@ class RayTransport:
             return answer
         # The queued events go first, in the same call. If it times out they were sent
         # all the same (the actor applies them); a refusal is counted.
+        packed = pack(call)
         sent: tuple[Any, list[tuple[str, Any]]] = self.batcher.send_with(
-            lambda events: self._handle.route_after.remote(events, call))
+            lambda events: self._handle.route_after.remote(events, packed))
         ref, events = sent
         try:
             refused, answer = self._get("route", ref)
@@ -336,7 +355,7 @@ class RayTransport:
             self.batcher.put_back(events)  # the actor died: they go again, first
             raise
         self.batcher.settle_refusals(refused)
-        return answer
+        return unpack(api.RouteAnswer, answer)
 
     def _retried(self, op: str, call: Callable[[], _T]) -> _T:
         """``call`` again while the actor is unavailable (Ray is restarting it; the calls
@@ -355,10 +374,11 @@ class RayTransport:
     def send_routes(self, calls: Sequence[api.RouteQuery]) -> tuple[Any, list[tuple[str, Any]]]:
         """Send ``calls`` (and the queued events, ahead of them) in one actor call; the
         reference and the events it carried, for :meth:`routes_answered`."""
+        packed = [pack(call) for call in calls]
         if self.batcher is None:
-            return self._handle.route_many_after.remote([], list(calls)), []
+            return self._handle.route_many_after.remote([], packed), []
         return self.batcher.send_with(
-            lambda events: self._handle.route_many_after.remote(events, list(calls)))
+            lambda events: self._handle.route_many_after.remote(events, packed))
 
     def routes_answered(self, sent: tuple[Any, list[tuple[str, Any]]]
                         ) -> list[api.RouteAnswer | ServiceError]:
@@ -372,7 +392,7 @@ class RayTransport:
             raise
         if self.batcher is not None:
             self.batcher.settle_refusals(refused)
-        return list(answers)
+        return [unpack(api.RouteAnswer, a) for a in answers]
 
     def route_many(self, calls: Sequence[api.RouteQuery]
                    ) -> list[api.RouteAnswer | ServiceError]:
@@ -479,9 +499,7 @@ class InProcessTransport:
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvprefetch-inproc")
 
     def with_timeout(self, timeout_s: float) -> InProcessTransport:
-        view = copy.copy(self)
-        view.timeout_s = timeout_s
-        return view
+        return with_timeout(self, timeout_s)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -557,9 +575,7 @@ class HttpTransport:
         self.timeout_s = timeout_s
 
     def with_timeout(self, timeout_s: float) -> HttpTransport:
-        view = copy.copy(self)
-        view.timeout_s = timeout_s
-        return view
+        return with_timeout(self, timeout_s)
 
     def close(self) -> None:
         self._client.close()

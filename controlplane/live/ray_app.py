@@ -58,6 +58,7 @@ from controlplane.base.wire import (
     TransferOrder,
     TransferReport,
 )
+from controlplane.live.packing import pack, unpack, unpack_event
 from controlplane.live.protocol import SchedulerAPI
 from controlplane.live.service import SchedulerService, ServiceConfig
 from controlplane.live.sessions import SessionQuery, SessionState
@@ -159,33 +160,36 @@ class _SchedulerActor:
             try:
                 if method is None:
                     raise ValueError(f"not a batched event: {kind!r}")
-                method(self.svc, call)
+                method(self.svc, unpack_event(kind, call))
             except Exception as exc:  # counted by the client, never fatal to the batch
                 log.debug("batched %s refused", kind, exc_info=True)
                 refused.append(f"{kind}: {type(exc).__name__}: {exc}")
 
-    def route_after(self, events: Sequence[tuple[str, Any]], call: api.RouteQuery
-                    ) -> tuple[list[str], api.RouteAnswer]:
+    def route_after(self, events: Sequence[tuple[str, Any]],
+                    call: api.RouteQuery | tuple[Any, ...]
+                    ) -> tuple[list[str], tuple[Any, ...]]:
         """The events queued before this route, then the route: one actor call, one
-        step."""
+        step. The answer is packed (:mod:`controlplane.live.packing`)."""
         refused: list[str] = []
         with self.svc.batch():
             self._apply(events, refused)
-            answer = self.svc.route(call)
-        return refused, answer
+            answer = self.svc.route(unpack(api.RouteQuery, call))
+        return refused, pack(answer)
 
     def route_many_after(self, events: Sequence[tuple[str, Any]],
-                         calls: Sequence[api.RouteQuery]
-                         ) -> tuple[list[str], list[api.RouteAnswer | ServiceError]]:
+                         calls: Sequence[api.RouteQuery | tuple[Any, ...]]
+                         ) -> tuple[list[str], list[tuple[Any, ...] | ServiceError]]:
         """The events queued before these routes, then the routes in order: one actor
-        call. A refused route answers its typed error; the others are routed."""
+        call. A refused route answers its typed error; the others are routed (answers
+        packed, :mod:`controlplane.live.packing`)."""
         refused: list[str] = []
-        answers: list[api.RouteAnswer | ServiceError] = []
+        answers: list[tuple[Any, ...] | ServiceError] = []
+        route = self.svc.route
         with self.svc.batch():
             self._apply(events, refused)
             for call in calls:
                 try:
-                    answers.append(self.svc.route(call))
+                    answers.append(pack(route(unpack(api.RouteQuery, call))))
                 except ServiceError as exc:
                     answers.append(exc)
         return refused, answers

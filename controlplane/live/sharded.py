@@ -16,7 +16,6 @@ when there is one.
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -33,7 +32,7 @@ from controlplane.base.wire import (
     TransferReport,
     order_epoch,
 )
-from controlplane.live.client import EventBatcher, EventBatching, RayTransport
+from controlplane.live.client import EventBatcher, EventBatching, RayTransport, with_timeout
 from controlplane.live.protocol import RemoteAPI, SchedulerAPI
 from controlplane.live.sessions import SessionQuery, SessionState
 
@@ -89,9 +88,9 @@ class ShardedTransport:
         return [t.batcher for t in self.transports if t.batcher is not None]
 
     def with_timeout(self, timeout_s: float) -> ShardedTransport:
-        view = copy.copy(self)
-        view.transports = [t.with_timeout(timeout_s) for t in self.transports]
-        view.timeout_s = timeout_s
+        view = with_timeout(self, timeout_s)
+        if view is not self:
+            view.transports = [t.with_timeout(timeout_s) for t in self.transports]
         return view
 
     def close(self) -> None:

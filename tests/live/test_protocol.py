@@ -115,6 +115,19 @@ def test_a_remote_api_is_called_with_each_calls_timeout_and_closed_by_the_client
     assert remote.closed
 
 
+def test_a_view_with_the_transports_own_timeout_is_the_transport() -> None:
+    """A client asks for a view on every call: with the transport's own timeout it gets
+    the transport, with another a copy that shares its state."""
+    with SchedulerService(ServiceConfig(fleet=FLEET)) as svc:
+        transport = InProcessTransport(svc, timeout_s=2.0)
+        assert transport.with_timeout(2.0) is transport
+        view = transport.with_timeout(0.5)
+        assert view is not transport and view.timeout_s == 0.5 and transport.timeout_s == 2.0
+        assert view.route(api.RouteQuery(session_id="s", input_tokens=10)).node in (0, 1)
+        assert svc.has_session("default", "s")
+        transport.close()
+
+
 def test_timeouts_answer_without_prefetch_and_drop_the_event() -> None:
     c = Client(_Remote(slow=True), timeout_s=1.0)
     ans = c.route("s", input_tokens=10)
