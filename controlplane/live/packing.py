@@ -37,16 +37,18 @@ EVENT_TYPES: dict[str, type[Any]] = {"request_started": api.RequestStarted,
 class _Layout:
     """One packed type: its field names in order, and how to read and rebuild them."""
 
-    __slots__ = ("bits", "given", "names", "values")
+    __slots__ = ("all_bits", "bits", "given", "names", "values")
 
     def __init__(self, model: type[Any]) -> None:
         self.names: tuple[str, ...] = tuple(model.model_fields)
         self.bits = {name: 1 << i for i, name in enumerate(self.names)}
         self.values = itemgetter(*self.names)
+        self.all_bits = (1 << len(self.names)) - 1
         #: The set of fields given, by mask (filled as masks are met; at most 2^fields).
         self.given: dict[int, frozenset[str]] = {}
 
     def given_set(self, mask: int) -> set[str]:
+        mask &= self.all_bits  # bits past the fields name nothing (and the cache stays bounded)
         names = self.given.get(mask)
         if names is None:
             names = self.given[mask] = frozenset(

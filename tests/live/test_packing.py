@@ -98,3 +98,6 @@ def test_a_tuple_of_the_wrong_length_is_refused_by_name() -> None:
         unpack(api.RouteQuery, packed[:3])
     with pytest.raises(InvalidRequestError, match="packed RequestFinished"):
         unpack_event("request_finished", packed)
+    # bits past the fields name nothing
+    wide = unpack(api.RouteQuery, (*packed[:-1], packed[-1] | 1 << 40))
+    assert wide.model_fields_set == {"session_id", "input_tokens"}
