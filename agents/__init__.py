@@ -4,9 +4,9 @@ Importing this package imports neither valkey nor boto3: the stores import them 
 ``start``.
 """
 
-from agents.embedded import EmbeddedS3, EmbeddedValkey
-from agents.linkemu import LinkEmulator, LinkProfile
-from agents.stores import (
+from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey
+from kvprefetch.agents.linkemu import LinkEmulator, LinkProfile
+from kvprefetch.agents.stores import (
     CancelToken,
     GetResult,
     LocalTier,
@@ -22,7 +22,7 @@ from agents.stores import (
     ValkeyStore,
     ValkeyStoreConfig,
 )
-from agents.transfer import (
+from kvprefetch.agents.transfer import (
     TokenBucket,
     TransferConfig,
     TransferEngine,

@@ -1,16 +1,18 @@
 """The prefetch agent: one per GPU node, carrying out the scheduler's transfer orders.
 
-It owns the node's local DRAM tier (:class:`~agents.stores.LocalTier`), a connection to
-the remote token store (Valkey in front of S3, :class:`~agents.stores.TieredStore`) and a
-:class:`~agents.transfer.TransferEngine` between them. Per order it moves the chunk keys
+It owns the node's local DRAM tier (:class:`~kvprefetch.agents.stores.LocalTier`), a connection to
+the remote token store (Valkey in front of S3, :class:`~kvprefetch.agents.stores.TieredStore`) and a
+:class:`~kvprefetch.agents.transfer.TransferEngine` between them. Per order it moves the chunk keys
 into the tier (atomic publish: a chunk is visible whole or not at all, also when the agent
-is killed mid-transfer) and reports one :class:`~controlplane.base.wire.TransferReport` to the
+is killed mid-transfer) and reports one :class:`~kvprefetch.controlplane.base.wire.TransferReport`
+to the
 scheduler. It deletes chunks on evict advice and takes the engine's write-through of new KV.
 It also passes the scheduler's advice to the tier's eviction policy (used by ``eviction:
 predicted``): each order's ``deadline_s`` is the predicted next use of its keys, and keys
 that evict advice names but a running transfer keeps are never needed again.
 With the ``lmcache-mp`` backend the node-local tier is the node's LMCache MP server's L1
-instead: orders run as LMCache warm prefetches (:mod:`agents.lmcache.backend`), evict advice
+instead: orders run as LMCache warm prefetches (:mod:`kvprefetch.agents.lmcache.backend`), evict
+advice
 deletes from L1, and the engine stores through LMCache itself.
 
 Who calls what: the scheduler sends ``execute`` (a few per second per node), ``cancel`` and
@@ -19,7 +21,8 @@ Who calls what: the scheduler sends ``execute`` (a few per second per node), ``c
 ``execute`` is idempotent per order id.
 
 Scheduler incarnations: every order id carries the epoch of the scheduler that issued it
-(:func:`~controlplane.base.wire.order_epoch`). The agent outlives scheduler restarts, so on
+(:func:`~kvprefetch.controlplane.base.wire.order_epoch`). The agent outlives scheduler restarts, so
+on
 the first order of a newer epoch it forgets the older epochs' de-duplication state and
 reports (their ids are never reused, but an engine must not be handed an old report), and
 it refuses orders of an epoch older than the newest it has seen (a stale message from a
@@ -43,24 +46,29 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from agents.lmcache.backend import (
+from kvprefetch.agents.lmcache.backend import (
     Backend,
     LMCacheBackendConfig,
     LMCacheWarmer,
     WarmHandle,
     require_backend_settings,
 )
-from agents.sglang.warm import SGLangWarmConfig, SGLangWarmer
-from agents.stores.base import ObjectStore
-from agents.stores.local import LocalTier, LocalTierConfig
-from agents.stores.s3_store import S3Store, S3StoreConfig
-from agents.stores.tiered import TieredStore, TieredStoreConfig
-from agents.stores.valkey_store import ValkeyStore, ValkeyStoreConfig
-from agents.transfer import TransferConfig, TransferEngine, TransferHandle, TransferResult
-from controlplane.base.errors import ConfigError
-from controlplane.base.keys import parse_session_prefix, position_key_session
-from controlplane.base.shards import MAX_SHARDS
-from controlplane.base.wire import (
+from kvprefetch.agents.sglang.warm import SGLangWarmConfig, SGLangWarmer
+from kvprefetch.agents.stores.base import ObjectStore
+from kvprefetch.agents.stores.local import LocalTier, LocalTierConfig
+from kvprefetch.agents.stores.s3_store import S3Store, S3StoreConfig
+from kvprefetch.agents.stores.tiered import TieredStore, TieredStoreConfig
+from kvprefetch.agents.stores.valkey_store import ValkeyStore, ValkeyStoreConfig
+from kvprefetch.agents.transfer import (
+    TransferConfig,
+    TransferEngine,
+    TransferHandle,
+    TransferResult,
+)
+from kvprefetch.controlplane.base.errors import ConfigError
+from kvprefetch.controlplane.base.keys import parse_session_prefix, position_key_session
+from kvprefetch.controlplane.base.shards import MAX_SHARDS
+from kvprefetch.controlplane.base.wire import (
     AgentHello,
     AgentStatus,
     TierEvictions,

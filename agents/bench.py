@@ -2,7 +2,7 @@
 S3 and the tiered store, and compare the transfer engine with a naive connector and with
 the machine's raw limit, on loopback and through the link emulator.
 
-* engine: :class:`~agents.transfer.TransferEngine` with the store tuned for the condition
+* engine: :class:`~kvprefetch.agents.transfer.TransferEngine` with the store tuned for the condition
   (see ``_PLANS``): on loopback few threads and connections, Valkey stripes received
   straight into the tier's memory (no copy but the kernel's); through the link, several
   chunks in flight, striped / ranged parallel reads.
@@ -37,16 +37,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from agents.embedded import EmbeddedS3, EmbeddedValkey
-from agents.linkemu import S3_LINK, VALKEY_LINK, LinkEmulator, LinkProfile
-from agents.stores.base import ObjectStore
-from agents.stores.errors import StoreError
-from agents.stores.format import decode_header
-from agents.stores.local import LocalTier, LocalTierConfig
-from agents.stores.s3_store import S3Store
-from agents.stores.tiered import TieredStore, TieredStoreConfig
-from agents.stores.valkey_store import ValkeyStore
-from agents.transfer import TransferConfig, TransferEngine
+from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey
+from kvprefetch.agents.linkemu import S3_LINK, VALKEY_LINK, LinkEmulator, LinkProfile
+from kvprefetch.agents.stores.base import ObjectStore
+from kvprefetch.agents.stores.errors import StoreError
+from kvprefetch.agents.stores.format import decode_header
+from kvprefetch.agents.stores.local import LocalTier, LocalTierConfig
+from kvprefetch.agents.stores.s3_store import S3Store
+from kvprefetch.agents.stores.tiered import TieredStore, TieredStoreConfig
+from kvprefetch.agents.stores.valkey_store import ValkeyStore
+from kvprefetch.agents.transfer import TransferConfig, TransferEngine
 
 log = logging.getLogger(__name__)
 MIB = 1 << 20

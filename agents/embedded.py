@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any, Literal, Self
 
-from agents.stores.errors import StoreConfigError, StoreConnectionError
+from kvprefetch.agents.stores.errors import StoreConfigError, StoreConnectionError
 
 log = logging.getLogger(__name__)
 #: Starts of a server that lost one of its chosen ports to another process before binding it.
@@ -183,8 +183,8 @@ class EmbeddedValkey(ServerProcess):
         return self
 
     def store_config(self, **overrides: Any) -> Any:
-        """A :class:`~agents.stores.valkey_store.ValkeyStoreConfig` for this server."""
-        from agents.stores.valkey_store import ValkeyStoreConfig
+        """A :class:`~kvprefetch.agents.stores.valkey_store.ValkeyStoreConfig` for this server."""
+        from kvprefetch.agents.stores.valkey_store import ValkeyStoreConfig
 
         kw: dict[str, Any] = {"host": self.host, "port": self.port, "password": self.password}
         kw.update(overrides)
@@ -360,8 +360,8 @@ class EmbeddedS3:
         self.stop()
 
     def store_config(self, **overrides: Any) -> Any:
-        """A :class:`~agents.stores.s3_store.S3StoreConfig` for this server."""
-        from agents.stores.s3_store import S3StoreConfig
+        """A :class:`~kvprefetch.agents.stores.s3_store.S3StoreConfig` for this server."""
+        from kvprefetch.agents.stores.s3_store import S3StoreConfig
 
         kw: dict[str, Any] = {
             "bucket": self.bucket, "endpoint_url": self.endpoint_url, "region": "us-east-1",

@@ -1,12 +1,14 @@
 """An engine emulator for CPU-only clusters: stands in for vLLM + LMCache on one node.
 
-It serves requests with the cost model's timing (:class:`~controlplane.base.config.FleetConfig`),
+It serves requests with the cost model's timing
+(:class:`~kvprefetch.controlplane.base.config.FleetConfig`),
 every duration divided by ``time_compression``, and it moves real bytes: before prefill it
 reads the reusable KV chunks from the node's local tier (files the agent published, verified
 by their checksums), after the response it writes the KV it computed back to the remote
 store and the local tier, as LMCache does. Object sizes are the modelled sizes times
 ``kv_scale`` so that a laptop can carry them. With ``backend: lmcache-mp`` it is instead a
-real client of the node's LMCache MP server (:mod:`agents.lmcache.engine_kv`): it retrieves
+real client of the node's LMCache MP server (:mod:`kvprefetch.agents.lmcache.engine_kv`): it
+retrieves
 the reusable prefix from LMCache and stores new KV through it.
 
 A request's life (as in the simulator): FIFO queue for the GPU -> ``gpu_start`` (the
@@ -33,17 +35,17 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from agents.lmcache.backend import Backend, require_backend_settings
-from agents.lmcache.engine_kv import LMCacheEngineConfig, LMCacheEngineKV
-from agents.stores.base import ObjectStore
-from agents.stores.errors import StoreError
-from agents.stores.format import decode_object
-from agents.stores.local import LocalTier, LocalTierConfig
-from controlplane.base.config import FleetConfig
-from controlplane.base.keys import chunk_sizes, payload, session_keys
-from controlplane.base.tiers import LruEviction, Tier, TierEntry
-from controlplane.base.types import SessionKey
-from controlplane.base.wire import EngineReport, GpuStartPlan, TransferReport
+from kvprefetch.agents.lmcache.backend import Backend, require_backend_settings
+from kvprefetch.agents.lmcache.engine_kv import LMCacheEngineConfig, LMCacheEngineKV
+from kvprefetch.agents.stores.base import ObjectStore
+from kvprefetch.agents.stores.errors import StoreError
+from kvprefetch.agents.stores.format import decode_object
+from kvprefetch.agents.stores.local import LocalTier, LocalTierConfig
+from kvprefetch.controlplane.base.config import FleetConfig
+from kvprefetch.controlplane.base.keys import chunk_sizes, payload, session_keys
+from kvprefetch.controlplane.base.tiers import LruEviction, Tier, TierEntry
+from kvprefetch.controlplane.base.types import SessionKey
+from kvprefetch.controlplane.base.wire import EngineReport, GpuStartPlan, TransferReport
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +57,7 @@ class EngineConfig(BaseModel):
     fleet: FleetConfig
     #: Where reusable KV is read from and new KV written: ``local`` = the agent's tier
     #: files and the remote store; ``lmcache-mp`` = the node's LMCache MP server, as a real
-    #: engine-driven client (see :mod:`agents.lmcache.engine_kv`).
+    #: engine-driven client (see :mod:`kvprefetch.agents.lmcache.engine_kv`).
     backend: Backend = "local"
     #: The agent's tier on this node (read-only here: the engine maps published files).
     dram: LocalTierConfig | None = None
@@ -141,7 +143,7 @@ WriteLocal = Callable[[Sequence[tuple[str, bytes]], Sequence[str]], int]
 class EngineEmulator:
     """See the module docstring. ``gpu_start``/``use_local``/``report`` reach the scheduler,
     ``wait_order``/``write_local`` the node's agent (plain calls, or Ray calls wrapped in
-    :mod:`agents.ray_entry`)."""
+    :mod:`kvprefetch.agents.ray_entry`)."""
 
     def __init__(self, config: EngineConfig, *, gpu_start: GpuStart, use_local: UseLocal,
                  report: Report, wait_order: WaitOrder, write_local: WriteLocal,

@@ -1,5 +1,6 @@
 """Ray entry points of the per-node parts: the one place where ``ray.remote`` wraps
-:class:`~agents.agent.PrefetchAgent` and :class:`~agents.engine_emulator.EngineEmulator`.
+:class:`~kvprefetch.agents.agent.PrefetchAgent` and
+:class:`~kvprefetch.agents.engine_emulator.EngineEmulator`.
 
 * ``AgentActor``: one per GPU node (named ``kvprefetch-agent-<node>``), restarted by Ray
   when it dies; on every (re)start it greets the scheduler with its incarnation and the
@@ -10,7 +11,8 @@
 * ``EngineActor``: one per node on CPU-only clusters (named ``kvprefetch-engine-<node>``),
   serving many requests at once (threads), each blocking until its response ends.
 
-Placement is chosen by the caller (:mod:`controlplane.live.ray_app`): node affinity on a real
+Placement is chosen by the caller (:mod:`kvprefetch.controlplane.live.ray_app`): node affinity on a
+real
 cluster, a per-node custom resource (:func:`node_resource`) on one machine.
 """
 
@@ -23,10 +25,15 @@ from typing import Any
 
 import ray
 
-from agents.agent import AgentConfig, PrefetchAgent, RemoteStoreConfig
-from agents.engine_emulator import EngineConfig, EngineEmulator, ServeRequest, ServeResult
-from controlplane.base.shards import ShardRing, split_engine_report, split_tier_evictions
-from controlplane.base.wire import (
+from kvprefetch.agents.agent import AgentConfig, PrefetchAgent, RemoteStoreConfig
+from kvprefetch.agents.engine_emulator import (
+    EngineConfig,
+    EngineEmulator,
+    ServeRequest,
+    ServeResult,
+)
+from kvprefetch.controlplane.base.shards import ShardRing, split_engine_report, split_tier_evictions
+from kvprefetch.controlplane.base.wire import (
     AgentHello,
     AgentStatus,
     EngineReport,

@@ -22,9 +22,15 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from agents.stores.base import Buffer, CancelToken, ObjectStore, PayloadSink, PayloadWriter
-from agents.stores.errors import CancelledError, StoreConfigError
-from agents.stores.format import ObjectHeader
+from kvprefetch.agents.stores.base import (
+    Buffer,
+    CancelToken,
+    ObjectStore,
+    PayloadSink,
+    PayloadWriter,
+)
+from kvprefetch.agents.stores.errors import CancelledError, StoreConfigError
+from kvprefetch.agents.stores.format import ObjectHeader
 
 log = logging.getLogger(__name__)
 MIB = 1 << 20

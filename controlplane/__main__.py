@@ -1,5 +1,5 @@
 import sys
 
-from controlplane.cli import main
+from kvprefetch.controlplane.cli import main
 
 sys.exit(main())

@@ -6,13 +6,14 @@ Run from the repository root (so ``examples`` is importable), or put this folder
     kvprefetch eval-predictor --trace shared/traces/claude-code \\
         --predictor examples.custom_predictor:StopAwarePredictor
 
-It implements the :class:`predictors.base.Predictor` protocol with plain Python: a tool call
+It implements the :class:`kvprefetch.predictors.base.Predictor` protocol with plain Python: a tool
+call
 is expected back in seconds, the end of a turn in minutes.
 """
 
 from __future__ import annotations
 
-from controlplane.base.types import ArrivalForecast, EventKind, SessionEvent
+from kvprefetch.controlplane.base.types import ArrivalForecast, EventKind, SessionEvent
 
 #: Gap quantiles (q10, q50, q90, seconds) and P(return within the horizon) per stop reason.
 TABLE: dict[str, tuple[tuple[float, float, float], float]] = {

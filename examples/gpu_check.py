@@ -104,12 +104,12 @@ def main(argv: list[str] | None = None) -> int:
 def run_vllm(args: argparse.Namespace) -> int:
     import httpx
 
-    from agents.agent import AgentConfig, PrefetchAgent, RemoteStoreConfig
-    from agents.embedded import EmbeddedS3, EmbeddedValkey
-    from agents.lmcache.backend import LMCacheBackendConfig
-    from agents.lmcache.l2_adapter import plugin_adapter_json
-    from agents.lmcache.server import LMCacheServer
-    from agents.lmcache.warm import LMCacheWarmClient
+    from kvprefetch.agents.agent import AgentConfig, PrefetchAgent, RemoteStoreConfig
+    from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey
+    from kvprefetch.agents.lmcache.backend import LMCacheBackendConfig
+    from kvprefetch.agents.lmcache.l2_adapter import plugin_adapter_json
+    from kvprefetch.agents.lmcache.server import LMCacheServer
+    from kvprefetch.agents.lmcache.warm import LMCacheWarmClient
 
     prompt = synthetic_prompt(args.prompt_tokens)  # one output token each request
     with contextlib.ExitStack() as stack:

@@ -15,8 +15,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from agents.agent import PrefetchAgent, RemoteStoreConfig
-from controlplane.base.wire import TransferOrder
+from kvprefetch.agents.agent import PrefetchAgent, RemoteStoreConfig
+from kvprefetch.controlplane.base.wire import TransferOrder
 
 log = logging.getLogger("gpu_check")
 TENANT, SESSION = "gpu-check", "session-1"
@@ -32,7 +32,7 @@ def publish_session_tokens(remote: RemoteStoreConfig, tenant: str, session: str,
                            token_ids: Sequence[int]) -> None:
     """The gateway glue's part: the session's token ids next to its KV, which the
     ``lmcache-mp`` and ``sglang`` agent backends name the session's objects from."""
-    from agents.lmcache.tokens import put_session_tokens
+    from kvprefetch.agents.lmcache.tokens import put_session_tokens
 
     store = remote.build()
     store.start()
@@ -46,7 +46,7 @@ def publish_session_tokens(remote: RemoteStoreConfig, tenant: str, session: str,
 def session_order(order_id: int, tenant: str, session: str, n_tokens: int,
                   chunk_size: int, *, ttl_s: float = 60.0) -> TransferOrder:
     """The scheduler's part: a prefetch order for the session's whole context."""
-    from controlplane.base.keys import position_keys
+    from kvprefetch.controlplane.base.keys import position_keys
 
     keys = tuple(position_keys(tenant, session, n_tokens, chunk_size))
     return TransferOrder(order_id, f"{tenant}/{session}", 0, keys, n_tokens, 0, True,
@@ -110,6 +110,6 @@ def print_rows(results: Mapping[str, Any], names: Sequence[str],
 
 def write_results(path: str | Path | None, results: Mapping[str, Any]) -> None:
     if path:
-        from controlplane.base.atomic import write_json_atomic
+        from kvprefetch.controlplane.base.atomic import write_json_atomic
 
         write_json_atomic(path, results)

@@ -4,7 +4,7 @@
    examples/sglang_node.sh: ``--enable-hierarchical-cache``, our L3 backend
    (``--hicache-storage-backend dynamic``) over a fresh node-local tier in /dev/shm,
    Valkey and S3, and a stats directory where each rank's backend publishes its counters
-   (:mod:`agents.sglang.stats`).
+   (:mod:`kvprefetch.agents.sglang.stats`).
 2. Cold request: ``POST /generate`` with ``--prompt-tokens`` token ids (``input_ids``), one
    output token, under the tenant's ``cache_salt``; its latency is the TTFT. HiCache writes
    the prompt's pages back through our backend to Valkey and S3; the check waits until
@@ -38,13 +38,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from agents.agent import AgentConfig, RemoteStoreConfig
-from agents.sglang.backend import SGLangStorageConfig, dynamic_extra_config
-from agents.sglang.keys import PageKeyScheme
-from agents.sglang.stats import BackendStats, read_stats
-from agents.sglang.warm import SGLangWarmConfig
-from agents.stores.local import LocalTierConfig
-from controlplane.base.keys import tenant_cache_salt
 from examples.gpu_check_common import (
     SESSION,
     TENANT,
@@ -57,6 +50,13 @@ from examples.gpu_check_common import (
     warm_session,
     write_results,
 )
+from kvprefetch.agents.agent import AgentConfig, RemoteStoreConfig
+from kvprefetch.agents.sglang.backend import SGLangStorageConfig, dynamic_extra_config
+from kvprefetch.agents.sglang.keys import PageKeyScheme
+from kvprefetch.agents.sglang.stats import BackendStats, read_stats
+from kvprefetch.agents.sglang.warm import SGLangWarmConfig
+from kvprefetch.agents.stores.local import LocalTierConfig
+from kvprefetch.controlplane.base.keys import tenant_cache_salt
 
 log = logging.getLogger("gpu_check")
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,7 +70,7 @@ def sglang_launch(args: argparse.Namespace, storage: SGLangStorageConfig
            # secrets in clear: SGLang gets them on its command line either way
            "STORAGE_CONFIG": json.dumps(dynamic_extra_config(storage)["kvprefetch"]),
            "PORT": str(args.port), "PAGE_SIZE": str(args.page_size), "TP": str(args.tp),
-           # SGLang's ranks import our backend by module path (agents.sglang.backend)
+           # SGLang's ranks import our backend by module path (kvprefetch.agents.sglang.backend)
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH"))
                                          if p)}
     cmd = [str(ROOT / "examples" / "sglang_node.sh"), args.model,
@@ -142,8 +142,8 @@ def wait_ranks(stats_dir: str, ranks: int, timeout_s: float = 60.0) -> BackendSt
 def run_sglang(args: argparse.Namespace) -> int:
     import httpx
 
-    from agents.agent import PrefetchAgent
-    from agents.embedded import EmbeddedS3, EmbeddedValkey
+    from kvprefetch.agents.agent import PrefetchAgent
+    from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey
 
     prompt = synthetic_prompt(args.prompt_tokens)
     salt = tenant_cache_salt(TENANT)

@@ -21,11 +21,11 @@ shift
 PY=${PYTHON:-python}
 EXTRA=$("$PY" - "$MODEL" <<'PYEOF'
 import json, os, sys
-from agents.agent import RemoteStoreConfig
-from agents.sglang.backend import SGLangStorageConfig, dynamic_extra_config
-from agents.stores.local import LocalTierConfig
-from agents.stores.s3_store import S3StoreConfig
-from agents.stores.valkey_store import ValkeyStoreConfig
+from kvprefetch.agents.agent import RemoteStoreConfig
+from kvprefetch.agents.sglang.backend import SGLangStorageConfig, dynamic_extra_config
+from kvprefetch.agents.stores.local import LocalTierConfig
+from kvprefetch.agents.stores.s3_store import S3StoreConfig
+from kvprefetch.agents.stores.valkey_store import ValkeyStoreConfig
 env = os.environ.get
 if env("STORAGE_CONFIG"):
     config = SGLangStorageConfig.model_validate_json(env("STORAGE_CONFIG"))

@@ -3,7 +3,7 @@
 What it forecasts
 -----------------
 For every idle session, the whole law of the gap from its last response end to its next
-request, as a :class:`~controlplane.base.types.SurvivalCurve` on the forecast (never-
+request, as a :class:`~kvprefetch.controlplane.base.types.SurvivalCurve` on the forecast (never-
 returning mass included). ``p_within``, ``expected_wait_s`` and ``arrival_quantile_after``
 of the forecast read that curve and condition it *exactly* on the silence so far
 (``S(a + t) / S(a)``), so P(return within h | silent for a) is calibrated by construction,
@@ -14,7 +14,7 @@ filled from the same curve for the readers of those.
 Context buckets
 ---------------
 A bucket is (stop bucket of the response that just ended, class of the session's previous
-gap): stop buckets are :func:`predictors.features.stop_category` of the stop reason, plus
+gap): stop buckets are :func:`kvprefetch.predictors.features.stop_category` of the stop reason, plus
 ``unknown`` for a session that has never reported a stop reason (Mooncake, Azure: open-loop
 traces without them); the previous gap is ``first`` (no gap yet), ``short`` (at most
 :data:`SHORT_GAP_S`) or ``long``. Coarse on purpose: every Claude Code bucket that matters
@@ -65,8 +65,8 @@ from typing import Any, ClassVar, Self
 
 import numpy as np
 
-from controlplane.base.errors import PredictorError
-from controlplane.base.types import (
+from kvprefetch.controlplane.base.errors import PredictorError
+from kvprefetch.controlplane.base.types import (
     FORECAST_LEVELS,
     ArrivalForecast,
     EventKind,
@@ -76,8 +76,13 @@ from controlplane.base.types import (
     Trace,
     TraceSession,
 )
-from predictors.artifacts import read_artifact, write_artifact
-from predictors.features import KNOWN_STOP_REASONS, replay_session, session_group, stop_category
+from kvprefetch.predictors.artifacts import read_artifact, write_artifact
+from kvprefetch.predictors.features import (
+    KNOWN_STOP_REASONS,
+    replay_session,
+    session_group,
+    stop_category,
+)
 
 # Enum members as module names for the per-event path (``EventKind.X`` is a descriptor call
 # per access on Python 3.11).
@@ -135,7 +140,7 @@ RETURN_HORIZON_S = 60.0
 #: Gap reported for a session that will not return.
 NEVER_S = 1e12
 MAX_CONFIDENCE = 0.99
-#: Version of the payload below (the container is :mod:`predictors.artifacts`).
+#: Version of the payload below (the container is :mod:`kvprefetch.predictors.artifacts`).
 PAYLOAD_VERSION = 1
 MIN_TRAIN_GAPS = 20
 
@@ -385,7 +390,8 @@ class AdaptivePredictor:
         self._require_fitted()
         return self._buckets[bucket].survival_curve()
 
-    # -- what the scheduler's sweep needs (controlplane.core.sweep.GatedPredictor) --------
+    # -- what the scheduler's sweep needs (kvprefetch.controlplane.core.sweep.GatedPredictor)
+    # --------
     def idle_group(self, session_id: str) -> str | None:
         """The bucket whose curve alone (with the silence) makes the session's forecast, or
         None when its forecast reads no curve (unknown, in flight or closed). It changes

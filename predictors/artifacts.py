@@ -18,9 +18,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from controlplane.base.atomic import write_atomic
-from controlplane.base.errors import PredictorError
-from predictors.features import FEATURE_NAMES, FEATURE_SCHEMA_VERSION
+from kvprefetch.controlplane.base.atomic import write_atomic
+from kvprefetch.controlplane.base.errors import PredictorError
+from kvprefetch.predictors.features import FEATURE_NAMES, FEATURE_SCHEMA_VERSION
 
 MAGIC = b"KVPREDICTOR\n"
 #: Bump when the container layout or header fields change incompatibly.

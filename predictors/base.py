@@ -18,7 +18,7 @@ Predictors are deterministic given their inputs and their own seed; they do no I
 construction (trained artifacts are loaded by the registry before the run starts).
 
 Optional extensions (looked up with ``getattr``; the trained built-ins have them all, see
-:mod:`predictors.learned`):
+:mod:`kvprefetch.predictors.learned`):
 
 * ``forecast_many(session_ids, now_s) -> list[ArrivalForecast | None]`` — one vectorised
   call for many sessions (``now_s`` one float or one per session); prefer it when
@@ -33,7 +33,8 @@ Semantics of a forecast: ``gap_quantiles_s`` are conditional on the session retu
 when ``now_s`` is later than the last finish, on it not having returned yet);
 ``p_return`` is the probability of returning within ``horizon_s`` of the last finish (the
 trained models use "within the next 60 s from now", so their ``horizon_s`` is
-``elapsed + 60``). :func:`predictors.distribution.prob_return_within` converts any forecast
+``elapsed + 60``). :func:`kvprefetch.predictors.distribution.prob_return_within` converts any
+forecast
 to another horizon.
 """
 
@@ -41,7 +42,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from controlplane.base.types import ArrivalForecast, SessionEvent
+from kvprefetch.controlplane.base.types import ArrivalForecast, SessionEvent
 
 
 @runtime_checkable

@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from controlplane.base.types import FORECAST_LEVELS, ArrivalForecast
+from kvprefetch.controlplane.base.types import FORECAST_LEVELS, ArrivalForecast
 
 _LEVELS = np.asarray(FORECAST_LEVELS)
 _MIN_STEP = 1e-3

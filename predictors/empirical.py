@@ -1,7 +1,7 @@
 """``empirical``: quantiles of the gap conditioned on the previous response's stop reason.
 
 A strong, cheap baseline: a tool call returns in seconds, a person at the end of a turn in
-minutes, hours or never. Per stop bucket (see :func:`predictors.features.stop_category`)
+minutes, hours or never. Per stop bucket (see :func:`kvprefetch.predictors.features.stop_category`)
 it stores the empirical log-gap quantiles and the share of responses followed by a return
 within the horizon; buckets with too few gaps fall back to the pooled figures.
 """
@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from controlplane.base.types import FORECAST_LEVELS
-from predictors.features import KNOWN_STOP_REASONS, GapDataset, feature_index
-from predictors.learned import LearnedPredictor, npz_bytes, npz_load
+from kvprefetch.controlplane.base.types import FORECAST_LEVELS
+from kvprefetch.predictors.features import KNOWN_STOP_REASONS, GapDataset, feature_index
+from kvprefetch.predictors.learned import LearnedPredictor, npz_bytes, npz_load
 
 #: Buckets in the order of the one-hot stop features, then the pooled fallback.
 BUCKETS: tuple[str, ...] = (*KNOWN_STOP_REASONS, "other")

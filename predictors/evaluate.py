@@ -1,6 +1,7 @@
 """Scoring predictors on a trace, through the public protocol only.
 
-Every session of the trace is replayed as events (:func:`~predictors.features.replay_session`)
+Every session of the trace is replayed as events
+(:func:`~kvprefetch.predictors.features.replay_session`)
 into the predictor; right after each response ends the predictor is asked for its forecast
 (``forecast_many`` when it has one: sessions are advanced in lockstep, one response each per
 round, so one batched call serves a round). The forecast is compared with what happened: the
@@ -15,7 +16,8 @@ Metrics (per predictor):
   and ``mean_pinball_log`` their averages over the three levels.
 * ``coverage_80``: share of gaps inside [q10, q90].
 * ``auc_return_60s``: ROC AUC of P(return within 60 s) (from
-  :func:`~predictors.distribution.prob_return_within`) over every response, the never-returned
+  :func:`~kvprefetch.predictors.distribution.prob_return_within`) over every response, the
+  never-returned
   last responses included.
 * ``calibration``: how well P(return within ``h`` | silent for ``a``) matches the outcomes,
   for ``h`` in :data:`CALIBRATION_HORIZONS_S` and ``a`` in :data:`CALIBRATION_SILENCES_S`
@@ -41,10 +43,10 @@ from typing import Any
 
 import numpy as np
 
-from controlplane.base.types import FORECAST_LEVELS, ArrivalForecast, SessionEvent, Trace
-from predictors.base import Predictor
-from predictors.distribution import prob_return_within
-from predictors.features import replay_session
+from kvprefetch.controlplane.base.types import FORECAST_LEVELS, ArrivalForecast, SessionEvent, Trace
+from kvprefetch.predictors.base import Predictor
+from kvprefetch.predictors.distribution import prob_return_within
+from kvprefetch.predictors.features import replay_session
 
 RETURN_WITHIN_S = 60.0
 

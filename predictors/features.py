@@ -1,7 +1,8 @@
 """The one feature extractor shared by training and serving.
 
 Learned predictors never compute features themselves: they keep a :class:`FeatureTracker`,
-feed it the same :class:`~controlplane.base.types.SessionEvent` stream in training (replayed
+feed it the same :class:`~kvprefetch.controlplane.base.types.SessionEvent` stream in training
+(replayed
 from a trace by :func:`replay_session`) and in serving (from the scheduler), and read its
 rows. Train/serve skew is therefore impossible by construction; artifacts record
 :data:`FEATURE_SCHEMA_VERSION` and :data:`FEATURE_NAMES` and refuse to load against another
@@ -25,7 +26,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from controlplane.base.types import EventKind, HintKind, SessionEvent, Trace, TraceSession
+from kvprefetch.controlplane.base.types import (
+    EventKind,
+    HintKind,
+    SessionEvent,
+    Trace,
+    TraceSession,
+)
 
 #: Bump whenever a feature is added, removed, reordered or computed differently.
 FEATURE_SCHEMA_VERSION = 1

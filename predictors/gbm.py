@@ -8,7 +8,7 @@ returned). Forecasts are vectorised: one ``predict`` per estimator for a whole b
 
 scikit-learn is imported only when this model is trained or loaded. The artifact payload
 is a pickle of the estimators, unpickled only after the artifact header and its checksum
-have been verified (:mod:`predictors.artifacts`).
+have been verified (:mod:`kvprefetch.predictors.artifacts`).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from controlplane.base.errors import PredictorError
-from controlplane.base.types import FORECAST_LEVELS
-from predictors.features import GapDataset
-from predictors.learned import LearnedPredictor
+from kvprefetch.controlplane.base.errors import PredictorError
+from kvprefetch.controlplane.base.types import FORECAST_LEVELS
+from kvprefetch.predictors.features import GapDataset
+from kvprefetch.predictors.learned import LearnedPredictor
 
 #: Boosting settings: small trees and few iterations keep a batched forecast of 10,000
 #: sessions under 100 ms (4 ensembles); accuracy was checked on a validation split of the

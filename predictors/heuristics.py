@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from controlplane.base.types import (
+from kvprefetch.controlplane.base.types import (
     FORECAST_LEVELS,
     ArrivalForecast,
     EventKind,

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
-from controlplane.base.types import (
+from kvprefetch.controlplane.base.types import (
     FORECAST_LEVELS,
     ArrivalForecast,
     EventKind,
@@ -39,13 +39,13 @@ from controlplane.base.types import (
     SurvivalCurve,
     Trace,
 )
-from predictors.adaptive import NEVER_S, RETURN_HORIZON_S
-from predictors.base import Predictor
+from kvprefetch.predictors.adaptive import NEVER_S, RETURN_HORIZON_S
+from kvprefetch.predictors.base import Predictor
 
 #: Arrival after a "user is typing" hint with no ETA: q10, q50, q90 seconds after the hint.
 #: What a typing indicator implies: the message's length over the person's typing speed.
 #: Claude Code prompts typed at the speeds of Dhakal et al. (CHI 2018; 51.6 +- 20.2 wpm)
-#: take q10/q50/q90 = 8 / 71 / 453 s (the simulator's hint model, controlplane.sim.hints,
+#: take q10/q50/q90 = 8 / 71 / 453 s (the simulator's hint model, kvprefetch.controlplane.sim.hints,
 #: on the shared Claude Code set); short chat messages would be faster.
 TYPING_QUANTILES_S = (8.0, 70.0, 450.0)
 #: Those quantiles as a log-normal law: its median, and the sigma that puts q90 / q50 at
@@ -104,7 +104,7 @@ class HintedPredictor:
 
     def __init__(self, inner: Predictor | None = None) -> None:
         if inner is None:
-            from predictors.heuristics import EwmaPredictor
+            from kvprefetch.predictors.heuristics import EwmaPredictor
 
             inner = EwmaPredictor()
         self.inner = inner
@@ -184,13 +184,13 @@ class HintedPredictor:
     def save(self, path: str | Path) -> Path:
         save = getattr(self.inner, "save", None)
         if save is None:
-            from controlplane.base.errors import PredictorError
+            from kvprefetch.controlplane.base.errors import PredictorError
 
             raise PredictorError(f"wrapped predictor {self.inner.name!r} cannot be saved")
         return Path(save(path))
 
     @classmethod
     def load(cls, path: str | Path) -> Self:
-        from predictors.registry import load_artifact
+        from kvprefetch.predictors.registry import load_artifact
 
         return cls(load_artifact(path))

@@ -2,14 +2,14 @@
 ``torch-seq``): event bookkeeping through the shared :class:`FeatureTracker`, batched
 forecasts, conditioning on elapsed silence, conformal calibration, and artifacts.
 
-Optional extensions of the :class:`~predictors.base.Predictor` protocol they implement:
+Optional extensions of the :class:`~kvprefetch.predictors.base.Predictor` protocol they implement:
 
 * ``forecast_many(session_ids, now_s)`` — one vectorised call for many sessions; the
   planner should prefer it when it re-plans many idle sessions at once.
 * ``fit(trace, *, seed, progress)`` — train on a trace (called by ``kvprefetch train`` and
   ``eval-predictor``, never on the event path). Returns ``self``.
 * ``save(path)`` / ``load(path)`` (classmethod) — one versioned artifact file
-  (:mod:`predictors.artifacts`); the registry calls ``load`` for ``name:FILE`` specs.
+  (:mod:`kvprefetch.predictors.artifacts`); the registry calls ``load`` for ``name:FILE`` specs.
 * ``fitted`` — false until trained or loaded; the registry refuses an untrained model.
 
 Subclasses implement ``_fit(ds, rng, progress)``, ``_predict(ds_rows) -> (u_q, p_h)`` (log1p
@@ -26,11 +26,16 @@ from typing import Any, ClassVar, Self
 
 import numpy as np
 
-from controlplane.base.errors import PredictorError
-from controlplane.base.types import FORECAST_LEVELS, ArrivalForecast, SessionEvent, Trace
-from predictors.artifacts import read_artifact, write_artifact
-from predictors.distribution import condition, monotone
-from predictors.features import FeatureTracker, GapDataset, SessionFeatures, build_dataset
+from kvprefetch.controlplane.base.errors import PredictorError
+from kvprefetch.controlplane.base.types import FORECAST_LEVELS, ArrivalForecast, SessionEvent, Trace
+from kvprefetch.predictors.artifacts import read_artifact, write_artifact
+from kvprefetch.predictors.distribution import condition, monotone
+from kvprefetch.predictors.features import (
+    FeatureTracker,
+    GapDataset,
+    SessionFeatures,
+    build_dataset,
+)
 
 #: Default horizon of ``p_return`` for trained models: return within 60 s of now.
 DEFAULT_RETURN_HORIZON_S = 60.0

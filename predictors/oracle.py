@@ -7,7 +7,13 @@ never returns.
 
 from __future__ import annotations
 
-from controlplane.base.types import ArrivalForecast, EventKind, SessionEvent, Trace, TraceSession
+from kvprefetch.controlplane.base.types import (
+    ArrivalForecast,
+    EventKind,
+    SessionEvent,
+    Trace,
+    TraceSession,
+)
 
 _NEVER_S = 1e12
 

@@ -17,23 +17,23 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from controlplane.base.errors import KvPrefetchError, PluginError, PredictorError
-from controlplane.base.types import Trace
-from predictors.base import Predictor
+from kvprefetch.controlplane.base.errors import KvPrefetchError, PluginError, PredictorError
+from kvprefetch.controlplane.base.types import Trace
+from kvprefetch.predictors.base import Predictor
 
 #: Built-in predictors: name -> "module:attribute" of a factory or class.
 BUILTINS: dict[str, str] = {
-    "last-gap": "predictors.heuristics:LastGapPredictor",
-    "ewma": "predictors.heuristics:EwmaPredictor",
-    "oracle": "predictors.oracle:OraclePredictor",
-    "empirical": "predictors.empirical:EmpiricalPredictor",
-    "survival": "predictors.survival:SurvivalPredictor",
-    "gbm": "predictors.gbm:GbmPredictor",
-    "torch-seq": "predictors.torchseq:TorchSeqPredictor",
-    "hinted": "predictors.hinted:HintedPredictor",
-    "adaptive": "predictors.adaptive:AdaptivePredictor",
+    "last-gap": "kvprefetch.predictors.heuristics:LastGapPredictor",
+    "ewma": "kvprefetch.predictors.heuristics:EwmaPredictor",
+    "oracle": "kvprefetch.predictors.oracle:OraclePredictor",
+    "empirical": "kvprefetch.predictors.empirical:EmpiricalPredictor",
+    "survival": "kvprefetch.predictors.survival:SurvivalPredictor",
+    "gbm": "kvprefetch.predictors.gbm:GbmPredictor",
+    "torch-seq": "kvprefetch.predictors.torchseq:TorchSeqPredictor",
+    "hinted": "kvprefetch.predictors.hinted:HintedPredictor",
+    "adaptive": "kvprefetch.predictors.adaptive:AdaptivePredictor",
     # the shipped model: ``adaptive`` trained on half the shared Claude Code set
-    "default": "predictors.adaptive:load_default",
+    "default": "kvprefetch.predictors.adaptive:load_default",
 }
 
 #: Built-ins that learn from a trace (``fit``) and save/load artifacts.
@@ -140,7 +140,7 @@ def load(spec: str, *, trace: Trace | None = None) -> Predictor:
 
 def load_artifact(path: str | Path) -> Predictor:
     """Load a trained artifact of any built-in kind (the kind is read from its header)."""
-    from predictors.artifacts import read_header
+    from kvprefetch.predictors.artifacts import read_header
 
     model = read_header(path).get("model")
     if model not in TRAINABLE:

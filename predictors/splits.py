@@ -14,9 +14,9 @@ from enum import StrEnum
 
 import numpy as np
 
-from controlplane.base.errors import PredictorError
-from controlplane.base.types import Trace, TraceSession
-from predictors.features import session_group
+from kvprefetch.controlplane.base.errors import PredictorError
+from kvprefetch.controlplane.base.types import Trace, TraceSession
+from kvprefetch.predictors.features import session_group
 
 
 class SplitKind(StrEnum):

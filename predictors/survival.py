@@ -19,10 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from controlplane.base.types import FORECAST_LEVELS
-from predictors.empirical import BUCKETS
-from predictors.features import GapDataset, SessionFeatures, feature_index
-from predictors.learned import MAX_CONFIDENCE, LearnedPredictor, npz_bytes, npz_load
+from kvprefetch.controlplane.base.types import FORECAST_LEVELS
+from kvprefetch.predictors.empirical import BUCKETS
+from kvprefetch.predictors.features import GapDataset, SessionFeatures, feature_index
+from kvprefetch.predictors.learned import MAX_CONFIDENCE, LearnedPredictor, npz_bytes, npz_load
 
 #: Bin edges of the gap (seconds); the last bin is open-ended.
 EDGES: tuple[float, ...] = (

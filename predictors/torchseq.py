@@ -1,6 +1,7 @@
 """``torch-seq``: a small GRU over each session's recent responses (CPU is enough).
 
-Input: the feature rows of the session's last :data:`~predictors.features.SEQUENCE_LENGTH`
+Input: the feature rows of the session's last
+:data:`~kvprefetch.predictors.features.SEQUENCE_LENGTH`
 responses (the live tracker keeps exactly these; training builds the same windows from the
 dataset), standardised, plus a validity flag. A GRU summarises them; an MLP over the summary
 and the current row outputs three log-gap quantiles, parametrised as ``a, a + softplus(b),
@@ -20,10 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from controlplane.base.errors import PredictorError
-from controlplane.base.types import FORECAST_LEVELS
-from predictors.features import N_FEATURES, SEQUENCE_LENGTH, GapDataset, SessionFeatures
-from predictors.learned import LearnedPredictor
+from kvprefetch.controlplane.base.errors import PredictorError
+from kvprefetch.controlplane.base.types import FORECAST_LEVELS
+from kvprefetch.predictors.features import N_FEATURES, SEQUENCE_LENGTH, GapDataset, SessionFeatures
+from kvprefetch.predictors.learned import LearnedPredictor
 
 HIDDEN = 32
 EPOCHS = 12

@@ -2,14 +2,15 @@
 ``lmcache-mp`` agent backend and the engine emulator's LMCache client.
 
 Importing this package does not import LMCache (nor torch): the clients import it when
-they connect. The L2 adapter (:mod:`agents.lmcache.l2_adapter`, loaded by ``lmcache
-server`` itself) and the benchmark (:mod:`agents.lmcache.bench`) subclass or drive LMCache
+they connect. The L2 adapter (:mod:`kvprefetch.agents.lmcache.l2_adapter`, loaded by ``lmcache
+server`` itself) and the benchmark (:mod:`kvprefetch.agents.lmcache.bench`) subclass or drive
+LMCache
 and are imported by name only.
 """
 
-from agents.lmcache.backend import LMCacheBackendConfig, LMCacheWarmer
-from agents.lmcache.engine_kv import LMCacheEngineConfig, LMCacheEngineKV
-from agents.lmcache.errors import (
+from kvprefetch.agents.lmcache.backend import LMCacheBackendConfig, LMCacheWarmer
+from kvprefetch.agents.lmcache.engine_kv import LMCacheEngineConfig, LMCacheEngineKV
+from kvprefetch.agents.lmcache.errors import (
     LMCacheConfigMismatchError,
     LMCacheError,
     LMCacheNoLayoutError,
@@ -18,10 +19,14 @@ from agents.lmcache.errors import (
     LMCacheTransferError,
     LMCacheUnavailableError,
 )
-from agents.lmcache.mp_client import KVLayout, LMCacheMPClient
-from agents.lmcache.server import LMCacheServer, find_lmcache
-from agents.lmcache.tokens import get_session_tokens, put_session_tokens, synthetic_tokens
-from agents.lmcache.warm import LMCacheWarmClient, WarmResult, object_keys
+from kvprefetch.agents.lmcache.mp_client import KVLayout, LMCacheMPClient
+from kvprefetch.agents.lmcache.server import LMCacheServer, find_lmcache
+from kvprefetch.agents.lmcache.tokens import (
+    get_session_tokens,
+    put_session_tokens,
+    synthetic_tokens,
+)
+from kvprefetch.agents.lmcache.warm import LMCacheWarmClient, WarmResult, object_keys
 
 __all__ = [
     "KVLayout",

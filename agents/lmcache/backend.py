@@ -3,15 +3,18 @@ LMCache MP server (L2 -> L1), instead of copies into the project's own local tie
 
 An order names a session's chunks by position; LMCache names content by token ids. So per
 order the backend reads the session's token ids from the remote store (written there by
-whoever stored its KV: :mod:`agents.lmcache.tokens`), cuts them to the order's token count,
-and submits ``POST /cache/prefetches`` through :class:`~agents.lmcache.warm.LMCacheWarmClient`.
-The result comes back as a :class:`~agents.transfer.TransferResult` (one key per chunk:
+whoever stored its KV: :mod:`kvprefetch.agents.lmcache.tokens`), cuts them to the order's token
+count,
+and submits ``POST /cache/prefetches`` through
+:class:`~kvprefetch.agents.lmcache.warm.LMCacheWarmClient`.
+The result comes back as a :class:`~kvprefetch.agents.transfer.TransferResult` (one key per chunk:
 found chunks moved, missing ones missed, a trailing partial chunk counted present because
 LMCache never keys one), so the agent's order book, reports and metrics are the same for
 both backends.
 
 Start-up compares chunk size and hash algorithm with the server's ``/config``
-(:class:`~agents.lmcache.errors.LMCacheConfigMismatchError` names the field), so a node whose
+(:class:`~kvprefetch.agents.lmcache.errors.LMCacheConfigMismatchError` names the field), so a node
+whose
 keys could never match fails loudly instead of warming nothing.
 
 Evict advice deletes the session's objects from L1 (``DELETE /cache/objects``); L2 keeps
@@ -32,15 +35,15 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from agents.lmcache.errors import LMCacheError
-from agents.lmcache.tokens import get_session_tokens, tokens_key
-from agents.lmcache.warm import LMCacheWarmClient, object_keys
-from agents.stores.base import ObjectStore
-from agents.stores.errors import StoreError
-from agents.transfer import TransferResult
-from controlplane.base.keys import tenant_cache_salt
-from controlplane.base.types import SessionKey
-from controlplane.base.wire import TransferOrder
+from kvprefetch.agents.lmcache.errors import LMCacheError
+from kvprefetch.agents.lmcache.tokens import get_session_tokens, tokens_key
+from kvprefetch.agents.lmcache.warm import LMCacheWarmClient, object_keys
+from kvprefetch.agents.stores.base import ObjectStore
+from kvprefetch.agents.stores.errors import StoreError
+from kvprefetch.agents.transfer import TransferResult
+from kvprefetch.controlplane.base.keys import tenant_cache_salt
+from kvprefetch.controlplane.base.types import SessionKey
+from kvprefetch.controlplane.base.wire import TransferOrder
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +77,8 @@ class LMCacheBackendConfig(BaseModel):
     hash_algorithm: str = "blake3"
     #: The base of the tenants' LMCache cache salts ("" = none): the default tenant's KV
     #: is keyed with it, every other tenant's with
-    #: :func:`~controlplane.base.keys.tenant_cache_salt` of it, which the engine's requests
+    #: :func:`~kvprefetch.controlplane.base.keys.tenant_cache_salt` of it, which the engine's
+    #: requests
     #: must carry as their ``cache_salt`` (the gateway sets it).
     cache_salt: str = ""
     #: Longest one warm may take before the order is reported failed (wall seconds).
@@ -109,7 +113,7 @@ class WarmHandle:
 
 
 class OrderPool:
-    """What the warmers (LMCache's L1 here, SGLang's pages in :mod:`agents.sglang.warm`)
+    """What the warmers (LMCache's L1 here, SGLang's pages in :mod:`kvprefetch.agents.sglang.warm`)
     share: orders run on a pool of threads, one :class:`WarmHandle` each; a subclass
     implements :meth:`_run`."""
 

@@ -2,7 +2,7 @@
 adapters, each measured by LMCache's benchmark (``lmcache bench l2 --no-skip-verify``) with
 the same sizes, against the same real servers on loopback.
 
-* ``kvprefetch``: :class:`~agents.lmcache.l2_adapter.KvPrefetchL2Adapter` over Valkey in
+* ``kvprefetch``: :class:`~kvprefetch.agents.lmcache.l2_adapter.KvPrefetchL2Adapter` over Valkey in
   front of S3 (write-back by default: a store returns once Valkey holds the chunk and the
   upload journal names it, S3 follows in the background; ``--write-mode write-through``
   waits for S3 too; loads come from Valkey, received straight into LMCache's memory
@@ -46,10 +46,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from agents.embedded import EmbeddedS3, EmbeddedValkey
-from agents.lmcache.server import find_lmcache
-from agents.stores.errors import StoreConfigError, StoreError
-from agents.stores.s3_store import S3StoreConfig
+from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey
+from kvprefetch.agents.lmcache.server import find_lmcache
+from kvprefetch.agents.stores.errors import StoreConfigError, StoreError
+from kvprefetch.agents.stores.s3_store import S3StoreConfig
 
 log = logging.getLogger(__name__)
 MIB = 1 << 20
@@ -124,7 +124,7 @@ def adapter_specs(adapter: AdapterName, valkey: EmbeddedValkey, s3: _VirtualHost
                   write_mode: str = "write-back") -> dict[str, Any]:
     """The ``--l2-adapter`` JSON of one adapter against the bench's servers."""
     if adapter == "kvprefetch":
-        from agents.lmcache.l2_adapter import plugin_adapter_json
+        from kvprefetch.agents.lmcache.l2_adapter import plugin_adapter_json
 
         return plugin_adapter_json(
             valkey=valkey.store_config(key_prefix=OUR_VALKEY_PREFIX),
@@ -134,7 +134,7 @@ def adapter_specs(adapter: AdapterName, valkey: EmbeddedValkey, s3: _VirtualHost
             write_back={"close_drain_s": 0},
         )
     if adapter == "kvprefetch-valkey":
-        from agents.lmcache.l2_adapter import plugin_adapter_json
+        from kvprefetch.agents.lmcache.l2_adapter import plugin_adapter_json
 
         return plugin_adapter_json(valkey=valkey.store_config(key_prefix="kvpv:"))
     if adapter == "lmcache-valkey":
@@ -160,9 +160,10 @@ def run_lmcache_bench_l2(spec: dict[str, Any], cfg: LMCacheBenchConfig) -> dict[
     """One ``lmcache bench l2 --no-skip-verify`` run; its store / load figures (MiB/s, as
     LMCache computes them: bytes / 2^20 / round time, averaged over the measured rounds)
     and whether every key loaded and verified byte for byte."""
-    import agents
+    import kvprefetch.agents
 
-    root = str(Path(agents.__file__).resolve().parent.parent)
+    # the folder that holds the kvprefetch package (a path entry for LMCache's process)
+    root = str(Path(kvprefetch.agents.__file__).parents[2])
     env = {**os.environ, "LMCACHE_DISABLE_BANNER": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     with tempfile.TemporaryDirectory(prefix="kvp-lmcache-bench-") as tmp:
@@ -221,9 +222,9 @@ def drain_and_verify_from_s3(spec: dict[str, Any], valkey: EmbeddedValkey,
     import valkey as valkey_py
     from lmcache.cli.commands.bench.l2_adapter_bench.data import make_object_keys
 
-    from agents.lmcache.l2_adapter import KvPrefetchL2Adapter, object_key_name
-    from agents.stores.s3_store import S3Store
-    from agents.stores.write_back import journal_backlog
+    from kvprefetch.agents.lmcache.l2_adapter import KvPrefetchL2Adapter, object_key_name
+    from kvprefetch.agents.stores.s3_store import S3Store
+    from kvprefetch.agents.stores.write_back import journal_backlog
 
     params = spec["adapter_params"]
     journal = OUR_VALKEY_PREFIX + "wb:pending"

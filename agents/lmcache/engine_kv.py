@@ -2,15 +2,16 @@
 
 In this mode the emulated engine is what vLLM's ``LMCacheMPConnector`` is on a GPU node: a
 client of the node's ``lmcache server``, here in its engine-driven (CPU) context mode
-(:class:`~agents.lmcache.mp_client.LMCacheMPClient`). Before prefill it retrieves the
+(:class:`~kvprefetch.agents.lmcache.mp_client.LMCacheMPClient`). Before prefill it retrieves the
 session's cached prefix (LMCache's lookup loads from L2 whatever L1 lacks: LMCache's own
 on-demand path, which a warm prefetch makes unnecessary); after the response it stores the
 context's whole chunks (LMCache writes them through to L2, our adapter) and writes the
 session's token ids to the remote store, where the node's agent reads them to warm the
-session wherever it returns (:mod:`agents.lmcache.tokens`).
+session wherever it returns (:mod:`kvprefetch.agents.lmcache.tokens`).
 
 Token ids: the traces carry token counts only, so a session's ids are
-:func:`~agents.lmcache.tokens.synthetic_tokens` (a turn's ids extend the previous turn's).
+:func:`~kvprefetch.agents.lmcache.tokens.synthetic_tokens` (a turn's ids extend the previous
+turn's).
 The KV of token ``t`` holds ``t mod 127`` in every element, so a retrieve checks that it got
 the right session's KV back.
 """
@@ -23,12 +24,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from agents.lmcache.errors import LMCacheError
-from agents.lmcache.mp_client import KVLayout, LMCacheMPClient
-from agents.lmcache.tokens import put_session_tokens, synthetic_tokens
-from agents.stores.base import ObjectStore
-from agents.stores.errors import StoreError
-from controlplane.base.keys import tenant_cache_salt
+from kvprefetch.agents.lmcache.errors import LMCacheError
+from kvprefetch.agents.lmcache.mp_client import KVLayout, LMCacheMPClient
+from kvprefetch.agents.lmcache.tokens import put_session_tokens, synthetic_tokens
+from kvprefetch.agents.stores.base import ObjectStore
+from kvprefetch.agents.stores.errors import StoreError
+from kvprefetch.controlplane.base.keys import tenant_cache_salt
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,8 @@
 """Errors of the LMCache integration, translated at this edge from ZMQ, HTTP and LMCache.
 
-Every class is a :class:`~agents.stores.errors.StoreError` (so a
-:class:`~controlplane.base.errors.KvPrefetchError`): the agent's loop can catch one type and
+Every class is a :class:`~kvprefetch.agents.stores.errors.StoreError` (so a
+:class:`~kvprefetch.controlplane.base.errors.KvPrefetchError`): the agent's loop can catch one type
+and
 still tell a misconfigured node (:class:`LMCacheConfigMismatchError`, raised at start-up)
 from a node whose engine has not registered yet (:class:`LMCacheNoLayoutError`) and from a
 server that is down or slow (:class:`LMCacheUnavailableError`, :class:`LMCacheTimeoutError`).
@@ -13,7 +14,7 @@ operation so the server log can be searched for it.
 
 from __future__ import annotations
 
-from agents.stores.errors import (
+from kvprefetch.agents.stores.errors import (
     StoreConfigError,
     StoreConnectionError,
     StoreError,

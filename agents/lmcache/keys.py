@@ -79,7 +79,7 @@ from typing import TYPE_CHECKING, Any, Literal, NoReturn, TypeAlias, get_args
 
 import numpy as np
 
-from controlplane.base.errors import ConfigError, KvPrefetchError
+from kvprefetch.controlplane.base.errors import ConfigError, KvPrefetchError
 
 if TYPE_CHECKING:
     from numpy.typing import NDArray
@@ -121,7 +121,7 @@ _UINT32 = "I" if array.array("I").itemsize == 4 else "L"
 @dataclass(frozen=True)
 class LMCacheKeySettings:
     """What an engine's LMCache keys depend on. Validated on construction; each error is a
-    :class:`~controlplane.base.errors.ConfigError` that names the field."""
+    :class:`~kvprefetch.controlplane.base.errors.ConfigError` that names the field."""
 
     model_name: str
     key_format: KeyFormat = "mp"

@@ -2,7 +2,7 @@
 
 LMCache's multiprocess server (and ``lmcache bench l2``) loads it from JSON::
 
-    {"type": "plugin", "module_path": "agents.lmcache.l2_adapter",
+    {"type": "plugin", "module_path": "kvprefetch.agents.lmcache.l2_adapter",
      "class_name": "KvPrefetchL2Adapter",
      "adapter_params": {"valkey": {"host": "10.0.0.5", "port": 6379},
                         "s3": {"bucket": "kv", "endpoint_url": "http://10.0.0.6:8333",
@@ -33,13 +33,13 @@ the index).
 
 Stores (after every request), with both tiers: write-back by default -- acknowledged once
 Valkey holds the objects and the upload journal names them; a
-:class:`~agents.stores.write_back.WriteBackQueue` copies them to S3 in the background
+:class:`~kvprefetch.agents.stores.write_back.WriteBackQueue` copies them to S3 in the background
 (bounded backlog with back-pressure, journaled in Valkey so a restart finishes the uploads,
 metrics in ``report_status``). ``"tiered": {"write_mode": "write-through"}`` waits for S3.
 
 Loads are received straight into LMCache's memory objects: the Valkey tier reads each
 stripe with ``recv_into`` into the object's memory
-(:class:`~agents.stores.valkey_store.ValkeyStore` with ``direct_reads``),
+(:class:`~kvprefetch.agents.stores.valkey_store.ValkeyStore` with ``direct_reads``),
 S3 ranged GETs the same way, so the kernel's copy is the only one; every part is verified
 against its xxh3 checksum before the bit is set.
 
@@ -51,7 +51,7 @@ S3 under the S3 section's. The prefix keeps our objects listable (``GET /cache/o
 bucket or database.
 
 This module imports LMCache (it is the edge that needs it); importing
-:mod:`agents.lmcache` does not.
+:mod:`kvprefetch.agents.lmcache` does not.
 """
 
 from __future__ import annotations
@@ -81,22 +81,26 @@ from pydantic import (
     model_validator,
 )
 
-from agents.lmcache.key_index import KeyIndex
-from agents.lmcache.keys import mp_wire_name
-from agents.stores.base import Buffer, GetResult, ObjectStore, OpResult, PayloadWriter
-from agents.stores.errors import StoreConfigError, StoreError, TierFullError
-from agents.stores.format import ObjectHeader, decode_header, header_length
-from agents.stores.s3_store import S3Store, S3StoreConfig, translate_boto_errors
-from agents.stores.tiered import TieredStore, TieredStoreConfig
-from agents.stores.valkey_store import ValkeyStore, ValkeyStoreConfig, translate_valkey_errors
-from agents.stores.write_back import WriteBackConfig, WriteBackQueue
-from agents.transfer import TokenBucket
+from kvprefetch.agents.lmcache.key_index import KeyIndex
+from kvprefetch.agents.lmcache.keys import mp_wire_name
+from kvprefetch.agents.stores.base import Buffer, GetResult, ObjectStore, OpResult, PayloadWriter
+from kvprefetch.agents.stores.errors import StoreConfigError, StoreError, TierFullError
+from kvprefetch.agents.stores.format import ObjectHeader, decode_header, header_length
+from kvprefetch.agents.stores.s3_store import S3Store, S3StoreConfig, translate_boto_errors
+from kvprefetch.agents.stores.tiered import TieredStore, TieredStoreConfig
+from kvprefetch.agents.stores.valkey_store import (
+    ValkeyStore,
+    ValkeyStoreConfig,
+    translate_valkey_errors,
+)
+from kvprefetch.agents.stores.write_back import WriteBackConfig, WriteBackQueue
+from kvprefetch.agents.transfer import TokenBucket
 
 log = logging.getLogger(__name__)
 
 MIB: Final = 1 << 20
 GIB: Final = 1 << 30
-MODULE_PATH: Final = "agents.lmcache.l2_adapter"
+MODULE_PATH: Final = "kvprefetch.agents.lmcache.l2_adapter"
 CLASS_NAME: Final = "KvPrefetchL2Adapter"
 #: Valkey stripe size for LMCache chunks unless the ``valkey`` section sets ``part_bytes``.
 #: A chunk larger than one stripe is fetched straight into the memory object, stripes in
@@ -795,7 +799,8 @@ class KvPrefetchL2Adapter(L2AdapterInterface):
     # -- the index's reconciliation and the write-back backlog --------------------------------
 
     def write_back_stats(self) -> Any:
-        """The upload backlog (:class:`~agents.stores.write_back.WriteBackStats`), or None
+        """The upload backlog (:class:`~kvprefetch.agents.stores.write_back.WriteBackStats`), or
+        None
         when stores write through."""
         return self._uploads.stats() if self._uploads is not None else None
 

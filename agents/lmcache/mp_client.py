@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from agents.lmcache.errors import (
+from kvprefetch.agents.lmcache.errors import (
     LMCacheConfigMismatchError,
     LMCacheError,
     LMCacheTimeoutError,

@@ -21,10 +21,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from agents.stores.base import ObjectStore
-from controlplane.base.errors import KvPrefetchError
-from controlplane.base.keys import session_prefix
-from controlplane.base.types import SessionKey
+from kvprefetch.agents.stores.base import ObjectStore
+from kvprefetch.controlplane.base.errors import KvPrefetchError
+from kvprefetch.controlplane.base.keys import session_prefix
+from kvprefetch.controlplane.base.types import SessionKey
 
 TOKENS_NAME = "tokens"
 _MAX_TOKEN = 2**32 - 1

@@ -37,7 +37,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from agents.lmcache.errors import (
+from kvprefetch.agents.lmcache.errors import (
     LMCacheConfigMismatchError,
     LMCacheError,
     LMCacheNoLayoutError,
@@ -202,12 +202,12 @@ def object_keys(
     """The LMCache object keys of the complete chunks of ``token_ids``, in the JSON form
     ``DELETE /cache/objects`` takes: chunk-major, one key per KV rank, object group 0.
 
-    Computed by :mod:`agents.lmcache.keys` (LMCache's own hashing where installed,
+    Computed by :mod:`kvprefetch.agents.lmcache.keys` (LMCache's own hashing where installed,
     parity-tested otherwise), so they match the server's keys exactly when ``chunk_size``
     and ``hash_algorithm`` match the server's (see
     :meth:`LMCacheWarmClient.check_compatible`).
     """
-    from agents.lmcache.keys import LMCacheKeySettings, chunk_hashes, kv_rank
+    from kvprefetch.agents.lmcache.keys import LMCacheKeySettings, chunk_hashes, kv_rank
 
     settings = LMCacheKeySettings(model_name=model_name, chunk_size=chunk_size,
                                   hash_algorithm=hash_algorithm, world_size=world_size,

@@ -3,7 +3,7 @@
 Load it into SGLang with its dynamic backend (``--hicache-storage-backend dynamic``)::
 
     --hicache-storage-backend-extra-config '{"backend_name": "kvprefetch",
-        "module_path": "agents.sglang.backend", "class_name": "KvPrefetchHiCacheStorage",
+        "module_path": "kvprefetch.agents.sglang.backend", "class_name": "KvPrefetchHiCacheStorage",
         "interface_v1": 1,
         "kvprefetch": {"local": {"path": "/dev/shm/kvp-node", "capacity_bytes": 68719476736},
                        "remote": {"valkey": {"host": "10.0.0.5"},
@@ -13,14 +13,16 @@ Who calls what (SGLang's cache controller, from its prefetch and backup threads)
 request on arrival ``batch_exists`` (up to 128 page hashes per call, answer: how many
 consecutive pages from the first are present), then ``batch_get_v1`` (``interface_v1``) or
 ``batch_get`` for those pages; per finished request ``batch_set_v1``/``batch_set`` for the
-pages it wrote back. Keys are SGLang's page hashes (:mod:`agents.sglang.keys`); objects are
-named by :class:`~agents.sglang.keys.PageKeyScheme` from the storage config (model, ranks).
+pages it wrote back. Keys are SGLang's page hashes (:mod:`kvprefetch.agents.sglang.keys`); objects
+are
+named by :class:`~kvprefetch.agents.sglang.keys.PageKeyScheme` from the storage config (model,
+ranks).
 
 Reads: the node-local DRAM tier the agent warms first (a file per object, opened by name:
-:class:`~agents.sglang.node_tier.NodeTierReader`: one copy into the destination, hashed
+:class:`~kvprefetch.agents.sglang.node_tier.NodeTierReader`: one copy into the destination, hashed
 chunk by chunk from cache, a batch's pages on ``local_read_threads`` threads), then the
 remote store (Valkey, then S3, S3 hits promoted into Valkey). Every object is checksummed
-(:mod:`agents.stores.format`) and verified part by part as it lands; a local object that
+(:mod:`kvprefetch.agents.stores.format`) and verified part by part as it lands; a local object that
 fails its checksum is read from the remote store instead (counted as ``local_bad``). With
 ``interface_v1`` and a page-first host layout the payload lands straight in SGLang's host
 pool (each page is its K and V regions, in the order of the pool's flat data page); other
@@ -28,11 +30,11 @@ layouts go through one flat page and a copy.
 ``batch_exists`` answers from the local tier's files first and asks the remote store only
 about the pages after the local prefix.
 Per-page counters (:meth:`KvPrefetchHiCacheStorage.counters`: local tier, Valkey, S3,
-missed) are also published to files with ``stats_dir`` (:mod:`agents.sglang.stats`), for
+missed) are also published to files with ``stats_dir`` (:mod:`kvprefetch.agents.sglang.stats`), for
 a process outside SGLang's.
 
 Writes go to the remote store with the tiered store's write policy
-(:class:`~agents.stores.tiered.TieredStoreConfig`: write-through or write-back); never to
+(:class:`~kvprefetch.agents.stores.tiered.TieredStoreConfig`: write-through or write-back); never to
 the local tier, which is the agent's to fill and evict. SGLang's factory gives a backend
 no start hook, so the constructor connects (the one exception to "constructors do no
 I/O"); :meth:`KvPrefetchHiCacheStorage.close` disconnects.
@@ -54,14 +56,14 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageExtraInfo,
 )
 
-from agents.agent import RemoteStoreConfig
-from agents.sglang.keys import PageKeyScheme
-from agents.sglang.node_tier import NodeTierReader, TierRead
-from agents.sglang.stats import COUNTERS, StatsPublisher
-from agents.stores.base import Buffer, ObjectStore
-from agents.stores.errors import StoreError
-from agents.stores.format import ObjectHeader
-from agents.stores.local import LocalTierConfig
+from kvprefetch.agents.agent import RemoteStoreConfig
+from kvprefetch.agents.sglang.keys import PageKeyScheme
+from kvprefetch.agents.sglang.node_tier import NodeTierReader, TierRead
+from kvprefetch.agents.sglang.stats import COUNTERS, StatsPublisher
+from kvprefetch.agents.stores.base import Buffer, ObjectStore
+from kvprefetch.agents.stores.errors import StoreError
+from kvprefetch.agents.stores.format import ObjectHeader
+from kvprefetch.agents.stores.local import LocalTierConfig
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +84,7 @@ class SGLangStorageConfig(BaseModel):
     local_read_threads: int = Field(4, ge=1, le=64)
     remote: RemoteStoreConfig
     #: A directory where each rank publishes its counters for other processes (one JSON
-    #: file per rank, :mod:`agents.sglang.stats`); None: not published.
+    #: file per rank, :mod:`kvprefetch.agents.sglang.stats`); None: not published.
     stats_dir: str | None = None
 
 

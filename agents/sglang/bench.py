@@ -4,7 +4,7 @@ against SGLang's built-in file backend (``sglang-file``, ``HiCacheFile``), on th
 machine, the same pages and the same destination memory, runs interleaved (the order
 alternating between repeats), every run's bytes compared with what was stored; then,
 unless disabled, the replay of HiCache's page reads on the bundled trace's returning
-requests with and without the agent's warming (:mod:`agents.sglang.replay`), against the
+requests with and without the agent's warming (:mod:`kvprefetch.agents.sglang.replay`), against the
 same servers.
 
 Two measurements per backend, each timed per batch of ``batch_pages`` pages (SGLang's
@@ -49,13 +49,13 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageConfig,
 )
 
-from agents.agent import RemoteStoreConfig
-from agents.embedded import EmbeddedS3, EmbeddedValkey
-from agents.sglang.backend import KvPrefetchHiCacheStorage, SGLangStorageConfig
-from agents.sglang.host_pool import PageFirstHostPool
-from agents.sglang.keys import page_hashes
-from agents.sglang.replay import ReplayConfig, run_replay
-from agents.stores.local import LocalTier, LocalTierConfig
+from kvprefetch.agents.agent import RemoteStoreConfig
+from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey
+from kvprefetch.agents.sglang.backend import KvPrefetchHiCacheStorage, SGLangStorageConfig
+from kvprefetch.agents.sglang.host_pool import PageFirstHostPool
+from kvprefetch.agents.sglang.keys import page_hashes
+from kvprefetch.agents.sglang.replay import ReplayConfig, run_replay
+from kvprefetch.agents.stores.local import LocalTier, LocalTierConfig
 
 MIB = 1 << 20
 PAGE_TOKENS = 16

@@ -1,6 +1,6 @@
 """A reader of the node-local DRAM tier that the agent writes (no SGLang, no torch).
 
-The agent's :class:`~agents.stores.local.LocalTier` and SGLang's storage backend live in
+The agent's :class:`~kvprefetch.agents.stores.local.LocalTier` and SGLang's storage backend live in
 different processes, so the backend does not open the tier (its ``start`` would drop the
 agent's in-flight writes, and its index is per process). Objects are published by atomic
 rename, one file per key at :meth:`LocalTier.path_of`, so a reader that opens the file by
@@ -28,16 +28,18 @@ from pathlib import Path
 
 import xxhash
 
-from agents.stores.errors import CorruptObjectError, StoreError
-from agents.stores.format import (
+from kvprefetch.agents.stores.errors import CorruptObjectError, StoreError
+from kvprefetch.agents.stores.format import (
     ALGO_XXH3_64,
     ALGO_XXH64,
     ObjectHeader,
     decode_header,
     header_length,
 )
-from agents.stores.local import LocalTier, LocalTierConfig
-from agents.stores.local import _file_name as tier_file_name  # the tier's one naming rule
+from kvprefetch.agents.stores.local import LocalTier, LocalTierConfig
+from kvprefetch.agents.stores.local import (
+    _file_name as tier_file_name,  # the tier's one naming rule
+)
 
 #: Bytes read (and hashed) per ``preadv``: small enough to be hashed from the L2 cache.
 CHUNK_BYTES = 256 * 1024

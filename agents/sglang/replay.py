@@ -3,7 +3,7 @@ agent's warming: how many of the pages HiCache asks for arrive within its prefet
 
 What is replayed. A returning request (a turn after the first, after a pause of at least
 ``min_gap_s``, long enough that the session's KV has left the GPU and host memory) asks L3
-for its reused prefix: the page hashes of its token ids (:mod:`agents.sglang.keys`),
+for its reused prefix: the page hashes of its token ids (:mod:`kvprefetch.agents.sglang.keys`),
 checked with ``batch_exists`` and read with ``batch_get_v1`` into a page-first host pool
 in batches of SGLang's ``STORAGE_BATCH_SIZE`` (128 pages), in order, as SGLang 0.5.23's
 cache controller does. Its ``timeout`` stop policy waits ``1.0 s + 0.25 s per 1,024``
@@ -21,7 +21,8 @@ interleaved, each with its own backend and its own (empty at start) Valkey names
 Scale. The bytes of a model's pages cannot be moved in a minute on a small machine, so each
 page holds ``page_bytes`` and stands for ``model_page_bytes`` (default: Llama-3.1-8B, bf16,
 128 KiB of K and V per token, 64-token pages: 8 MiB); the links' bandwidths
-(:mod:`agents.linkemu` profiles) are scaled by the same ratio, so a page spends as long on
+(:mod:`kvprefetch.agents.linkemu` profiles) are scaled by the same ratio, so a page spends as long
+on
 the link as the model's page would, and the stores' part and range sizes too, so a page
 is cut into as many checksummed parts and S3 ranges as the model's page. The whole replay
 then runs ``time_scale`` times faster than the trace's clock: timeouts, pauses and link
@@ -44,22 +45,22 @@ import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import STORAGE_BATCH_SIZE, HiCacheStorageConfig
 
-from agents.agent import AgentConfig, PrefetchAgent, RemoteStoreConfig
-from agents.embedded import EmbeddedS3, EmbeddedValkey
-from agents.linkemu import S3_LINK, VALKEY_LINK, LinkEmulator, LinkProfile
-from agents.lmcache.tokens import put_session_tokens, synthetic_tokens
-from agents.sglang.backend import KvPrefetchHiCacheStorage, SGLangStorageConfig
-from agents.sglang.host_pool import PageFirstHostPool
-from agents.sglang.keys import PageKeyScheme, page_hashes
-from agents.sglang.warm import SGLangWarmConfig
-from agents.stores.local import LocalTierConfig
-from agents.stores.s3_store import S3Store, S3StoreConfig
-from agents.stores.valkey_store import ValkeyStoreConfig
-from agents.transfer import TransferConfig
-from controlplane.base.keys import position_keys, tenant_cache_salt
-from controlplane.base.types import Trace
-from controlplane.base.wire import TransferOrder
-from controlplane.traces import bundled_trace_path, load_trace
+from kvprefetch.agents.agent import AgentConfig, PrefetchAgent, RemoteStoreConfig
+from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey
+from kvprefetch.agents.linkemu import S3_LINK, VALKEY_LINK, LinkEmulator, LinkProfile
+from kvprefetch.agents.lmcache.tokens import put_session_tokens, synthetic_tokens
+from kvprefetch.agents.sglang.backend import KvPrefetchHiCacheStorage, SGLangStorageConfig
+from kvprefetch.agents.sglang.host_pool import PageFirstHostPool
+from kvprefetch.agents.sglang.keys import PageKeyScheme, page_hashes
+from kvprefetch.agents.sglang.warm import SGLangWarmConfig
+from kvprefetch.agents.stores.local import LocalTierConfig
+from kvprefetch.agents.stores.s3_store import S3Store, S3StoreConfig
+from kvprefetch.agents.stores.valkey_store import ValkeyStoreConfig
+from kvprefetch.agents.transfer import TransferConfig
+from kvprefetch.controlplane.base.keys import position_keys, tenant_cache_salt
+from kvprefetch.controlplane.base.types import Trace
+from kvprefetch.controlplane.base.wire import TransferOrder
+from kvprefetch.controlplane.traces import bundled_trace_path, load_trace
 
 MIB = 1 << 20
 TENANT = "replay"

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agents.sglang.keys import PageKeyScheme
+from kvprefetch.agents.sglang.keys import PageKeyScheme
 
 log = logging.getLogger(__name__)
 

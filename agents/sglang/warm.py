@@ -1,12 +1,12 @@
 """The prefetch agent's ``sglang`` backend: orders warm the node-local DRAM tier that the
-SGLang HiCache backend (:mod:`agents.sglang.backend`) reads first, with SGLang's own page
+SGLang HiCache backend (:mod:`kvprefetch.agents.sglang.backend`) reads first, with SGLang's own page
 objects.
 
 An order names a session's chunks by position; SGLang names pages by a hash chain over
 token ids. So per order the warmer reads the session's token ids from the remote store
-(written by whoever stores the session's KV: :mod:`agents.lmcache.tokens`), cuts them to
+(written by whoever stores the session's KV: :mod:`kvprefetch.agents.lmcache.tokens`), cuts them to
 the order's token count, computes the object names of every full page for every TP rank
-(:class:`~agents.sglang.keys.PageKeyScheme`), and copies those objects from the remote
+(:class:`~kvprefetch.agents.sglang.keys.PageKeyScheme`), and copies those objects from the remote
 store into the tier with the agent's transfer engine (checksummed, atomic publish). The
 result is reported in the order's own keys (pages moved, present, missed, failed in
 proportion), so the scheduler's books are those of the other backends; ``bytes_moved`` is
@@ -26,16 +26,16 @@ from collections import OrderedDict
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from agents.lmcache.backend import OrderPool
-from agents.lmcache.tokens import get_session_tokens, tokens_key
-from agents.sglang.keys import PageKeyScheme
-from agents.stores.base import ObjectStore
-from agents.stores.errors import StoreError
-from agents.stores.local import LocalTier
-from agents.transfer import TransferEngine, TransferResult
-from controlplane.base.keys import tenant_cache_salt
-from controlplane.base.types import DEFAULT_TENANT, SessionKey
-from controlplane.base.wire import TransferOrder
+from kvprefetch.agents.lmcache.backend import OrderPool
+from kvprefetch.agents.lmcache.tokens import get_session_tokens, tokens_key
+from kvprefetch.agents.sglang.keys import PageKeyScheme
+from kvprefetch.agents.stores.base import ObjectStore
+from kvprefetch.agents.stores.errors import StoreError
+from kvprefetch.agents.stores.local import LocalTier
+from kvprefetch.agents.transfer import TransferEngine, TransferResult
+from kvprefetch.controlplane.base.keys import tenant_cache_salt
+from kvprefetch.controlplane.base.types import DEFAULT_TENANT, SessionKey
+from kvprefetch.controlplane.base.wire import TransferOrder
 
 log = logging.getLogger(__name__)
 #: Sessions whose page names are remembered for evict advice (oldest forgotten first).
@@ -59,7 +59,7 @@ class SGLangWarmConfig(BaseModel):
     #: The base of the tenants' cache salts (SGLang's per-request ``cache_salt``; "" =
     #: none): the default tenant's pages are named with it (none: as SGLang names a
     #: request without a salt), every other tenant's with
-    #: :func:`~controlplane.base.keys.tenant_cache_salt` of it, which the tenant's SGLang
+    #: :func:`~kvprefetch.controlplane.base.keys.tenant_cache_salt` of it, which the tenant's SGLang
     #: requests must carry.
     cache_salt: str = ""
 

@@ -1,6 +1,6 @@
 """Token stores: the batched protocol, Valkey, S3, the tiered store and node-local tiers."""
 
-from agents.stores.base import (
+from kvprefetch.agents.stores.base import (
     CancelToken,
     GetResult,
     MemorySink,
@@ -10,7 +10,7 @@ from agents.stores.base import (
     PayloadWriter,
     StoreStats,
 )
-from agents.stores.errors import (
+from kvprefetch.agents.stores.errors import (
     CancelledError,
     CorruptObjectError,
     ObjectNotFoundError,
@@ -22,18 +22,18 @@ from agents.stores.errors import (
     StoreUnavailableError,
     TierFullError,
 )
-from agents.stores.eviction import (
+from kvprefetch.agents.stores.eviction import (
     EvictionPolicy,
     LruPolicy,
     PredictedNextUsePolicy,
     TierEntry,
     make_policy,
 )
-from agents.stores.format import ObjectHeader, decode_object, encode_object, make_header
-from agents.stores.local import LocalTier, LocalTierConfig
-from agents.stores.s3_store import S3Store, S3StoreConfig
-from agents.stores.tiered import TieredStore, TieredStoreConfig
-from agents.stores.valkey_store import ValkeyStore, ValkeyStoreConfig
+from kvprefetch.agents.stores.format import ObjectHeader, decode_object, encode_object, make_header
+from kvprefetch.agents.stores.local import LocalTier, LocalTierConfig
+from kvprefetch.agents.stores.s3_store import S3Store, S3StoreConfig
+from kvprefetch.agents.stores.tiered import TieredStore, TieredStoreConfig
+from kvprefetch.agents.stores.valkey_store import ValkeyStore, ValkeyStoreConfig
 
 __all__ = [
     "CancelToken", "CancelledError", "CorruptObjectError", "EvictionPolicy", "GetResult",

@@ -14,8 +14,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol, Self, TypeVar, runtime_checkable
 
-from agents.stores.errors import CancelledError, StoreError
-from agents.stores.format import ObjectHeader
+from kvprefetch.agents.stores.errors import CancelledError, StoreError
+from kvprefetch.agents.stores.format import ObjectHeader
 
 Buffer = bytes | bytearray | memoryview
 T = TypeVar("T")
@@ -166,7 +166,7 @@ class MemorySink:
 
 @runtime_checkable
 class ObjectStore(Protocol):
-    """A batched key-value store of encoded objects (see :mod:`agents.stores.format`).
+    """A batched key-value store of encoded objects (see :mod:`kvprefetch.agents.stores.format`).
 
     Called by the transfer engine (``get`` with a sink, one or a few keys per call, from
     several worker threads at once, as often as chunks move), by the tiered store (all four),
@@ -242,7 +242,7 @@ class StatsCounter:
             return StoreStats(**self.values)
 
     def count_get(self, result: GetResult) -> GetResult:
-        from agents.stores.errors import CorruptObjectError
+        from kvprefetch.agents.stores.errors import CorruptObjectError
 
         if result.ok:
             self.add(hits=1, bytes_read=result.payload_bytes)

@@ -1,13 +1,14 @@
 """The store exception hierarchy: every valkey, botocore and OS error is translated here.
 
-Callers catch :class:`StoreError` (or :class:`~controlplane.base.errors.KvPrefetchError`) and tell
+Callers catch :class:`StoreError` (or :class:`~kvprefetch.controlplane.base.errors.KvPrefetchError`)
+and tell
 causes apart by subclass. A *miss* (not found, corrupt, unavailable) is an answer, not a
 failure: batched calls report it per key instead of raising.
 """
 
 from __future__ import annotations
 
-from controlplane.base.errors import ConfigError, KvPrefetchError
+from kvprefetch.controlplane.base.errors import ConfigError, KvPrefetchError
 
 
 class StoreError(KvPrefetchError):
@@ -59,7 +60,8 @@ class TierFullError(StoreError):
 
 
 class CancelledError(StoreError):
-    """The operation was cancelled through its :class:`~agents.stores.base.CancelToken`."""
+    """The operation was cancelled through its
+    :class:`~kvprefetch.agents.stores.base.CancelToken`."""
 
 
 __all__ = [

@@ -1,11 +1,13 @@
 """Eviction policies of the node-local tiers, in the project's one tier vocabulary.
 
-A local tier keeps its objects as :class:`~controlplane.base.tiers.TierEntry` records in a
-:class:`~controlplane.base.tiers.Tier` and makes room with the policy's keys: one float per
+A local tier keeps its objects as :class:`~kvprefetch.controlplane.base.tiers.TierEntry` records in
+a
+:class:`~kvprefetch.controlplane.base.tiers.Tier` and makes room with the policy's keys: one float
+per
 entry, the **largest** key is evicted first (the convention of
-:mod:`controlplane.base.tiers`, shared with the scheduler's books).
+:mod:`kvprefetch.controlplane.base.tiers`, shared with the scheduler's books).
 
-A policy is an :class:`~controlplane.base.tiers.EvictionStrategy` with a name and two
+A policy is an :class:`~kvprefetch.controlplane.base.tiers.EvictionStrategy` with a name and two
 advice hooks. The tier calls ``keys`` under its lock each time an admission overflows its
 capacity, and ``forget`` when objects leave it; the agent calls ``advise`` with what the
 scheduler told it (see :class:`PredictedNextUsePolicy`). All are cheap, pure of I/O and
@@ -19,7 +21,7 @@ import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
-from controlplane.base.tiers import EvictionStrategy, LruEviction, TierEntry
+from kvprefetch.controlplane.base.tiers import EvictionStrategy, LruEviction, TierEntry
 
 __all__ = ["EvictionPolicy", "LruPolicy", "PredictedNextUsePolicy", "TierEntry",
            "make_policy"]
@@ -139,6 +141,6 @@ def make_policy(name: str) -> EvictionPolicy:
         return LruPolicy()
     if name == "predicted":
         return PredictedNextUsePolicy()
-    from agents.stores.errors import StoreConfigError
+    from kvprefetch.agents.stores.errors import StoreConfigError
 
     raise StoreConfigError(f"unknown eviction policy {name!r}; known: lru, predicted")

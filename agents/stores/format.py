@@ -28,7 +28,7 @@ from typing import Final
 
 import xxhash
 
-from agents.stores.errors import CorruptObjectError, StoreConfigError
+from kvprefetch.agents.stores.errors import CorruptObjectError, StoreConfigError
 
 MAGIC: Final = b"KVPF"
 FORMAT_VERSION: Final = 1

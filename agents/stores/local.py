@@ -15,9 +15,9 @@ flushes) costs about a fifth of a loopback transfer on two cores. A mapping is c
 file is unlinked, so it never holds memory the tier does not account for.
 
 Capacity is accounted in bytes on disk (header + payload), reservations included. The
-objects are booked in a :class:`~controlplane.base.tiers.Tier` (the project's one tier
+objects are booked in a :class:`~kvprefetch.controlplane.base.tiers.Tier` (the project's one tier
 vocabulary, shared with the scheduler's books) and room is made by the configured
-:mod:`eviction <agents.stores.eviction>` policy: ``lru``, or ``predicted``, which follows
+:mod:`eviction <kvprefetch.agents.stores.eviction>` policy: ``lru``, or ``predicted``, which follows
 the scheduler's advice that the agent passes to :meth:`LocalTier.advise`.
 """
 
@@ -39,7 +39,7 @@ from typing import Literal
 import xxhash
 from pydantic import BaseModel, ConfigDict, Field
 
-from agents.stores.base import (
+from kvprefetch.agents.stores.base import (
     Buffer,
     CancelToken,
     GetResult,
@@ -52,7 +52,7 @@ from agents.stores.base import (
     StoreLifecycle,
     check_cancel,
 )
-from agents.stores.errors import (
+from kvprefetch.agents.stores.errors import (
     CorruptObjectError,
     ObjectNotFoundError,
     ObjectTooLargeError,
@@ -60,8 +60,8 @@ from agents.stores.errors import (
     StoreError,
     TierFullError,
 )
-from agents.stores.eviction import EvictionPolicy, make_policy
-from agents.stores.format import (
+from kvprefetch.agents.stores.eviction import EvictionPolicy, make_policy
+from kvprefetch.agents.stores.format import (
     PREFIX_BYTES,
     ObjectHeader,
     decode_header,
@@ -69,7 +69,7 @@ from agents.stores.format import (
     make_header,
     validate_key,
 )
-from controlplane.base.tiers import Tier, TierEntry
+from kvprefetch.controlplane.base.tiers import Tier, TierEntry
 
 log = logging.getLogger(__name__)
 MIB = 1 << 20
@@ -237,8 +237,9 @@ def close_map(mapping: mmap.mmap) -> None:
 
 
 class LocalTier(StoreLifecycle):
-    """A DRAM or disk tier on this node; an :class:`~agents.stores.base.ObjectStore` and a
-    :class:`~agents.stores.base.PayloadSink` (``open``) for the transfer engine."""
+    """A DRAM or disk tier on this node; an :class:`~kvprefetch.agents.stores.base.ObjectStore` and
+    a
+    :class:`~kvprefetch.agents.stores.base.PayloadSink` (``open``) for the transfer engine."""
 
     def __init__(
         self,
@@ -459,7 +460,7 @@ class LocalTier(StoreLifecycle):
 
     def advise(self, next_use_s: Mapping[str, float], *, now_s: float | None = None) -> None:
         """The scheduler's predicted next use of keys, for the ``predicted`` policy (see
-        :class:`~agents.stores.eviction.PredictedNextUsePolicy`; ``lru`` ignores it).
+        :class:`~kvprefetch.agents.stores.eviction.PredictedNextUsePolicy`; ``lru`` ignores it).
         Keys need not be in the tier yet: an order's advice precedes its bytes."""
         self.policy.advise(next_use_s, now_s=now_s)
 

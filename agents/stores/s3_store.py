@@ -30,7 +30,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from agents.stores.base import (
+from kvprefetch.agents.stores.base import (
     Buffer,
     CancelToken,
     GetResult,
@@ -44,7 +44,7 @@ from agents.stores.base import (
     StoreLifecycle,
     check_cancel,
 )
-from agents.stores.errors import (
+from kvprefetch.agents.stores.errors import (
     CorruptObjectError,
     ObjectNotFoundError,
     ObjectTooLargeError,
@@ -53,7 +53,7 @@ from agents.stores.errors import (
     StoreError,
     StoreTimeoutError,
 )
-from agents.stores.format import (
+from kvprefetch.agents.stores.format import (
     PREFIX_BYTES,
     ObjectHeader,
     decode_header,
@@ -116,7 +116,8 @@ _BAD_CONFIG = {
 
 @contextmanager
 def translate_boto_errors(what: str) -> Iterator[None]:
-    """Translate botocore exceptions into :mod:`agents.stores.errors` (the store edge)."""
+    """Translate botocore exceptions into :mod:`kvprefetch.agents.stores.errors` (the store
+    edge)."""
     import botocore.exceptions as bex
 
     try:

@@ -26,7 +26,7 @@ from typing import Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from agents.stores.base import (
+from kvprefetch.agents.stores.base import (
     Buffer,
     CancelToken,
     GetResult,
@@ -38,13 +38,13 @@ from agents.stores.base import (
     StoreLifecycle,
     check_cancel,
 )
-from agents.stores.errors import (
+from kvprefetch.agents.stores.errors import (
     CorruptObjectError,
     StoreConnectionError,
     StoreError,
     StoreUnavailableError,
 )
-from agents.stores.format import ObjectHeader
+from kvprefetch.agents.stores.format import ObjectHeader
 
 log = logging.getLogger(__name__)
 

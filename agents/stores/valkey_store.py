@@ -43,7 +43,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
-from agents.stores.base import (
+from kvprefetch.agents.stores.base import (
     Buffer,
     CancelToken,
     GetResult,
@@ -55,7 +55,7 @@ from agents.stores.base import (
     StoreLifecycle,
     check_cancel,
 )
-from agents.stores.errors import (
+from kvprefetch.agents.stores.errors import (
     CorruptObjectError,
     ObjectNotFoundError,
     ObjectTooLargeError,
@@ -65,7 +65,7 @@ from agents.stores.errors import (
     StoreTimeoutError,
     TierFullError,
 )
-from agents.stores.format import (
+from kvprefetch.agents.stores.format import (
     MAX_KEY_BYTES,
     PREFIX_BYTES,
     ObjectHeader,
@@ -151,7 +151,8 @@ class ValkeyStoreConfig(BaseModel):
 
 @contextmanager
 def translate_valkey_errors(what: str) -> Iterator[None]:
-    """Translate valkey-py exceptions into :mod:`agents.stores.errors` (the store edge)."""
+    """Translate valkey-py exceptions into :mod:`kvprefetch.agents.stores.errors` (the store
+    edge)."""
     import valkey.exceptions as vex
 
     try:

@@ -33,9 +33,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from agents.stores.base import Buffer, ObjectStore
-from agents.stores.errors import StoreError
-from agents.stores.valkey_store import ValkeyStore, translate_valkey_errors
+from kvprefetch.agents.stores.base import Buffer, ObjectStore
+from kvprefetch.agents.stores.errors import StoreError
+from kvprefetch.agents.stores.valkey_store import ValkeyStore, translate_valkey_errors
 
 log = logging.getLogger(__name__)
 GIB = 1 << 30

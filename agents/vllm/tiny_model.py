@@ -1,6 +1,6 @@
 """A tiny random-weight Llama and its tokenizer, generated locally: nothing is downloaded.
 
-``python -m agents.vllm.tiny_model OUT_DIR`` writes a Hugging Face model directory
+``python -m kvprefetch.agents.vllm.tiny_model OUT_DIR`` writes a Hugging Face model directory
 (``config.json``, ``model.safetensors``, ``generation_config.json``, ``tokenizer.json``,
 ``tokenizer_config.json`` with a chat template) that vLLM serves and ``transformers``'
 ``AutoTokenizer`` loads offline. Weights come from a fixed seed, so two runs write the same

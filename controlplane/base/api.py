@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -25,7 +26,13 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from controlplane.base.errors import InvalidRequestError, MalformedHintError
+from kvprefetch.controlplane.base.errors import InvalidRequestError, MalformedHintError
+from kvprefetch.controlplane.base.vocabulary import canonical_stop_reason
+
+#: Every stop reason the API takes (see :mod:`kvprefetch.controlplane.base.vocabulary`).
+StopReasonName = Literal["tool_use", "end_turn", "max_tokens", "stop_sequence", "refusal",
+                         "pause_turn", "aborted", "tool_calls", "function_call", "stop",
+                         "length", "content_filter", "abort"]
 
 
 def _not_bool_or_text(kind: str, what: str) -> BeforeValidator:
@@ -127,7 +134,12 @@ class RequestFinished(_SessionCall):
     input_tokens: Tokens
     output_tokens: Tokens = 0
     context_tokens: Tokens | None = None
-    stop_reason: Annotated[str, Field(max_length=64)] | None = None
+    stop_reason: Annotated[StopReasonName, AfterValidator(canonical_stop_reason)] | None = Field(
+        default=None,
+        description="why the response ended: an OpenAI finish reason or an Anthropic stop "
+                    "reason, stored as its canonical name (tool_calls and function_call -> "
+                    "tool_use; stop -> end_turn; length -> max_tokens; content_filter -> "
+                    "refusal; abort -> aborted; the canonical names are taken as they are)")
     local_tokens_read: Tokens | None = Field(
         default=None,
         description="prompt tokens the engine took from a cache instead of computing them "

@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from controlplane.base.errors import ConfigError
+from kvprefetch.controlplane.base.errors import ConfigError
 
 GIB = 1 << 30
 
@@ -116,7 +116,7 @@ class PlannerConfig(_Frozen):
     min_confidence: float = Field(0.7, ge=0, le=1)
     #: A prefetch may displace residents (rather than only fill free room) when its
     #: forecast is at least this confident: a client's hint with an ETA (0.9,
-    #: ``predictors.hinted``) or the oracle's certainty. A forecast from history alone
+    #: ``kvprefetch.predictors.hinted``) or the oracle's certainty. A forecast from history alone
     #: cannot time a return better than the residents' recency (README, "Why prefetch
     #: without hints cannot close the gap"); letting those displace measured worse.
     displace_min_confidence: float = Field(0.85, ge=0, le=1)

@@ -23,8 +23,8 @@ import hashlib
 import struct
 from collections.abc import Sequence
 
-from controlplane.base.errors import KvPrefetchError
-from controlplane.base.types import DEFAULT_TENANT
+from kvprefetch.controlplane.base.errors import KvPrefetchError
+from kvprefetch.controlplane.base.types import DEFAULT_TENANT
 
 DEFAULT_CHUNK_TOKENS = 256
 _SEP = "/"

@@ -7,7 +7,7 @@ outputs) cost about twice as much as mutable ones: about a tenth of the pure cor
 per event (issue 12). :func:`quick_init` replaces it by one that sets each slot through
 the slot's own descriptor, read once per class. The record stays frozen (assignment still
 raises ``FrozenInstanceError``), equal, hashable and printable as before; only
-construction is faster (an :class:`~controlplane.base.types.ArrivalForecast`: 1.5-1.9 ->
+construction is faster (an :class:`~kvprefetch.controlplane.base.types.ArrivalForecast`: 1.5-1.9 ->
 0.9-1.4 us here, 1.35-1.69x side by side).
 """
 

@@ -1,7 +1,8 @@
 """Which scheduler shard owns a session: consistent hashing of (tenant, session id).
 
 A fleet that outgrows one scheduler runs ``N`` shards (Ray actors, one
-:class:`~controlplane.live.service.SchedulerService` each); every session belongs to exactly
+:class:`~kvprefetch.controlplane.live.service.SchedulerService` each); every session belongs to
+exactly
 one of them, the one its key hashes to on a ring of ``POINTS_PER_SHARD`` points per shard.
 Growing the ring from ``N`` to ``N + 1`` shards moves about ``1 / (N + 1)`` of the sessions
 (those whose next point clockwise is now one of the new shard's), not all of them as
@@ -21,8 +22,8 @@ import bisect
 import dataclasses
 import hashlib
 
-from controlplane.base.types import SessionKey
-from controlplane.base.wire import EngineReport, TierEvictions
+from kvprefetch.controlplane.base.types import SessionKey
+from kvprefetch.controlplane.base.wire import EngineReport, TierEvictions
 
 #: Points on the ring per shard: with 128 the largest shard of 4 owns about 28% of the
 #: sessions instead of 25% (measured by tests/core/test_shards.py's spread check).

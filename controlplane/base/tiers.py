@@ -2,7 +2,7 @@
 
 Shared by every tier the project models or runs: the scheduler core's books of each node's
 DRAM tier, the simulator's and the engine emulator's HBM, and the agents' local tiers
-(:mod:`agents.stores.local`). An entry is one named object: a session's KV prefix in the
+(:mod:`kvprefetch.agents.stores.local`). An entry is one named object: a session's KV prefix in the
 core's books (named by session id), one chunk in an agent's tier (named by chunk key).
 
 Sort-key convention (the only one in the project): an eviction strategy returns one float

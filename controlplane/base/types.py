@@ -13,7 +13,7 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from controlplane.base.records import quick_init
+from kvprefetch.controlplane.base.records import quick_init
 
 #: The tenant of sessions whose client names none.
 DEFAULT_TENANT = "default"
@@ -428,7 +428,7 @@ class SurvivalCurve:
 
 
 #: Survival of the gap law falls from 0.5 to 0.1 over the q50 -> q90 segment; the tail
-#: beyond q90 keeps that log-slope (same model as :mod:`predictors.distribution`).
+#: beyond q90 keeps that log-slope (same model as :mod:`kvprefetch.predictors.distribution`).
 _TAIL_SURVIVAL_DROP = math.log(5.0)
 #: Smallest log1p step between knots used for the tail's decay (as the predictors' floor).
 _MIN_LOG_STEP = 1e-3
@@ -458,7 +458,7 @@ class _GapLaw:
 
     ``p_ever`` is the probability of ever returning: ``p_return`` is that of returning
     within ``horizon_s``, hence ``p_return / F(horizon_s)`` (capped at 1), the reading of
-    :func:`predictors.distribution.prob_return_within`.
+    :func:`kvprefetch.predictors.distribution.prob_return_within`.
     """
 
     g0: float

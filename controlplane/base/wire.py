@@ -1,7 +1,8 @@
 """The messages between the scheduler service, the prefetch agents and the engines.
 
 Plain frozen records (picklable, so they cross Ray actor boundaries unchanged). Times are on
-the *service clock* (seconds; see :class:`controlplane.live.service.ServiceClock`), durations
+the *service clock* (seconds; see :class:`kvprefetch.controlplane.live.service.ServiceClock`),
+durations
 measured by a process on the wall clock carry ``_wall_s`` in their name.
 
 Who sends what

@@ -10,37 +10,38 @@ import os
 import sys
 from collections.abc import Sequence
 
-from controlplane.base.errors import KvPrefetchError
+from kvprefetch.controlplane.base.errors import KvPrefetchError
 
 #: sub-command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "sim": ("controlplane.cli.sim", "replay a trace over a modelled fleet, compare policies"),
-    "sim-grid": ("controlplane.cli.sim_grid",
+    "sim": ("kvprefetch.controlplane.cli.sim",
+            "replay a trace over a modelled fleet, compare policies"),
+    "sim-grid": ("kvprefetch.controlplane.cli.sim_grid",
                  "judge a policy over traces x fleet sizes x loads x seeds (sim per cell)"),
-    "train": ("controlplane.cli.train", "train a predictor on a trace"),
-    "eval-predictor": ("controlplane.cli.eval_predictor",
+    "train": ("kvprefetch.controlplane.cli.train", "train a predictor on a trace"),
+    "eval-predictor": ("kvprefetch.controlplane.cli.eval_predictor",
                        "evaluate predictors side by side on held-out gaps"),
-    "demo": ("controlplane.cli.demo",
+    "demo": ("kvprefetch.controlplane.cli.demo",
              "live control plane on local Ray: ondemand vs predictive with real bytes"),
-    "serve": ("controlplane.cli.serve",
+    "serve": ("kvprefetch.controlplane.cli.serve",
               "attach to a Ray cluster: scheduler, one agent per GPU node, HTTP API"),
-    "journal": ("controlplane.cli.journal_cmd",
+    "journal": ("kvprefetch.controlplane.cli.journal_cmd",
                 "check a scheduler journal (--repair), or compact it"),
 }
 #: `kvprefetch bench <what>`
 BENCHES: dict[str, tuple[str, str]] = {
-    "store": ("controlplane.cli.bench_store",
+    "store": ("kvprefetch.controlplane.cli.bench_store",
               "TTLB of one session-sized object from Valkey / S3 / tiered into the DRAM tier"),
-    "lmcache": ("controlplane.cli.bench_lmcache",
+    "lmcache": ("kvprefetch.controlplane.cli.bench_lmcache",
                 "our LMCache L2 adapter vs LMCache's valkey and s3 adapters (lmcache bench l2)"),
-    "sglang": ("controlplane.cli.bench_sglang",
+    "sglang": ("kvprefetch.controlplane.cli.bench_sglang",
                "our SGLang HiCache backend (local tier, Valkey) vs SGLang's file backend"),
-    "control-plane": ("controlplane.cli.bench_control_plane",
+    "control-plane": ("kvprefetch.controlplane.cli.bench_control_plane",
                       "scheduler events/s, route latency, planning step and memory per "
                       "session: pure core, service, one Ray actor"),
-    "soak": ("controlplane.cli.bench_soak",
+    "soak": ("kvprefetch.controlplane.cli.bench_soak",
              "steady traffic against the scheduler service and its journal: is RSS flat?"),
-    "aiperf": ("controlplane.cli.bench_aiperf",
+    "aiperf": ("kvprefetch.controlplane.cli.bench_aiperf",
                "NVIDIA's aiperf replays the vLLM demo's multi-turn trace through the gateway, "
                "next to our own client (needs make setup-vllm and setup-aiperf)"),
 }

@@ -1,14 +1,15 @@
 """``kvprefetch bench aiperf``: NVIDIA's aiperf, a peer benchmark client, replays the vLLM
 demo's multi-turn trace through the gateway, next to our own replayer.
 
-The stack is ``kvprefetch demo --engine vllm``'s (:mod:`controlplane.cli.demo_vllm`: local
+The stack is ``kvprefetch demo --engine vllm``'s (:mod:`kvprefetch.controlplane.cli.demo_vllm`:
+local
 Ray, Valkey + S3, per node a real vLLM CPU server and ``lmcache server`` with our L2 adapter
 behind an emulated link, one ``lmcache-mp`` agent per node, the gateway in front), started
 once. Then two replays of the same scaled trace, each on a fresh deployment of the chosen
 policy (default ``predictive``) with emptied L1 and prefix caches and prompts of its own
 content:
 
-1. ours: :class:`~controlplane.live.gateway_replay.GatewayReplayer` (TTFT at our client);
+1. ours: :class:`~kvprefetch.controlplane.live.gateway_replay.GatewayReplayer` (TTFT at our client);
 2. aiperf (``aiperf profile``, its own venv: it only talks HTTP) with the trace written as a
    ``mooncake_trace`` JSONL file: one row per turn, ``session_id``, the session's first turn
    at its ``timestamp`` (ms, compressed like ours), later turns ``delay`` ms after the
@@ -18,7 +19,7 @@ content:
    counts) is the tiny model's: aiperf loads tokenizers by hub name, offline too
    (``HF_HUB_OFFLINE=1`` makes it resolve the name in the local hub cache, never a path),
    so the tokenizer is filed in a hub cache layout under the artifact folder
-   (:func:`agents.vllm.tiny_model.hub_cache`) and aiperf runs with ``HF_HUB_CACHE``
+   (:func:`kvprefetch.agents.vllm.tiny_model.hub_cache`) and aiperf runs with ``HF_HUB_CACHE``
    pointing there: nothing is downloaded.
 
 No client hints (aiperf sends none; ours sends none either here, so the two are alike).
@@ -82,7 +83,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def find_aiperf(given: str | None) -> str:
-    from controlplane.base.errors import ConfigError
+    from kvprefetch.controlplane.base.errors import ConfigError
 
     candidates = [given] if given else [".venv-aiperf/bin/aiperf", shutil.which("aiperf")]
     for c in candidates:
@@ -94,7 +95,7 @@ def find_aiperf(given: str | None) -> str:
 
 def demo_namespace(args: argparse.Namespace) -> argparse.Namespace:
     """The demo's options for ``--engine vllm`` with this bench's settings."""
-    from controlplane.cli import demo
+    from kvprefetch.controlplane.cli import demo
 
     parser = argparse.ArgumentParser()
     demo.add_arguments(parser)
@@ -107,8 +108,9 @@ def demo_namespace(args: argparse.Namespace) -> argparse.Namespace:
 
 def mooncake_rows(trace: Any, salt: str, model: str, compression: float) -> list[dict[str, Any]]:
     """aiperf's ``mooncake_trace`` rows for ``trace`` (see the module docstring): the same
-    prompts :class:`~controlplane.live.gateway_replay.GatewayReplayer` sends with ``salt``."""
-    from controlplane.live.gateway_replay import PromptBook
+    prompts
+    :class:`~kvprefetch.controlplane.live.gateway_replay.GatewayReplayer` sends with ``salt``."""
+    from kvprefetch.controlplane.live.gateway_replay import PromptBook
 
     book = PromptBook(salt)
     rows = []
@@ -127,9 +129,9 @@ def mooncake_rows(trace: Any, salt: str, model: str, compression: float) -> list
 
 
 def run(args: argparse.Namespace) -> int:
-    from controlplane.base.atomic import write_json_atomic
-    from controlplane.base.errors import ConfigError
-    from controlplane.cli import demo_vllm
+    from kvprefetch.controlplane.base.atomic import write_json_atomic
+    from kvprefetch.controlplane.base.errors import ConfigError
+    from kvprefetch.controlplane.cli import demo_vllm
 
     aiperf = find_aiperf(args.aiperf)
     if args.timeout_s <= 0:
@@ -195,8 +197,8 @@ def _gateway_outcomes(url: str) -> dict[str, int]:
 
 
 def _ours(stack: Any, plan: Any, st: Any) -> dict[str, Any]:
-    from controlplane.cli import demo_vllm
-    from controlplane.live.gateway_replay import GatewayReplayer
+    from kvprefetch.controlplane.cli import demo_vllm
+    from kvprefetch.controlplane.live.gateway_replay import GatewayReplayer
 
     args = stack.args
     print("replaying with our client ...", file=sys.stderr, flush=True)
@@ -218,7 +220,7 @@ def _ours(stack: Any, plan: Any, st: Any) -> dict[str, Any]:
 
 def _aiperf(stack: Any, plan: Any, st: Any, aiperf: str, artifacts: Path,
             timeout_s: float) -> dict[str, Any]:
-    from controlplane.cli import demo_vllm
+    from kvprefetch.controlplane.cli import demo_vllm
 
     args = stack.args
     model = stack.engines[0].vllm.served_model_name
@@ -227,7 +229,7 @@ def _aiperf(stack: Any, plan: Any, st: Any, aiperf: str, artifacts: Path,
     trace_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
     run_dir = artifacts / "run"
     shutil.rmtree(run_dir, ignore_errors=True)
-    from agents.vllm.tiny_model import hub_cache
+    from kvprefetch.agents.vllm.tiny_model import hub_cache
 
     cache = artifacts / "hf-cache"
     tokenizer = hub_cache(stack.model_dir, cache)

@@ -1,5 +1,6 @@
 """``kvprefetch bench lmcache``: our LMCache L2 adapter against LMCache's ``valkey`` and ``s3``
-adapters under ``lmcache bench l2 --no-skip-verify`` (logic in :mod:`agents.lmcache.bench`)."""
+adapters under ``lmcache bench l2 --no-skip-verify`` (logic in
+:mod:`kvprefetch.agents.lmcache.bench`)."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     when an adapter failed to verify or the benchmark could not run."""
     from pydantic import ValidationError
 
-    from agents.lmcache.bench import (
+    from kvprefetch.agents.lmcache.bench import (
         LMCacheBenchConfig,
         bench_steps,
         format_table,
@@ -71,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         print(f"bench lmcache: {exc}", file=sys.stderr)
         return 2
-    from controlplane.cli.benchrun import run_bench
+    from kvprefetch.controlplane.cli.benchrun import run_bench
 
     result = run_bench("bench lmcache", bench_steps(config),
                        lambda step: run_lmcache_bench(config, step), format_table,

@@ -1,6 +1,7 @@
 """``kvprefetch bench sglang``: batch_get MiB/s of our SGLang HiCache backend from the
 warmed local tier and from Valkey vs SGLang's file backend, and the replay of HiCache's page
-reads with and without warming (see agents.sglang.bench and agents.sglang.replay)."""
+reads with and without warming (see
+kvprefetch.agents.sglang.bench and kvprefetch.agents.sglang.replay)."""
 
 from __future__ import annotations
 
@@ -28,18 +29,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Exit code 0, or 1 when a backend's (or the replay's) bytes did not verify."""
     try:
-        from agents.sglang.bench import (
+        from kvprefetch.agents.sglang.bench import (
             SGLangBenchConfig,
             default_dram_dir,
             format_table,
             run_sglang_bench,
         )
-        from agents.sglang.replay import ReplayConfig
+        from kvprefetch.agents.sglang.replay import ReplayConfig
     except ImportError as exc:
         print(f"bench sglang: SGLang is not installed ({exc}): make setup-sglang",
               file=sys.stderr)
         return 2
-    from controlplane.base.atomic import write_json_atomic
+    from kvprefetch.controlplane.base.atomic import write_json_atomic
 
     dram_dir = default_dram_dir()
     replay = (ReplayConfig(sessions=args.replay_sessions,

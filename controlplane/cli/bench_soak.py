@@ -1,6 +1,7 @@
 """``kvprefetch bench soak``: does the scheduler's memory stay flat under steady traffic?
 
-A :class:`~controlplane.live.service.SchedulerService` runs in this process, driven through
+A :class:`~kvprefetch.controlplane.live.service.SchedulerService` runs in this process, driven
+through
 the Python client, with its journal on (in a temporary directory) and compaction every
 ``journal_compact_records`` records, so that the journal writer, its background
 compaction and every per-event path of the service, the core and the predictor are
@@ -21,7 +22,8 @@ at the end with the first sample after ``warmup_s``: flat when it grew by at mos
 ``--max-growth`` (default 10%).
 
 Warm-up has to cover the bounded collections filling up: the largest is the orders'
-de-duplication memory (:data:`~controlplane.live.orders.APPLIED_MEMORY`, 65,536 order ids,
+de-duplication memory (:data:`~kvprefetch.controlplane.live.orders.APPLIED_MEMORY`, 65,536 order
+ids,
 about 7.7 MiB once full), which at ~600 orders/s takes about two minutes.
 """
 
@@ -41,8 +43,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from controlplane.base.types import SessionKey
-from controlplane.base.wire import EngineReport, TransferOrder, TransferReport
+from kvprefetch.controlplane.base.types import SessionKey
+from kvprefetch.controlplane.base.wire import EngineReport, TransferOrder, TransferReport
 
 EPILOG = """\
 Reported: events, events/s, sessions opened and closed, journal compactions; the resident
@@ -110,7 +112,7 @@ class SoakSpec:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        from controlplane.base.errors import ConfigError
+        from kvprefetch.controlplane.base.errors import ConfigError
 
         if not 0 <= self.warmup_s < self.duration_s:
             raise ConfigError("soak: need 0 <= warmup_s < duration_s")
@@ -286,10 +288,10 @@ class _Traffic:
 def run_soak(spec: SoakSpec, *, on_sample: Callable[[SoakSample], None] | None = None,
              journal_dir: str | Path | None = None) -> dict[str, Any]:
     """Run the soak; returns its result (the JSON of ``--json``)."""
-    from controlplane.base.config import FleetConfig, default_fleet
-    from controlplane.live.client import connect
-    from controlplane.live.config import ServiceConfig
-    from controlplane.live.service import SchedulerService
+    from kvprefetch.controlplane.base.config import FleetConfig, default_fleet
+    from kvprefetch.controlplane.live.client import connect
+    from kvprefetch.controlplane.live.config import ServiceConfig
+    from kvprefetch.controlplane.live.service import SchedulerService
 
     preset = default_fleet("8b", spec.nodes)
     node = preset.node.model_dump() | {"hbm_kv_bytes": spec.hbm_kv_bytes,
@@ -467,8 +469,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the soak; print the report; write ``--json``. Exit 0 when RSS stayed flat, 1
     when it did not (or the run failed)."""
-    from controlplane.base.errors import ConfigError
-    from controlplane.cli.benchrun import run_bench
+    from kvprefetch.controlplane.base.errors import ConfigError
+    from kvprefetch.controlplane.cli.benchrun import run_bench
 
     try:
         spec = SoakSpec(

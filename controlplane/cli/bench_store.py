@@ -1,4 +1,5 @@
-"""``kvprefetch bench store``: the data-plane benchmark (logic in :mod:`agents.bench`)."""
+"""``kvprefetch bench store``: the data-plane benchmark (logic in
+:mod:`kvprefetch.agents.bench`)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _link(text: str, flag: str) -> object:
-    from agents.linkemu import LinkProfile
+    from kvprefetch.agents.linkemu import LinkProfile
 
     try:
         latency, bandwidth = (float(x) for x in text.split(","))
@@ -46,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the benchmark; print a table; write ``--json``. Returns the exit code."""
     from pydantic import ValidationError
 
-    from agents.bench import StoreBenchConfig, bench_steps, format_table, run_store_bench
+    from kvprefetch.agents.bench import StoreBenchConfig, bench_steps, format_table, run_store_bench
 
     try:
         config = StoreBenchConfig(
@@ -63,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         print(f"bench store: {exc}", file=sys.stderr)
         return 2
-    from controlplane.cli.benchrun import run_bench
+    from kvprefetch.controlplane.cli.benchrun import run_bench
 
     result = run_bench("bench store", bench_steps(config),
                        lambda step: run_store_bench(config, step), format_table,

@@ -15,8 +15,8 @@ def run_bench(name: str, total_steps: int, work: Callable[[Step], dict[str, Any]
               progress: bool) -> dict[str, Any] | None:
     """Run ``work(on_step)``; print ``table(result)``; write ``json_out``. Returns the
     result, or None after printing why it could not run."""
-    from controlplane.base.atomic import write_json_atomic
-    from controlplane.base.errors import KvPrefetchError
+    from kvprefetch.controlplane.base.atomic import write_json_atomic
+    from kvprefetch.controlplane.base.errors import KvPrefetchError
 
     bar = None
     if progress:

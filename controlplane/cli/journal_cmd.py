@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
 def _header_metadata(path: Path) -> dict[str, Any]:
     """The journal header's metadata (without the version and the ``compacted`` mark), to
     carry over into the compacted copy; empty when the header does not parse."""
-    from controlplane.traces.journal import HEADER_KEY
+    from kvprefetch.controlplane.traces.journal import HEADER_KEY
 
     with path.open("rb") as f:
         first = f.readline()
@@ -78,8 +78,8 @@ def _header_metadata(path: Path) -> dict[str, Any]:
 
 
 def _compact(args: argparse.Namespace) -> int:
-    from controlplane.base.errors import ConfigError
-    from controlplane.live.journal import compact_journal
+    from kvprefetch.controlplane.base.errors import ConfigError
+    from kvprefetch.controlplane.live.journal import compact_journal
 
     path: Path = args.path
     if not path.is_file():
@@ -104,8 +104,8 @@ def _compact(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from controlplane.live.journal import LiveJournalScanner
-    from controlplane.traces.journal import TimeLimits, quarantine
+    from kvprefetch.controlplane.live.journal import LiveJournalScanner
+    from kvprefetch.controlplane.traces.journal import TimeLimits, quarantine
 
     limits = None if args.no_time_check else TimeLimits(now_wall_s=time.time())
     scan = LiveJournalScanner(args.path, limits=limits)

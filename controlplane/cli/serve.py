@@ -6,7 +6,8 @@ runtime on this machine whose node counts as one GPU node), finds the nodes that
 agent (every node with the ``placement.resource`` Ray resource, ``GPU`` by default, and
 every one of ``placement.labels``), starts the scheduler actor (pinned to this node, which
 holds its journal), one prefetch agent per matching node, and the HTTP API
-(:mod:`controlplane.live.http_api`) in this process. Logs what it placed where. On SIGINT or
+(:mod:`kvprefetch.controlplane.live.http_api`) in this process. Logs what it placed where. On SIGINT
+or
 SIGTERM it stops the HTTP server, closes and kills its actors and leaves Ray.
 
 The actors live as long as this process (they are not detached): run it under a
@@ -19,11 +20,11 @@ agent starts there, and the scheduler takes the node into the fleet and warms it
 Tenants: ``tenants:`` gives each tenant its own bearer token (from an environment variable
 or a file, never inline, never logged) and optionally its quotas: live sessions, a share of
 each node's local tier and a share of its prefetch bandwidth (enforced by the scheduling
-core, see :mod:`controlplane.core.quotas`);
+core, see :mod:`kvprefetch.controlplane.core.quotas`);
 ``http.admin_token`` is the operators' token (any tenant, named in the body). A config
 with only ``http.bearer_token`` / ``bearer_token_env`` keeps the old behaviour: one shared
 token, the tenant named in each body. ``http.limits`` bounds each call (body bytes, token
-ids, chunk hashes, token-id range); see :mod:`controlplane.live.limits`.
+ids, chunk hashes, token-id range); see :mod:`kvprefetch.controlplane.live.limits`.
 """
 
 from __future__ import annotations
@@ -41,20 +42,24 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
-from agents.agent import RemoteStoreConfig
-from agents.lmcache.backend import Backend, LMCacheBackendConfig
-from agents.sglang.warm import SGLangWarmConfig
-from agents.stores.local import LocalTierConfig
-from agents.transfer import TransferConfig
-from controlplane.base.config import FleetConfig, fleet_from_dict
-from controlplane.base.errors import ConfigError, KvPrefetchError, ServiceUnavailableError
-from controlplane.live.config import ServiceConfig
-from controlplane.live.limits import RequestLimits, check_tenant_name
-from controlplane.live.tenants import TenantAuth
+from kvprefetch.agents.agent import RemoteStoreConfig
+from kvprefetch.agents.lmcache.backend import Backend, LMCacheBackendConfig
+from kvprefetch.agents.sglang.warm import SGLangWarmConfig
+from kvprefetch.agents.stores.local import LocalTierConfig
+from kvprefetch.agents.transfer import TransferConfig
+from kvprefetch.controlplane.base.config import FleetConfig, fleet_from_dict
+from kvprefetch.controlplane.base.errors import (
+    ConfigError,
+    KvPrefetchError,
+    ServiceUnavailableError,
+)
+from kvprefetch.controlplane.live.config import ServiceConfig
+from kvprefetch.controlplane.live.limits import RequestLimits, check_tenant_name
+from kvprefetch.controlplane.live.tenants import TenantAuth
 
 log = logging.getLogger(__name__)
 MIB = 1 << 20
-NAMESPACE = "kvprefetch"  # = agents.ray_entry.NAMESPACE (not imported: it imports ray)
+NAMESPACE = "kvprefetch"  # = kvprefetch.agents.ray_entry.NAMESPACE (not imported: it imports ray)
 
 EPILOG = """examples:
   kvprefetch serve --config examples/serve.yaml                  # on a Ray cluster node
@@ -343,7 +348,7 @@ def load_serve_config(path: str | Path) -> ServeConfig:
         service = cfg.service_config(["node-0"])  # fleet and service, before any Ray work
     except ConfigError as exc:
         raise ConfigError(f"{p}: {exc}") from None
-    from predictors.registry import load as load_predictor
+    from kvprefetch.predictors.registry import load as load_predictor
 
     spec = service.policy_spec.predictor or service.predictor
     try:  # the scheduler actor loads it again; a bad name must fail here, not inside Ray
@@ -387,7 +392,7 @@ def http_app(cfg: ServeConfig, scheduler: Any, auth: TenantAuth, *, chunk_tokens
     """The HTTP API app of a serve config in front of ``scheduler`` (a client or a
     GatewayAPI): its credentials, limits and timeout; token ids are hashed in the API
     (``chunk_tokens``: the scheduler's), not in the scheduler actor."""
-    from controlplane.live.http_api import create_app
+    from kvprefetch.controlplane.live.http_api import create_app
 
     return create_app(scheduler, auth=auth, limits=cfg.http.limits, chunk_tokens=chunk_tokens,
                       metrics_registry=metrics, call_timeout_s=cfg.http.call_timeout_s,
@@ -436,12 +441,12 @@ class Serve:
     def _setup(self, stack: contextlib.ExitStack) -> None:
         import ray
 
-        from agents.agent import AgentConfig
-        from agents.ray_entry import SCHEDULER_NAME
-        from controlplane.live.client import connect
-        from controlplane.live.http_api import HttpServer
-        from controlplane.live.metrics import merge_shard_metrics
-        from controlplane.live.ray_app import (
+        from kvprefetch.agents.agent import AgentConfig
+        from kvprefetch.agents.ray_entry import SCHEDULER_NAME
+        from kvprefetch.controlplane.live.client import connect
+        from kvprefetch.controlplane.live.http_api import HttpServer
+        from kvprefetch.controlplane.live.metrics import merge_shard_metrics
+        from kvprefetch.controlplane.live.ray_app import (
             NodeCandidate,
             Placement,
             deploy,

@@ -7,14 +7,14 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from controlplane.base.errors import ConfigError
-from controlplane.base.shards import MAX_SHARDS
-from controlplane.base.types import Trace
-from controlplane.cli.predictor_option import add_predictor_option
-from controlplane.core.policies import POLICY_NAMES
+from kvprefetch.controlplane.base.errors import ConfigError
+from kvprefetch.controlplane.base.shards import MAX_SHARDS
+from kvprefetch.controlplane.base.types import Trace
+from kvprefetch.controlplane.cli.predictor_option import add_predictor_option
+from kvprefetch.controlplane.core.policies import POLICY_NAMES
 
 if TYPE_CHECKING:
-    from controlplane.sim.hints import HintConfig
+    from kvprefetch.controlplane.sim.hints import HintConfig
 
 #: Default Poisson rate of session starts for the simulator: one every 75 s. On the shared
 #: Claude Code set with the default 4-node 8B fleet this puts the peak working set of live
@@ -132,8 +132,8 @@ def add_hint_arguments(p: argparse.ArgumentParser) -> None:
 
 def held_out(trace: Trace, fraction: float, seed: int, predictor_spec: str) -> Trace:
     """The test side of a session-group split; refuses a model trained on any of it."""
-    from predictors.registry import load as load_predictor
-    from predictors.splits import split_trace
+    from kvprefetch.predictors.registry import load as load_predictor
+    from kvprefetch.predictors.splits import split_trace
 
     test = split_trace(trace, "session", fraction, seed).test
     groups = {s.parent_id or s.session_id for s in test.sessions}
@@ -161,7 +161,7 @@ def hint_config(args: argparse.Namespace, *, seed: int | None = None) -> HintCon
     """The client hints of the command line, or None without --hints; a bad value is a
     :class:`ConfigError` that names its flag. The hint draws use ``--hint-seed``, else
     ``seed`` (the run's seed; default ``args.seed``)."""
-    from controlplane.sim.hints import HintConfig, parse_hint_kinds
+    from kvprefetch.controlplane.sim.hints import HintConfig, parse_hint_kinds
 
     given = [flag for flag, dest, _ in _HINT_FIELD_FLAGS if getattr(args, dest) is not None]
     if args.hint_seed is not None:
@@ -194,15 +194,15 @@ def hint_config(args: argparse.Namespace, *, seed: int | None = None) -> HintCon
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from controlplane.base.atomic import write_atomic
-    from controlplane.base.config import default_fleet, load_fleet
-    from controlplane.core.policies import parse_policies
-    from controlplane.sim.report import format_table, write_plot
-    from controlplane.sim.runner import SimOptions, run_policies
-    from controlplane.sim.scenarios import apply_scenario
-    from controlplane.sim.simulator import clamp_to_window
-    from controlplane.traces import ArrivalOptions, bundled_trace_path, load_trace
-    from predictors.registry import resolve
+    from kvprefetch.controlplane.base.atomic import write_atomic
+    from kvprefetch.controlplane.base.config import default_fleet, load_fleet
+    from kvprefetch.controlplane.core.policies import parse_policies
+    from kvprefetch.controlplane.sim.report import format_table, write_plot
+    from kvprefetch.controlplane.sim.runner import SimOptions, run_policies
+    from kvprefetch.controlplane.sim.scenarios import apply_scenario
+    from kvprefetch.controlplane.sim.simulator import clamp_to_window
+    from kvprefetch.controlplane.traces import ArrivalOptions, bundled_trace_path, load_trace
+    from kvprefetch.predictors.registry import resolve
 
     policies = parse_policies(args.policies)
     check_shards(args)

@@ -29,9 +29,9 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from controlplane.base.errors import ConfigError
-from controlplane.cli.predictor_option import add_predictor_option
-from controlplane.cli.sim import (
+from kvprefetch.controlplane.base.errors import ConfigError
+from kvprefetch.controlplane.cli.predictor_option import add_predictor_option
+from kvprefetch.controlplane.cli.sim import (
     DEFAULT_SIM_SESSION_RATE_PER_S,
     add_hint_arguments,
     add_shard_arguments,
@@ -40,7 +40,7 @@ from controlplane.cli.sim import (
 )
 
 if TYPE_CHECKING:
-    from controlplane.sim.hints import HintConfig
+    from kvprefetch.controlplane.sim.hints import HintConfig
 
 EPILOG = """\
 examples:
@@ -118,11 +118,11 @@ def _run_cell(cell: Cell, policies: str, predictor: str, model: str,
               hints: HintConfig | None, shards: tuple[int, bool] = (1, False)
               ) -> dict[str, Any]:
     """One cell's ``kvprefetch sim``, as the JSON of its report (in a worker process)."""
-    from controlplane.base.config import default_fleet
-    from controlplane.core.policies import parse_policies
-    from controlplane.sim.runner import SimOptions, run_policies
-    from controlplane.sim.simulator import clamp_to_window
-    from controlplane.traces import ArrivalOptions, load_trace
+    from kvprefetch.controlplane.base.config import default_fleet
+    from kvprefetch.controlplane.core.policies import parse_policies
+    from kvprefetch.controlplane.sim.runner import SimOptions, run_policies
+    from kvprefetch.controlplane.sim.simulator import clamp_to_window
+    from kvprefetch.controlplane.traces import ArrivalOptions, load_trace
 
     fleet = default_fleet(model, cell.nodes)
     arrivals = ArrivalOptions(session_rate_per_s=DEFAULT_SIM_SESSION_RATE_PER_S, load=cell.load)
@@ -135,7 +135,7 @@ def _run_cell(cell: Cell, policies: str, predictor: str, model: str,
 
 
 def _ratio_row(cell: Cell, report: dict[str, Any], subject: str) -> dict[str, Any]:
-    from controlplane.sim.metrics import gap_closure
+    from kvprefetch.controlplane.sim.metrics import gap_closure
 
     pol = report["policies"]
 
@@ -196,7 +196,7 @@ def write_grid_plot(rows: Sequence[dict[str, Any]], subject: str, path: str) -> 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from controlplane.sim.report import save_figure_atomic
+    from kvprefetch.controlplane.sim.report import save_figure_atomic
 
     traces = list(dict.fromkeys(r["trace"] for r in rows))
     fig, axes = plt.subplots(1, len(traces), figsize=(4.2 * len(traces), 4), squeeze=False,
@@ -229,10 +229,10 @@ def write_grid_plot(rows: Sequence[dict[str, Any]], subject: str, path: str) -> 
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from controlplane.base.atomic import write_atomic
-    from controlplane.base.config import default_fleet
-    from controlplane.core.policies import parse_policies
-    from predictors.registry import resolve
+    from kvprefetch.controlplane.base.atomic import write_atomic
+    from kvprefetch.controlplane.base.config import default_fleet
+    from kvprefetch.controlplane.core.policies import parse_policies
+    from kvprefetch.predictors.registry import resolve
 
     traces = [t.strip() for t in args.traces.split(",") if t.strip()]
     if not traces:

@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 
-from controlplane.cli.predictor_option import add_predictor_option
+from kvprefetch.controlplane.cli.predictor_option import add_predictor_option
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,11 +34,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from controlplane.base.errors import PredictorError
-    from controlplane.traces import load_trace
-    from predictors import registry
-    from predictors.evaluate import evaluate
-    from predictors.splits import split_trace
+    from kvprefetch.controlplane.base.errors import PredictorError
+    from kvprefetch.controlplane.traces import load_trace
+    from kvprefetch.predictors import registry
+    from kvprefetch.predictors.evaluate import evaluate
+    from kvprefetch.predictors.splits import split_trace
 
     progress = not args.no_progress and sys.stderr.isatty()
     trace = load_trace(args.trace, args.format, seed=args.seed,

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from controlplane.base.config import PlannerConfig
-from controlplane.base.records import quick_init
-from controlplane.base.types import ArrivalForecast
+from kvprefetch.controlplane.base.config import PlannerConfig
+from kvprefetch.controlplane.base.records import quick_init
+from kvprefetch.controlplane.base.types import ArrivalForecast
 
 
 @quick_init

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from controlplane.base.errors import ConfigError
+from kvprefetch.controlplane.base.errors import ConfigError
 
 
 class LoadStart(enum.Enum):
@@ -31,12 +31,12 @@ class EvictionKind(enum.Enum):
 
     LRU = "lru"
     PREDICTED_USE = "predicted_use"  # furthest predicted next use first (Belady w/ oracle)
-    #: Lowest value per byte first (controlplane.core.value: expected seconds saved per
+    #: Lowest value per byte first (kvprefetch.controlplane.core.value: expected seconds saved per
     #: byte per second of occupancy, from the forecast conditioned on the silence so far);
     #: prefetches are admitted and timed by the same rule, with no confidence threshold.
     VALUE = "value"
     #: Predicted next use or LRU, whichever wins more of the duels between their first
-    #: victims on the traffic at hand (controlplane.core.tiers.EvictionDuel); prefetches
+    #: victims on the traffic at hand (kvprefetch.controlplane.core.tiers.EvictionDuel); prefetches
     #: are admitted by predicted use. Experimental (policy ``predictive-duel``).
     ADAPTIVE = "adaptive"
 
@@ -56,7 +56,7 @@ class PolicySpec:
     modelled_on: str = ""
     #: Room is made by cutting a victim's KV back to a prefix, chunk by chunk, not by
     #: dropping the whole session: the prefix is what a returning request reuses, and an
-    #: eviction frees only the bytes it needs (see :mod:`controlplane.core.scheduler`,
+    #: eviction frees only the bytes it needs (see :mod:`kvprefetch.controlplane.core.scheduler`,
     #: "Suffix eviction"). The LMCache-modelled baselines drop whole sessions: LMCache's
     #: L1 LRU evicts a session's chunks in the order they were last touched, prefix first,
     #: and the suffix it leaves is of no use to a prefix lookup, so whole-session LRU is
@@ -92,7 +92,8 @@ POLICIES: dict[str, PolicySpec] = {
                    predictor="oracle", safety_margin_s=0.0, modelled_on="the physical limit",
                    suffix_eviction=True),
         # Experimental, by name only (not in the default six): the value rule of
-        # controlplane.core.value for eviction, admission and prefetch timing. Measured so
+        # kvprefetch.controlplane.core.value for eviction, admission and prefetch timing. Measured
+        # so
         # far it prefetches but wastes most of it (README, "The value rule").
         PolicySpec("predictive-value", True, True, LoadStart.ADAPTIVE, EvictionKind.VALUE,
                    True, modelled_on="kvprefetch, value rule (experimental)",

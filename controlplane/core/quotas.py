@@ -35,8 +35,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from controlplane.base.tiers import INF, EvictionStrategy, Tier, TierEntry
-from controlplane.base.types import DEFAULT_TENANT
+from kvprefetch.controlplane.base.tiers import INF, EvictionStrategy, Tier, TierEntry
+from kvprefetch.controlplane.base.types import DEFAULT_TENANT
 
 __all__ = ["TenantQuota", "TenantQuotaStats", "TenantShares"]
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from controlplane.base.config import FleetConfig
-from controlplane.base.records import quick_init
+from kvprefetch.controlplane.base.config import FleetConfig
+from kvprefetch.controlplane.base.records import quick_init
 
 
 @dataclass(frozen=True, slots=True)

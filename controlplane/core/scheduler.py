@@ -11,7 +11,8 @@ views built from the agents' reports.
 
 Who calls what
 --------------
-Every event method returns one :class:`~controlplane.core.step.StepOutput` that the driver
+Every event method returns one :class:`~kvprefetch.controlplane.core.step.StepOutput` that the
+driver
 carries out (start loads, stop transfers, arm orders, advise evictions); drivers hold no
 policy of their own.
 
@@ -38,11 +39,12 @@ the last victim back to the whole chunks (``chunk_tokens``) of its prefix that t
 does not need, instead of dropping it: a returning request reuses its context from the
 start, so the prefix left local shortens its load by that much, and a tier of a few large
 contexts no longer frees a whole session's bytes to fit a little more. The step reports
-the cut as a :class:`~controlplane.core.step.Trim` (the agent deletes the chunks past it);
+the cut as a :class:`~kvprefetch.controlplane.core.step.Trim` (the agent deletes the chunks past
+it);
 the trimmed session is planned again like an evicted one. Measured (README, "Suffix
 eviction"): it lowers predictive's and the oracle's returning TTFT in every run of the
 sweep; the LMCache-modelled baselines keep whole-session LRU (see
-:attr:`~controlplane.core.policies.PolicySpec.suffix_eviction`).
+:attr:`~kvprefetch.controlplane.core.policies.PolicySpec.suffix_eviction`).
 """
 
 from __future__ import annotations
@@ -52,19 +54,19 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Protocol, TypeVar
 
-from controlplane.base.config import GIB, FleetConfig
-from controlplane.base.keys import DEFAULT_CHUNK_TOKENS
-from controlplane.base.types import ArrivalForecast, SessionEvent
-from controlplane.core.planner import (
+from kvprefetch.controlplane.base.config import GIB, FleetConfig
+from kvprefetch.controlplane.base.keys import DEFAULT_CHUNK_TOKENS
+from kvprefetch.controlplane.base.types import ArrivalForecast, SessionEvent
+from kvprefetch.controlplane.core.planner import (
     PrefetchOrder,
     TransferEstimate,
     plan_prefetch,
     predicted_use_s,
 )
-from controlplane.core.policies import EvictionKind, LoadStart, PolicySpec
-from controlplane.core.quotas import TenantQuota, TenantShares
-from controlplane.core.router import NodeNumbers, RouteDecision, Router, RouteRequest
-from controlplane.core.step import (
+from kvprefetch.controlplane.core.policies import EvictionKind, LoadStart, PolicySpec
+from kvprefetch.controlplane.core.quotas import TenantQuota, TenantShares
+from kvprefetch.controlplane.core.router import NodeNumbers, RouteDecision, Router, RouteRequest
+from kvprefetch.controlplane.core.step import (
     DEMAND_PRIORITY,
     QUEUED_PRIORITY,
     LoadTicket,
@@ -72,8 +74,8 @@ from controlplane.core.step import (
     StepOutput,
     Trim,
 )
-from controlplane.core.sweep import GatedPredictor, IdleIndex
-from controlplane.core.tiers import (
+from kvprefetch.controlplane.core.sweep import GatedPredictor, IdleIndex
+from kvprefetch.controlplane.core.tiers import (
     DuelingEviction,
     EvictionDuel,
     IndexedLruEviction,
@@ -83,8 +85,8 @@ from controlplane.core.tiers import (
     PredictedUseEviction,
     TierEntry,
 )
-from controlplane.core.value import SessionValues, ValueConfig
-from predictors.base import Predictor
+from kvprefetch.controlplane.core.value import SessionValues, ValueConfig
+from kvprefetch.predictors.base import Predictor
 
 INF = float("inf")
 # Enum members as module names: ``EventKind.X`` costs a descriptor call per access on
@@ -230,7 +232,8 @@ class SchedulerCore:
         self._step = _Step()
         #: Idle sessions whose KV is not on their home node: what :meth:`sweep` re-plans.
         self._evicted: set[str] = set()
-        #: The due ones (:mod:`controlplane.core.sweep`), when the predictor says where its
+        #: The due ones (:mod:`kvprefetch.controlplane.core.sweep`), when the predictor says where
+        #: its
         #: forecasts may pass the gate (``indexed_sweep=False``: every sweep forecasts all,
         #: for tests that compare the two); sessions whose due state may have changed in
         #: the call under way; due sessions whose local copy may have grown since a sweep
@@ -277,7 +280,7 @@ class SchedulerCore:
         self.dram = [IndexedTier(f"dram{i}", capacity, strategy, holders=self._holders)
                      for i in range(fleet.nodes)]
         #: Per-tenant shares of each node's tier and prefetch bandwidth
-        #: (:mod:`controlplane.core.quotas`); None without quotas: decisions as before.
+        #: (:mod:`kvprefetch.controlplane.core.quotas`); None without quotas: decisions as before.
         self.shares: TenantShares | None = TenantShares(
             tenant_quotas, nic_bytes_per_s=fleet.node.nic_bytes_per_s,
             known=lambda sid: sid in self._sessions or sid in self._holders,
@@ -368,7 +371,7 @@ class SchedulerCore:
         """Predicted next use of each session at ``now_s`` (one time, or one per session):
         then if it is running, its planned use if a prefetch brought it in, else from the
         predictor (one batched call). Non-decreasing in time between the session's events
-        (what the eviction index relies on, see :mod:`controlplane.core.tiers`)."""
+        (what the eviction index relies on, see :mod:`kvprefetch.controlplane.core.tiers`)."""
         times = ([float(now_s)] * len(sids) if isinstance(now_s, int | float)
                  else list(now_s))
         out: list[float] = [0.0] * len(sids)
@@ -867,7 +870,7 @@ class SchedulerCore:
 
     def _due_candidates(self, now_s: float) -> list[str]:
         """The due sessions a full sweep could plan an order for, or whose local copy may
-        now cover them (see :mod:`controlplane.core.sweep`), sorted as the full sweep
+        now cover them (see :mod:`kvprefetch.controlplane.core.sweep`), sorted as the full sweep
         plans them. Reads every due group's law once, as forecasting them all would."""
         idle = self._idle
         assert idle is not None
@@ -1185,7 +1188,7 @@ class SchedulerCore:
                       min_key: float, prefetch: bool, free_only: bool = False) -> bool:
         """Whether the session's tenant may grow the node's books by ``grow_bytes`` (and,
         for a prefetch, start one now) within its shares; evicts the tenant's own sessions
-        first where they make the room (see :mod:`controlplane.core.quotas`)."""
+        first where they make the room (see :mod:`kvprefetch.controlplane.core.quotas`)."""
         shares = self.shares
         assert shares is not None
         if prefetch and not shares.may_prefetch(sid, node, now_s):

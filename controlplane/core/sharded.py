@@ -1,11 +1,11 @@
 """Several scheduling cores as one, the way a sharded deployment runs them (for the
 simulator: what does sharding cost in decisions?).
 
-:class:`ShardedCore` holds ``N`` :class:`~controlplane.core.scheduler.SchedulerCore` s,
+:class:`ShardedCore` holds ``N`` :class:`~kvprefetch.controlplane.core.scheduler.SchedulerCore` s,
 each planning with its quota of the fleet (:meth:`FleetConfig.shard_quota`: 1/N of every
 node's DRAM tier, link and Valkey rate, and of the waste allowance) and its own copy of the
 predictor, as ``N`` scheduler shards on Ray do. A session's events go to the core that owns
-it (:class:`~controlplane.base.shards.ShardRing`); fleet-wide calls (the sweep, a node
+it (:class:`~kvprefetch.controlplane.base.shards.ShardRing`); fleet-wide calls (the sweep, a node
 leaving or joining, tiers cleared) go to every core and their decisions are joined. Every
 core sees the same fleet (queues, HBM, links) through the one ``FleetView``: what the
 agents' and engines' reports give each shard live.
@@ -23,14 +23,14 @@ import copy
 import dataclasses
 from collections.abc import Callable, Sequence
 
-from controlplane.base.config import FleetConfig
-from controlplane.base.shards import ShardRing
-from controlplane.base.types import DEFAULT_TENANT, SessionEvent
-from controlplane.core.planner import PrefetchOrder
-from controlplane.core.policies import PolicySpec
-from controlplane.core.scheduler import CoreStats, FleetView, SchedulerCore, summed
-from controlplane.core.step import StepOutput
-from predictors.base import Predictor
+from kvprefetch.controlplane.base.config import FleetConfig
+from kvprefetch.controlplane.base.shards import ShardRing
+from kvprefetch.controlplane.base.types import DEFAULT_TENANT, SessionEvent
+from kvprefetch.controlplane.core.planner import PrefetchOrder
+from kvprefetch.controlplane.core.policies import PolicySpec
+from kvprefetch.controlplane.core.scheduler import CoreStats, FleetView, SchedulerCore, summed
+from kvprefetch.controlplane.core.step import StepOutput
+from kvprefetch.predictors.base import Predictor
 
 
 def join_outputs(outs: Sequence[StepOutput]) -> StepOutput:

@@ -1,6 +1,6 @@
 """What one call of the scheduling core decided: the contract between the core and its drivers.
 
-Every event method of :class:`~controlplane.core.scheduler.SchedulerCore` returns one
+Every event method of :class:`~kvprefetch.controlplane.core.scheduler.SchedulerCore` returns one
 :class:`StepOutput` (as vLLM's scheduler returns one ``SchedulerOutput`` per step). A driver
 (the simulator on a virtual clock, the live service on the wall clock) *carries it out* and
 decides nothing of its own:
@@ -13,7 +13,7 @@ decides nothing of its own:
 * ``loads``: transfers to start now, demand loads and prefetches alike, each with the
   priority the planner gave it;
 * ``orders``: prefetches armed for later: at each order's ``start_at_s`` the driver calls
-  :meth:`~controlplane.core.scheduler.SchedulerCore.start_prefetch`;
+  :meth:`~kvprefetch.controlplane.core.scheduler.SchedulerCore.start_prefetch`;
 * ``evictions``: sessions dropped from a node's local-tier books (advise the node's agent to
   delete them); an entry dropped and re-admitted within the same call is not listed;
 * ``trims``: sessions cut back to a prefix in a node's books (suffix eviction, policies
@@ -26,9 +26,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from controlplane.base.records import quick_init
-from controlplane.core.planner import PrefetchOrder
-from controlplane.core.router import RouteDecision
+from kvprefetch.controlplane.base.records import quick_init
+from kvprefetch.controlplane.core.planner import PrefetchOrder
+from kvprefetch.controlplane.core.router import RouteDecision
 
 #: Priority of demand loads: a request is waiting for them, so they go before prefetches
 #: (whose priority is the planner's expected stall avoided per GiB, always lower).

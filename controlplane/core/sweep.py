@@ -1,6 +1,7 @@
 """The sweep's index of idle sessions: which of them a sweep must forecast again.
 
-:meth:`SchedulerCore.sweep <controlplane.core.scheduler.SchedulerCore.sweep>` re-plans, every
+:meth:`SchedulerCore.sweep <kvprefetch.controlplane.core.scheduler.SchedulerCore.sweep>` re-plans,
+every
 ``planner.sweep_interval_s``, the idle sessions whose KV left their home node (*due*: no
 armed order, fewer than the per-idle prefetches, silent for at most ``planner.max_lead_s``).
 Asking the predictor about every one of them made each sweep O(due sessions), nearly all of

@@ -3,7 +3,7 @@
 The core keeps a :class:`Tier` of every node's DRAM tier: in the simulator it *is* the
 tier; in the live service it mirrors what the agents report. Entries are keyed by session
 id (``TierEntry(session_id, tokens, nbytes, last_use_s, ...)``). The entry record, the
-strategy contract, LRU and ``Tier`` live in :mod:`controlplane.base.tiers` (the engine
+strategy contract, LRU and ``Tier`` live in :mod:`kvprefetch.controlplane.base.tiers` (the engine
 emulator and the agents use them too); only the strategy that asks the core's forecasts
 lives here. Same convention: the **largest** key is evicted first.
 
@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from controlplane.base.tiers import INF, EvictionStrategy, LruEviction, Tier, TierEntry
+from kvprefetch.controlplane.base.tiers import INF, EvictionStrategy, LruEviction, Tier, TierEntry
 
 __all__ = ["INF", "BoundedStrategy", "DuelingEviction", "EvictionDuel", "EvictionStrategy",
            "IndexStats", "IndexedLruEviction", "IndexedTier", "KeyBound", "KeyedEviction",

@@ -43,7 +43,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from controlplane.base.types import ArrivalForecast
+from kvprefetch.controlplane.base.types import ArrivalForecast
 
 INF = math.inf
 #: Default floor of the expected occupancy (seconds), see :attr:`ValueConfig.min_wait_s`.

@@ -1,24 +1,27 @@
 """The gateway's Python API: ``connect(address=...)`` and :class:`Client`.
 
-Every call is validated here (pydantic, :mod:`controlplane.base.api`) before it leaves the
+Every call is validated here (pydantic, :mod:`kvprefetch.controlplane.base.api`) before it leaves
+the
 process, carries a tenant, and waits at most ``timeout_s``: a ``route`` that times out
 answers :meth:`RouteAnswer.no_prefetch` (run the request anywhere, without prefetch) and an
 event that times out answers ``Ack(accepted=False, timed_out=True)``; neither raises, so
 the inference path is never held up for long. The service's refusals come back as typed
-errors (:class:`~controlplane.base.errors.UnknownSessionError`,
-:class:`~controlplane.base.errors.WrongTenantError`,
-:class:`~controlplane.base.errors.MalformedHintError`, ...).
+errors (:class:`~kvprefetch.controlplane.base.errors.UnknownSessionError`,
+:class:`~kvprefetch.controlplane.base.errors.WrongTenantError`,
+:class:`~kvprefetch.controlplane.base.errors.MalformedHintError`, ...).
 
 ``tenant``: the tenant the calls are made for. Over HTTP with a tenant's own token leave it
 out (the token says whose calls they are; naming another tenant is refused); with the
 admin or the shared token, or elsewhere, it names the tenant (default ``"default"``).
 
-A client holds a :class:`~controlplane.live.protocol.GatewayAPI`: ``address="inproc"`` with
-``service=`` (a :class:`~controlplane.live.service.SchedulerService` in this process: tests,
+A client holds a :class:`~kvprefetch.controlplane.live.protocol.GatewayAPI`: ``address="inproc"``
+with
+``service=`` (a :class:`~kvprefetch.controlplane.live.service.SchedulerService` in this process:
+tests,
 embedding; its calls run on a small thread pool so that the timeout holds there too), a
 :class:`RayTransport` for a Ray address (``"auto"``, ``"ray://host:10001"``,
 ``"127.0.0.2:6379"``: the named scheduler actor), or an :class:`HttpTransport` for an HTTP
-URL (``http://host:8000``, the FastAPI app of :mod:`controlplane.live.http_api`).
+URL (``http://host:8000``, the FastAPI app of :mod:`kvprefetch.controlplane.live.http_api`).
 """
 
 from __future__ import annotations
@@ -37,8 +40,8 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from pydantic import BaseModel
 
-from controlplane.base import api
-from controlplane.base.errors import (
+from kvprefetch.controlplane.base import api
+from kvprefetch.controlplane.base.errors import (
     InvalidRequestError,
     KvPrefetchError,
     MalformedHintError,
@@ -48,7 +51,7 @@ from controlplane.base.errors import (
     UnknownSessionError,
     WrongTenantError,
 )
-from controlplane.base.wire import (
+from kvprefetch.controlplane.base.wire import (
     AgentHello,
     AgentStatus,
     EngineReport,
@@ -56,10 +59,10 @@ from controlplane.base.wire import (
     TierEvictions,
     TransferReport,
 )
-from controlplane.live.packing import pack, unpack
-from controlplane.live.protocol import GatewayAPI, RemoteAPI, SchedulerAPI
-from controlplane.live.sessions import SessionQuery, SessionState
-from controlplane.live.tenants import TenantQuotaError
+from kvprefetch.controlplane.live.packing import pack, unpack
+from kvprefetch.controlplane.live.protocol import GatewayAPI, RemoteAPI, SchedulerAPI
+from kvprefetch.controlplane.live.sessions import SessionQuery, SessionState
+from kvprefetch.controlplane.live.tenants import TenantQuotaError
 
 log = logging.getLogger(__name__)
 
@@ -264,20 +267,20 @@ class EventBatcher:
 
 
 class RayTransport:
-    """:class:`~controlplane.live.protocol.SchedulerAPI` over the named scheduler actor:
+    """:class:`~kvprefetch.controlplane.live.protocol.SchedulerAPI` over the named scheduler actor:
     each call waits for the actor's answer at most ``timeout_s``; Ray's errors are
     translated here (the service's typed errors are raised as they are). With
     ``batching`` the fire-and-forget events are queued (:class:`EventBatcher`): their
     calls answer ``Ack(accepted=True)`` at once, and a refusal is counted in
     ``batcher.stats`` and logged. The calls made per request and the route answers cross
-    as tuples (:mod:`controlplane.live.packing`)."""
+    as tuples (:mod:`kvprefetch.controlplane.live.packing`)."""
 
     def __init__(self, address: str, namespace: str, *,
                  timeout_s: float = DEFAULT_TIMEOUT_S,
                  batching: EventBatching | None = None, shard: int = 0) -> None:
         import ray
 
-        from agents.ray_entry import scheduler_name
+        from kvprefetch.agents.ray_entry import scheduler_name
 
         if not ray.is_initialized():
             ray.init(address=address, namespace=namespace, log_to_driver=False)
@@ -486,7 +489,7 @@ def route_each(route: Callable[[api.RouteQuery], api.RouteAnswer],
 
 
 class InProcessTransport:
-    """:class:`~controlplane.live.protocol.RemoteAPI` over a scheduler in this process:
+    """:class:`~kvprefetch.controlplane.live.protocol.RemoteAPI` over a scheduler in this process:
     each call runs on a small shared thread pool and is waited for at most ``timeout_s``
     (then ``TimeoutError``; a call still queued is cancelled, one already running
     completes later, as a remote call that timed out may). Without it a caller would wait
@@ -561,7 +564,7 @@ _NAMED_ERRORS: dict[str, type[ServiceError]] = {
 
 
 class HttpTransport:
-    """:class:`~controlplane.live.protocol.GatewayAPI` over the HTTP API (``POST
+    """:class:`~kvprefetch.controlplane.live.protocol.GatewayAPI` over the HTTP API (``POST
     /v1/<call>``), with an optional bearer token; each call waits at most ``timeout_s``.
     Its error answers (``{"error": <type>, "detail": <message>}``) are raised as the typed
     error they name, or by status."""
@@ -811,7 +814,7 @@ def connect(address: str = "auto", *, tenant: str | None = None,
     elif address.startswith(("http://", "https://")):
         target = HttpTransport(address, token, timeout_s=timeout_s)
     else:
-        from controlplane.live.sharded import open_ray
+        from kvprefetch.controlplane.live.sharded import open_ray
 
         target = open_ray(address, namespace, timeout_s=timeout_s, batching=batching)
     return Client(target, tenant=tenant, timeout_s=timeout_s)

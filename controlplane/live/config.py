@@ -8,13 +8,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from controlplane.base.config import FleetConfig, default_fleet
-from controlplane.base.errors import InvalidRequestError
-from controlplane.base.keys import DEFAULT_CHUNK_TOKENS
-from controlplane.base.shards import MAX_SHARDS
-from controlplane.core.policies import POLICIES, PolicySpec
-from controlplane.core.quotas import TenantQuota
-from controlplane.live.limits import RequestLimits, check_tenant_name
+from kvprefetch.controlplane.base.config import FleetConfig, default_fleet
+from kvprefetch.controlplane.base.errors import InvalidRequestError
+from kvprefetch.controlplane.base.keys import DEFAULT_CHUNK_TOKENS
+from kvprefetch.controlplane.base.shards import MAX_SHARDS
+from kvprefetch.controlplane.core.policies import POLICIES, PolicySpec
+from kvprefetch.controlplane.core.quotas import TenantQuota
+from kvprefetch.controlplane.live.limits import RequestLimits, check_tenant_name
 
 #: Live sessions a tenant may hold when its quota is not given.
 DEFAULT_MAX_LIVE_SESSIONS = 100_000
@@ -55,7 +55,7 @@ class ServiceConfig(BaseModel):
     tenant_max_live_sessions: dict[str, int] = Field(default_factory=dict)
     #: Per-tenant share (0, 1] of each node's local tier: a tenant at its share has its own
     #: sessions evicted first to fit a new one, never another tenant's, and KV that its own
-    #: cannot make room for is not kept (:mod:`controlplane.core.quotas`). Unlisted: 1.
+    #: cannot make room for is not kept (:mod:`kvprefetch.controlplane.core.quotas`). Unlisted: 1.
     tenant_local_tier_share: dict[str, float] = Field(default_factory=dict)
     #: Per-tenant share (0, 1] of each node's NIC rate its prefetches may use on average;
     #: a prefetch over it is deferred to a later sweep. Demand loads are not limited.
@@ -69,7 +69,7 @@ class ServiceConfig(BaseModel):
     loop_interval_s: float = Field(0.05, gt=0, le=5)
     #: An order not reported after this long (wall seconds) is given up and re-planned.
     order_timeout_s: float = Field(120.0, gt=0)
-    #: This service is shard ``shard`` of ``shards`` (:mod:`controlplane.base.shards`):
+    #: This service is shard ``shard`` of ``shards`` (:mod:`kvprefetch.controlplane.base.shards`):
     #: it owns the sessions the ring gives it, with its quota of every node's tiers and
     #: links (:meth:`for_shard`); its epochs are congruent to ``shard`` modulo ``shards``.
     shard: int = Field(0, ge=0)

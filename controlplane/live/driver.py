@@ -2,9 +2,10 @@
 and the core, and turns the core's outputs into messages for the agents.
 
 :class:`LiveDriver` holds the service's rooms (sessions, orders, the fleet view, the
-armed-order timers) around one :class:`~controlplane.core.scheduler.SchedulerCore`. It is
+armed-order timers) around one :class:`~kvprefetch.controlplane.core.scheduler.SchedulerCore`. It is
 not thread-safe and never sends anything itself: every method that decides takes the
-:class:`~controlplane.live.ports.Outbox` that the service sends once its lock is released.
+:class:`~kvprefetch.controlplane.live.ports.Outbox` that the service sends once its lock is
+released.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from controlplane.base import api
-from controlplane.base.keys import chunk_hashes, session_prefix
-from controlplane.base.types import EventKind, HintKind, SessionEvent, SessionKey
-from controlplane.base.wire import (
+from kvprefetch.controlplane.base import api
+from kvprefetch.controlplane.base.keys import chunk_hashes, session_prefix
+from kvprefetch.controlplane.base.types import EventKind, HintKind, SessionEvent, SessionKey
+from kvprefetch.controlplane.base.wire import (
     AgentHello,
     AgentStatus,
     EngineReport,
@@ -32,18 +33,23 @@ from controlplane.base.wire import (
     format_order_id,
     order_epoch,
 )
-from controlplane.core.planner import PrefetchOrder
-from controlplane.core.quotas import TenantQuotaStats
-from controlplane.core.scheduler import SchedulerCore
-from controlplane.core.step import StepOutput
-from controlplane.live.config import ServiceClock, ServiceConfig
-from controlplane.live.fleet import LiveFleet
-from controlplane.live.journal import KeysChange, LiveJournalScanner, LiveJournalWriter
-from controlplane.live.orders import OrderBook, report_mismatch
-from controlplane.live.ports import Outbox, ServiceMetricsSink, ServiceStats
-from controlplane.live.sessions import SessionInfo, SessionQuery, SessionRegistry, SessionState
-from controlplane.live.tenants import TenantQuotaError
-from controlplane.traces.journal import DamagedRecord, TimeLimits
+from kvprefetch.controlplane.core.planner import PrefetchOrder
+from kvprefetch.controlplane.core.quotas import TenantQuotaStats
+from kvprefetch.controlplane.core.scheduler import SchedulerCore
+from kvprefetch.controlplane.core.step import StepOutput
+from kvprefetch.controlplane.live.config import ServiceClock, ServiceConfig
+from kvprefetch.controlplane.live.fleet import LiveFleet
+from kvprefetch.controlplane.live.journal import KeysChange, LiveJournalScanner, LiveJournalWriter
+from kvprefetch.controlplane.live.orders import OrderBook, report_mismatch
+from kvprefetch.controlplane.live.ports import Outbox, ServiceMetricsSink, ServiceStats
+from kvprefetch.controlplane.live.sessions import (
+    SessionInfo,
+    SessionQuery,
+    SessionRegistry,
+    SessionState,
+)
+from kvprefetch.controlplane.live.tenants import TenantQuotaError
+from kvprefetch.controlplane.traces.journal import DamagedRecord, TimeLimits
 
 log = logging.getLogger(__name__)
 
@@ -304,7 +310,7 @@ class LiveDriver:
     def engine_report(self, report: EngineReport) -> None:
         """The engine's HBM now holds the served session's context and no longer the ones
         it dropped. A drop notice (empty ``session_id``, from a sharded engine client:
-        :func:`~controlplane.base.shards.split_engine_report`) only drops."""
+        :func:`~kvprefetch.controlplane.base.shards.split_engine_report`) only drops."""
         hbm = self.fleet.nodes[report.node].hbm
         if report.session_id:
             hbm[report.session_id] = report.context_tokens

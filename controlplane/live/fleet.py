@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from controlplane.base.config import FleetConfig
-from controlplane.live.orders import OrderBook
+from kvprefetch.controlplane.base.config import FleetConfig
+from kvprefetch.controlplane.live.orders import OrderBook
 
 
 @dataclass(slots=True)
@@ -21,7 +21,7 @@ class NodeState:
 
 
 class LiveFleet:
-    """Implements :class:`~controlplane.core.scheduler.FleetView` for the live service.
+    """Implements :class:`~kvprefetch.controlplane.core.scheduler.FleetView` for the live service.
     Remote reads are costed at Valkey's rate (the hot tier in front of S3)."""
 
     def __init__(self, fleet: FleetConfig, orders: OrderBook) -> None:

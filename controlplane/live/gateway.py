@@ -11,7 +11,7 @@ hand-wire around the scheduler's client:
    token ids;
 3. **asks the scheduler where to run it** (``route``, which records ``request_started``),
    and forwards the request to that node's vLLM unchanged, streaming or not, but for the
-   tenant's ``cache_salt`` (:func:`~controlplane.base.keys.tenant_cache_salt`: vLLM's
+   tenant's ``cache_salt`` (:func:`~kvprefetch.controlplane.base.keys.tenant_cache_salt`: vLLM's
    prefix cache and LMCache's keys then keep tenants apart; none for the default tenant
    without a base salt);
 4. after the answer: **stores the session's token ids** in the token store, where the
@@ -24,7 +24,7 @@ runs on the node with the fewest requests in flight at this gateway, without pre
 ``kvp_gateway_routed_total{by="load"}`` and ``kvp_gateway_scheduler_unavailable_total``
 say so. Upstream errors are answered with the upstream's status and body.
 
-``python -m controlplane.live.gateway --upstream http://node0:8000 --upstream ...`` runs
+``python -m kvprefetch.controlplane.live.gateway --upstream http://node0:8000 --upstream ...`` runs
 it locally (uvicorn); :func:`build_app` gives the FastAPI app for any ASGI host. Nodes are
 numbered in upstream order, as the scheduler numbers them.
 """
@@ -45,8 +45,9 @@ from typing import Any, Literal, Protocol
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from controlplane.base.keys import tenant_cache_salt
-from controlplane.base.types import DEFAULT_TENANT
+from kvprefetch.controlplane.base.keys import tenant_cache_salt
+from kvprefetch.controlplane.base.types import DEFAULT_TENANT
+from kvprefetch.controlplane.base.vocabulary import stop_reason_or_none
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,8 @@ class Routed:
 
 class Gateway:
     """The gateway's request handling, apart from the HTTP framework (see the module
-    docstring). ``scheduler`` is a :class:`controlplane.live.client.Client` (or None: route
+    docstring). ``scheduler`` is a :class:`kvprefetch.controlplane.live.client.Client` (or None:
+    route
     by load only); ``tokens`` stores token ids for the agents (None: not stored)."""
 
     def __init__(self, config: GatewayConfig, *, scheduler: Any | None = None,
@@ -206,13 +208,16 @@ class Gateway:
                 log.warning("storing %s's token ids failed: %s", session, exc)
         if self._scheduler is None:
             return
+        # The engine's finish reason (OpenAI's names), as the scheduler's canonical name; one
+        # the vocabulary does not know is sent as none.
+        stop = stop_reason_or_none(stop_reason)
         try:
             await asyncio.to_thread(
                 self._scheduler.request_finished, session, node=node,
                 input_tokens=len(token_ids), output_tokens=output_tokens,
-                stop_reason=stop_reason, tenant=self.config.tenant,
+                stop_reason=stop, tenant=self.config.tenant,
                 local_tokens_read=cached_tokens, timeout_s=self.config.scheduler_timeout_s)
-            if stop_reason == "tool_calls":
+            if stop == "tool_use":
                 await asyncio.to_thread(self._scheduler.hint, session, "tool_running",
                                         tenant=self.config.tenant,
                                         timeout_s=self.config.scheduler_timeout_s)
@@ -414,7 +419,7 @@ def serve_in_thread(gateway: Gateway, host: str = "127.0.0.1", port: int = 0,
     import uvicorn
 
     if port == 0:
-        from agents.embedded import free_port
+        from kvprefetch.agents.embedded import free_port
 
         port = free_port(host)
     server = uvicorn.Server(uvicorn.Config(build_app(gateway), host=host, port=port,
@@ -434,8 +439,8 @@ def serve_in_thread(gateway: Gateway, host: str = "127.0.0.1", port: int = 0,
 
 
 def store_sink(store: Any) -> TokenSink:
-    """A :class:`TokenSink` over an object store (``agents.lmcache.tokens``' format)."""
-    from agents.lmcache.tokens import put_session_tokens
+    """A :class:`TokenSink` over an object store (``kvprefetch.agents.lmcache.tokens``' format)."""
+    from kvprefetch.agents.lmcache.tokens import put_session_tokens
 
     def put(tenant: str, session_id: str, token_ids: Sequence[int]) -> None:
         put_session_tokens(store, tenant, session_id, token_ids)
@@ -462,12 +467,12 @@ def main(argv: list[str] | None = None) -> int:
 
     scheduler = None
     if args.scheduler:
-        from controlplane.live.client import connect
+        from kvprefetch.controlplane.live.client import connect
 
         scheduler = connect(args.scheduler, tenant=args.tenant, token=args.token)
     tokens = None
     if args.valkey:
-        from agents.stores.valkey_store import ValkeyStore, ValkeyStoreConfig
+        from kvprefetch.agents.stores.valkey_store import ValkeyStore, ValkeyStoreConfig
 
         host, _, port = args.valkey.rpartition(":")
         store = ValkeyStore(ValkeyStoreConfig(host=host, port=int(port)))

@@ -1,6 +1,8 @@
-"""The HTTP API: the gateway operations of :mod:`controlplane.live.client` for gateways not
+"""The HTTP API: the gateway operations of :mod:`kvprefetch.controlplane.live.client` for gateways
+not
 written in Python, as JSON ``POST /v1/<op>`` endpoints on the models of
-:mod:`controlplane.base.api` (the OpenAPI document at ``/openapi.json`` is generated from them,
+:mod:`kvprefetch.controlplane.base.api` (the OpenAPI document at ``/openapi.json`` is generated from
+them,
 with this server's limits).
 
 =====================  =========================  ==================================
@@ -16,7 +18,7 @@ GET  /metrics              Prometheus text exposition format
 GET  /healthz              ``{"status": "ok"}`` (503 when the scheduler is unreachable)
 =====================  =========================  ==================================
 
-Who calls (:mod:`controlplane.live.tenants`): with tenant tokens configured, the bearer
+Who calls (:mod:`kvprefetch.controlplane.live.tenants`): with tenant tokens configured, the bearer
 token says whose call it is; ``tenant`` may be left out of the body, and a body naming
 another tenant is refused (403). Sessions are keyed by (tenant, session id): another
 tenant's session answers exactly like one that does not exist (404). The admin token and
@@ -24,14 +26,15 @@ the single shared token of older configs act for the tenant the body names (defa
 ``"default"``). ``/healthz``, ``/metrics`` and the OpenAPI document stay open for probes
 and scrapers.
 
-Limits (:class:`~controlplane.live.limits.RequestLimits`): a body over ``max_body_bytes``
+Limits (:class:`~kvprefetch.controlplane.live.limits.RequestLimits`): a body over ``max_body_bytes``
 is refused with 413 before it is parsed; lists over ``max_token_ids`` /
 ``max_chunk_hashes``, token ids outside 0..``max_token_id`` and session ids that break the
 rules are refused with 422 naming the field. With ``chunk_tokens`` given, token ids are
 hashed here, on the calling thread, and the scheduler receives the chunk hashes.
 
 Errors are JSON ``{"error": <type name>, "detail": <message>}`` with the status of the
-typed error (:attr:`~controlplane.base.errors.ServiceError.http_status`): 401 no or wrong bearer
+typed error (:attr:`~kvprefetch.controlplane.base.errors.ServiceError.http_status`): 401 no or wrong
+bearer
 token, 403 a tenant not allowed or not the token's, 404 unknown session, 413 body too
 large, 422 a body that fails validation (``errors`` then lists each field as
 ``loc``/``msg``/``type``), 429 the tenant holds its quota of live sessions, 503 scheduler
@@ -39,9 +42,9 @@ unavailable. A call the scheduler does not answer within ``call_timeout_s`` answ
 like the Python client does: a route with ``node: null, timed_out: true`` (run the request
 without prefetch), an event with ``accepted: false``.
 
-The app fronts any :class:`~controlplane.live.protocol.GatewayAPI`: a
-:class:`~controlplane.live.service.SchedulerService` in this process (called through an
-:class:`~controlplane.live.client.InProcessTransport`, so ``call_timeout_s`` holds there
+The app fronts any :class:`~kvprefetch.controlplane.live.protocol.GatewayAPI`: a
+:class:`~kvprefetch.controlplane.live.service.SchedulerService` in this process (called through an
+:class:`~kvprefetch.controlplane.live.client.InProcessTransport`, so ``call_timeout_s`` holds there
 too), or a transport to the scheduler (the Ray actor's, in ``kvprefetch serve``), called
 with ``call_timeout_s``. Endpoints are plain functions, run on Starlette's thread pool,
 because every call may block (a lock, ``ray.get``).
@@ -74,16 +77,16 @@ from prometheus_client import (
 from pydantic import BaseModel, Field, create_model
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from controlplane import __version__
-from controlplane.base import api
-from controlplane.base.errors import (
+from kvprefetch.controlplane import __version__
+from kvprefetch.controlplane.base import api
+from kvprefetch.controlplane.base.errors import (
     ConfigError,
     KvPrefetchError,
     ServiceError,
     ServiceUnavailableError,
 )
-from controlplane.live.client import Client, InProcessTransport
-from controlplane.live.limits import (
+from kvprefetch.controlplane.live.client import Client, InProcessTransport
+from kvprefetch.controlplane.live.limits import (
     SESSION_ID_MAX_CHARS,
     SESSION_ID_PATTERN,
     TENANT_MAX_CHARS,
@@ -91,9 +94,9 @@ from controlplane.live.limits import (
     RequestLimits,
     prehash,
 )
-from controlplane.live.protocol import GatewayAPI, RemoteAPI
-from controlplane.live.sessions import SessionQuery, SessionState
-from controlplane.live.tenants import Principal, TenantAuth
+from kvprefetch.controlplane.live.protocol import GatewayAPI, RemoteAPI
+from kvprefetch.controlplane.live.sessions import SessionQuery, SessionState
+from kvprefetch.controlplane.live.tenants import Principal, TenantAuth
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +119,8 @@ ANSWERS: dict[str, type[BaseModel]] = {
 HTTP_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 #: Where ``/metrics`` reads the scheduler's measurements: a registry, an object holding one
-#: (:class:`~controlplane.live.metrics.PrometheusMetrics`), or a function returning exposition
+#: (:class:`~kvprefetch.controlplane.live.metrics.PrometheusMetrics`), or a function returning
+#: exposition
 #: text (the Ray scheduler actor's ``metrics_text``).
 MetricsSource = CollectorRegistry | Callable[[], bytes] | Any
 
@@ -172,7 +176,7 @@ _SESSION_DOC = (f"the gateway's id of the session, unique within its tenant: 1-"
 
 def _edge_models(limits: RequestLimits) -> dict[str, type[BaseModel]]:
     """The operations' bodies as this server takes them: the models of
-    :mod:`controlplane.base.api` with the server's limits and name rules, and ``tenant``
+    :mod:`kvprefetch.controlplane.base.api` with the server's limits and name rules, and ``tenant``
     optional (so the OpenAPI document states the limits a call must keep)."""
     tenant = Annotated[str | None, Field(None, min_length=1, max_length=TENANT_MAX_CHARS,
                                          pattern=TENANT_PATTERN, description=_TENANT_DOC)]
@@ -344,7 +348,7 @@ def create_app(scheduler: GatewayAPI | Client, *, bearer_token: str | None = Non
                call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
                health_check: Callable[[], None] | None = None) -> FastAPI:
     """The FastAPI app in front of ``scheduler`` (see the module docstring; a
-    :class:`~controlplane.live.client.Client` stands for the API it holds).
+    :class:`~kvprefetch.controlplane.live.client.Client` stands for the API it holds).
 
     ``auth``: who may call and for which tenant (tenant tokens, admin token);
     ``bearer_token``: instead of ``auth``, the one shared token of older configs (every

@@ -1,5 +1,7 @@
-"""The live scheduler's journal: the trace journal (:mod:`controlplane.traces.journal`) with
-what an exact resume needs beyond a :class:`~controlplane.base.types.SessionEvent`, and its
+"""The live scheduler's journal: the trace journal (:mod:`kvprefetch.controlplane.traces.journal`)
+with
+what an exact resume needs beyond a :class:`~kvprefetch.controlplane.base.types.SessionEvent`, and
+its
 compaction.
 
 Chunk names: a session whose client sent token ids or chunk hashes names its chunks by
@@ -41,10 +43,10 @@ from typing import Any
 
 import pydantic_core
 
-from controlplane.base.errors import InvalidRequestError
-from controlplane.base.types import EventKind, SessionEvent, SessionKey
-from controlplane.live.limits import check_session_id, check_tenant_name
-from controlplane.traces.journal import (
+from kvprefetch.controlplane.base.errors import InvalidRequestError
+from kvprefetch.controlplane.base.types import EventKind, SessionEvent, SessionKey
+from kvprefetch.controlplane.live.limits import check_session_id, check_tenant_name
+from kvprefetch.controlplane.traces.journal import (
     HEADER_KEY,
     JOURNAL_VERSION,
     EpochRecord,

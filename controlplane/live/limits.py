@@ -16,9 +16,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from controlplane.base import api
-from controlplane.base.errors import InvalidRequestError
-from controlplane.base.keys import chunk_hashes
+from kvprefetch.controlplane.base import api
+from kvprefetch.controlplane.base.errors import InvalidRequestError
+from kvprefetch.controlplane.base.keys import chunk_hashes
 
 MIB = 1 << 20
 

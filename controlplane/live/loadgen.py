@@ -2,24 +2,26 @@
 
 It replays a trace's session events, sped up, against one *target*:
 
-* ``inproc``: the pure :class:`~controlplane.core.scheduler.SchedulerCore` in this process
+* ``inproc``: the pure :class:`~kvprefetch.controlplane.core.scheduler.SchedulerCore` in this
+process
   (no service, no lock, no client): a fleet view of idle nodes, the planning step (the
   sweep and armed orders that are due) run inline by the same thread every
   ``planner.sweep_interval_s`` of service time, as one actor would;
-* ``service``: :class:`~controlplane.live.service.SchedulerService` in this process through
+* ``service``: :class:`~kvprefetch.controlplane.live.service.SchedulerService` in this process
+through
   the Python client (validation, the lock, the control loop's own thread);
 * ``ray-1``: one scheduler actor on a local Ray runtime through the Python client's
-  :class:`~controlplane.live.client.RayTransport`, fire-and-forget events batched
-  (:class:`~controlplane.live.client.EventBatching`: each ``request_finished`` is queued
+  :class:`~kvprefetch.controlplane.live.client.RayTransport`, fire-and-forget events batched
+  (:class:`~kvprefetch.controlplane.live.client.EventBatching`: each ``request_finished`` is queued
   and goes with the next ``route``'s actor call or the flush timer); the measurement ends
   when every queued event is answered, and refused ones count as lost;
 * ``ray-1-sync``: the same without batching (one synchronous actor call per event);
-* ``ray-2``, ``ray-4``: 2 or 4 scheduler shards (:mod:`controlplane.live.sharded`), each
+* ``ray-2``, ``ray-4``: 2 or 4 scheduler shards (:mod:`kvprefetch.controlplane.live.sharded`), each
   call sent to the shard that owns its session, each shard's events batched; with
   ``kill_shard`` one shard is killed halfway through the measurement;
 * ``http``: the HTTP API (``kvprefetch serve``'s FastAPI app on uvicorn, loopback, no
-  auth) in front of a :class:`~controlplane.live.service.SchedulerService`, through the
-  Python client's :class:`~controlplane.live.client.HttpTransport`: JSON, validation and
+  auth) in front of a :class:`~kvprefetch.controlplane.live.service.SchedulerService`, through the
+  Python client's :class:`~kvprefetch.controlplane.live.client.HttpTransport`: JSON, validation and
   one HTTP round trip per event. Server and generator share this process (and its GIL),
   so its figures are the whole path's cost on one interpreter, a floor for a server of
   its own.
@@ -54,9 +56,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from controlplane.base.config import FleetConfig, default_fleet
-from controlplane.base.errors import ConfigError, KvPrefetchError
-from controlplane.base.types import EventKind, SessionEvent, Trace
+from kvprefetch.controlplane.base.config import FleetConfig, default_fleet
+from kvprefetch.controlplane.base.errors import ConfigError, KvPrefetchError
+from kvprefetch.controlplane.base.types import EventKind, SessionEvent, Trace
 
 #: Seconds after a killed shard answers again before its routes count as "settled".
 SETTLE_S = 2.0
@@ -197,9 +199,9 @@ class CoreTarget:
     """``inproc``: the pure core, its planning step run inline (see the module doc)."""
 
     def __init__(self, fleet: FleetConfig, spec: LoadSpec) -> None:
-        from controlplane.core.policies import POLICIES
-        from controlplane.core.scheduler import IdleFleet, SchedulerCore
-        from predictors.registry import load as load_predictor
+        from kvprefetch.controlplane.core.policies import POLICIES
+        from kvprefetch.controlplane.core.scheduler import IdleFleet, SchedulerCore
+        from kvprefetch.predictors.registry import load as load_predictor
 
         policy = POLICIES[spec.policy]
         self.core = SchedulerCore(fleet, policy, load_predictor(policy.predictor
@@ -538,19 +540,19 @@ def _turns(target: Target, player: _Player, idx: Sequence[int], sids: Sequence[s
 def _target(mode: str, fleet: FleetConfig, spec: LoadSpec) -> Target:
     if mode == "inproc":
         return CoreTarget(fleet, spec)
-    from controlplane.live.client import connect
-    from controlplane.live.config import ServiceConfig
+    from kvprefetch.controlplane.live.client import connect
+    from kvprefetch.controlplane.live.config import ServiceConfig
 
     cfg = ServiceConfig(fleet=fleet, policy=spec.policy, predictor=spec.predictor,
                         time_compression=spec.time_compression,
                         max_live_sessions_per_tenant=max(100_000, 2 * spec.sessions))
     if mode in ("service", "http"):
-        from controlplane.live.service import SchedulerService
+        from kvprefetch.controlplane.live.service import SchedulerService
 
         svc = SchedulerService(cfg).start()
         server: Any = None
         if mode == "http":
-            from controlplane.live.http_api import HttpServer, create_app
+            from kvprefetch.controlplane.live.http_api import HttpServer, create_app
 
             server = HttpServer(create_app(svc)).start()
             client = connect(server.url, timeout_s=spec.timeout_s)
@@ -579,8 +581,8 @@ class RayTarget(ClientTarget):
 
         import ray
 
-        from controlplane.live.client import EventBatching, connect
-        from controlplane.live.ray_app import start_shards
+        from kvprefetch.controlplane.live.client import EventBatching, connect
+        from kvprefetch.controlplane.live.ray_app import start_shards
 
         self._tmp = tempfile.TemporaryDirectory(prefix="kvprefetch-bench-")
         #: The shard to kill (None: none, or this mode has no such shard).

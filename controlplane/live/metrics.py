@@ -1,6 +1,6 @@
 """Prometheus metrics of the scheduler service (one private registry per service: no global
 state, several services per process are fine). Needs ``prometheus_client`` (the ``serve``
-extra); the service runs without it (:class:`~controlplane.live.service.NullMetrics`)."""
+extra); the service runs without it (:class:`~kvprefetch.controlplane.live.service.NullMetrics`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from controlplane.live.ports import SchedulerGauges, ShareBooks
+from kvprefetch.controlplane.live.ports import SchedulerGauges, ShareBooks
 
 #: Lateness = prefetch ready - request arrival (negative = in time), seconds.
 LATENESS_BUCKETS_S = (-60, -10, -3, -1, -0.3, -0.1, 0, 0.1, 0.3, 1, 3, 10, 60)
@@ -24,7 +24,7 @@ OTHER_TENANTS = "_other"
 
 
 class PrometheusMetrics:
-    """Implements :class:`~controlplane.live.service.ServiceMetricsSink`."""
+    """Implements :class:`~kvprefetch.controlplane.live.service.ServiceMetricsSink`."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()

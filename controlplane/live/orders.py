@@ -2,7 +2,8 @@
 reported, by id and by (session, node), with bounded de-duplication of reports; and the
 check of a report against its order (:func:`report_mismatch`).
 
-Order ids carry the scheduler's epoch (:func:`~controlplane.base.wire.make_order_id`): the
+Order ids carry the scheduler's epoch (:func:`~kvprefetch.controlplane.base.wire.make_order_id`):
+the
 book issues ids of one epoch, set by :meth:`OrderBook.begin_epoch` when the service starts.
 """
 
@@ -12,14 +13,14 @@ import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from controlplane.base.wire import (
+from kvprefetch.controlplane.base.wire import (
     TransferOrder,
     TransferReport,
     keys_digest,
     make_order_id,
     order_epoch,
 )
-from controlplane.core.step import LoadTicket
+from kvprefetch.controlplane.core.step import LoadTicket
 
 #: Reports of this many most recent orders are remembered to drop duplicates (an agent
 #: may report an order twice: once to the engine waiting for it, once on its own).

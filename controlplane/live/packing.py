@@ -12,7 +12,7 @@ the C pickler writes alone.
 Only the types that cross once per request are packed (:data:`PACKED`: the route query,
 ``request_started``, ``request_finished`` and the route answer); hints, closes, reports
 and everything else cross as models. :func:`unpack` rebuilds the model without validating
-it again: the sender validated it (:func:`controlplane.base.api.parse`) and runs the same
+it again: the sender validated it (:func:`kvprefetch.controlplane.base.api.parse`) and runs the same
 code; a tuple of the wrong length is refused with the type named.
 """
 
@@ -21,13 +21,14 @@ from __future__ import annotations
 from operator import itemgetter
 from typing import Any, TypeVar
 
-from controlplane.base import api
-from controlplane.base.errors import InvalidRequestError
+from kvprefetch.controlplane.base import api
+from kvprefetch.controlplane.base.errors import InvalidRequestError
 
 _M = TypeVar("_M", bound=api.RouteQuery | api.RequestStarted | api.RequestFinished
              | api.RouteAnswer)
 
-#: The packed types, and the event kinds of :class:`~controlplane.live.client.EventBatcher`
+#: The packed types, and the event kinds of
+#: :class:`~kvprefetch.controlplane.live.client.EventBatcher`
 #: whose calls are packed.
 PACKED: tuple[type[Any], ...] = (api.RouteQuery, api.RequestStarted, api.RequestFinished,
                                  api.RouteAnswer)

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Protocol
 
-from controlplane.base.wire import TransferOrder
-from controlplane.core.quotas import TenantQuotaStats
+from kvprefetch.controlplane.base.wire import TransferOrder
+from kvprefetch.controlplane.core.quotas import TenantQuotaStats
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,8 @@ class AgentPort(Protocol):
 
 
 class ServiceMetricsSink(Protocol):
-    """Where the service reports measurements (Prometheus in :mod:`controlplane.live.metrics`)."""
+    """Where the service reports measurements (Prometheus in
+    :mod:`kvprefetch.controlplane.live.metrics`)."""
 
     def event(self, kind: str) -> None: ...
 
@@ -122,7 +123,7 @@ class ServiceStats:
     #: Reports not booked because they do not match their order, by reason:
     #: ``stale_epoch`` (from an older scheduler incarnation), ``unknown_node``,
     #: ``unknown_order``, ``incarnation``, and ``session``, ``node``, ``kind``, ``keys``
-    #: (see :func:`~controlplane.live.orders.report_mismatch`).
+    #: (see :func:`~kvprefetch.controlplane.live.orders.report_mismatch`).
     reports_rejected: dict[str, int] = field(default_factory=dict)
     #: Second reports of an order already over (the engine and the agent both report).
     reports_duplicate: int = 0

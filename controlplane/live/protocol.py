@@ -4,18 +4,20 @@ whatever carries calls to it.
 :class:`SchedulerAPI` is every call the scheduler takes; :class:`GatewayAPI` is the
 gateway's part of it (the five calls of the HTTP API). Implementations:
 
-* :class:`~controlplane.live.service.SchedulerService` (SchedulerAPI): the scheduler in
+* :class:`~kvprefetch.controlplane.live.service.SchedulerService` (SchedulerAPI): the scheduler in
   this process;
-* the Ray ``SchedulerActor`` (:mod:`controlplane.live.ray_app`, SchedulerAPI): the
+* the Ray ``SchedulerActor`` (:mod:`kvprefetch.controlplane.live.ray_app`, SchedulerAPI): the
   service wrapped as an actor;
-* :class:`~controlplane.live.client.RayTransport` (SchedulerAPI): calls that actor;
-* :class:`~controlplane.live.client.HttpTransport` (GatewayAPI): calls the HTTP API of
-  :mod:`controlplane.live.http_api`, which fronts any GatewayAPI.
+* :class:`~kvprefetch.controlplane.live.client.RayTransport` (SchedulerAPI): calls that actor;
+* :class:`~kvprefetch.controlplane.live.client.HttpTransport` (GatewayAPI): calls the HTTP API of
+  :mod:`kvprefetch.controlplane.live.http_api`, which fronts any GatewayAPI.
 
-Calls take and answer the records of :mod:`controlplane.base.api` (gateway) and
-:mod:`controlplane.base.wire` (engines, agents); a caller holding a dict parses it at its own
-edge (:func:`controlplane.base.api.parse`). Every method may be called from any thread.
-Refusals are the typed errors of :mod:`controlplane.base.errors` (``UnknownSessionError``,
+Calls take and answer the records of :mod:`kvprefetch.controlplane.base.api` (gateway) and
+:mod:`kvprefetch.controlplane.base.wire` (engines, agents); a caller holding a dict parses it at its
+own
+edge (:func:`kvprefetch.controlplane.base.api.parse`). Every method may be called from any thread.
+Refusals are the typed errors of :mod:`kvprefetch.controlplane.base.errors`
+(``UnknownSessionError``,
 ``WrongTenantError``, ``InvalidRequestError``, ...); a transport across a process boundary
 also raises ``TimeoutError`` when the scheduler does not answer in time and
 ``ServiceUnavailableError`` when it cannot be reached.
@@ -26,9 +28,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from controlplane.base import api
-from controlplane.base.errors import ServiceError
-from controlplane.base.wire import (
+from kvprefetch.controlplane.base import api
+from kvprefetch.controlplane.base.errors import ServiceError
+from kvprefetch.controlplane.base.wire import (
     AgentHello,
     AgentStatus,
     EngineReport,
@@ -36,7 +38,7 @@ from controlplane.base.wire import (
     TierEvictions,
     TransferReport,
 )
-from controlplane.live.sessions import SessionQuery, SessionState
+from kvprefetch.controlplane.live.sessions import SessionQuery, SessionState
 
 
 @runtime_checkable

@@ -1,7 +1,7 @@
 """The control plane on Ray: the one place where ``ray.remote`` wraps the scheduler service,
 and where the per-node actors are placed.
 
-* ``SchedulerActor``: the :class:`~controlplane.live.protocol.SchedulerAPI` of one
+* ``SchedulerActor``: the :class:`~kvprefetch.controlplane.live.protocol.SchedulerAPI` of one
   :class:`SchedulerService` as a named actor (``kvprefetch-scheduler`` in namespace
   ``kvprefetch``), restarted by Ray when it dies; on restart it resumes from its journal
   and asks every agent to greet it again (their tier inventories rebuild its books). Its
@@ -10,7 +10,7 @@ and where the per-node actors are placed.
 * :func:`start_shards`: ``N`` such actors as scheduler shards (``scheduler_name(i)``; shard 0
   keeps the unsharded name), each with its quota of the fleet and its journal segment
   (:meth:`ServiceConfig.for_shard`); clients find them through shard 0
-  (:mod:`controlplane.live.sharded`).
+  (:mod:`kvprefetch.controlplane.live.sharded`).
 * :func:`deploy`: starts the scheduler (its shards), then one agent (and, on CPU-only
   clusters, one engine emulator) per node present at start, pinned by a per-node custom
   resource or by node affinity; agents and engines talk to every shard.
@@ -35,9 +35,9 @@ from typing import TYPE_CHECKING, Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from agents.agent import AgentConfig, RemoteStoreConfig
-from agents.engine_emulator import EngineConfig
-from agents.ray_entry import (
+from kvprefetch.agents.agent import AgentConfig, RemoteStoreConfig
+from kvprefetch.agents.engine_emulator import EngineConfig
+from kvprefetch.agents.ray_entry import (
     NAMESPACE,
     SCHEDULER_NAME,
     AgentActor,
@@ -47,9 +47,9 @@ from agents.ray_entry import (
     node_resource,
     scheduler_name,
 )
-from controlplane.base import api
-from controlplane.base.errors import ServiceError, ServiceUnavailableError
-from controlplane.base.wire import (
+from kvprefetch.controlplane.base import api
+from kvprefetch.controlplane.base.errors import ServiceError, ServiceUnavailableError
+from kvprefetch.controlplane.base.wire import (
     AgentHello,
     AgentStatus,
     EngineReport,
@@ -58,10 +58,10 @@ from controlplane.base.wire import (
     TransferOrder,
     TransferReport,
 )
-from controlplane.live.packing import pack, unpack, unpack_event
-from controlplane.live.protocol import SchedulerAPI
-from controlplane.live.service import SchedulerService, ServiceConfig
-from controlplane.live.sessions import SessionQuery, SessionState
+from kvprefetch.controlplane.live.packing import pack, unpack, unpack_event
+from kvprefetch.controlplane.live.protocol import SchedulerAPI
+from kvprefetch.controlplane.live.service import SchedulerService, ServiceConfig
+from kvprefetch.controlplane.live.sessions import SessionQuery, SessionState
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +96,10 @@ class _RayAgentPort:
 
 
 class _SchedulerActor:
-    """Thin: every method of :class:`~controlplane.live.protocol.SchedulerAPI` delegates to
-    :class:`SchedulerService` (:class:`~controlplane.live.client.RayTransport` calls them);
+    """Thin: every method of :class:`~kvprefetch.controlplane.live.protocol.SchedulerAPI` delegates
+    to
+    :class:`SchedulerService` (:class:`~kvprefetch.controlplane.live.client.RayTransport` calls
+    them);
     ``ping``, ``metrics_text`` and ``close`` serve the deployment."""
 
     def __init__(self, config: ServiceConfig, namespace: str = NAMESPACE, *,
@@ -109,7 +111,7 @@ class _SchedulerActor:
                  if with_agents else {})
         metrics = None
         try:
-            from controlplane.live.metrics import PrometheusMetrics
+            from kvprefetch.controlplane.live.metrics import PrometheusMetrics
 
             metrics = PrometheusMetrics()
         except ImportError:
@@ -144,7 +146,8 @@ class _SchedulerActor:
     def session_state(self, call: SessionQuery) -> SessionState:
         return self.svc.session_state(call)
 
-    # -- batched fire-and-forget events (controlplane.live.client.EventBatcher) ----------
+    # -- batched fire-and-forget events (kvprefetch.controlplane.live.client.EventBatcher)
+    # ----------
     def apply_events(self, events: Sequence[tuple[str, Any]]) -> list[str]:
         """Apply queued events in the order they were queued; one message per event the
         service refused or failed (empty: all applied). A refusal does not stop the rest:
@@ -169,7 +172,7 @@ class _SchedulerActor:
                     call: api.RouteQuery | tuple[Any, ...]
                     ) -> tuple[list[str], tuple[Any, ...]]:
         """The events queued before this route, then the route: one actor call, one
-        step. The answer is packed (:mod:`controlplane.live.packing`)."""
+        step. The answer is packed (:mod:`kvprefetch.controlplane.live.packing`)."""
         refused: list[str] = []
         with self.svc.batch():
             self._apply(events, refused)
@@ -181,7 +184,7 @@ class _SchedulerActor:
                          ) -> tuple[list[str], list[tuple[Any, ...] | ServiceError]]:
         """The events queued before these routes, then the routes in order: one actor
         call. A refused route answers its typed error; the others are routed (answers
-        packed, :mod:`controlplane.live.packing`)."""
+        packed, :mod:`kvprefetch.controlplane.live.packing`)."""
         refused: list[str] = []
         answers: list[tuple[Any, ...] | ServiceError] = []
         route = self.svc.route
@@ -505,7 +508,7 @@ def ray_node_candidates(nodes: Sequence[dict[str, Any]] | None = None, *,
 def local_node_candidates(nodes: Sequence[dict[str, Any]] | None = None, *,
                           capacity: int) -> list[NodeCandidate]:
     """One machine, many logical nodes (tests, the demo): slot ``i`` is there when an
-    alive Ray node has its custom resource (:func:`~agents.ray_entry.node_resource`)."""
+    alive Ray node has its custom resource (:func:`~kvprefetch.agents.ray_entry.node_resource`)."""
     nodes = list(nodes if nodes is not None else ray.nodes())
     found = []
     for i in range(capacity):

@@ -4,13 +4,13 @@ a compressed wall clock: the stand-in for a gateway in the demo.
 Each session's first request arrives at ``start_s / compression`` wall seconds after the
 start; each later one ``gap_s / compression`` after the previous response ended. The start
 times come from the trace: for a trace without a shared clock they are drawn by the seeded
-arrival process of :mod:`controlplane.traces.arrivals` when it is loaded, so the arrival
-seed is the ``seed`` given to :func:`~controlplane.traces.load_trace`; the replay itself
+arrival process of :mod:`kvprefetch.controlplane.traces.arrivals` when it is loaded, so the arrival
+seed is the ``seed`` given to :func:`~kvprefetch.controlplane.traces.load_trace`; the replay itself
 draws nothing. Per request: ``client.route`` -> the chosen node's engine serves it
 (``serve(node, request)``, blocking) -> ``client.request_finished``. Records are on the
 service clock.
 
-Client hints (``hints``, planned by :func:`controlplane.sim.hints.plan_hints` on the same
+Client hints (``hints``, planned by :func:`kvprefetch.controlplane.sim.hints.plan_hints` on the same
 trace): a hint for request ``turn`` is sent through ``client.hint`` ``after_finish_s /
 compression`` wall seconds after the response before that request ended, as the gateway
 would. A session's next request waits until its earlier hints were answered, so the service
@@ -28,12 +28,12 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from agents.engine_emulator import ServeRequest, ServeResult
-from controlplane.base import api
-from controlplane.base.types import Trace, TraceRequest, TraceSession
-from controlplane.live.client import Client
-from controlplane.sim.hints import PlannedHint, hints_by_turn
-from controlplane.sim.simulator import RequestRecord
+from kvprefetch.agents.engine_emulator import ServeRequest, ServeResult
+from kvprefetch.controlplane.base import api
+from kvprefetch.controlplane.base.types import Trace, TraceRequest, TraceSession
+from kvprefetch.controlplane.live.client import Client
+from kvprefetch.controlplane.sim.hints import PlannedHint, hints_by_turn
+from kvprefetch.controlplane.sim.simulator import RequestRecord
 
 log = logging.getLogger(__name__)
 

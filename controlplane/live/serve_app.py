@@ -1,11 +1,11 @@
-"""The OpenAI-compatible gateway (:mod:`controlplane.live.gateway`) as a Ray Serve
+"""The OpenAI-compatible gateway (:mod:`kvprefetch.controlplane.live.gateway`) as a Ray Serve
 application, for a cluster: ``serve.run(gateway_application(config, scheduler="auto"))``.
 
-Each replica builds its own :class:`~controlplane.live.gateway.Gateway` when Serve starts
+Each replica builds its own :class:`~kvprefetch.controlplane.live.gateway.Gateway` when Serve starts
 it (``__serve_build_asgi_app__``: the constructor does no I/O), connects to the scheduler
 (``"auto"``: the named scheduler actor on the same Ray cluster; ``http://...``: its HTTP
 API) and, when ``valkey`` names one, to the token store the nodes' agents read. Serve then
-routes HTTP requests to the replica's FastAPI app (:func:`~controlplane.live.gateway.
+routes HTTP requests to the replica's FastAPI app (:func:`~kvprefetch.controlplane.live.gateway.
 build_app`); its lifespan opens and closes the upstream client. Several replicas are
 independent gateways: each balances by its own in-flight counts when the scheduler is
 unreachable.
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from controlplane.live.gateway import GatewayConfig
+from kvprefetch.controlplane.live.gateway import GatewayConfig
 
 
 def gateway_application(config: GatewayConfig, *, scheduler: str | None = None,
@@ -43,17 +43,17 @@ def gateway_application(config: GatewayConfig, *, scheduler: str | None = None,
             self._store: Any = None
 
         def __serve_build_asgi_app__(self) -> Any:
-            from controlplane.live.gateway import Gateway, build_app, store_sink
+            from kvprefetch.controlplane.live.gateway import Gateway, build_app, store_sink
 
             client = None
             if self._scheduler:
-                from controlplane.live.client import connect
+                from kvprefetch.controlplane.live.client import connect
 
                 client = connect(self._scheduler, tenant=self._config.tenant,
                                  token=self._token)
             tokens = None
             if self._valkey:
-                from agents.stores.valkey_store import ValkeyStore, ValkeyStoreConfig
+                from kvprefetch.agents.stores.valkey_store import ValkeyStore, ValkeyStoreConfig
 
                 host, _, port = self._valkey.rpartition(":")
                 self._store = ValkeyStore(ValkeyStoreConfig(host=host, port=int(port)))

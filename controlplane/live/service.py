@@ -1,22 +1,25 @@
 """The live scheduler: :class:`SchedulerCore` on a wall clock, fed by the gateway, the
 engines and the prefetch agents.
 
-``SchedulerService`` is a plain class (the Ray actor in :mod:`controlplane.live.ray_app`
+``SchedulerService`` is a plain class (the Ray actor in :mod:`kvprefetch.controlplane.live.ray_app`
 wraps it; tests drive it directly). It is a thin driver of the core, in rooms:
 
-* :class:`~controlplane.live.sessions.SessionRegistry`: sessions, tenancy, chunk names;
-* :class:`~controlplane.live.orders.OrderBook`: orders in flight, bounded de-duplication;
-* :class:`~controlplane.live.fleet.LiveFleet`: the core's view of the fleet, from reports;
-* :class:`~controlplane.live.driver.LiveDriver`: the decisions under the lock: every session
-  event is journalled (:class:`~controlplane.live.journal.LiveJournalWriter`: the event and
+* :class:`~kvprefetch.controlplane.live.sessions.SessionRegistry`: sessions, tenancy, chunk names;
+* :class:`~kvprefetch.controlplane.live.orders.OrderBook`: orders in flight, bounded de-duplication;
+* :class:`~kvprefetch.controlplane.live.fleet.LiveFleet`: the core's view of the fleet, from
+reports;
+* :class:`~kvprefetch.controlplane.live.driver.LiveDriver`: the decisions under the lock: every
+session
+  event is journalled (:class:`~kvprefetch.controlplane.live.journal.LiveJournalWriter`: the event
+  and
   the change of its chunk names), then applied by ``LiveDriver.apply``, the one path that
   live calls and resume share, so a resumed session has the context, turns and chunk names
   it had;
-* :class:`~controlplane.live.ports.AgentFanout`: the core's decisions
-  (:class:`~controlplane.core.step.StepOutput`) carried out as messages to the agents;
+* :class:`~kvprefetch.controlplane.live.ports.AgentFanout`: the core's decisions
+  (:class:`~kvprefetch.controlplane.core.step.StepOutput`) carried out as messages to the agents;
 * a control loop that fires armed prefetch orders, expires lost orders and flushes the
   journal; it logs and counts every failure and never dies;
-* journal compaction (:func:`~controlplane.live.journal.compact_journal`): at start-up
+* journal compaction (:func:`~kvprefetch.controlplane.live.journal.compact_journal`): at start-up
   after a long replay, and in a background thread once ``journal_compact_records`` records
   were written since the last one. The journal is rewritten atomically without closed
   sessions' records, so a resume costs the live sessions' events, not the history.
@@ -35,7 +38,7 @@ Limits and tenancy: every gateway call is checked against ``config.limits`` (nam
 list lengths, token-id range) before it touches any state, and token ids are hashed into
 chunk keys before the lock is taken, so one large request never holds up the small ones.
 Sessions are keyed by (tenant, session id); a new session is refused with
-:class:`~controlplane.live.tenants.TenantQuotaError` while its tenant holds
+:class:`~kvprefetch.controlplane.live.tenants.TenantQuotaError` while its tenant holds
 ``max_live_sessions`` live ones.
 
 Threading: every public method may be called from any thread; one lock guards the state.
@@ -55,11 +58,11 @@ from typing import Any, TypeVar, cast
 
 from pydantic import ValidationError
 
-from controlplane.base import api
-from controlplane.base.errors import ConfigError, InvalidRequestError, WrongShardError
-from controlplane.base.shards import ShardRing, shard_epoch
-from controlplane.base.types import SessionKey
-from controlplane.base.wire import (
+from kvprefetch.controlplane.base import api
+from kvprefetch.controlplane.base.errors import ConfigError, InvalidRequestError, WrongShardError
+from kvprefetch.controlplane.base.shards import ShardRing, shard_epoch
+from kvprefetch.controlplane.base.types import SessionKey
+from kvprefetch.controlplane.base.wire import (
     AgentHello,
     AgentStatus,
     EngineReport,
@@ -68,12 +71,12 @@ from controlplane.base.wire import (
     TransferOrder,
     TransferReport,
 )
-from controlplane.core.quotas import TenantQuotaStats
-from controlplane.core.scheduler import SchedulerCore
-from controlplane.live.config import ServiceClock, ServiceConfig
-from controlplane.live.driver import LiveDriver
-from controlplane.live.fleet import LiveFleet
-from controlplane.live.journal import (
+from kvprefetch.controlplane.core.quotas import TenantQuotaStats
+from kvprefetch.controlplane.core.scheduler import SchedulerCore
+from kvprefetch.controlplane.live.config import ServiceClock, ServiceConfig
+from kvprefetch.controlplane.live.driver import LiveDriver
+from kvprefetch.controlplane.live.fleet import LiveFleet
+from kvprefetch.controlplane.live.journal import (
     LiveJournalScanner,
     LiveJournalWriter,
     compact_journal,
@@ -81,9 +84,9 @@ from controlplane.live.journal import (
     publish_compacted,
     write_compacted,
 )
-from controlplane.live.limits import check_call, prehash
-from controlplane.live.orders import OrderBook
-from controlplane.live.ports import (
+from kvprefetch.controlplane.live.limits import check_call, prehash
+from kvprefetch.controlplane.live.orders import OrderBook
+from kvprefetch.controlplane.live.ports import (
     AgentFanout,
     AgentPort,
     NullMetrics,
@@ -92,8 +95,8 @@ from controlplane.live.ports import (
     ServiceMetricsSink,
     ServiceStats,
 )
-from controlplane.live.sessions import SessionQuery, SessionRegistry, SessionState
-from controlplane.traces.journal import EpochRecord, TimeLimits, quarantine
+from kvprefetch.controlplane.live.sessions import SessionQuery, SessionRegistry, SessionState
+from kvprefetch.controlplane.traces.journal import EpochRecord, TimeLimits, quarantine
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +163,7 @@ class SchedulerService:
         and start the control loop. Raises ConfigError / PluginError on a bad config."""
         if self._driver is not None:
             return self
-        from predictors.registry import load as load_predictor
+        from kvprefetch.predictors.registry import load as load_predictor
 
         predictor = load_predictor(self.policy.predictor or self.config.predictor)
         # Suffix eviction cuts entries back to whole chunks of the agents' size.

@@ -1,7 +1,7 @@
 """The live service's session registry: who owns each session, what its client told us
 about its context, and the names of its stored chunks.
 
-Sessions are keyed by :class:`~controlplane.base.types.SessionKey`, (tenant, session id):
+Sessions are keyed by :class:`~kvprefetch.controlplane.base.types.SessionKey`, (tenant, session id):
 each tenant has its own id namespace, so one tenant can neither squat nor detect another's
 ids (a session of another tenant is, to the caller, one that does not exist). The core and
 the predictors know a session by the key's one string form (``key.wire``).
@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict
 
-from controlplane.base.errors import UnknownSessionError, WrongTenantError
-from controlplane.base.keys import chunk_count, session_keys
-from controlplane.base.types import SessionKey
-from controlplane.live.tenants import TenantQuotaError
+from kvprefetch.controlplane.base.errors import UnknownSessionError, WrongTenantError
+from kvprefetch.controlplane.base.keys import chunk_count, session_keys
+from kvprefetch.controlplane.base.types import SessionKey
+from kvprefetch.controlplane.live.tenants import TenantQuotaError
 
 
 class SessionQuery(BaseModel):

@@ -1,15 +1,16 @@
 """The scheduler as ``N`` shards on Ray, seen by a client as one.
 
-:class:`ShardedTransport` holds one :class:`~controlplane.live.client.RayTransport` per
+:class:`ShardedTransport` holds one :class:`~kvprefetch.controlplane.live.client.RayTransport` per
 shard (each with its own event batcher) and sends every call about a session to the shard
-that owns it (:class:`~controlplane.base.shards.ShardRing`, computed here: one hop). An
+that owns it (:class:`~kvprefetch.controlplane.base.shards.ShardRing`, computed here: one hop). An
 engine's report goes to the served session's shard, and a drop notice to each other shard
-whose sessions its HBM dropped (:func:`~controlplane.base.shards.split_engine_report`); an
+whose sessions its HBM dropped (:func:`~kvprefetch.controlplane.base.shards.split_engine_report`);
+an
 agent's hello goes to every shard (each keeps its own books of the node). A transfer
 report goes to the shard that issued the order: each shard's epochs are congruent to its
 number modulo the shard count, and every order id carries its epoch.
 
-:func:`open_ray` is what :func:`~controlplane.live.client.connect` calls for a Ray
+:func:`open_ray` is what :func:`~kvprefetch.controlplane.live.client.connect` calls for a Ray
 address: it asks shard 0 how many shards there are, and answers a plain ``RayTransport``
 when there is one.
 """
@@ -20,10 +21,10 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from controlplane.base import api
-from controlplane.base.errors import ServiceError, ServiceUnavailableError
-from controlplane.base.shards import ShardRing, split_engine_report, split_tier_evictions
-from controlplane.base.wire import (
+from kvprefetch.controlplane.base import api
+from kvprefetch.controlplane.base.errors import ServiceError, ServiceUnavailableError
+from kvprefetch.controlplane.base.shards import ShardRing, split_engine_report, split_tier_evictions
+from kvprefetch.controlplane.base.wire import (
     AgentHello,
     AgentStatus,
     EngineReport,
@@ -32,9 +33,14 @@ from controlplane.base.wire import (
     TransferReport,
     order_epoch,
 )
-from controlplane.live.client import EventBatcher, EventBatching, RayTransport, with_timeout
-from controlplane.live.protocol import RemoteAPI, SchedulerAPI
-from controlplane.live.sessions import SessionQuery, SessionState
+from kvprefetch.controlplane.live.client import (
+    EventBatcher,
+    EventBatching,
+    RayTransport,
+    with_timeout,
+)
+from kvprefetch.controlplane.live.protocol import RemoteAPI, SchedulerAPI
+from kvprefetch.controlplane.live.sessions import SessionQuery, SessionState
 
 
 def open_ray(address: str, namespace: str, *, timeout_s: float,
@@ -73,7 +79,7 @@ def merge_summaries(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 class ShardedTransport:
-    """:class:`~controlplane.live.protocol.SchedulerAPI` over every shard (module doc).
+    """:class:`~kvprefetch.controlplane.live.protocol.SchedulerAPI` over every shard (module doc).
     ``last_route_s[i]``: how long the last :meth:`route_many` (of this transport or a view
     of it) waited for shard ``i``'s answers (None: it had none of them)."""
 

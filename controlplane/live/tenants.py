@@ -25,13 +25,13 @@ import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from controlplane.base.errors import (
+from kvprefetch.controlplane.base.errors import (
     ConfigError,
     ServiceError,
     UnauthorizedError,
     WrongTenantError,
 )
-from controlplane.base.types import DEFAULT_TENANT
+from kvprefetch.controlplane.base.types import DEFAULT_TENANT
 
 #: Shortest tenant or admin token accepted (a shared token of older configs is exempt).
 MIN_TOKEN_CHARS = 16

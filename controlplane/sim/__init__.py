@@ -1,9 +1,9 @@
 """Discrete-event trace replay over a modelled GPU fleet (see :mod:`.simulator`)."""
 
-from controlplane.sim.metrics import gap_closure, summarize, working_set_peak_bytes
-from controlplane.sim.runner import SimOptions, run_policies, run_policy
-from controlplane.sim.scenarios import SCENARIOS, FleetEvents, apply_scenario
-from controlplane.sim.simulator import PolicyRun, RequestRecord, Simulation
+from kvprefetch.controlplane.sim.metrics import gap_closure, summarize, working_set_peak_bytes
+from kvprefetch.controlplane.sim.runner import SimOptions, run_policies, run_policy
+from kvprefetch.controlplane.sim.scenarios import SCENARIOS, FleetEvents, apply_scenario
+from kvprefetch.controlplane.sim.simulator import PolicyRun, RequestRecord, Simulation
 
 __all__ = [
     "SCENARIOS",

@@ -62,8 +62,8 @@ import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from controlplane.base.errors import ConfigError
-from controlplane.base.types import HintKind, Trace, TraceRequest, TraceSession
+from kvprefetch.controlplane.base.errors import ConfigError
+from kvprefetch.controlplane.base.types import HintKind, Trace, TraceRequest, TraceSession
 
 #: The hint kinds a simulated client can send, by their command-line name.
 HINT_KIND_NAMES: dict[str, HintKind] = {

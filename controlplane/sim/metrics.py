@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from controlplane.base.types import Trace
+from kvprefetch.controlplane.base.types import Trace
 
 from .report import PolicySummary, PrefetchLateness, TransferTimes, TtftSummary
 from .simulator import PolicyRun, RequestRecord

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from controlplane.base.atomic import save_figure_atomic
-from controlplane.core.policies import POLICIES
+from kvprefetch.controlplane.base.atomic import save_figure_atomic
+from kvprefetch.controlplane.core.policies import POLICIES
 
 GIB = 1 << 30
 
@@ -60,7 +60,7 @@ class PrefetchLateness:
 
 @dataclass(frozen=True, slots=True)
 class PolicySummary:
-    """One policy's replay, summarised (:func:`~controlplane.sim.metrics.summarize`).
+    """One policy's replay, summarised (:func:`~kvprefetch.controlplane.sim.metrics.summarize`).
 
     The optional parts are None when the replay had nothing to measure (no returning
     request, no transfer, no prefetch a request waited for); the JSON then leaves their
@@ -126,7 +126,7 @@ class PolicySummary:
 
 @dataclass(frozen=True, slots=True)
 class HintsMeta:
-    """The client hints a replay sent (:mod:`~controlplane.sim.hints`): the settings, and
+    """The client hints a replay sent (:mod:`~kvprefetch.controlplane.sim.hints`): the settings, and
     how many of each kind every policy's replay sent (the same planned hints for all)."""
 
     #: Hint kinds by their command-line names ("typing", "tool").
@@ -162,7 +162,8 @@ class SimMeta:
     predictor: str
     model: str
     nodes: int
-    #: Peak summed KV of live sessions (:func:`~controlplane.sim.metrics.working_set_peak_bytes`).
+    #: Peak summed KV of live sessions
+    #: (:func:`~kvprefetch.controlplane.sim.metrics.working_set_peak_bytes`).
     working_set_peak_bytes: int
     #: HBM + DRAM tiers of the whole fleet.
     local_capacity_bytes: int
@@ -196,7 +197,8 @@ class SimMeta:
 
 @dataclass(frozen=True, slots=True)
 class SimReport:
-    """Every policy's replay of one trace (:func:`~controlplane.sim.runner.run_policies`)."""
+    """Every policy's replay of one trace
+    (:func:`~kvprefetch.controlplane.sim.runner.run_policies`)."""
 
     meta: SimMeta
     #: Policy name -> its summary, in the order the policies were given.
@@ -216,7 +218,8 @@ class SimReport:
         return out
 
     def to_json(self) -> str:
-        """The text of the ``--json`` file (as :func:`~controlplane.base.atomic.write_json_atomic`
+        """The text of the ``--json`` file (as
+        :func:`~kvprefetch.controlplane.base.atomic.write_json_atomic`
         writes :meth:`to_dict`: sorted keys, indented by 2, a final newline)."""
         return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
 

@@ -6,7 +6,7 @@ workers.
 
 With client hints on (:attr:`SimOptions.hints`), the hints are planned once per trace and
 every policy's replay sends the same ones; the policies that run the user's predictor get it
-wrapped in :class:`~predictors.hinted.HintedPredictor`, so that it reads them (the oracle
+wrapped in :class:`~kvprefetch.predictors.hinted.HintedPredictor`, so that it reads them (the oracle
 has its own predictor, which knows the future anyway).
 """
 
@@ -19,12 +19,12 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from controlplane.base.config import FleetConfig
-from controlplane.base.types import Trace
-from controlplane.core.policies import PolicySpec
-from predictors.base import Predictor
-from predictors.hinted import HintedPredictor
-from predictors.registry import load as load_predictor
+from kvprefetch.controlplane.base.config import FleetConfig
+from kvprefetch.controlplane.base.types import Trace
+from kvprefetch.controlplane.core.policies import PolicySpec
+from kvprefetch.predictors.base import Predictor
+from kvprefetch.predictors.hinted import HintedPredictor
+from kvprefetch.predictors.registry import load as load_predictor
 
 from .hints import HintConfig, HintCounts, PlannedHint, hint_kind_names, plan_hints
 from .metrics import gap_closure, summarize, working_set_peak_bytes
@@ -43,7 +43,7 @@ class SimOptions:
     workers: int = 1
     #: Client hints the simulated clients send; None = no hints at all.
     hints: HintConfig | None = None
-    #: Scheduler shards the decisions are split over (:mod:`controlplane.core.sharded`).
+    #: Scheduler shards the decisions are split over (:mod:`kvprefetch.controlplane.core.sharded`).
     shards: int = 1
     #: The shards book each node's whole tier and the node evicts LRU across them (live:
     #: ``shard_tier: shared``), instead of 1/N each.

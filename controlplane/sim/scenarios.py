@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from controlplane.base.errors import ConfigError
-from controlplane.base.types import Trace, TraceRequest, TraceSession
+from kvprefetch.controlplane.base.errors import ConfigError
+from kvprefetch.controlplane.base.types import Trace, TraceRequest, TraceSession
 
 SCENARIOS: tuple[str, ...] = ("default", "cold-start", "scale-out")
 #: Quiet time between the two passes of the cold-start scenario (seconds).

@@ -4,11 +4,13 @@ What is modelled, per node: a FIFO prefill queue served by the GPU one request a
 (decode runs batched beside it and does not hold the queue), an HBM KV tier (LRU, as the
 engine's prefix cache), a DRAM tier (the node-local tier the agents warm; LRU or
 predicted-next-use eviction), and an ingress link shared by all transfers into the node
-(:mod:`controlplane.sim.link`). The remote store holds every session's latest context once
+(:mod:`kvprefetch.controlplane.sim.link`). The remote store holds every session's latest context
+once
 written (Valkey, LRU-bounded, in front of S3, unbounded). Writes to the remote store use
 the NIC's egress direction and are not on any request's critical path.
 
-A request's life: arrival -> routing (:mod:`controlplane.core.router`) -> (policy: load missing
+A request's life: arrival -> routing (:mod:`kvprefetch.controlplane.core.router`) -> (policy: load
+missing
 KV at arrival) -> prefill queue -> (policy: load at schedule; the GPU waits = stall) ->
 DRAM->HBM copy of reused KV (stall) -> prefill of the new tokens -> first token (TTFT)
 -> decode -> finish: the context is written to HBM, the DRAM tier and the remote store.
@@ -22,15 +24,21 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from controlplane.base.config import FleetConfig
-from controlplane.base.types import EventKind, SessionEvent, Trace, TraceRequest, TraceSession
-from controlplane.core.planner import PrefetchOrder
-from controlplane.core.policies import PolicySpec
-from controlplane.core.scheduler import SchedulerCore
-from controlplane.core.sharded import ShardedCore
-from controlplane.core.step import DEMAND_PRIORITY, LoadTicket, StepOutput
-from controlplane.core.tiers import LruEviction, Tier, TierEntry
-from predictors.base import Predictor
+from kvprefetch.controlplane.base.config import FleetConfig
+from kvprefetch.controlplane.base.types import (
+    EventKind,
+    SessionEvent,
+    Trace,
+    TraceRequest,
+    TraceSession,
+)
+from kvprefetch.controlplane.core.planner import PrefetchOrder
+from kvprefetch.controlplane.core.policies import PolicySpec
+from kvprefetch.controlplane.core.scheduler import SchedulerCore
+from kvprefetch.controlplane.core.sharded import ShardedCore
+from kvprefetch.controlplane.core.step import DEMAND_PRIORITY, LoadTicket, StepOutput
+from kvprefetch.controlplane.core.tiers import LruEviction, Tier, TierEntry
+from kvprefetch.predictors.base import Predictor
 
 from .hints import HintCounts, PlannedHint, hints_by_turn
 from .link import DEMAND, PREFETCH, QUEUED, Link, Transfer

@@ -1,4 +1,5 @@
-"""Trace loaders: real LLM-serving traces as :class:`~controlplane.base.types.Trace` records.
+"""Trace loaders: real LLM-serving traces as :class:`~kvprefetch.controlplane.base.types.Trace`
+records.
 
 Formats (see each module's docstring for the exact mapping):
 
@@ -15,20 +16,20 @@ parametric model with laws of its own (:mod:`.synthetic`), for traffic no predic
 trained on; :func:`load_trace` takes it in place of a path.
 """
 
-from controlplane.traces.arrivals import DEFAULT_SESSION_RATE_PER_S, ArrivalOptions
-from controlplane.traces.azure import load_azure
-from controlplane.traces.bundled import BUNDLED_TRACES, bundled_trace_path
-from controlplane.traces.claude_code import load_claude_code
-from controlplane.traces.detect import FORMATS, detect_format
-from controlplane.traces.journal import (
+from kvprefetch.controlplane.traces.arrivals import DEFAULT_SESSION_RATE_PER_S, ArrivalOptions
+from kvprefetch.controlplane.traces.azure import load_azure
+from kvprefetch.controlplane.traces.bundled import BUNDLED_TRACES, bundled_trace_path
+from kvprefetch.controlplane.traces.claude_code import load_claude_code
+from kvprefetch.controlplane.traces.detect import FORMATS, detect_format
+from kvprefetch.controlplane.traces.journal import (
     JournalWriter,
     event_from_dict,
     event_to_dict,
     load_journal,
     read_journal_events,
 )
-from controlplane.traces.loader import load_trace
-from controlplane.traces.mooncake import DEFAULT_SHARED_PREFIX_FANOUT, load_mooncake
+from kvprefetch.controlplane.traces.loader import load_trace
+from kvprefetch.controlplane.traces.mooncake import DEFAULT_SHARED_PREFIX_FANOUT, load_mooncake
 
 __all__ = [
     "BUNDLED_TRACES",

@@ -1,7 +1,8 @@
 """Field readers shared by the trace loaders: each check names the file, line and field.
 
 The loaders parse untrusted files; every malformed value becomes a
-:class:`~controlplane.base.errors.TraceFormatError` that says *where* (file, 1-based line when the
+:class:`~kvprefetch.controlplane.base.errors.TraceFormatError` that says *where* (file, 1-based line
+when the
 format is line-based, field path) and *what* was expected, so a user can fix the file.
 """
 
@@ -13,7 +14,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
-from controlplane.base.errors import TraceFormatError
+from kvprefetch.controlplane.base.errors import TraceFormatError
 
 
 class FieldReader:

@@ -29,7 +29,7 @@ from typing import Any, Self
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from controlplane.base.types import Trace
+from kvprefetch.controlplane.base.types import Trace
 
 #: Default Poisson rate of session starts when neither a rate nor a concurrency is given:
 #: one new session every 60 s. With the shared Claude Code set (mean session length about

@@ -8,7 +8,7 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
-from controlplane.base.errors import KvPrefetchError
+from kvprefetch.controlplane.base.errors import KvPrefetchError
 
 #: Bundled traces by name -> path inside ``controlplane/data/traces``.
 BUNDLED_TRACES: dict[str, str] = {
@@ -28,5 +28,5 @@ def bundled_trace_path(name: str = "claude-code") -> Path:
         raise KvPrefetchError(
             f"no bundled trace {name!r}; bundled: {', '.join(BUNDLED_TRACES)}"
         ) from None
-    root = resources.files("controlplane") / "data" / "traces"
+    root = resources.files("kvprefetch.controlplane") / "data" / "traces"
     return Path(str(root.joinpath(*relative.split("/"))))

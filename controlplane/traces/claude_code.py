@@ -6,7 +6,7 @@ conversation: ``id``, ``block_size`` (tokens per hash block, 64) and ``requests[
 ``in`` / ``out`` (tokens), ``hash_ids`` (one id per block of the input; equal leading ids are
 a reusable prefix), ``stop``, ``api_time`` and ``think_time`` (seconds, sometimes absent).
 
-Mapping to :class:`~controlplane.base.types.TraceSession`:
+Mapping to :class:`~kvprefetch.controlplane.base.types.TraceSession`:
 
 * one session per file, ``session_id`` = the file's ``id``;
 * a ``"subagent"`` entry is not a request: its own ``requests[]`` (``t`` relative to the
@@ -18,7 +18,7 @@ Mapping to :class:`~controlplane.base.types.TraceSession`:
   ``in + out`` and at this request's ``in``. The first request has ``gap_s=None`` and no reuse.
 
 Each file has its own clock, so session start times come from an arrival process
-(:mod:`controlplane.traces.arrivals`). Element types inside ``hash_ids`` are not checked
+(:mod:`kvprefetch.controlplane.traces.arrivals`). Element types inside ``hash_ids`` are not checked
 one by one (tens of millions of ids); the list itself is.
 """
 
@@ -33,10 +33,10 @@ from typing import Any
 import pydantic_core
 from tqdm import tqdm
 
-from controlplane.base.errors import TraceFormatError
-from controlplane.base.types import Trace, TraceRequest, TraceSession
-from controlplane.traces._fields import FieldReader, check_exists, read_bytes
-from controlplane.traces.arrivals import ArrivalOptions, assign_start_times
+from kvprefetch.controlplane.base.errors import TraceFormatError
+from kvprefetch.controlplane.base.types import Trace, TraceRequest, TraceSession
+from kvprefetch.controlplane.traces._fields import FieldReader, check_exists, read_bytes
+from kvprefetch.controlplane.traces.arrivals import ArrivalOptions, assign_start_times
 
 FORMAT_NAME = "claude-code"
 DEFAULT_BLOCK_TOKENS = 64

@@ -6,7 +6,8 @@
   ``mooncake``;
 * ``*.csv`` / ``*.csv.gz`` whose header has ``TIMESTAMP`` -> ``azure``.
 
-Anything else raises :class:`~controlplane.base.errors.UnknownFormatError` listing the formats.
+Anything else raises :class:`~kvprefetch.controlplane.base.errors.UnknownFormatError` listing the
+formats.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ import csv
 import json
 from pathlib import Path
 
-from controlplane.base.errors import UnknownFormatError
-from controlplane.traces._fields import check_exists, numbered_lines, open_text
+from kvprefetch.controlplane.base.errors import UnknownFormatError
+from kvprefetch.controlplane.traces._fields import check_exists, numbered_lines, open_text
 
-#: Every format :func:`controlplane.traces.load_trace` reads, by name.
+#: Every format :func:`kvprefetch.controlplane.traces.load_trace` reads, by name.
 FORMATS: tuple[str, ...] = ("claude-code", "mooncake", "azure", "journal")
 
 

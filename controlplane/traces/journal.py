@@ -4,7 +4,8 @@ File format (JSONL, UTF-8, optionally gzip-compressed as ``.jsonl.gz`` once rota
 
 * line 1, a header: ``{"kvprefetch_journal": 1, ...}`` (the format version, then free
   metadata given to :class:`JournalWriter`);
-* then one :class:`~controlplane.base.types.SessionEvent` per line, as a flat object with the
+* then one :class:`~kvprefetch.controlplane.base.types.SessionEvent` per line, as a flat object with
+the
   short keys ``kind``, ``session``, ``t``, ``turn``, ``in``, ``out``, ``reused``, ``stop``,
   ``hint``, ``eta_s``, ``node``, ``tenant``, ``parent``, ``ctx`` (``None`` fields are
   omitted).
@@ -21,7 +22,7 @@ is not a valid record and (for the service) a record whose time is out of range
 moves it to a side file (:func:`quarantine`) with a counted warning and starts without it
 (``kvprefetch journal check [--repair]`` does the same offline). The trace readers below
 (:func:`read_journal_events`, :func:`load_journal`) are strict: a damaged line is a
-:class:`~controlplane.base.errors.TraceFormatError` naming file, line and field.
+:class:`~kvprefetch.controlplane.base.errors.TraceFormatError` naming file, line and field.
 
 Crash safety: the writer appends each record as one ``write`` of one complete line, so a
 crash can only tear the *last* line. Every reader ignores a torn last line (one without its
@@ -55,9 +56,9 @@ from typing import IO, Any, Self
 import pydantic_core
 from tqdm import tqdm
 
-from controlplane.base.atomic import write_atomic
-from controlplane.base.errors import TraceFormatError
-from controlplane.base.types import (
+from kvprefetch.controlplane.base.atomic import write_atomic
+from kvprefetch.controlplane.base.errors import TraceFormatError
+from kvprefetch.controlplane.base.types import (
     EventKind,
     HintKind,
     SessionEvent,
@@ -65,7 +66,7 @@ from controlplane.base.types import (
     TraceRequest,
     TraceSession,
 )
-from controlplane.traces._fields import FieldReader, check_exists
+from kvprefetch.controlplane.traces._fields import FieldReader, check_exists
 
 FORMAT_NAME = "journal"
 HEADER_KEY = "kvprefetch_journal"

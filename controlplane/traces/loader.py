@@ -5,15 +5,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from controlplane.base.errors import UnknownFormatError
-from controlplane.base.types import Trace
-from controlplane.traces.arrivals import ArrivalOptions, scale_clock
-from controlplane.traces.azure import load_azure
-from controlplane.traces.claude_code import load_claude_code
-from controlplane.traces.detect import FORMATS, detect_format, known_formats_text
-from controlplane.traces.journal import load_journal
-from controlplane.traces.mooncake import load_mooncake
-from controlplane.traces.synthetic import is_synthetic, load_synthetic
+from kvprefetch.controlplane.base.errors import UnknownFormatError
+from kvprefetch.controlplane.base.types import Trace
+from kvprefetch.controlplane.traces.arrivals import ArrivalOptions, scale_clock
+from kvprefetch.controlplane.traces.azure import load_azure
+from kvprefetch.controlplane.traces.claude_code import load_claude_code
+from kvprefetch.controlplane.traces.detect import FORMATS, detect_format, known_formats_text
+from kvprefetch.controlplane.traces.journal import load_journal
+from kvprefetch.controlplane.traces.mooncake import load_mooncake
+from kvprefetch.controlplane.traces.synthetic import is_synthetic, load_synthetic
 
 
 def _claude_code(
@@ -64,22 +64,24 @@ def load_trace(
     limit_sessions: int | None = None,
     progress: bool = False,
 ) -> Trace:
-    """Load a trace of any known format as a :class:`~controlplane.base.types.Trace`.
+    """Load a trace of any known format as a :class:`~kvprefetch.controlplane.base.types.Trace`.
 
     ``fmt`` is one of :data:`FORMATS` or ``"auto"`` (guess from the name and first line).
     ``arrivals`` and ``seed`` place sessions on the replay clock for formats without a shared
     clock (claude-code); the others keep their timestamps (0 = first one), on a clock
-    scaled by ``arrivals.load`` (:func:`~controlplane.traces.arrivals.scale_clock`).
+    scaled by ``arrivals.load`` (:func:`~kvprefetch.controlplane.traces.arrivals.scale_clock`).
     Sessions come sorted by ``(start_s, session_id)``. ``limit_sessions`` keeps the first N
     sessions: by file name before start times are drawn for claude-code (so the choice does
     not depend on the seed; their sub-agents come along), by start time otherwise.
 
     ``path`` may also name synthetic traffic, ``synthetic:NAME[:SESSIONS]``
-    (:mod:`~controlplane.traces.synthetic`): drawn from ``seed``, placed like claude-code.
+    (:mod:`~kvprefetch.controlplane.traces.synthetic`): drawn from ``seed``, placed like
+    claude-code.
 
-    Raises :class:`~controlplane.base.errors.UnknownFormatError` for an unknown ``fmt``, an
+    Raises :class:`~kvprefetch.controlplane.base.errors.UnknownFormatError` for an unknown ``fmt``,
+    an
     undetectable file or an unknown synthetic profile,
-    :class:`~controlplane.base.errors.TraceFormatError` for a missing path,
+    :class:`~kvprefetch.controlplane.base.errors.TraceFormatError` for a missing path,
     an empty trace or a malformed record (naming file, line and field).
     """
     if is_synthetic(path):

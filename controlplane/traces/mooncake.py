@@ -43,9 +43,14 @@ from pathlib import Path
 import pydantic_core
 from tqdm import tqdm
 
-from controlplane.base.errors import TraceFormatError
-from controlplane.base.types import Trace, TraceRequest, TraceSession
-from controlplane.traces._fields import FieldReader, check_exists, numbered_lines, open_text
+from kvprefetch.controlplane.base.errors import TraceFormatError
+from kvprefetch.controlplane.base.types import Trace, TraceRequest, TraceSession
+from kvprefetch.controlplane.traces._fields import (
+    FieldReader,
+    check_exists,
+    numbered_lines,
+    open_text,
+)
 
 FORMAT_NAME = "mooncake"
 BLOCK_TOKENS = 512

@@ -43,9 +43,9 @@ from typing import TypeGuard
 
 import numpy as np
 
-from controlplane.base.errors import UnknownFormatError
-from controlplane.base.types import Trace, TraceRequest, TraceSession
-from controlplane.traces.arrivals import ArrivalOptions, assign_start_times
+from kvprefetch.controlplane.base.errors import UnknownFormatError
+from kvprefetch.controlplane.base.types import Trace, TraceRequest, TraceSession
+from kvprefetch.controlplane.traces.arrivals import ArrivalOptions, assign_start_times
 
 __all__ = ["FORMAT_NAME", "PREFIX", "PROFILES", "SyntheticProfile", "is_synthetic",
            "load_synthetic", "synthetic_trace"]

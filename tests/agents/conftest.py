@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from agents.agent import RemoteStoreConfig
-from agents.embedded import EmbeddedS3, EmbeddedValkey
-from agents.stores.local import LocalTierConfig
+from kvprefetch.agents.agent import RemoteStoreConfig
+from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey
+from kvprefetch.agents.stores.local import LocalTierConfig
 
 
 @pytest.fixture(scope="session")

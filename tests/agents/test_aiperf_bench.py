@@ -29,7 +29,7 @@ AIPERF = Path(os.environ.get("AIPERF") or ROOT / ".venv-aiperf" / "bin" / "aiper
 def test_aiperf_replays_the_multi_turn_trace_through_the_gateway(tmp_path: Path) -> None:
     assert AIPERF.is_file(), "aiperf is not installed: make setup-aiperf"
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-c", "from controlplane.cli import main; raise SystemExit(main())",
+    cmd = [sys.executable, "-m", "kvprefetch",
            "bench", "aiperf", "--aiperf", str(AIPERF), "--sessions", "3", "--turns", "3",
            "--no-progress", "--json", str(out), "--artifact-dir", str(tmp_path / "aiperf")]
     started = time.monotonic()

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.cli import bench_store
+from kvprefetch.controlplane.cli import bench_store
 
 pytestmark = pytest.mark.servers
 

@@ -8,9 +8,9 @@ from collections.abc import Iterator
 
 import pytest
 
-import agents.embedded as embedded
-from agents.embedded import EmbeddedS3, find_weed
-from agents.stores.errors import StoreConnectionError
+import kvprefetch.agents.embedded as embedded
+from kvprefetch.agents.embedded import EmbeddedS3, find_weed
+from kvprefetch.agents.stores.errors import StoreConnectionError
 
 
 @pytest.fixture

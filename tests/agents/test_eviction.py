@@ -1,6 +1,6 @@
 """Eviction of the agents' local tiers: the scheduler's advice reaches ``eviction: predicted``
 through the agent (orders' deadlines, evict advice), in the one tier vocabulary
-(:mod:`controlplane.base.tiers`: the largest key goes first)."""
+(:mod:`kvprefetch.controlplane.base.tiers`: the largest key goes first)."""
 
 from __future__ import annotations
 
@@ -12,15 +12,22 @@ from pathlib import Path
 
 import pytest
 
-from agents.agent import AgentConfig, PrefetchAgent, RemoteStoreConfig
-from agents.embedded import EmbeddedValkey
-from agents.stores.base import Buffer, CancelToken, GetResult, ObjectStore, OpResult, PayloadSink
-from agents.stores.eviction import LruPolicy, PredictedNextUsePolicy, make_policy
-from agents.stores.local import LocalTierConfig
-from controlplane.base.keys import payload
-from controlplane.base.tiers import Tier, TierEntry
-from controlplane.base.wire import TransferOrder
-from controlplane.core import tiers as core_tiers
+from kvprefetch.agents.agent import AgentConfig, PrefetchAgent, RemoteStoreConfig
+from kvprefetch.agents.embedded import EmbeddedValkey
+from kvprefetch.agents.stores.base import (
+    Buffer,
+    CancelToken,
+    GetResult,
+    ObjectStore,
+    OpResult,
+    PayloadSink,
+)
+from kvprefetch.agents.stores.eviction import LruPolicy, PredictedNextUsePolicy, make_policy
+from kvprefetch.agents.stores.local import LocalTierConfig
+from kvprefetch.controlplane.base.keys import payload
+from kvprefetch.controlplane.base.tiers import Tier, TierEntry
+from kvprefetch.controlplane.base.wire import TransferOrder
+from kvprefetch.controlplane.core import tiers as core_tiers
 
 KIB = 1024
 
@@ -84,7 +91,7 @@ def test_advice_is_bounded() -> None:
 
 
 def test_unknown_policy_is_a_config_error() -> None:
-    from agents.stores.errors import StoreConfigError
+    from kvprefetch.agents.stores.errors import StoreConfigError
 
     assert make_policy("predicted").name == "predicted"
     with pytest.raises(StoreConfigError):

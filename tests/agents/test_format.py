@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from agents.stores.errors import CorruptObjectError, StoreConfigError
-from agents.stores.format import ALGO_XXH64, decode_object, encode_object, make_header
+from kvprefetch.agents.stores.errors import CorruptObjectError, StoreConfigError
+from kvprefetch.agents.stores.format import ALGO_XXH64, decode_object, encode_object, make_header
 
 
 def test_round_trip_several_parts() -> None:

@@ -26,16 +26,16 @@ from lmcache.v1.memory_management import (
     TensorMemoryObj,
 )
 
-from agents.embedded import EmbeddedS3, EmbeddedValkey, free_port
-from agents.lmcache.l2_adapter import (
+from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey, free_port
+from kvprefetch.agents.lmcache.l2_adapter import (
     KvPrefetchL2Adapter,
     load_params,
     object_key_name,
     parse_object_key_name,
     plugin_adapter_json,
 )
-from agents.lmcache.server import LMCacheServer
-from agents.stores.errors import StoreConfigError, StoreConnectionError
+from kvprefetch.agents.lmcache.server import LMCacheServer
+from kvprefetch.agents.stores.errors import StoreConfigError, StoreConnectionError
 
 pytestmark = pytest.mark.servers
 KIB = 1024
@@ -411,7 +411,7 @@ def test_plugin_json_loads_through_lmcaches_own_factory(
     spec = plugin_adapter_json(valkey=valkey_server.store_config(key_prefix="kvp:"),
                                s3=s3_server.store_config(key_prefix="kvp/"),
                                key_prefix=key_prefix, workers=2)
-    assert spec["module_path"] == "agents.lmcache.l2_adapter"
+    assert spec["module_path"] == "kvprefetch.agents.lmcache.l2_adapter"
     assert spec["adapter_params"]["s3"]["secret_access_key"] == s3_server.secret_access_key
     assert spec["adapter_params"]["valkey"]["part_bytes"] == 1 * MIB  # the adapter's default
     text = json.dumps(spec)  # what users paste after --l2-adapter
@@ -455,7 +455,7 @@ def test_write_back_store_copies_and_reaches_s3_on_close(
 def test_kvprefetch_bench_lmcache_runs_lmcache_bench_l2_verified(tmp_path: Path) -> None:
     """``kvprefetch bench lmcache`` (small sizes): ``lmcache bench l2 --no-skip-verify`` for
     our plugin, LMCache's valkey and LMCache's s3 adapters, all verified."""
-    from controlplane.cli import bench_lmcache
+    from kvprefetch.controlplane.cli import bench_lmcache
 
     parser = argparse.ArgumentParser()
     bench_lmcache.add_arguments(parser)

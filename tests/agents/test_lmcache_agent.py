@@ -3,7 +3,7 @@
 
 The full warm path: the engine stores a session's KV through LMCache (and its token ids in
 the remote store), LMCache writes it through to our adapter (listed by its own
-``GET /cache/objects`` under the keys :mod:`agents.lmcache.keys` computes), L1 is
+``GET /cache/objects`` under the keys :mod:`kvprefetch.agents.lmcache.keys` computes), L1 is
 cleared, the agent executes a transfer order by warming L1 from L2
 through ``POST /cache/prefetches``, and the engine's next retrieve is served from L1 alone
 (LMCache's own counters: L1 tokens, no L2 load).
@@ -17,18 +17,18 @@ from collections.abc import Iterator
 
 import pytest
 
-from agents.agent import AgentConfig, PrefetchAgent, RemoteStoreConfig
-from agents.embedded import EmbeddedS3, EmbeddedValkey
-from agents.lmcache.backend import LMCacheBackendConfig
-from agents.lmcache.engine_kv import LMCacheEngineConfig, LMCacheEngineKV
-from agents.lmcache.errors import LMCacheConfigMismatchError
-from agents.lmcache.keys import LMCacheKeySettings, chunk_hashes
-from agents.lmcache.l2_adapter import plugin_adapter_json
-from agents.lmcache.server import LMCacheServer
-from agents.lmcache.tokens import synthetic_tokens
-from agents.lmcache.warm import LMCacheWarmClient, LookupHits
-from controlplane.base.keys import position_keys, session_prefix, tenant_cache_salt
-from controlplane.base.wire import TransferOrder
+from kvprefetch.agents.agent import AgentConfig, PrefetchAgent, RemoteStoreConfig
+from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey
+from kvprefetch.agents.lmcache.backend import LMCacheBackendConfig
+from kvprefetch.agents.lmcache.engine_kv import LMCacheEngineConfig, LMCacheEngineKV
+from kvprefetch.agents.lmcache.errors import LMCacheConfigMismatchError
+from kvprefetch.agents.lmcache.keys import LMCacheKeySettings, chunk_hashes
+from kvprefetch.agents.lmcache.l2_adapter import plugin_adapter_json
+from kvprefetch.agents.lmcache.server import LMCacheServer
+from kvprefetch.agents.lmcache.tokens import synthetic_tokens
+from kvprefetch.agents.lmcache.warm import LMCacheWarmClient, LookupHits
+from kvprefetch.controlplane.base.keys import position_keys, session_prefix, tenant_cache_salt
+from kvprefetch.controlplane.base.wire import TransferOrder
 
 pytestmark = pytest.mark.servers
 
@@ -105,7 +105,7 @@ def test_agent_warms_l1_and_the_engine_hits_without_an_l2_load(
     while warm.l2_write_backlog() and time.monotonic() < deadline:
         time.sleep(0.05)
     # LMCache wrote the chunks through to our adapter: its own listing shows them, under
-    # exactly the keys agents.lmcache.keys computes from the session's token ids.
+    # exactly the keys kvprefetch.agents.lmcache.keys computes from the session's token ids.
     model = engine.config.model_name
     listed = server.get_json(f"/cache/objects?model_name={model}&page_size=5000")
     assert listed["adapter"] == "plugin"

@@ -5,7 +5,7 @@ formats. A key that differs by one seed misses silently, so parity is tested, no
 The reference outputs come straight from LMCache's functions (``TokenHasher``,
 ``ipc_key_to_object_keys`` and the L2 adapters' key encoders for the multiprocess format;
 ``ChunkedTokenDatabase`` and ``CacheEngineKey.to_string`` for the legacy one), not from
-``agents.lmcache.keys``' own ``implementation="lmcache"`` path, which is checked
+``kvprefetch.agents.lmcache.keys``' own ``implementation="lmcache"`` path, which is checked
 against them too. LMCache is imported directly: CI installs it, and a missing LMCache
 must fail these tests, not skip them.
 """
@@ -44,7 +44,7 @@ from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
 from lmcache.v1.multiprocess.token_hasher import TokenHasher
 from lmcache.v1.token_database import ChunkedTokenDatabase
 
-from agents.lmcache.keys import (
+from kvprefetch.agents.lmcache.keys import (
     NATIVE_HASH_ALGORITHMS,
     PY312_NONE_HASH,
     VLLM_HASH_ALGORITHMS,
@@ -56,8 +56,8 @@ from agents.lmcache.keys import (
     py_tuple_hash,
     resolve_implementation,
 )
-from controlplane.base.errors import ConfigError, KvPrefetchError
-from controlplane.base.keys import tenant_cache_salt
+from kvprefetch.controlplane.base.errors import ConfigError, KvPrefetchError
+from kvprefetch.controlplane.base.keys import tenant_cache_salt
 
 VLLM_INSTALLED = importlib.util.find_spec("vllm") is not None
 MP_ALGORITHMS = NATIVE_HASH_ALGORITHMS["mp"]

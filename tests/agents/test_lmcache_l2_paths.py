@@ -23,9 +23,9 @@ from test_lmcache_adapter import (
     store,
 )
 
-from agents.embedded import EmbeddedS3, EmbeddedValkey
-from agents.lmcache.l2_adapter import KvPrefetchL2Adapter
-from agents.stores.write_back import journal_backlog
+from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey
+from kvprefetch.agents.lmcache.l2_adapter import KvPrefetchL2Adapter
+from kvprefetch.agents.stores.write_back import journal_backlog
 
 pytestmark = pytest.mark.servers
 KIB = 1024
@@ -316,7 +316,7 @@ def test_a_restart_requeues_pending_uploads_and_counts_the_lost(
 
 
 def _name_tail(key: Any) -> str:
-    from agents.lmcache.l2_adapter import object_key_name
+    from kvprefetch.agents.lmcache.l2_adapter import object_key_name
 
     return object_key_name(key)
 

@@ -19,17 +19,17 @@ from typing import Any
 import pytest
 import torch
 
-from agents.embedded import EmbeddedValkey
-from agents.lmcache.errors import (
+from kvprefetch.agents.embedded import EmbeddedValkey
+from kvprefetch.agents.lmcache.errors import (
     LMCacheConfigMismatchError,
     LMCacheError,
     LMCacheNoLayoutError,
     LMCacheTimeoutError,
 )
-from agents.lmcache.l2_adapter import plugin_adapter_json
-from agents.lmcache.mp_client import KVLayout, LMCacheMPClient
-from agents.lmcache.server import LMCacheServer
-from agents.lmcache.warm import LMCacheWarmClient, LookupHits, object_keys
+from kvprefetch.agents.lmcache.l2_adapter import plugin_adapter_json
+from kvprefetch.agents.lmcache.mp_client import KVLayout, LMCacheMPClient
+from kvprefetch.agents.lmcache.server import LMCacheServer
+from kvprefetch.agents.lmcache.warm import LMCacheWarmClient, LookupHits, object_keys
 
 pytestmark = pytest.mark.servers
 
@@ -349,7 +349,7 @@ def test_a_gpu_only_server_refuses_cpu_engines() -> None:
 
 
 def test_an_absent_server_is_a_typed_error() -> None:
-    from agents.embedded import free_port
+    from kvprefetch.agents.embedded import free_port
 
     port = free_port()
     with pytest.raises(LMCacheError, match="no LMCache server answers"):

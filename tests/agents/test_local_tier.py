@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from agents.stores.errors import ObjectTooLargeError, TierFullError
-from agents.stores.eviction import PredictedNextUsePolicy
-from agents.stores.local import LocalTier, LocalTierConfig
+from kvprefetch.agents.stores.errors import ObjectTooLargeError, TierFullError
+from kvprefetch.agents.stores.eviction import PredictedNextUsePolicy
+from kvprefetch.agents.stores.local import LocalTier, LocalTierConfig
 
 KIB = 1024
 
@@ -100,7 +100,7 @@ def test_corrupt_file_is_a_counted_miss_and_deleted(tmp_path: Path) -> None:
 
 
 def test_abort_publishes_nothing(tmp_path: Path) -> None:
-    from agents.stores.format import make_header
+    from kvprefetch.agents.stores.format import make_header
 
     t = tier(tmp_path, 1 << 20)
     payload = os.urandom(12 * KIB)
@@ -116,8 +116,8 @@ def test_killed_writer_leaves_no_visible_object(tmp_path: Path) -> None:
     root = tmp_path / "tier"
     script = textwrap.dedent(f"""
         import os, sys, time
-        from agents.stores.local import LocalTier, LocalTierConfig
-        from agents.stores.format import make_header
+        from kvprefetch.agents.stores.local import LocalTier, LocalTierConfig
+        from kvprefetch.agents.stores.format import make_header
         t = LocalTier(LocalTierConfig(path={str(root)!r}, capacity_bytes=1 << 24))
         t.start()
         t.put([("done", b"x" * 1000)])
@@ -142,7 +142,7 @@ def test_killed_writer_leaves_no_visible_object(tmp_path: Path) -> None:
 def test_recycled_files_keep_their_mapping_and_free_it_when_unlinked(tmp_path: Path) -> None:
     """Writes into recycled files reuse the file's mapping (no map/unmap per object); a
     mapping never outlives its file, and recycled writes hold the right bytes."""
-    from agents.stores.format import make_header
+    from kvprefetch.agents.stores.format import make_header
 
     t = tier(tmp_path, 100 * KIB, prewarm_bytes=40 * KIB, prewarm_file_bytes=20 * KIB)
     assert len(t._maps) == 2  # the prewarmed files are mapped once, at start
@@ -176,7 +176,7 @@ def test_recycled_files_keep_their_mapping_and_free_it_when_unlinked(tmp_path: P
 
 
 def test_aborted_write_into_a_recycled_file_publishes_nothing(tmp_path: Path) -> None:
-    from agents.stores.format import make_header
+    from kvprefetch.agents.stores.format import make_header
 
     t = tier(tmp_path, 1 << 20, prewarm_bytes=64 * KIB, prewarm_file_bytes=32 * KIB)
     good = os.urandom(20 * KIB)

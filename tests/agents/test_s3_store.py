@@ -6,15 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from agents.embedded import EmbeddedS3, free_port
-from agents.stores.errors import (
+from kvprefetch.agents.embedded import EmbeddedS3, free_port
+from kvprefetch.agents.stores.errors import (
     CorruptObjectError,
     ObjectTooLargeError,
     StoreConfigError,
     StoreConnectionError,
 )
-from agents.stores.local import LocalTier, LocalTierConfig
-from agents.stores.s3_store import ObjectChangedError, S3Store
+from kvprefetch.agents.stores.local import LocalTier, LocalTierConfig
+from kvprefetch.agents.stores.s3_store import ObjectChangedError, S3Store
 
 pytestmark = pytest.mark.servers
 KIB, MIB = 1024, 1 << 20

@@ -17,17 +17,17 @@ try:
     import torch
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
-    from agents.sglang.backend import KvPrefetchHiCacheStorage, SGLangStorageConfig
+    from kvprefetch.agents.sglang.backend import KvPrefetchHiCacheStorage, SGLangStorageConfig
 except ImportError as exc:  # pragma: no cover - the environment decides
     sglang_missing(exc)
 
-from agents.agent import AgentConfig, PrefetchAgent, RemoteStoreConfig
-from agents.lmcache.tokens import put_session_tokens, synthetic_tokens
-from agents.sglang.keys import PageKeyScheme, page_hashes
-from agents.sglang.warm import SGLangWarmConfig
-from agents.stores.local import LocalTierConfig
-from controlplane.base.keys import position_keys, tenant_cache_salt
-from controlplane.base.wire import TransferOrder
+from kvprefetch.agents.agent import AgentConfig, PrefetchAgent, RemoteStoreConfig
+from kvprefetch.agents.lmcache.tokens import put_session_tokens, synthetic_tokens
+from kvprefetch.agents.sglang.keys import PageKeyScheme, page_hashes
+from kvprefetch.agents.sglang.warm import SGLangWarmConfig
+from kvprefetch.agents.stores.local import LocalTierConfig
+from kvprefetch.controlplane.base.keys import position_keys, tenant_cache_salt
+from kvprefetch.controlplane.base.wire import TransferOrder
 
 pytestmark = pytest.mark.servers
 

@@ -4,7 +4,8 @@ set / exists / batch_exists / batch_get (into host pages) return the stored byte
 byte; the node-local tier is read first; checksums catch damaged objects.
 
 The zero-copy v1 calls run against a page-first host pool double
-(:class:`agents.sglang.host_pool.PageFirstHostPool`, the same methods and page geometry as
+(:class:`kvprefetch.agents.sglang.host_pool.PageFirstHostPool`, the same methods and page geometry
+as
 SGLang's ``MHATokenToKVPoolHost``): SGLang's real host pool cannot be built on CPU without
 torchvision, which its config package imports.
 SGLang is imported directly (see test_sglang_keys.py for the rule on a missing SGLang).
@@ -21,14 +22,14 @@ from pathlib import Path
 import pytest
 from sglang_guard import sglang_missing
 
-from agents.embedded import EmbeddedS3, EmbeddedValkey
+from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey
 
 try:
     import torch
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
-    from agents.sglang.backend import (
+    from kvprefetch.agents.sglang.backend import (
         KvPrefetchHiCacheStorage,
         SGLangStorageConfig,
         dynamic_extra_config,
@@ -36,11 +37,11 @@ try:
 except ImportError as exc:  # pragma: no cover - the environment decides
     sglang_missing(exc)
 
-from agents.agent import RemoteStoreConfig
-from agents.sglang.host_pool import PageFirstHostPool
-from agents.sglang.keys import page_hashes
-from agents.stores.local import LocalTier, LocalTierConfig
-from agents.stores.tiered import TieredStoreConfig
+from kvprefetch.agents.agent import RemoteStoreConfig
+from kvprefetch.agents.sglang.host_pool import PageFirstHostPool
+from kvprefetch.agents.sglang.keys import page_hashes
+from kvprefetch.agents.stores.local import LocalTier, LocalTierConfig
+from kvprefetch.agents.stores.tiered import TieredStoreConfig
 
 pytestmark = pytest.mark.servers
 
@@ -126,7 +127,7 @@ def test_pages_only_in_s3_are_served_and_objects_are_named_per_rank(
     assert backend.batch_set(keys, values)
     hot = remote.model_copy().valkey
     assert hot is not None
-    from agents.stores.valkey_store import ValkeyStore
+    from kvprefetch.agents.stores.valkey_store import ValkeyStore
     with ValkeyStore(hot) as valkey:  # drop Valkey's copies: S3 alone must serve
         names = [backend.scheme.object_name(k) for k in keys]
         assert all(r.ok for r in valkey.delete(names))

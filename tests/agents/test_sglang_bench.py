@@ -10,11 +10,11 @@ import pytest
 from sglang_guard import sglang_missing
 
 try:
-    from agents.sglang.bench import BACKENDS
+    from kvprefetch.agents.sglang.bench import BACKENDS
 except ImportError as exc:  # pragma: no cover - the environment decides
     sglang_missing(exc)
 
-from controlplane.cli import bench_sglang
+from kvprefetch.controlplane.cli import bench_sglang
 
 pytestmark = pytest.mark.servers
 

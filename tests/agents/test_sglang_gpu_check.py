@@ -27,11 +27,6 @@ try:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
-    from agents.sglang.backend import (
-        KvPrefetchHiCacheStorage,
-        SGLangStorageConfig,
-        dynamic_extra_config,
-    )
     from examples.gpu_check_sglang import (
         node_agent_config,
         page_names,
@@ -39,14 +34,14 @@ try:
         sglang_launch,
         wait_stored,
     )
+    from kvprefetch.agents.sglang.backend import (
+        KvPrefetchHiCacheStorage,
+        SGLangStorageConfig,
+        dynamic_extra_config,
+    )
 except ImportError as exc:  # pragma: no cover - the environment decides
     sglang_missing(exc)
 
-from agents.agent import PrefetchAgent, RemoteStoreConfig
-from agents.sglang.keys import page_hashes
-from agents.sglang.stats import BackendStats, read_stats
-from agents.stores.local import LocalTierConfig
-from controlplane.base.keys import tenant_cache_salt
 from examples.gpu_check import parse_args
 from examples.gpu_check_common import (
     TENANT,
@@ -55,6 +50,11 @@ from examples.gpu_check_common import (
     synthetic_prompt,
     warm_session,
 )
+from kvprefetch.agents.agent import PrefetchAgent, RemoteStoreConfig
+from kvprefetch.agents.sglang.keys import page_hashes
+from kvprefetch.agents.sglang.stats import BackendStats, read_stats
+from kvprefetch.agents.stores.local import LocalTierConfig
+from kvprefetch.controlplane.base.keys import tenant_cache_salt
 
 pytestmark = pytest.mark.servers
 
@@ -167,5 +167,5 @@ def test_sglang_reads_the_launch_command_as_the_check_means_it(
     assert parsed.hicache_storage_backend == "dynamic"
     assert parsed.hicache_storage_prefetch_policy == "timeout"
     extra = json.loads(parsed.hicache_storage_backend_extra_config)
-    assert extra["module_path"] == "agents.sglang.backend" and extra["interface_v1"] == 1
+    assert extra["module_path"] == "kvprefetch.agents.sglang.backend" and extra["interface_v1"] == 1
     assert SGLangStorageConfig.model_validate(extra["kvprefetch"]) == storage

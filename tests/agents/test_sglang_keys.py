@@ -19,8 +19,8 @@ from types import SimpleNamespace
 import pytest
 from sglang_guard import sglang_missing
 
-from agents.sglang.keys import PageKeyScheme, namespace_seed, page_hashes
-from controlplane.base.keys import tenant_cache_salt
+from kvprefetch.agents.sglang.keys import PageKeyScheme, namespace_seed, page_hashes
+from kvprefetch.controlplane.base.keys import tenant_cache_salt
 
 try:
     from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig

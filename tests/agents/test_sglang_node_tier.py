@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from agents.sglang.node_tier import NodeTierReader, TierRead
-from agents.stores.local import LocalTier, LocalTierConfig
+from kvprefetch.agents.sglang.node_tier import NodeTierReader, TierRead
+from kvprefetch.agents.stores.local import LocalTier, LocalTierConfig
 
 PART = 4096
 

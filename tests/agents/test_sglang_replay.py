@@ -11,15 +11,15 @@ from pathlib import Path
 import pytest
 from sglang_guard import sglang_missing
 
-from agents.embedded import EmbeddedS3, EmbeddedValkey
-from agents.linkemu import S3_LINK
+from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey
+from kvprefetch.agents.linkemu import S3_LINK
 
 try:
-    from agents.sglang.replay import ReplayConfig, returning_requests, run_replay
+    from kvprefetch.agents.sglang.replay import ReplayConfig, returning_requests, run_replay
 except ImportError as exc:  # pragma: no cover - the environment decides
     sglang_missing(exc)
 
-from controlplane.traces import bundled_trace_path, load_trace
+from kvprefetch.controlplane.traces import bundled_trace_path, load_trace
 
 pytestmark = pytest.mark.servers
 

@@ -23,11 +23,11 @@ from typing import Any
 
 import pytest
 
-from agents.embedded import EmbeddedS3, EmbeddedValkey
-from agents.stores.base import ObjectStore
-from agents.stores.errors import CorruptObjectError
-from agents.stores.s3_store import S3Store
-from agents.stores.valkey_store import ValkeyStore
+from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey
+from kvprefetch.agents.stores.base import ObjectStore
+from kvprefetch.agents.stores.errors import CorruptObjectError
+from kvprefetch.agents.stores.s3_store import S3Store
+from kvprefetch.agents.stores.valkey_store import ValkeyStore
 
 pytestmark = pytest.mark.servers
 KIB = 1024

@@ -7,15 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from agents.embedded import EmbeddedS3, EmbeddedValkey
-from agents.stores.base import MemoryWriter
-from agents.stores.errors import CorruptObjectError, StoreUnavailableError
-from agents.stores.format import ObjectHeader
-from agents.stores.local import LocalTier, LocalTierConfig
-from agents.stores.s3_store import S3Store
-from agents.stores.tiered import TieredStore, TieredStoreConfig
-from agents.stores.valkey_store import ValkeyStore
-from agents.transfer import TransferConfig, TransferEngine
+from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey
+from kvprefetch.agents.stores.base import MemoryWriter
+from kvprefetch.agents.stores.errors import CorruptObjectError, StoreUnavailableError
+from kvprefetch.agents.stores.format import ObjectHeader
+from kvprefetch.agents.stores.local import LocalTier, LocalTierConfig
+from kvprefetch.agents.stores.s3_store import S3Store
+from kvprefetch.agents.stores.tiered import TieredStore, TieredStoreConfig
+from kvprefetch.agents.stores.valkey_store import ValkeyStore
+from kvprefetch.agents.transfer import TransferConfig, TransferEngine
 
 pytestmark = pytest.mark.servers
 KIB = 1024

@@ -5,8 +5,8 @@ import threading
 import time
 from pathlib import Path
 
-from agents.stores.local import LocalTier, LocalTierConfig
-from agents.transfer import TokenBucket, TransferConfig, TransferEngine, TransferProgress
+from kvprefetch.agents.stores.local import LocalTier, LocalTierConfig
+from kvprefetch.agents.transfer import TokenBucket, TransferConfig, TransferEngine, TransferProgress
 
 MIB = 1 << 20
 

@@ -7,18 +7,18 @@ from pathlib import Path
 
 import pytest
 
-from agents.embedded import EmbeddedValkey, free_port
-from agents.stores.base import MemoryWriter
-from agents.stores.errors import (
+from kvprefetch.agents.embedded import EmbeddedValkey, free_port
+from kvprefetch.agents.stores.base import MemoryWriter
+from kvprefetch.agents.stores.errors import (
     CorruptObjectError,
     ObjectNotFoundError,
     ObjectTooLargeError,
     StoreConfigError,
     StoreConnectionError,
 )
-from agents.stores.format import ObjectHeader, make_header
-from agents.stores.local import LocalTier, LocalTierConfig
-from agents.stores.valkey_store import ValkeyStore
+from kvprefetch.agents.stores.format import ObjectHeader, make_header
+from kvprefetch.agents.stores.local import LocalTier, LocalTierConfig
+from kvprefetch.agents.stores.valkey_store import ValkeyStore
 
 pytestmark = pytest.mark.servers
 KIB = 1024

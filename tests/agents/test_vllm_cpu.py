@@ -2,7 +2,7 @@
 adapter over real Valkey and S3 + our prefetch agent (backend ``lmcache-mp``) + our
 OpenAI-compatible gateway (controlplane/live/gateway.py) in front, on loopback.
 
-vLLM serves a tiny random-weight Llama generated locally (:mod:`agents.vllm.tiny_model`)
+vLLM serves a tiny random-weight Llama generated locally (:mod:`kvprefetch.agents.vllm.tiny_model`)
 with the ``LMCacheMPConnector``: every prompt's KV goes to LMCache's L1 and is written
 through to L2 (our adapter). Between turns vLLM's own prefix cache is reset and LMCache's L1
 cleared, as if the node had served others meanwhile; then
@@ -33,16 +33,16 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from agents.embedded import EmbeddedS3, EmbeddedValkey
-from controlplane.base.keys import tenant_cache_salt
+from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey
+from kvprefetch.controlplane.base.keys import tenant_cache_salt
 
 if TYPE_CHECKING:  # vLLM-side modules are imported inside the tests (fail, not skip)
-    from agents.agent import PrefetchAgent
-    from agents.lmcache.server import LMCacheServer
-    from agents.lmcache.warm import LMCacheWarmClient
-    from agents.stores.base import ObjectStore
-    from agents.vllm.counters import EngineCounters
-    from agents.vllm.server import VLLMServer
+    from kvprefetch.agents.agent import PrefetchAgent
+    from kvprefetch.agents.lmcache.server import LMCacheServer
+    from kvprefetch.agents.lmcache.warm import LMCacheWarmClient
+    from kvprefetch.agents.stores.base import ObjectStore
+    from kvprefetch.agents.vllm.counters import EngineCounters
+    from kvprefetch.agents.vllm.server import VLLMServer
 
 pytestmark = [pytest.mark.servers, pytest.mark.slow, pytest.mark.vllm]
 
@@ -78,19 +78,19 @@ class RecordingScheduler:
         self.calls: list[tuple[str, str, dict[str, object]]] = []
 
     def route(self, session_id: str, **kw: object) -> object:
-        from controlplane.base import api
+        from kvprefetch.controlplane.base import api
 
         self.calls.append(("route", session_id, kw))
         return api.RouteAnswer(node=0)
 
     def request_finished(self, session_id: str, **kw: object) -> object:
-        from controlplane.base import api
+        from kvprefetch.controlplane.base import api
 
         self.calls.append(("request_finished", session_id, kw))
         return api.Ack()
 
     def hint(self, session_id: str, hint: str, **kw: object) -> object:
-        from controlplane.base import api
+        from kvprefetch.controlplane.base import api
 
         self.calls.append(("hint", session_id, kw))
         return api.Ack()
@@ -99,7 +99,12 @@ class RecordingScheduler:
 @contextlib.contextmanager
 def _gateway(vllm_url: str, store: object, scheduler: RecordingScheduler) -> Iterator[str]:
     """The gateway on a loopback port (uvicorn in a thread), in front of one node."""
-    from controlplane.live.gateway import Gateway, GatewayConfig, serve_in_thread, store_sink
+    from kvprefetch.controlplane.live.gateway import (
+        Gateway,
+        GatewayConfig,
+        serve_in_thread,
+        store_sink,
+    )
 
     gateway = Gateway(GatewayConfig(upstreams=[vllm_url], tenant=TENANT),
                       scheduler=scheduler, tokens=store_sink(store))
@@ -110,7 +115,7 @@ def _gateway(vllm_url: str, store: object, scheduler: RecordingScheduler) -> Ite
 def _require_vllm() -> None:
     """Fail (never skip) when vLLM's CPU build is missing or not installed as
     ``make setup-vllm`` installs it."""
-    from agents.vllm.check_install import problems
+    from kvprefetch.agents.vllm.check_install import problems
 
     found = problems()
     if found:
@@ -122,13 +127,13 @@ def _require_vllm() -> None:
 def node(tmp_path_factory: pytest.TempPathFactory, valkey_server: EmbeddedValkey,
          s3_server: EmbeddedS3) -> Iterator[Node]:
     _require_vllm()
-    from agents.agent import AgentConfig, PrefetchAgent, RemoteStoreConfig
-    from agents.lmcache.backend import LMCacheBackendConfig
-    from agents.lmcache.l2_adapter import plugin_adapter_json
-    from agents.lmcache.server import LMCacheServer
-    from agents.lmcache.warm import LMCacheWarmClient
-    from agents.vllm.server import VLLMServer
-    from agents.vllm.tiny_model import generate
+    from kvprefetch.agents.agent import AgentConfig, PrefetchAgent, RemoteStoreConfig
+    from kvprefetch.agents.lmcache.backend import LMCacheBackendConfig
+    from kvprefetch.agents.lmcache.l2_adapter import plugin_adapter_json
+    from kvprefetch.agents.lmcache.server import LMCacheServer
+    from kvprefetch.agents.lmcache.warm import LMCacheWarmClient
+    from kvprefetch.agents.vllm.server import VLLMServer
+    from kvprefetch.agents.vllm.tiny_model import generate
 
     model = generate(tmp_path_factory.mktemp("tiny-llama") / "tiny-llama")
     prefix = f"kvp-vllm-{uuid.uuid4().hex[:6]}:"
@@ -169,7 +174,7 @@ def _complete(node: Node, session: str, prompt: list[int]) -> dict[str, object]:
     """One request through the gateway."""
     import httpx
 
-    from agents.vllm.server import VLLMServer
+    from kvprefetch.agents.vllm.server import VLLMServer
 
     assert isinstance(node.vllm, VLLMServer)
     response = httpx.post(f"{node.gateway_url}/v1/completions", timeout=300.0, json={
@@ -191,9 +196,9 @@ def _wait(predicate: Callable[[], bool], what: str, timeout_s: float = 30.0) -> 
 
 def _served(node: Node, session: str, prompt: list[int]) -> EngineCounters:
     """Send one request and read where its prefix came from (both engines' counters)."""
-    from agents.lmcache.warm import LMCacheWarmClient
-    from agents.vllm.counters import read_counters, wait_for_requests
-    from agents.vllm.server import VLLMServer
+    from kvprefetch.agents.lmcache.warm import LMCacheWarmClient
+    from kvprefetch.agents.vllm.counters import read_counters, wait_for_requests
+    from kvprefetch.agents.vllm.server import VLLMServer
 
     assert isinstance(node.warm, LMCacheWarmClient) and isinstance(node.vllm, VLLMServer)
 
@@ -210,10 +215,10 @@ def _first_turn(node: Node, session: str, prompt: list[int]) -> None:
     """The session's first request: computed, stored by LMCache into L1 and written through
     to L2; its token ids stored by the gateway where agents read them. Then the node
     forgets it locally: vLLM's prefix cache reset, LMCache's L1 cleared."""
-    from agents.lmcache.tokens import get_session_tokens
-    from agents.lmcache.warm import LMCacheWarmClient
-    from agents.stores.base import ObjectStore
-    from agents.vllm.server import VLLMServer
+    from kvprefetch.agents.lmcache.tokens import get_session_tokens
+    from kvprefetch.agents.lmcache.warm import LMCacheWarmClient
+    from kvprefetch.agents.stores.base import ObjectStore
+    from kvprefetch.agents.vllm.server import VLLMServer
 
     assert isinstance(node.warm, LMCacheWarmClient) and isinstance(node.vllm, VLLMServer)
     assert isinstance(node.store, ObjectStore)
@@ -231,9 +236,9 @@ def _first_turn(node: Node, session: str, prompt: list[int]) -> None:
 
 
 def test_a_warmed_session_is_served_from_l1_with_no_l2_load(node: Node) -> None:
-    from agents.agent import PrefetchAgent
-    from controlplane.base.keys import position_keys
-    from controlplane.base.wire import TransferOrder
+    from kvprefetch.agents.agent import PrefetchAgent
+    from kvprefetch.controlplane.base.keys import position_keys
+    from kvprefetch.controlplane.base.wire import TransferOrder
 
     assert isinstance(node.agent, PrefetchAgent)
     session, prompt = "warmed", _prompt(1)
@@ -271,8 +276,8 @@ def test_a_streamed_chat_through_the_gateway_stores_the_engine_s_token_ids(node:
     of the conversation (what LMCache keyed the KV by)."""
     import httpx
 
-    from agents.lmcache.tokens import get_session_tokens
-    from agents.vllm.server import VLLMServer
+    from kvprefetch.agents.lmcache.tokens import get_session_tokens
+    from kvprefetch.agents.vllm.server import VLLMServer
 
     assert isinstance(node.vllm, VLLMServer)
     messages = [{"role": "system", "content": "Be brief."},
@@ -300,7 +305,7 @@ def test_the_tiny_model_is_generated_the_same_twice(tmp_path: Path) -> None:
     _require_vllm()
     from transformers import AutoTokenizer
 
-    from agents.vllm.tiny_model import SPECIAL_TOKENS, generate
+    from kvprefetch.agents.vllm.tiny_model import SPECIAL_TOKENS, generate
 
     a, b = generate(tmp_path / "a"), generate(tmp_path / "b")
     for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.cli import main
+from kvprefetch.controlplane.cli import main
 
 
 def test_bench_control_plane_inproc_and_service_tiny(tmp_path: Path,

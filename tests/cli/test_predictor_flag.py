@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from controlplane.cli import build_parser
+from kvprefetch.controlplane.cli import build_parser
 
 BASE = {
     "eval-predictor": ["eval-predictor", "--trace", "t"],

@@ -10,14 +10,14 @@ from typing import Any
 
 import pytest
 
-from controlplane.base.config import default_fleet
-from controlplane.cli import main
-from controlplane.cli.sim import DEFAULT_SIM_SESSION_RATE_PER_S
-from controlplane.core.policies import parse_policies
-from controlplane.sim import SimOptions, run_policies
-from controlplane.sim.hints import HintConfig
-from controlplane.sim.simulator import clamp_to_window
-from controlplane.traces import ArrivalOptions, load_trace
+from kvprefetch.controlplane.base.config import default_fleet
+from kvprefetch.controlplane.cli import main
+from kvprefetch.controlplane.cli.sim import DEFAULT_SIM_SESSION_RATE_PER_S
+from kvprefetch.controlplane.core.policies import parse_policies
+from kvprefetch.controlplane.sim import SimOptions, run_policies
+from kvprefetch.controlplane.sim.hints import HintConfig
+from kvprefetch.controlplane.sim.simulator import clamp_to_window
+from kvprefetch.controlplane.traces import ArrivalOptions, load_trace
 
 
 def _sim_by_hand(trace_name: str, nodes: int, policies: str, options: SimOptions

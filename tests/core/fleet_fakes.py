@@ -3,10 +3,10 @@ session, and a two-node fleet whose DRAM tier holds two 40k-token sessions."""
 
 from __future__ import annotations
 
-from controlplane.base.config import GIB, fleet_from_dict
-from controlplane.base.types import EventKind, SessionEvent
-from controlplane.core.scheduler import IdleFleet, SchedulerCore
-from controlplane.core.step import StepOutput
+from kvprefetch.controlplane.base.config import GIB, fleet_from_dict
+from kvprefetch.controlplane.base.types import EventKind, SessionEvent
+from kvprefetch.controlplane.core.scheduler import IdleFleet, SchedulerCore
+from kvprefetch.controlplane.core.step import StepOutput
 
 #: Idle nodes with empty HBM and a Valkey-speed remote store.
 FakeFleet = IdleFleet

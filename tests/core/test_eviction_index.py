@@ -8,18 +8,18 @@ from collections.abc import Sequence
 
 from fleet_fakes import FakeFleet, finish_turn
 
-from controlplane.base.config import GIB, fleet_from_dict
-from controlplane.base.tiers import Tier
-from controlplane.core.policies import POLICIES
-from controlplane.core.scheduler import SchedulerCore
-from controlplane.core.tiers import (
+from kvprefetch.controlplane.base.config import GIB, fleet_from_dict
+from kvprefetch.controlplane.base.tiers import Tier
+from kvprefetch.controlplane.core.policies import POLICIES
+from kvprefetch.controlplane.core.scheduler import SchedulerCore
+from kvprefetch.controlplane.core.tiers import (
     INF,
     IndexedLruEviction,
     IndexedTier,
     KeyBound,
     TierEntry,
 )
-from predictors.registry import load
+from kvprefetch.predictors.registry import load
 
 
 class _RisingKeys:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from fleet_fakes import FakeFleet, finish_turn, two_node_fleet
 
-from controlplane.base.types import Trace, TraceRequest, TraceSession
-from controlplane.core.policies import POLICIES
-from controlplane.core.scheduler import SchedulerCore
-from predictors.oracle import OraclePredictor
+from kvprefetch.controlplane.base.types import Trace, TraceRequest, TraceSession
+from kvprefetch.controlplane.core.policies import POLICIES
+from kvprefetch.controlplane.core.scheduler import SchedulerCore
+from kvprefetch.predictors.oracle import OraclePredictor
 
 
 def test_oracle_orders_finish_just_in_time() -> None:
@@ -26,9 +26,9 @@ def test_oracle_orders_finish_just_in_time() -> None:
 
 
 def test_recency_floor_applies_to_heuristic_forecasts_only() -> None:
-    from controlplane.base.config import PlannerConfig
-    from controlplane.base.types import ArrivalForecast
-    from controlplane.core.planner import predicted_use_s
+    from kvprefetch.controlplane.base.config import PlannerConfig
+    from kvprefetch.controlplane.base.types import ArrivalForecast
+    from kvprefetch.controlplane.core.planner import predicted_use_s
 
     cfg = PlannerConfig()
     # Finished at t=0, idle for 100 s; its median gap is 30 s.
@@ -47,9 +47,9 @@ def test_min_p_return_gates_unconditioned_forecasts_only() -> None:
     """Unlikely to return within the horizon: a heuristic's session ranks as never used; a
     conditioned forecast keeps its median, so the tier can still tell two such sessions
     apart (gated, both would tie at inf)."""
-    from controlplane.base.config import PlannerConfig
-    from controlplane.base.types import ArrivalForecast
-    from controlplane.core.planner import predicted_use_s
+    from kvprefetch.controlplane.base.config import PlannerConfig
+    from kvprefetch.controlplane.base.types import ArrivalForecast
+    from kvprefetch.controlplane.core.planner import predicted_use_s
 
     cfg = PlannerConfig(min_p_return=0.3)
     heuristic = ArrivalForecast("s", 0.0, (10.0, 30.0, 90.0), 0.1, 3600.0, 0.5)

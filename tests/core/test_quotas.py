@@ -9,13 +9,13 @@ from __future__ import annotations
 import pytest
 from fleet_fakes import FakeFleet
 
-from controlplane.base.config import GIB, fleet_from_dict
-from controlplane.base.types import EventKind, SessionEvent
-from controlplane.core.policies import POLICIES
-from controlplane.core.quotas import TenantQuota
-from controlplane.core.scheduler import SchedulerCore
-from controlplane.core.step import StepOutput
-from predictors.registry import load
+from kvprefetch.controlplane.base.config import GIB, fleet_from_dict
+from kvprefetch.controlplane.base.types import EventKind, SessionEvent
+from kvprefetch.controlplane.core.policies import POLICIES
+from kvprefetch.controlplane.core.quotas import TenantQuota
+from kvprefetch.controlplane.core.scheduler import SchedulerCore
+from kvprefetch.controlplane.core.step import StepOutput
+from kvprefetch.predictors.registry import load
 
 GIB_TOKENS = 8192  # 1 GiB of 8B KV
 

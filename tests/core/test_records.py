@@ -9,9 +9,14 @@ from typing import Any
 
 import pytest
 
-from controlplane.base.records import quick_init
-from controlplane.base.types import FORECAST_LEVELS, ArrivalForecast, EventKind, SessionEvent
-from controlplane.core.step import StepOutput
+from kvprefetch.controlplane.base.records import quick_init
+from kvprefetch.controlplane.base.types import (
+    FORECAST_LEVELS,
+    ArrivalForecast,
+    EventKind,
+    SessionEvent,
+)
+from kvprefetch.controlplane.core.step import StepOutput
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

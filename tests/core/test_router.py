@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from fleet_fakes import FakeFleet, finish_turn, two_node_fleet
 
-from controlplane.base.types import EventKind, SessionEvent
-from controlplane.core.policies import POLICIES
-from controlplane.core.scheduler import SchedulerCore
-from controlplane.core.step import DEMAND_PRIORITY
-from predictors.registry import load
+from kvprefetch.controlplane.base.types import EventKind, SessionEvent
+from kvprefetch.controlplane.core.policies import POLICIES
+from kvprefetch.controlplane.core.scheduler import SchedulerCore
+from kvprefetch.controlplane.core.step import DEMAND_PRIORITY
+from kvprefetch.predictors.registry import load
 
 
 def test_demand_load_reserves_room_and_routes_home() -> None:

@@ -7,12 +7,12 @@ from dataclasses import replace
 import pytest
 from fleet_fakes import FakeFleet, finish_turn, two_node_fleet
 
-from controlplane.base.config import GIB, fleet_from_dict
-from controlplane.base.types import ArrivalForecast, EventKind, HintKind, SessionEvent
-from controlplane.core.policies import POLICIES
-from controlplane.core.scheduler import SchedulerCore
-from controlplane.core.step import QUEUED_PRIORITY, StepOutput
-from predictors.registry import load
+from kvprefetch.controlplane.base.config import GIB, fleet_from_dict
+from kvprefetch.controlplane.base.types import ArrivalForecast, EventKind, HintKind, SessionEvent
+from kvprefetch.controlplane.core.policies import POLICIES
+from kvprefetch.controlplane.core.scheduler import SchedulerCore
+from kvprefetch.controlplane.core.step import QUEUED_PRIORITY, StepOutput
+from kvprefetch.predictors.registry import load
 
 
 def test_forget_drops_session_and_predictor_state() -> None:

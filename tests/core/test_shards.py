@@ -8,11 +8,11 @@ from collections import Counter
 
 import pytest
 
-from controlplane.base.config import default_fleet
-from controlplane.base.errors import WrongShardError
-from controlplane.base.shards import ShardRing, shard_epoch
-from controlplane.live.config import ServiceConfig
-from controlplane.live.service import SchedulerService
+from kvprefetch.controlplane.base.config import default_fleet
+from kvprefetch.controlplane.base.errors import WrongShardError
+from kvprefetch.controlplane.base.shards import ShardRing, shard_epoch
+from kvprefetch.controlplane.live.config import ServiceConfig
+from kvprefetch.controlplane.live.service import SchedulerService
 
 SESSIONS = [(f"t{i % 3}", f"session-{i}") for i in range(20_000)]
 
@@ -101,8 +101,8 @@ def test_a_shard_refuses_a_session_it_does_not_own_and_serves_its_own() -> None:
 
 
 def test_an_engine_report_goes_to_its_owner_and_drop_notices_to_the_others() -> None:
-    from controlplane.base.shards import split_engine_report
-    from controlplane.base.wire import EngineReport
+    from kvprefetch.controlplane.base.shards import split_engine_report
+    from kvprefetch.controlplane.base.wire import EngineReport
 
     ring = ShardRing(4)
     served = "t0/session-1"
@@ -124,9 +124,9 @@ def test_an_engine_report_goes_to_its_owner_and_drop_notices_to_the_others() -> 
 
 
 def test_a_tier_eviction_report_goes_to_the_owners_of_its_sessions() -> None:
-    from controlplane.base.keys import hash_keys, position_key_session, position_keys
-    from controlplane.base.shards import split_tier_evictions
-    from controlplane.base.wire import TierEvictions
+    from kvprefetch.controlplane.base.keys import hash_keys, position_key_session, position_keys
+    from kvprefetch.controlplane.base.shards import split_tier_evictions
+    from kvprefetch.controlplane.base.wire import TierEvictions
 
     # A chunk key named by position names its session (ids with '/' escaped); one named
     # by content does not.

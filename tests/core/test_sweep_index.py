@@ -1,4 +1,5 @@
-"""The indexed sweep (controlplane.core.sweep): the same decisions as forecasting every due
+"""The indexed sweep (kvprefetch.controlplane.core.sweep): the same decisions as forecasting every
+due
 session at every sweep, with forecasts only where the gate may pass (issue 12)."""
 
 from __future__ import annotations
@@ -9,13 +10,13 @@ from typing import Any
 
 import pytest
 
-from controlplane.base.config import GIB, fleet_from_dict
-from controlplane.base.types import EventKind, HintKind, SessionEvent
-from controlplane.core.policies import POLICIES
-from controlplane.core.scheduler import IdleFleet, SchedulerCore
-from controlplane.core.step import StepOutput
-from controlplane.core.sweep import IdleIndex
-from predictors.registry import load
+from kvprefetch.controlplane.base.config import GIB, fleet_from_dict
+from kvprefetch.controlplane.base.types import EventKind, HintKind, SessionEvent
+from kvprefetch.controlplane.core.policies import POLICIES
+from kvprefetch.controlplane.core.scheduler import IdleFleet, SchedulerCore
+from kvprefetch.controlplane.core.step import StepOutput
+from kvprefetch.controlplane.core.sweep import IdleIndex
+from kvprefetch.predictors.registry import load
 
 
 class _Driver:

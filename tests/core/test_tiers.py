@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from fleet_fakes import FakeFleet, finish_turn, two_node_fleet
 
-from controlplane.base.config import GIB, fleet_from_dict
-from controlplane.core.planner import PrefetchOrder
-from controlplane.core.policies import POLICIES
-from controlplane.core.scheduler import MAX_REPLANS, SchedulerCore
-from controlplane.core.step import LoadTicket
-from predictors.registry import load
+from kvprefetch.controlplane.base.config import GIB, fleet_from_dict
+from kvprefetch.controlplane.core.planner import PrefetchOrder
+from kvprefetch.controlplane.core.policies import POLICIES
+from kvprefetch.controlplane.core.scheduler import MAX_REPLANS, SchedulerCore
+from kvprefetch.controlplane.core.step import LoadTicket
+from kvprefetch.predictors.registry import load
 
 #: Half the two-node fleet's DRAM tier (10 GiB at 128 KiB per token): two such sessions
 #: fill it exactly, so a third evicts one whole (no prefix is left to keep).
@@ -82,7 +82,7 @@ def test_the_value_rule_prefetches_into_free_room_without_a_confidence_threshold
 
 
 def test_eviction_duel_follows_the_rule_whose_victims_come_back_later() -> None:
-    from controlplane.core.tiers import EvictionDuel
+    from kvprefetch.controlplane.core.tiers import EvictionDuel
 
     duel = EvictionDuel(rate=0.5)
     assert not duel.predicted_use_leads  # LRU, the baselines' rule, until shown otherwise
@@ -102,7 +102,7 @@ def test_eviction_duel_follows_the_rule_whose_victims_come_back_later() -> None:
 
 
 def test_eviction_duel_keeps_a_bounded_number_of_open_duels() -> None:
-    from controlplane.core.tiers import EvictionDuel
+    from kvprefetch.controlplane.core.tiers import EvictionDuel
 
     duel = EvictionDuel(max_pending=2)
     duel.record("a", "b")
@@ -115,7 +115,7 @@ def test_eviction_duel_keeps_a_bounded_number_of_open_duels() -> None:
 
 
 def test_dueling_eviction_uses_the_leading_rule_and_records_disagreements() -> None:
-    from controlplane.core.tiers import (
+    from kvprefetch.controlplane.core.tiers import (
         DuelingEviction,
         EvictionDuel,
         PredictedUseEviction,

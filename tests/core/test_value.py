@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controlplane.base.types import ArrivalForecast
-from controlplane.core.value import (
+from kvprefetch.controlplane.base.types import ArrivalForecast
+from kvprefetch.controlplane.core.value import (
     Candidate,
     NodePlan,
     Resident,

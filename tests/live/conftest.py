@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from agents.embedded import EmbeddedS3, EmbeddedValkey
+from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey
 
 # Token auth (ARCHITECTURE.md: two raylets on one machine need it); Ray reads the mode when
 # it is imported, so it is set before any test module imports ray.

@@ -145,10 +145,10 @@ def write_config(folder: Path) -> Path:
 
 def serve(config: Path) -> int:
     """The child process: serve until SIGTERM; prints ``ready <url>`` once listening."""
-    from controlplane.cli.serve import http_app, load_serve_config
-    from controlplane.live.http_api import HttpServer
-    from controlplane.live.metrics import PrometheusMetrics
-    from controlplane.live.service import SchedulerService
+    from kvprefetch.controlplane.cli.serve import http_app, load_serve_config
+    from kvprefetch.controlplane.live.http_api import HttpServer
+    from kvprefetch.controlplane.live.metrics import PrometheusMetrics
+    from kvprefetch.controlplane.live.service import SchedulerService
 
     cfg = load_serve_config(config)
     service_cfg = cfg.service_config([f"node-{i}" for i in range(NODES)])

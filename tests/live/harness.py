@@ -1,6 +1,6 @@
 """In-process wiring of a live fleet (no Ray): one SchedulerService, one PrefetchAgent and one
 EngineEmulator per node, real Valkey and S3 on loopback. The Ray deployment wires the very
-same plain classes through actors (controlplane.live.ray_app)."""
+same plain classes through actors (kvprefetch.controlplane.live.ray_app)."""
 
 from __future__ import annotations
 
@@ -11,15 +11,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agents.agent import AgentConfig, PrefetchAgent, RemoteStoreConfig
-from agents.embedded import EmbeddedS3, EmbeddedValkey
-from agents.engine_emulator import EngineConfig, EngineEmulator, ServeRequest, ServeResult
-from agents.stores.local import LocalTierConfig
-from agents.stores.tiered import TieredStoreConfig
-from controlplane.base.config import FleetConfig
-from controlplane.base.wire import TransferOrder
-from controlplane.live.config import ServiceConfig
-from controlplane.live.service import SchedulerService
+from kvprefetch.agents.agent import AgentConfig, PrefetchAgent, RemoteStoreConfig
+from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey
+from kvprefetch.agents.engine_emulator import (
+    EngineConfig,
+    EngineEmulator,
+    ServeRequest,
+    ServeResult,
+)
+from kvprefetch.agents.stores.local import LocalTierConfig
+from kvprefetch.agents.stores.tiered import TieredStoreConfig
+from kvprefetch.controlplane.base.config import FleetConfig
+from kvprefetch.controlplane.base.wire import TransferOrder
+from kvprefetch.controlplane.live.config import ServiceConfig
+from kvprefetch.controlplane.live.service import SchedulerService
 
 MIB = 1 << 20
 

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from agents.embedded import free_port
+from kvprefetch.agents.embedded import free_port
 
 MIB = 1 << 20
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from controlplane.cli import main
+from kvprefetch.controlplane.cli import main
 
 pytestmark = [pytest.mark.slow, pytest.mark.servers]
 
@@ -52,10 +52,10 @@ def _batching_client(namespace: str, max_events: int, flush_interval_s: float
     client of it; the actor closed and Ray shut down after."""
     import ray
 
-    from controlplane.base.config import default_fleet
-    from controlplane.live.client import EventBatching, connect
-    from controlplane.live.config import ServiceConfig
-    from controlplane.live.ray_app import start_scheduler
+    from kvprefetch.controlplane.base.config import default_fleet
+    from kvprefetch.controlplane.live.client import EventBatching, connect
+    from kvprefetch.controlplane.live.config import ServiceConfig
+    from kvprefetch.controlplane.live.ray_app import start_scheduler
 
     ray.init(namespace=namespace, include_dashboard=False, log_to_driver=False,
              configure_logging=False)

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_demo_repeats_over_two_seeds_with_hints(tmp_path: Path) -> None:
     out, png = tmp_path / "demo.json", tmp_path / "demo.png"
-    cmd = [sys.executable, "-c", "from controlplane.cli import main; raise SystemExit(main())",
+    cmd = [sys.executable, "-m", "kvprefetch",
            "demo", "--repeats", "2", "--seed", "5", "--sessions", "4", "--turns", "5",
            "--compression", "40", "--hbm-gib", "0.5", "--dram-gib", "4", "--no-progress",
            "--json", str(out), "--plot", str(png)]

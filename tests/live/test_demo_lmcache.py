@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_demo_runs_on_real_lmcache_servers(tmp_path: Path) -> None:
     out = tmp_path / "demo.json"
-    cmd = [sys.executable, "-c", "from controlplane.cli import main; raise SystemExit(main())",
+    cmd = [sys.executable, "-m", "kvprefetch",
            "demo", "--backend", "lmcache-mp", "--repeats", "2", "--nodes", "2", "--sessions",
            "4", "--turns", "6", "--policies", "predictive", "--hbm-gib", "0.5", "--dram-gib", "4",
            "--no-progress", "--json", str(out)]

@@ -25,7 +25,7 @@ import pytest
 pytestmark = [pytest.mark.servers, pytest.mark.slow, pytest.mark.live, pytest.mark.vllm]
 ROOT = Path(__file__).resolve().parents[2]
 
-#: Keys every policy block of the emulated demo's report has (controlplane.cli.demo).
+#: Keys every policy block of the emulated demo's report has (kvprefetch.controlplane.cli.demo).
 EMULATED_POLICY_KEYS = {"returning", "per_seed", "ttft_mean_s", "ttft_p90_s", "stall_s",
                         "prefetched_bytes", "wasted_bytes", "prefetches", "orders_sent",
                         "orders_failed", "failed_requests", "unrouted", "hints_sent",
@@ -36,11 +36,11 @@ COUNTERS = {"vllm_prefix_hit_tokens", "vllm_external_hit_tokens", "lmcache_l1_hi
 
 def test_the_vllm_demo_replays_through_the_gateway_and_reports_the_engines_counters(
         tmp_path: Path) -> None:
-    from agents.vllm.check_install import problems
+    from kvprefetch.agents.vllm.check_install import problems
 
     assert not problems(), f"vLLM's CPU build is not usable here (make setup-vllm): {problems()}"
     out = tmp_path / "demo-vllm.json"
-    cmd = [sys.executable, "-c", "from controlplane.cli import main; raise SystemExit(main())",
+    cmd = [sys.executable, "-m", "kvprefetch",
            "demo", "--engine", "vllm", "--repeats", "1", "--sessions", "4", "--turns", "3",
            "--no-progress",
            "--json", str(out)]

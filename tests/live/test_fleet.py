@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 from harness import build_local_fleet, remote_config
 
-from agents.agent import AgentConfig, PrefetchAgent
-from agents.embedded import EmbeddedS3, EmbeddedValkey
-from agents.stores.local import LocalTierConfig
-from controlplane.base.config import fleet_from_dict
-from controlplane.base.keys import payload, position_keys
-from controlplane.base.wire import TransferOrder
+from kvprefetch.agents.agent import AgentConfig, PrefetchAgent
+from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey
+from kvprefetch.agents.stores.local import LocalTierConfig
+from kvprefetch.controlplane.base.config import fleet_from_dict
+from kvprefetch.controlplane.base.keys import payload, position_keys
+from kvprefetch.controlplane.base.wire import TransferOrder
 
 pytestmark = pytest.mark.servers
 GIB = 1 << 30

@@ -17,11 +17,11 @@ pytest.importorskip("uvicorn")
 
 from harness import build_local_fleet  # noqa: E402
 
-from agents.embedded import EmbeddedS3, EmbeddedValkey  # noqa: E402
-from agents.engine_emulator import ServeRequest  # noqa: E402
-from controlplane.base import api  # noqa: E402
-from controlplane.base.config import fleet_from_dict  # noqa: E402
-from controlplane.base.errors import (  # noqa: E402
+from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey  # noqa: E402
+from kvprefetch.agents.engine_emulator import ServeRequest  # noqa: E402
+from kvprefetch.controlplane.base import api  # noqa: E402
+from kvprefetch.controlplane.base.config import fleet_from_dict  # noqa: E402
+from kvprefetch.controlplane.base.errors import (  # noqa: E402
     ConfigError,
     InvalidRequestError,
     MalformedHintError,
@@ -29,11 +29,11 @@ from controlplane.base.errors import (  # noqa: E402
     UnknownSessionError,
     WrongTenantError,
 )
-from controlplane.live.client import Client, connect  # noqa: E402
-from controlplane.live.http_api import HttpServer, create_app  # noqa: E402
-from controlplane.live.metrics import PrometheusMetrics  # noqa: E402
-from controlplane.live.service import SchedulerService, ServiceConfig  # noqa: E402
-from controlplane.live.sessions import SessionQuery, SessionState  # noqa: E402
+from kvprefetch.controlplane.live.client import Client, connect  # noqa: E402
+from kvprefetch.controlplane.live.http_api import HttpServer, create_app  # noqa: E402
+from kvprefetch.controlplane.live.metrics import PrometheusMetrics  # noqa: E402
+from kvprefetch.controlplane.live.service import SchedulerService, ServiceConfig  # noqa: E402
+from kvprefetch.controlplane.live.sessions import SessionQuery, SessionState  # noqa: E402
 
 GIB = 1 << 30
 MIB = 1 << 20

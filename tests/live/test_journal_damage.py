@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.base.config import fleet_from_dict
-from controlplane.base.types import SessionEvent
-from controlplane.cli import main
-from controlplane.live.client import connect
-from controlplane.live.config import ServiceConfig
-from controlplane.live.service import SchedulerService
-from controlplane.traces.journal import (
+from kvprefetch.controlplane.base.config import fleet_from_dict
+from kvprefetch.controlplane.base.types import SessionEvent
+from kvprefetch.controlplane.cli import main
+from kvprefetch.controlplane.live.client import connect
+from kvprefetch.controlplane.live.config import ServiceConfig
+from kvprefetch.controlplane.live.service import SchedulerService
+from kvprefetch.controlplane.traces.journal import (
     JournalScanner,
     TimeLimits,
     _encode_checked,

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.base.config import fleet_from_dict
-from controlplane.live.client import connect
-from controlplane.live.config import ServiceConfig
-from controlplane.live.service import SchedulerService
-from controlplane.traces.journal import _encode_checked, quarantine_path
+from kvprefetch.controlplane.base.config import fleet_from_dict
+from kvprefetch.controlplane.live.client import connect
+from kvprefetch.controlplane.live.config import ServiceConfig
+from kvprefetch.controlplane.live.service import SchedulerService
+from kvprefetch.controlplane.traces.journal import _encode_checked, quarantine_path
 
 GIB = 1 << 30
 FLEET = fleet_from_dict({"nodes": 2, "node": {"hbm_kv_bytes": 4 * GIB,

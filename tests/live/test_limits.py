@@ -16,14 +16,14 @@ from pydantic import ValidationError
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from controlplane.base import api  # noqa: E402
-from controlplane.base.config import fleet_from_dict  # noqa: E402
-from controlplane.base.errors import InvalidRequestError  # noqa: E402
-from controlplane.live import limits as limits_module  # noqa: E402
-from controlplane.live.client import connect  # noqa: E402
-from controlplane.live.http_api import HttpServer, create_app  # noqa: E402
-from controlplane.live.limits import RequestLimits, check_session_id  # noqa: E402
-from controlplane.live.service import SchedulerService, ServiceConfig  # noqa: E402
+from kvprefetch.controlplane.base import api  # noqa: E402
+from kvprefetch.controlplane.base.config import fleet_from_dict  # noqa: E402
+from kvprefetch.controlplane.base.errors import InvalidRequestError  # noqa: E402
+from kvprefetch.controlplane.live import limits as limits_module  # noqa: E402
+from kvprefetch.controlplane.live.client import connect  # noqa: E402
+from kvprefetch.controlplane.live.http_api import HttpServer, create_app  # noqa: E402
+from kvprefetch.controlplane.live.limits import RequestLimits, check_session_id  # noqa: E402
+from kvprefetch.controlplane.live.service import SchedulerService, ServiceConfig  # noqa: E402
 
 GIB = 1 << 30
 FLEET = fleet_from_dict({"nodes": 2, "node": {"hbm_kv_bytes": 2 * GIB,
@@ -99,7 +99,7 @@ def test_list_lengths_and_token_ids_are_checked_at_the_edge_naming_the_field(
 
 
 def svc_key(session_id: str) -> Any:
-    from controlplane.base.types import SessionKey
+    from kvprefetch.controlplane.base.types import SessionKey
 
     return SessionKey("default", session_id)
 

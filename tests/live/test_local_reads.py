@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 from harness import RecordingPort
 
-from controlplane.base.config import fleet_from_dict
-from controlplane.base.tiers import TierEntry
-from controlplane.base.types import SessionKey
-from controlplane.live.client import connect
-from controlplane.live.config import ServiceConfig
-from controlplane.live.service import SchedulerService
+from kvprefetch.controlplane.base.config import fleet_from_dict
+from kvprefetch.controlplane.base.tiers import TierEntry
+from kvprefetch.controlplane.base.types import SessionKey
+from kvprefetch.controlplane.live.client import connect
+from kvprefetch.controlplane.live.config import ServiceConfig
+from kvprefetch.controlplane.live.service import SchedulerService
 
 GIB = 1 << 30
 FLEET = fleet_from_dict({"nodes": 2, "node": {"hbm_kv_bytes": 4 * GIB,

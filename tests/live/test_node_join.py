@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 from harness import RecordingPort
 
-from controlplane.base.config import fleet_from_dict
-from controlplane.base.wire import AgentHello
-from controlplane.live.config import ServiceConfig
-from controlplane.live.service import SchedulerService
+from kvprefetch.controlplane.base.config import fleet_from_dict
+from kvprefetch.controlplane.base.wire import AgentHello
+from kvprefetch.controlplane.live.config import ServiceConfig
+from kvprefetch.controlplane.live.service import SchedulerService
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -110,7 +110,7 @@ def _ray_node(node_id: str, resources: dict[str, float], alive: bool = True) -> 
 def test_watcher_gives_new_nodes_the_free_slots_and_ignores_them_once_full(
         caplog: pytest.LogCaptureFixture) -> None:
     pytest.importorskip("ray")
-    from controlplane.live.ray_app import NodeWatcher, ray_node_candidates
+    from kvprefetch.controlplane.live.ray_app import NodeWatcher, ray_node_candidates
 
     nodes = [_ray_node("n1", {"GPU": 1}), _ray_node("n0", {"CPU": 4})]
     started: list[tuple[int, str]] = []
@@ -141,8 +141,8 @@ def test_watcher_gives_new_nodes_the_free_slots_and_ignores_them_once_full(
 
 def test_local_variant_takes_the_slot_its_resource_names() -> None:
     pytest.importorskip("ray")
-    from agents.ray_entry import node_resource
-    from controlplane.live.ray_app import assign_slots, local_node_candidates
+    from kvprefetch.agents.ray_entry import node_resource
+    from kvprefetch.controlplane.live.ray_app import assign_slots, local_node_candidates
 
     nodes = [_ray_node("n1", {node_resource(0): 1, node_resource(2): 1}),
              _ray_node("n2", {node_resource(5): 1})]
@@ -158,7 +158,7 @@ def test_local_variant_takes_the_slot_its_resource_names() -> None:
 def test_serve_config_leaves_slots_for_nodes_that_join() -> None:
     from pydantic import ValidationError
 
-    from controlplane.cli.serve import ServeConfig
+    from kvprefetch.controlplane.cli.serve import ServeConfig
 
     base: dict[str, Any] = {"stores": {"valkey": {"host": "127.0.0.1", "port": 6379}},
                             "agent": {"tier_capacity_bytes": 64 * MIB}}
@@ -200,13 +200,13 @@ def test_a_raylet_that_joins_gets_an_agent_and_is_warmed(
     from harness import remote_config
     from ray.cluster_utils import Cluster
 
-    from agents.agent import AgentConfig
-    from agents.ray_entry import agent_name
-    from agents.stores.local import LocalTierConfig
-    from agents.transfer import TransferConfig
-    from controlplane.base.keys import payload, position_keys
-    from controlplane.live.client import connect
-    from controlplane.live.ray_app import (
+    from kvprefetch.agents.agent import AgentConfig
+    from kvprefetch.agents.ray_entry import agent_name
+    from kvprefetch.agents.stores.local import LocalTierConfig
+    from kvprefetch.agents.transfer import TransferConfig
+    from kvprefetch.controlplane.base.keys import payload, position_keys
+    from kvprefetch.controlplane.live.client import connect
+    from kvprefetch.controlplane.live.ray_app import (
         NodeCandidate,
         Placement,
         deploy,

@@ -11,9 +11,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from ray import cloudpickle
 
-from controlplane.base import api
-from controlplane.base.errors import InvalidRequestError, UnknownSessionError
-from controlplane.live.packing import PACKED, pack, unpack, unpack_event
+from kvprefetch.controlplane.base import api
+from kvprefetch.controlplane.base.errors import InvalidRequestError, UnknownSessionError
+from kvprefetch.controlplane.live.packing import PACKED, pack, unpack, unpack_event
 
 names = st.from_regex(r"[A-Za-z0-9._-]{1,12}", fullmatch=True)
 tokens = st.integers(0, 100_000_000)

@@ -1,4 +1,5 @@
-"""The typed seam between the scheduler and its transports (controlplane.live.protocol): who
+"""The typed seam between the scheduler and its transports (kvprefetch.controlplane.live.protocol):
+who
 implements which Protocol, and how the client uses a remote one (pure logic: no servers)."""
 
 from __future__ import annotations
@@ -8,19 +9,19 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from controlplane.base import api
-from controlplane.base.config import fleet_from_dict
-from controlplane.base.errors import ServiceError
-from controlplane.live.client import (
+from kvprefetch.controlplane.base import api
+from kvprefetch.controlplane.base.config import fleet_from_dict
+from kvprefetch.controlplane.base.errors import ServiceError
+from kvprefetch.controlplane.live.client import (
     Client,
     HttpTransport,
     InProcessTransport,
     RayTransport,
     connect,
 )
-from controlplane.live.protocol import GatewayAPI, RemoteAPI, SchedulerAPI
-from controlplane.live.service import SchedulerService, ServiceConfig
-from controlplane.live.sessions import SessionQuery, SessionState
+from kvprefetch.controlplane.live.protocol import GatewayAPI, RemoteAPI, SchedulerAPI
+from kvprefetch.controlplane.live.service import SchedulerService, ServiceConfig
+from kvprefetch.controlplane.live.sessions import SessionQuery, SessionState
 
 FLEET = fleet_from_dict({"nodes": 2})
 

@@ -8,10 +8,10 @@ import time
 
 from harness import RecordingPort
 
-from controlplane.base.config import fleet_from_dict
-from controlplane.base.wire import AgentHello, TransferOrder
-from controlplane.live.config import ServiceConfig
-from controlplane.live.service import SchedulerService
+from kvprefetch.controlplane.base.config import fleet_from_dict
+from kvprefetch.controlplane.base.wire import AgentHello, TransferOrder
+from kvprefetch.controlplane.live.config import ServiceConfig
+from kvprefetch.controlplane.live.service import SchedulerService
 
 GIB = 1 << 30
 CHUNK = 4096

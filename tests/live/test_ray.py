@@ -17,16 +17,16 @@ ray = pytest.importorskip("ray")
 from harness import remote_config  # noqa: E402
 from raycluster import two_raylets  # noqa: E402
 
-from agents.agent import AgentConfig  # noqa: E402
-from agents.embedded import EmbeddedS3, EmbeddedValkey  # noqa: E402
-from agents.ray_entry import NAMESPACE, node_resource  # noqa: E402
-from agents.stores.local import LocalTierConfig  # noqa: E402
-from agents.transfer import TransferConfig  # noqa: E402
-from controlplane.base.config import fleet_from_dict  # noqa: E402
-from controlplane.base.keys import payload, position_keys  # noqa: E402
-from controlplane.live.client import connect  # noqa: E402
-from controlplane.live.config import ServiceConfig  # noqa: E402
-from controlplane.live.ray_app import Placement, deploy, local_placements  # noqa: E402
+from kvprefetch.agents.agent import AgentConfig  # noqa: E402
+from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey  # noqa: E402
+from kvprefetch.agents.ray_entry import NAMESPACE, node_resource  # noqa: E402
+from kvprefetch.agents.stores.local import LocalTierConfig  # noqa: E402
+from kvprefetch.agents.transfer import TransferConfig  # noqa: E402
+from kvprefetch.controlplane.base.config import fleet_from_dict  # noqa: E402
+from kvprefetch.controlplane.base.keys import payload, position_keys  # noqa: E402
+from kvprefetch.controlplane.live.client import connect  # noqa: E402
+from kvprefetch.controlplane.live.config import ServiceConfig  # noqa: E402
+from kvprefetch.controlplane.live.ray_app import Placement, deploy, local_placements  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.servers]
 GIB = 1 << 30
@@ -115,7 +115,7 @@ def test_two_raylets_one_agent_per_node_and_prefetch_lands_on_b(
     with two_raylets(({"gpu_node": 1}, {"gpu_node": 1})) as address:
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
         try:
-            from controlplane.live.ray_app import gpu_node_placements
+            from kvprefetch.controlplane.live.ray_app import gpu_node_placements
 
             nodes = sorted(ray.nodes(), key=lambda n: n["NodeManagerAddress"])
             placements = [Placement(node_id=n["NodeID"]) for n in nodes]
@@ -178,7 +178,7 @@ def test_agent_killed_mid_transfer_is_restarted_and_the_scheduler_replans(
         assert summary["orders_lost"] >= 1 and summary["orders_done"] >= 1
         tier = Path(agents[0].dram.path)
         assert not list(tier.glob(".tmp-*"))  # no partial object left, none published
-        from agents.stores.format import decode_object
+        from kvprefetch.agents.stores.format import decode_object
 
         published = list(tier.glob("*.kvp"))
         assert len(published) == len(keys)
@@ -225,8 +225,8 @@ def test_two_scheduler_shards_share_the_agents(
     orders done. Each agent's status reaches both shards on its timer: a tier of 8 GiB
     booked (128 MiB at kv_scale 1/64) gives each shard 4 GiB of the node, not the
     configured 8 GiB (16 GiB / 2)."""
-    from controlplane.base.shards import ShardRing
-    from controlplane.live.sharded import ShardedTransport
+    from kvprefetch.controlplane.base.shards import ShardRing
+    from kvprefetch.controlplane.live.sharded import ShardedTransport
 
     valkey, s3 = servers
     svc, agents, remote = _configs(tmp_path, valkey, s3, kv_scale=1 / 64,
@@ -260,7 +260,7 @@ def test_shards_sharing_a_tier_drop_what_it_evicts_from_their_books(
     """``shard_tier: shared``: both shards book node 1's whole tier (24 MiB at kv_scale
     1/256: 6 GiB, four 1.5 GiB sessions); eight sessions written there (four per shard)
     overfill it, and the agent actor tells each owner what its tier evicted."""
-    from controlplane.base.shards import ShardRing
+    from kvprefetch.controlplane.base.shards import ShardRing
 
     valkey, s3 = servers
     svc, agents, _ = _configs(tmp_path, valkey, s3, kv_scale=1 / 256, status_interval_s=0.5,

@@ -24,16 +24,16 @@ from pathlib import Path
 import pytest
 from harness import started_agents
 
-from agents.agent import PrefetchAgent
-from agents.embedded import EmbeddedValkey
-from controlplane.base.config import fleet_from_dict
-from controlplane.base.keys import payload
-from controlplane.base.types import SessionKey
-from controlplane.base.wire import TransferOrder, TransferReport, order_epoch
-from controlplane.live.client import connect
-from controlplane.live.config import ServiceConfig
-from controlplane.live.ports import AgentPort
-from controlplane.live.service import SchedulerService
+from kvprefetch.agents.agent import PrefetchAgent
+from kvprefetch.agents.embedded import EmbeddedValkey
+from kvprefetch.controlplane.base.config import fleet_from_dict
+from kvprefetch.controlplane.base.keys import payload
+from kvprefetch.controlplane.base.types import SessionKey
+from kvprefetch.controlplane.base.wire import TransferOrder, TransferReport, order_epoch
+from kvprefetch.controlplane.live.client import connect
+from kvprefetch.controlplane.live.config import ServiceConfig
+from kvprefetch.controlplane.live.ports import AgentPort
+from kvprefetch.controlplane.live.service import SchedulerService
 
 pytestmark = pytest.mark.servers
 

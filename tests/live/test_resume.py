@@ -7,13 +7,13 @@ import os
 import time
 from pathlib import Path
 
-from controlplane.base.config import fleet_from_dict
-from controlplane.base.types import EventKind, HintKind, SessionEvent
-from controlplane.live.client import connect
-from controlplane.live.config import ServiceConfig
-from controlplane.live.journal import KeysChange, LiveJournalWriter, compact_journal
-from controlplane.live.service import SchedulerService
-from controlplane.traces.journal import EpochRecord, _encode_checked
+from kvprefetch.controlplane.base.config import fleet_from_dict
+from kvprefetch.controlplane.base.types import EventKind, HintKind, SessionEvent
+from kvprefetch.controlplane.live.client import connect
+from kvprefetch.controlplane.live.config import ServiceConfig
+from kvprefetch.controlplane.live.journal import KeysChange, LiveJournalWriter, compact_journal
+from kvprefetch.controlplane.live.service import SchedulerService
+from kvprefetch.controlplane.traces.journal import EpochRecord, _encode_checked
 
 GIB = 1 << 30
 FLEET = fleet_from_dict({"nodes": 2, "node": {"hbm_kv_bytes": 4 * GIB,

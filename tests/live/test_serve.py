@@ -23,13 +23,13 @@ httpx = pytest.importorskip("httpx")
 
 from raycluster import _end, _pids_under  # noqa: E402
 
-from agents.embedded import EmbeddedS3, EmbeddedValkey, free_port  # noqa: E402
-from controlplane.base.errors import ConfigError  # noqa: E402
-from controlplane.base.shards import ShardRing  # noqa: E402
-from controlplane.cli import main  # noqa: E402
-from controlplane.cli.serve import load_serve_config  # noqa: E402
-from controlplane.live.client import connect  # noqa: E402
-from controlplane.live.ray_app import gpu_node_placements, matching_nodes  # noqa: E402
+from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey, free_port  # noqa: E402
+from kvprefetch.controlplane.base.errors import ConfigError  # noqa: E402
+from kvprefetch.controlplane.base.shards import ShardRing  # noqa: E402
+from kvprefetch.controlplane.cli import main  # noqa: E402
+from kvprefetch.controlplane.cli.serve import load_serve_config  # noqa: E402
+from kvprefetch.controlplane.live.client import connect  # noqa: E402
+from kvprefetch.controlplane.live.ray_app import gpu_node_placements, matching_nodes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
@@ -161,7 +161,7 @@ def test_serve_on_a_local_ray_runtime(tmp_path: Path, valkey_server: EmbeddedVal
     started = time.monotonic()
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "controlplane", "serve", "--config", str(path),
+            [sys.executable, "-m", "kvprefetch", "serve", "--config", str(path),
              "--address", "local"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
             env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
     url = f"http://127.0.0.1:{port}"
@@ -246,7 +246,7 @@ def test_ray_cluster_yaml_has_the_launcher_keys_and_starts_lmcache_and_serve() -
         assert flag in worker_cmds, flag
     adapter = yaml.safe_load(worker_cmds.split("--l2-adapter '", 1)[1].split("'", 1)[0])
     assert adapter["type"] == "plugin"  # JSON is YAML
-    from agents.lmcache.l2_adapter import CLASS_NAME, MODULE_PATH, load_params
+    from kvprefetch.agents.lmcache.l2_adapter import CLASS_NAME, MODULE_PATH, load_params
 
     assert (adapter["module_path"], adapter["class_name"]) == (MODULE_PATH, CLASS_NAME)
     params = load_params(adapter["adapter_params"])

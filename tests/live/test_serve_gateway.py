@@ -22,7 +22,7 @@ def _stub_upstream() -> Iterator[tuple[str, list[dict[str, Any]]]]:
     import uvicorn
     from fastapi import FastAPI
 
-    from agents.embedded import free_port
+    from kvprefetch.agents.embedded import free_port
 
     seen: list[dict[str, Any]] = []
     app = FastAPI()
@@ -57,10 +57,10 @@ def test_the_gateway_serves_a_request_as_a_ray_serve_application() -> None:
     import ray
     from ray import serve
 
-    from agents.embedded import free_port
-    from controlplane.base.keys import tenant_cache_salt
-    from controlplane.live.gateway import GatewayConfig
-    from controlplane.live.serve_app import gateway_application
+    from kvprefetch.agents.embedded import free_port
+    from kvprefetch.controlplane.base.keys import tenant_cache_salt
+    from kvprefetch.controlplane.live.gateway import GatewayConfig
+    from kvprefetch.controlplane.live.serve_app import gateway_application
 
     with _stub_upstream() as (upstream, seen):
         ray.init(num_cpus=2, object_store_memory=80 << 20, include_dashboard=False,

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.base import api
-from controlplane.base.config import fleet_from_dict
-from controlplane.base.errors import (
+from kvprefetch.controlplane.base import api
+from kvprefetch.controlplane.base.config import fleet_from_dict
+from kvprefetch.controlplane.base.errors import (
     ConfigError,
     InvalidRequestError,
     KvPrefetchError,
@@ -18,11 +18,11 @@ from controlplane.base.errors import (
     UnknownSessionError,
     WrongTenantError,
 )
-from controlplane.base.types import EventKind, SessionKey
-from controlplane.live.client import connect
-from controlplane.live.config import ServiceConfig
-from controlplane.live.service import SchedulerService
-from controlplane.traces import load_trace, read_journal_events
+from kvprefetch.controlplane.base.types import EventKind, SessionKey
+from kvprefetch.controlplane.live.client import connect
+from kvprefetch.controlplane.live.config import ServiceConfig
+from kvprefetch.controlplane.live.service import SchedulerService
+from kvprefetch.controlplane.traces import load_trace, read_journal_events
 
 GIB = 1 << 30
 FLEET = fleet_from_dict({"nodes": 2, "node": {"hbm_kv_bytes": 4 * GIB,

@@ -9,8 +9,8 @@ pytest.importorskip("prometheus_client")
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from controlplane.live.metrics import PrometheusMetrics, merge_shard_metrics
-from controlplane.live.ports import SchedulerGauges
+from kvprefetch.controlplane.live.metrics import PrometheusMetrics, merge_shard_metrics
+from kvprefetch.controlplane.live.ports import SchedulerGauges
 
 
 def _shard(orders: int, events: int) -> PrometheusMetrics:

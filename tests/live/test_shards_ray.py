@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.cli import main
+from kvprefetch.controlplane.cli import main
 
 pytestmark = [pytest.mark.slow, pytest.mark.servers]
 
@@ -19,15 +19,15 @@ def test_sessions_go_to_their_owning_shard() -> None:
     import httpx
     import ray
 
-    from controlplane.base.config import default_fleet
-    from controlplane.base.errors import WrongShardError
-    from controlplane.base.shards import ShardRing
-    from controlplane.live.client import RayTransport, connect
-    from controlplane.live.config import ServiceConfig
-    from controlplane.live.http_api import HttpServer, create_app
-    from controlplane.live.ray_app import start_shards
-    from controlplane.live.sessions import SessionQuery
-    from controlplane.live.sharded import ShardedTransport
+    from kvprefetch.controlplane.base.config import default_fleet
+    from kvprefetch.controlplane.base.errors import WrongShardError
+    from kvprefetch.controlplane.base.shards import ShardRing
+    from kvprefetch.controlplane.live.client import RayTransport, connect
+    from kvprefetch.controlplane.live.config import ServiceConfig
+    from kvprefetch.controlplane.live.http_api import HttpServer, create_app
+    from kvprefetch.controlplane.live.ray_app import start_shards
+    from kvprefetch.controlplane.live.sessions import SessionQuery
+    from kvprefetch.controlplane.live.sharded import ShardedTransport
 
     namespace = "kvprefetch-test-shards"
     ray.init(namespace=namespace, include_dashboard=False, log_to_driver=False,

@@ -17,19 +17,19 @@ import yaml
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from controlplane.base.config import fleet_from_dict  # noqa: E402
-from controlplane.base.errors import (  # noqa: E402
+from kvprefetch.controlplane.base.config import fleet_from_dict  # noqa: E402
+from kvprefetch.controlplane.base.errors import (  # noqa: E402
     ConfigError,
     UnknownSessionError,
     WrongTenantError,
 )
-from controlplane.cli.serve import load_serve_config  # noqa: E402
-from controlplane.core.quotas import TenantQuota  # noqa: E402
-from controlplane.live.client import connect  # noqa: E402
-from controlplane.live.http_api import HttpServer, create_app  # noqa: E402
-from controlplane.live.metrics import PrometheusMetrics  # noqa: E402
-from controlplane.live.service import SchedulerService, ServiceConfig  # noqa: E402
-from controlplane.live.tenants import TenantAuth, TenantQuotaError  # noqa: E402
+from kvprefetch.controlplane.cli.serve import load_serve_config  # noqa: E402
+from kvprefetch.controlplane.core.quotas import TenantQuota  # noqa: E402
+from kvprefetch.controlplane.live.client import connect  # noqa: E402
+from kvprefetch.controlplane.live.http_api import HttpServer, create_app  # noqa: E402
+from kvprefetch.controlplane.live.metrics import PrometheusMetrics  # noqa: E402
+from kvprefetch.controlplane.live.service import SchedulerService, ServiceConfig  # noqa: E402
+from kvprefetch.controlplane.live.tenants import TenantAuth, TenantQuotaError  # noqa: E402
 
 pytestmark = pytest.mark.servers
 

@@ -18,16 +18,16 @@ from pathlib import Path
 import pytest
 from harness import remote_config
 
-from agents.agent import AgentConfig, PrefetchAgent
-from agents.embedded import EmbeddedValkey
-from agents.stores.local import LocalTierConfig
-from controlplane.base.config import GIB, fleet_from_dict
-from controlplane.base.keys import payload, position_keys
-from controlplane.base.shards import ShardRing, split_tier_evictions
-from controlplane.base.wire import TransferOrder
-from controlplane.live.config import ServiceConfig
-from controlplane.live.metrics import PrometheusMetrics
-from controlplane.live.service import SchedulerService
+from kvprefetch.agents.agent import AgentConfig, PrefetchAgent
+from kvprefetch.agents.embedded import EmbeddedValkey
+from kvprefetch.agents.stores.local import LocalTierConfig
+from kvprefetch.controlplane.base.config import GIB, fleet_from_dict
+from kvprefetch.controlplane.base.keys import payload, position_keys
+from kvprefetch.controlplane.base.shards import ShardRing, split_tier_evictions
+from kvprefetch.controlplane.base.wire import TransferOrder
+from kvprefetch.controlplane.live.config import ServiceConfig
+from kvprefetch.controlplane.live.metrics import PrometheusMetrics
+from kvprefetch.controlplane.live.service import SchedulerService
 
 MIB = 1 << 20
 GIB_TOKENS = 8192

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from controlplane.base.config import fleet_from_dict
-from controlplane.base.types import SessionKey
-from controlplane.core.step import StepOutput
-from controlplane.live.client import connect
-from controlplane.live.config import ServiceConfig
-from controlplane.live.ports import Outbox
-from controlplane.live.service import SchedulerService
+from kvprefetch.controlplane.base.config import fleet_from_dict
+from kvprefetch.controlplane.base.types import SessionKey
+from kvprefetch.controlplane.core.step import StepOutput
+from kvprefetch.controlplane.live.client import connect
+from kvprefetch.controlplane.live.config import ServiceConfig
+from kvprefetch.controlplane.live.ports import Outbox
+from kvprefetch.controlplane.live.service import SchedulerService
 
 GIB = 1 << 30
 #: One node whose DRAM tier holds 131,072 tokens of 8B KV: two 50k-token sessions and a

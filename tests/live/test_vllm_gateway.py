@@ -21,9 +21,9 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from controlplane.base import api
-from controlplane.base.keys import tenant_cache_salt
-from controlplane.live.gateway import Gateway, GatewayConfig, build_app
+from kvprefetch.controlplane.base import api
+from kvprefetch.controlplane.base.keys import tenant_cache_salt
+from kvprefetch.controlplane.live.gateway import Gateway, GatewayConfig, build_app
 
 UPSTREAMS = ["http://node0", "http://node1"]
 
@@ -82,7 +82,7 @@ def _fake_engine(seen: list[tuple[str, dict[str, Any]]], finish: str = "stop") -
 
 
 class RecordingScheduler:
-    """The parts of controlplane.live.client.Client the gateway calls."""
+    """The parts of kvprefetch.controlplane.live.client.Client the gateway calls."""
 
     def __init__(self, node: int | None = 1, fail: bool = False) -> None:
         self.node, self.fail = node, fail

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.base.errors import PluginError, PredictorError
-from controlplane.base.types import (
+from kvprefetch.controlplane.base.errors import PluginError, PredictorError
+from kvprefetch.controlplane.base.types import (
     ArrivalForecast,
     EventKind,
     SessionEvent,
@@ -19,8 +19,8 @@ from controlplane.base.types import (
     TraceRequest,
     TraceSession,
 )
-from predictors import registry
-from predictors.adaptive import (
+from kvprefetch.predictors import registry
+from kvprefetch.predictors.adaptive import (
     BUCKETS,
     DEFAULT_ARTIFACT,
     GRID_S,
@@ -29,8 +29,13 @@ from predictors.adaptive import (
     bucket_of,
     segment_of,
 )
-from predictors.evaluate import CALIBRATION_HORIZONS_S, CALIBRATION_SILENCES_S, ece_key, evaluate
-from predictors.features import replay_session
+from kvprefetch.predictors.evaluate import (
+    CALIBRATION_HORIZONS_S,
+    CALIBRATION_SILENCES_S,
+    ece_key,
+    evaluate,
+)
+from kvprefetch.predictors.features import replay_session
 
 # ------------------------------------------------------------------ SurvivalCurve by hand
 #: S: 1 at 0, 0.5 at 10 s, 0.2 at 30 s, 0.2 beyond (20% never return).
@@ -310,7 +315,7 @@ def test_bad_artifacts_give_clear_errors(fitted, tmp_path) -> None:
     import hashlib
     import json
 
-    from predictors.artifacts import MAGIC
+    from kvprefetch.predictors.artifacts import MAGIC
 
     good = fitted.save(tmp_path / "a.kvp").read_bytes()
     n = int.from_bytes(good[len(MAGIC):len(MAGIC) + 8], "little")
@@ -359,12 +364,12 @@ def test_shipped_default_loads_fitted_with_its_train_groups() -> None:
 
 def test_shipped_default_never_saw_the_held_out_half() -> None:
     """``kvprefetch sim --test-split 0.5`` (split seed 0) accepts it: no overlap."""
-    from controlplane.cli.sim import held_out
+    from kvprefetch.controlplane.cli.sim import held_out
 
     traces = Path(__file__).resolve().parents[3] / "shared" / "traces" / "claude-code"
     if not traces.is_dir():
         pytest.skip("shared Claude Code traces not present")
-    from controlplane.traces import load_trace
+    from kvprefetch.controlplane.traces import load_trace
 
     trace = load_trace(traces)
     test = held_out(trace, 0.5, 0, "default")

@@ -1,4 +1,4 @@
-"""The default predictor's forecast hot path (predictors.adaptive._read_curve) gives the
+"""The default predictor's forecast hot path (kvprefetch.predictors.adaptive._read_curve) gives the
 numbers of the survival curve's own methods, bit for bit (issue 12: no decision may
 change for speed)."""
 
@@ -8,8 +8,14 @@ import random
 
 import numpy as np
 
-from controlplane.base.types import FORECAST_LEVELS, SurvivalCurve
-from predictors.adaptive import BUCKETS, NEVER_S, RETURN_HORIZON_S, _read_curve, load_default
+from kvprefetch.controlplane.base.types import FORECAST_LEVELS, SurvivalCurve
+from kvprefetch.predictors.adaptive import (
+    BUCKETS,
+    NEVER_S,
+    RETURN_HORIZON_S,
+    _read_curve,
+    load_default,
+)
 
 
 def _curves() -> list[SurvivalCurve]:
@@ -53,7 +59,7 @@ def _reference_curve(grid: tuple[float, ...], seg: list[float], p_never: float
 
 
 def test_bucket_curve_equals_the_checked_construction_bit_for_bit() -> None:
-    from predictors.adaptive import GRID_S, _bucket_curve
+    from kvprefetch.predictors.adaptive import GRID_S, _bucket_curve
 
     rng = random.Random(5)
     n = len(GRID_S) - 1
@@ -74,8 +80,8 @@ def test_bucket_curve_equals_the_checked_construction_bit_for_bit() -> None:
 def test_forecasts_at_silence_zero_read_once_per_curve_are_the_curve_s_numbers() -> None:
     """A just-finished session's forecast comes from the bucket's memo while the bucket's
     curve stands, and from the new curve once gaps have rebuilt it."""
-    from controlplane.base.types import EventKind, SessionEvent
-    from predictors.adaptive import REBUILD_EVERY
+    from kvprefetch.controlplane.base.types import EventKind, SessionEvent
+    from kvprefetch.predictors.adaptive import REBUILD_EVERY
 
     model = load_default()
 

@@ -1,4 +1,4 @@
-"""Calibration of P(return within h | silent for a) in predictors.evaluate and the
+"""Calibration of P(return within h | silent for a) in kvprefetch.predictors.evaluate and the
 eval-predictor CLI."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from controlplane.base.types import (
+from kvprefetch.controlplane.base.types import (
     ArrivalForecast,
     EventKind,
     SessionEvent,
@@ -21,7 +21,7 @@ from controlplane.base.types import (
     TraceRequest,
     TraceSession,
 )
-from predictors.evaluate import (
+from kvprefetch.predictors.evaluate import (
     CALIBRATION_HORIZONS_S,
     CALIBRATION_SILENCES_S,
     collect_forecasts,
@@ -195,8 +195,8 @@ def test_expected_calibration_error_by_hand() -> None:
 
 def test_eval_predictor_cli_reports_calibration(tmp_path: Path,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
-    from controlplane.cli import main
-    from controlplane.traces import bundled_trace_path
+    from kvprefetch.controlplane.cli import main
+    from kvprefetch.controlplane.traces import bundled_trace_path
 
     out, png = tmp_path / "eval.json", tmp_path / "plots" / "cal.png"
     assert main(["eval-predictor", "--trace", str(bundled_trace_path("claude-code")),

@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from controlplane.base.errors import PluginError, PredictorError
-from controlplane.base.types import (
+from kvprefetch.controlplane.base.errors import PluginError, PredictorError
+from kvprefetch.controlplane.base.types import (
     EventKind,
     HintKind,
     SessionEvent,
@@ -20,17 +20,17 @@ from controlplane.base.types import (
     TraceRequest,
     TraceSession,
 )
-from predictors import registry
-from predictors.evaluate import benchmark, evaluate, roc_auc
-from predictors.features import (
+from kvprefetch.predictors import registry
+from kvprefetch.predictors.evaluate import benchmark, evaluate, roc_auc
+from kvprefetch.predictors.features import (
     N_FEATURES,
     SEQUENCE_LENGTH,
     FeatureTracker,
     build_dataset,
     replay_session,
 )
-from predictors.hinted import HintedPredictor
-from predictors.splits import split_trace
+from kvprefetch.predictors.hinted import HintedPredictor
+from kvprefetch.predictors.splits import split_trace
 
 TRAINABLE = ["empirical", "survival", "gbm", "torch-seq"]
 METRIC_KEYS = {"gaps", "mae_log_gap", "pinball_q10", "pinball_q50", "pinball_q90",
@@ -291,7 +291,7 @@ def test_registry_errors():
     with pytest.raises(PluginError, match="cannot import module"):
         registry.load("no_such_module_xyz:Thing")
     with pytest.raises(PluginError, match="has no attribute"):
-        registry.load("predictors.heuristics:Missing")
+        registry.load("kvprefetch.predictors.heuristics:Missing")
     with pytest.raises(PluginError, match="does not implement the Predictor protocol"):
         registry.load("collections:OrderedDict")
     with pytest.raises(PluginError, match="takes no artifact"):
@@ -307,7 +307,7 @@ def test_example_user_predictor_loads_by_module_class(trace):
 def test_entry_point_plugin(tmp_path, monkeypatch):
     """A plugin installed as a distribution with a ``kvprefetch.predictors`` entry point."""
     (tmp_path / "kvp_test_plugin.py").write_text(textwrap.dedent("""
-        from predictors.heuristics import LastGapPredictor
+        from kvprefetch.predictors.heuristics import LastGapPredictor
         class Plugged(LastGapPredictor):
             name = "plugged"
     """))
@@ -398,7 +398,7 @@ def _write_claude_code(folder: Path, trace: Trace) -> None:
 
 
 def test_train_and_eval_cli(trace, tmp_path):
-    from controlplane.cli import main
+    from kvprefetch.controlplane.cli import main
 
     folder = tmp_path / "cc"
     _write_claude_code(folder, trace)

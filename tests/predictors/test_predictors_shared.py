@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from predictors import registry
-from predictors.evaluate import evaluate
-from predictors.splits import split_trace
+from kvprefetch.predictors import registry
+from kvprefetch.predictors.evaluate import evaluate
+from kvprefetch.predictors.splits import split_trace
 
 TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces" / "claude-code"
 
@@ -16,7 +16,7 @@ TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces" / "claude-cod
 @pytest.mark.slow
 @pytest.mark.skipif(not TRACES.is_dir(), reason="shared Claude Code traces not present")
 def test_gbm_beats_empirical_on_held_out_claude_code_sessions():
-    from controlplane.traces import load_trace
+    from kvprefetch.controlplane.traces import load_trace
 
     trace = load_trace(TRACES, limit_sessions=160)
     split = split_trace(trace, "session", 0.25, seed=0)

@@ -1,4 +1,5 @@
-"""Planned client hints for the simulator (controlplane.sim.hints): pure logic, no servers."""
+"""Planned client hints for the simulator (kvprefetch.controlplane.sim.hints): pure logic, no
+servers."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from dataclasses import replace
 
 import pytest
 
-from controlplane.base.config import GIB, LLAMA_8B, default_fleet, fleet_from_dict
-from controlplane.base.errors import ConfigError
-from controlplane.base.types import (
+from kvprefetch.controlplane.base.config import GIB, LLAMA_8B, default_fleet, fleet_from_dict
+from kvprefetch.controlplane.base.errors import ConfigError
+from kvprefetch.controlplane.base.types import (
     ArrivalForecast,
     EventKind,
     HintKind,
@@ -22,9 +23,9 @@ from controlplane.base.types import (
     TraceRequest,
     TraceSession,
 )
-from controlplane.core.policies import POLICIES, parse_policies
-from controlplane.sim import PolicyRun, SimOptions, Simulation, run_policies, run_policy
-from controlplane.sim.hints import (
+from kvprefetch.controlplane.core.policies import POLICIES, parse_policies
+from kvprefetch.controlplane.sim import PolicyRun, SimOptions, Simulation, run_policies, run_policy
+from kvprefetch.controlplane.sim.hints import (
     HintConfig,
     HintCounts,
     PlannedHint,
@@ -33,8 +34,8 @@ from controlplane.sim.hints import (
     plan_hints,
     typed_tokens,
 )
-from controlplane.sim.runner import hinted_predictor
-from controlplane.traces import bundled_trace_path, load_trace
+from kvprefetch.controlplane.sim.runner import hinted_predictor
+from kvprefetch.controlplane.traces import bundled_trace_path, load_trace
 
 TYPING, TOOL = HintKind.USER_TYPING, HintKind.TOOL_RUNNING
 ONLY_TYPING, ONLY_TOOL = frozenset({TYPING}), frozenset({TOOL})
@@ -264,7 +265,7 @@ class _Recorder:
     name = "recorder"
 
     def __init__(self) -> None:
-        from predictors.heuristics import LastGapPredictor
+        from kvprefetch.predictors.heuristics import LastGapPredictor
 
         self.inner = LastGapPredictor()
         self.events: list[SessionEvent] = []
@@ -371,9 +372,9 @@ def test_hints_replay_deterministically_and_report_what_was_sent(bundled: Trace)
 
 
 def test_the_users_predictor_reads_hints_the_oracle_keeps_its_own() -> None:
-    from predictors.heuristics import EwmaPredictor
-    from predictors.hinted import HintedPredictor
-    from predictors.oracle import OraclePredictor
+    from kvprefetch.predictors.heuristics import EwmaPredictor
+    from kvprefetch.predictors.hinted import HintedPredictor
+    from kvprefetch.predictors.oracle import OraclePredictor
 
     ewma = EwmaPredictor()
     wrapped = hinted_predictor(POLICIES["predictive"], ewma)

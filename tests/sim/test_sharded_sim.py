@@ -4,14 +4,14 @@ quota of every node, the physical fleet shared; one shard is the unsharded core.
 
 from __future__ import annotations
 
-from controlplane.base.config import GIB, fleet_from_dict
-from controlplane.base.shards import ShardRing
-from controlplane.core.policies import POLICIES
-from controlplane.core.sharded import ShardedCore
-from controlplane.sim.runner import SimOptions, run_policies
-from controlplane.sim.simulator import Simulation, clamp_to_window
-from controlplane.traces import ArrivalOptions, bundled_trace_path, load_trace
-from predictors.registry import load
+from kvprefetch.controlplane.base.config import GIB, fleet_from_dict
+from kvprefetch.controlplane.base.shards import ShardRing
+from kvprefetch.controlplane.core.policies import POLICIES
+from kvprefetch.controlplane.core.sharded import ShardedCore
+from kvprefetch.controlplane.sim.runner import SimOptions, run_policies
+from kvprefetch.controlplane.sim.simulator import Simulation, clamp_to_window
+from kvprefetch.controlplane.traces import ArrivalOptions, bundled_trace_path, load_trace
+from kvprefetch.predictors.registry import load
 
 FLEET = fleet_from_dict({"nodes": 2, "node": {"dram_tier_bytes": 32 * GIB}})
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from controlplane.base.config import (
+from kvprefetch.controlplane.base.config import (
     GIB,
     LLAMA_8B,
     LLAMA_70B,
@@ -20,25 +20,25 @@ from controlplane.base.config import (
     fleet_from_dict,
     load_fleet,
 )
-from controlplane.base.errors import ConfigError
-from controlplane.base.types import ArrivalForecast, Trace, TraceRequest, TraceSession
-from controlplane.cli.sim import DEFAULT_SIM_SESSION_RATE_PER_S
-from controlplane.core.planner import TransferEstimate, plan_prefetch
-from controlplane.core.policies import (
+from kvprefetch.controlplane.base.errors import ConfigError
+from kvprefetch.controlplane.base.types import ArrivalForecast, Trace, TraceRequest, TraceSession
+from kvprefetch.controlplane.cli.sim import DEFAULT_SIM_SESSION_RATE_PER_S
+from kvprefetch.controlplane.core.planner import TransferEstimate, plan_prefetch
+from kvprefetch.controlplane.core.policies import (
     POLICIES,
     POLICY_NAMES,
     EvictionKind,
     LoadStart,
     parse_policies,
 )
-from controlplane.core.router import NodeView, RouteRequest, route
-from controlplane.core.scheduler import SchedulerCore
-from controlplane.core.tiers import LruEviction, Tier, TierEntry
-from controlplane.sim import SimOptions, Simulation, run_policies
-from controlplane.sim.link import DEMAND, PREFETCH, QUEUED, Link, Transfer
-from controlplane.sim.scenarios import apply_scenario, cold_start
-from controlplane.traces import ArrivalOptions, bundled_trace_path, load_trace
-from predictors.registry import load as load_predictor
+from kvprefetch.controlplane.core.router import NodeView, RouteRequest, route
+from kvprefetch.controlplane.core.scheduler import SchedulerCore
+from kvprefetch.controlplane.core.tiers import LruEviction, Tier, TierEntry
+from kvprefetch.controlplane.sim import SimOptions, Simulation, run_policies
+from kvprefetch.controlplane.sim.link import DEMAND, PREFETCH, QUEUED, Link, Transfer
+from kvprefetch.controlplane.sim.scenarios import apply_scenario, cold_start
+from kvprefetch.controlplane.traces import ArrivalOptions, bundled_trace_path, load_trace
+from kvprefetch.predictors.registry import load as load_predictor
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -363,7 +363,7 @@ def test_suffix_eviction_lowers_predictive_ttft_on_the_bundled_slice() -> None:
 
 # ------------------------------------------------------------------ CLI
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "controlplane", *args], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "kvprefetch", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -447,8 +447,8 @@ def test_prefetch_lateness_is_finite_when_the_prefetch_lands_while_the_request_q
     import argparse
     import math
 
-    from controlplane.cli import demo
-    from controlplane.sim.runner import run_policy
+    from kvprefetch.controlplane.cli import demo
+    from kvprefetch.controlplane.sim.runner import run_policy
 
     parser = argparse.ArgumentParser()
     demo.add_arguments(parser)
@@ -467,7 +467,7 @@ def test_prefetch_lateness_is_finite_when_the_prefetch_lands_while_the_request_q
 def _sim_args(*argv: str) -> object:
     import argparse
 
-    from controlplane.cli import sim as sim_cli
+    from kvprefetch.controlplane.cli import sim as sim_cli
 
     parser = argparse.ArgumentParser()
     sim_cli.add_arguments(parser)
@@ -475,9 +475,9 @@ def _sim_args(*argv: str) -> object:
 
 
 def test_cli_hint_flags_parse_into_a_hint_config() -> None:
-    from controlplane.base.types import HintKind
-    from controlplane.cli.sim import hint_config
-    from controlplane.sim.hints import HintConfig
+    from kvprefetch.controlplane.base.types import HintKind
+    from kvprefetch.controlplane.cli.sim import hint_config
+    from kvprefetch.controlplane.sim.hints import HintConfig
 
     assert hint_config(_sim_args()) is None  # no --hints: no hints at all
     cfg = hint_config(_sim_args("--hints", "tool", "--seed", "7"))
@@ -499,7 +499,7 @@ def test_cli_hint_flags_parse_into_a_hint_config() -> None:
     (["--hint-seed", "2"], "--hint-seed needs --hints"),
 ])
 def test_cli_bad_hint_flags_name_the_flag(argv: list[str], message: str) -> None:
-    from controlplane.cli.sim import hint_config
+    from kvprefetch.controlplane.cli.sim import hint_config
 
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
         hint_config(_sim_args(*argv))

@@ -9,12 +9,12 @@ from dataclasses import replace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from controlplane.base.config import GIB, FleetConfig, PlannerConfig, fleet_from_dict
-from controlplane.core.policies import POLICIES, PolicySpec
-from controlplane.sim.hints import HintConfig
-from controlplane.sim.runner import SimOptions, run_policies
-from controlplane.sim.simulator import clamp_to_window
-from controlplane.traces import ArrivalOptions, bundled_trace_path, load_trace
+from kvprefetch.controlplane.base.config import GIB, FleetConfig, PlannerConfig, fleet_from_dict
+from kvprefetch.controlplane.core.policies import POLICIES, PolicySpec
+from kvprefetch.controlplane.sim.hints import HintConfig
+from kvprefetch.controlplane.sim.runner import SimOptions, run_policies
+from kvprefetch.controlplane.sim.simulator import clamp_to_window
+from kvprefetch.controlplane.traces import ArrivalOptions, bundled_trace_path, load_trace
 
 #: The shipped allowance.
 ALLOWANCE_GIB = PlannerConfig().waste_allowance_gib

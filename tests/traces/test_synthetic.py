@@ -8,9 +8,9 @@ from dataclasses import replace
 
 import pytest
 
-from controlplane.base.errors import UnknownFormatError
-from controlplane.traces import ArrivalOptions, load_trace
-from controlplane.traces.synthetic import PROFILES, SyntheticProfile, synthetic_trace
+from kvprefetch.controlplane.base.errors import UnknownFormatError
+from kvprefetch.controlplane.traces import ArrivalOptions, load_trace
+from kvprefetch.controlplane.traces.synthetic import PROFILES, SyntheticProfile, synthetic_trace
 
 
 def test_same_seed_same_trace_other_seed_other_trace() -> None:

@@ -13,9 +13,15 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from controlplane.base.errors import TraceFormatError, UnknownFormatError
-from controlplane.base.types import EventKind, HintKind, SessionEvent, Trace, TraceSession
-from controlplane.traces import (
+from kvprefetch.controlplane.base.errors import TraceFormatError, UnknownFormatError
+from kvprefetch.controlplane.base.types import (
+    EventKind,
+    HintKind,
+    SessionEvent,
+    Trace,
+    TraceSession,
+)
+from kvprefetch.controlplane.traces import (
     BUNDLED_TRACES,
     DEFAULT_SESSION_RATE_PER_S,
     FORMATS,
@@ -29,8 +35,8 @@ from controlplane.traces import (
     load_trace,
     read_journal_events,
 )
-from controlplane.traces.arrivals import assign_start_times, scale_clock
-from controlplane.traces.claude_code import common_prefix_length
+from kvprefetch.controlplane.traces.arrivals import assign_start_times, scale_clock
+from kvprefetch.controlplane.traces.claude_code import common_prefix_length
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "traces"
 SHARED_TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
