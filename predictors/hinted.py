@@ -18,8 +18,10 @@ forecasts that ignore the silence), the laws cut the bytes wasted by hinted pref
 a half to three quarters.
 
 A hint holds until the session's next request starts. Without hints the wrapped model's
-forecast is returned unchanged. ``hinted`` alone wraps ``ewma``; ``hinted:FILE`` wraps the
-trained model in FILE (whatever its kind); in code, ``HintedPredictor(inner)``.
+forecast is returned unchanged. ``hinted`` alone wraps ``ewma``; ``hinted:SPEC`` wraps any
+other predictor spec (``hinted:gbm:FILE``, ``hinted:my.module:Model``) and ``hinted:FILE``
+the trained model in FILE (whatever its kind); in code, ``HintedPredictor(inner)``. The
+``default`` predictor is the shipped model with this layer (:func:`load_default`).
 """
 
 from __future__ import annotations
@@ -115,6 +117,11 @@ class HintedPredictor:
     def fitted(self) -> bool:
         return bool(getattr(self.inner, "fitted", True))
 
+    @property
+    def train_info(self) -> dict[str, Any]:
+        """The wrapped model's training record (empty for a model that is not trained)."""
+        return dict(getattr(self.inner, "train_info", {}))
+
     def observe(self, event: SessionEvent) -> None:
         sid = event.session_id
         if event.kind is EventKind.REQUEST_STARTED:
@@ -194,3 +201,17 @@ class HintedPredictor:
         from kvprefetch.predictors.registry import load_artifact
 
         return cls(load_artifact(path))
+
+
+def with_hints(predictor: Predictor) -> HintedPredictor:
+    """``predictor`` reading client hints: wrapped once (a hinted model is returned as is)."""
+    return predictor if isinstance(predictor, HintedPredictor) else HintedPredictor(predictor)
+
+
+def load_default() -> HintedPredictor:
+    """The ``default`` predictor every deployment, the simulator and the demo run: the
+    shipped model (:func:`kvprefetch.predictors.adaptive.load_default`) with the hint layer.
+    Without hints its forecasts are the shipped model's."""
+    from kvprefetch.predictors.adaptive import load_default as load_shipped
+
+    return HintedPredictor(load_shipped())

@@ -6,7 +6,8 @@ A spec may carry an artifact path after a colon for trained models: ``gbm:model.
 ``torch-seq``, ``adaptive``) must be given an artifact: :func:`load` refuses an untrained one
 at start-up; :func:`create` builds untrained instances for training and evaluation.
 ``default`` is the model shipped inside the package (``adaptive``, trained on the train half
-of the shared Claude Code set; ``predictors/models/default.kvp``), ready to use.
+of the shared Claude Code set; ``predictors/models/default.kvp``) with the hint layer of
+``hinted``, ready to use. ``hinted:SPEC`` wraps any other spec in that layer.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ BUILTINS: dict[str, str] = {
     "torch-seq": "kvprefetch.predictors.torchseq:TorchSeqPredictor",
     "hinted": "kvprefetch.predictors.hinted:HintedPredictor",
     "adaptive": "kvprefetch.predictors.adaptive:AdaptivePredictor",
-    # the shipped model: ``adaptive`` trained on half the shared Claude Code set
-    "default": "kvprefetch.predictors.adaptive:load_default",
+    # the shipped model (``adaptive`` trained on half the shared Claude Code set), reading
+    # client hints
+    "default": "kvprefetch.predictors.hinted:load_default",
 }
 
 #: Built-ins that learn from a trace (``fit``) and save/load artifacts.
@@ -102,6 +104,10 @@ def create(spec: str, *, trace: Trace | None = None) -> Predictor:
     if spec and ":" not in spec and spec not in BUILTINS and Path(spec).is_file():
         return load_artifact(spec)
     factory, artifact, name = resolve(spec)
+    if name == "hinted" and artifact is not None and not Path(artifact).is_file():
+        from kvprefetch.predictors.hinted import with_hints
+
+        return with_hints(create(artifact, trace=trace))
     try:
         if name in NEEDS_TRACE:
             if trace is None:

@@ -28,8 +28,10 @@ demo: the tiers are then cold either way), at most the model's context of tokens
 Client hints: the emulated gateway sends the hints the trace implies
 (:func:`kvprefetch.controlplane.sim.hints.plan_hints`: "user typing" before human turns, "tool
 running" with a noisy ETA after tool calls; the hint plan's seed is the arrival seed) at
-their planned times on the compressed clock, and the service's predictor reads them through
-:class:`kvprefetch.predictors.hinted.HintedPredictor`. ``--no-hints`` turns them off.
+their planned times on the compressed clock, and the service's predictor reads them: the
+``default`` predictor is the shipped model with the hint layer
+(:class:`kvprefetch.predictors.hinted.HintedPredictor`), the spec a deployment runs.
+``--no-hints`` turns the hints off.
 """
 
 from __future__ import annotations
@@ -95,10 +97,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", default="ondemand,predictive",
                    help="policies to run, in order (default: ondemand,predictive)")
     p.add_argument("--predictor", default="default",
-                   help="predictor of 'predictive' (default: the shipped model 'default'); "
-                        "with hints on it is read through "
-                        "'hinted' (ewma, default, a trained FILE or KIND:FILE can be "
-                        "wrapped)")
+                   help="predictor of 'predictive' (default: 'default', the shipped model "
+                        "reading hints, as a deployment runs it; 'hinted:SPEC' makes any "
+                        "other spec read them)")
     p.add_argument("--repeats", type=int, default=3, action=ExplicitStore,
                    help="arrival seeds per policy: --seed, --seed+1, ... (default 3; "
                         "vllm: 2)")
@@ -183,32 +184,6 @@ def build_trace(args: argparse.Namespace, window: int, seed: int | None = None) 
                      for r in s.requests[: args.turns])
         sessions.append(replace(s, requests=reqs))
     return clamp_to_window(replace(trace, sessions=tuple(sessions)), window)
-
-
-def hinted_predictor_spec(spec: str) -> str:
-    """The predictor spec the service loads so that it reads client hints: ``hinted``
-    (which wraps ``ewma``) or ``hinted:FILE`` (a trained artifact, also the shipped
-    ``default``). Raises ConfigError for a
-    predictor the registry cannot wrap by name (run it with ``--no-hints``)."""
-    from kvprefetch.controlplane.base.errors import ConfigError
-    from kvprefetch.predictors.registry import TRAINABLE
-
-    s = spec.strip()
-    head, sep, tail = s.partition(":")
-    if head == "hinted":
-        return s
-    if s == "ewma":
-        return "hinted"
-    if s == "default":  # the shipped model is a trained artifact like any other
-        from kvprefetch.predictors.adaptive import DEFAULT_ARTIFACT
-
-        return f"hinted:{DEFAULT_ARTIFACT}"
-    if head in TRAINABLE and tail:
-        return f"hinted:{tail}"
-    if not sep and Path(s).is_file():
-        return f"hinted:{s}"
-    raise ConfigError(f"--predictor {spec!r} cannot read client hints ('hinted' wraps ewma "
-                      f"or a trained FILE); use one of those or --no-hints")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -321,7 +296,9 @@ def run(args: argparse.Namespace) -> int:
     if not 0.0 <= args.hint_coverage <= 1.0:
         raise ConfigError("--hint-coverage must be in [0, 1]")
     policies = parse_policies(args.policies)
-    service_predictor = hinted_predictor_spec(args.predictor) if args.hints else args.predictor
+    # The spec a deployment runs (ServiceConfig.predictor, 'default': the shipped model,
+    # reading hints), unchanged whether or not the emulated clients send hints.
+    service_predictor = args.predictor
     fleet = fleet_from_dict({"nodes": args.nodes, "node": {
         "hbm_kv_bytes": int(args.hbm_gib * GIB), "dram_tier_bytes": int(args.dram_gib * GIB)}})
     seeds = [_seed_trace(args, fleet, args.seed + i) for i in range(args.repeats)]

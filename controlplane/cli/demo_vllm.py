@@ -293,15 +293,13 @@ def prepare(args: argparse.Namespace) -> Plan:
     """Defaults, validation (ConfigError), the scaled traces and hints, the link rate and
     the fleet model: everything but the servers."""
     from kvprefetch.agents.vllm.tiny_model import TinyLlamaSpec
-    from kvprefetch.controlplane.cli import demo
 
     apply_defaults(args)
     validate(args)
     args.kv_scale = 1.0  # the fleet model is the tiny model: real bytes are modelled bytes
     args.backend = "lmcache-mp"
     args.link_emulation = True
-    service_predictor = (demo.hinted_predictor_spec(args.predictor) if args.hints
-                         else args.predictor)
+    service_predictor = args.predictor  # the deployment's spec, as in the demo
     spec = TinyLlamaSpec()
     window = MAX_MODEL_LEN - 96  # room for the outputs and vLLM's last-token rule
     traces = [_scaled_trace(args, window, args.seed + i) for i in range(args.repeats)]

@@ -6,8 +6,8 @@ workers.
 
 With client hints on (:attr:`SimOptions.hints`), the hints are planned once per trace and
 every policy's replay sends the same ones; the policies that run the user's predictor get it
-wrapped in :class:`~kvprefetch.predictors.hinted.HintedPredictor`, so that it reads them (the oracle
-has its own predictor, which knows the future anyway).
+wrapped in :class:`~kvprefetch.predictors.hinted.HintedPredictor`, so that it reads them (the
+oracle has its own predictor, which knows the future anyway).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from kvprefetch.controlplane.base.config import FleetConfig
 from kvprefetch.controlplane.base.types import Trace
 from kvprefetch.controlplane.core.policies import PolicySpec
 from kvprefetch.predictors.base import Predictor
-from kvprefetch.predictors.hinted import HintedPredictor
+from kvprefetch.predictors.hinted import with_hints
 from kvprefetch.predictors.registry import load as load_predictor
 
 from .hints import HintConfig, HintCounts, PlannedHint, hint_kind_names, plan_hints
@@ -52,11 +52,9 @@ class SimOptions:
 
 def hinted_predictor(policy: PolicySpec, predictor: Predictor) -> Predictor:
     """``predictor`` as a policy uses it when clients send hints: the user's predictor reads
-    them through :class:`HintedPredictor` (unless it is one already); a policy's own
-    predictor (the oracle's) is left alone."""
-    if policy.predictor is not None or isinstance(predictor, HintedPredictor):
-        return predictor
-    return HintedPredictor(predictor)
+    them through :class:`~kvprefetch.predictors.hinted.HintedPredictor` (unless it is one
+    already); a policy's own predictor (the oracle's) is left alone."""
+    return predictor if policy.predictor is not None else with_hints(predictor)
 
 
 def run_policy(trace: Trace, fleet: FleetConfig, policy: PolicySpec, predictor_spec: str,

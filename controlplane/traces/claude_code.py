@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 from kvprefetch.controlplane.base.errors import TraceFormatError
 from kvprefetch.controlplane.base.types import Trace, TraceRequest, TraceSession
+from kvprefetch.controlplane.base.vocabulary import stop_reason_or_none
 from kvprefetch.controlplane.traces._fields import FieldReader, check_exists, read_bytes
 from kvprefetch.controlplane.traces.arrivals import ArrivalOptions, assign_start_times
 
@@ -209,7 +210,8 @@ def _build_requests(
         hashes = reader.int_list(entry, "hash_ids")
         api_time_s = reader.seconds(entry, "api_time", optional=True)
         think_time_s = reader.seconds(entry, "think_time", optional=True)
-        stop = reader.optional_text(entry, "stop") or None
+        # Anthropic stop reasons; the canonical names (an unknown one carries no signal)
+        stop = stop_reason_or_none(reader.optional_text(entry, "stop") or None)
         if turn == 0:
             gap_s: float | None = None
             reused = 0

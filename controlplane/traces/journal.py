@@ -66,6 +66,7 @@ from kvprefetch.controlplane.base.types import (
     TraceRequest,
     TraceSession,
 )
+from kvprefetch.controlplane.base.vocabulary import stop_reason_or_none
 from kvprefetch.controlplane.traces._fields import FieldReader, check_exists
 
 FORMAT_NAME = "journal"
@@ -131,7 +132,7 @@ def event_from_dict(
         input_tokens=reader.count(row, "in", default=0),
         output_tokens=reader.count(row, "out", default=0),
         reused_tokens=reader.count(row, "reused", default=0),
-        stop_reason=reader.optional_text(row, "stop"),
+        stop_reason=stop_reason_or_none(reader.optional_text(row, "stop")),
         hint=hint,
         eta_s=reader.seconds(row, "eta_s", optional=True),
         node=_node(reader, row),

@@ -14,13 +14,11 @@ import pytest
 
 from kvprefetch.agents.engine_emulator import ServeRequest, ServeResult
 from kvprefetch.controlplane.base import api
-from kvprefetch.controlplane.base.errors import ConfigError
 from kvprefetch.controlplane.base.types import HintKind, Trace, TraceRequest, TraceSession
 from kvprefetch.controlplane.cli import build_parser
 from kvprefetch.controlplane.cli.demo import (
     SeedStat,
     build_trace,
-    hinted_predictor_spec,
     mean_ci95,
     paired_difference,
     pooled_run,
@@ -30,7 +28,6 @@ from kvprefetch.controlplane.cli.demo import (
 from kvprefetch.controlplane.live.replay import Replayer
 from kvprefetch.controlplane.sim.hints import PlannedHint
 from kvprefetch.controlplane.sim.simulator import PolicyRun, RequestRecord
-from kvprefetch.predictors.registry import load as load_predictor
 
 
 def test_t975_matches_the_table_and_the_normal_limit() -> None:
@@ -100,20 +97,11 @@ def test_pooled_run_joins_records_and_sums_counts() -> None:
     assert a.records == [_record("a", 1.0)]  # the inputs are left alone
 
 
-def test_hinted_predictor_spec(tmp_path: Any) -> None:
-    assert hinted_predictor_spec("ewma") == "hinted"
-    assert hinted_predictor_spec("hinted") == "hinted"
-    assert hinted_predictor_spec("hinted:m.kvp") == "hinted:m.kvp"
-    assert hinted_predictor_spec("gbm:m.kvp") == "hinted:m.kvp"
-    shipped = hinted_predictor_spec("default")
-    assert shipped.startswith("hinted:") and shipped.endswith("default.kvp")
-    assert type(load_predictor(shipped).inner).__name__ == "AdaptivePredictor"  # type: ignore[attr-defined]
-    artifact = tmp_path / "model.kvp"
-    artifact.write_text("x")
-    assert hinted_predictor_spec(str(artifact)) == f"hinted:{artifact}"
-    for spec in ("last-gap", "mod:Cls", "gbm"):
-        with pytest.raises(ConfigError, match="--no-hints"):
-            hinted_predictor_spec(spec)
+def test_the_demo_runs_the_predictor_a_deployment_gets_by_default() -> None:
+    from kvprefetch.controlplane.live.config import ServiceConfig
+
+    args = _demo_args()
+    assert args.predictor == ServiceConfig.model_fields["predictor"].default == "default"
 
 
 def _demo_args(*flags: str) -> argparse.Namespace:

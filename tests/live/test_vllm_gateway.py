@@ -160,7 +160,8 @@ def test_a_completion_goes_to_the_scheduler_s_node_and_is_reported() -> None:
     route, finished = h.scheduler.calls[0][2], h.scheduler.calls[1][2]  # type: ignore[union-attr]
     assert route["token_ids"] == ids and route["tenant"] == "acme"
     assert finished["node"] == 1 and finished["input_tokens"] == 5
-    assert finished["output_tokens"] == 2 and finished["stop_reason"] == "stop"
+    assert finished["output_tokens"] == 2
+    assert finished["stop_reason"] == "end_turn"  # the engine's "stop", by its canonical name
     # vLLM's cached prompt tokens: the request's local-tier read, for the prefetch books
     assert finished["local_tokens_read"] == 2
     assert h.metric("kvp_gateway_routed_total", by="scheduler") == 1
@@ -188,7 +189,7 @@ def test_a_streamed_chat_is_forwarded_event_by_event_and_counted() -> None:
     assert h.stored == [("acme", "u-7", list(b"<user>hi"))]  # the engine's tokenization
     finished = [c for c in h.scheduler.calls if c[0] == "request_finished"]  # type: ignore[union-attr]
     assert finished[0][2]["output_tokens"] == 3 and finished[0][2]["local_tokens_read"] == 8
-    assert finished[0][2]["stop_reason"] == "tool_calls"
+    assert finished[0][2]["stop_reason"] == "tool_use"  # "tool_calls", canonical
     hints = [c for c in h.scheduler.calls if c[0] == "hint"]  # type: ignore[union-attr]
     assert hints == [("hint", "u-7", {"hint": "tool_running", "tenant": "acme",
                                       "timeout_s": 2.0})]

@@ -36,6 +36,7 @@ from kvprefetch.predictors.evaluate import (
     evaluate,
 )
 from kvprefetch.predictors.features import replay_session
+from kvprefetch.predictors.hinted import HintedPredictor
 
 # ------------------------------------------------------------------ SurvivalCurve by hand
 #: S: 1 at 0, 0.5 at 10 s, 0.2 at 30 s, 0.2 beyond (20% never return).
@@ -348,8 +349,11 @@ def test_too_small_a_trace_is_refused() -> None:
 
 def test_shipped_default_loads_fitted_with_its_train_groups() -> None:
     assert DEFAULT_ARTIFACT.is_file()
-    model = registry.load("default")
+    hinted = registry.load("default")
+    assert isinstance(hinted, HintedPredictor) and hinted.fitted  # the shipped model, with hints
+    model = hinted.inner
     assert isinstance(model, AdaptivePredictor) and model.fitted
+    assert hinted.train_info == model.train_info
     info = model.train_info
     assert info["groups"] == len(info["train_groups"]) > 100
     assert info["gaps"] > 5000
