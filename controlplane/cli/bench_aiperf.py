@@ -188,7 +188,7 @@ def _gateway_outcomes(url: str) -> dict[str, int]:
     out: dict[str, int] = {}
     text = httpx.get(f"{url}/metrics", timeout=10.0).text
     for family in text_string_to_metric_families(text):
-        if family.name == "kvp_gateway_requests":
+        if family.name == "kvprefetch_gateway_requests":
             for sample in family.samples:
                 if sample.name.endswith("_total"):
                     key = sample.labels["outcome"]

@@ -1,4 +1,4 @@
-"""An OpenAI-compatible gateway in front of the nodes' vLLM servers (issue 14, item 2).
+"""An OpenAI-compatible gateway in front of the nodes' vLLM servers.
 
 Point an OpenAI client at the gateway; per request it does what a user would otherwise
 hand-wire around the scheduler's client:
@@ -21,8 +21,11 @@ hand-wire around the scheduler's client:
 
 The scheduler unreachable (no client, a timeout, an error) is not an outage: the request
 runs on the node with the fewest requests in flight at this gateway, without prefetch, and
-``kvp_gateway_routed_total{by="load"}`` and ``kvp_gateway_scheduler_unavailable_total``
-say so. Upstream errors are answered with the upstream's status and body.
+``kvprefetch_gateway_routed_total{by="load"}`` and
+``kvprefetch_gateway_scheduler_unavailable_total`` say so. Upstream errors are answered with
+the upstream's status and body. ``/metrics`` also has the time to first token as the caller
+sees it (``kvprefetch_gateway_ttft_seconds``, with ``returning`` for a session's later
+turns) and the route call's latency (:mod:`~kvprefetch.controlplane.live.gateway_metrics`).
 
 ``python -m kvprefetch.controlplane.live.gateway --upstream http://node0:8000 --upstream ...`` runs
 it locally (uvicorn); :func:`build_app` gives the FastAPI app for any ASGI host. Nodes are
@@ -38,6 +41,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -46,7 +50,7 @@ from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvprefetch.controlplane.base.keys import tenant_cache_salt
-from kvprefetch.controlplane.base.types import DEFAULT_TENANT
+from kvprefetch.controlplane.base.types import DEFAULT_TENANT, SessionKey
 from kvprefetch.controlplane.base.vocabulary import stop_reason_or_none
 
 log = logging.getLogger(__name__)
@@ -78,6 +82,8 @@ class GatewayConfig(BaseModel):
     #: The base of the tenants' cache salts: the agents' ``lmcache.cache_salt`` (a secret
     #: makes the salts unguessable). "" and the default tenant: requests carry none.
     cache_salt: str = ""
+    #: The ``deployment`` label of the gateway's latency histograms.
+    deployment: str = "default"
 
 
 @dataclass(frozen=True)
@@ -96,7 +102,7 @@ class Gateway:
 
     def __init__(self, config: GatewayConfig, *, scheduler: Any | None = None,
                  tokens: TokenSink | None = None, transport: Any | None = None) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Gauge
+        from kvprefetch.controlplane.live.gateway_metrics import GatewayMetrics
 
         self.config = config
         #: The tenant's cache salt (fixed by the config: one hash, not one per request).
@@ -107,20 +113,8 @@ class Gateway:
         self._http: Any = None
         #: An httpx transport for the upstream calls (tests: an ASGI app); None = network.
         self._transport = transport
-        self.registry = CollectorRegistry()
-        self.requests = Counter("kvp_gateway_requests", "Requests by endpoint and outcome",
-                                ["endpoint", "outcome"], registry=self.registry)
-        self.routed = Counter("kvp_gateway_routed", "Requests routed, by who chose the node",
-                              ["by"], registry=self.registry)
-        self.scheduler_unavailable = Counter(
-            "kvp_gateway_scheduler_unavailable",
-            "Scheduler calls that failed or timed out (the request still ran)",
-            registry=self.registry)
-        self.token_store_errors = Counter(
-            "kvp_gateway_token_store_errors", "Token ids that could not be stored",
-            registry=self.registry)
-        self.in_flight = Gauge("kvp_gateway_in_flight", "Requests in flight per node",
-                               ["node"], registry=self.registry)
+        self.metrics = GatewayMetrics(config.deployment)
+        self.registry = self.metrics.registry
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -174,8 +168,17 @@ class Gateway:
         response.raise_for_status()
         return [int(t) for t in response.json()["tokens"]]
 
+    def metrics_tenant(self) -> str:
+        """The tenant the gateway's metrics name."""
+        return self.config.tenant or DEFAULT_TENANT
+
+    def returning(self, session: str) -> bool:
+        """Whether the session had an earlier turn at this gateway (remembers this one)."""
+        return self.metrics.returning(SessionKey(self.metrics_tenant(), session))
+
     async def route(self, session: str, token_ids: Sequence[int]) -> Routed:
         if self._scheduler is not None:
+            started = time.perf_counter()
             try:
                 answer = await asyncio.to_thread(
                     self._scheduler.route, session, token_ids=list(token_ids),
@@ -184,10 +187,14 @@ class Gateway:
                 log.warning("route %s: scheduler failed (%s); routing by load", session, exc)
                 answer = None
             node = getattr(answer, "node", None)
-            if node is not None and 0 <= node < len(self.config.upstreams):
-                return Routed(node, "scheduler")
-        if self._scheduler is not None:
-            self.scheduler_unavailable.inc()
+            routed = (Routed(node, "scheduler")
+                      if node is not None and 0 <= node < len(self.config.upstreams)
+                      else Routed(self.least_loaded(), "load"))
+            self.metrics.route_time(time.perf_counter() - started, node=routed.node,
+                                    tenant=self.metrics_tenant())
+            if routed.by == "load":
+                self.metrics.scheduler_unavailable.inc()
+            return routed
         return Routed(self.least_loaded(), "load")
 
     async def finished(self, session: str, node: int, token_ids: Sequence[int],
@@ -204,7 +211,7 @@ class Gateway:
             try:
                 await asyncio.to_thread(self._tokens, tenant, session, list(token_ids))
             except Exception as exc:
-                self.token_store_errors.inc()
+                self.metrics.token_store_errors.inc()
                 log.warning("storing %s's token ids failed: %s", session, exc)
         if self._scheduler is None:
             return
@@ -222,7 +229,7 @@ class Gateway:
                                         tenant=self.config.tenant,
                                         timeout_s=self.config.scheduler_timeout_s)
         except Exception as exc:
-            self.scheduler_unavailable.inc()
+            self.metrics.scheduler_unavailable.inc()
             log.warning("request_finished %s: scheduler failed (%s)", session, exc)
 
     # -- forwarding -------------------------------------------------------------------
@@ -232,16 +239,16 @@ class Gateway:
         ids = await self.token_ids(endpoint, body)
         session = self.session_id(headers, body, ids)
         routed = await self.route(session, ids)
-        self.routed.labels(routed.by).inc()
+        self.metrics.routed.labels(routed.by).inc()
         return session, ids, routed
 
     def _enter(self, node: int) -> None:
         self._in_flight[node] += 1
-        self.in_flight.labels(str(node)).set(self._in_flight[node])
+        self.metrics.in_flight.labels(str(node)).set(self._in_flight[node])
 
     def _leave(self, node: int) -> None:
         self._in_flight[node] -= 1
-        self.in_flight.labels(str(node)).set(self._in_flight[node])
+        self.metrics.in_flight.labels(str(node)).set(self._in_flight[node])
 
     def salted(self, body: dict[str, Any]) -> dict[str, Any]:
         """The request for the engine: the caller's, with the tenant's ``cache_salt`` in
@@ -337,27 +344,39 @@ def build_app(gateway: Gateway) -> Any:
     async def handle(endpoint: Endpoint, request: Request) -> Response:
         import httpx
 
+        arrival = time.perf_counter()
         body = await request.json()
         headers = {k.lower(): v for k, v in request.headers.items()}
         try:
             session, ids, routed = await gateway.prepare(endpoint, headers, body)
         except httpx.HTTPStatusError as exc:
-            gateway.requests.labels(endpoint, "tokenize_error").inc()
+            gateway.metrics.requests.labels(endpoint, "tokenize_error").inc()
             return Response(exc.response.content, status_code=exc.response.status_code,
                             media_type="application/json")
         except httpx.HTTPError as exc:
-            gateway.requests.labels(endpoint, "upstream_unreachable").inc()
+            gateway.metrics.requests.labels(endpoint, "upstream_unreachable").inc()
             return JSONResponse({"error": {"message": f"no engine answered: {exc}"}}, 502)
+        returning = gateway.returning(session)
+
+        def first_token() -> None:
+            gateway.metrics.ttft(time.perf_counter() - arrival, node=routed.node,
+                                 tenant=gateway.metrics_tenant(), returning=returning)
+
         if body.get("stream"):
             outcome: dict[str, Any] = {}
 
             async def events() -> AsyncIterator[bytes]:
+                first = True
                 try:
                     async for chunk in gateway.stream(endpoint, routed.node, body, outcome):
+                        if first and outcome.get("status") == 200:
+                            first_token()
+                        first = False
                         yield chunk
                 finally:
                     ok = outcome.get("status") == 200
-                    gateway.requests.labels(endpoint, "ok" if ok else "upstream_error").inc()
+                    gateway.metrics.requests.labels(
+                        endpoint, "ok" if ok else "upstream_error").inc()
                     if ok:
                         await gateway.finished(session, routed.node, ids,
                                                outcome.get("output_tokens", 0),
@@ -370,10 +389,12 @@ def build_app(gateway: Gateway) -> Any:
         try:
             status, answer = await gateway.forward(endpoint, routed.node, body)
         except httpx.HTTPError as exc:
-            gateway.requests.labels(endpoint, "upstream_unreachable").inc()
+            gateway.metrics.requests.labels(endpoint, "upstream_unreachable").inc()
             return JSONResponse({"error": {"message": f"node {routed.node}: {exc}"}}, 502)
-        gateway.requests.labels(endpoint, "ok" if status == 200 else "upstream_error").inc()
+        gateway.metrics.requests.labels(
+            endpoint, "ok" if status == 200 else "upstream_error").inc()
         if status == 200:
+            first_token()  # not streamed: the caller's first token comes with the answer
             choices = answer.get("choices") or [{}]
             usage = answer.get("usage") or {}
             await gateway.finished(session, routed.node, ids,
@@ -448,28 +469,70 @@ def store_sink(store: Any) -> TokenSink:
     return put
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="kvprefetch's OpenAI-compatible gateway")
+#: The environment variable the gateway reads the scheduler's API token from.
+TOKEN_ENV = "KVPREFETCH_API_TOKEN"
+
+
+def read_token_file(path: str | os.PathLike[str]) -> str:
+    """A secret from a file only its owner may read (mode 0600 or 0400), without the
+    trailing newline. Raises :class:`~kvprefetch.controlplane.base.errors.ConfigError` (one
+    line, never the secret) for a file others may read, a missing or an empty one."""
+    import stat
+
+    from kvprefetch.controlplane.base.errors import ConfigError
+
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        raise ConfigError(f"token file {path}: {exc.strerror}") from None
+    if mode & 0o077:
+        raise ConfigError(f"token file {path}: mode {mode:04o} lets group or others read it; "
+                          f"chmod 600 {path}")
+    token = text.rstrip("\r\n")
+    if not token.strip():
+        raise ConfigError(f"token file {path}: empty")
+    return token
+
+
+def scheduler_token(token_file: str | None) -> str | None:
+    """The scheduler's API token: ``token_file`` (see :func:`read_token_file`) or the
+    :data:`TOKEN_ENV` environment variable; None when neither is given. Never from argv:
+    a command line is visible to every user of the machine (``ps``)."""
+    if token_file:
+        return read_token_file(token_file)
+    return os.environ.get(TOKEN_ENV) or None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The gateway's options (``kvprefetch gateway`` and ``python -m`` this module)."""
     parser.add_argument("--upstream", action="append", required=True,
                         help="a node's vLLM base URL, in node order (repeat per node)")
     parser.add_argument("--scheduler", help="the scheduler (http://... or a Ray address); "
                         "without it, requests are routed by load")
     parser.add_argument("--tenant")
-    parser.add_argument("--token", help="the scheduler's API token (HTTP)")
+    parser.add_argument("--token-file", metavar="PATH",
+                        help=f"file holding the scheduler's API token (mode 0600 or 0400); "
+                        f"default: the {TOKEN_ENV} environment variable")
     parser.add_argument("--cache-salt-env", metavar="NAME",
                         help="environment variable holding the base of the tenants' cache "
                         "salts (the agents' lmcache.cache_salt)")
     parser.add_argument("--valkey", help="host:port of the token store's Valkey")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080)
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve the gateway in the foreground (uvicorn) until interrupted."""
     import uvicorn
 
+    token = scheduler_token(args.token_file)
     scheduler = None
     if args.scheduler:
         from kvprefetch.controlplane.live.client import connect
 
-        scheduler = connect(args.scheduler, tenant=args.tenant, token=args.token)
+        scheduler = connect(args.scheduler, tenant=args.tenant, token=token)
     tokens = None
     if args.valkey:
         from kvprefetch.agents.stores.valkey_store import ValkeyStore, ValkeyStoreConfig
@@ -484,6 +547,21 @@ def main(argv: list[str] | None = None) -> int:
                       scheduler=scheduler, tokens=tokens)
     uvicorn.run(build_app(gateway), host=args.host, port=args.port)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="kvprefetch's OpenAI-compatible gateway")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    import sys
+
+    from kvprefetch.controlplane.base.errors import ConfigError
+
+    try:
+        return run(args)
+    except ConfigError as exc:
+        print(f"kvprefetch gateway: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

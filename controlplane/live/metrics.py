@@ -23,6 +23,25 @@ MAX_TENANT_LABELS = 256
 OTHER_TENANTS = "_other"
 
 
+class LabelCap:
+    """The first ``limit`` distinct values of a label, as they are; every later value as
+    :data:`OTHER_TENANTS`. Thread-safe; its memory is bounded by ``limit``."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._kept: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, value: str) -> str:
+        if value in self._kept:  # set membership needs no lock
+            return value
+        with self._lock:
+            if value in self._kept or len(self._kept) < self._limit:
+                self._kept.add(value)
+                return value
+        return OTHER_TENANTS
+
+
 class PrometheusMetrics:
     """Implements :class:`~kvprefetch.controlplane.live.service.ServiceMetricsSink`."""
 
@@ -59,7 +78,7 @@ class PrometheusMetrics:
         self._gauges: Callable[[], SchedulerGauges] | None = None
         r.register(_ScrapeTime(self._scheduler_families))
         r.register(_ScrapeTime(self._share_families))
-        self._tenant_labels: set[str] = set()
+        self._tenant_label = LabelCap(MAX_TENANT_LABELS)
         #: Label children by value (the same objects ``labels()`` returns), per event kind
         #: and per tenant: each event updates both.
         self._event_counts: dict[str, Any] = {}
@@ -106,19 +125,10 @@ class PrometheusMetrics:
     def scheduler_gauges_from(self, read: Callable[[], SchedulerGauges]) -> None:
         self._gauges = read
 
-    def _tenant(self, tenant: str) -> str:
-        with self._lock:
-            if tenant in self._tenant_labels:
-                return tenant
-            if len(self._tenant_labels) < MAX_TENANT_LABELS:
-                self._tenant_labels.add(tenant)
-                return tenant
-        return OTHER_TENANTS
-
     def tenant_sessions(self, tenant: str, live: int) -> None:
         child = self._tenant_gauges.get(tenant)
         if child is None:
-            label = self._tenant(tenant)
+            label = self._tenant_label(tenant)
             if label == OTHER_TENANTS:  # a sum over the others would need their counts
                 return
             child = self._tenant_gauges[label] = self._tenant_live.labels(label)
@@ -127,7 +137,7 @@ class PrometheusMetrics:
             child.set(live)
 
     def quota_refused(self, tenant: str) -> None:
-        self._quota_refusals.labels(self._tenant(tenant)).inc()
+        self._quota_refusals.labels(self._tenant_label(tenant)).inc()
 
     def tenant_shares_from(self, books: ShareBooks) -> None:
         self._share_books = books
@@ -147,21 +157,35 @@ class PrometheusMetrics:
         for node, count in g.orders_in_flight.items():
             inflight.add_metric([node], count)
         yield inflight
-        yield GaugeMetricFamily("kvprefetch_wasted_bytes",
-                                "Prefetched bytes evicted or overwritten unread (modelled)",
-                                value=g.wasted_bytes)
-        yield GaugeMetricFamily("kvprefetch_useful_bytes",
-                                "Prefetched bytes a request read (modelled)",
-                                value=g.useful_bytes)
-        yield GaugeMetricFamily(
+        # The core's running totals: counters (exported with ``_total``), read here.
+        yield CounterMetricFamily("kvprefetch_wasted_bytes",
+                                  "Prefetched bytes evicted or overwritten unread (modelled)",
+                                  value=g.wasted_bytes)
+        yield CounterMetricFamily("kvprefetch_useful_bytes",
+                                  "Prefetched bytes a request read (modelled)",
+                                  value=g.useful_bytes)
+        yield CounterMetricFamily(
             "kvprefetch_prefetches_over_budget",
             "Prefetches the waste budget refused (planner.waste_allowance_gib): once it "
             "grows with nothing prefetched left unread, prefetch is off until a restart",
             value=g.over_budget)
-        yield GaugeMetricFamily(
+        yield CounterMetricFamily(
             "kvprefetch_warmup_bytes",
             "Bytes ordered to warm nodes that restarted or joined empty (free room only; "
             "outside the waste budget, modelled)", value=g.warmup_bytes)
+        yield CounterMetricFamily(
+            "kvprefetch_orders_failed",
+            "Transfer orders that failed: the agent reported an error, could not be "
+            "reached, restarted or did not answer in time (each is re-planned)",
+            value=g.orders_failed)
+        yield CounterMetricFamily(
+            "kvprefetch_orders_lost",
+            "Transfer orders whose agent never reported (timed out or the agent restarted)",
+            value=g.orders_lost)
+        yield CounterMetricFamily(
+            "kvprefetch_loop_errors",
+            "Control-loop iterations that raised (logged; the loop goes on)",
+            value=g.loop_errors)
         quota = GaugeMetricFamily(
             "kvprefetch_node_tier_quota_bytes",
             "This scheduler's quota of the node's DRAM tier (modelled bytes): the configured "

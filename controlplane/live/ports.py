@@ -24,8 +24,9 @@ ShareBooks = Callable[[], tuple[Mapping[tuple[str, str], int], Mapping[str, Tena
 class SchedulerGauges:
     """The scheduler's gauges, read at scrape time: orders in flight by node name and the
     core's prefetch accounting so far (bytes wasted, bytes read, prefetches its waste
-    budget refused, bytes of warm-ups of empty nodes) and its quota of each node's DRAM
-    tier by node name (booked bytes; it follows the agents' reports)."""
+    budget refused, bytes of warm-ups of empty nodes), its quota of each node's DRAM
+    tier by node name (booked bytes; it follows the agents' reports) and the service's
+    health counts so far (orders failed and lost, control-loop errors)."""
 
     orders_in_flight: Mapping[str, int]
     wasted_bytes: int
@@ -33,6 +34,9 @@ class SchedulerGauges:
     over_budget: int
     warmup_bytes: int = 0
     tier_quota_bytes: Mapping[str, int] = field(default_factory=dict)
+    orders_failed: int = 0
+    orders_lost: int = 0
+    loop_errors: int = 0
 
 
 #: TTLB and lateness samples kept for the summary (a rolling window; Prometheus histograms

@@ -305,7 +305,9 @@ class SchedulerService:
                 {self.node_name(n): self.orders.count(n) for n in range(self.config.fleet.nodes)},
                 st.wasted_bytes, st.prefetch_used_bytes, st.prefetches_over_budget,
                 st.warmup_bytes,
-                {self.node_name(n): t.capacity_bytes for n, t in enumerate(self.core.dram)})
+                {self.node_name(n): t.capacity_bytes for n, t in enumerate(self.core.dram)},
+                orders_failed=self.stats.orders_failed, orders_lost=self.stats.orders_lost,
+                loop_errors=self.stats.loop_errors)
 
     def _share_books(self) -> tuple[dict[tuple[str, str], int],
                                     dict[str, TenantQuotaStats]]:

@@ -257,11 +257,11 @@ def test_metrics_after_traffic_have_lateness_and_ttlb(
     assert samples['kvprefetch_events_total{kind="request_started"}'] == 2
     assert samples['kvprefetch_http_requests_total{op="route",status="200"}'] == 2
     assert samples['kvprefetch_http_request_seconds_count{op="hint"}'] == 1
-    for name in ("kvprefetch_local_hit_rate", "kvprefetch_wasted_bytes",
-                 "kvprefetch_useful_bytes", "kvprefetch_events_per_second"):
+    for name in ("kvprefetch_local_hit_rate", "kvprefetch_wasted_bytes_total",
+                 "kvprefetch_useful_bytes_total", "kvprefetch_events_per_second"):
         assert name in samples
-    assert samples["kvprefetch_prefetches_over_budget"] == 0
-    assert samples["kvprefetch_warmup_bytes"] == 0  # no node restarted or joined
+    assert samples["kvprefetch_prefetches_over_budget_total"] == 0
+    assert samples["kvprefetch_warmup_bytes_total"] == 0  # no node restarted or joined
     assert 'kvprefetch_orders_in_flight{node="node-0"}' in samples
 
 

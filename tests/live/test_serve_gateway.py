@@ -83,7 +83,7 @@ def test_the_gateway_serves_a_request_as_a_ray_serve_application() -> None:
             assert seen == [{"model": "m", "prompt": [1, 2, 3], "max_tokens": 1,
                              "cache_salt": tenant_cache_salt("t")}]
             metrics = httpx.get(f"{url}/metrics", timeout=30.0).text
-            assert 'kvp_gateway_requests_total{endpoint="completions",outcome="ok"} 1.0' \
+            assert 'kvprefetch_gateway_requests_total{endpoint="completions",outcome="ok"} 1.0' \
                 in metrics
         finally:
             with contextlib.suppress(Exception):

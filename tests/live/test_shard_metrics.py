@@ -44,6 +44,6 @@ def test_the_gauges_are_read_at_scrape_time() -> None:
     m.scheduler_gauges_from(lambda: SchedulerGauges({"node-0": seen["orders"]}, 0, 0, 0,
                                                     warmup_bytes=seen["orders"] << 30))
     assert b'kvprefetch_orders_in_flight{node="node-0"} 1.0' in m.render()
-    assert b"kvprefetch_warmup_bytes 1.073741824e+09" in m.render()
+    assert b"kvprefetch_warmup_bytes_total 1.073741824e+09" in m.render()
     seen["orders"] = 7
     assert b'kvprefetch_orders_in_flight{node="node-0"} 7.0' in m.render()

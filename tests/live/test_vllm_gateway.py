@@ -164,8 +164,8 @@ def test_a_completion_goes_to_the_scheduler_s_node_and_is_reported() -> None:
     assert finished["stop_reason"] == "end_turn"  # the engine's "stop", by its canonical name
     # vLLM's cached prompt tokens: the request's local-tier read, for the prefetch books
     assert finished["local_tokens_read"] == 2
-    assert h.metric("kvp_gateway_routed_total", by="scheduler") == 1
-    assert h.metric("kvp_gateway_requests_total", endpoint="completions", outcome="ok") == 1
+    assert h.metric("kvprefetch_gateway_routed_total", by="scheduler") == 1
+    assert h.metric("kvprefetch_gateway_requests_total", endpoint="completions", outcome="ok") == 1
 
 
 def test_a_streamed_chat_is_forwarded_event_by_event_and_counted() -> None:
@@ -223,9 +223,9 @@ def test_without_a_scheduler_answer_it_still_serves_routed_by_load(
 
     responses = h.run(calls)
     assert [r.status_code for r in responses] == [200, 200]
-    assert h.metric("kvp_gateway_routed_total", by="load") == 2
+    assert h.metric("kvprefetch_gateway_routed_total", by="load") == 2
     expected_unavailable = 0 if scheduler is None else (4 if scheduler.fail else 2)
-    assert h.metric("kvp_gateway_scheduler_unavailable_total") == expected_unavailable
+    assert h.metric("kvprefetch_gateway_scheduler_unavailable_total") == expected_unavailable
     # No header, no user: the session is the prompt's hash, the same on every turn.
     sessions = {s for _, s, _ in h.stored}
     assert len(sessions) == 1 and next(iter(sessions)).startswith("prefix-")
@@ -244,7 +244,7 @@ def test_models_and_upstream_errors_pass_through() -> None:
     assert models.json()["data"][0]["id"] == "tiny"
     # The stand-in cannot tokenize an int prompt: the engine's error comes back, no store.
     assert bad.status_code == 400 and "not a string" in bad.text and h.stored == []
-    assert h.metric("kvp_gateway_requests_total", endpoint="completions",
+    assert h.metric("kvprefetch_gateway_requests_total", endpoint="completions",
                     outcome="tokenize_error") == 1
 
 
