@@ -8,9 +8,11 @@ import importlib
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+from kvprefetch.controlplane import __version__
 from kvprefetch.controlplane.base.errors import KvPrefetchError
+from kvprefetch.controlplane.cli.options import missing_extra
 
 #: sub-command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -27,6 +29,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
               "attach to a Ray cluster: scheduler, one agent per GPU node, HTTP API"),
     "journal": ("kvprefetch.controlplane.cli.journal_cmd",
                 "check a scheduler journal (--repair), or compact it"),
+    "init": ("kvprefetch.controlplane.cli.init",
+             "write the example configs (serve, fleet, dashboard, alerts, deployment) to DIR"),
 }
 #: `kvprefetch bench <what>`
 BENCHES: dict[str, tuple[str, str]] = {
@@ -47,12 +51,41 @@ BENCHES: dict[str, tuple[str, str]] = {
 }
 
 
-def _add_commands(sub: argparse._SubParsersAction, table: dict[str, tuple[str, str]]) -> None:
+def _add_commands(sub: argparse._SubParsersAction, table: dict[str, tuple[str, str]],
+                  prefix: str = "") -> None:
     for name, (module, help_) in table.items():
         p = sub.add_parser(name, help=help_, description=help_)
-        mod = importlib.import_module(module)
-        mod.add_arguments(p)
+        try:
+            mod = importlib.import_module(module)
+            mod.add_arguments(p)
+        except ModuleNotFoundError as exc:
+            message = missing_extra(exc, prefix + name)
+            if message is None:
+                raise
+            # Still listed; any use of it, --help included, says which extra it needs.
+            stub = argparse.ArgumentParser(prog=p.prog, add_help=False)
+            stub.set_defaults(_run=_needs_extra(message), _needs_extra=True)
+            sub.choices[name] = stub
+            continue
+        _add_verbose(p)
         p.set_defaults(_run=mod.run)
+
+
+def _needs_extra(message: str) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        print(message, file=sys.stderr)
+        return 2
+    return run
+
+
+def _add_verbose(parser: argparse.ArgumentParser) -> None:
+    """``-v`` after a sub-command too; SUPPRESS keeps the one given before it."""
+    parser.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                        help="debug logging")
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for nested in action.choices.values():
+                _add_verbose(nested)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,10 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="Prefetch-scheduling control plane for LLM inference KV caches.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=f"kvprefetch {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_commands(sub, COMMANDS)
     bench = sub.add_parser("bench", help="benchmarks", description="benchmarks")
-    _add_commands(bench.add_subparsers(dest="bench", metavar="WHAT", required=True), BENCHES)
+    bench.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                       help="debug logging")
+    _add_commands(bench.add_subparsers(dest="bench", metavar="WHAT", required=True), BENCHES,
+                  prefix="bench ")
     return parser
 
 
@@ -74,7 +111,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "_needs_extra", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -83,6 +122,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args._run(args))
     except KvPrefetchError as exc:
         print(f"kvprefetch: error: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:
+        command = " ".join(filter(None, (args.command, getattr(args, "bench", None))))
+        message = missing_extra(exc, command)
+        if message is None:
+            raise
+        print(message, file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("kvprefetch: interrupted", file=sys.stderr)

@@ -13,7 +13,7 @@ is printed when an artifact's training sessions overlap the test side).
 Example (one command, trains and compares)::
 
     kvprefetch eval-predictor --trace shared/traces/claude-code \\
-        --predictor survival gbm torch-seq --json out/predictors.json \\
+        --predictors survival,gbm,torch-seq --json out/predictors.json \\
         --calibration-plot out/calibration.png
 """
 
@@ -26,6 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from kvprefetch.controlplane.base import atomic
+from kvprefetch.controlplane.cli.options import (
+    add_test_fraction_option,
+    add_trace_format_option,
+    load_trace_option,
+    non_negative_int,
+    positive_int,
+)
 from kvprefetch.controlplane.cli.predictor_option import add_predictor_option
 
 BASELINES = ("last-gap", "empirical")
@@ -44,15 +51,18 @@ TABLE_COLUMNS = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", required=True, help="trace file or folder")
-    parser.add_argument("--format", default="auto", help="trace format (default: auto)")
+    add_trace_format_option(parser)
     add_predictor_option(parser, several=True,
-                         help="predictors: NAME, NAME:ARTIFACT or module:Class; several after "
-                         "one flag or the flag repeated (last-gap and empirical always run)")
+                         help="comma-separated predictors: NAME, NAME:ARTIFACT or "
+                         "module:Class (last-gap and empirical always run)")
     parser.add_argument("--split", choices=("session", "time"), default="session")
-    parser.add_argument("--test-fraction", type=float, default=0.25,
-                        help="share of session groups held out for scoring (default 0.25)")
-    parser.add_argument("--seed", type=int, default=0, help="split and training seed")
-    parser.add_argument("--limit-sessions", type=int, default=None, help="first N sessions")
+    add_test_fraction_option(parser, allow_zero=False, default=0.25,
+                             help="share of session groups held out for scoring "
+                             "(default 0.25)")
+    parser.add_argument("--seed", type=non_negative_int, default=0,
+                        help="split and training seed")
+    parser.add_argument("--limit-sessions", type=positive_int, default=None,
+                        help="first N sessions")
     parser.add_argument("--json", default=None, metavar="OUT", help="write the metrics here")
     parser.add_argument("--calibration-plot", default=None, metavar="PNG",
                         help="write reliability curves of P(return within h | silent for a) "
@@ -61,18 +71,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvprefetch.controlplane.base.errors import PredictorError
-    from kvprefetch.controlplane.traces import load_trace
     from kvprefetch.predictors import registry
     from kvprefetch.predictors.evaluate import evaluate
     from kvprefetch.predictors.splits import split_trace
 
     progress = not args.no_progress and sys.stderr.isatty()
-    if not 0.0 < args.test_fraction < 1.0:
-        raise PredictorError(f"--test-fraction must be in (0, 1), got {args.test_fraction}")
-    specs = list(dict.fromkeys([*BASELINES, *args.predictor]))
-    trace = load_trace(args.trace, args.format, seed=args.seed,
-                       limit_sessions=args.limit_sessions, progress=progress)
+    specs = list(dict.fromkeys([*BASELINES, *args.predictors]))
+    trace = load_trace_option(args.trace, args.trace_format, seed=args.seed,
+                              limit_sessions=args.limit_sessions, progress=progress)
     split = split_trace(trace, args.split, args.test_fraction, args.seed)
     test_groups = {s.parent_id or s.session_id for s in split.test.sessions}
     results: dict[str, dict[str, Any]] = {}

@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvprefetch.controlplane.cli.options import non_negative_int
+
 COMPACT_HELP = """\
 Rewrite the journal without the records of closed sessions, as the scheduler does at
 start-up and while it runs (``journal_compact_records``): it keeps the header's metadata,
@@ -46,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     check.add_argument("--no-time-check", action="store_true",
                        help="do not range-check record times against the wall clock")
     check.add_argument("--json", action="store_true", help="print the report as JSON")
-    check.add_argument("--show", type=int, default=20, metavar="N",
+    check.add_argument("--show", type=non_negative_int, default=20, metavar="N",
                        help="damaged lines listed in the text report (default 20)")
     compact = sub.add_parser("compact", help="drop closed sessions' records (atomically)",
                              description=COMPACT_HELP,

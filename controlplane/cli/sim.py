@@ -1,4 +1,4 @@
-"""``kvprefetch sim``: replay a trace over a modelled fleet and compare the six policies."""
+"""``kvprefetch sim``: replay a trace over a modelled fleet and compare policies."""
 
 from __future__ import annotations
 
@@ -10,8 +10,16 @@ from typing import TYPE_CHECKING
 from kvprefetch.controlplane.base.errors import ConfigError
 from kvprefetch.controlplane.base.shards import MAX_SHARDS
 from kvprefetch.controlplane.base.types import Trace
+from kvprefetch.controlplane.cli.options import (
+    add_test_fraction_option,
+    add_trace_format_option,
+    load_trace_option,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from kvprefetch.controlplane.cli.predictor_option import add_predictor_option
-from kvprefetch.controlplane.core.policies import POLICY_NAMES
+from kvprefetch.controlplane.core.policies import POLICIES, POLICY_NAMES
 
 if TYPE_CHECKING:
     from kvprefetch.controlplane.sim.hints import HintConfig
@@ -27,7 +35,7 @@ EPILOG = """examples:
   kvprefetch sim --policies ondemand,predictive --predictor ewma --load 1.5
   kvprefetch sim --scenario cold-start --nodes 2 --model 70b
   kvprefetch sim --trace ../shared/traces/claude-code --scenario scale-out --nodes 3
-  kvprefetch sim --nodes 1 --hints typing,tool --hint-coverage 0.5  # half the clients hint
+  kvprefetch sim --nodes 1 --hints user_typing,tool_running --hint-coverage 0.5  # half hint
 """
 
 
@@ -38,10 +46,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "slice shipped with kvprefetch), or synthetic:PROFILE[:SESSIONS] for "
                    "traffic drawn from --seed (profiles: agentic, agentic-nostop, chat, "
                    "research, random)")
-    p.add_argument("--trace-format", default="auto",
-                   help="auto | claude-code | mooncake | azure | journal (default: auto)")
+    add_trace_format_option(p)
     p.add_argument("--policies", default="all",
-                   help=f"comma-separated subset of: {', '.join(POLICY_NAMES)} (default: all)")
+                   help=f"comma-separated subset of: {', '.join(POLICIES)} (default: all, "
+                   f"which runs {', '.join(POLICY_NAMES)})")
     add_predictor_option(p, several=False, default="default",
                          help="the one predictor of the 'predictive' policy: a name, "
                          "NAME:ARTIFACT or module:Class (default: 'default', the shipped "
@@ -49,33 +57,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                          "the shared Claude Code set, adapting online to the replayed "
                          "traffic)")
     p.add_argument("--fleet", help="fleet YAML (model, node, remote, router, planner)")
-    p.add_argument("--nodes", type=int, help="number of GPU nodes (default 4)")
+    p.add_argument("--nodes", type=positive_int, help="number of GPU nodes (default 4)")
     p.add_argument("--model", help="model preset: 8b or 70b (default 8b)")
     arr = p.add_mutually_exclusive_group()
-    arr.add_argument("--session-rate", type=float,
+    arr.add_argument("--session-rate", type=positive_float,
                      help=f"Poisson rate of session starts per second (default "
                      f"{DEFAULT_SIM_SESSION_RATE_PER_S:.4f}, one per 75 s)")
-    arr.add_argument("--concurrency", type=int,
+    arr.add_argument("--concurrency", type=positive_int,
                      help="instead of a rate: keep this many sessions live")
-    p.add_argument("--load", type=float, default=1.0,
+    p.add_argument("--load", type=positive_float, default=1.0,
                    help="multiply the session arrival rate (load sweeps; default 1.0); "
                         "traces with timestamps of their own (mooncake, azure, journal) "
                         "run on a clock this many times faster")
-    p.add_argument("--limit-sessions", type=int, help="replay only the first N sessions")
-    p.add_argument("--test-split", type=float, metavar="FRACTION",
-                   help="replay only the held-out session groups of the split that "
-                   "`kvprefetch train --test-fraction FRACTION --seed SPLIT_SEED` trains on "
-                   "the rest of (so a trained predictor is scored on sessions it never saw)")
-    p.add_argument("--split-seed", type=int, default=0, help="seed of --test-split (default 0)")
+    p.add_argument("--limit-sessions", type=positive_int,
+                   help="replay only the first N sessions")
+    add_test_fraction_option(
+        p, allow_zero=False,
+        help="replay only the held-out session groups of the split that `kvprefetch train "
+        "--test-fraction FRACTION --seed SPLIT_SEED` trains on the rest of (so a trained "
+        "predictor is scored on sessions it never saw)")
+    p.add_argument("--split-seed", type=non_negative_int, default=0,
+                   help="seed of --test-fraction's split (default 0)")
     p.add_argument("--scenario", default="default", choices=("default", "cold-start",
                                                               "scale-out"),
                    help="cold-start: send every context once, clear all local tiers, send "
                    "them all again; scale-out: the last of --nodes joins (empty) at the "
                    "median session start")
-    p.add_argument("--seed", type=int, default=0, help="seed of the arrival process")
+    p.add_argument("--seed", type=non_negative_int, default=0,
+                   help="seed of the arrival process")
     add_hint_arguments(p)
     add_shard_arguments(p)
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+    p.add_argument("--workers", type=positive_int, default=os.cpu_count() or 1,
                    help="parallel worker processes, one policy each (default: all cores)")
     p.add_argument("--json", dest="json_out", help="write the report as JSON here (atomic)")
     p.add_argument("--plot", help="write a PNG: TTFT CDF per policy, useful vs wasted bytes")
@@ -110,16 +122,17 @@ def add_hint_arguments(p: argparse.ArgumentParser) -> None:
         "client hints", "simulated clients that tell the control plane what comes next "
         "(planned from the trace; without --hints none are sent)")
     hints.add_argument("--hints", metavar="KINDS",
-                       help="comma-separated hint kinds the clients send: 'typing' (the user "
-                       "started typing the next human turn, no ETA; typing speed drawn per "
-                       "session from Dhakal et al., CHI 2018) and/or 'tool' (a tool call "
-                       "runs, with an ETA of its duration). The policies that run --predictor "
+                       help="comma-separated hint kinds the clients send: 'user_typing' "
+                       "(the user started typing the next human turn, no ETA; typing speed "
+                       "drawn per session from Dhakal et al., CHI 2018) and/or 'tool_running' "
+                       "(a tool call runs, with an ETA of its duration). The policies that "
+                       "run --predictor "
                        "read them through the 'hinted' wrapper; the oracle does not need them")
     hints.add_argument("--hint-coverage", type=float, metavar="F",
                        help="share of session groups (a client with its sub-agents) that send "
                        "hints, in [0, 1] (default 1.0); raising it with the same --hint-seed "
                        "only adds clients")
-    hints.add_argument("--hint-seed", type=int, metavar="N",
+    hints.add_argument("--hint-seed", type=non_negative_int, metavar="N",
                        help="seed of the hint draws: which clients hint, typing speeds, ETA "
                        "noise (default: --seed)")
     hints.add_argument("--tool-eta-sigma", type=float, metavar="S",
@@ -168,7 +181,8 @@ def hint_config(args: argparse.Namespace, *, seed: int | None = None) -> HintCon
         given.append("--hint-seed")
     if args.hints is None:
         if given:
-            raise ConfigError(f"{given[0]} needs --hints (e.g. --hints typing,tool)")
+            raise ConfigError(f"{given[0]} needs --hints (e.g. --hints "
+                              "user_typing,tool_running)")
         return None
     try:
         kinds = parse_hint_kinds(args.hints)
@@ -201,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
     from kvprefetch.controlplane.sim.runner import SimOptions, run_policies
     from kvprefetch.controlplane.sim.scenarios import apply_scenario
     from kvprefetch.controlplane.sim.simulator import clamp_to_window
-    from kvprefetch.controlplane.traces import ArrivalOptions, bundled_trace_path, load_trace
+    from kvprefetch.controlplane.traces import ArrivalOptions, bundled_trace_path
     from kvprefetch.predictors.registry import resolve
 
     policies = parse_policies(args.policies)
@@ -216,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
             overrides["model"] = args.model
         fleet = load_fleet(args.fleet, overrides=overrides)
     else:
-        fleet = default_fleet(args.model or "8b", args.nodes or 4)
+        fleet = default_fleet(args.model or "8b", 4 if args.nodes is None else args.nodes)
     if args.concurrency is not None:
         arrivals = ArrivalOptions(concurrency=args.concurrency, load=args.load)
     else:
@@ -229,10 +243,10 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--session-rate/--load: {exc}") from exc
     path = args.trace or bundled_trace_path("claude-code")
     show = not args.no_progress and sys.stderr.isatty()
-    trace = load_trace(path, args.trace_format, arrivals=arrivals, seed=args.seed,
-                       limit_sessions=args.limit_sessions, progress=show)
-    if args.test_split is not None:
-        trace = held_out(trace, args.test_split, args.split_seed, args.predictor)
+    trace = load_trace_option(path, args.trace_format, arrivals=arrivals, seed=args.seed,
+                              limit_sessions=args.limit_sessions, progress=show)
+    if args.test_fraction is not None:
+        trace = held_out(trace, args.test_fraction, args.split_seed, args.predictor)
     trace, events = apply_scenario(trace, args.scenario)
     trace = clamp_to_window(trace, fleet.model.max_context_tokens)
     options = SimOptions(predictor=args.predictor, seed=args.seed,

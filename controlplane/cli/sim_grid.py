@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvprefetch.controlplane.base.errors import ConfigError
+from kvprefetch.controlplane.cli.options import positive_int
 from kvprefetch.controlplane.cli.predictor_option import add_predictor_option
 from kvprefetch.controlplane.cli.sim import (
     DEFAULT_SIM_SESSION_RATE_PER_S,
@@ -38,6 +39,7 @@ from kvprefetch.controlplane.cli.sim import (
     check_shards,
     hint_config,
 )
+from kvprefetch.controlplane.core.policies import POLICIES
 
 if TYPE_CHECKING:
     from kvprefetch.controlplane.sim.hints import HintConfig
@@ -48,7 +50,8 @@ examples:
       --nodes 2,4,8 --loads 0.5,1,2 --seeds 0,1 --json out/grid.json --plot out/grid.png
   kvprefetch sim-grid --traces ../shared/traces/claude-code --nodes 2,4 --loads 1 \\
       --seeds 0,1,2 --policies ondemand,queue,predictive,predictive-duel --subject predictive-duel
-  kvprefetch sim-grid --traces synthetic:research --hints typing,tool --hint-coverage 1
+  kvprefetch sim-grid --traces synthetic:research --hints user_typing,tool_running \
+      --hint-coverage 1
   kvprefetch sim-grid --traces ../shared/traces/claude-code,synthetic:agentic --nodes 4,8 \\
       --loads 1,2 --seeds 0 --policies ondemand,predictive --shards 2 --shared-tier
 """
@@ -67,7 +70,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated --load values (default 0.5,1,2)")
     p.add_argument("--seeds", default="0,1", help="comma-separated seeds (default 0,1)")
     p.add_argument("--policies", default="ondemand,queue,predictive,oracle",
-                   help="policies run in every cell; must include ondemand and the subject "
+                   help=f"policies run in every cell, a comma-separated subset of: "
+                   f"{', '.join(POLICIES)}; must include ondemand and the subject "
                    "(default ondemand,queue,predictive,oracle)")
     p.add_argument("--subject", default="predictive",
                    help="the policy the summary judges (default predictive)")
@@ -76,7 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="8b", help="model preset: 8b or 70b (default 8b)")
     add_hint_arguments(p)
     add_shard_arguments(p)
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+    p.add_argument("--workers", type=positive_int, default=os.cpu_count() or 1,
                    help="cells run at once, one process each (default: all cores)")
     p.add_argument("--json", dest="json_out", help="write every cell and the summary here")
     p.add_argument("--plot", help="write a PNG here: per trace, the subject's ratio to "
@@ -132,6 +136,13 @@ def _run_cell(cell: Cell, policies: str, predictor: str, model: str,
                          shared_tier=shards[1])
     report = run_policies(trace, fleet, parse_policies(policies), options)
     return report.to_dict()
+
+
+def _hint_kinds_text(hints: HintConfig | None) -> str | None:
+    """The hint kinds sent, by their API names (as ``sim``'s report names them)."""
+    from kvprefetch.controlplane.sim.hints import hint_kind_names
+
+    return None if hints is None else ",".join(hint_kind_names(hints.kinds))
 
 
 def _ratio_row(cell: Cell, report: dict[str, Any], subject: str) -> dict[str, Any]:
@@ -245,8 +256,6 @@ def run(args: argparse.Namespace) -> int:
         if needed not in names:
             raise ConfigError(f"--policies must include {needed!r} (the summary compares "
                               f"{args.subject!r} with ondemand)")
-    if args.workers < 1:
-        raise ConfigError(f"--workers must be >= 1, got {args.workers}")
     resolve(args.predictor)
     default_fleet(args.model, nodes[0])  # an unknown --model fails here, not in every cell
     check_shards(args)
@@ -286,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
         data = {"meta": {"traces": traces, "nodes": nodes, "loads": loads, "seeds": seeds,
                          "policies": names, "subject": args.subject,
                          "predictor": args.predictor, "model": args.model,
-                         "hints": args.hints, "shards": args.shards,
+                         "hints": _hint_kinds_text(hints[seeds[0]]), "shards": args.shards,
                          "shared_tier": args.shared_tier},
                 "cells": rows, "summary": summary}
         write_atomic(args.json_out, [(json.dumps(data, indent=1) + "\n").encode()])

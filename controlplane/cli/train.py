@@ -12,12 +12,19 @@ import argparse
 import json
 import sys
 
+from kvprefetch.controlplane.cli.options import (
+    add_test_fraction_option,
+    add_trace_format_option,
+    load_trace_option,
+    non_negative_int,
+    positive_int,
+)
 from kvprefetch.controlplane.cli.predictor_option import add_predictor_option
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", required=True, help="trace file or folder")
-    parser.add_argument("--format", default="auto", help="trace format (default: auto)")
+    add_trace_format_option(parser)
     add_predictor_option(
         parser, several=False, required=True,
         help="the one trainable predictor: empirical, survival, gbm, torch-seq, hinted (wraps "
@@ -26,23 +33,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="artifact file to write")
     parser.add_argument("--split", choices=("session", "time"), default="session",
                         help="hold out whole session groups at random, or the latest ones")
-    parser.add_argument("--test-fraction", type=float, default=0.25,
-                        help="share of session groups held out (default 0.25; 0 = none)")
-    parser.add_argument("--seed", type=int, default=0, help="split and training seed")
-    parser.add_argument("--limit-sessions", type=int, default=None, help="first N sessions")
+    add_test_fraction_option(parser, allow_zero=True, default=0.25,
+                             help="share of session groups held out (default 0.25; 0 = none)")
+    parser.add_argument("--seed", type=non_negative_int, default=0,
+                        help="split and training seed")
+    parser.add_argument("--limit-sessions", type=positive_int, default=None,
+                        help="first N sessions")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
 def run(args: argparse.Namespace) -> int:
     from kvprefetch.controlplane.base.errors import PredictorError
-    from kvprefetch.controlplane.traces import load_trace
     from kvprefetch.predictors import registry
     from kvprefetch.predictors.evaluate import evaluate
     from kvprefetch.predictors.splits import split_trace
 
     progress = not args.no_progress and sys.stderr.isatty()
-    trace = load_trace(args.trace, args.format, seed=args.seed,
-                       limit_sessions=args.limit_sessions, progress=progress)
+    trace = load_trace_option(args.trace, args.trace_format, seed=args.seed,
+                              limit_sessions=args.limit_sessions, progress=progress)
     split = split_trace(trace, args.split, args.test_fraction, args.seed)
     model = registry.create(args.predictor)
     fit = getattr(model, "fit", None)

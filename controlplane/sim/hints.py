@@ -65,8 +65,13 @@ from dataclasses import dataclass, field
 from kvprefetch.controlplane.base.errors import ConfigError
 from kvprefetch.controlplane.base.types import HintKind, Trace, TraceRequest, TraceSession
 
-#: The hint kinds a simulated client can send, by their command-line name.
+#: The hint kinds a simulated client can send, by their name in the API and the CLI.
 HINT_KIND_NAMES: dict[str, HintKind] = {
+    "user_typing": HintKind.USER_TYPING,
+    "tool_running": HintKind.TOOL_RUNNING,
+}
+#: Short names :func:`parse_hint_kinds` also accepts.
+HINT_KIND_ALIASES: dict[str, HintKind] = {
     "typing": HintKind.USER_TYPING,
     "tool": HintKind.TOOL_RUNNING,
 }
@@ -84,15 +89,17 @@ _STOP_TOOL_USE = "tool_use"
 
 
 def parse_hint_kinds(text: str) -> frozenset[HintKind]:
-    """Kinds from a comma-separated list of :data:`HINT_KIND_NAMES` ("typing,tool")."""
+    """Kinds from a comma-separated list of :data:`HINT_KIND_NAMES` ("user_typing,
+    tool_running") or :data:`HINT_KIND_ALIASES`."""
+    known = HINT_KIND_NAMES | HINT_KIND_ALIASES
     names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in HINT_KIND_NAMES]
+    unknown = [n for n in names if n not in known]
     if unknown or not names:
         raise ConfigError(
             f"hint kinds: expected a comma-separated subset of {', '.join(HINT_KIND_NAMES)}, "
             f"got {text!r}"
         )
-    return frozenset(HINT_KIND_NAMES[n] for n in names)
+    return frozenset(known[n] for n in names)
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,7 +198,7 @@ class HintCounts:
 
 
 def hint_kind_names(kinds: Iterable[HintKind]) -> tuple[str, ...]:
-    """The command-line names of ``kinds``, in :data:`HINT_KIND_NAMES` order."""
+    """The names of ``kinds``, in :data:`HINT_KIND_NAMES` order."""
     chosen = set(kinds)
     return tuple(name for name, kind in HINT_KIND_NAMES.items() if kind in chosen)
 

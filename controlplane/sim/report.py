@@ -129,7 +129,7 @@ class HintsMeta:
     """The client hints a replay sent (:mod:`~kvprefetch.controlplane.sim.hints`): the settings, and
     how many of each kind every policy's replay sent (the same planned hints for all)."""
 
-    #: Hint kinds by their command-line names ("typing", "tool").
+    #: Hint kinds by their API names ("user_typing", "tool_running").
     kinds: tuple[str, ...]
     #: Share of session groups whose client sends hints.
     coverage: float
@@ -287,11 +287,18 @@ def write_plot(report: Mapping[str, Any], path: str | Path) -> None:
     useful = [(report["policies"][n]["prefetched_bytes"]
                - report["policies"][n]["wasted_bytes"]) / GIB for n in names]
     wasted = [report["policies"][n]["wasted_bytes"] / GIB for n in names]
-    ax2.bar(names, useful, label="useful")
-    ax2.bar(names, wasted, bottom=useful, label="wasted")
-    ax2.set_ylabel("prefetched GiB")
     ax2.set_title("Prefetched bytes: useful vs wasted")
-    ax2.legend()
+    if any(report["policies"][n]["prefetched_bytes"] for n in names):
+        ax2.bar(names, useful, label="useful")
+        ax2.bar(names, wasted, bottom=useful, label="wasted")
+        ax2.set_ylabel("prefetched GiB")
+        ax2.legend()
+    else:
+        # Bars of height 0 would draw an empty panel on an arbitrary axis: say it instead.
+        ax2.text(0.5, 0.5, "no prefetches", ha="center", va="center",
+                 transform=ax2.transAxes, fontsize=12, color="0.4")
+        ax2.set_xticks([])
+        ax2.set_yticks([])
     fig.suptitle(f"{report['meta']['trace']} - {report['meta']['nodes']} x "
                  f"{report['meta']['model']}")
     fig.tight_layout()

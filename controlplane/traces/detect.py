@@ -64,5 +64,5 @@ def _detect_jsonl(source: Path) -> str:
 
 def _unknown(source: Path, what: str) -> UnknownFormatError:
     return UnknownFormatError(
-        f"{source}: cannot tell the trace format ({what}); pass fmt= one of: {known_formats_text()}"
+        f"{source}: cannot tell the trace format ({what}); known formats: {known_formats_text()}"
     )

@@ -1,4 +1,5 @@
-"""``--predictor`` parsing of the sub-commands that have it (no trace is loaded)."""
+"""``--predictor`` and ``--predictors`` parsing of the sub-commands that have them (no trace
+is loaded)."""
 
 from __future__ import annotations
 
@@ -14,14 +15,18 @@ BASE = {
 
 
 def _parse(argv: list[str]) -> list[str] | str | None:
-    predictor: list[str] | str | None = build_parser().parse_args(argv).predictor
+    args = build_parser().parse_args(argv)
+    predictor: list[str] | str | None = (
+        args.predictors if argv[0] == "eval-predictor" else args.predictor)
     return predictor
 
 
 @pytest.mark.parametrize("flags", [
+    ["--predictors", "gbm,survival,mod:Cls"],
+    ["--predictors", "gbm", "--predictors", "survival,mod:Cls"],
     ["--predictor", "gbm", "survival", "mod:Cls"],
     ["--predictor", "gbm", "--predictor", "survival", "--predictor", "mod:Cls"],
-    ["--predictor", "gbm", "survival", "--predictor", "mod:Cls"],
+    ["--predictor", "gbm", "survival", "--predictors", "mod:Cls"],
 ])
 def test_eval_predictor_collects_every_spec_in_order(flags: list[str]) -> None:
     assert _parse([*BASE["eval-predictor"], *flags]) == ["gbm", "survival", "mod:Cls"]
@@ -29,13 +34,15 @@ def test_eval_predictor_collects_every_spec_in_order(flags: list[str]) -> None:
 
 def test_eval_predictor_defaults_to_no_extra_predictor() -> None:
     assert _parse(BASE["eval-predictor"]) == []
+    assert _parse(BASE["eval-predictor"]) == []  # the default list is not shared
 
 
-def test_eval_predictor_flag_needs_a_value(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("flag", ["--predictors", "--predictor"])
+def test_eval_predictor_flag_needs_a_value(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
-        _parse([*BASE["eval-predictor"], "--predictor"])
+        _parse([*BASE["eval-predictor"], flag])
     assert exc.value.code == 2
-    assert "--predictor" in capsys.readouterr().err
+    assert flag in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", ["train", "sim"])
@@ -48,17 +55,18 @@ def test_sim_default_predictor() -> None:
 
 
 @pytest.mark.parametrize("command", ["train", "sim"])
-@pytest.mark.parametrize("flags", [
-    ["--predictor", "gbm", "survival"],
-    ["--predictor", "gbm", "--predictor", "survival"],
+@pytest.mark.parametrize(("flags", "words"), [
+    (["--predictor", "gbm", "survival"], "unrecognized arguments: survival"),
+    (["--predictor", "gbm", "--predictor", "survival"],
+     "--predictor takes one predictor here, got 2: gbm survival"),
 ])
 def test_single_predictor_commands_reject_several(
-        command: str, flags: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+        command: str, flags: list[str], words: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         _parse([*BASE[command], *flags])
     assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert "--predictor takes one predictor here, got 2: gbm survival" in err
+    assert words in capsys.readouterr().err
 
 
 def test_train_still_requires_a_predictor(capsys: pytest.CaptureFixture[str]) -> None:

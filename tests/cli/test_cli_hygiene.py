@@ -1,0 +1,344 @@
+"""The ``kvprefetch`` command line as a user meets it: ``--version``, ``-v`` on either side of
+the sub-command, one line (not a traceback) for a missing extra, one flag name per meaning,
+the API's hint-kind names, every policy in ``--help``, sizes with units, and bad values
+refused by argparse with the flag named."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import textwrap
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvprefetch.controlplane import __version__
+from kvprefetch.controlplane.cli import build_parser, main
+from kvprefetch.controlplane.cli.options import (
+    EXTRA_OF_MODULE,
+    TRACE_FORMATS,
+    missing_extra,
+    parse_size,
+    positive_float,
+    positive_int,
+)
+from kvprefetch.controlplane.core.policies import POLICIES
+from kvprefetch.controlplane.traces.detect import FORMATS
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """The stderr of a command line argparse refuses (exit status 2)."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    return capsys.readouterr().err
+
+
+def _help(argv: list[str], capsys: pytest.CaptureFixture[str],
+          monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv("COLUMNS", "500")  # no wrapping inside hyphenated names
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--help"])
+    assert exc.value.code == 0
+    return capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ --version, -v
+def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"kvprefetch {__version__}" == "kvprefetch 0.1.0"
+
+
+@pytest.mark.parametrize(("argv", "verbose"), [
+    (["sim"], False),
+    (["-v", "sim"], True),
+    (["sim", "-v"], True),
+    (["sim", "--verbose", "--nodes", "2"], True),
+    (["-v", "sim", "-v"], True),
+    (["journal", "check", "-v", "j.jsonl"], True),
+    (["bench", "-v", "store"], True),
+    (["bench", "store", "-v"], True),
+])
+def test_verbose_is_accepted_before_and_after_the_sub_command(argv: list[str],
+                                                              verbose: bool) -> None:
+    assert build_parser().parse_args(argv).verbose is verbose
+
+
+# ------------------------------------------------------------------ missing extras
+_NO_EXTRAS = textwrap.dedent("""\
+    import importlib.abc, sys
+
+    BLOCKED = {"ray", "valkey", "boto3", "botocore", "xxhash", "blake3", "httpx", "fastapi",
+               "uvicorn", "starlette", "prometheus_client", "sklearn", "torch", "matplotlib",
+               "lmcache"}
+
+    class NoExtras(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in BLOCKED:
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+            return None
+
+    sys.meta_path.insert(0, NoExtras())
+    for name in list(sys.modules):
+        if name.split(".")[0] in BLOCKED:
+            del sys.modules[name]
+    from kvprefetch.controlplane.cli import main
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+def _without_extras(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", _NO_EXTRAS, *argv], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--help"], ["--version"], ["sim", "--help"], ["sim-grid", "--help"], ["train", "--help"],
+    ["eval-predictor", "--help"], ["journal", "check", "--help"], ["bench", "--help"],
+    ["sim", "--nodes", "1", "--policies", "ondemand,predictive", "--limit-sessions", "4",
+     "--workers", "1", "--no-progress"],
+])
+def test_the_core_commands_need_no_extra(argv: list[str]) -> None:
+    res = _without_extras(*argv)
+    assert res.returncode == 0, res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_the_top_level_help_lists_commands_whose_extras_are_missing() -> None:
+    res = _without_extras("--help")
+    assert res.returncode == 0
+    for command in ("sim", "serve", "demo", "bench", "journal"):
+        assert re.search(rf"^\s+{command}\s", res.stdout, re.MULTILINE), command
+
+
+@pytest.mark.parametrize(("argv", "extra"), [
+    (["serve", "--help"], ("serve", "stores")),
+    (["serve", "--address", "auto"], ("serve", "stores")),
+    (["bench", "store"], ("stores",)),
+])
+def test_a_missing_extra_is_one_line_and_exit_status_2(argv: list[str],
+                                                        extra: tuple[str, ...]) -> None:
+    res = _without_extras(*argv)
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    command = " ".join(a for a in argv if not a.startswith("-") and a != "auto")
+    match = re.fullmatch(rf"kvprefetch {command}: needs the '(\w+)' extra: pip install "
+                         r"'kvprefetch\[(\w+)\]' \(missing module: (\w+)\)", lines[0])
+    assert match is not None, lines[0]
+    assert match[1] == match[2] and match[1] in extra
+    assert EXTRA_OF_MODULE[match[3]] == match[1]
+
+
+def test_missing_extra_names_the_extra_or_nothing() -> None:
+    exc = ModuleNotFoundError("No module named 'ray.util'", name="ray.util")
+    assert missing_extra(exc, "serve") == (
+        "kvprefetch serve: needs the 'serve' extra: pip install 'kvprefetch[serve]' "
+        "(missing module: ray)")
+    assert missing_extra(ModuleNotFoundError("x", name="kvprefetch.nope"), "sim") is None
+    assert missing_extra(ModuleNotFoundError("x"), "sim") is None
+
+
+def test_the_extras_table_follows_pyproject() -> None:
+    """Each direct requirement of an extra maps to it; each mapped extra exists."""
+    extras: dict[str, list[str]] = tomllib.loads((REPO / "pyproject.toml").read_text())[
+        "project"]["optional-dependencies"]
+    module_of = {"scikit-learn": "sklearn", "valkey-glide-sync": "glide_sync"}
+    for extra, requirements in extras.items():
+        if extra == "dev":
+            continue
+        for requirement in requirements:
+            dist = re.split(r"[\[<>=!~; ]", requirement, maxsplit=1)[0].lower()
+            module = module_of.get(dist, dist.replace("-", "_"))
+            assert EXTRA_OF_MODULE.get(module) == extra, requirement
+    assert set(EXTRA_OF_MODULE.values()) <= set(extras) - {"dev"}
+
+
+# ------------------------------------------------------------------ one flag, one name
+def test_trace_format_is_one_flag_everywhere(capsys: pytest.CaptureFixture[str],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    assert ("auto", *FORMATS) == TRACE_FORMATS
+    parse = build_parser().parse_args
+    for base in (["sim"], ["train", "--trace", "t", "--out", "o", "--predictor", "gbm"],
+                 ["eval-predictor", "--trace", "t"]):
+        assert parse(base).trace_format == "auto"
+        assert parse([*base, "--trace-format", "mooncake"]).trace_format == "mooncake"
+        assert parse([*base, "--format", "azure"]).trace_format == "azure"  # hidden alias
+        text = _help(base, capsys, monkeypatch)
+        assert "--trace-format" in text and "--format" not in text.replace("--trace-format", "")
+
+
+def test_an_unknown_trace_format_names_the_flag_and_the_values(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    err = _usage_error(["sim", "--trace-format", "parquet"], capsys)
+    assert "argument --trace-format: invalid choice: 'parquet'" in err
+    assert all(f"'{name}'" in err for name in TRACE_FORMATS)
+    err = _usage_error(["train", "--trace", "t", "--out", "o", "--predictor", "gbm",
+                        "--format", "parquet"], capsys)
+    assert "invalid choice: 'parquet'" in err
+
+
+def test_an_undetectable_trace_says_which_flag_names_its_format(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "requests.txt"
+    trace.write_text("hello\n")
+    assert main(["sim", "--trace", str(trace), "--no-progress", "--workers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot tell the trace format" in err and "--trace-format" in err
+    assert "fmt=" not in err and all(name in err for name in FORMATS)
+
+
+def test_test_fraction_is_one_flag_everywhere(capsys: pytest.CaptureFixture[str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    parse = build_parser().parse_args
+    assert parse(["sim"]).test_fraction is None
+    assert parse(["sim", "--test-fraction", "0.3"]).test_fraction == 0.3
+    assert parse(["sim", "--test-split", "0.3"]).test_fraction == 0.3  # hidden alias
+    assert "--test-split" not in _help(["sim"], capsys, monkeypatch)
+    train = ["train", "--trace", "t", "--out", "o", "--predictor", "gbm"]
+    assert parse(train).test_fraction == 0.25
+    assert parse([*train, "--test-fraction", "0"]).test_fraction == 0.0  # train on everything
+    assert parse([*train, "--test-split", "0.5"]).test_fraction == 0.5
+    assert "(0, 1)" in _usage_error(["eval-predictor", "--trace", "t", "--test-fraction", "0"],
+                                    capsys)
+    assert "[0, 1)" in _usage_error([*train, "--test-fraction", "1"], capsys)
+    assert "argument --test-fraction" in _usage_error(["sim", "--test-fraction", "1.5"], capsys)
+
+
+def test_sim_takes_one_predictor_and_eval_predictor_a_plural_flag(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    parse = build_parser().parse_args
+    assert parse(["sim", "--predictor", "ewma"]).predictor == "ewma"
+    assert "unrecognized arguments: gbm" in _usage_error(
+        ["sim", "--predictor", "ewma", "gbm"], capsys)
+    assert parse(["eval-predictor", "--trace", "t", "--predictors", "gbm,ewma"]
+                 ).predictors == ["gbm", "ewma"]
+    text = _help(["eval-predictor", "--trace", "t"], capsys, monkeypatch)
+    assert "--predictors" in text and "--predictor " not in text
+
+
+# ------------------------------------------------------------------ hints, policies
+def test_hint_kinds_take_the_api_names_and_the_short_ones(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvprefetch.controlplane.base.vocabulary import HINT_KINDS
+    from kvprefetch.controlplane.cli.sim import hint_config
+
+    parse = build_parser().parse_args
+    api = hint_config(parse(["sim", "--hints", "user_typing,tool_running"]))
+    short = hint_config(parse(["sim", "--hints", "typing,tool"]))
+    assert api is not None and api == short
+    assert {str(k) for k in api.kinds} <= set(HINT_KINDS)
+    text = _help(["sim"], capsys, monkeypatch)
+    assert "'user_typing'" in text and "'tool_running'" in text
+    assert "'typing'" not in text and "'tool'" not in text
+
+
+def test_sim_grid_reports_the_api_hint_names(tmp_path: Path) -> None:
+    out = tmp_path / "grid.json"
+    assert main(["sim-grid", "--traces", "synthetic:agentic:6", "--nodes", "1", "--loads",
+                 "1", "--seeds", "0", "--policies", "ondemand,predictive", "--hints",
+                 "tool,typing", "--workers", "1", "--no-progress", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["meta"]["hints"] == "user_typing,tool_running"
+
+
+@pytest.mark.parametrize("command", ["sim", "sim-grid"])
+def test_help_lists_every_accepted_policy(command: str, capsys: pytest.CaptureFixture[str],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    text = _help([command], capsys, monkeypatch)
+    for name in POLICIES:
+        assert re.search(rf"[\s,:]{re.escape(name)}[,;\s]", text), name
+
+
+# ------------------------------------------------------------------ values
+@pytest.mark.parametrize(("text", "size"), [
+    ("4096", 4096), ("0", 0), ("64GiB", 64 << 30), ("512MiB", 512 << 20),
+    ("1.5GB", 1_500_000_000), ("2 kib", 2048), ("10kB", 10_000), ("1TiB", 1 << 40),
+    ("100B", 100), (".5MiB", 1 << 19), ("1e", None), ("64GiBs", None), ("-1GiB", None),
+    ("GiB", None), ("", None), ("1.5.2GB", None), ("nan", None),
+])
+def test_parse_size(text: str, size: int | None) -> None:
+    if size is not None:
+        assert parse_size(text) == size
+        return
+    with pytest.raises(argparse.ArgumentTypeError, match=r"is not a size.*512MiB"):
+        parse_size(text)
+
+
+def test_a_bad_size_is_a_usage_error_naming_the_flag(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser(prog="kvprefetch")
+    parser.add_argument("--dram-bytes", type=parse_size)
+    assert parser.parse_args(["--dram-bytes", "24GiB"]).dram_bytes == 24 << 30
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--dram-bytes", "lots"])
+    assert "argument --dram-bytes: 'lots' is not a size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["sim", "--nodes", "0"], "argument --nodes: 0 is not a positive integer"),
+    (["sim", "--nodes", "-3"], "argument --nodes: -3 is not a positive integer"),
+    (["sim", "--nodes", "two"], "argument --nodes: 'two' is not a positive integer"),
+    (["sim", "--load", "-1"], "argument --load: -1 is not a positive number"),
+    (["sim", "--load", "0"], "argument --load: 0 is not a positive number"),
+    (["sim", "--load", "nan"], "argument --load: 'nan' is not a positive number"),
+    (["sim", "--session-rate", "0"], "argument --session-rate: 0 is not a positive number"),
+    (["sim", "--concurrency", "0"], "argument --concurrency: 0 is not a positive integer"),
+    (["sim", "--workers", "0"], "argument --workers: 0 is not a positive integer"),
+    (["sim", "--limit-sessions", "0"], "argument --limit-sessions: 0 is not a positive"),
+    (["sim", "--seed", "-1"], "argument --seed: -1 is not an integer >= 0"),
+    (["sim-grid", "--traces", "synthetic:chat", "--workers", "0"],
+     "argument --workers: 0 is not a positive integer"),
+    (["train", "--trace", "t", "--out", "o", "--predictor", "gbm", "--limit-sessions", "-2"],
+     "argument --limit-sessions: -2 is not a positive integer"),
+    (["journal", "check", "j", "--show", "-1"], "argument --show: -1 is not an integer >= 0"),
+])
+def test_bad_values_are_one_line_usage_errors_naming_the_flag(
+        argv: list[str], words: str, capsys: pytest.CaptureFixture[str]) -> None:
+    err = _usage_error(argv, capsys)
+    assert "Traceback" not in err and err.startswith("usage: ")
+    assert words in err.strip().splitlines()[-1]  # one error line after the usage
+
+
+def test_number_types() -> None:
+    assert positive_int("3") == 3 and positive_float("0.5") == 0.5
+    for bad in ("1.5", "inf"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            positive_int(bad)
+    with pytest.raises(argparse.ArgumentTypeError):
+        positive_float("inf")
+
+
+# ------------------------------------------------------------------ plot
+def _plot_report(prefetched: int) -> dict[str, Any]:
+    policy = {"returning_ttft_quantiles_s": [0.1, 0.5, 2.0], "prefetched_bytes": prefetched,
+              "wasted_bytes": prefetched // 4}
+    return {"meta": {"trace": "t", "nodes": 1, "model": "8b"},
+            "policies": {"ondemand": dict(policy, prefetched_bytes=0, wasted_bytes=0),
+                         "predictive": policy}}
+
+
+@pytest.mark.parametrize("prefetched", [0, 3 << 30])
+def test_the_prefetch_panel_says_when_nothing_was_prefetched(
+        prefetched: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("matplotlib")
+    from kvprefetch.controlplane.sim import report
+
+    saved: list[Any] = []
+    monkeypatch.setattr(report, "save_figure_atomic", lambda fig, path: saved.append(fig))
+    report.write_plot(_plot_report(prefetched), tmp_path / "p.png")
+    panel = saved[0].axes[1]
+    texts = [t.get_text() for t in panel.texts]
+    if prefetched:
+        assert texts == [] and len(panel.patches) == 2  # predictive: useful + wasted
+    else:
+        assert texts == ["no prefetches"] and not panel.patches
+        assert list(panel.get_yticks()) == []
