@@ -214,4 +214,5 @@ def load_default() -> HintedPredictor:
     Without hints its forecasts are the shipped model's."""
     from kvprefetch.predictors.adaptive import load_default as load_shipped
 
-    return HintedPredictor(load_shipped())
+    shipped: Any = load_shipped()  # its `name` is a class attribute, the protocol's an instance's
+    return HintedPredictor(shipped)
