@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kvprefetch.controlplane.base.errors import ConfigError
+from kvprefetch.controlplane.base.units import ByteSize
 
 GIB = 1 << 30
 
@@ -59,8 +60,10 @@ class NodeProfile(_Frozen):
     peak_flops_per_gpu: float = Field(989e12, gt=0)
     #: Prefill model-FLOPs utilisation; 0.4-0.6 is typical (ARCHITECTURE.md, cost model).
     prefill_mfu: float = Field(0.5, gt=0, le=1)
-    hbm_kv_bytes: int = Field(gt=0, description="HBM left for KV after weights/activations")
-    dram_tier_bytes: int = Field(ge=0, description="node-local CPU DRAM tier (LMCache L1)")
+    hbm_kv_bytes: ByteSize = Field(gt=0, description="HBM left for KV after weights/activations "
+                                   "(bytes, or a size such as 48GiB)")
+    dram_tier_bytes: ByteSize = Field(ge=0, description="node-local CPU DRAM tier (LMCache L1; "
+                                      "bytes, or a size such as 64GiB)")
     #: NIC bandwidth per node: 100-400 Gb/s is common for GPU nodes (ARCHITECTURE.md).
     nic_gbps: float = Field(100.0, gt=0)
     #: Host-to-GPU copy bandwidth; PCIe 5 x16 gives ~25-50 GB/s in practice (ARCHITECTURE.md).
@@ -87,7 +90,7 @@ class RemoteStoreProfile(_Frozen):
     valkey_gbyte_s_per_node: float = Field(5.0, gt=0)
     #: Total Valkey memory for KV, shared by the fleet (4 shards x 128 GiB); LRU beyond
     #: it, and older objects are read from S3.
-    valkey_capacity_bytes: int = Field(512 * GIB, ge=0)
+    valkey_capacity_bytes: ByteSize = Field(512 * GIB, ge=0)
     #: S3 first-byte latency: tens of ms for S3 standard (AWS S3 performance guidelines).
     s3_first_byte_s: float = Field(0.030, ge=0)
     #: ~100 MB/s per connection (AWS S3 performance guidelines), many ranged GETs in parallel.

@@ -3,18 +3,20 @@ optional dependency into the extra that provides it.
 
 The ``type=`` functions raise :class:`argparse.ArgumentTypeError`, so argparse reports a bad
 value as one usage line that names the flag (``argument --nodes: 0 is not a positive
-integer``) and exits with status 2. This module imports only the standard library: every
-sub-command's ``--help`` builds from it with no extra installed.
+integer``) and exits with status 2. This module imports only the standard library and the
+base layer (core dependencies): every sub-command's ``--help`` builds from it with no extra
+installed.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from kvprefetch.controlplane.base.units import parse_size as _parse_size
 
 if TYPE_CHECKING:
     from kvprefetch.controlplane.base.types import Trace
@@ -23,28 +25,13 @@ if TYPE_CHECKING:
 #: line); kept equal to :data:`kvprefetch.controlplane.traces.detect.FORMATS` by a test.
 TRACE_FORMATS: tuple[str, ...] = ("auto", "claude-code", "mooncake", "azure", "journal")
 
-#: Size units and their bytes: decimal (kB, MB, GB, TB) and binary (KiB, MiB, GiB, TiB).
-_SIZE_UNITS: dict[str, int] = {
-    "": 1, "b": 1,
-    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-    "t": 10**12, "tb": 10**12,
-    "ki": 1 << 10, "kib": 1 << 10, "mi": 1 << 20, "mib": 1 << 20, "gi": 1 << 30,
-    "gib": 1 << 30, "ti": 1 << 40, "tib": 1 << 40,
-}
-_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
-
-
 def parse_size(text: str) -> int:
-    """Bytes from a size with an optional unit: ``4096`` (bytes), ``1.5GB`` (decimal),
-    ``512MiB`` or ``64GiB`` (binary); units are case-insensitive. A fractional byte count
-    rounds to the nearest byte."""
-    match = _SIZE.fullmatch(text)
-    unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _SIZE_UNITS:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a size: give bytes (4096) or a number with a unit, "
-            "e.g. 512MiB, 64GiB, 1.5GB (units: B, kB, MB, GB, TB, KiB, MiB, GiB, TiB)")
-    return round(float(match.group(1)) * _SIZE_UNITS[unit])
+    """Bytes from a size with an optional unit (:func:`kvprefetch.controlplane.base.units.
+    parse_size`), as an argparse type."""
+    try:
+        return _parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _number(text: str, kind: type[int] | type[float], what: str) -> float:
