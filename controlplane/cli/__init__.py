@@ -27,6 +27,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
              "live control plane on local Ray: ondemand vs predictive with real bytes"),
     "serve": ("kvprefetch.controlplane.cli.serve",
               "attach to a Ray cluster: scheduler, one agent per GPU node, HTTP API"),
+    "gateway": ("kvprefetch.controlplane.cli.gateway",
+                "the OpenAI-compatible gateway in front of the nodes' vLLM servers"),
     "journal": ("kvprefetch.controlplane.cli.journal_cmd",
                 "check a scheduler journal (--repair), or compact it"),
     "init": ("kvprefetch.controlplane.cli.init",

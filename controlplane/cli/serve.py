@@ -34,6 +34,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -53,6 +54,7 @@ from kvprefetch.controlplane.base.errors import (
     KvPrefetchError,
     ServiceUnavailableError,
 )
+from kvprefetch.controlplane.base.units import ByteSize
 from kvprefetch.controlplane.live.config import ServiceConfig
 from kvprefetch.controlplane.live.limits import RequestLimits, check_tenant_name
 from kvprefetch.controlplane.live.tenants import TenantAuth
@@ -64,7 +66,7 @@ NAMESPACE = "kvprefetch"  # = kvprefetch.agents.ray_entry.NAMESPACE (not importe
 EPILOG = """examples:
   kvprefetch serve --config examples/serve.yaml                  # on a Ray cluster node
   kvprefetch serve --config examples/serve.yaml --address local  # this machine, one node
-  kvprefetch serve --config my.yaml --check                      # validate and exit
+  kvprefetch serve --config my.yaml --check   # validate, probe Valkey, S3 and Ray, exit
 """
 
 
@@ -120,7 +122,7 @@ class AgentSettings(_Section):
     #: The node-local DRAM tier of each agent (``{node}``: the node's number, so that
     #: several nodes on one machine do not share a directory). Under /dev/shm for DRAM.
     tier_path: str = Field("/dev/shm/kvprefetch-{node}", min_length=1)
-    tier_capacity_bytes: int | None = Field(None, gt=0)
+    tier_capacity_bytes: ByteSize | None = Field(None, gt=0)
     tier_kind: str = Field("dram", pattern="^(dram|disk)$")
     transfer: TransferConfig = TransferConfig()
     #: Each agent reports its tier's capacity to the scheduler this often (seconds): every
@@ -144,6 +146,15 @@ class AgentSettings(_Section):
             raise ValueError("agent.tier_capacity_bytes is required with backend "
                              f"{self.backend}")
         return self
+
+    def lmcache_for(self, node_ip: str) -> LMCacheBackendConfig | None:
+        """The ``lmcache`` section for the node at ``node_ip``: ``{node_ip}`` in its
+        ``http_url`` becomes the node's address (servers bound to their node's address,
+        e.g. several nodes' LMCache servers on one machine)."""
+        if self.lmcache is None or "{node_ip}" not in self.lmcache.http_url:
+            return self.lmcache
+        return self.lmcache.model_copy(
+            update={"http_url": self.lmcache.http_url.replace("{node_ip}", node_ip)})
 
     def dram(self, node: int) -> LocalTierConfig | None:
         """Node ``node``'s local tier (None with the ``lmcache-mp`` backend)."""
@@ -365,19 +376,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, help="serve config (YAML)")
     p.add_argument("--address", help="Ray address; overrides ray.address (auto, host:port, "
                                      "ray://..., or local)")
-    p.add_argument("--check", action="store_true", help="validate the config and exit")
+    p.add_argument("--nodes-file", metavar="PATH",
+                   help="once ready, write the nodes in the scheduler's order (JSON: node, "
+                        "name, ip), from which a gateway builds its --upstream list")
+    p.add_argument("--check", action="store_true",
+                   help="validate the config, refuse REPLACE_ME placeholders, probe Valkey, "
+                        "S3 and the Ray address; one line each; exit 2 on any failure")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.check:
+        return _check(args.config, args.address)
     cfg = load_serve_config(args.config)
     auth = cfg.auth()
     address = args.address or cfg.ray.address
-    if args.check:
-        print(f"{args.config}: ok ({describe_auth(auth)})")
-        return 0
     if not auth.required and cfg.http.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("the HTTP API listens on %s without a bearer token", cfg.http.host)
-    return Serve(cfg, address, auth).run()
+    return Serve(cfg, address, auth, nodes_file=args.nodes_file).run()
+
+
+def _check(path: str, address: str | None) -> int:
+    """``--check``: one line per finding (failures on stderr); 2 if any failed."""
+    from kvprefetch.controlplane.cli.serve_check import check_config
+
+    findings = check_config(path, address)
+    for f in findings:
+        print(f"kvprefetch serve --check: {f.line()}",
+              file=sys.stdout if f.ok else sys.stderr, flush=True)
+    return 0 if all(f.ok for f in findings) else 2
 
 
 def describe_auth(auth: TenantAuth) -> str:
@@ -402,10 +428,13 @@ def http_app(cfg: ServeConfig, scheduler: Any, auth: TenantAuth, *, chunk_tokens
 class Serve:
     """One ``serve`` run: set up, serve until a signal, tear down (in reverse order)."""
 
-    def __init__(self, cfg: ServeConfig, address: str, auth: TenantAuth) -> None:
+    def __init__(self, cfg: ServeConfig, address: str, auth: TenantAuth,
+                 nodes_file: str | None = None) -> None:
         self.cfg = cfg
         self.address = address
         self.auth = auth
+        #: Where the node order goes once the agents are placed (see write_nodes_file).
+        self.nodes_file = nodes_file
         self._stop = threading.Event()
         self._serving = False
 
@@ -474,12 +503,13 @@ class Serve:
             names + [f"node-{i}" for i in range(len(nodes), capacity)], len(nodes))
         a = cfg.agent
 
-        def agent_config(i: int, name: str) -> AgentConfig:
+        def agent_config(i: int, name: str, ip: str) -> AgentConfig:
             return AgentConfig(node=i, node_name=name, remote=cfg.stores, transfer=a.transfer,
-                               backend=a.backend, lmcache=a.lmcache, sglang=a.sglang,
+                               backend=a.backend, lmcache=a.lmcache_for(ip), sglang=a.sglang,
                                dram=a.dram(i), status_interval_s=a.status_interval_s)
 
-        agents = [agent_config(i, names[i]) for i in range(len(nodes))]
+        ips = [str(n.get("NodeManagerAddress") or "127.0.0.1") for n in nodes]
+        agents = [agent_config(i, names[i], ips[i]) for i in range(len(nodes))]
         placements = [Placement(node_id=n["NodeID"]) for n in nodes]
         here = Placement(node_id=ray.get_runtime_context().get_node_id())
         log.info("deploying the scheduler (policy %s) and %d agents in namespace %r",
@@ -498,7 +528,8 @@ class Serve:
                 name = str(node.info.get("NodeManagerAddress") or f"node-{i}")
                 name = name if name not in taken else f"{name}#{i}"
                 taken.add(name)
-                return agent_config(i, name)
+                ip = str(node.info.get("NodeManagerAddress") or "127.0.0.1")
+                return agent_config(i, name, ip)
 
             dep.watch_nodes(lambda: ray_node_candidates(resource=p.resource, labels=p.labels),
                             joined_agent, interval_s=p.watch_interval_s)
@@ -522,6 +553,9 @@ class Serve:
                                                 access_log=cfg.http.access_log, log_level="info"))
         log.info("HTTP API on %s (%s): POST /v1/route ..., GET /metrics, GET /healthz, "
                  "OpenAPI at /openapi.json", server.url, describe_auth(self.auth))
+        if self.nodes_file is not None:
+            write_nodes_file(self.nodes_file, names, ips)
+            log.info("node order written to %s", self.nodes_file)
         print(f"kvprefetch serve: ready, {len(agents)} agents, HTTP API on {server.url}",
               flush=True)
 
@@ -571,6 +605,19 @@ class Serve:
             nodes = nodes[: p.max_nodes]
         log.info("%d nodes with %s get an agent", len(nodes), what)
         return nodes
+
+
+def write_nodes_file(path: str | Path, names: list[str], ips: list[str]) -> None:
+    """The scheduler's node order as JSON, ``[{"node": 0, "name": ..., "ip": ...}, ...]``
+    (atomically): node i of every route answer is entry i, so a gateway started later
+    (``examples/deploy/kvprefetch-node.sh gateway``) lists its upstreams in this order."""
+    import json
+
+    from kvprefetch.controlplane.base.atomic import write_atomic
+
+    rows = [{"node": i, "name": n, "ip": ip} for i, (n, ip) in enumerate(zip(names, ips,
+                                                                             strict=True))]
+    write_atomic(Path(path), [(json.dumps(rows, indent=1) + "\n").encode()])
 
 
 def _node_names(nodes: list[dict[str, Any]]) -> list[str]:

@@ -549,8 +549,89 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+#: The environment variable the gateway reads the scheduler's API token from.
+TOKEN_ENV = "KVPREFETCH_API_TOKEN"
+
+
+def read_token_file(path: str | os.PathLike[str]) -> str:
+    """A secret from a file only its owner may read (mode 0600 or 0400), without the
+    trailing newline. Raises :class:`~kvprefetch.controlplane.base.errors.ConfigError` (one
+    line, never the secret) for a file others may read, a missing or an empty one."""
+    import stat
+
+    from kvprefetch.controlplane.base.errors import ConfigError
+
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        raise ConfigError(f"token file {path}: {exc.strerror}") from None
+    if mode & 0o077:
+        raise ConfigError(f"token file {path}: mode {mode:04o} lets group or others read it; "
+                          f"chmod 600 {path}")
+    token = text.rstrip("\r\n")
+    if not token.strip():
+        raise ConfigError(f"token file {path}: empty")
+    return token
+
+
+def scheduler_token(token_file: str | None) -> str | None:
+    """The scheduler's API token: ``token_file`` (see :func:`read_token_file`) or the
+    :data:`TOKEN_ENV` environment variable; None when neither is given. Never from argv:
+    a command line is visible to every user of the machine (``ps``)."""
+    if token_file:
+        return read_token_file(token_file)
+    return os.environ.get(TOKEN_ENV) or None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The gateway's options (``kvprefetch gateway`` and ``python -m`` this module)."""
+    parser.add_argument("--upstream", action="append", required=True,
+                        help="a node's vLLM base URL, in node order (repeat per node)")
+    parser.add_argument("--scheduler", help="the scheduler (http://... or a Ray address); "
+                        "without it, requests are routed by load")
+    parser.add_argument("--tenant")
+    parser.add_argument("--token-file", metavar="PATH",
+                        help=f"file holding the scheduler's API token (mode 0600 or 0400); "
+                        f"default: the {TOKEN_ENV} environment variable")
+    parser.add_argument("--cache-salt-env", metavar="NAME",
+                        help="environment variable holding the base of the tenants' cache "
+                        "salts (the agents' lmcache.cache_salt)")
+    parser.add_argument("--valkey", help="host:port of the token store's Valkey")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8080)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve the gateway in the foreground (uvicorn) until interrupted."""
+    import uvicorn
+
+    token = scheduler_token(args.token_file)
+    scheduler = None
+    if args.scheduler:
+        from kvprefetch.controlplane.live.client import connect
+
+        scheduler = connect(args.scheduler, tenant=args.tenant, token=token)
+    tokens = None
+    if args.valkey:
+        from kvprefetch.agents.stores.valkey_store import ValkeyStore, ValkeyStoreConfig
+
+        host, _, port = args.valkey.rpartition(":")
+        store = ValkeyStore(ValkeyStoreConfig(host=host, port=int(port)))
+        store.start()
+        tokens = store_sink(store)
+    salt = os.environ.get(args.cache_salt_env, "") if args.cache_salt_env else ""
+    gateway = Gateway(GatewayConfig(upstreams=args.upstream, tenant=args.tenant,
+                                    cache_salt=salt),
+                      scheduler=scheduler, tokens=tokens)
+    uvicorn.run(build_app(gateway), host=args.host, port=args.port)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="kvprefetch's OpenAI-compatible gateway")
+    parser = argparse.ArgumentParser(description="kvprefetch's OpenAI-compatible gateway",
+                                     allow_abbrev=False)
     add_arguments(parser)
     args = parser.parse_args(argv)
     import sys
