@@ -13,6 +13,18 @@ corrupt, cold good: the S3 copy read in its place is written back into Valkey. C
 (S3 keeps it, quarantined): Valkey is read once more and, if it now serves the key, S3 is
 rewritten from it. A tier with a ``repair`` method (:class:`RepairableStore`: both of ours)
 replaces only the broken version, never one written meanwhile; others get a plain ``put``.
+
+Freshness: an acknowledged put or delete is never followed by a read of an older version.
+A read that misses Valkey takes a fill lease on the key (:class:`FillableStore`) before it
+reads S3, and its promotion (or hot repair) lands only while that lease stands: any put or
+delete of the key since cancels it, so a slow promotion never writes an old version over,
+or after, a newer one. A hot tier without leases gets no promotions and no hot repairs.
+A write that leaves one tier's copy behind the acknowledged version (Valkey unreachable
+during a put or delete, S3 down, a write-back upload pending or failed) is recorded in
+:class:`~kvprefetch.agents.stores.freshness.StaleCopies`: reads skip that copy (Valkey's is
+deleted as soon as Valkey answers again; S3's is a miss until a later put reaches S3). The
+record is this process's; readers in another process sharing the servers rely on the
+invalidation reaching Valkey. Concurrent puts of one key settle on either version.
 """
 
 from __future__ import annotations
@@ -22,6 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from functools import partial
 from typing import Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -40,13 +53,16 @@ from kvprefetch.agents.stores.base import (
 )
 from kvprefetch.agents.stores.errors import (
     CorruptObjectError,
+    ObjectNotFoundError,
     StoreConnectionError,
     StoreError,
     StoreUnavailableError,
 )
 from kvprefetch.agents.stores.format import ObjectHeader
+from kvprefetch.agents.stores.freshness import StaleCopies
 
 log = logging.getLogger(__name__)
+_TIERS: tuple[Literal["hot", "cold"], ...] = ("hot", "cold")
 
 
 class TieredStoreConfig(BaseModel):
@@ -67,6 +83,11 @@ class TieredStoreConfig(BaseModel):
     #: promotions are dropped (write-backs never are).
     background_threads: int = Field(2, ge=1)
     max_pending: int = Field(64, ge=1)
+    #: How long a read's fill lease holds: its promotion must land within this time.
+    fill_lease_s: float = Field(10.0, gt=0)
+    #: Keys per tier whose copy may lag the acknowledged version (see the module
+    #: docstring); a put or delete that would leave more is refused before it writes.
+    max_stale_keys: int = Field(1_000_000, ge=1)
 
 
 @runtime_checkable
@@ -80,6 +101,22 @@ class RepairableStore(Protocol):
 
     def repair(self, items: Sequence[tuple[str, Buffer]], *, ttl_s: float | None = None
                ) -> list[OpResult]: ...
+
+
+@runtime_checkable
+class FillableStore(Protocol):
+    """A hot tier whose read-through fills never land over a newer version.
+
+    Called by :class:`TieredStore`: ``lease`` once per read that missed, for the keys it
+    missed, before they are read from the cold tier; ``fill`` from a background thread,
+    once per copy read from the cold tier under a lease. A put or delete of a key cancels
+    the leases taken on it before; ``fill`` then answers ``ok`` False and writes nothing.
+    """
+
+    def lease(self, keys: Sequence[str], *, ttl_s: float) -> list[bytes | None]: ...
+
+    def fill(self, items: Sequence[tuple[str, Buffer, bytes]], *, ttl_s: float | None = None
+             ) -> list[OpResult]: ...
 
 
 class _TeeWriter:
@@ -141,6 +178,11 @@ class TieredStore(StoreLifecycle):
         self._pending: set[Future[None]] = set()
         self._stats = StatsCounter()
         self._repairs = {"hot": 0, "cold": 0}
+        self._stale = StaleCopies(self.config.max_stale_keys)
+        #: Write-back: the newest payload per key not yet in S3 (with the generation of its
+        #: stale mark), and the keys whose upload task runs (one per key, in order).
+        self._uploads: dict[str, tuple[int, Buffer]] = {}
+        self._uploading: set[str] = set()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -209,17 +251,42 @@ class TieredStore(StoreLifecycle):
 
         future.add_done_callback(done)
 
-    def _promote(self, header: ObjectHeader, payload: Buffer) -> None:
-        if not self.config.promote or not self._up(self.hot):
-            return
+    def _fill(self, header: ObjectHeader, payload: Buffer, marker: bytes, *,
+              repair: bool) -> None:
+        """Copy an object read from the cold tier into the hot tier under the read's lease
+        (a promotion, or the repair of a broken hot copy), in the background."""
+        hot = self.hot
+        assert isinstance(hot, FillableStore)
 
         def run() -> None:
-            res = self.hot.put([(header.key, payload)], ttl_s=self.config.hot_ttl_s)
+            res = hot.fill([(header.key, payload, marker)], ttl_s=self.config.hot_ttl_s)
             self._observe(self.hot, [r.error for r in res])
-            if res[0].ok:
+            if not res[0].ok:
+                return
+            if repair:
+                with self._lock:
+                    self._repairs["hot"] += 1
+                log.info("%s: %r repaired in %s from the other tier", self.name,
+                         header.key, self.hot.name)
+            else:
                 self._stats.add(promotions=1)
 
-        self._background(run, droppable=True)
+        self._background(run, droppable=not repair)
+
+    def stale_copies(self) -> dict[str, int]:
+        """Keys whose hot or cold copy may lag the acknowledged version, per tier."""
+        return {"hot": self._stale.count("hot"), "cold": self._stale.count("cold")}
+
+    def _settle_hot(self) -> None:
+        """Delete the Valkey copies that writes made while Valkey was unreachable left
+        stale; each is trusted again once its delete is acknowledged."""
+        if not self._stale.any("hot") or not self._up(self.hot):
+            return
+        upto = self._stale.generation()
+        keys = self._stale.keys("hot")
+        answers = self.hot.delete(keys)
+        self._observe(self.hot, [a.error for a in answers])
+        self._stale.clear("hot", [a.key for a in answers if a.error is None], upto)
 
     def repairs(self) -> dict[str, int]:
         """Broken copies rewritten from the other tier since start, per tier repaired."""
@@ -272,29 +339,37 @@ class TieredStore(StoreLifecycle):
         cancel: CancelToken | None = None,
     ) -> list[GetResult]:
         """Hot tier first; misses and hot-tier failures go to the cold tier; S3 hits are
-        promoted into the hot tier in the background."""
+        promoted into the hot tier in the background, under the fill lease the read took
+        when it missed. A copy known to be stale is skipped (see the module docstring)."""
         check_cancel(cancel)
+        self._settle_hot()
         results: dict[str, GetResult] = {}
+        distrusted = self._stale.of("hot", keys)
         if self._up(self.hot):
-            answers = self.hot.get(keys, sink=sink, cancel=cancel)
+            hot_keys = [k for k in keys if k not in distrusted] if distrusted else keys
+            answers = self.hot.get(hot_keys, sink=sink, cancel=cancel) if hot_keys else []
             self._observe(self.hot, [a.error for a in answers])
             results.update((a.key, a) for a in answers)
         rest = [k for k in keys if k not in results or not results[k].ok]
+        behind = self._stale.of("cold", rest)  # S3 holds an older version: a miss
+        rest = [k for k in rest if k not in behind] if behind else rest
         if rest and self._up(self.cold):
             check_cancel(cancel)
-            promote = self.config.promote and self._up(self.hot)
-            hot_broken = ({k for k in rest if isinstance(results[k].error, CorruptObjectError)}
-                          if self._up(self.hot) else set())
+            hot_broken = {k for k in rest
+                          if k in results and isinstance(results[k].error, CorruptObjectError)}
+            absent = [k for k in rest
+                      if k in results and isinstance(results[k].error, ObjectNotFoundError)]
+            markers = self._lease([*hot_broken, *absent] if self.config.promote
+                                  else list(hot_broken))
 
             def cold_hit(header: ObjectHeader, payload: Buffer) -> None:
-                if header.key in hot_broken:
-                    self._repair("hot", header, payload)
-                elif promote:
-                    self._promote(header, payload)
+                marker = markers.get(header.key)
+                if marker is not None:
+                    self._fill(header, payload, marker, repair=header.key in hot_broken)
 
             cold_sink = sink
-            if (promote or hot_broken) and sink is not None:
-                cold_sink = _TeeSink(sink, cold_hit, lambda k: promote or k in hot_broken)
+            if markers and sink is not None:
+                cold_sink = _TeeSink(sink, cold_hit, markers.__contains__)
             answers = self.cold.get(rest, sink=cold_sink, cancel=cancel)
             self._observe(self.cold, [a.error for a in answers])
             for a in answers:
@@ -316,6 +391,14 @@ class TieredStore(StoreLifecycle):
                     f"{k!r}: no tier could serve it ({cause or 'all tiers down'})"))
             out.append(self._stats.count_get(r))
         return out
+
+    def _lease(self, keys: list[str]) -> dict[str, bytes]:
+        """Fill leases on ``keys`` (answered absent or broken by the hot tier), taken before
+        they are read from the cold tier; empty when the hot tier cannot fill."""
+        if not keys or not isinstance(self.hot, FillableStore) or not self._up(self.hot):
+            return {}
+        taken = self.hot.lease(keys, ttl_s=self.config.fill_lease_s)
+        return {k: m for k, m in zip(keys, taken, strict=True) if m is not None}
 
     def _repair_cold(self, broken: list[str], results: dict[str, GetResult],
                      sink: PayloadSink | None, cancel: CancelToken | None) -> None:
@@ -341,29 +424,45 @@ class TieredStore(StoreLifecycle):
         ttl_s: float | None = None,
         cancel: CancelToken | None = None,
     ) -> list[OpResult]:
-        """Write-through: S3, then Valkey. Write-back: Valkey now, S3 in the background.
-        A key counts as stored when at least one tier has it (degraded writes are logged)."""
+        """Write-through: S3, then Valkey. Write-back: Valkey now, S3 in the background
+        (uploads of one key run one at a time, newest last). A key counts as stored when
+        at least one tier has it (degraded writes are logged); the tier that missed the
+        write is marked stale for the key (see the module docstring). Refused before
+        writing when that would mark more than ``max_stale_keys``."""
         hot_ttl = ttl_s if ttl_s is not None else self.config.hot_ttl_s
         check_cancel(cancel)
+        self._settle_hot()
         hot_up, cold_up = self._up(self.hot), self._up(self.cold)
+        write_back = self.config.write_mode == "write-back" and hot_up
+        lagging: Literal["hot", "cold"] | None = (
+            "hot" if not hot_up else "cold" if not cold_up or write_back else None)
+        if lagging is not None and not self._stale.room(lagging, len(items)):
+            full = StoreUnavailableError(
+                f"{lagging} tier unreachable and {self.config.max_stale_keys} keys already "
+                "wait for it to catch up")
+            return [OpResult(k, False, full) for k, _ in items]
         cold_res: dict[str, OpResult] = {}
         hot_res: dict[str, OpResult] = {}
-        write_back = self.config.write_mode == "write-back" and hot_up
         if cold_up and not write_back:
             answers = self.cold.put(items, cancel=cancel)
             self._observe(self.cold, [a.error for a in answers])
             cold_res = {a.key: a for a in answers}
+        before = self._stale.generation()
         if hot_up:
             answers = self.hot.put(items, ttl_s=hot_ttl, cancel=cancel)
             self._observe(self.hot, [a.error for a in answers])
             hot_res = {a.key: a for a in answers}
-        if write_back and cold_up:
-            stored = [(k, p) for k, p in items if hot_res.get(k, OpResult(k, False)).ok]
-            if stored:
-                def run() -> None:
-                    res = self.cold.put(stored)
-                    self._observe(self.cold, [r.error for r in res])
-                self._background(run, droppable=False)
+        hot_ok = {k for k, r in hot_res.items() if r.ok}
+        cold_ok = {k for k, r in cold_res.items() if r.ok}
+        # Valkey may still hold an older version (or a lease whose fill would write one).
+        self._stale.mark("hot", [k for k, _ in items if k in cold_ok and k not in hot_ok])
+        self._stale.clear("hot", hot_ok, before)
+        if write_back:
+            self._upload_later([(k, p) for k, p in items if k in hot_ok])
+        else:
+            self._stale.mark("cold", [k for k, _ in items if k in hot_ok and k not in cold_ok])
+            self._stale.clear("cold", cold_ok, before)
+        self._settle_hot()
         out = []
         for key, _ in items:
             c, h = cold_res.get(key), hot_res.get(key)
@@ -376,10 +475,62 @@ class TieredStore(StoreLifecycle):
                 out.append(OpResult(key, False, err or StoreUnavailableError("no tier is up")))
         return out
 
+    def _upload_later(self, items: Sequence[tuple[str, Buffer]]) -> None:
+        """Write-back: queue the newest payload of each key for S3; S3's copy is stale until
+        it lands. One upload task per key, which uploads whatever is newest when it starts
+        and again while newer puts arrive, so S3 never ends on an older version."""
+        if not items:
+            return
+        self._stale.mark("cold", [k for k, _ in items])
+        gen = self._stale.generation()
+        start = []
+        with self._lock:
+            for key, payload in items:
+                self._uploads[key] = (gen, payload)
+                if key not in self._uploading:
+                    self._uploading.add(key)
+                    start.append(key)
+        for key in start:
+            self._background(partial(self._upload, key), droppable=False)
+
+    def _upload(self, key: str) -> None:
+        while True:
+            with self._lock:
+                entry = self._uploads.get(key)
+                if entry is None:  # deleted meanwhile
+                    self._uploading.discard(key)
+                    return
+            gen, payload = entry
+            res = self.cold.put([(key, payload)]) if self._up(self.cold) else [
+                OpResult(key, False, StoreUnavailableError("cold tier down"))]
+            self._observe(self.cold, [r.error for r in res])
+            with self._lock:
+                newest = self._uploads.get(key)
+                if newest is not None and newest[0] != gen:
+                    continue  # a newer put arrived meanwhile: upload it too
+                self._uploads.pop(key, None)
+                self._uploading.discard(key)
+            if newest is None and res[0].ok:  # deleted while uploading: not resurrected
+                self.cold.delete([key])
+            elif res[0].ok:
+                self._stale.clear("cold", [key], gen)
+            else:  # S3 keeps an older version: reads that miss Valkey miss
+                log.warning("%s: write-back of %r failed; S3 holds an older version: %s",
+                            self.name, key, res[0].error)
+            return
+
     def delete(self, keys: Sequence[str], *, cancel: CancelToken | None = None) -> list[OpResult]:
+        """Delete from both tiers; a tier that could not delete is marked stale for the key
+        (its copy is skipped by reads; Valkey's is deleted once it answers again)."""
         gone = dict.fromkeys(keys, False)
         errors: dict[str, StoreError | None] = dict.fromkeys(keys)
-        for tier in (self.hot, self.cold):
+        done: dict[str, set[str]] = {"hot": set(), "cold": set()}
+        with self._lock:
+            for k in keys:
+                self._uploads.pop(k, None)
+        before = self._stale.generation()
+        for which in _TIERS:
+            tier = self.hot if which == "hot" else self.cold
             if not self._up(tier):
                 continue
             answers = tier.delete(keys, cancel=cancel)
@@ -387,4 +538,9 @@ class TieredStore(StoreLifecycle):
             for a in answers:
                 gone[a.key] = gone[a.key] or a.ok
                 errors[a.key] = errors[a.key] or a.error
+                if a.error is None:
+                    done[which].add(a.key)
+        for which in _TIERS:
+            self._stale.mark(which, [k for k in keys if k not in done[which]])
+            self._stale.clear(which, done[which], before)
         return [OpResult(k, gone[k], errors[k]) for k in keys]

@@ -19,6 +19,15 @@ small Lua script); a newer version is never touched. A missing part whose head c
 under the reader is retried once with the new head. Explicit deletes take the head with
 ``GETDEL``, so exactly one caller cleans each version's parts.
 
+Fill leases (read-through promotion that an overwrite always wins): a reader that missed
+takes a *lease* on the key before it reads the durable tier: ``SET P h:<key> <marker> NX``,
+the marker being :data:`LEASE_MAGIC` and a random token, which every reader answers as a
+miss. Its fill publishes the copy only if the head still holds that very marker (a small Lua
+script). Any put (the head swapped) or delete (``GETDEL``) since the lease replaced the
+marker, and an expired or evicted marker is absent, so a fill never lands over, or after, a
+newer version. The marker lives in the head key itself, so the check touches one key (one
+cluster slot) and a put pays nothing for it.
+
 Parts of one object hash to different cluster slots on purpose: a large object is then
 spread over every shard and read from all of them at once.
 
@@ -81,6 +90,26 @@ log = logging.getLogger(__name__)
 MIB = 1 << 20
 #: Bytes of the version tag that follows a striped object's header in its head.
 TAG_BYTES = 8
+
+#: The first bytes of a fill lease's marker in a head (never the start of an object).
+LEASE_MAGIC = b"KVPL"
+#: Random bytes after :data:`LEASE_MAGIC` in a marker: tells one reader's lease from another's.
+LEASE_TOKEN_BYTES = 16
+
+#: Publish a fill: set KEYS[1] to ARGV[2] (PX ARGV[3] unless empty) only if it still holds
+#: the lease marker ARGV[1]; 1 if set.
+_FILL_IF_LEASED = """
+if redis.call('STRLEN', KEYS[1]) ~= string.len(ARGV[1])
+    or redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  return 0
+end
+if ARGV[3] == '' then
+  redis.call('SET', KEYS[1], ARGV[2])
+else
+  redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+end
+return 1
+"""
 
 #: Compare-and-delete: delete KEYS[1] only if it still holds ARGV[1]; 1 if deleted.
 _DELETE_IF_UNCHANGED = """
@@ -451,6 +480,7 @@ class ValkeyStore(StoreLifecycle):
         self._lock = threading.Lock()
         self._bulk = _BulkPool(config)
         self._delete_if_unchanged: Any = None
+        self._fill_if_leased: Any = None
         #: Bytes of a replaced head read back on a put: room for the header and tag of the
         #: largest object this store writes (or 64 KiB: 8,000-odd parts, for other writers).
         max_parts = -(-config.max_object_bytes // config.part_bytes)
@@ -516,6 +546,7 @@ class ValkeyStore(StoreLifecycle):
         self._client = client
         # Registered here (no I/O: loaded on first use, re-sent after NOSCRIPT).
         self._delete_if_unchanged = client.register_script(_DELETE_IF_UNCHANGED)
+        self._fill_if_leased = client.register_script(_FILL_IF_LEASED)
         log.info("valkey store %s connected to %s", self.name, where)
 
     def close(self) -> None:
@@ -577,7 +608,10 @@ class ValkeyStore(StoreLifecycle):
 
     def _parse_head(self, key: str, raw: bytes) -> _Head:
         """Decode a head. Raises :class:`CorruptObjectError` for a damaged one and
-        :class:`ObjectNotFoundError` for a striped head of the old layout (no tag)."""
+        :class:`ObjectNotFoundError` for a striped head of the old layout (no tag) and for
+        a fill lease's marker."""
+        if raw[: len(LEASE_MAGIC)] == LEASE_MAGIC:
+            raise ObjectNotFoundError(f"{key!r}: not in {self.name} (a fill is pending)")
         header = decode_header(raw, expected_key=key)
         rest = len(raw) - header.header_bytes
         if header.parts <= 1:
@@ -627,12 +661,13 @@ class ValkeyStore(StoreLifecycle):
         try:
             with translate_valkey_errors("exists"):
                 pipe = self.client.pipeline(transaction=False)
-                for k in keys:
-                    pipe.exists(self.head_key(k))
+                for k in keys:  # the first bytes: a fill lease's marker is no object
+                    pipe.getrange(self.head_key(k), 0, len(LEASE_MAGIC) - 1)
                 answers = pipe.execute()
         except StoreError as exc:
             return [OpResult(k, False, exc) for k in keys]
-        return [OpResult(k, bool(a)) for k, a in zip(keys, answers, strict=True)]
+        return [OpResult(k, bool(a) and a != LEASE_MAGIC)
+                for k, a in zip(keys, answers, strict=True)]
 
     # -- get ---------------------------------------------------------------------------------
 
@@ -1048,6 +1083,40 @@ class ValkeyStore(StoreLifecycle):
         return self._keys.map(lambda it: self._put_one(it[0], it[1], px, None, absent=True),
                               items)
 
+    def lease(self, keys: Sequence[str], *, ttl_s: float) -> list[bytes | None]:
+        """Take a fill lease on each key that holds nothing (one pipelined round trip):
+        its marker, to pass to :meth:`fill`, or None (the key holds an object or another
+        reader's lease, or Valkey failed). Called by a tiered store for the keys a read
+        missed, before it reads them from the durable tier. The marker answers as a miss
+        and expires after ``ttl_s``; a put or delete of the key replaces it."""
+        if not keys:
+            return []
+        markers = [LEASE_MAGIC + os.urandom(LEASE_TOKEN_BYTES) for _ in keys]
+        px = self._px(ttl_s)
+        try:
+            with translate_valkey_errors("lease"):
+                pipe = self.client.pipeline(transaction=False)
+                for k, marker in zip(keys, markers, strict=True):
+                    pipe.set(self.head_key(k), marker, px=px, nx=True)
+                taken = pipe.execute()
+        except StoreError as exc:
+            log.debug("%s: no fill leases for %d keys: %s", self.name, len(keys), exc)
+            return [None] * len(keys)
+        return [m if ok else None for m, ok in zip(markers, taken, strict=True)]
+
+    def fill(self, items: Sequence[tuple[str, Buffer, bytes]], *, ttl_s: float | None = None
+             ) -> list[OpResult]:
+        """Publish copies read from the durable tier, ``(key, payload, lease marker)`` each,
+        only where the key still holds that marker (see :meth:`lease`): ``ok`` False, and
+        nothing left behind, when a put, a delete, an expiry or an eviction came first.
+        Called from a tiered store's background threads; not idempotent (the lease is used
+        up by a successful fill)."""
+        px = self._px(ttl_s)
+        for key, _, _ in items:
+            validate_key(key)
+        return self._keys.map(
+            lambda it: self._put_one(it[0], it[1], px, None, lease=it[2]), items)
+
     @staticmethod
     def _new_version(header: ObjectHeader, view: memoryview) -> tuple[bytes, str | None]:
         """The head value of a new version and the tag of its parts (None: no parts)."""
@@ -1177,7 +1246,7 @@ class ValkeyStore(StoreLifecycle):
             self._delete_names(names)
 
     def _put_one(self, key: str, payload: Buffer, px: int | None, cancel: CancelToken | None,
-                 *, absent: bool = False) -> OpResult:
+                 *, absent: bool = False, lease: bytes | None = None) -> OpResult:
         view = memoryview(payload).cast("B")
         header = make_header(key, view, self.config.part_bytes)
         value, tag = self._new_version(header, view)
@@ -1187,7 +1256,13 @@ class ValkeyStore(StoreLifecycle):
             try:
                 check_cancel(cancel)
                 with translate_valkey_errors("put"):
-                    if absent:  # SET NX: published only where nothing is
+                    if lease is not None:  # published only over the reader's own lease
+                        old = None
+                        args = [lease, value, "" if px is None else str(px)]
+                        if not self._fill_if_leased(keys=[self.head_key(key)], args=args):
+                            self._drop_own_parts([(header, tag)])
+                            return OpResult(key, False)
+                    elif absent:  # SET NX: published only where nothing is
                         old = None
                         if not self.client.set(self.head_key(key), value, px=px, nx=True):
                             self._drop_own_parts([(header, tag)])
@@ -1248,7 +1323,8 @@ class ValkeyStore(StoreLifecycle):
             log.warning("%s: parts of deleted objects not dropped: %s", self.name, exc)
         out = []
         for k, old in zip(keys, olds, strict=True):
-            if old is not None:
+            found = old is not None and old[: len(LEASE_MAGIC)] != LEASE_MAGIC
+            if found:
                 self._stats.add(deletes=1)
-            out.append(OpResult(k, old is not None))
+            out.append(OpResult(k, found))
         return out

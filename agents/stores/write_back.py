@@ -18,6 +18,11 @@ that a crash or a bounded :meth:`close` left. A queued key that Valkey no longer
 its upload starts (evicted or expired first) cannot be uploaded: it is counted as
 ``lost_keys`` and logged, never dropped silently. Uploads are idempotent (S3 may receive the
 same object twice after a crash between its write and the journal update).
+
+Order: one key is uploaded by one uploader at a time. A key stored again while its upload
+runs waits for that upload, then is uploaded again from Valkey (the newest version); the
+finished upload retires only the entry it took, so S3 never ends on an older version and
+the newer entry stays queued and journaled.
 """
 
 from __future__ import annotations
@@ -117,6 +122,8 @@ class WriteBackQueue:
         self._reserved = 0
         #: Keys deleted while their upload was in flight: deleted from S3 once it lands.
         self._forgotten: set[str] = set()
+        #: The entry each running upload took, by key (a key is uploaded by one at a time).
+        self._in_flight: dict[str, _Pending] = {}
         self._counters: dict[str, int] = dict.fromkeys(
             ("uploaded_keys", "uploaded_bytes", "lost_keys", "failed_batches",
              "requeued_on_start", "full_waits", "rejected_full"), 0)
@@ -250,9 +257,10 @@ class WriteBackQueue:
                 entry = self._pending.get(name)
                 if entry is None:
                     continue
-                if entry.in_flight:
+                if name in self._in_flight:
                     self._forgotten.add(name)
-                    continue
+                    if entry.in_flight:
+                        continue
                 del self._pending[name]
                 self._pending_bytes -= entry.size
                 dropped.append(name)
@@ -319,8 +327,9 @@ class WriteBackQueue:
                     continue
                 batch = []
                 for name, entry in self._pending.items():
-                    if not entry.in_flight:
+                    if not entry.in_flight and name not in self._in_flight:
                         entry.in_flight = True
+                        self._in_flight[name] = entry
                         batch.append(name)
                         if len(batch) == self.config.batch_keys:
                             break
@@ -345,6 +354,8 @@ class WriteBackQueue:
                         entry = self._pending.get(name)
                         if entry is not None:
                             entry.in_flight = False
+                        self._in_flight.pop(name, None)
+                    self._cond.notify_all()
                     self._cond.wait(self.config.retry_s)  # woken early by close
 
     def _upload(self, batch: list[str]) -> list[str]:
@@ -366,15 +377,20 @@ class WriteBackQueue:
                 (done if a.ok else retry).append(a.key)
         sizes = {r.key: r.payload_bytes for r in got}
         deleted = []
+        retired = []
         with self._cond:
             for name in done + lost:
-                entry = self._pending.pop(name, None)
-                if entry is not None:
+                taken = self._in_flight.pop(name, None)
+                entry = self._pending.get(name)
+                if entry is not None and entry is taken:
+                    del self._pending[name]
                     self._pending_bytes -= entry.size
+                    retired.append(name)
+                # else: stored again meanwhile; that entry stays queued (and journaled)
                 if name in self._forgotten:
                     self._forgotten.discard(name)
                     deleted.append(name)
-            really_lost = [n for n in lost if n not in deleted]
+            really_lost = [n for n in lost if n not in deleted and n in retired]
             self._counters["uploaded_keys"] += len(done)
             self._counters["uploaded_bytes"] += sum(sizes[n] for n in done)
             self._counters["lost_keys"] += len(really_lost)
@@ -384,7 +400,7 @@ class WriteBackQueue:
                         "(evicted or expired), e.g. %r", len(really_lost), really_lost[0])
         if deleted:  # deleted while uploading: the upload must not resurrect them in S3
             self.cold.delete([n for n in deleted if n in done])
-        self._unjournal(done + lost)
+        self._unjournal(retired)
         return retry
 
     def _unjournal(self, names: Sequence[str]) -> None:
