@@ -26,19 +26,25 @@ the single shared token of older configs act for the tenant the body names (defa
 ``"default"``). ``/healthz``, ``/metrics`` and the OpenAPI document stay open for probes
 and scrapers.
 
-Limits (:class:`~kvprefetch.controlplane.live.limits.RequestLimits`): a body over ``max_body_bytes``
-is refused with 413 before it is parsed; lists over ``max_token_ids`` /
+Limits (:class:`~kvprefetch.controlplane.live.limits.RequestLimits`): the token is checked
+from the headers before any of the body is read, and the body is read within a size cap,
+a deadline and a minimum rate, with a few large bodies per caller at once
+(:mod:`~kvprefetch.controlplane.live.http_edge`); it is validated in bounded time and memory
+(:mod:`~kvprefetch.controlplane.live.http_body`): lists over ``max_token_ids`` /
 ``max_chunk_hashes``, token ids outside 0..``max_token_id`` and session ids that break the
-rules are refused with 422 naming the field. With ``chunk_tokens`` given, token ids are
-hashed here, on the calling thread, and the scheduler receives the chunk hashes.
+rules are refused with 422 naming the field, listing at most ``max_listed_errors`` errors.
+With ``chunk_tokens`` given, token ids are hashed here, off the event loop, and the
+scheduler receives the chunk hashes. :class:`HttpServer` answers 503 past
+``max_connections``.
 
 Errors are JSON ``{"error": <type name>, "detail": <message>}`` with the status of the
 typed error (:attr:`~kvprefetch.controlplane.base.errors.ServiceError.http_status`): 401 no or wrong
 bearer
-token, 403 a tenant not allowed or not the token's, 404 unknown session, 413 body too
-large, 422 a body that fails validation (``errors`` then lists each field as
-``loc``/``msg``/``type``), 429 the tenant holds its quota of live sessions, 503 scheduler
-unavailable. A call the scheduler does not answer within ``call_timeout_s`` answers 200
+token, 403 a tenant not allowed or not the token's, 404 unknown session, 408 body too
+slow, 413 body too large, 422 a body that fails validation (``errors`` then lists the first
+fields as ``loc``/``msg``/``type``), 429 the tenant holds its quota of live sessions or
+the caller its large bodies in progress, 503 scheduler unavailable or too many
+connections. A call the scheduler does not answer within ``call_timeout_s`` answers 200
 like the Python client does: a route with ``node: null, timed_out: true`` (run the request
 without prefetch), an event with ``accepted: false``.
 
@@ -46,8 +52,9 @@ The app fronts any :class:`~kvprefetch.controlplane.live.protocol.GatewayAPI`: a
 :class:`~kvprefetch.controlplane.live.service.SchedulerService` in this process (called through an
 :class:`~kvprefetch.controlplane.live.client.InProcessTransport`, so ``call_timeout_s`` holds there
 too), or a transport to the scheduler (the Ray actor's, in ``kvprefetch serve``), called
-with ``call_timeout_s``. Endpoints are plain functions, run on Starlette's thread pool,
-because every call may block (a lock, ``ray.get``).
+with ``call_timeout_s``. Endpoints validate on the event loop (in slices, see
+:mod:`~kvprefetch.controlplane.live.http_body`) and call the scheduler on Starlette's
+thread pool, because every call may block (a lock, ``ray.get``).
 
 Needs the ``serve`` extra (fastapi, uvicorn, prometheus_client).
 """
@@ -55,7 +62,6 @@ Needs the ``serve`` extra (fastapi, uvicorn, prometheus_client).
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 import socket
 import threading
@@ -64,8 +70,11 @@ from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Request, Response
+from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -86,6 +95,8 @@ from kvprefetch.controlplane.base.errors import (
     ServiceUnavailableError,
 )
 from kvprefetch.controlplane.live.client import Client, InProcessTransport
+from kvprefetch.controlplane.live.http_body import BigList, BodyValidator, Invalid
+from kvprefetch.controlplane.live.http_edge import PRINCIPAL_STATE, EdgeGuard
 from kvprefetch.controlplane.live.limits import (
     SESSION_ID_MAX_CHARS,
     SESSION_ID_PATTERN,
@@ -151,6 +162,9 @@ _BEARER = HTTPBearer(auto_error=False,
 _Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)]
 
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    408: {"model": ErrorBody, "description": "the body did not arrive within "
+                                             "`body_read_timeout_s` or at "
+                                             "`min_body_rate_bytes_per_s`"},
     403: {"model": ErrorBody, "description": "the tenant is not allowed, or the body names "
                                              "a tenant other than the token's"},
     404: {"model": ErrorBody, "description": "the caller's tenant has no live session by "
@@ -159,12 +173,18 @@ _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     413: {"model": ErrorBody, "description": "the request body is larger than "
                                              "`max_body_bytes`"},
     422: {"model": ErrorBody, "description": "the body fails validation or a limit; "
-                                             "`errors` names the fields"},
+                                             "`errors` names the first fields "
+                                             "(`max_listed_errors`)"},
     429: {"model": ErrorBody, "description": "the tenant holds its quota of live sessions "
-                                             "(`max_live_sessions`); other tenants are "
-                                             "not affected"},
-    503: {"model": ErrorBody, "description": "the scheduler is unavailable"},
+                                             "(`max_live_sessions`), or the caller "
+                                             "`max_large_bodies_per_caller` large bodies "
+                                             "in progress; other tenants are not "
+                                             "affected"},
+    503: {"model": ErrorBody, "description": "the scheduler is unavailable, or the server "
+                                             "holds `max_connections`"},
 }
+#: A list stops at its first bad item: a 422 costs one error per list, however long.
+_FAIL_FAST = Field(fail_fast=True)
 _HASH = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_-]+$")]
 _TENANT_DOC = ("the tenant this call is for. With a tenant's token leave it out (the token "
                "says whose call it is; another tenant's name is refused with 403); with the "
@@ -185,12 +205,12 @@ def _edge_models(limits: RequestLimits) -> dict[str, type[BaseModel]]:
     parent = Annotated[str | None, Field(None, min_length=1, max_length=SESSION_ID_MAX_CHARS,
                                          pattern=SESSION_ID_PATTERN)]
     token_id = Annotated[int, Field(ge=0, le=limits.max_token_id)]
-    token_ids: Any = (Annotated[list[token_id], api.JSON_INTS] | None,
+    token_ids: Any = (Annotated[list[token_id], _FAIL_FAST, api.JSON_INTS] | None,
                       Field(None, max_length=limits.max_token_ids,
                             description=f"the prompt's token ids (at most "
                                         f"{limits.max_token_ids}, each 0.."
                                         f"{limits.max_token_id}): chunks keyed by content"))
-    hashes: Any = (list[_HASH] | None,
+    hashes: Any = (Annotated[list[_HASH], _FAIL_FAST] | None,
                    Field(None, max_length=limits.max_chunk_hashes,
                          description=f"precomputed chunk hashes (at most "
                                      f"{limits.max_chunk_hashes})"))
@@ -280,67 +300,6 @@ class _HttpMetrics:
         self.latency.labels(op).observe(seconds)
 
 
-class _BodyLimit:
-    """ASGI middleware: a request body over ``max_bytes`` is answered 413 as soon as its
-    ``Content-Length`` or the bytes received so far show it (never read whole); a body
-    within the limit is handed on buffered (the app reads it whole anyway)."""
-
-    def __init__(self, app: Any, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope.get("method") != "POST":
-            await self.app(scope, receive, send)
-            return
-        for name, value in scope.get("headers", ()):
-            if name == b"content-length":
-                try:
-                    declared = int(value)
-                except ValueError:
-                    break
-                if declared > self.max_bytes:
-                    await self._refuse(send, declared, "declared")
-                    return
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client went away
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_bytes:
-                await self._refuse(send, size, "received")
-                return
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
-        delivered = False
-
-        async def replay() -> Any:
-            nonlocal delivered
-            if not delivered:
-                delivered = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
-
-    async def _refuse(self, send: Any, size: int, how: str) -> None:
-        at_least = "" if how == "declared" else "at least "
-        body = ErrorBody(error="RequestTooLargeError",
-                         detail=f"request body of {at_least}{size} bytes is larger than the "
-                                f"limit of {self.max_bytes} bytes (max_body_bytes)")
-        payload = json.dumps(body.model_dump(exclude_none=True)).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(payload)).encode()),
-                                (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": payload})
-
-
 def create_app(scheduler: GatewayAPI | Client, *, bearer_token: str | None = None,
                auth: TenantAuth | None = None, limits: RequestLimits | None = None,
                chunk_tokens: int | None = None,
@@ -427,8 +386,10 @@ def create_app(scheduler: GatewayAPI | Client, *, bearer_token: str | None = Non
         body = ErrorBody(error=name, detail=detail, errors=fields)
         return JSONResponse(body.model_dump(), status_code=422)
 
-    # Inside the metrics middleware below, so that 413s are counted too.
-    app.add_middleware(_BodyLimit, max_bytes=limits.max_body_bytes)
+    # Inside the metrics middleware below, so that its refusals are counted too.
+    app.add_middleware(EdgeGuard, auth=auth, limits=limits,
+                       operations=[f"/v1/{op}" for op in OPERATIONS])
+    app.state.limits = limits  # HttpServer reads max_connections here
 
     @app.middleware("http")
     async def _measure(request: Request,
@@ -485,11 +446,21 @@ def create_app(scheduler: GatewayAPI | Client, *, bearer_token: str | None = Non
         "request_finished": request_finished, "hint": hint,
         "session_closed": session_closed, "session_state": session_state,
     }
+    lists = {"token_ids": BigList(Annotated[int, Field(ge=0, le=limits.max_token_id)],
+                                  limits.max_token_ids),
+             "chunk_hashes": BigList(_HASH, limits.max_chunk_hashes)}
+    documented: list[APIRoute] = []
     for op, handle in handlers.items():
-        app.add_api_route(f"/v1/{op}", _endpoint(op, models[op], handle, authenticate),
-                          methods=["POST"], response_model=ANSWERS[op], responses=responses,
-                          tags=["sessions"], summary=op.replace("_", " "),
-                          description=inspect.getdoc(handle) or "")
+        route_args: dict[str, Any] = dict(
+            methods=["POST"], response_model=ANSWERS[op], responses=responses,
+            tags=["sessions"], summary=op.replace("_", " "),
+            description=inspect.getdoc(handle) or "")
+        validator = BodyValidator(models[op], lists, large_body_bytes=limits.large_body_bytes,
+                                  max_errors=limits.max_listed_errors)
+        app.add_api_route(f"/v1/{op}", _endpoint(op, validator, handle),
+                          include_in_schema=False, **route_args)
+        documented.append(APIRoute(f"/v1/{op}", _documented(op, models[op], authenticate),
+                                   **route_args))
 
     # ------------------------------------------------------------------ operations' side
     @app.get("/metrics", tags=["ops"], response_class=Response,
@@ -515,23 +486,58 @@ def create_app(scheduler: GatewayAPI | Client, *, bearer_token: str | None = Non
             try:
                 health_check()
             except Exception as exc:
-                return JSONResponse(Health(status="unavailable", detail=str(exc)).model_dump(),
+                # A remote scheduler's own error (the cause of a Ray task error), without
+                # the remote traceback around it.
+                cause = getattr(exc, "cause", None)
+                detail = str(cause if isinstance(cause, KvPrefetchError) else exc)
+                return JSONResponse(Health(status="unavailable", detail=detail).model_dump(),
                                     status_code=503)
         return Health(status="ok")
 
+    def openapi() -> dict[str, Any]:
+        # The operations read their bodies themselves (bounded, see http_body): the
+        # document describes them through stand-ins that declare body and token.
+        if app.openapi_schema is None:
+            served = [r for r in app.routes if r.path not in  # type: ignore[attr-defined]
+                      {d.path for d in documented}]
+            app.openapi_schema = get_openapi(
+                title=app.title, version=app.version, openapi_version=app.openapi_version,
+                description=app.description, routes=[*documented, *served],
+                separate_input_output_schemas=app.separate_input_output_schemas)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app
 
 
-def _endpoint(op: str, model: type[BaseModel], handle: Callable[[Any], Any],
-              authenticate: Callable[..., Principal]) -> Callable[..., Any]:
-    """The endpoint of ``op``: its body validated as ``model``, the caller authenticated,
-    the tenant taken from the token (or the body where the caller may name it), then
-    ``handle`` called with the scheduler's record. Its signature is built here because
-    ``model`` is made per app (FastAPI reads parameters from the signature)."""
+def _endpoint(op: str, validator: BodyValidator, handle: Callable[[Any], Any]
+              ) -> Callable[..., Any]:
+    """The endpoint of ``op``: the caller (authenticated by the edge guard before the body
+    was read), its body validated in bounded time (422 listing the first errors), the
+    tenant taken from the token (or the body where the caller may name it), then
+    ``handle`` called on the thread pool with the scheduler's record."""
 
-    def endpoint(call_: BaseModel, principal: Principal) -> Any:
-        tenant = principal.tenant_for(getattr(call_, "tenant", None))
-        return handle(_as_call(op, call_, tenant))
+    async def endpoint(request: Request) -> Any:
+        principal: Principal = getattr(request.state, PRINCIPAL_STATE)
+        checked = await validator.validate(await request.body(),
+                                           request.headers.get("content-type"))
+        if isinstance(checked, Invalid):
+            return _invalid_body(op, checked)
+        tenant = principal.tenant_for(getattr(checked, "tenant", None))
+        return await run_in_threadpool(handle, _as_call(op, checked, tenant))
+
+    endpoint.__name__ = op
+    return endpoint
+
+
+def _documented(op: str, model: type[BaseModel],
+                authenticate: Callable[..., Principal]) -> Callable[..., Any]:
+    """A stand-in of ``op``'s endpoint, for the OpenAPI document only: its body is
+    ``model``, its token the bearer scheme (FastAPI reads both from the signature, which is
+    built here because ``model`` is made per app)."""
+
+    def endpoint(call_: BaseModel, principal: Principal) -> Any:  # pragma: no cover
+        raise NotImplementedError
 
     param = inspect.Parameter.POSITIONAL_OR_KEYWORD
     endpoint.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
@@ -540,18 +546,38 @@ def _endpoint(op: str, model: type[BaseModel], handle: Callable[[Any], Any],
                            default=Depends(authenticate))],
         return_annotation=ANSWERS[op])
     endpoint.__name__ = op
-    endpoint.__doc__ = handle.__doc__
     return endpoint
+
+
+def _invalid_body(op: str, invalid: Invalid) -> JSONResponse:
+    """The 422 of a body that fails validation: its first errors, and whether it has more."""
+    model = OPERATIONS.get(op)
+    what = model.__name__ if model is not None else "request"
+    fields = [FieldError(loc=p.loc, msg=p.msg, type=p.type) for p in invalid.problems]
+    detail = f"invalid {what}: " + "; ".join(f"{f.loc}: {f.msg}" for f in fields)
+    if invalid.more:
+        detail += f"; and more (the first {len(fields)} errors are listed)"
+    name = "MalformedHintError" if op == "hint" else "InvalidRequestError"
+    body = ErrorBody(error=name, detail=detail, errors=fields)
+    return JSONResponse(body.model_dump(), status_code=422)
 
 
 class HttpServer:
     """Runs an ASGI app with uvicorn on a background thread, so that signals stay with the
     caller (``kvprefetch serve`` shuts its Ray actors down after the server). ``port=0``:
-    the OS picks a free port (see :attr:`port`)."""
+    the OS picks a free port (see :attr:`port`). ``max_connections``: open connections
+    plus calls in progress, above which calls are answered 503 (default: the app's
+    ``limits.max_connections`` for an app of :func:`create_app`, else no cap)."""
 
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, *,
-                 log_level: str = "warning", access_log: bool = False) -> None:
+                 log_level: str = "warning", access_log: bool = False,
+                 max_connections: int | None = None) -> None:
         self.app = app
+        if max_connections is None:
+            limits = getattr(getattr(app, "state", None), "limits", None)
+            if isinstance(limits, RequestLimits):
+                max_connections = limits.max_connections
+        self.max_connections = max_connections
         self.host = host
         self._port = port
         self.log_level = log_level
@@ -581,7 +607,8 @@ class HttpServer:
             raise ConfigError(f"http: cannot listen on {self.host}:{self._port}: {exc}") from exc
         config = uvicorn.Config(self.app, host=self.host, port=self._port,
                                 log_level=self.log_level, access_log=self.access_log,
-                                log_config=None, lifespan="off")
+                                log_config=None, lifespan="off",
+                                limit_concurrency=self.max_connections)
         server = uvicorn.Server(config)
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},
                                   name="kvprefetch-http", daemon=True)

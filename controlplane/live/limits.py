@@ -50,6 +50,24 @@ class RequestLimits(BaseModel):
     max_chunk_hashes: int = Field(1 << 14, ge=1, le=1_000_000)
     #: Largest token id (ids are 0..max_token_id; vocabularies are far below 2^31).
     max_token_id: int = Field((1 << 31) - 1, ge=1, le=(1 << 63) - 1)
+    #: The HTTP edge (:mod:`kvprefetch.controlplane.live.http_edge`); the scheduler service
+    #: ignores these. A body must arrive whole within ``body_read_timeout_s``, and after
+    #: its first ``body_rate_grace_s`` at no less than ``min_body_rate_bytes_per_s`` on
+    #: average (408 otherwise, the connection closed).
+    body_read_timeout_s: float = Field(30.0, gt=0, le=3600)
+    min_body_rate_bytes_per_s: int = Field(64 * 1024, ge=0)
+    body_rate_grace_s: float = Field(1.0, ge=0, le=60)
+    #: Open connections plus calls in progress the server takes; above it a call is
+    #: answered 503 (uvicorn's ``limit_concurrency``).
+    max_connections: int = Field(1024, ge=1, le=1_000_000)
+    #: A body over ``large_body_bytes`` (or of unknown length) is large: each caller
+    #: (a tenant's token; the admin, shared or no token each count as one caller) has at
+    #: most ``max_large_bodies_per_caller`` of them read and validated at once, and waits
+    #: up to ``body_read_timeout_s`` for a turn (429 after it).
+    large_body_bytes: int = Field(64 * 1024, ge=1024)
+    max_large_bodies_per_caller: int = Field(2, ge=1, le=1024)
+    #: Field errors a 422 lists (validation stops collecting after them).
+    max_listed_errors: int = Field(20, ge=1, le=1000)
 
     @model_validator(mode="after")
     def _fits(self) -> RequestLimits:

@@ -1,0 +1,214 @@
+"""The HTTP edge: what a call passes before an endpoint of
+:mod:`kvprefetch.controlplane.live.http_api` sees it, in the order it is checked.
+
+1. The bearer token, from the headers alone: a call without a valid one is answered 401
+   before any of its body is read (the connection is then closed).
+2. The body's declared length against ``max_body_bytes`` (413).
+3. A large body (over ``large_body_bytes``, or of unknown length) waits for one of its
+   caller's ``max_large_bodies_per_caller`` turns (429 after ``body_read_timeout_s``),
+   so that one tenant's heavy calls queue behind each other and not in front of other
+   tenants' calls.
+4. The body is read within ``body_read_timeout_s`` and, after ``body_rate_grace_s``, at
+   ``min_body_rate_bytes_per_s`` or faster (408 otherwise), never past
+   ``max_body_bytes`` (413), and while it arrives its commas, brackets and braces are
+   counted: a body with more list items or nested values than any valid call carries is
+   refused (422) without reading the rest.
+
+Limits are :class:`~kvprefetch.controlplane.live.limits.RequestLimits`. Every refusal is
+the API's error body, ``{"error", "detail"}`` (and ``errors`` for a 422), with
+``Connection: close``. The caller's :class:`~kvprefetch.controlplane.live.tenants.Principal`
+is handed on in ``scope["state"]["principal"]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Collection
+from typing import Any
+
+from kvprefetch.controlplane.base.errors import UnauthorizedError
+from kvprefetch.controlplane.live.limits import RequestLimits
+from kvprefetch.controlplane.live.tenants import Principal, Role, TenantAuth
+
+#: Members, nested objects and lists a valid call has besides its list items (a bound
+#: with room to spare: the largest call has about ten members and one nested object).
+STRUCTURE_SLACK = 64
+#: Where the principal is handed on to the app (``request.state.principal``).
+PRINCIPAL_STATE = "principal"
+
+
+def bearer_token(headers: Collection[tuple[bytes, bytes]]) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header (None: none, or another
+    scheme), as :class:`fastapi.security.HTTPBearer` reads it."""
+    for name, value in headers:
+        if name == b"authorization":
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            if scheme.lower() == "bearer" and token.strip():
+                return token.strip()
+            return None
+    return None
+
+
+def caller_key(principal: Principal) -> str:
+    """Whose turns a call takes: its tenant's for a tenant token; otherwise one set each
+    for the admin token, the shared token and anonymous callers."""
+    if principal.role is Role.TENANT and principal.tenant is not None:
+        return f"tenant:{principal.tenant}"
+    return principal.role.value
+
+
+class _Refused(Exception):
+    """Answer the call with this status and error body and close the connection."""
+
+    def __init__(self, status: int, error: str, detail: str,
+                 errors: list[dict[str, str]] | None = None) -> None:
+        super().__init__(detail)
+        self.status, self.error, self.detail, self.errors = status, error, detail, errors
+
+
+class EdgeGuard:
+    """ASGI middleware checking every ``POST`` (see the module docstring): the token for
+    ``operations`` (paths), the body's size, pace and shape for all. One instance per app;
+    its per-caller turns live as long as the app (one small entry per caller)."""
+
+    def __init__(self, app: Any, *, auth: TenantAuth, limits: RequestLimits,
+                 operations: Collection[str]) -> None:
+        self.app = app
+        self.auth = auth
+        self.limits = limits
+        self.operations = frozenset(operations)
+        self.max_items = limits.max_token_ids + limits.max_chunk_hashes + STRUCTURE_SLACK
+        self._turns: dict[str, asyncio.Semaphore] = {}
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope.get("method") != "POST":
+            await self.app(scope, receive, send)
+            return
+        headers = scope.get("headers", ())
+        try:
+            principal = self._authenticate(scope["path"], headers)
+            declared = self._declared_length(headers)
+        except _Refused as refusal:
+            await _answer(send, refusal)
+            return
+        turns: asyncio.Semaphore | None = None
+        if declared is None or declared > self.limits.large_body_bytes:
+            turns = self._turns.setdefault(
+                caller_key(principal),
+                asyncio.Semaphore(self.limits.max_large_bodies_per_caller))
+            try:
+                await asyncio.wait_for(turns.acquire(), self.limits.body_read_timeout_s)
+            except TimeoutError:
+                await _answer(send, _Refused(
+                    429, "TooManyLargeBodiesError",
+                    f"the caller has {self.limits.max_large_bodies_per_caller} large "
+                    "bodies in progress (max_large_bodies_per_caller): retry later"))
+                return
+        try:
+            try:
+                body = await self._read(receive)
+            except _Refused as refusal:
+                await _answer(send, refusal)
+                return
+            if body is None:  # the client went away
+                return
+            scope.setdefault("state", {})[PRINCIPAL_STATE] = principal
+            delivered = False
+
+            async def replay() -> Any:
+                nonlocal delivered
+                if not delivered:
+                    delivered = True
+                    return {"type": "http.request", "body": body, "more_body": False}
+                return await receive()
+
+            await self.app(scope, replay, send)
+        finally:
+            if turns is not None:
+                turns.release()
+
+    def _authenticate(self, path: str, headers: Any) -> Principal:
+        if path not in self.operations:
+            return Principal(Role.ANONYMOUS)  # not an operation: FastAPI answers 404/405
+        try:
+            return self.auth.authenticate(bearer_token(headers))
+        except UnauthorizedError as exc:
+            raise _Refused(401, "UnauthorizedError", str(exc)) from None
+
+    def _declared_length(self, headers: Any) -> int | None:
+        for name, value in headers:
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    return None
+                if declared > self.limits.max_body_bytes:
+                    raise _Refused(413, "RequestTooLargeError", _too_large(
+                        declared, "", self.limits.max_body_bytes))
+                return declared
+        return None
+
+    async def _read(self, receive: Any) -> bytes | None:
+        """The whole body within the limits (None: the client disconnected)."""
+        limits = self.limits
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        chunks: list[bytes] = []
+        size = commas = nesting = 0
+        while True:
+            deadline = started + limits.body_read_timeout_s
+            if limits.min_body_rate_bytes_per_s > 0:
+                deadline = min(deadline, started + limits.body_rate_grace_s
+                               + size / limits.min_body_rate_bytes_per_s)
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                raise _Refused(408, "RequestTimeoutError", _too_slow(
+                    size, loop.time() - started, limits)) from None
+            if message["type"] != "http.request":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limits.max_body_bytes:
+                raise _Refused(413, "RequestTooLargeError", _too_large(
+                    size, "at least ", limits.max_body_bytes))
+            commas += chunk.count(b",")
+            nesting += chunk.count(b"[") + chunk.count(b"{")
+            if commas > self.max_items or nesting > STRUCTURE_SLACK:
+                what = (f"more than {self.max_items} list items" if commas > self.max_items
+                        else f"more than {STRUCTURE_SLACK} nested lists or objects")
+                raise _Refused(422, "InvalidRequestError",
+                               f"invalid body: {what} (no valid call has as many)",
+                               [{"loc": "(root)", "msg": f"the body has {what}",
+                                 "type": "too_long"}])
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+
+def _too_large(size: int, at_least: str, limit: int) -> str:
+    return (f"request body of {at_least}{size} bytes is larger than the limit of {limit} "
+            "bytes (max_body_bytes)")
+
+
+def _too_slow(size: int, elapsed_s: float, limits: RequestLimits) -> str:
+    return (f"the request body did not arrive in time: {size} bytes in {elapsed_s:.1f} s "
+            f"(body_read_timeout_s={limits.body_read_timeout_s:g}, "
+            f"min_body_rate_bytes_per_s={limits.min_body_rate_bytes_per_s} after "
+            f"body_rate_grace_s={limits.body_rate_grace_s:g})")
+
+
+async def _answer(send: Any, refusal: _Refused) -> None:
+    body: dict[str, Any] = {"error": refusal.error, "detail": refusal.detail}
+    if refusal.errors is not None:
+        body["errors"] = refusal.errors
+    payload = json.dumps(body).encode()
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(payload)).encode()),
+               (b"connection", b"close")]
+    if refusal.status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": refusal.status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
+
