@@ -113,7 +113,8 @@ test-vllm:
 	$(MAKE) setup-vllm VENV=$(VLLM_VENV)
 	$(MAKE) setup-aiperf
 	AIPERF=$(AIPERF_VENV)/bin/aiperf $(VLLM_VENV)/bin/python -m pytest -q -m vllm \
-		tests/agents/test_vllm_cpu.py tests/live/test_demo_vllm.py tests/agents/test_aiperf_bench.py
+		tests/agents/test_vllm_cpu.py tests/live/test_demo_vllm.py tests/agents/test_aiperf_bench.py \
+		tests/deploy/test_local_cluster.py
 
 # The pure tests (no servers, no Ray, no shared traces): under a minute.
 test-fast: setup
@@ -141,6 +142,12 @@ sim-unseen: setup
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(AIPERF_VENV) out .pytest_cache .mypy_cache .ruff_cache
+
+# The documentation site (docs/, mkdocs.yml): reference pages generated from the code at
+# build time (docs/hooks.py); --strict fails on any warning.
+.PHONY: docs
+docs:
+	$(PY) -m mkdocs build --strict -d out/site
 
 # Schemathesis against the HTTP API served locally (a child process: the scheduler service
 # behind the app `kvprefetch serve` builds, two tenants with their own tokens and an admin),

@@ -1,0 +1,242 @@
+"""The deployment script (examples/deploy/kvprefetch-node.sh), as the cloud runs it, on
+this machine: a head raylet (127.0.0.2) with ``kvprefetch serve`` and the gateway, and two
+GPU-node raylets (127.0.0.3, 127.0.0.4, custom resource ``kv_node``), each with its
+``lmcache server`` and vLLM's CPU build serving the tiny generated model, every process
+under the script's restart loop; real Valkey and S3 (SeaweedFS) on loopback.
+
+A two-turn session through the gateway: turn one runs on the node the scheduler picks;
+that node then forgets it (vLLM's prefix cache reset, LMCache's L1 cleared), a
+``user_typing`` hint tells the scheduler it comes back, its agent warms it into that
+node's L1 from L2, and turn two, routed to the same node, is served from L1 with no L2
+load, by vLLM's and LMCache's own counters.
+
+Needs vLLM's CPU build (``make test-vllm`` runs it in .venv-vllm); a few minutes on 2 cores,
+most of it the two vLLM start-ups.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey, free_port
+
+pytestmark = [pytest.mark.servers, pytest.mark.slow, pytest.mark.live, pytest.mark.vllm]
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "examples" / "deploy" / "kvprefetch-node.sh"
+HEAD_IP, WORKER_IPS = "127.0.0.2", ("127.0.0.3", "127.0.0.4")
+MIB = 1 << 20
+CHUNK = 256
+PROMPT_TOKENS = 2048
+TOKEN = "local-cluster-token"
+
+
+def _wait(predicate: Callable[[], bool], what: str, timeout_s: float,
+          logs: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(Exception):
+            if predicate():
+                return
+        if time.monotonic() > deadline:
+            tails = ""
+            if logs is not None:
+                for log in sorted(logs.glob("*/*.log")):
+                    tails += f"\n--- {log}\n{log.read_text(errors='replace')[-1500:]}"
+            raise AssertionError(f"timed out waiting for {what}{tails}")
+        time.sleep(1.0)
+
+
+def _get(url: str) -> bool:
+    import httpx
+
+    return httpx.get(url, timeout=3.0).status_code == 200
+
+
+class LocalCluster:
+    """The script's roles on loopback addresses, each with its own run and log folder."""
+
+    def __init__(self, base: Path, valkey: EmbeddedValkey, s3: EmbeddedS3, model: Path) -> None:
+        self.base = base
+        self.model = model
+        self.ray_port = free_port()
+        self.api_port = free_port()
+        self.gateway_port = free_port()
+        self.vllm_port = free_port()
+        self.lmcache_port, self.lmcache_http_port = free_port(), free_port()
+        self.ray_temp = tempfile.mkdtemp(prefix="kvpdeploy", dir="/tmp")
+        token = base / "api-token"
+        token.write_text(TOKEN + "\n")
+        token.chmod(0o600)
+        self.config = base / "serve.yaml"
+        self.config.write_text(yaml.safe_dump(self._serve_config(valkey, s3)))
+        self.env = {
+            **os.environ, "KVP_PYTHON": sys.executable, "KVP_SERVE_CONFIG": str(self.config),
+            "KVP_API_TOKEN_FILE": str(token), "KVP_RAY_PORT": str(self.ray_port),
+            "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0",
+            # S3 credentials from the environment, as the script wants them
+            "AWS_ACCESS_KEY_ID": s3.access_key_id, "AWS_SECRET_ACCESS_KEY": s3.secret_access_key,
+            "AWS_EC2_METADATA_DISABLED": "true",
+            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1",
+        }
+        self.roles: list[dict[str, str]] = []
+
+    def _serve_config(self, valkey: EmbeddedValkey, s3: EmbeddedS3) -> dict[str, Any]:
+        doc: dict[str, Any] = yaml.safe_load((ROOT / "examples" / "serve.yaml").read_text())
+        doc["ray"] = {"address": f"{HEAD_IP}:{self.ray_port}", "namespace": "kvp-deploy-test"}
+        doc["placement"] = {"resource": "kv_node", "min_nodes": 2, "wait_for_nodes_s": 600,
+                            "watch_interval_s": 0}
+        # HBM far smaller than a session: after its turn the model keeps it in L1 / L2 only
+        doc["fleet"]["node"]["hbm_kv_bytes"] = 128 * MIB  # 1,024 tokens of the 8b model
+        doc["stores"]["valkey"].update(host=valkey.host, port=valkey.port)
+        doc["stores"]["s3"] = {"bucket": s3.bucket, "endpoint_url": s3.endpoint_url,
+                               "region": "us-east-1", "path_style": True, "key_prefix": "kvp/"}
+        doc["service"]["journal_path"] = str(self.base / "journal.jsonl")
+        doc["agent"]["lmcache"].update(http_url=f"http://{{node_ip}}:{self.lmcache_http_port}",
+                                       model_name=str(self.model))
+        doc["http"].update(host=HEAD_IP, port=self.api_port)
+        return doc
+
+    def role_env(self, name: str, **settings: str) -> dict[str, str]:
+        env = {**self.env, "KVP_LOG_DIR": str(self.base / name),
+               "KVP_RUN_DIR": str(self.base / name), **settings}
+        self.roles.append(env)
+        return env
+
+    def run(self, role: str, env: dict[str, str]) -> None:
+        done = subprocess.run(["bash", str(SCRIPT), role], env=env, capture_output=True,
+                              text=True, timeout=180)
+        assert done.returncode == 0, f"{role}: {done.stdout}\n{done.stderr}"
+
+    def start(self) -> None:
+        common = f"--num-cpus=1 --object-store-memory={80 * MIB} --memory={1 << 30}"
+        self.run("head", self.role_env(
+            "head", KVP_NODE_IP=HEAD_IP, KVP_RAY_ADDRESS=f"{HEAD_IP}:{self.ray_port}",
+            KVP_RAY_ARGS=f"{common} --include-dashboard=false --temp-dir={self.ray_temp}",
+            KVP_API_URL=f"http://{HEAD_IP}:{self.api_port}", KVP_GATEWAY_HOST="127.0.0.1",
+            KVP_GATEWAY_PORT=str(self.gateway_port), KVP_VLLM_PORT=str(self.vllm_port)))
+        for i, ip in enumerate(WORKER_IPS):
+            self.run("gpu", self.role_env(
+                f"gpu{i}", KVP_NODE_IP=ip, KVP_HEAD_IP=HEAD_IP, KVP_RAY_ARGS=common,
+                KVP_RAY_RESOURCES='{"kv_node": 1}', KVP_LMCACHE_HOST=ip,
+                KVP_LMCACHE_PORT=str(self.lmcache_port),
+                KVP_LMCACHE_HTTP_PORT=str(self.lmcache_http_port), KVP_LMCACHE_L1_GB="0.5",
+                KVP_LMCACHE_ARGS=f"--prometheus-port {free_port()} --shm-name kvpdeploy{i}",
+                KVP_VLLM_MODEL=str(self.model), KVP_VLLM_HOST=ip,
+                KVP_VLLM_PORT=str(self.vllm_port), KVP_VLLM_ENTRY="module",
+                KVP_VLLM_ARGS="--max-model-len 4096 --dtype bfloat16"))
+
+    def stop(self) -> None:
+        for env in reversed(self.roles):
+            subprocess.run(["bash", str(SCRIPT), "stop"], env=env, capture_output=True,
+                           timeout=120, check=False)
+        # Ray's processes of this cluster, by its private temp dir (never `ray stop`: it
+        # would end every Ray process of the machine)
+        sys.path.insert(0, str(ROOT / "tests" / "live"))
+        from raycluster import _end, _pids_under
+
+        _end(_pids_under(self.ray_temp))
+        shutil.rmtree(self.ray_temp, ignore_errors=True)
+
+    @property
+    def gateway_url(self) -> str:
+        return f"http://127.0.0.1:{self.gateway_port}"
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    from kvprefetch.agents.vllm.check_install import problems
+
+    assert not problems(), ("vLLM's CPU build is not usable in this interpreter; this test "
+                            f"runs in .venv-vllm (make test-vllm): {problems()}")
+    from kvprefetch.agents.vllm.tiny_model import generate
+
+    base = Path(tempfile.mkdtemp(prefix="kvp-deploy-"))
+    model = generate(base / "tiny-llama")
+    with EmbeddedValkey() as valkey, EmbeddedS3(backend="seaweedfs") as s3:
+        c = LocalCluster(base, valkey, s3, model)
+        try:
+            c.start()
+            for ip in WORKER_IPS:
+                _wait(lambda ip=ip: _get(f"http://{ip}:{c.vllm_port}/health"),
+                      f"vLLM on {ip}", 600, base)
+            _wait(lambda: _get(f"{c.gateway_url}/metrics"), "the gateway", 180, base)
+            yield c
+        finally:
+            c.stop()
+            shutil.rmtree(base, ignore_errors=True)
+
+
+def _complete(c: LocalCluster, session: str, prompt: list[int]) -> int:
+    import httpx
+
+    response = httpx.post(f"{c.gateway_url}/v1/completions", timeout=300.0, json={
+        "model": str(c.model), "prompt": prompt, "max_tokens": 1, "temperature": 0.0},
+        headers={"X-Session-ID": session})
+    response.raise_for_status()
+    return int(response.headers["x-kvp-node"])
+
+
+def test_a_two_turn_session_is_warmed_on_its_node_and_read_from_lmcache_l1(
+        cluster: LocalCluster) -> None:
+    import httpx
+
+    from kvprefetch.agents.lmcache.warm import LMCacheWarmClient
+    from kvprefetch.agents.vllm.counters import EngineCounters, wait_for_requests
+    from kvprefetch.agents.vllm.server import parse_counters
+
+    c = cluster
+    nodes = json.loads((c.base / "head" / "nodes.json").read_text())
+    assert sorted(n["ip"] for n in nodes) == sorted(WORKER_IPS)
+    warm = {n["node"]: LMCacheWarmClient(f"http://{n['ip']}:{c.lmcache_http_port}")
+            for n in nodes}
+    vllm = {n["node"]: f"http://{n['ip']}:{c.vllm_port}" for n in nodes}
+
+    def counters(node: int) -> EngineCounters:
+        v = parse_counters(httpx.get(f"{vllm[node]}/metrics", timeout=10).text)
+        lm = warm[node].lookup_hits(str(c.model))
+        return EngineCounters(v.prefix_hit_tokens, v.external_hit_tokens, lm.l1_tokens,
+                              lm.l2_tokens, v.prompt_tokens, v.requests, lm.lookups)
+
+    rng = random.Random(7)
+    prompt = [rng.randrange(256) for _ in range(PROMPT_TOKENS)]
+    node = _complete(c, "deploy-s1", prompt)
+    assert node in warm
+    _wait(lambda: warm[node].l2_write_backlog() == 0, "LMCache's write to L2", 60)
+    # the node forgets the session: only a warm from L2 can bring it back to L1
+    httpx.post(f"{vllm[node]}/reset_prefix_cache", timeout=30).raise_for_status()
+    warm[node].clear_l1()
+    assert warm[node].l1_usage().object_count == 0
+    hint = httpx.post(f"http://{HEAD_IP}:{c.api_port}/v1/hint", timeout=10,
+                      headers={"Authorization": f"Bearer {TOKEN}"},
+                      json={"session_id": "deploy-s1",
+                            "hint": {"kind": "user_typing", "eta_s": 2}})
+    assert hint.status_code == 200, hint.text
+    _wait(lambda: warm[node].l1_usage().object_count >= PROMPT_TOKENS // CHUNK,
+          f"the scheduler's agent to warm node {node}'s L1", 90, c.base)
+
+    before = counters(node)
+    second = prompt + [rng.randrange(256) for _ in range(64)]
+    assert _complete(c, "deploy-s1", second) == node  # routed where its KV is
+    served = wait_for_requests(lambda: counters(node), before, requests=1, lookups=1)
+    assert served.lmcache_l1_hit_tokens >= PROMPT_TOKENS - CHUNK, served
+    assert served.lmcache_l2_hit_tokens == 0, served
+    assert served.vllm_prefix_hit_tokens == 0, served  # its own cache was reset
+    # every process ran under the script's supervisor
+    status = subprocess.run(["bash", str(SCRIPT), "status"], env=c.roles[0],
+                            capture_output=True, text=True, check=True).stdout
+    assert "serve: running" in status and "gateway: running" in status
