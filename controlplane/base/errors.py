@@ -99,3 +99,11 @@ class ServiceUnavailableError(ServiceError):
     """The scheduler cannot be reached (not deployed, restarting, timed out)."""
 
     http_status = 503
+
+
+class JournalUnavailableError(ServiceError):
+    """The scheduler's journal cannot be written (a full disk, a file-size limit): the call
+    was refused before it changed anything and nothing of it was recorded, so it may be
+    sent again. The message is short; the path and the OS error go to the scheduler's log."""
+
+    http_status = 503

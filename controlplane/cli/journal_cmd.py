@@ -6,12 +6,22 @@ It reads every line as the scheduler does when it resumes (checksums, sequence n
 record syntax, values no live call produces and,
 unless ``--no-time-check``, the range of each record's time against the wall clock now) and
 reports the records, the scheduler starts and every damaged line with its number and why.
-Exit status: 0 when the journal is clean (or was repaired), 1 when it has damaged lines.
+
+It also says what was lost. Records carry sequence numbers: the numbers missing between two
+trusted records are records lost, listed with the damaged lines that held them (exactly in
+a journal never compacted; "up to" in a compacted one, where gaps are normal). The end of
+the journal: a clean stop record (the scheduler stopped), a record cut short (the file was
+cut mid-record), or neither (a scheduler still appending, a crash, or a file cut at a
+record boundary: records after the last one, if any, are lost). An empty file says so.
+
+Exit status: 0 when the journal is clean (or was repaired), 1 when it has damaged lines or
+is empty.
 
 ``--repair`` replaces the journal atomically by a copy without the damaged lines (a fresh
 header when the header was damaged) and appends those lines to the side file
 ``PATH.quarantine`` (JSON lines: line, reason, raw text), as the scheduler itself does on
-start-up. Run it on a journal no scheduler is appending to.
+start-up; both keep the journal's file mode. Run it on a journal no scheduler is appending
+to.
 """
 
 from __future__ import annotations
@@ -109,30 +119,85 @@ def _check(args: argparse.Namespace) -> int:
     from kvprefetch.controlplane.live.journal import LiveJournalScanner
     from kvprefetch.controlplane.traces.journal import TimeLimits, quarantine
 
+    path: Path = args.path
+    size = path.stat().st_size if path.is_file() else None
     limits = None if args.no_time_check else TimeLimits(now_wall_s=time.time())
-    scan = LiveJournalScanner(args.path, limits=limits)
+    scan = LiveJournalScanner(path, limits=limits)
     for _ in scan:
         pass
-    side = quarantine(args.path, scan.damaged) if args.repair and scan.damaged else None
+    lost = scan.lost()
+    reported = [gap for gap in lost if gap.damaged_lines or gap.exact]
+    torn = [d.line for d in scan.damaged if d.torn]
+    side = quarantine(path, scan.damaged) if args.repair and scan.damaged else None
+    end = ("empty" if size == 0 else "stopped" if scan.stopped and not scan.trailing_damaged
+           else "cut-mid-record" if torn else "open")
     report = {
-        "path": str(args.path), "records": scan.records, "events": scan.events,
-        "scheduler_starts": scan.epochs, "last_epoch": scan.last_epoch,
+        "path": str(path), "bytes": size, "empty": size == 0, "records": scan.records,
+        "events": scan.events, "scheduler_starts": scan.epochs,
+        "last_epoch": scan.last_epoch, "last_seq": scan.last_seq, "compacted": scan.compacted,
         "checksummed": scan.checked, "last_t": scan.last_t, "damaged": len(scan.damaged),
         "damaged_lines": [{"line": d.line, "reason": d.reason, "torn": d.torn}
                           for d in scan.damaged],
+        "lost": [gap.to_dict() for gap in reported],
+        "records_lost": sum(gap.records for gap in reported),
+        "damaged_after_last_seq": list(scan.trailing_damaged), "end": end,
         "repaired": side is not None, "quarantine": str(side) if side is not None else None,
     }
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print(f"{args.path}: {scan.records} records ({scan.events} events, {scan.epochs} "
-              f"scheduler starts, {scan.checked} checksummed), {len(scan.damaged)} damaged")
-        for d in scan.damaged[: args.show]:
-            print(f"  line {d.line}: {d.reason}")
-        if len(scan.damaged) > args.show:
-            print(f"  ... and {len(scan.damaged) - args.show} more")
-        if side is not None:
-            print(f"repaired: {len(scan.damaged)} damaged lines moved to {side}")
-        elif scan.damaged:
-            print("run with --repair to set them aside")
+        _print_check(path, scan, report, args.show)
+    if size == 0:
+        return 1
     return 1 if scan.damaged and side is None else 0
+
+
+def _print_check(path: Path, scan: Any, report: dict[str, Any], show: int) -> None:
+    """The text report of :func:`_check`."""
+    if report["empty"]:
+        print(f"{path}: empty (0 bytes): no header and no records; whatever it held is lost")
+        return
+    print(f"{path}: {scan.records} records ({scan.events} events, {scan.epochs} scheduler "
+          f"starts, {scan.checked} checksummed), {len(scan.damaged)} damaged")
+    for d in scan.damaged[:show]:
+        print(f"  line {d.line}: {d.reason}")
+    if len(scan.damaged) > show:
+        print(f"  ... and {len(scan.damaged) - show} more")
+    for gap in report["lost"]:
+        held = f"{gap['records']} records" if gap["exact"] else f"up to {gap['records']} records"
+        lines = gap["damaged_lines"]
+        where = (f"in damaged line{'s' if len(lines) > 1 else ''} "
+                 f"{_ranges(lines)}" if lines else "with no damaged line (lines removed, or "
+                 "set aside by an earlier repair)")
+        print(f"lost: {held}, seq {gap['first_seq']}..{gap['last_seq']}, {where}")
+    last = f"seq {scan.last_seq}" if scan.last_seq else "the header"
+    after = report["damaged_after_last_seq"]
+    if after and report["end"] != "cut-mid-record":
+        print(f"lost: an unknown number of records in damaged lines {_ranges(after)} after "
+              f"{last}")
+    if scan.records <= 1 and not scan.damaged:
+        print("no records after the header")
+    if report["end"] == "stopped":
+        print(f"end: the scheduler stopped cleanly at {last}")
+    elif report["end"] == "cut-mid-record":
+        print(f"end: truncated mid-record after {last} (line {after[-1]} cut short): what "
+              "followed it is lost")
+    else:
+        print(f"end: no stop record after {last}: a scheduler still appending, a crash, or "
+              f"a journal truncated at a record boundary (records after {last}, if any, "
+              "are lost)")
+    if report["repaired"]:
+        print(f"repaired: {len(scan.damaged)} damaged lines moved to {report['quarantine']}")
+    elif scan.damaged:
+        print("run with --repair to set them aside")
+
+
+def _ranges(lines: list[int]) -> str:
+    """``[3, 4, 5, 9]`` as ``3-5, 9``."""
+    out: list[str] = []
+    for n in lines:
+        if out and n == int(out[-1].rsplit("-", 1)[-1]) + 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{n}"
+        else:
+            out.append(str(n))
+    return ", ".join(out)

@@ -136,13 +136,13 @@ class LiveDriver:
             return self.core.request_finished(event, event.context_after)
         return self.core.hint(event)
 
-    def record_and_apply(self, event: SessionEvent, box: Outbox,
-                         hashes: tuple[str, ...] | None = None) -> None:
-        """Journal ``event``, then apply it. ``hashes``: the session's chunk hashes from now
-        on, when the call named its chunks by content (journalled as the change from the
-        old ones, so that a resume names them exactly as before)."""
-        self.stats.events += 1
-        self.metrics.event(event.kind.value)
+    def record(self, event: SessionEvent, hashes: tuple[str, ...] | None = None
+               ) -> KeysChange | None:
+        """Journal ``event`` before anything changes: a failed write raises
+        JournalUnavailableError with nothing recorded, so the call fails closed. Returns
+        the change of chunk names journalled with it (``hashes``: the session's chunk
+        hashes from now on, when the call named its chunks by content; journalled as the
+        change from the old ones, so that a resume names them exactly as before)."""
         keys = None
         if hashes is not None:
             info = self.registry.by_sid(event.session_id)
@@ -153,8 +153,18 @@ class LiveDriver:
             # Handed to the OS at once: a killed service loses no acknowledged event (a
             # crashed machine may lose the last ones; fsync runs on the loop's interval).
             self.journal.write_event(event, keys)
-            self.journal.flush()
             self.journal_records += 1
+        return keys
+
+    def record_and_apply(self, event: SessionEvent, box: Outbox,
+                         hashes: tuple[str, ...] | None = None) -> None:
+        """Journal ``event`` (:meth:`record`), then apply it."""
+        self.applied(event, self.record(event, hashes), box)
+
+    def applied(self, event: SessionEvent, keys: KeysChange | None, box: Outbox) -> None:
+        """Apply a journalled event and carry its decisions out."""
+        self.stats.events += 1
+        self.metrics.event(event.kind.value)
         self.carry(self.apply(event, keys), box)
 
     def carry(self, out: StepOutput, box: Outbox) -> None:
@@ -209,8 +219,8 @@ class LiveDriver:
             self.stats.quota_refusals += 1
             self.metrics.quota_refused(key.tenant)
             raise
-        info = self.registry.open(key)
-        self.metrics.tenant_sessions(key.tenant, self.registry.per_tenant[key.tenant])
+        # Read, not opened: the session opens only once its event is journalled.
+        info = self.registry.get(key) or SessionInfo(key)
         hashes = None
         if call.token_ids is not None:  # the service hashes before its lock (prehash)
             hashes = tuple(chunk_hashes(call.token_ids, self.config.chunk_tokens))
@@ -222,7 +232,8 @@ class LiveDriver:
             EventKind.REQUEST_STARTED, key.wire, self.clock.now_s(), info.turns, call.tokens, 0,
             min(reused, call.tokens), tenant=call.tenant, parent_id=call.parent_id), box,
             hashes)
-        return info
+        self.metrics.tenant_sessions(key.tenant, self.registry.per_tenant[key.tenant])
+        return self.registry.known(key)
 
     def route(self, call: api.RouteQuery, box: Outbox) -> api.RouteAnswer:
         """Pick the node for a request; records ``request_started`` when the gateway has
@@ -256,13 +267,15 @@ class LiveDriver:
 
     def request_finished(self, call: api.RequestFinished, box: Outbox) -> None:
         info = self.registry.known(SessionKey(call.tenant, call.session_id))
-        if call.local_tokens_read:
-            self.core.mark_read(info.sid, call.node, call.local_tokens_read, info.arrival_s)
         hashes = tuple(call.chunk_hashes) if call.chunk_hashes is not None else None
-        self.record_and_apply(SessionEvent(
+        event = SessionEvent(
             EventKind.REQUEST_FINISHED, info.sid, self.clock.now_s(), max(0, info.turns - 1),
             call.input_tokens, call.output_tokens, 0, call.stop_reason, node=call.node,
-            tenant=call.tenant, context_tokens=call.context_tokens), box, hashes)
+            tenant=call.tenant, context_tokens=call.context_tokens)
+        keys = self.record(event, hashes)  # first: a failed write changes nothing
+        if call.local_tokens_read:
+            self.core.mark_read(info.sid, call.node, call.local_tokens_read, info.arrival_s)
+        self.applied(event, keys, box)
 
     def hint(self, call: api.HintCall, box: Outbox) -> None:
         info = self.registry.known(SessionKey(call.tenant, call.session_id))

@@ -20,6 +20,16 @@ its checksum. So is a record with values no live call can produce (token counts 
 API's limit, a node outside the fleet, a hint ETA over a day, a session id or tenant the API
 refuses): start-up never acts on them.
 
+Lost records: the numbers also tell what a damaged region held. Between two trusted
+records, the missing numbers are records lost (:class:`LostRecords`): exactly so in a
+journal never compacted, at most so in a compacted one (there, gaps are normal).
+
+Failing closed: a record whose write fails (a full disk) is cut away again (see the trace
+journal's module docstring) and :class:`LiveJournalWriter` raises
+:class:`~kvprefetch.controlplane.base.errors.JournalUnavailableError` (503, a short
+message; the path and the OS error go to the log); its sequence number is used again by
+the next record, so a failed write leaves no gap.
+
 Compaction (:func:`compact_journal`): the journal is rewritten atomically as its header, the
 last scheduler-start record and the records of the sessions still live, each from after its
 last close: the events of closed sessions are dropped, so resuming costs the live sessions'
@@ -36,6 +46,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,19 +54,23 @@ from typing import Any
 
 import pydantic_core
 
-from kvprefetch.controlplane.base.errors import InvalidRequestError
+from kvprefetch.controlplane.base.errors import InvalidRequestError, JournalUnavailableError
 from kvprefetch.controlplane.base.types import EventKind, SessionEvent, SessionKey
 from kvprefetch.controlplane.live.limits import check_session_id, check_tenant_name
 from kvprefetch.controlplane.traces.journal import (
     HEADER_KEY,
     JOURNAL_VERSION,
     EpochRecord,
+    JournalOpener,
     JournalScanner,
     JournalWriter,
+    StopRecord,
     TimeLimits,
     _Damaged,
     _encode_checked,
     event_to_dict,
+    file_mode,
+    open_journal_file,
 )
 
 log = logging.getLogger(__name__)
@@ -117,12 +132,19 @@ class KeysChange:
 class LiveJournalWriter(JournalWriter):
     """The scheduler's writer: numbered records, events with their chunk-name changes (see
     the module docstring). Called under the service's lock for every session event and
-    once per start; ``next_seq`` continues the numbers of the journal it appends to."""
+    once per start and stop; ``next_seq`` continues the numbers of the journal it appends
+    to. A record whose write fails raises :class:`JournalUnavailableError` and is not in
+    the journal; the first failure of a run is logged as an error with the path and the
+    OS error, the return to health as a warning."""
 
     def __init__(self, path: str | Path, *, metadata: Mapping[str, Any] | None = None,
-                 next_seq: int = 1) -> None:
-        super().__init__(path, metadata=metadata)
+                 next_seq: int = 1, opener: JournalOpener = open_journal_file) -> None:
+        super().__init__(path, metadata=metadata, opener=opener)
         self.next_seq = next_seq
+        #: Record writes refused since the journal was opened.
+        self.failed_writes = 0
+        self._failing = False
+        self._log_lock = threading.Lock()
 
     def write_event(self, event: SessionEvent, keys: KeysChange | None = None) -> None:
         row = {SEQ_KEY: 0, **event_to_dict(event)}
@@ -133,10 +155,48 @@ class LiveJournalWriter(JournalWriter):
     def write_epoch(self, record: EpochRecord) -> None:
         self._numbered({SEQ_KEY: 0, **record.to_dict()})
 
+    def write_stop(self, record: StopRecord) -> None:
+        self._numbered({SEQ_KEY: 0, **record.to_dict()})
+
     def _numbered(self, row: dict[str, Any]) -> None:
         row[SEQ_KEY] = self.next_seq
-        self.next_seq += 1
-        self._append(_encode_checked(row))
+        try:
+            self._append(_encode_checked(row))
+        except OSError as exc:
+            raise self._unavailable(exc) from None
+        self.next_seq += 1  # only once written: a failed write leaves no gap
+        self._healthy()
+
+    def check_writable(self) -> None:
+        """Raise :class:`JournalUnavailableError` while the journal takes no records: after
+        a failed write, a probe (:meth:`probe`) says whether space returned. No I/O while
+        writes succeed. For the service's health check."""
+        if self.failure is None:
+            return
+        try:
+            self.probe()
+        except OSError as exc:
+            raise self._unavailable(exc, probe=True) from None
+        self._healthy()
+
+    def _unavailable(self, exc: OSError, *, probe: bool = False) -> JournalUnavailableError:
+        why = exc.strerror or type(exc).__name__
+        with self._log_lock:
+            first, self._failing = not self._failing, True
+            if not probe:
+                self.failed_writes += 1
+        if first:
+            log.error("journal %s: cannot write (%s); calls that record events are refused "
+                      "with 503 until it can", self.path, exc)
+        return JournalUnavailableError(f"the scheduler's journal cannot be written ({why}); "
+                                       "nothing was recorded, the call may be sent again")
+
+    def _healthy(self) -> None:
+        if self._failing:
+            with self._log_lock:
+                self._failing = False
+            log.warning("journal %s: writable again (%d record writes were refused)",
+                        self.path, self.failed_writes)
 
     def write_raw(self, records: Sequence[bytes]) -> None:
         """Append records copied verbatim from another journal file (checksums intact)."""
@@ -144,10 +204,36 @@ class LiveJournalWriter(JournalWriter):
             self._append(raw if raw.endswith(b"\n") else raw + b"\n")
 
 
+@dataclass(frozen=True, slots=True)
+class LostRecords:
+    """Sequence numbers ``first_seq..last_seq`` missing between two trusted records, and
+    the damaged lines between them (none: whole lines removed, or compacted away). In a
+    journal never compacted (``exact``) each number is a record lost; in a compacted one
+    (or one whose header is damaged) at most so."""
+
+    first_seq: int
+    last_seq: int
+    damaged_lines: tuple[int, ...]
+    exact: bool
+
+    @property
+    def records(self) -> int:
+        return self.last_seq - self.first_seq + 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"first_seq": self.first_seq, "last_seq": self.last_seq,
+                "records": self.records, "exact": self.exact,
+                "damaged_lines": list(self.damaged_lines)}
+
+
 class LiveJournalScanner(JournalScanner):
     """The trace journal's scanner that also reads ``keys``: after each ``(line, event)``
     it yields, :attr:`keys` is that event's :class:`KeysChange` (None when it has none). A
-    ``keys`` value that does not parse makes its record damaged like any other."""
+    ``keys`` value that does not parse makes its record damaged like any other.
+
+    It also accounts for lost records (see the module docstring): :meth:`lost` lists the
+    gaps in the sequence numbers, :attr:`trailing_damaged` the damaged lines after the
+    last numbered record (what they held is unknown)."""
 
     def __init__(self, path: str | Path, *, limits: TimeLimits | None = None,
                  nodes: int | None = None) -> None:
@@ -160,6 +246,22 @@ class LiveJournalScanner(JournalScanner):
         self.last_raw = b""
         #: Whether the last record :meth:`lines` yielded is a scheduler-start record.
         self.last_line_was_epoch = False
+        #: The header's ``compacted`` mark (gaps in the numbers are then normal).
+        self.compacted = False
+        self._gaps: list[tuple[int, int, tuple[int, ...]]] = []
+        #: Damaged lines since the last numbered record (after the scan: at the end).
+        self.trailing_damaged: list[int] = []
+        self._numbered_line = 0
+
+    def lost(self) -> list[LostRecords]:
+        """The gaps in the sequence numbers read so far (see :class:`LostRecords`)."""
+        exact = self.header_ok and not self.compacted
+        return [LostRecords(a, b, lines, exact) for a, b, lines in self._gaps]
+
+    def _damage(self, number: int, raw: bytes, damage: _Damaged) -> None:
+        super()._damage(number, raw, damage)
+        if number != self._numbered_line:  # a record whose number counted is no gap
+            self.trailing_damaged.append(number)
 
     def lines(self, upto_bytes: int | None = None
               ) -> Iterator[tuple[int, bytes, SessionEvent | None]]:
@@ -205,7 +307,11 @@ class LiveJournalScanner(JournalScanner):
             raise _Damaged(f"epoch {bad} is above {MAX_EPOCH} (order ids would overflow)",
                            field="kvprefetch_epoch")
         if seq is not None:
-            self.last_seq = seq
+            if seq > self.last_seq + 1:
+                self._gaps.append((self.last_seq + 1, seq - 1, tuple(self.trailing_damaged)))
+            self.last_seq, self._numbered_line, self.trailing_damaged = seq, number, []
+        elif number == 1 and event is None and self.header_ok:
+            self.compacted = pydantic_core.from_json(raw).get("compacted") is True
         elif self.last_seq and not raw.startswith(b'{"%s"' % HEADER_KEY.encode()):
             raise _Damaged("no sequence number after numbered records", field=SEQ_KEY)
         if event is not None:
@@ -294,6 +400,7 @@ def write_compacted(path: Path, records: Sequence[bytes],
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".compacting", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), file_mode(path))
             f.write(pydantic_core.to_json(header) + b"\n")
             for raw in records:
                 f.write(raw if raw.endswith(b"\n") else raw + b"\n")

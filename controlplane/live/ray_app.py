@@ -126,6 +126,9 @@ class _SchedulerActor:
                 log.debug("agent not up yet", exc_info=True)
 
     def ping(self) -> bool:
+        """True while the scheduler answers and its journal takes records
+        (JournalUnavailableError otherwise: ``/healthz`` answers 503)."""
+        self.svc.check_health()
         return True
 
     def route(self, call: api.RouteQuery) -> api.RouteAnswer:

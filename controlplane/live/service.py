@@ -19,6 +19,11 @@ session
   (:class:`~kvprefetch.controlplane.core.step.StepOutput`) carried out as messages to the agents;
 * a control loop that fires armed prefetch orders, expires lost orders and flushes the
   journal; it logs and counts every failure and never dies;
+* a journal that fails closed: a call whose event cannot be journalled (a full disk)
+  raises :class:`~kvprefetch.controlplane.base.errors.JournalUnavailableError` (503) having
+  changed nothing, and is never replayed; :meth:`SchedulerService.check_health` reports the
+  journal unwritable until it takes records again. A clean :meth:`SchedulerService.close`
+  ends the journal with a stop record;
 * journal compaction (:func:`~kvprefetch.controlplane.live.journal.compact_journal`): at start-up
   after a long replay, and in a background thread once ``journal_compact_records`` records
   were written since the last one. The journal is rewritten atomically without closed
@@ -59,7 +64,12 @@ from typing import Any, TypeVar, cast
 from pydantic import ValidationError
 
 from kvprefetch.controlplane.base import api
-from kvprefetch.controlplane.base.errors import ConfigError, InvalidRequestError, WrongShardError
+from kvprefetch.controlplane.base.errors import (
+    ConfigError,
+    InvalidRequestError,
+    JournalUnavailableError,
+    WrongShardError,
+)
 from kvprefetch.controlplane.base.shards import ShardRing, shard_epoch
 from kvprefetch.controlplane.base.types import SessionKey
 from kvprefetch.controlplane.base.wire import (
@@ -77,10 +87,12 @@ from kvprefetch.controlplane.live.config import ServiceClock, ServiceConfig
 from kvprefetch.controlplane.live.driver import LiveDriver
 from kvprefetch.controlplane.live.fleet import LiveFleet
 from kvprefetch.controlplane.live.journal import (
+    JournalOpener,
     LiveJournalScanner,
     LiveJournalWriter,
     compact_journal,
     live_records,
+    open_journal_file,
     publish_compacted,
     write_compacted,
 )
@@ -96,7 +108,12 @@ from kvprefetch.controlplane.live.ports import (
     ServiceStats,
 )
 from kvprefetch.controlplane.live.sessions import SessionQuery, SessionRegistry, SessionState
-from kvprefetch.controlplane.traces.journal import EpochRecord, TimeLimits, quarantine
+from kvprefetch.controlplane.traces.journal import (
+    EpochRecord,
+    StopRecord,
+    TimeLimits,
+    quarantine,
+)
 
 log = logging.getLogger(__name__)
 
@@ -129,8 +146,11 @@ class SchedulerService:
     def __init__(self, config: ServiceConfig, *, agents: Mapping[int, AgentPort] | None = None,
                  metrics: ServiceMetricsSink | None = None,
                  wall: Callable[[], float] = time.monotonic,
-                 calendar: Callable[[], float] = time.time) -> None:
+                 calendar: Callable[[], float] = time.time,
+                 journal_opener: JournalOpener = open_journal_file) -> None:
         self.config = config
+        #: Opens the journal file (a test injects one whose writes fail on demand).
+        self._journal_opener = journal_opener
         self.policy = config.policy_spec
         self.clock = ServiceClock(config.time_compression, wall=wall)
         self._wall = wall
@@ -189,7 +209,8 @@ class SchedulerService:
         self.orders.begin_epoch(self.epoch)
         if path is not None:
             self._journal = driver.journal = LiveJournalWriter(
-                path, metadata=self._journal_metadata(), next_seq=next_seq).open()
+                path, metadata=self._journal_metadata(), next_seq=next_seq,
+                opener=self._journal_opener).open()
             self._journal.write_epoch(EpochRecord(self.epoch, self.clock.now_s(),
                                                   self._calendar(),
                                                   self.config.time_compression))
@@ -262,9 +283,23 @@ class SchedulerService:
             self._compactor.join(timeout=60)
             self._compactor = None
         if self._journal is not None:
-            self._journal.flush(sync=True)
-            self._journal.close()
-            self._journal = None
+            with self._lock:
+                try:  # the journal's last record says the scheduler stopped cleanly
+                    self._journal.write_stop(StopRecord(self.epoch, self.clock.now_s(),
+                                                        self._calendar()))
+                    self._journal.flush(sync=True)
+                except (JournalUnavailableError, OSError) as exc:
+                    log.error("journal %s: not closed cleanly: %s", self._journal.path, exc)
+                self._journal.close()
+                self._journal = None
+
+    def check_health(self) -> None:
+        """Raise :class:`JournalUnavailableError` while the journal takes no records (after
+        a failed write; see :meth:`LiveJournalWriter.check_writable`). For ``/healthz`` and
+        the actor's ``ping``; no I/O while the journal is healthy."""
+        journal = self._journal
+        if journal is not None:
+            journal.check_writable()
 
     def __enter__(self) -> SchedulerService:
         return self.start()

@@ -12,7 +12,10 @@ the
   ``t`` is the service clock in seconds. Unknown keys are ignored, so version 1 may gain
   optional keys; a change of meaning bumps the version;
 * and, once per scheduler start, an epoch record ``{"kvprefetch_epoch": N, "t": ...,
-  "wall": ..., "compression": ...}`` (:class:`EpochRecord`: the epoch its order ids carry).
+  "wall": ..., "compression": ...}`` (:class:`EpochRecord`: the epoch its order ids carry);
+  once per clean stop, a stop record ``{"kvprefetch_stop": N, "t": ..., "wall": ...}``
+  (:class:`StopRecord`): a journal that does not end with one belongs to a scheduler that
+  still runs, crashed, or was cut at a record boundary.
 
 Every record but the header ends with its checksum, ``..., "crc": "1a2b3c4d"}``: the CRC-32
 of the line's bytes without that key (journals written before checksums still load). A
@@ -24,10 +27,18 @@ moves it to a side file (:func:`quarantine`) with a counted warning and starts w
 (:func:`read_journal_events`, :func:`load_journal`) are strict: a damaged line is a
 :class:`~kvprefetch.controlplane.base.errors.TraceFormatError` naming file, line and field.
 
-Crash safety: the writer appends each record as one ``write`` of one complete line, so a
-crash can only tear the *last* line. Every reader ignores a torn last line (one without its
-final newline that does not check out) and logs a warning; on opening an existing journal
-the writer first cuts such a torn tail, so appending never buries it.
+Crash safety: the writer appends each record as one unbuffered ``write`` of one complete
+line, so a crash can only tear the *last* line. Every reader ignores a torn last line (one
+without its final newline that does not check out) and logs a warning; on opening an
+existing journal the writer first cuts such a torn tail, so appending never buries it.
+
+Failed writes (a full disk, a file-size limit): the writer remembers the journal's size
+before each record and, when the write fails part-way, truncates the file back to it, so a
+record whose write raised never reaches the journal later; nothing stays buffered. Until
+the cut succeeds the writer refuses to append (a partial line must not be buried).
+
+File mode: the writer creates the journal with mode 0600; the quarantine side file and a
+repaired copy take the journal's own mode.
 
 As a trace (:func:`load_journal`), the journal is replayed closed-loop: ``request_started``
 gives the arrival, ``in`` and ``reused``; ``request_finished`` gives ``out``, ``stop`` and
@@ -39,24 +50,26 @@ Hints and ``session_closed`` events are for predictors and do not shape the trac
 
 from __future__ import annotations
 
+import errno
 import gzip
 import json
 import logging
 import os
 import re
+import stat
+import tempfile
 import threading
 import time
 import zlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, Self
+from typing import Any, Protocol, Self
 
 import pydantic_core
 from tqdm import tqdm
 
-from kvprefetch.controlplane.base.atomic import write_atomic
 from kvprefetch.controlplane.base.errors import TraceFormatError
 from kvprefetch.controlplane.base.types import (
     EventKind,
@@ -72,7 +85,10 @@ from kvprefetch.controlplane.traces._fields import FieldReader, check_exists
 FORMAT_NAME = "journal"
 HEADER_KEY = "kvprefetch_journal"
 EPOCH_KEY = "kvprefetch_epoch"
+STOP_KEY = "kvprefetch_stop"
 JOURNAL_VERSION = 1
+#: The mode of a journal the writer creates (owner only: events name tenants and sessions).
+JOURNAL_MODE = 0o600
 
 _log = logging.getLogger(__name__)
 
@@ -207,6 +223,24 @@ class EpochRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class StopRecord:
+    """A clean scheduler stop: the epoch that stops, the service clock (``t``) and the wall
+    clock (Unix seconds). The last record of a journal whose scheduler stopped cleanly."""
+
+    epoch: int
+    time_s: float
+    wall_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {STOP_KEY: self.epoch, "t": self.time_s, "wall": self.wall_s}
+
+    @classmethod
+    def from_dict(cls, row: Mapping[str, Any], reader: FieldReader) -> StopRecord:
+        return cls(reader.count(row, STOP_KEY), reader.number(row, "t"),
+                   reader.number(row, "wall"))
+
+
+@dataclass(frozen=True, slots=True)
 class TimeLimits:
     """How far in the future a record's time may lie (a damaged or forged ``t`` such as
     ``1e300`` must not freeze the service clock).
@@ -247,22 +281,58 @@ class DamagedRecord:
 # ---------------------------------------------------------------------------------------------
 
 
+class JournalFile(Protocol):
+    """The journal file as the writer uses it: unbuffered appends (``write`` returns how
+    many bytes went to the OS), ``truncate`` to cut a failed write away, ``fileno`` for
+    ``fsync``. A test wraps the real one to fail writes on demand."""
+
+    def write(self, data: bytes | memoryview, /) -> int | None: ...
+
+    def truncate(self, size: int, /) -> int: ...
+
+    def fileno(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
+#: Opens the journal for appending (called by :meth:`JournalWriter.open`).
+JournalOpener = Callable[[Path], JournalFile]
+
+
+def open_journal_file(path: Path) -> JournalFile:
+    """The journal opened for unbuffered appends, created with :data:`JOURNAL_MODE`."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, JOURNAL_MODE)
+    return open(fd, "ab", buffering=0)
+
+
 class JournalWriter:
     """Appends session events to a journal file, one checksummed line each.
 
     Called by the live control plane for every event it observes (often: once per request
     start and finish, plus hints), from any thread, and once per scheduler start
-    (:meth:`write_epoch`). The constructor does no I/O; :meth:`open` (or ``with``) creates
-    the file with its header, or reopens an existing journal for appending after cutting a
-    torn last line. Each record is one ``write`` of one complete line; :meth:`flush` hands
-    buffered lines to the OS (``sync=True`` also fsyncs).
+    (:meth:`write_epoch`) and clean stop (:meth:`write_stop`). The constructor does no I/O;
+    :meth:`open` (or ``with``) creates the file with its header, or reopens an existing
+    journal for appending after cutting a torn last line. Each record is one unbuffered
+    ``write`` of one complete line, handed to the OS before the call returns; a write that
+    fails raises :class:`OSError` with the file cut back to its size before the record
+    (see the module docstring), and :attr:`failure` says why until a write succeeds.
+    :meth:`flush` with ``sync=True`` fsyncs. ``opener`` opens the file (default
+    :func:`open_journal_file`).
     """
 
-    def __init__(self, path: str | Path, *, metadata: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, path: str | Path, *, metadata: Mapping[str, Any] | None = None,
+                 opener: JournalOpener = open_journal_file) -> None:
         self.path = Path(path)
         self._metadata = dict(metadata or {})
-        self._file: IO[bytes] | None = None
+        self._opener = opener
+        self._file: JournalFile | None = None
         self._lock = threading.Lock()
+        #: The journal's size in bytes: whole records only.
+        self._size = 0
+        #: A failed write left bytes past ``_size`` that are not cut away yet.
+        self._dirty = False
+        #: Why the last write failed (None: it did not, or a later one succeeded).
+        self.failure: str | None = None
 
     def open(self) -> Self:
         if self._file is not None:
@@ -271,10 +341,14 @@ class JournalWriter:
             raise TraceFormatError("cannot append to a compressed journal", path=self.path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._cut_torn_tail()
-        self._file = self.path.open("ab")
-        if self._file.tell() == 0:
-            header = {HEADER_KEY: JOURNAL_VERSION, **self._metadata}
-            self._file.write(_encode(header))
+        file = self._opener(self.path)
+        self._file, self._size, self._dirty = file, os.fstat(file.fileno()).st_size, False
+        if self._size == 0:
+            try:
+                self._append(_encode({HEADER_KEY: JOURNAL_VERSION, **self._metadata}))
+            except BaseException:
+                self.close()
+                raise
         return self
 
     def write(self, event: SessionEvent) -> None:
@@ -284,17 +358,56 @@ class JournalWriter:
         """Record a scheduler start (see :class:`EpochRecord`)."""
         self._append(_encode_checked(record.to_dict()))
 
+    def write_stop(self, record: StopRecord) -> None:
+        """Record a clean stop (see :class:`StopRecord`): the journal's last record."""
+        self._append(_encode_checked(record.to_dict()))
+
     def _append(self, data: bytes) -> None:
+        """Write ``data`` whole, or raise OSError with the journal as it was before."""
         with self._lock:
-            if self._file is None:
-                raise RuntimeError("JournalWriter is not open; call open() or use 'with'")
-            self._file.write(data)
+            self._write_locked(self._open_file(), data)
+            self._size += len(data)
+
+    def probe(self, nbytes: int = 4096) -> None:
+        """Whether the journal takes ``nbytes`` more: a blank line of that size (readers
+        skip blank lines) written and cut away again; OSError when it does not fit. Clears
+        :attr:`failure` when it does. For health checks after a failed write."""
+        with self._lock:
+            file = self._open_file()
+            self._write_locked(file, b" " * (nbytes - 1) + b"\n")
+            self._cut_back(file)
+
+    def _write_locked(self, file: JournalFile, data: bytes) -> None:
+        if self._dirty:
+            self._cut_back(file)
+        try:
+            _write_all(file, data)
+        except OSError as exc:
+            self.failure = exc.strerror or type(exc).__name__
+            try:
+                self._cut_back(file)
+            except OSError as cut:
+                _log.error("journal %s: cannot cut a failed write away (%s); appending "
+                           "stays refused until it can", self.path, cut)
+            raise
+        self.failure = None
+
+    def _open_file(self) -> JournalFile:
+        if self._file is None:
+            raise RuntimeError("JournalWriter is not open; call open() or use 'with'")
+        return self._file
+
+    def _cut_back(self, file: JournalFile) -> None:
+        """Truncate the journal to its whole records (after a failed write)."""
+        self._dirty = True
+        file.truncate(self._size)
+        self._dirty = False
 
     def flush(self, *, sync: bool = False) -> None:
+        """Records are with the OS once written; ``sync`` also fsyncs them to the disk."""
         with self._lock:
             if self._file is None:
                 return
-            self._file.flush()
             if sync:
                 os.fsync(self._file.fileno())
 
@@ -358,6 +471,17 @@ class JournalWriter:
             f.truncate(position)
 
 
+def _write_all(file: JournalFile, data: bytes) -> None:
+    """Every byte of ``data``, through short writes (a file-size limit writes what fits,
+    then fails)."""
+    view = memoryview(data)
+    while view:
+        n = file.write(view)
+        if not n:
+            raise OSError(errno.EIO, "the journal accepted no bytes")
+        view = view[n:]
+
+
 def _whole_record(raw: bytes) -> bool:
     """Whether a last line without its newline is a record readers accept: its checksum
     matches, or it has none and is a JSON object without one (a journal from before
@@ -401,7 +525,9 @@ class JournalScanner:
         self.strict = strict
         self.progress = progress
         self.damaged: list[DamagedRecord] = []
-        self.records = self.events = self.epochs = self.checked = 0
+        self.records = self.events = self.epochs = self.checked = self.stops = 0
+        #: Whether the last trusted record is a stop record (a clean stop).
+        self.stopped = False
         self.last_epoch = 0
         self.last_t = 0.0
         self.header_ok = False
@@ -450,6 +576,15 @@ class JournalScanner:
             self.header_ok = self.header_ok or number == 1
             return None
         try:
+            if STOP_KEY in obj:
+                stop = StopRecord.from_dict(obj, reader)
+                if (why := self._out_of_range(stop.time_s, stop.wall_s)) is not None:
+                    raise _Damaged(why, field="t")
+                self.stops += 1
+                self.stopped = True
+                self.last_t = max(self.last_t, stop.time_s)
+                return None
+            self.stopped = False
             if EPOCH_KEY in obj:
                 epoch = EpochRecord.from_dict(obj, reader)
                 if (why := self._out_of_range(epoch.time_s, epoch.wall_s)) is not None:
@@ -540,15 +675,43 @@ def quarantine(path: str | Path, damaged: Sequence[DamagedRecord], *,
     source = Path(path)
     side = quarantine_path(source)
     stamp = time.time() if wall_s is None else wall_s
-    with side.open("ab") as f:
+    mode = file_mode(source)
+    fd = os.open(side, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, mode)
+    with open(fd, "ab") as f:
         for record in damaged:
             f.write(_encode({**record.to_dict(), "journal": source.name,
                              "quarantined_at": stamp}))
         f.flush()
         os.fsync(f.fileno())
     bad = {record.line for record in damaged}
-    write_atomic(source, _kept_lines(source, bad))
+    replace_journal(source, _kept_lines(source, bad))
     return side
+
+
+def file_mode(path: Path) -> int:
+    """The permission bits of ``path`` (:data:`JOURNAL_MODE` when it does not exist)."""
+    try:
+        return stat.S_IMODE(path.stat().st_mode)
+    except FileNotFoundError:
+        return JOURNAL_MODE
+
+
+def replace_journal(path: Path, chunks: Iterable[bytes]) -> None:
+    """Replace the journal at ``path`` atomically by ``chunks`` (a temporary file beside it,
+    fsynced, given the journal's mode, renamed over it)."""
+    mode = file_mode(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), mode)
+            for chunk in chunks:
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def _kept_lines(path: Path, bad: set[int]) -> Iterator[bytes]:

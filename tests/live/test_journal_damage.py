@@ -99,6 +99,8 @@ def test_a_flipped_record_is_quarantined_and_start_up_goes_on(
     data, events = original
     lines = data.splitlines(keepends=True)
     target = len(lines) // 2
+    while b'"kind":' not in lines[target]:  # an event's record, not a start or a stop
+        target += 1
     bad = bytearray(lines[target])
     bad[bad.index(b'"t":') + 4] ^= 0x01  # one digit of the time: still valid JSON
     lines[target] = bytes(bad)
@@ -151,7 +153,7 @@ def test_journals_without_checksums_still_load(tmp_path: Path) -> None:
         connect(service=svc, tenant="t").hint("a", "user_typing")
     # Appended records are checksummed; from then on an unchecked record is damage.
     scan, got = _scan(path)
-    assert len(got) == 4 and not scan.damaged and scan.checked == 2
+    assert len(got) == 4 and not scan.damaged and scan.checked == 3  # start, hint, stop
     path.write_bytes(path.read_bytes()
                      + b'{"kind": "session_closed", "session": "t/a", "t": 9.0}\n')
     scan, got = _scan(path)
@@ -179,8 +181,9 @@ def test_journal_check_reports_and_repairs(
     assert [d["line"] for d in report["damaged_lines"]] == [4, len(lines)]
     assert main(["journal", "check", str(path)]) == 0
     assert "0 damaged" in capsys.readouterr().out
-    # Line 1 is the header, line 2 the first scheduler start: line 4 held event 1.
-    assert list(read_journal_events(path)) == events[:1] + events[2:-1]
+    # Line 1 is the header, line 2 the first scheduler start: line 4 held event 1; the
+    # torn last line was the second scheduler's stop record.
+    assert list(read_journal_events(path)) == events[:1] + events[2:]
     kept = [json.loads(q)["raw"] for q in quarantine_path(path).read_text().splitlines()]
     assert kept == [lines[3].decode(), lines[-1].decode()]
 
