@@ -1,0 +1,290 @@
+"""Render the result tables from the JSON beside the pages.
+
+``python docs/results/generate.py`` rewrites, in every page of ``docs/results/``, the text
+between ``<!-- results:NAME -->`` and ``<!-- /results:NAME -->`` with the tables rendered
+from ``docs/results/data/NAME.json`` and the run's entry in ``data/runs.json`` (date,
+commit, machine, command; written by ``run.py``). The docs hook (``docs/hooks.py``) renders
+the same blocks at build time, so a page never shows figures other than its JSON's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+DATA = HERE / "data"
+GIB = 1 << 30
+BLOCK = re.compile(r"(<!-- results:([a-z0-9-]+) -->\n)(.*?)(<!-- /results:\2 -->)", re.S)
+
+
+def _load(name: str) -> dict[str, Any]:
+    return json.loads((DATA / f"{name}.json").read_text())
+
+
+def _runs() -> dict[str, Any]:
+    path = DATA / "runs.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _num(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
+        return str(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    return str(value)
+
+
+def _gib(nbytes: Any) -> str:
+    return "n/a" if nbytes is None else f"{nbytes / GIB:,.0f}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(row) + " |" for row in rows)]
+
+
+def run_block(name: str) -> list[str]:
+    """The run's provenance: date, commit, machine, command, wall time."""
+    run = _runs().get(name)
+    if run is None:
+        return [f"*(no entry for `{name}` in data/runs.json)*", ""]
+    machine = run.get("machine", {})
+    gpu = machine.get("gpu", "none")
+    return [
+        f"- **Run**: {run['date']}, commit `{run['commit']}`, "
+        f"{machine.get('cores', '?')} CPU cores, GPU: {gpu}; wall time "
+        f"{_num(run.get('wall_s'), 1)} s",
+        f"- **Command**: `{run['command']}`",
+        f"- **Data**: [`data/{name}.json`](data/{name}.json)",
+        "",
+    ]
+
+
+def sim_table(name: str) -> list[str]:
+    report = _load(name)
+    meta = report["meta"]
+    policies = report["policies"]
+    base = policies.get("ondemand", {}).get("returning", {}).get("ttft_mean_s")
+    rows = []
+    for policy, result in policies.items():
+        ret = result.get("returning", {})
+        ratio = ret.get("ttft_mean_s") / base if base else None
+        rows.append([
+            f"`{policy}`", _num(ret.get("requests")), _num(ret.get("ttft_mean_s")),
+            _num(ret.get("ttft_p50_s")), _num(ret.get("ttft_p90_s")),
+            _num(ret.get("ttft_p99_s")), _num(result.get("ttft_mean_s")),
+            _num(ratio, 2), _num(result.get("stall_s"), 0),
+            _num(result.get("prefetches")), _gib(result.get("prefetched_bytes")),
+            _gib(result.get("wasted_bytes")), _gib(result.get("remote_bytes")),
+        ])
+    lines = [
+        f"Trace `{meta['trace']}` ({_num(meta['sessions'])} sessions, "
+        f"{_num(meta['requests'])} requests), {meta['nodes']} x {meta['model']}, "
+        f"predictor `{meta['predictor']}`, seed {meta['seed']}; working set peak "
+        f"{_gib(meta['working_set_peak_bytes'])} GiB vs local tiers "
+        f"{_gib(meta['local_capacity_bytes'])} GiB (pressure {meta['pressure_ratio']}x).",
+        "",
+        *_table(["policy", "ret", "ret mean s", "ret p50 s", "ret p90 s", "ret p99 s",
+                 "all mean s", "ret mean / ondemand", "stall s", "prefetches",
+                 "prefetched GiB", "wasted GiB", "remote GiB"], rows),
+        "",
+        f"Gap closure (ondemand → oracle, returning mean TTFT): "
+        f"**{_num(report.get('gap_closure'))}**.",
+    ]
+    return lines
+
+
+def grid_table(name: str) -> list[str]:
+    report = _load(name)
+    meta = report["meta"]
+    subject = meta.get("subject", "predictive")
+    rows = []
+    for trace, summary in report["summary"].items():
+        rows.append([
+            f"`{trace}`" if trace != "all" else "**all**", _num(summary["cells"]),
+            _num(summary["ratio_mean_geomean"]), _num(summary["ratio_p90_geomean"]),
+            _num(summary["worse_than_ondemand"]), _num(summary["worse_than_best"]),
+            _num(summary["gap_closure_median"]),
+        ])
+    cells = []
+    for cell in report["cells"]:
+        subj = cell["policies"].get(subject, {})
+        cells.append([
+            f"`{cell['trace']}`", str(cell["nodes"]), _num(cell["load"], 1), str(cell["seed"]),
+            _num(cell.get("pressure_ratio"), 2), _num(cell["ratio_mean"]),
+            _num(cell["ratio_p90"]), _num(cell.get("gap_closure")),
+            _gib(subj.get("prefetched_bytes")), _gib(subj.get("wasted_bytes")),
+        ])
+    return [
+        f"Subject `{subject}` against `ondemand`; policies in every cell: "
+        f"{', '.join(f'`{p}`' for p in meta['policies'])}; predictor `{meta['predictor']}`, "
+        f"model {meta['model']}, hints: {meta.get('hints') or 'none'}.",
+        "",
+        "Summary per trace (ratios are the subject's returning-request TTFT over "
+        "`ondemand`'s: below 1 is better; geometric mean over the cells):",
+        "",
+        *_table(["trace", "cells", "mean ratio", "p90 ratio", "cells worse than ondemand",
+                 "cells worse than best", "gap closure (median)"], rows),
+        "",
+        "Every cell:",
+        "",
+        *_table(["trace", "nodes", "load", "seed", "pressure", "mean ratio", "p90 ratio",
+                 "gap closure", f"{subject} prefetched GiB", f"{subject} wasted GiB"], cells),
+    ]
+
+
+def control_plane_table(name: str) -> list[str]:
+    report = _load(name)
+    modes = report["modes"]
+    inproc = modes.get("inproc", {}).get("events_per_s")
+    rows = []
+    for mode, result in modes.items():
+        rate = result.get("events_per_s")
+        bps = result.get("bytes_per_session")
+        rows.append([
+            f"`{mode}`", _num(rate, 0), _num(rate / inproc if rate and inproc else None, 3),
+            _num(result.get("route_p50_ms")), _num(result.get("route_p99_ms")),
+            _num(result.get("plan_p99_ms")),
+            "n/a" if bps is None else _num(int(bps)), _num(result.get("lost_events")),
+        ])
+    extra = {k: v for k, v in report.items() if k != "modes" and not isinstance(v, dict | list)}
+    setting = ", ".join(f"{k} {v}" for k, v in sorted(extra.items()))
+    return [
+        f"Setting: {setting}." if setting else "",
+        "",
+        *_table(["mode", "events/s", "events/s vs inproc", "route p50 ms", "route p99 ms",
+                 "planning step p99 ms", "bytes per idle session", "lost events"], rows),
+    ]
+
+
+def store_table(name: str) -> list[str]:
+    report = _load(name)
+    mib = 1 << 20
+    rows = []
+    for condition, stores in report["conditions"].items():
+        for store, r in stores.items():
+            runs = ", ".join(_num(v, 0) for v in r.get("engine_runs_mib_s", []))
+            naive_runs = ", ".join(_num(v, 0) for v in r.get("naive_runs_mib_s", []))
+            rows.append([
+                condition, f"`{store}`", _num(r.get("ttlb_s")),
+                _num(r.get("throughput_mib_s"), 0), runs, _num(r.get("naive_ttlb_s")),
+                _num(r.get("naive_throughput_mib_s"), 0), naive_runs,
+                _num(r.get("speedup_vs_naive"), 2), _num(r.get("fraction_of_raw"), 2),
+            ])
+    load = report.get("load_avg_1m")
+    load_text = " / ".join(_num(v, 2) for v in load) if isinstance(load, list) else _num(load)
+    return [
+        f"Object {report['object_bytes'] // mib} MiB in {report['chunks']} chunks of "
+        f"{report['chunk_bytes'] // mib} MiB (parts of {report['part_bytes'] // mib} MiB); "
+        f"S3 backend {report.get('s3_backend')}; {report.get('repeats_loopback')} interleaved "
+        f"repeats, {report.get('statistic', 'medians')}; bytes verified: "
+        f"{report.get('verified')}. Raw limit (a plain Valkey GET loop on one connection): "
+        f"{_num(report.get('raw_limit_mib_s'), 0)} MiB/s median, best "
+        f"{_num(report.get('raw_limit_best_mib_s'), 0)}. Load average while it ran "
+        f"(1 min, before / after): {load_text} on {report.get('cpus')} CPUs.",
+        "",
+        *_table(["condition", "store", "TTLB s", "MiB/s", "MiB/s per run", "naive TTLB s",
+                 "naive MiB/s", "naive MiB/s per run", "speedup vs naive",
+                 "of raw limit"], rows),
+        "",
+        "\"naive\" reads chunk after chunk on one connection, one plain GET per value; the "
+        "transfer "
+        "engine is what the agent runs. \"of raw limit\" is the engine's rate over the raw "
+        "Valkey loop's in the same run.",
+    ]
+
+
+def _headline(name: str) -> str:
+    """One sentence of what a run found, from its JSON."""
+    report = _load(name)
+    if name.startswith("sim-bundled"):
+        ret = {p: r.get("returning", {}).get("ttft_mean_s") for p, r in report["policies"].items()}
+        ratio = ret["predictive"] / ret["ondemand"] if ret.get("ondemand") else None
+        return (f"{report['meta']['nodes']} node(s): predictive / ondemand returning mean TTFT "
+                f"{_num(ratio, 2)}; gap closure {_num(report.get('gap_closure'), 2)}")
+    if name == "sim-grid-unseen":
+        total = report["summary"]["all"]
+        return (f"{total['cells']} cells: predictive / ondemand returning mean TTFT geomean "
+                f"{_num(total['ratio_mean_geomean'], 2)}; {total['worse_than_ondemand']} cells "
+                f"worse than ondemand; median gap closure {_num(total['gap_closure_median'], 2)}")
+    if name == "bench-control-plane":
+        modes = report["modes"]
+        parts = [f"{mode} {_num(r.get('events_per_s'), 0)} events/s" for mode, r in modes.items()]
+        return "; ".join(parts)
+    if name == "bench-store":
+        stores = report["conditions"].get("loopback", {})
+        parts = [f"{store} TTLB {_num(r.get('ttlb_s'))} s ({_num(r.get('speedup_vs_naive'), 2)}x "
+                 f"naive)" for store, r in stores.items()]
+        return f"{report['object_bytes'] >> 20} MiB on loopback: " + "; ".join(parts)
+    return "see the page"
+
+
+PAGES = {
+    "sim-bundled-n1": "prefetch-quality.md",
+    "sim-bundled-n2": "prefetch-quality.md",
+    "sim-grid-unseen": "prefetch-quality.md",
+    "bench-control-plane": "control-plane.md",
+    "bench-store": "data-plane.md",
+}
+
+
+def summary_table(_name: str) -> list[str]:
+    runs = _runs()
+    rows = []
+    for name, page in PAGES.items():
+        if not (DATA / f"{name}.json").exists() or name not in runs:
+            rows.append([f"[{name}]({page})", "not measured", "", "", ""])
+            continue
+        run = runs[name]
+        rows.append([f"[{name}]({page})", run["date"], f"`{run['commit']}`",
+                     f"{run['machine'].get('cores')} cores, GPU: {run['machine'].get('gpu')}",
+                     _headline(name)])
+    return _table(["run", "date", "commit", "machine", "headline"], rows)
+
+
+RENDERERS: dict[str, Callable[[str], list[str]]] = {
+    "summary": summary_table,
+    "sim-bundled-n1": sim_table,
+    "sim-bundled-n2": sim_table,
+    "sim-grid-unseen": grid_table,
+    "bench-control-plane": control_plane_table,
+    "bench-store": store_table,
+}
+
+
+def render(name: str) -> str:
+    """The Markdown of one result block: provenance, then the tables."""
+    if name == "summary":
+        return "\n".join([*summary_table(name), ""])
+    if not (DATA / f"{name}.json").exists():
+        return f"*(not measured: data/{name}.json is missing)*\n"
+    return "\n".join([*run_block(name), *RENDERERS[name](name), ""])
+
+
+def fill(markdown: str) -> str:
+    """Every ``<!-- results:NAME -->`` block of ``markdown`` re-rendered from its JSON."""
+    return BLOCK.sub(lambda m: m.group(1) + render(m.group(2)) + m.group(4), markdown)
+
+
+def main() -> int:
+    for page in sorted(HERE.glob("*.md")):
+        text = page.read_text()
+        new = fill(text)
+        if new != text:
+            page.write_text(new)
+            print(f"rewrote {page.relative_to(HERE.parent.parent)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

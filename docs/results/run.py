@@ -1,0 +1,98 @@
+"""Run the measurements behind the result pages and record how each ran.
+
+Usage (from the repository root)::
+
+    python docs/results/run.py            # every run below
+    python docs/results/run.py sim-grid   # only the named runs
+
+Each run writes its JSON to ``docs/results/data/<name>.json`` (and a PNG beside the page
+where the command has ``--plot``); this script adds an entry to
+``docs/results/data/runs.json``: the exact command, the UTC date, the short commit, the
+machine (cores, GPU) and the wall time. ``generate.py`` turns both into the tables.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+DATA = HERE / "data"
+ROOT = HERE.parent.parent
+
+#: name -> the command line, as a user types it from the repository root.
+RUNS: dict[str, list[str]] = {
+    "sim-bundled-n1": [
+        "kvprefetch", "sim", "--nodes", "1", "--no-progress",
+        "--json", "docs/results/data/sim-bundled-n1.json",
+        "--plot", "docs/results/sim-bundled-n1.png",
+    ],
+    "sim-bundled-n2": [
+        "kvprefetch", "sim", "--nodes", "2", "--no-progress",
+        "--json", "docs/results/data/sim-bundled-n2.json",
+        "--plot", "docs/results/sim-bundled-n2.png",
+    ],
+    "sim-grid-unseen": [
+        "kvprefetch", "sim-grid",
+        "--traces", "synthetic:agentic,synthetic:chat,synthetic:research",
+        "--nodes", "2,4", "--loads", "1,2", "--seeds", "0,1", "--no-progress",
+        "--json", "docs/results/data/sim-grid-unseen.json",
+        "--plot", "docs/results/sim-grid-unseen.png",
+    ],
+    "bench-control-plane": [
+        "kvprefetch", "bench", "control-plane", "--modes", "inproc,service,http,ray-1",
+        "--sessions", "1000", "--events", "3000", "--no-progress",
+        "--json", "docs/results/data/bench-control-plane.json",
+    ],
+    "bench-store": [
+        "kvprefetch", "bench", "store", "--object-mib", "128", "--repeats", "3",
+        "--conditions", "loopback", "--stores", "valkey,s3,tiered", "--no-progress",
+        "--json", "docs/results/data/bench-store.json",
+    ],
+}
+
+
+def _machine() -> dict[str, object]:
+    gpu = shutil.which("nvidia-smi") is not None
+    return {"cores": os.cpu_count(), "gpu": "yes" if gpu else "none"}
+
+
+def _commit() -> str:
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                         capture_output=True, text=True, check=True)
+    return out.stdout.strip()
+
+
+def main(names: list[str]) -> int:
+    DATA.mkdir(parents=True, exist_ok=True)
+    manifest_path = DATA / "runs.json"
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+    exe = Path(sys.executable).parent / "kvprefetch"
+    for name in names or list(RUNS):
+        argv = RUNS[name]
+        started = time.monotonic()
+        entry = {
+            "command": " ".join(argv),
+            "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d"),
+            "commit": _commit(),
+            "machine": _machine(),
+        }
+        print(f"== {name}: {entry['command']}", flush=True)
+        proc = subprocess.run([str(exe), *argv[1:]], cwd=ROOT)
+        if proc.returncode != 0:
+            print(f"{name} failed (exit {proc.returncode})", file=sys.stderr)
+            return proc.returncode
+        entry["wall_s"] = round(time.monotonic() - started, 1)
+        manifest[name] = entry
+        manifest_path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
