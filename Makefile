@@ -149,12 +149,6 @@ clean:
 docs:
 	$(PY) -m mkdocs build --strict -d out/site
 
-# The documentation site (docs/, mkdocs.yml): reference pages generated from the code at
-# build time (docs/hooks.py); --strict fails on any warning.
-.PHONY: docs
-docs:
-	$(PY) -m mkdocs build --strict -d out/site
-
 # Schemathesis against the HTTP API served locally (a child process: the scheduler service
 # behind the app `kvprefetch serve` builds, two tenants with their own tokens and an admin),
 # >= 5,000 generated cases in positive and negative mode: first the boundary pass
