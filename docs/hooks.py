@@ -58,8 +58,10 @@ def _plain(text: str) -> str:
 
 
 def _cell(text: str) -> str:
-    """One Markdown table cell: one line, pipes escaped."""
-    return " ".join(_plain(text).split()).replace("|", "\\|")
+    """One Markdown table cell: one line, pipes escaped outside code spans (inside them the
+    table parser leaves pipes alone, and an escape would show)."""
+    line = " ".join(_plain(text).split())
+    return re.sub(r"(`[^`]*`)|\|", lambda m: m.group(1) or "\\|", line)
 
 
 def _anchor(name: str) -> str:
