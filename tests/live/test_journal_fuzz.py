@@ -47,6 +47,10 @@ EPOCH_ABSURD: list[tuple[str, object]] = [
     ("t", 1e300), ("wall", 1e300), ("kvprefetch_epoch", 1 << 40), ("compression", -1.0),
     ("kvprefetch_epoch", -3), ("seq", 1),
 ]
+#: The same for clean-stop records.
+STOP_ABSURD: list[tuple[str, object]] = [
+    ("t", 1e300), ("wall", 1e300), ("kvprefetch_stop", -3), ("seq", 1),
+]
 
 
 def _config(path: Path) -> ServiceConfig:
@@ -108,7 +112,8 @@ def _mutate(data: bytes, rng: random.Random) -> tuple[str, bytes, bool]:
     i = rng.choice(body)
     row = json.loads(lines[i])
     row.pop("crc", None)
-    key, value = rng.choice(ABSURD if "kind" in row else EPOCH_ABSURD)
+    key, value = rng.choice(ABSURD if "kind" in row else STOP_ABSURD
+                            if "kvprefetch_stop" in row else EPOCH_ABSURD)
     same = row.get(key) == value
     row[key] = value
     lines[i] = _encode_checked(row)
