@@ -447,7 +447,7 @@ def create_app(scheduler: GatewayAPI | Client, *, bearer_token: str | None = Non
         "session_closed": session_closed, "session_state": session_state,
     }
     lists = {"token_ids": BigList(Annotated[int, Field(ge=0, le=limits.max_token_id)],
-                                  limits.max_token_ids),
+                                  limits.max_token_ids, (0, limits.max_token_id)),
              "chunk_hashes": BigList(_HASH, limits.max_chunk_hashes)}
     documented: list[APIRoute] = []
     for op, handle in handlers.items():

@@ -111,7 +111,10 @@ class EdgeGuard:
             except _Refused as refusal:
                 await _answer(send, refusal)
                 return
-            if body is None:  # the client went away
+            if body is None:  # the client went away: an answer for the log and metrics only
+                await _answer(send, _Refused(400, "ClientDisconnectedError",
+                                             "the client closed the connection before the "
+                                             "body arrived"))
                 return
             scope.setdefault("state", {})[PRINCIPAL_STATE] = principal
             delivered = False
