@@ -49,7 +49,7 @@ examples:
   kvprefetch sim-grid --traces synthetic:agentic,synthetic:chat,synthetic:research \\
       --nodes 2,4,8 --loads 0.5,1,2 --seeds 0,1 --json out/grid.json --plot out/grid.png
   kvprefetch sim-grid --traces ../shared/traces/claude-code --nodes 2,4 --loads 1 \\
-      --seeds 0,1,2 --policies ondemand,queue,predictive,predictive-duel --subject predictive-duel
+      --seeds 0,1,2 --policies ondemand,queue,predictive --subject queue
   kvprefetch sim-grid --traces synthetic:research --hints user_typing,tool_running \
       --hint-coverage 1
   kvprefetch sim-grid --traces ../shared/traces/claude-code,synthetic:agentic --nodes 4,8 \\

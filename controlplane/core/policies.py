@@ -31,14 +31,6 @@ class EvictionKind(enum.Enum):
 
     LRU = "lru"
     PREDICTED_USE = "predicted_use"  # furthest predicted next use first (Belady w/ oracle)
-    #: Lowest value per byte first (kvprefetch.controlplane.core.value: expected seconds saved per
-    #: byte per second of occupancy, from the forecast conditioned on the silence so far);
-    #: prefetches are admitted and timed by the same rule, with no confidence threshold.
-    VALUE = "value"
-    #: Predicted next use or LRU, whichever wins more of the duels between their first
-    #: victims on the traffic at hand (kvprefetch.controlplane.core.tiers.EvictionDuel); prefetches
-    #: are admitted by predicted use. Experimental (policy ``predictive-duel``).
-    ADAPTIVE = "adaptive"
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,23 +83,10 @@ POLICIES: dict[str, PolicySpec] = {
         PolicySpec("oracle", True, True, LoadStart.ON_ARRIVAL, EvictionKind.PREDICTED_USE, True,
                    predictor="oracle", safety_margin_s=0.0, modelled_on="the physical limit",
                    suffix_eviction=True),
-        # Experimental, by name only (not in the default six): the value rule of
-        # kvprefetch.controlplane.core.value for eviction, admission and prefetch timing. Measured
-        # so
-        # far it prefetches but wastes most of it (README, "The value rule").
-        PolicySpec("predictive-value", True, True, LoadStart.ADAPTIVE, EvictionKind.VALUE,
-                   True, modelled_on="kvprefetch, value rule (experimental)",
-                   suffix_eviction=True, waste_budget=True),
-        # Experimental, by name only: eviction by predicted use or LRU, whichever wins the
-        # duels between their victims. Measured: fewer and smaller losses than predictive
-        # at light load, smaller gains under load (README, "Prefetch: where it stands").
-        PolicySpec("predictive-duel", True, True, LoadStart.ADAPTIVE, EvictionKind.ADAPTIVE,
-                   True, modelled_on="kvprefetch, dueling eviction (experimental)",
-                   suffix_eviction=True, waste_budget=True),
     )
 }
 
-#: The six policies compared everywhere (``all``); others are chosen by name.
+#: The six policies compared everywhere, in report order (``all``).
 POLICY_NAMES: tuple[str, ...] = ("recompute", "local-lru", "ondemand", "queue", "predictive",
                                  "oracle")
 

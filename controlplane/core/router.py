@@ -52,11 +52,6 @@ class RouteDecision:
     estimates_s: tuple[float, ...]
 
 
-def estimate_ttft(req: RouteRequest, view: NodeView, fleet: FleetConfig) -> float:
-    """Estimated time to first token of ``req`` on the node described by ``view``."""
-    return Router(fleet).estimates(req, [_numbers(view)])[0]
-
-
 def route(req: RouteRequest, views: list[NodeView], fleet: FleetConfig) -> RouteDecision:
     """Pick the node with the lowest estimated TTFT, with affinity to the home node."""
     return Router(fleet).decide(req, [_numbers(v) for v in views])

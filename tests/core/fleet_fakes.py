@@ -1,5 +1,6 @@
 """Fakes shared by the scheduling-core tests: a fleet view with idle nodes, one turn of a
-session, and a two-node fleet whose DRAM tier holds two 40k-token sessions."""
+session, a two-node fleet whose DRAM tier holds two 40k-token sessions, and the session's
+home node as the core holds it."""
 
 from __future__ import annotations
 
@@ -19,6 +20,13 @@ def finish_turn(core: SchedulerCore, sid: str, t: float, node: int, ctx: int,
     return core.request_finished(SessionEvent(EventKind.REQUEST_FINISHED, sid, t + 1.0,
                                        input_tokens=ctx, stop_reason=stop, node=node),
                           ctx)
+
+
+def session_home(core: SchedulerCore, sid: str) -> int | None:
+    """The node the core routes the session to first (where its KV was last written);
+    None for a session it does not hold or whose home left."""
+    s = core._sessions.get(sid)
+    return s.home if s is not None else None
 
 
 def two_node_fleet() -> object:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from fleet_fakes import FakeFleet, finish_turn, two_node_fleet
+from fleet_fakes import FakeFleet, finish_turn, session_home, two_node_fleet
 
 from kvprefetch.controlplane.base.config import GIB, fleet_from_dict
 from kvprefetch.controlplane.base.types import ArrivalForecast, EventKind, HintKind, SessionEvent
@@ -18,12 +18,12 @@ from kvprefetch.predictors.registry import load
 def test_forget_drops_session_and_predictor_state() -> None:
     core = SchedulerCore(two_node_fleet(), POLICIES["predictive"], load("last-gap"), FakeFleet())  # type: ignore[arg-type]
     finish_turn(core, "a", 0.0, node=1, ctx=1000)
-    assert core.session_home("a") == 1
+    assert session_home(core, "a") == 1
     assert core.predictor.forecast("a", 5.0) is not None
     closed = SessionEvent(EventKind.SESSION_CLOSED, "a", 5.0)
     core.close(closed)
     assert core.close(closed) == StepOutput.empty()  # idempotent
-    assert core.session_home("a") is None
+    assert session_home(core, "a") is None
     assert core.predictor.forecast("a", 5.0) is None
 
 
@@ -166,7 +166,7 @@ def test_a_node_that_restarts_empty_is_warmed_with_its_sessions_within_its_free_
     warmed = sum(ticket.nbytes for ticket in out.loads)
     assert core.stats.warmup_bytes == warmed and core.stats.prefetches_over_budget == 0
     # The credit grows by what was warmed, not more: a prefetch beyond it is refused.
-    assert core._within_waste_budget(0) and not core._within_waste_budget(1)
+    assert core._budgets.within_waste_budget(0) and not core._budgets.within_waste_budget(1)
 
 
 def test_behind_a_long_queue_predictive_loads_a_few_ttlbs_before_the_gpu_start() -> None:
@@ -253,7 +253,7 @@ def test_a_node_that_joins_is_routed_to_and_warmed_with_sessions_local_nowhere()
     core.reconcile(0, lambda sid, tokens: sid != "s0", 5.0)  # s0's KV left node 0
     out = core.node_joined(1, 10.0)
     assert [(t.session_id, t.node, t.prefetch) for t in out.loads] == [("s0", 1, True)]
-    assert core.session_home("s0") == 1 and core.session_home("s1") == 0
+    assert session_home(core, "s0") == 1 and session_home(core, "s1") == 0
     core.request_started(SessionEvent(EventKind.REQUEST_STARTED, "s0", 20.0,
                                       input_tokens=41_000, reused_tokens=40_000))
     assert core.route_request("s0", 41_000, 40_000, 20.0).node == 1

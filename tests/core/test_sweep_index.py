@@ -23,7 +23,9 @@ class _Driver:
     """One core and its armed orders."""
 
     def __init__(self, fleet: Any, *, indexed: bool) -> None:
-        self.core = SchedulerCore(fleet, POLICIES["predictive"], load("default"), IdleFleet(),
+        # The shipped model itself: the hint layer of ``default`` is not a GatedPredictor.
+        shipped = load("kvprefetch.predictors.adaptive:load_default")
+        self.core = SchedulerCore(fleet, POLICIES["predictive"], shipped, IdleFleet(),
                                   indexed_sweep=indexed)
         self.armed: list[tuple[float, int, Any]] = []
         self.n = 0
@@ -37,7 +39,7 @@ class _Driver:
 def _run(fleet_cfg: dict[str, Any], seed: int, sessions: int, turns: int) -> tuple[int, int]:
     fleet = fleet_from_dict(fleet_cfg)
     full, fast = _Driver(fleet, indexed=False), _Driver(fleet, indexed=True)
-    assert fast.core._idle is not None and full.core._idle is None
+    assert fast.core._prefetcher.idle is not None and full.core._prefetcher.idle is None
     rng = random.Random(seed)
     stops = ["tool_use", "end_turn", "max_tokens", "other", None]
     ctx = {f"s{i}": 0 for i in range(sessions)}

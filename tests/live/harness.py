@@ -23,10 +23,18 @@ from kvprefetch.agents.stores.local import LocalTierConfig
 from kvprefetch.agents.stores.tiered import TieredStoreConfig
 from kvprefetch.controlplane.base.config import FleetConfig
 from kvprefetch.controlplane.base.wire import TransferOrder
+from kvprefetch.controlplane.core.scheduler import SchedulerCore
 from kvprefetch.controlplane.live.config import ServiceConfig
 from kvprefetch.controlplane.live.service import SchedulerService
 
 MIB = 1 << 20
+
+
+def session_home(core: SchedulerCore, sid: str) -> int | None:
+    """The node the service's core routes the session to first (where its KV was last
+    written); None for a session it does not hold or whose home left."""
+    s = core._sessions.get(sid)
+    return s.home if s is not None else None
 
 
 def started_agents(tmp_path: Path, valkey: EmbeddedValkey, nodes: int, *, prefix: str,

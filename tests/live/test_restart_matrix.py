@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from harness import started_agents
+from harness import session_home, started_agents
 
 from kvprefetch.agents.agent import PrefetchAgent
 from kvprefetch.agents.embedded import EmbeddedValkey
@@ -245,7 +245,7 @@ def test_restart_after_a_session_closed_with_its_transfer_in_flight(fleet: Fleet
     _settle(fleet)
     for late in fleet.unacknowledged:
         svc.report_transfer(late)
-    assert not svc.has_session("acme", "s") and svc.core.session_home("acme/s") is None
+    assert not svc.has_session("acme", "s") and session_home(svc.core, "acme/s") is None
     assert svc.core.local_tokens(1, "acme/s") == 0
     check_books(fleet)
     assert _next_turn_on(fleet, "other", 1) == CONTEXT
@@ -274,7 +274,7 @@ def test_restart_with_a_hint_pending(tmp_path: Path, fleet: Fleet) -> None:
     svc = _hint_then_crash(fleet, tmp_path)
     _settle(fleet)
     check_books(fleet)
-    home = svc.core.session_home("acme/s")
+    home = session_home(svc.core, "acme/s")
     assert home == 0
     # Served from the node's tier with what the books promise (a demand load if the
     # prefetch did not happen).

@@ -7,6 +7,8 @@ import os
 import time
 from pathlib import Path
 
+from harness import session_home
+
 from kvprefetch.controlplane.base.config import fleet_from_dict
 from kvprefetch.controlplane.base.types import EventKind, HintKind, SessionEvent
 from kvprefetch.controlplane.live.client import connect
@@ -39,8 +41,8 @@ def test_a_session_closed_before_a_restart_stays_closed(tmp_path: Path) -> None:
         # The core, not only the registry, forgot it: before the one apply path, resume
         # re-created the closed session's state in the core.
         assert again.core.sessions() == 1
-        assert again.core.session_home("t/a") is None
-        assert again.core.session_home("t/b") is not None
+        assert session_home(again.core, "t/a") is None
+        assert session_home(again.core, "t/b") is not None
         # The context the client reported (not input + output) survives the restart.
         assert again.core.remote_tokens("t/b") == 1_040
 
@@ -57,7 +59,7 @@ def _books(svc: SchedulerService) -> dict[str, tuple[object, ...]]:
     for info in svc.registry:
         out[info.sid] = (info.turns, info.in_flight, info.context_tokens, info.hashes,
                          tuple(svc.registry.keys_of(info, info.context_tokens)),
-                         svc.core.session_home(info.sid), svc.core.remote_tokens(info.sid))
+                         session_home(svc.core, info.sid), svc.core.remote_tokens(info.sid))
     return out
 
 
