@@ -35,7 +35,7 @@ class PrefetchOrder:
     predicted_use_s: float
     #: Not a prefetch: the load of a request already queued on ``node``, timed to land
     #: before the GPU is expected to pick it up (``deadline_s``). See
-    #: :meth:`SchedulerCore.route_request`.
+    #: :mod:`kvprefetch.controlplane.core.loads`.
     queued: bool = False
 
 
@@ -61,16 +61,15 @@ def predicted_use_s(forecast: ArrivalForecast | None, cfg: PlannerConfig, now_s:
     a heuristic forecast may push a session back (its last response ended a turn, so the
     person will take minutes) but not pull an idle one ahead of what its silence suggests.
     A learned model's conditioned forecast already weighs that silence, and the floor
-    would discard what it knows (measured: the floor costs gbm 0.02-0.04 s of returning
-    mean TTFT on held-out sessions, while last-gap needs it). With an exact forecast (the
+    would discard what it knows (a learned model loses returning TTFT with the floor;
+    last-gap needs it). With an exact forecast (the
     oracle) this is Belady's rule.
 
     ``cfg.min_p_return`` (a prefetch gate) makes an unconditioned forecast unlikely to
     return soon "never used"; a conditioned one is ranked by its own median whatever its
     ``p_return``: gated, every session silent for more than a few seconds ties at
-    ``inf`` and the tier falls back to recency among them (measured over 33 runs, README
-    "Eviction by the conditioned median": geometric mean of returning mean TTFT against
-    ondemand 0.916 vs 0.924 on 18 full-set runs, 0.879 vs 0.899 on 15 held-out ones).
+    ``inf`` and the tier falls back to recency among them, which serves returning
+    sessions worse.
     """
     if forecast is None:
         return float("inf")

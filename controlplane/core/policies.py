@@ -48,7 +48,7 @@ class PolicySpec:
     modelled_on: str = ""
     #: Room is made by cutting a victim's KV back to a prefix, chunk by chunk, not by
     #: dropping the whole session: the prefix is what a returning request reuses, and an
-    #: eviction frees only the bytes it needs (see :mod:`kvprefetch.controlplane.core.scheduler`,
+    #: eviction frees only the bytes it needs (see :mod:`kvprefetch.controlplane.core.books`,
     #: "Suffix eviction"). The LMCache-modelled baselines drop whole sessions: LMCache's
     #: L1 LRU evicts a session's chunks in the order they were last touched, prefix first,
     #: and the suffix it leaves is of no use to a prefix lookup, so whole-session LRU is
@@ -57,7 +57,7 @@ class PolicySpec:
     #: Prefetch only within a waste budget: a prefetch starts only if, were all its bytes
     #: and those of every unread prefetch wasted, the wasted bytes would still not exceed
     #: the bytes prefetches brought that requests read, plus ``planner.waste_allowance_gib``
-    #: (see :meth:`SchedulerCore._within_waste_budget`). Off for the oracle, whose
+    #: (see :mod:`kvprefetch.controlplane.core.budgets`). Off for the oracle, whose
     #: forecasts are not guesses.
     waste_budget: bool = False
 
@@ -75,9 +75,8 @@ POLICIES: dict[str, PolicySpec] = {
                    modelled_on="SGLang HiCache, CachedAttention"),
         # Misses are loaded during the queue wait, but at most a few TTLBs before the GPU
         # start: loading every miss at arrival (`queue`) holds DRAM for the whole of a
-        # long wait and evicts KV that requests ahead in the queue need (measured: on the
-        # shared Claude Code set and the slice on one node `queue` is slower than
-        # `ondemand` for that reason).
+        # long wait and evicts KV that requests ahead in the queue need (which is why
+        # `queue` can be slower than `ondemand` on one busy node).
         PolicySpec("predictive", True, True, LoadStart.ADAPTIVE, EvictionKind.PREDICTED_USE,
                    True, modelled_on="kvprefetch", suffix_eviction=True, waste_budget=True),
         PolicySpec("oracle", True, True, LoadStart.ON_ARRIVAL, EvictionKind.PREDICTED_USE, True,

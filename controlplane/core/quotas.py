@@ -16,7 +16,7 @@ than the newcomer, or the newcomer alone is over the cap) the KV is not admitted
 write-through is not kept locally, a load or prefetch is not started. A prefetch that may
 only use free room (an uncertain one, a warm) is not started at all when its tenant would go
 over. A share is a cap, not a reservation: a tenant under its cap competes for the rest of
-the tier by the policy's order, as before.
+the tier by the policy's order.
 
 **Prefetch-bandwidth share** (``TenantQuota.prefetch_bandwidth_share``, a fraction of each
 node's NIC rate): a tenant's prefetches start on a node no faster than that rate on
@@ -26,7 +26,7 @@ not after now (the tenant's earlier prefetches would have finished at its share'
 A prefetch refused so is counted as deferred and dropped like one without room; the
 sweep plans the session again. Demand loads are never limited (a request waits for them).
 
-Without quotas the core builds no :class:`TenantShares` and decides exactly as before.
+Without quotas the core builds no :class:`TenantShares` and no share is checked.
 Cost: one scan of the node's entries per admission of a tenant with a local-tier share.
 """
 

@@ -69,7 +69,7 @@ def _numbers(view: NodeView) -> NodeNumbers:
 class Router:
     """:func:`route` for one fleet, its constants read once: the scheduler routes every
     request through one (a :class:`NodeView` per node and the fleet's derived properties
-    per estimate were a tenth of its time per event, issue 12). The same float operations
+    per estimate would be a tenth of its time per event). The same float operations
     in the same order as the formula in the module doc, so the same estimates bit for bit."""
 
     __slots__ = ("_bpt", "_decode_s", "_fleet", "_h2d", "_margin")

@@ -28,8 +28,10 @@ from kvprefetch.controlplane.base.shards import ShardRing
 from kvprefetch.controlplane.base.types import DEFAULT_TENANT, SessionEvent
 from kvprefetch.controlplane.core.planner import PrefetchOrder
 from kvprefetch.controlplane.core.policies import PolicySpec
-from kvprefetch.controlplane.core.scheduler import CoreStats, FleetView, SchedulerCore, summed
+from kvprefetch.controlplane.core.scheduler import SchedulerCore
+from kvprefetch.controlplane.core.stats import CoreStats, summed
 from kvprefetch.controlplane.core.step import StepOutput
+from kvprefetch.controlplane.core.view import FleetView
 from kvprefetch.predictors.base import Predictor
 
 

@@ -1,11 +1,11 @@
 """The sweep's index of idle sessions: which of them a sweep must forecast again.
 
-:meth:`SchedulerCore.sweep <kvprefetch.controlplane.core.scheduler.SchedulerCore.sweep>` re-plans,
-every
-``planner.sweep_interval_s``, the idle sessions whose KV left their home node (*due*: no
-armed order, fewer than the per-idle prefetches, silent for at most ``planner.max_lead_s``).
-Asking the predictor about every one of them made each sweep O(due sessions), nearly all of
-them answered "no order" (issue 12: 86 ms a sweep at 10^4 sessions).
+The sweep (:meth:`Prefetcher.sweep <kvprefetch.controlplane.core.prefetcher.Prefetcher.sweep>`)
+re-plans, every ``planner.sweep_interval_s``, the idle sessions whose KV left their home
+node (*due*: no armed order, fewer than the per-idle prefetches, silent for at most
+``planner.max_lead_s``).
+Asking the predictor about every one of them makes each sweep O(due sessions), nearly all of
+them answered "no order".
 
 A predictor that implements :class:`GatedPredictor` forecasts an idle session from a law
 shared by a group of sessions (``adaptive``: its bucket's survival curve) and the session's

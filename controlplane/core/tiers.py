@@ -10,8 +10,8 @@ lives here. Same convention: the **largest** key is evicted first.
 Eviction without a scan
 -----------------------
 :class:`IndexedTier` (the core's DRAM books) chooses victims without asking a strategy for
-every resident's key on every decision, which re-forecast every resident session per
-write-through (issue 12: 6,000 finishes of 3,000 sessions made over 170,000 forecasts). A
+every resident's key on every decision (a full sort re-forecasts every resident session
+per write-through, dozens of forecasts per finish on a busy node). A
 strategy that implements :class:`BoundedStrategy` gives, per entry, its key now and an
 *upper bound* of its key until a time (``until_s``); the tier keeps the bounds in a
 max-heap, refreshed lazily (an entry whose bound expired, or whose session the core marked
@@ -29,8 +29,8 @@ curves) may move a session's key without an event of its own; bounds expire afte
 (a miss is seen only when that entry is reached, so a rare decision can still differ from
 a full sort's). Which keys are evaluated when matters too: the core keeps the law a key was
 read from for reuse, so a full sort, this index and its bound windows refresh those laws
-at different times (the reference simulations differ from a full sort's by 0.0-1.6% in
-mean TTFT; the window halving below changed none of them, to 5 decimals).
+at different times, and a simulation with the index may differ slightly from one with
+a full sort.
 """
 
 from __future__ import annotations
@@ -100,12 +100,10 @@ class PredictedUseEviction:
     bound over the whole window is loose, and every decision then computes the exact key
     of every such entry; so the window is halved, at most ``max_halvings`` times, for
     each entry whose bound exceeds its key by more than ``slack_fraction`` of the key's
-    distance from now plus ``min_slack_s`` (2 halvings: a third fewer exact keys in
-    ``kvprefetch bench control-plane --speedup 1``). ``min_window_s`` only keeps a key due
-    about now from being re-bounded at every decision: at 1 s (before the thirteenth
-    session) the bench's sessions, which return within a second or two, all had windows of
-    0.25 s or more and bounds loose by a fifth of their distance; at 0.05 s the bench
-    computes 52,000 exact keys instead of 187,000 (4,600 bounds instead of 2,500).
+    distance from now plus ``min_slack_s``. ``min_window_s`` only keeps a key due about
+    now from being re-bounded at every decision; it is small, because sessions that return
+    within a second or two need windows well under a second for their bounds to be
+    tight.
     """
 
     def __init__(self, next_use: Callable[[Sequence[str], float | Sequence[float]],
