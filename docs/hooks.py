@@ -319,7 +319,7 @@ def config_page() -> str:
 
 
 def openapi_document() -> dict[str, Any]:
-    from kvprefetch.controlplane.live.client import connect
+    from kvprefetch.controlplane.live.connect import connect
     from kvprefetch.controlplane.live.http_api import create_app
 
     # An HTTP client does no I/O until called: enough to build the app and its schema.

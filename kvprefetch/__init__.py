@@ -33,7 +33,8 @@ if TYPE_CHECKING:
         STOP_REASONS,
         canonical_stop_reason,
     )
-    from kvprefetch.controlplane.live.client import Client, EventBatching, connect
+    from kvprefetch.controlplane.live.client import Client, EventBatching
+    from kvprefetch.controlplane.live.connect import connect
     from kvprefetch.predictors.base import Predictor
     from kvprefetch.predictors.registry import available as available_predictors
     from kvprefetch.predictors.registry import create as create_predictor
@@ -50,7 +51,7 @@ _PUBLIC: dict[str, tuple[str, str]] = {
                               "canonical_stop_reason"),
     "Client": ("kvprefetch.controlplane.live.client", "Client"),
     "EventBatching": ("kvprefetch.controlplane.live.client", "EventBatching"),
-    "connect": ("kvprefetch.controlplane.live.client", "connect"),
+    "connect": ("kvprefetch.controlplane.live.connect", "connect"),
     "Predictor": ("kvprefetch.predictors.base", "Predictor"),
     "available_predictors": ("kvprefetch.predictors.registry", "available"),
     "create_predictor": ("kvprefetch.predictors.registry", "create"),

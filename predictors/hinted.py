@@ -196,12 +196,6 @@ class HintedPredictor:
             raise PredictorError(f"wrapped predictor {self.inner.name!r} cannot be saved")
         return Path(save(path))
 
-    @classmethod
-    def load(cls, path: str | Path) -> Self:
-        from kvprefetch.predictors.registry import load_artifact
-
-        return cls(load_artifact(path))
-
 
 def with_hints(predictor: Predictor) -> HintedPredictor:
     """``predictor`` reading client hints: wrapped once (a hinted model is returned as is)."""

@@ -104,10 +104,12 @@ def create(spec: str, *, trace: Trace | None = None) -> Predictor:
     if spec and ":" not in spec and spec not in BUILTINS and Path(spec).is_file():
         return load_artifact(spec)
     factory, artifact, name = resolve(spec)
-    if name == "hinted" and artifact is not None and not Path(artifact).is_file():
+    if name == "hinted" and artifact is not None:
         from kvprefetch.predictors.hinted import with_hints
 
-        return with_hints(create(artifact, trace=trace))
+        inner = (load_artifact(artifact) if Path(artifact).is_file()
+                 else create(artifact, trace=trace))
+        return with_hints(inner)
     try:
         if name in NEEDS_TRACE:
             if trace is None:

@@ -2,10 +2,9 @@
 ``lmcache-mp`` agent backend and the engine emulator's LMCache client.
 
 Importing this package does not import LMCache (nor torch): the clients import it when
-they connect. The L2 adapter (:mod:`kvprefetch.agents.lmcache.l2_adapter`, loaded by ``lmcache
-server`` itself) and the benchmark (:mod:`kvprefetch.agents.lmcache.bench`) subclass or drive
-LMCache
-and are imported by name only.
+they connect. The L2 adapter (:mod:`kvprefetch.agents.lmcache.l2_adapter`, loaded by
+``lmcache server`` itself) subclasses LMCache and is imported by name only (as is the
+benchmark that drives it, :mod:`kvprefetch.controlplane.harness.lmcache_bench`).
 """
 
 from kvprefetch.agents.lmcache.backend import LMCacheBackendConfig, LMCacheWarmer

@@ -36,10 +36,7 @@ from kvprefetch.agents.stores.format import (
     decode_header,
     header_length,
 )
-from kvprefetch.agents.stores.local import LocalTier, LocalTierConfig
-from kvprefetch.agents.stores.local import (
-    _file_name as tier_file_name,  # the tier's one naming rule
-)
+from kvprefetch.agents.stores.local import LocalTier, LocalTierConfig, tier_file_name
 
 #: Bytes read (and hashed) per ``preadv``: small enough to be hashed from the L2 cache.
 CHUNK_BYTES = 256 * 1024

@@ -118,7 +118,9 @@ class LocalTierConfig(BaseModel):
         return "never" if self.kind == "dram" else "file+dir"
 
 
-def _file_name(key: str) -> str:
+def tier_file_name(key: str) -> str:
+    """The file that holds ``key`` in a tier's folder: its xxh3-128 hex digest and the
+    tier's suffix (the tier's one naming rule, shared with readers of the same folder)."""
     return xxhash.xxh3_128_hexdigest(key.encode("utf-8")) + _SUFFIX
 
 
@@ -206,7 +208,7 @@ class LocalWriter:
                 os.fsync(self._fd)
             os.close(self._fd)
             self._fd = None
-            final = self._tier.root / _file_name(self.header.key)
+            final = self._tier.root / tier_file_name(self.header.key)
             self._tier.publish(self.tmp_path, final, self.header, self._reservation)
             if policy == "file+dir":
                 self._tier.fsync_dir()
@@ -447,7 +449,7 @@ class LocalTier(StoreLifecycle):
 
     def path_of(self, key: str) -> Path:
         """Where the published object lies (for readers that map it, e.g. an LMCache L1)."""
-        return self.root / _file_name(key)
+        return self.root / tier_file_name(key)
 
     def fsync_dir(self) -> None:
         fd = os.open(self.root, os.O_RDONLY)
@@ -473,7 +475,7 @@ class LocalTier(StoreLifecycle):
             return False
         for entry in victims:
             self._books.remove(entry.key)
-            self._recycle_locked(self.root / _file_name(entry.key), entry.nbytes)
+            self._recycle_locked(self.root / tier_file_name(entry.key), entry.nbytes)
         if victims:
             self.policy.forget(e.key for e in victims)
             self._stats.add(evictions=len(victims))
@@ -563,7 +565,7 @@ class LocalTier(StoreLifecycle):
                 entry.last_use_s = self._clock()
         if entry is None:
             return GetResult(key, error=ObjectNotFoundError(f"{key!r} not in {self.name}"))
-        path = self.root / _file_name(key)
+        path = self.root / tier_file_name(key)
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
@@ -643,7 +645,7 @@ class LocalTier(StoreLifecycle):
         with self._lock:
             entry = self._books.remove(key)
             if entry is not None:
-                self._recycle_locked(self.root / _file_name(key), entry.nbytes)
+                self._recycle_locked(self.root / tier_file_name(key), entry.nbytes)
                 self.policy.forget((key,))
         return entry is not None
 

@@ -1,6 +1,6 @@
 """``kvprefetch bench control-plane``: how many session events per second the scheduler
 takes, how long a route waits, how long a planning step holds the scheduler, and how much
-memory an idle session costs (logic in :mod:`kvprefetch.controlplane.live.loadgen`)."""
+memory an idle session costs (logic in :mod:`kvprefetch.controlplane.harness.loadgen`)."""
 
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the benchmark; print a table; write ``--json``. Returns the exit code."""
     from kvprefetch.controlplane.base.errors import ConfigError
     from kvprefetch.controlplane.cli.benchrun import run_bench
-    from kvprefetch.controlplane.live.loadgen import MODES, LoadSpec, format_table, run_mode
+    from kvprefetch.controlplane.harness.loadgen import MODES, LoadSpec, format_table, run_mode
     from kvprefetch.controlplane.traces import bundled_trace_path, load_trace
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]

@@ -1,6 +1,6 @@
 """``kvprefetch bench lmcache``: our LMCache L2 adapter against LMCache's ``valkey`` and ``s3``
 adapters under ``lmcache bench l2 --no-skip-verify`` (logic in
-:mod:`kvprefetch.agents.lmcache.bench`)."""
+:mod:`kvprefetch.controlplane.harness.lmcache_bench`)."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     when an adapter failed to verify or the benchmark could not run."""
     from pydantic import ValidationError
 
-    from kvprefetch.agents.lmcache.bench import (
+    from kvprefetch.controlplane.harness.lmcache_bench import (
         LMCacheBenchConfig,
         bench_steps,
         format_table,

@@ -1,7 +1,7 @@
 """``kvprefetch bench sglang``: batch_get MiB/s of our SGLang HiCache backend from the
 warmed local tier and from Valkey vs SGLang's file backend, and the replay of HiCache's page
 reads with and without warming (see
-kvprefetch.agents.sglang.bench and kvprefetch.agents.sglang.replay)."""
+kvprefetch.controlplane.harness.sglang_bench and kvprefetch.controlplane.harness.sglang_replay)."""
 
 from __future__ import annotations
 
@@ -29,13 +29,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Exit code 0, or 1 when a backend's (or the replay's) bytes did not verify."""
     try:
-        from kvprefetch.agents.sglang.bench import (
+        from kvprefetch.controlplane.harness.sglang_bench import (
             SGLangBenchConfig,
             default_dram_dir,
             format_table,
             run_sglang_bench,
         )
-        from kvprefetch.agents.sglang.replay import ReplayConfig
+        from kvprefetch.controlplane.harness.sglang_replay import ReplayConfig
     except ImportError as exc:
         print(f"bench sglang: SGLang is not installed ({exc}): make setup-sglang",
               file=sys.stderr)

@@ -1,5 +1,5 @@
 """``kvprefetch bench store``: the data-plane benchmark (logic in
-:mod:`kvprefetch.agents.bench`)."""
+:mod:`kvprefetch.controlplane.harness.store_bench`)."""
 
 from __future__ import annotations
 
@@ -47,7 +47,12 @@ def run(args: argparse.Namespace) -> int:
     """Run the benchmark; print a table; write ``--json``. Returns the exit code."""
     from pydantic import ValidationError
 
-    from kvprefetch.agents.bench import StoreBenchConfig, bench_steps, format_table, run_store_bench
+    from kvprefetch.controlplane.harness.store_bench import (
+        StoreBenchConfig,
+        bench_steps,
+        format_table,
+        run_store_bench,
+    )
 
     try:
         config = StoreBenchConfig(

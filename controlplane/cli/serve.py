@@ -472,7 +472,7 @@ class Serve:
 
         from kvprefetch.agents.agent import AgentConfig
         from kvprefetch.agents.ray_entry import SCHEDULER_NAME
-        from kvprefetch.controlplane.live.client import connect
+        from kvprefetch.controlplane.live.connect import connect
         from kvprefetch.controlplane.live.http_api import HttpServer
         from kvprefetch.controlplane.live.metrics import merge_shard_metrics
         from kvprefetch.controlplane.live.ray_app import (

@@ -1,4 +1,5 @@
-"""The gateway's Python API: ``connect(address=...)`` and :class:`Client`.
+"""The gateway's Python API: :class:`Client` and its transports
+(:func:`kvprefetch.controlplane.live.connect.connect` builds one from an address).
 
 Every call is validated here (pydantic, :mod:`kvprefetch.controlplane.base.api`) before it leaves
 the
@@ -795,29 +796,6 @@ class Client:
         except ValueError as exc:
             raise InvalidRequestError(f"invalid SessionQuery: {exc}") from None
         return self._bounded(timeout_s).session_state(payload)
-
-
-def connect(address: str = "auto", *, tenant: str | None = None,
-            timeout_s: float = DEFAULT_TIMEOUT_S, service: GatewayAPI | None = None,
-            token: str | None = None, namespace: str = "kvprefetch",
-            batching: EventBatching | None = None) -> Client:
-    """A client of the scheduler at ``address`` (see the module docstring);
-    ``batching``: queue fire-and-forget events to a Ray scheduler (:class:`EventBatching`;
-    ignored by the other transports)."""
-    if timeout_s <= 0:
-        raise InvalidRequestError("timeout_s must be positive")
-    target: GatewayAPI
-    if service is not None or address == "inproc":
-        if service is None:
-            raise InvalidRequestError("address 'inproc' needs service=")
-        target = service
-    elif address.startswith(("http://", "https://")):
-        target = HttpTransport(address, token, timeout_s=timeout_s)
-    else:
-        from kvprefetch.controlplane.live.sharded import open_ray
-
-        target = open_ray(address, namespace, timeout_s=timeout_s, batching=batching)
-    return Client(target, tenant=tenant, timeout_s=timeout_s)
 
 
 if TYPE_CHECKING:  # mypy checks the transports against the Protocols they implement

@@ -530,7 +530,7 @@ def run(args: argparse.Namespace) -> int:
     token = scheduler_token(args.token_file)
     scheduler = None
     if args.scheduler:
-        from kvprefetch.controlplane.live.client import connect
+        from kvprefetch.controlplane.live.connect import connect
 
         scheduler = connect(args.scheduler, tenant=args.tenant, token=token)
     tokens = None

@@ -66,12 +66,12 @@ from kvprefetch.controlplane.traces.journal import (
     JournalWriter,
     StopRecord,
     TimeLimits,
-    _Damaged,
-    _encode_checked,
     event_to_dict,
     file_mode,
     open_journal_file,
 )
+from kvprefetch.controlplane.traces.journal import UntrustedLine as _Damaged
+from kvprefetch.controlplane.traces.journal import encode_checked as _encode_checked
 
 log = logging.getLogger(__name__)
 

@@ -47,7 +47,7 @@ def gateway_application(config: GatewayConfig, *, scheduler: str | None = None,
 
             client = None
             if self._scheduler:
-                from kvprefetch.controlplane.live.client import connect
+                from kvprefetch.controlplane.live.connect import connect
 
                 client = connect(self._scheduler, tenant=self._config.tenant,
                                  token=self._token)

@@ -10,7 +10,7 @@ agent's hello goes to every shard (each keeps its own books of the node). A tran
 report goes to the shard that issued the order: each shard's epochs are congruent to its
 number modulo the shard count, and every order id carries its epoch.
 
-:func:`open_ray` is what :func:`~kvprefetch.controlplane.live.client.connect` calls for a Ray
+:func:`open_ray` is what :func:`~kvprefetch.controlplane.live.connect.connect` calls for a Ray
 address: it asks shard 0 how many shards there are, and answers a plain ``RayTransport``
 when there is one.
 """

@@ -181,7 +181,7 @@ def _encode(obj: Mapping[str, Any]) -> bytes:
     return (json.dumps(obj, separators=(",", ":"), ensure_ascii=False) + "\n").encode()
 
 
-def _encode_checked(obj: Mapping[str, Any]) -> bytes:
+def encode_checked(obj: Mapping[str, Any]) -> bytes:
     """One record line with its checksum: the CRC-32 of the line's bytes without the
     checksum key (the ``{...}`` the key was appended to)."""
     body = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
@@ -352,15 +352,15 @@ class JournalWriter:
         return self
 
     def write(self, event: SessionEvent) -> None:
-        self._append(_encode_checked(event_to_dict(event)))
+        self._append(encode_checked(event_to_dict(event)))
 
     def write_epoch(self, record: EpochRecord) -> None:
         """Record a scheduler start (see :class:`EpochRecord`)."""
-        self._append(_encode_checked(record.to_dict()))
+        self._append(encode_checked(record.to_dict()))
 
     def write_stop(self, record: StopRecord) -> None:
         """Record a clean stop (see :class:`StopRecord`): the journal's last record."""
-        self._append(_encode_checked(record.to_dict()))
+        self._append(encode_checked(record.to_dict()))
 
     def _append(self, data: bytes) -> None:
         """Write ``data`` whole, or raise OSError with the journal as it was before."""
@@ -544,7 +544,7 @@ class JournalScanner:
                 self.records += 1
                 try:
                     event = self._read(number, raw)
-                except _Damaged as damage:
+                except UntrustedLine as damage:
                     self._damage(number, raw, damage)
                     continue
                 if event is not None:
@@ -554,24 +554,24 @@ class JournalScanner:
     def _read(self, number: int, raw: bytes) -> SessionEvent | None:
         verified = _verify(raw)
         if verified is False:
-            raise _Damaged("checksum mismatch")
+            raise UntrustedLine("checksum mismatch")
         if verified is None and self.checked:
-            raise _Damaged("no checksum after checksummed records")
+            raise UntrustedLine("no checksum after checksummed records")
         try:
             obj = pydantic_core.from_json(raw)
         except ValueError as exc:
-            raise _Damaged(f"invalid JSON: {exc}") from None
+            raise UntrustedLine(f"invalid JSON: {exc}") from None
         if not isinstance(obj, dict):
-            raise _Damaged(f"expected a JSON object, got {type(obj).__name__}")
+            raise UntrustedLine(f"expected a JSON object, got {type(obj).__name__}")
         if verified:
             self.checked += 1
         elif CRC_KEY in obj:
-            raise _Damaged("malformed checksum")
+            raise UntrustedLine("malformed checksum")
         reader = FieldReader(self.path, number)
         if HEADER_KEY in obj:
             version = obj[HEADER_KEY]
             if version != JOURNAL_VERSION:
-                raise _Damaged(f"unsupported journal version {version!r} "
+                raise UntrustedLine(f"unsupported journal version {version!r} "
                                f"(this reader: {JOURNAL_VERSION})", field=HEADER_KEY)
             self.header_ok = self.header_ok or number == 1
             return None
@@ -579,7 +579,7 @@ class JournalScanner:
             if STOP_KEY in obj:
                 stop = StopRecord.from_dict(obj, reader)
                 if (why := self._out_of_range(stop.time_s, stop.wall_s)) is not None:
-                    raise _Damaged(why, field="t")
+                    raise UntrustedLine(why, field="t")
                 self.stops += 1
                 self.stopped = True
                 self.last_t = max(self.last_t, stop.time_s)
@@ -588,16 +588,16 @@ class JournalScanner:
             if EPOCH_KEY in obj:
                 epoch = EpochRecord.from_dict(obj, reader)
                 if (why := self._out_of_range(epoch.time_s, epoch.wall_s)) is not None:
-                    raise _Damaged(why, field="t")
+                    raise UntrustedLine(why, field="t")
                 self._epoch, self.last_epoch = epoch, max(self.last_epoch, epoch.epoch)
                 self.epochs += 1
                 self.last_t = max(self.last_t, epoch.time_s)
                 return None
             event = event_from_dict(obj, path=self.path, line=number)
         except TraceFormatError as exc:
-            raise _Damaged(str(exc), error=exc) from None
+            raise UntrustedLine(str(exc), error=exc) from None
         if (why := self._out_of_range(event.time_s)) is not None:
-            raise _Damaged(why, field="t")
+            raise UntrustedLine(why, field="t")
         self.last_t = max(self.last_t, event.time_s)
         return event
 
@@ -619,7 +619,7 @@ class JournalScanner:
             return f"time {t!r} is in the future (at most {bound:.6g} here)"
         return None
 
-    def _damage(self, number: int, raw: bytes, damage: _Damaged) -> None:
+    def _damage(self, number: int, raw: bytes, damage: UntrustedLine) -> None:
         reason = damage.reason
         torn = not raw.endswith(b"\n")
         if torn:
@@ -631,8 +631,10 @@ class JournalScanner:
         self.damaged.append(DamagedRecord(number, reason, raw, torn, damage.error))
 
 
-class _Damaged(Exception):
-    """Raised by :meth:`JournalScanner._read` for a line it cannot trust."""
+class UntrustedLine(Exception):
+    """Raised by a scanner's record check (:meth:`JournalScanner._read` and its subclasses'
+    checks) for a line it cannot trust: ``reason``, the ``field`` at fault, the format
+    error behind it."""
 
     def __init__(self, reason: str, *, field: str | None = None,
                  error: TraceFormatError | None = None) -> None:

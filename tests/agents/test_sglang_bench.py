@@ -10,7 +10,7 @@ import pytest
 from sglang_guard import sglang_missing
 
 try:
-    from kvprefetch.agents.sglang.bench import BACKENDS
+    from kvprefetch.controlplane.harness.sglang_bench import BACKENDS
 except ImportError as exc:  # pragma: no cover - the environment decides
     sglang_missing(exc)
 

@@ -15,7 +15,11 @@ from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey
 from kvprefetch.agents.linkemu import S3_LINK
 
 try:
-    from kvprefetch.agents.sglang.replay import ReplayConfig, returning_requests, run_replay
+    from kvprefetch.controlplane.harness.sglang_replay import (
+        ReplayConfig,
+        returning_requests,
+        run_replay,
+    )
 except ImportError as exc:  # pragma: no cover - the environment decides
     sglang_missing(exc)
 

@@ -16,16 +16,16 @@ from kvprefetch.agents.engine_emulator import ServeRequest, ServeResult
 from kvprefetch.controlplane.base import api
 from kvprefetch.controlplane.base.types import HintKind, Trace, TraceRequest, TraceSession
 from kvprefetch.controlplane.cli import build_parser
-from kvprefetch.controlplane.cli.demo import (
+from kvprefetch.controlplane.harness.demo import build_trace
+from kvprefetch.controlplane.harness.demo_report import (
     SeedStat,
-    build_trace,
     mean_ci95,
     paired_difference,
     pooled_run,
     seed_summary,
     t975,
 )
-from kvprefetch.controlplane.live.replay import Replayer
+from kvprefetch.controlplane.harness.replay import Replayer
 from kvprefetch.controlplane.sim.hints import PlannedHint
 from kvprefetch.controlplane.sim.simulator import PolicyRun, RequestRecord
 

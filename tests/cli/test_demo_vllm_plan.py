@@ -12,8 +12,9 @@ import pytest
 from kvprefetch.controlplane.base.types import Trace, TraceRequest, TraceSession
 from kvprefetch.controlplane.cli import build_parser, main
 from kvprefetch.controlplane.cli import demo_vllm as dv
-from kvprefetch.controlplane.cli.bench_aiperf import mooncake_rows
-from kvprefetch.controlplane.live.gateway_replay import PromptBook, scale_trace
+from kvprefetch.controlplane.harness import vllm_nodes
+from kvprefetch.controlplane.harness.aiperf_bench import mooncake_rows
+from kvprefetch.controlplane.harness.gateway_replay import PromptBook, scale_trace
 
 
 def _args(*flags: str) -> argparse.Namespace:
@@ -96,10 +97,10 @@ def test_prompts_grow_as_a_conversation_and_the_salt_changes_their_content() -> 
 
 
 def test_the_link_makes_loading_cost_the_reference_share_of_prefill() -> None:
-    ratio = dv.reference_load_cost_ratio(40_000)
+    ratio = vllm_nodes.reference_load_cost_ratio(40_000)
     assert 0.3 < ratio < 0.8  # Llama-3.1-8B on an H100 at 5 GB/s: loading ~half a prefill
-    assert dv.reference_load_cost_ratio(4_000) > ratio  # attention grows with the context
-    rate = dv.link_mib_s(1024, 0.5, prefill_s_per_token=20e-6)
+    assert vllm_nodes.reference_load_cost_ratio(4_000) > ratio  # attention grows with the context
+    rate = vllm_nodes.link_mib_s(1024, 0.5, prefill_s_per_token=20e-6)
     assert rate * (1 << 20) * 0.5 * 20e-6 == pytest.approx(1024)
 
 
@@ -107,10 +108,10 @@ def test_the_fleet_model_describes_the_cpu_nodes_on_the_compressed_clock() -> No
     from kvprefetch.agents.vllm.tiny_model import TinyLlamaSpec
 
     spec = TinyLlamaSpec()
-    nodes = dv.CpuNodes(nodes=2, kv_bytes_per_token=spec.kv_bytes_per_token,
+    nodes = vllm_nodes.CpuNodes(nodes=2, kv_bytes_per_token=spec.kv_bytes_per_token,
                         prefill_s_per_token=20e-6, link_bytes_per_s=50e6, hbm_tokens=5120,
                         dram_tier_bytes=8 << 20)
-    fleet = dv.cpu_fleet(nodes, 10.0, spec)
+    fleet = vllm_nodes.cpu_fleet(nodes, 10.0, spec)
     assert fleet.model.kv_bytes_per_token == spec.kv_bytes_per_token == 1024
     # 2,048 tokens: 41 ms of prefill and 42 ms of load in wall time, 10x on the clock.
     assert fleet.prefill_s(2048, 0) == pytest.approx(2048 * 20e-6 * 10)

@@ -12,8 +12,8 @@ import pytest
 from kvprefetch.controlplane.base.config import fleet_from_dict
 from kvprefetch.controlplane.base.types import SessionKey
 from kvprefetch.controlplane.cli import main
-from kvprefetch.controlplane.live.client import connect
 from kvprefetch.controlplane.live.config import ServiceConfig
+from kvprefetch.controlplane.live.connect import connect
 from kvprefetch.controlplane.live.service import SchedulerService
 from kvprefetch.controlplane.traces.journal import HEADER_KEY
 

@@ -53,8 +53,9 @@ def _batching_client(namespace: str, max_events: int, flush_interval_s: float
     import ray
 
     from kvprefetch.controlplane.base.config import default_fleet
-    from kvprefetch.controlplane.live.client import EventBatching, connect
+    from kvprefetch.controlplane.live.client import EventBatching
     from kvprefetch.controlplane.live.config import ServiceConfig
+    from kvprefetch.controlplane.live.connect import connect
     from kvprefetch.controlplane.live.ray_app import start_scheduler
 
     ray.init(namespace=namespace, include_dashboard=False, log_to_driver=False,

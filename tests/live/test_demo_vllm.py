@@ -25,7 +25,8 @@ import pytest
 pytestmark = [pytest.mark.servers, pytest.mark.slow, pytest.mark.live, pytest.mark.vllm]
 ROOT = Path(__file__).resolve().parents[2]
 
-#: Keys every policy block of the emulated demo's report has (kvprefetch.controlplane.cli.demo).
+#: Keys every policy block of the emulated demo's report has
+#: (kvprefetch.controlplane.harness.demo_report).
 EMULATED_POLICY_KEYS = {"returning", "per_seed", "ttft_mean_s", "ttft_p90_s", "stall_s",
                         "prefetched_bytes", "wasted_bytes", "prefetches", "orders_sent",
                         "orders_failed", "failed_requests", "unrouted", "hints_sent",

@@ -13,8 +13,8 @@ from test_vllm_gateway import Harness
 
 from kvprefetch.controlplane.base.config import fleet_from_dict
 from kvprefetch.controlplane.base.types import HintKind
-from kvprefetch.controlplane.live.client import connect
 from kvprefetch.controlplane.live.config import ServiceConfig
+from kvprefetch.controlplane.live.connect import connect
 from kvprefetch.controlplane.live.service import SchedulerService
 from kvprefetch.predictors.adaptive import AdaptivePredictor
 from kvprefetch.predictors.hinted import HintedPredictor

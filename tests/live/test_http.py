@@ -29,7 +29,8 @@ from kvprefetch.controlplane.base.errors import (  # noqa: E402
     UnknownSessionError,
     WrongTenantError,
 )
-from kvprefetch.controlplane.live.client import Client, connect  # noqa: E402
+from kvprefetch.controlplane.live.client import Client  # noqa: E402
+from kvprefetch.controlplane.live.connect import connect  # noqa: E402
 from kvprefetch.controlplane.live.http_api import HttpServer, create_app  # noqa: E402
 from kvprefetch.controlplane.live.metrics import PrometheusMetrics  # noqa: E402
 from kvprefetch.controlplane.live.service import SchedulerService, ServiceConfig  # noqa: E402

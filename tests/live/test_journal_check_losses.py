@@ -13,8 +13,8 @@ import pytest
 
 from kvprefetch.controlplane.base.config import fleet_from_dict
 from kvprefetch.controlplane.cli import main
-from kvprefetch.controlplane.live.client import connect
 from kvprefetch.controlplane.live.config import ServiceConfig
+from kvprefetch.controlplane.live.connect import connect
 from kvprefetch.controlplane.live.journal import compact_journal
 from kvprefetch.controlplane.live.service import SchedulerService
 from kvprefetch.controlplane.traces.journal import quarantine_path

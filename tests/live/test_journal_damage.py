@@ -21,13 +21,13 @@ import pytest
 from kvprefetch.controlplane.base.config import fleet_from_dict
 from kvprefetch.controlplane.base.types import SessionEvent
 from kvprefetch.controlplane.cli import main
-from kvprefetch.controlplane.live.client import connect
 from kvprefetch.controlplane.live.config import ServiceConfig
+from kvprefetch.controlplane.live.connect import connect
 from kvprefetch.controlplane.live.service import SchedulerService
 from kvprefetch.controlplane.traces.journal import (
     JournalScanner,
     TimeLimits,
-    _encode_checked,
+    encode_checked,
     quarantine_path,
     read_journal_events,
 )
@@ -129,7 +129,7 @@ def test_a_far_future_time_never_freezes_the_clock(tmp_path: Path) -> None:
         assert svc.clock.now_s() < 1e6
         assert svc.has_session("t", "a")
     # The same with a valid checksum (a forged or buggy writer): still out of range.
-    forged = _encode_checked({"kind": "hint", "session": "t/a", "t": 1e300,
+    forged = encode_checked({"kind": "hint", "session": "t/a", "t": 1e300,
                               "hint": "user_typing"})
     path.write_bytes(path.read_bytes() + forged)
     with SchedulerService(_config(path)) as svc:

@@ -23,8 +23,8 @@ import pytest
 
 from kvprefetch.controlplane.base.config import fleet_from_dict
 from kvprefetch.controlplane.base.errors import JournalUnavailableError
-from kvprefetch.controlplane.live.client import connect
 from kvprefetch.controlplane.live.config import ServiceConfig
+from kvprefetch.controlplane.live.connect import connect
 from kvprefetch.controlplane.live.journal import LiveJournalScanner
 from kvprefetch.controlplane.live.service import SchedulerService
 from kvprefetch.controlplane.traces.journal import JournalFile, open_journal_file
@@ -209,7 +209,7 @@ CHILD = textwrap.dedent("""
     import json, resource, signal, sys
     from kvprefetch.controlplane.base.config import fleet_from_dict
     from kvprefetch.controlplane.base.errors import JournalUnavailableError
-    from kvprefetch.controlplane.live.client import connect
+    from kvprefetch.controlplane.live.connect import connect
     from kvprefetch.controlplane.live.config import ServiceConfig
     from kvprefetch.controlplane.live.service import SchedulerService
     from pathlib import Path

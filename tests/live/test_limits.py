@@ -20,7 +20,7 @@ from kvprefetch.controlplane.base import api  # noqa: E402
 from kvprefetch.controlplane.base.config import fleet_from_dict  # noqa: E402
 from kvprefetch.controlplane.base.errors import InvalidRequestError  # noqa: E402
 from kvprefetch.controlplane.live import limits as limits_module  # noqa: E402
-from kvprefetch.controlplane.live.client import connect  # noqa: E402
+from kvprefetch.controlplane.live.connect import connect  # noqa: E402
 from kvprefetch.controlplane.live.http_api import HttpServer, create_app  # noqa: E402
 from kvprefetch.controlplane.live.limits import RequestLimits, check_session_id  # noqa: E402
 from kvprefetch.controlplane.live.service import SchedulerService, ServiceConfig  # noqa: E402

@@ -10,8 +10,8 @@ from harness import RecordingPort
 from kvprefetch.controlplane.base.config import fleet_from_dict
 from kvprefetch.controlplane.base.tiers import TierEntry
 from kvprefetch.controlplane.base.types import SessionKey
-from kvprefetch.controlplane.live.client import connect
 from kvprefetch.controlplane.live.config import ServiceConfig
+from kvprefetch.controlplane.live.connect import connect
 from kvprefetch.controlplane.live.service import SchedulerService
 
 GIB = 1 << 30

@@ -205,7 +205,7 @@ def test_a_raylet_that_joins_gets_an_agent_and_is_warmed(
     from kvprefetch.agents.stores.local import LocalTierConfig
     from kvprefetch.agents.transfer import TransferConfig
     from kvprefetch.controlplane.base.keys import payload, position_keys
-    from kvprefetch.controlplane.live.client import connect
+    from kvprefetch.controlplane.live.connect import connect
     from kvprefetch.controlplane.live.ray_app import (
         NodeCandidate,
         Placement,

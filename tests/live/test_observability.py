@@ -33,7 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from kvprefetch.controlplane.base.config import fleet_from_dict  # noqa: E402
 from kvprefetch.controlplane.base.types import SessionKey  # noqa: E402
-from kvprefetch.controlplane.live.client import connect  # noqa: E402
+from kvprefetch.controlplane.live.connect import connect  # noqa: E402
 from kvprefetch.controlplane.live.gateway import (  # noqa: E402
     Gateway,
     GatewayConfig,

@@ -17,8 +17,8 @@ from kvprefetch.controlplane.live.client import (
     HttpTransport,
     InProcessTransport,
     RayTransport,
-    connect,
 )
+from kvprefetch.controlplane.live.connect import connect
 from kvprefetch.controlplane.live.protocol import GatewayAPI, RemoteAPI, SchedulerAPI
 from kvprefetch.controlplane.live.service import SchedulerService, ServiceConfig
 from kvprefetch.controlplane.live.sessions import SessionQuery, SessionState

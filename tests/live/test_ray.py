@@ -24,8 +24,8 @@ from kvprefetch.agents.stores.local import LocalTierConfig  # noqa: E402
 from kvprefetch.agents.transfer import TransferConfig  # noqa: E402
 from kvprefetch.controlplane.base.config import fleet_from_dict  # noqa: E402
 from kvprefetch.controlplane.base.keys import payload, position_keys  # noqa: E402
-from kvprefetch.controlplane.live.client import connect  # noqa: E402
 from kvprefetch.controlplane.live.config import ServiceConfig  # noqa: E402
+from kvprefetch.controlplane.live.connect import connect  # noqa: E402
 from kvprefetch.controlplane.live.ray_app import Placement, deploy, local_placements  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.servers]

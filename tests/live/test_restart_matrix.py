@@ -30,8 +30,8 @@ from kvprefetch.controlplane.base.config import fleet_from_dict
 from kvprefetch.controlplane.base.keys import payload
 from kvprefetch.controlplane.base.types import SessionKey
 from kvprefetch.controlplane.base.wire import TransferOrder, TransferReport, order_epoch
-from kvprefetch.controlplane.live.client import connect
 from kvprefetch.controlplane.live.config import ServiceConfig
+from kvprefetch.controlplane.live.connect import connect
 from kvprefetch.controlplane.live.ports import AgentPort
 from kvprefetch.controlplane.live.service import SchedulerService
 

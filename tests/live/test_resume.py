@@ -11,11 +11,11 @@ from harness import session_home
 
 from kvprefetch.controlplane.base.config import fleet_from_dict
 from kvprefetch.controlplane.base.types import EventKind, HintKind, SessionEvent
-from kvprefetch.controlplane.live.client import connect
 from kvprefetch.controlplane.live.config import ServiceConfig
+from kvprefetch.controlplane.live.connect import connect
 from kvprefetch.controlplane.live.journal import KeysChange, LiveJournalWriter, compact_journal
 from kvprefetch.controlplane.live.service import SchedulerService
-from kvprefetch.controlplane.traces.journal import EpochRecord, _encode_checked
+from kvprefetch.controlplane.traces.journal import EpochRecord, encode_checked
 
 GIB = 1 << 30
 FLEET = fleet_from_dict({"nodes": 2, "node": {"hbm_kv_bytes": 4 * GIB,
@@ -108,7 +108,7 @@ def test_a_forged_keys_record_is_quarantined(tmp_path: Path) -> None:
     row = json.loads(lines[bad])
     del row["crc"]
     row["keys"] = {"keep": -1, "add": ["x/y"]}
-    lines[bad] = _encode_checked(row)
+    lines[bad] = encode_checked(row)
     path.write_bytes(b"".join(lines))
     with SchedulerService(cfg) as again:
         assert again.stats.journal_quarantined == 1

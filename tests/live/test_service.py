@@ -19,8 +19,8 @@ from kvprefetch.controlplane.base.errors import (
     WrongTenantError,
 )
 from kvprefetch.controlplane.base.types import EventKind, SessionKey
-from kvprefetch.controlplane.live.client import connect
 from kvprefetch.controlplane.live.config import ServiceConfig
+from kvprefetch.controlplane.live.connect import connect
 from kvprefetch.controlplane.live.service import SchedulerService
 from kvprefetch.controlplane.traces import load_trace, read_journal_events
 

@@ -22,8 +22,9 @@ def test_sessions_go_to_their_owning_shard() -> None:
     from kvprefetch.controlplane.base.config import default_fleet
     from kvprefetch.controlplane.base.errors import WrongShardError
     from kvprefetch.controlplane.base.shards import ShardRing
-    from kvprefetch.controlplane.live.client import RayTransport, connect
+    from kvprefetch.controlplane.live.client import RayTransport
     from kvprefetch.controlplane.live.config import ServiceConfig
+    from kvprefetch.controlplane.live.connect import connect
     from kvprefetch.controlplane.live.http_api import HttpServer, create_app
     from kvprefetch.controlplane.live.ray_app import start_shards
     from kvprefetch.controlplane.live.sessions import SessionQuery

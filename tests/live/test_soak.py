@@ -27,7 +27,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
-from kvprefetch.controlplane.cli.bench_soak import SoakSpec, run_soak
+from kvprefetch.controlplane.harness.soak import SoakSpec, run_soak
 
 MIB = 1 << 20
 SPEC = SoakSpec(duration_s=22.0, warmup_s=6.0, live_sessions=300, mean_turns=4,

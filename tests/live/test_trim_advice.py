@@ -8,8 +8,8 @@ import pytest
 from kvprefetch.controlplane.base.config import fleet_from_dict
 from kvprefetch.controlplane.base.types import SessionKey
 from kvprefetch.controlplane.core.step import StepOutput
-from kvprefetch.controlplane.live.client import connect
 from kvprefetch.controlplane.live.config import ServiceConfig
+from kvprefetch.controlplane.live.connect import connect
 from kvprefetch.controlplane.live.ports import Outbox
 from kvprefetch.controlplane.live.service import SchedulerService
 

@@ -448,6 +448,7 @@ def test_prefetch_lateness_is_finite_when_the_prefetch_lands_while_the_request_q
     import math
 
     from kvprefetch.controlplane.cli import demo
+    from kvprefetch.controlplane.harness.demo import build_trace
     from kvprefetch.controlplane.sim.runner import run_policy
 
     parser = argparse.ArgumentParser()
@@ -455,7 +456,7 @@ def test_prefetch_lateness_is_finite_when_the_prefetch_lands_while_the_request_q
     args = parser.parse_args([])
     fleet = fleet_from_dict({"nodes": args.nodes, "node": {
         "hbm_kv_bytes": int(args.hbm_gib * GIB), "dram_tier_bytes": int(args.dram_gib * GIB)}})
-    trace = demo.build_trace(args, fleet.model.max_context_tokens)
+    trace = build_trace(args, fleet.model.max_context_tokens)
     # Predictive as it was when this case was found (ewma, loading at GPU start, predicted-
     # use eviction): today's adaptive load timing and eviction avoid the case altogether.
     policy = replace(POLICIES["predictive"], load_start=LoadStart.ON_SCHEDULE,

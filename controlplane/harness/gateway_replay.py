@@ -1,7 +1,7 @@
 """Replays a trace through the OpenAI-compatible gateway over HTTP, timing each request's
 first token at the client: the client side of ``kvprefetch demo --engine vllm``.
 
-The arrival process is :class:`~kvprefetch.controlplane.live.replay.Replayer`'s (closed loop on a
+The arrival process is :class:`~kvprefetch.controlplane.harness.replay.Replayer`'s (closed loop on a
 compressed wall clock, client hints sent to the scheduler at their planned times); what
 differs is one request: instead of calling the scheduler and an emulated engine, the
 replayer sends ``POST /v1/completions`` (streaming) to the gateway with the session in the
@@ -36,8 +36,8 @@ from typing import Any
 
 from kvprefetch.agents.engine_emulator import ServeRequest, ServeResult
 from kvprefetch.controlplane.base.types import Trace, TraceRequest, TraceSession
+from kvprefetch.controlplane.harness.replay import Replayer, ReplayResult
 from kvprefetch.controlplane.live.client import Client
-from kvprefetch.controlplane.live.replay import Replayer, ReplayResult
 from kvprefetch.controlplane.sim.hints import PlannedHint
 from kvprefetch.controlplane.sim.simulator import RequestRecord
 

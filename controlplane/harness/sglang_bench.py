@@ -4,8 +4,8 @@ against SGLang's built-in file backend (``sglang-file``, ``HiCacheFile``), on th
 machine, the same pages and the same destination memory, runs interleaved (the order
 alternating between repeats), every run's bytes compared with what was stored; then,
 unless disabled, the replay of HiCache's page reads on the bundled trace's returning
-requests with and without the agent's warming (:mod:`kvprefetch.agents.sglang.replay`), against the
-same servers.
+requests with and without the agent's warming
+(:mod:`kvprefetch.controlplane.harness.sglang_replay`), against the same servers.
 
 Two measurements per backend, each timed per batch of ``batch_pages`` pages (SGLang's
 prefetch batches are up to 128 pages):
@@ -54,8 +54,8 @@ from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey
 from kvprefetch.agents.sglang.backend import KvPrefetchHiCacheStorage, SGLangStorageConfig
 from kvprefetch.agents.sglang.host_pool import PageFirstHostPool
 from kvprefetch.agents.sglang.keys import page_hashes
-from kvprefetch.agents.sglang.replay import ReplayConfig, run_replay
 from kvprefetch.agents.stores.local import LocalTier, LocalTierConfig
+from kvprefetch.controlplane.harness.sglang_replay import ReplayConfig, run_replay
 
 MIB = 1 << 20
 PAGE_TOKENS = 16

@@ -540,8 +540,8 @@ def _turns(target: Target, player: _Player, idx: Sequence[int], sids: Sequence[s
 def _target(mode: str, fleet: FleetConfig, spec: LoadSpec) -> Target:
     if mode == "inproc":
         return CoreTarget(fleet, spec)
-    from kvprefetch.controlplane.live.client import connect
     from kvprefetch.controlplane.live.config import ServiceConfig
+    from kvprefetch.controlplane.live.connect import connect
 
     cfg = ServiceConfig(fleet=fleet, policy=spec.policy, predictor=spec.predictor,
                         time_compression=spec.time_compression,
@@ -581,7 +581,8 @@ class RayTarget(ClientTarget):
 
         import ray
 
-        from kvprefetch.controlplane.live.client import EventBatching, connect
+        from kvprefetch.controlplane.live.client import EventBatching
+        from kvprefetch.controlplane.live.connect import connect
         from kvprefetch.controlplane.live.ray_app import start_shards
 
         self._tmp = tempfile.TemporaryDirectory(prefix="kvprefetch-bench-")
