@@ -27,7 +27,7 @@ the trained model in FILE (whatever its kind); in code, ``HintedPredictor(inner)
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
@@ -197,9 +197,35 @@ class HintedPredictor:
         return Path(save(path))
 
 
+class GatedHintedPredictor(HintedPredictor):
+    """The hint layer over a model whose idle forecasts come from laws shared by groups of
+    sessions (:class:`kvprefetch.controlplane.core.sweep.GatedPredictor`: ``adaptive``, the
+    shipped model): a session without a hint keeps its group, so the scheduler's sweep
+    still skips the sessions whose forecast cannot pass its gate; a hinted or closed
+    session has no group (its forecast is the hint's law: always forecast)."""
+
+    def idle_group(self, session_id: str) -> Hashable | None:
+        if session_id in self._hints or session_id in self._closed:
+            return None
+        group: Hashable | None = self.inner.idle_group(session_id)  # type: ignore[attr-defined]
+        return group
+
+    def gate_region(self, group: Hashable, *, min_p_return: float, min_confidence: float,
+                    max_silence_s: float) -> Sequence[tuple[float, float]]:
+        region: Sequence[tuple[float, float]] = self.inner.gate_region(  # type: ignore[attr-defined]
+            group, min_p_return=min_p_return, min_confidence=min_confidence,
+            max_silence_s=max_silence_s)
+        return region
+
+
 def with_hints(predictor: Predictor) -> HintedPredictor:
-    """``predictor`` reading client hints: wrapped once (a hinted model is returned as is)."""
-    return predictor if isinstance(predictor, HintedPredictor) else HintedPredictor(predictor)
+    """``predictor`` reading client hints: wrapped once (a hinted model is returned as is);
+    a model with group laws keeps what the scheduler's indexed sweep reads."""
+    if isinstance(predictor, HintedPredictor):
+        return predictor
+    gated = callable(getattr(predictor, "idle_group", None)) and callable(
+        getattr(predictor, "gate_region", None))
+    return GatedHintedPredictor(predictor) if gated else HintedPredictor(predictor)
 
 
 def load_default() -> HintedPredictor:
@@ -209,4 +235,4 @@ def load_default() -> HintedPredictor:
     from kvprefetch.predictors.adaptive import load_default as load_shipped
 
     shipped: Any = load_shipped()  # its `name` is a class attribute, the protocol's an instance's
-    return HintedPredictor(shipped)
+    return with_hints(shipped)

@@ -23,9 +23,7 @@ class _Driver:
     """One core and its armed orders."""
 
     def __init__(self, fleet: Any, *, indexed: bool) -> None:
-        # The shipped model itself: the hint layer of ``default`` is not a GatedPredictor.
-        shipped = load("kvprefetch.predictors.adaptive:load_default")
-        self.core = SchedulerCore(fleet, POLICIES["predictive"], shipped, IdleFleet(),
+        self.core = SchedulerCore(fleet, POLICIES["predictive"], load("default"), IdleFleet(),
                                   indexed_sweep=indexed)
         self.armed: list[tuple[float, int, Any]] = []
         self.n = 0
@@ -78,8 +76,11 @@ def _run(fleet_cfg: dict[str, Any], seed: int, sessions: int, turns: int) -> tup
             both("close", SessionEvent(EventKind.SESSION_CLOSED, sid, t))
             ctx[sid] = 0
             continue
-        if r < 0.06:
-            both("hint", SessionEvent(EventKind.HINT, sid, t, hint=HintKind.SESSION_CLOSED))
+        if r < 0.12:  # hints: the default predictor's hinted sessions leave their groups
+            kind, eta = rng.choice([(HintKind.SESSION_CLOSED, None),
+                                    (HintKind.TOOL_RUNNING, rng.choice([2.0, 20.0, 120.0])),
+                                    (HintKind.USER_TYPING, None)])
+            both("hint", SessionEvent(EventKind.HINT, sid, t, hint=kind, eta_s=eta))
             continue
         inp = ctx[sid] + rng.randrange(500, 20_000)
         both("request_started", SessionEvent(EventKind.REQUEST_STARTED, sid, t,
