@@ -279,7 +279,7 @@ def _model_section(model: type, title: str, documented: dict[type, str],
 def config_models() -> list[tuple[str, str, type]]:
     """(heading, prose, model) for each root the configuration page documents."""
     from kvprefetch.controlplane.base.config import FleetConfig
-    from kvprefetch.controlplane.cli.serve import ServeConfig
+    from kvprefetch.controlplane.cli.serve_config import ServeConfig
     from kvprefetch.controlplane.live.config import ServiceConfig
 
     return [

@@ -53,7 +53,7 @@ def test_cli_reference_lists_every_subcommand(site: Path) -> None:
 
 
 def test_config_reference_lists_every_serve_field(site: Path) -> None:
-    from kvprefetch.controlplane.cli.serve import ServeConfig
+    from kvprefetch.controlplane.cli.serve_config import ServeConfig
     from kvprefetch.controlplane.live.config import ServiceConfig
 
     text = _text(site / "reference" / "configuration" / "index.html")

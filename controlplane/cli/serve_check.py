@@ -114,7 +114,7 @@ def check_config(path: str | Path, address: str | None = None) -> list[Finding]:
     """Every finding for the serve config at ``path`` (``address`` overrides
     ``ray.address``). The config's own validation and its secrets come first; the probes
     run only on a config that validates."""
-    from kvprefetch.controlplane.cli.serve import describe_auth, load_serve_config
+    from kvprefetch.controlplane.cli.serve_config import describe_auth, load_serve_config
 
     p = Path(path)
     findings: list[Finding] = []

@@ -49,7 +49,7 @@ def test_versions_are_the_tested_ones() -> None:
 
 
 def test_the_serve_config_warms_the_lmcache_server_the_script_starts() -> None:
-    from kvprefetch.controlplane.cli.serve import ServeConfig
+    from kvprefetch.controlplane.cli.serve_config import ServeConfig
 
     cfg = ServeConfig.model_validate(yaml.safe_load((ROOT / "examples" / "serve.yaml").read_text()))
     assert cfg.agent.backend == "lmcache-mp" and cfg.agent.lmcache is not None

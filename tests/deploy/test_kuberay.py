@@ -96,7 +96,7 @@ def test_the_head_runs_serve_and_the_gateway_with_the_token_from_the_secret() ->
 
 
 def test_the_gpu_group_has_the_agents_resource_lmcache_and_vllm() -> None:
-    from kvprefetch.controlplane.cli.serve import ServeConfig
+    from kvprefetch.controlplane.cli.serve_config import ServeConfig
 
     cfg = ServeConfig.model_validate(yaml.safe_load(_serve_config_text()))
     (group,) = _one("RayCluster")["spec"]["workerGroupSpecs"]
@@ -124,7 +124,7 @@ def test_the_gpu_group_has_the_agents_resource_lmcache_and_vllm() -> None:
 
 def test_the_configmap_serve_config_loads_and_matches_the_example(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvprefetch.controlplane.cli.serve import load_serve_config
+    from kvprefetch.controlplane.cli.serve_config import load_serve_config
 
     monkeypatch.setenv(TOKEN_ENV, "test-token")
     path = tmp_path / "serve.yaml"

@@ -145,7 +145,8 @@ def write_config(folder: Path) -> Path:
 
 def serve(config: Path) -> int:
     """The child process: serve until SIGTERM; prints ``ready <url>`` once listening."""
-    from kvprefetch.controlplane.cli.serve import http_app, load_serve_config
+    from kvprefetch.controlplane.cli.serve import http_app
+    from kvprefetch.controlplane.cli.serve_config import load_serve_config
     from kvprefetch.controlplane.live.http_api import HttpServer
     from kvprefetch.controlplane.live.metrics import PrometheusMetrics
     from kvprefetch.controlplane.live.service import SchedulerService

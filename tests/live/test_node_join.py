@@ -158,7 +158,7 @@ def test_local_variant_takes_the_slot_its_resource_names() -> None:
 def test_serve_config_leaves_slots_for_nodes_that_join() -> None:
     from pydantic import ValidationError
 
-    from kvprefetch.controlplane.cli.serve import ServeConfig
+    from kvprefetch.controlplane.cli.serve_config import ServeConfig
 
     base: dict[str, Any] = {"stores": {"valkey": {"host": "127.0.0.1", "port": 6379}},
                             "agent": {"tier_capacity_bytes": 64 * MIB}}

@@ -27,7 +27,7 @@ from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey, free_port  # 
 from kvprefetch.controlplane.base.errors import ConfigError  # noqa: E402
 from kvprefetch.controlplane.base.shards import ShardRing  # noqa: E402
 from kvprefetch.controlplane.cli import main  # noqa: E402
-from kvprefetch.controlplane.cli.serve import load_serve_config  # noqa: E402
+from kvprefetch.controlplane.cli.serve_config import load_serve_config  # noqa: E402
 from kvprefetch.controlplane.live.connect import connect  # noqa: E402
 from kvprefetch.controlplane.live.ray_app import gpu_node_placements, matching_nodes  # noqa: E402
 

@@ -23,7 +23,7 @@ from kvprefetch.controlplane.base.errors import (  # noqa: E402
     UnknownSessionError,
     WrongTenantError,
 )
-from kvprefetch.controlplane.cli.serve import load_serve_config  # noqa: E402
+from kvprefetch.controlplane.cli.serve_config import load_serve_config  # noqa: E402
 from kvprefetch.controlplane.core.quotas import TenantQuota  # noqa: E402
 from kvprefetch.controlplane.live.connect import connect  # noqa: E402
 from kvprefetch.controlplane.live.http_api import HttpServer, create_app  # noqa: E402

@@ -1,0 +1,333 @@
+"""The ``kvprefetch serve`` config: the YAML file's sections as pydantic models
+(:class:`ServeConfig`), read and fully validated by :func:`load_serve_config` (errors name
+the file and the field), and the one log line that says which credentials it sets."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+
+from kvprefetch.agents.agent import RemoteStoreConfig
+from kvprefetch.agents.lmcache.backend import Backend, LMCacheBackendConfig
+from kvprefetch.agents.sglang.warm import SGLangWarmConfig
+from kvprefetch.agents.stores.local import LocalTierConfig
+from kvprefetch.agents.transfer import TransferConfig
+from kvprefetch.controlplane.base.config import FleetConfig, fleet_from_dict
+from kvprefetch.controlplane.base.errors import ConfigError, KvPrefetchError
+from kvprefetch.controlplane.base.units import ByteSize
+from kvprefetch.controlplane.live.config import ServiceConfig
+from kvprefetch.controlplane.live.limits import RequestLimits, check_tenant_name
+from kvprefetch.controlplane.live.tenants import TenantAuth
+
+MIB = 1 << 20
+NAMESPACE = "kvprefetch"  # = kvprefetch.agents.ray_entry.NAMESPACE (not imported: it imports ray)
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class RaySettings(_Section):
+    #: ``auto`` (the cluster this machine belongs to), ``host:port``, ``ray://host:10001``,
+    #: or ``local``: start a one-node runtime here whose node counts as a matching node.
+    address: str = "auto"
+    namespace: str = Field(NAMESPACE, min_length=1)
+    #: Forward the actors' logs to this process's output.
+    log_to_driver: bool = True
+    #: The local runtime only: CPUs, object store size, temp dir.
+    local_num_cpus: int = Field(2, ge=1)
+    local_object_store_bytes: int = Field(80 * MIB, ge=78 * MIB)
+    local_temp_dir: str | None = None
+
+
+class PlacementSettings(_Section):
+    #: Nodes with this Ray resource get an agent: ``GPU`` (every GPU node), a custom
+    #: resource (``ray start --resources='{"kv_node": 1}'``), or null (every node).
+    resource: str | None = "GPU"
+    #: ... and every one of these Ray node labels (``ray start --labels=...``).
+    labels: dict[str, str] = Field(default_factory=dict)
+    #: Fail unless at least this many nodes match, after waiting up to
+    #: ``wait_for_nodes_s`` for the autoscaler to bring them up.
+    min_nodes: int = Field(1, ge=1, le=4096)
+    wait_for_nodes_s: float = Field(0.0, ge=0)
+    #: Agents on at most this many of the matching nodes (the first in NodeID order); the
+    #: fleet's size, so that nodes that match later can join it (see watch_interval_s).
+    max_nodes: int | None = Field(None, ge=1, le=4096)
+    #: Look for matching nodes that joined the cluster every this many seconds and give
+    #: each one a free node slot (up to max_nodes) and an agent; 0 = never.
+    watch_interval_s: float = Field(5.0, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> PlacementSettings:
+        if self.max_nodes is not None and self.max_nodes < self.min_nodes:
+            raise ValueError("max_nodes is smaller than min_nodes")
+        return self
+
+
+class AgentSettings(_Section):
+    #: Where orders land: ``local`` = the agent's own tier below; ``lmcache-mp`` = the
+    #: node's LMCache MP server's L1 (``lmcache``: the server as every node runs it);
+    #: ``sglang`` = the tier below, filled with SGLang's page objects, which the node's
+    #: SGLang reads first through our HiCache backend (``sglang``: how it names pages).
+    backend: Backend | Literal["sglang"] = "local"
+    lmcache: LMCacheBackendConfig | None = None
+    sglang: SGLangWarmConfig | None = None
+    #: The node-local DRAM tier of each agent (``{node}``: the node's number, so that
+    #: several nodes on one machine do not share a directory). Under /dev/shm for DRAM.
+    tier_path: str = Field("/dev/shm/kvprefetch-{node}", min_length=1)
+    tier_capacity_bytes: ByteSize | None = Field(None, gt=0)
+    tier_kind: str = Field("dram", pattern="^(dram|disk)$")
+    transfer: TransferConfig = TransferConfig()
+    #: Each agent reports its tier's capacity to the scheduler this often (seconds): every
+    #: shard's quota of the node follows it (a tier smaller than ``fleet.node.
+    #: dram_tier_bytes`` is planned at its real size). 0: never.
+    status_interval_s: float = Field(5.0, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> AgentSettings:
+        try:
+            self.tier_path.format(node=0)
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(f"tier_path: only {{node}} may be substituted ({exc})") from None
+        if self.backend == "lmcache-mp" and self.lmcache is None:
+            raise ValueError("backend lmcache-mp needs an agent.lmcache section (http_url, "
+                             "model_name ...)")
+        if self.backend == "sglang" and self.sglang is None:
+            raise ValueError("backend sglang needs an agent.sglang section (model_name, "
+                             "page_size, tp_size as the node's SGLang runs)")
+        if self.backend in ("local", "sglang") and self.tier_capacity_bytes is None:
+            raise ValueError("agent.tier_capacity_bytes is required with backend "
+                             f"{self.backend}")
+        return self
+
+    def lmcache_for(self, node_ip: str) -> LMCacheBackendConfig | None:
+        """The ``lmcache`` section for the node at ``node_ip``: ``{node_ip}`` in its
+        ``http_url`` becomes the node's address (servers bound to their node's address,
+        e.g. several nodes' LMCache servers on one machine)."""
+        if self.lmcache is None or "{node_ip}" not in self.lmcache.http_url:
+            return self.lmcache
+        return self.lmcache.model_copy(
+            update={"http_url": self.lmcache.http_url.replace("{node_ip}", node_ip)})
+
+    def dram(self, node: int) -> LocalTierConfig | None:
+        """Node ``node``'s local tier (None with the ``lmcache-mp`` backend)."""
+        if self.backend == "lmcache-mp" or self.tier_capacity_bytes is None:
+            return None
+        return LocalTierConfig(path=self.tier_path.format(node=node), kind=self.tier_kind,
+                               capacity_bytes=self.tier_capacity_bytes)
+
+
+class SecretSource(_Section):
+    """Where a secret is read at start-up: an environment variable (``env``) or a file
+    (``file``: its content, without the trailing newline; e.g. a Kubernetes or systemd
+    credential). Exactly one. The value is never logged nor written in an error."""
+
+    env: str | None = Field(None, min_length=1)
+    file: str | None = Field(None, min_length=1)
+
+    @model_validator(mode="after")
+    def _one(self) -> SecretSource:
+        if (self.env is None) == (self.file is None):
+            raise ValueError("give env (an environment variable) or file, exactly one")
+        return self
+
+    def read(self, what: str) -> str:
+        """The secret; ConfigError naming ``what`` and where it was looked for."""
+        if self.env is not None:
+            value = os.environ.get(self.env, "")
+            where = f"environment variable {self.env!r}"
+        else:
+            assert self.file is not None
+            where = f"file {self.file!r}"
+            try:
+                value = Path(self.file).read_text().rstrip("\r\n")
+            except OSError as exc:
+                raise ConfigError(f"{what}: cannot read {where}: {exc.strerror}") from None
+        if not value.strip():
+            raise ConfigError(f"{what}: {where} is not set or empty")
+        return value
+
+
+class TenantSettings(_Section):
+    #: The tenant's bearer token: its calls are this tenant's and no other's.
+    token: SecretSource
+    #: Live sessions the tenant may hold (default: ``service.max_live_sessions_per_tenant``).
+    max_live_sessions: int | None = Field(None, ge=1, le=100_000_000)
+    #: Fraction (0, 1] of each node's local tier its sessions may hold (default: no cap).
+    #: At its share, its own sessions are evicted first to fit a new one, never another
+    #: tenant's; KV its own cannot make room for is not kept locally.
+    local_tier_share: float | None = Field(None, gt=0, le=1)
+    #: Fraction (0, 1] of each node's NIC rate its prefetches may use on average (default:
+    #: no cap); prefetches over it wait for a later sweep. Demand loads are not limited.
+    prefetch_bandwidth_share: float | None = Field(None, gt=0, le=1)
+
+
+class HttpSettings(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, lt=65536)
+    #: Older configs: the one bearer token every /v1 call must carry, or the name of an
+    #: environment variable holding it; the tenant is then named in each body. Neither
+    #: (and no ``tenants``): no auth.
+    bearer_token: SecretStr | None = None
+    bearer_token_env: str | None = None
+    #: The operators' token (with ``tenants``): may act for any tenant, named in the body.
+    admin_token: SecretSource | None = None
+    #: Seconds the API waits for the scheduler per call before answering "no prefetch".
+    call_timeout_s: float = Field(2.0, gt=0, le=60)
+    access_log: bool = False
+    #: Per-call limits: body bytes (413), token ids and chunk hashes (422), token-id range.
+    limits: RequestLimits = RequestLimits()
+
+    @model_validator(mode="after")
+    def _check(self) -> HttpSettings:
+        if self.bearer_token is not None and self.bearer_token_env is not None:
+            raise ValueError("give bearer_token or bearer_token_env, not both")
+        if self.bearer_token is not None and not self.bearer_token.get_secret_value().strip():
+            raise ValueError("bearer_token is empty")
+        return self
+
+    @property
+    def shared_token_configured(self) -> bool:
+        return self.bearer_token is not None or self.bearer_token_env is not None
+
+    def token(self) -> str | None:
+        """The token, read from the environment when named there (ConfigError if unset)."""
+        if self.bearer_token is not None:
+            return self.bearer_token.get_secret_value()
+        if self.bearer_token_env is not None:
+            value = os.environ.get(self.bearer_token_env, "")
+            if not value.strip():
+                raise ConfigError(f"http.bearer_token_env: environment variable "
+                                  f"{self.bearer_token_env!r} is not set")
+            return value
+        return None
+
+
+class ServeConfig(_Section):
+    """The whole ``kvprefetch serve`` config (see examples/serve.yaml)."""
+
+    ray: RaySettings = RaySettings()
+    placement: PlacementSettings = PlacementSettings()
+    #: The modelled fleet, as in ``kvprefetch sim --fleet`` (model preset, node profile,
+    #: remote store, router, planner). ``nodes`` is not given: one per matching Ray node.
+    fleet: dict[str, Any] = Field(default_factory=dict)
+    #: The scheduler (``ServiceConfig``): policy, predictor, journal_path, tenants, ...
+    service: dict[str, Any] = Field(default_factory=dict)
+    #: The remote token store: ``valkey`` and/or ``s3`` (both: Valkey in front of S3).
+    stores: RemoteStoreConfig
+    agent: AgentSettings
+    http: HttpSettings = HttpSettings()
+    #: Tenant name -> its token and quota. Given: every /v1 call needs a tenant's token
+    #: (or ``http.admin_token``), and only these tenants exist.
+    tenants: dict[str, TenantSettings] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check(self) -> ServeConfig:
+        if self.stores.valkey is None and self.stores.s3 is None:
+            raise ValueError("stores: configure valkey, s3 or both")
+        for name in self.tenants:
+            try:
+                check_tenant_name(name, "tenants")
+            except KvPrefetchError as exc:
+                raise ValueError(str(exc)) from None
+        if self.tenants and self.http.shared_token_configured:
+            raise ValueError("tenants: per-tenant tokens and the shared http.bearer_token do "
+                             "not mix (a shared token would act for every tenant): remove "
+                             "it, and give operators http.admin_token")
+        if self.http.admin_token is not None and not self.tenants:
+            raise ValueError("http.admin_token: only with tenants (without them every "
+                             "token may name any tenant)")
+        if "limits" in self.service:
+            raise ValueError("service.limits: set in http.limits")
+        if self.tenants:
+            for key in ("tenants", "tenant_max_live_sessions", "tenant_local_tier_share",
+                        "tenant_prefetch_bandwidth_share"):
+                if key in self.service:
+                    raise ValueError(f"service.{key}: set from the tenants section")
+        if "nodes" in self.fleet:
+            raise ValueError("fleet.nodes: not set here: one node per matching Ray node "
+                             "(see placement.min_nodes / max_nodes)")
+        for key in ("fleet", "node_names", "initial_nodes"):
+            if key in self.service:
+                raise ValueError(f"service.{key}: set by kvprefetch serve, not in the file")
+        return self
+
+    def auth(self) -> TenantAuth:
+        """The credentials, their secrets read now (ConfigError naming the tenant and
+        where its secret was looked for, never the secret)."""
+        tokens = {name: t.token.read(f"tenants.{name}.token")
+                  for name, t in self.tenants.items()}
+        admin = (self.http.admin_token.read("http.admin_token")
+                 if self.http.admin_token is not None else None)
+        return TenantAuth(tokens, admin_token=admin, shared_token=self.http.token())
+
+    def fleet_config(self, nodes: int) -> FleetConfig:
+        return fleet_from_dict({**self.fleet, "nodes": nodes}, source="fleet")
+
+    def service_config(self, node_names: list[str], initial_nodes: int | None = None
+                       ) -> ServiceConfig:
+        """One node per name; nodes from ``initial_nodes`` on have no agent yet."""
+        fleet = self.fleet_config(len(node_names))
+        tenancy: dict[str, Any] = {}
+        if self.tenants:
+            tenancy = {"tenants": tuple(self.tenants)}
+            for key, field in (("tenant_max_live_sessions", "max_live_sessions"),
+                               ("tenant_local_tier_share", "local_tier_share"),
+                               ("tenant_prefetch_bandwidth_share", "prefetch_bandwidth_share")):
+                tenancy[key] = {name: getattr(t, field) for name, t in self.tenants.items()
+                                if getattr(t, field) is not None}
+        try:
+            return ServiceConfig.model_validate(
+                {**self.service, **tenancy, "limits": self.http.limits, "fleet": fleet,
+                 "node_names": tuple(node_names), "initial_nodes": initial_nodes})
+        except ValidationError as exc:
+            raise ConfigError(_describe(exc, "service")) from None
+
+
+def _describe(exc: ValidationError, prefix: str = "") -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in (prefix, *err["loc"]) if p != "") or "(root)"
+        parts.append(f"field {loc!r}: {err['msg']}")
+    return "; ".join(parts)
+
+
+def load_serve_config(path: str | Path) -> ServeConfig:
+    """Read and fully validate a serve config (the fleet and the service too, for one
+    node); raises :class:`ConfigError` naming the file and the field."""
+    p = Path(path)
+    try:
+        raw = yaml.safe_load(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: serve config not found") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p}: not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{p}: expected a mapping at the top level")
+    try:
+        cfg = ServeConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(f"{p}: {_describe(exc)}") from None
+    try:
+        service = cfg.service_config(["node-0"])  # fleet and service, before any Ray work
+    except ConfigError as exc:
+        raise ConfigError(f"{p}: {exc}") from None
+    from kvprefetch.predictors.registry import load as load_predictor
+
+    spec = service.policy_spec.predictor or service.predictor
+    try:  # the scheduler actor loads it again; a bad name must fail here, not inside Ray
+        load_predictor(spec)
+    except KvPrefetchError as exc:
+        raise ConfigError(f"{p}: field 'service.predictor': {exc}") from None
+    return cfg
+
+
+def describe_auth(auth: TenantAuth) -> str:
+    """One line for the log: which kind of credentials (never a token)."""
+    if auth.isolated:
+        return f"{len(auth.tenants)} tenants with their own tokens: {', '.join(auth.tenants)}"
+    return "one shared bearer token, tenant named per call" if auth.required else "no auth"
