@@ -31,7 +31,7 @@ def test_demo_repeats_over_two_seeds_with_hints(tmp_path: Path) -> None:
     meta = report["meta"]
     assert meta["repeats"] == 2 and [s["seed"] for s in meta["seeds"]] == [5, 6]
     assert meta["hints"]["enabled"] and meta["hints"]["planned_per_policy"] > 0
-    assert meta["service_predictor"].startswith("hinted")  # hinted, or hinted:FILE (default)
+    assert meta["service_predictor"] == "default"  # what a deployment runs: it reads hints
     for name in ("ondemand", "predictive"):
         run = report["policies"][name]
         ret = run["returning"]
