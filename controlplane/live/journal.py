@@ -1,8 +1,6 @@
-"""The live scheduler's journal: the trace journal (:mod:`kvprefetch.controlplane.traces.journal`)
-with
-what an exact resume needs beyond a :class:`~kvprefetch.controlplane.base.types.SessionEvent`, and
-its
-compaction.
+"""The live scheduler's journal: the trace journal
+(:mod:`kvprefetch.controlplane.traces.journal`) with what an exact resume needs beyond a
+:class:`~kvprefetch.controlplane.base.types.SessionEvent`, and its compaction.
 
 Chunk names: a session whose client sent token ids or chunk hashes names its chunks by
 content. The event that changed them (a ``request_started`` with token ids, a
@@ -24,8 +22,8 @@ Lost records: the numbers also tell what a damaged region held. Between two trus
 records, the missing numbers are records lost (:class:`LostRecords`): exactly so in a
 journal never compacted, at most so in a compacted one (there, gaps are normal).
 
-Failing closed: a record whose write fails (a full disk) is cut away again (see the trace
-journal's module docstring) and :class:`LiveJournalWriter` raises
+Failing closed: a record whose write fails (a full disk) is cut away again
+(:mod:`kvprefetch.controlplane.traces.journal_writer`) and :class:`LiveJournalWriter` raises
 :class:`~kvprefetch.controlplane.base.errors.JournalUnavailableError` (503, a short
 message; the path and the OS error go to the log); its sequence number is used again by
 the next record, so a failed write leaves no gap.
@@ -61,17 +59,19 @@ from kvprefetch.controlplane.traces.journal import (
     HEADER_KEY,
     JOURNAL_VERSION,
     EpochRecord,
-    JournalOpener,
     JournalScanner,
-    JournalWriter,
     StopRecord,
     TimeLimits,
     event_to_dict,
     file_mode,
-    open_journal_file,
 )
 from kvprefetch.controlplane.traces.journal import UntrustedLine as _Damaged
 from kvprefetch.controlplane.traces.journal import encode_checked as _encode_checked
+from kvprefetch.controlplane.traces.journal_writer import (
+    JournalOpener,
+    JournalWriter,
+    open_journal_file,
+)
 
 log = logging.getLogger(__name__)
 
@@ -197,11 +197,6 @@ class LiveJournalWriter(JournalWriter):
                 self._failing = False
             log.warning("journal %s: writable again (%d record writes were refused)",
                         self.path, self.failed_writes)
-
-    def write_raw(self, records: Sequence[bytes]) -> None:
-        """Append records copied verbatim from another journal file (checksums intact)."""
-        for raw in records:
-            self._append(raw if raw.endswith(b"\n") else raw + b"\n")
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ Formats (see each module's docstring for the exact mapping):
   relations with a shared-prefix guard (:mod:`.mooncake`);
 * ``azure``: arrivals and lengths only, one request per session (:mod:`.azure`);
 * ``journal``: kvprefetch's own event journal, written by :class:`JournalWriter`
-  (:mod:`.journal`).
+  (:mod:`.journal`, :mod:`.journal_writer`).
 
 Not a file format: ``synthetic:PROFILE[:SESSIONS]`` draws seeded multi-turn sessions from a
 parametric model with laws of its own (:mod:`.synthetic`), for traffic no predictor was
@@ -22,12 +22,12 @@ from kvprefetch.controlplane.traces.bundled import BUNDLED_TRACES, bundled_trace
 from kvprefetch.controlplane.traces.claude_code import load_claude_code
 from kvprefetch.controlplane.traces.detect import FORMATS, detect_format
 from kvprefetch.controlplane.traces.journal import (
-    JournalWriter,
     event_from_dict,
     event_to_dict,
     load_journal,
     read_journal_events,
 )
+from kvprefetch.controlplane.traces.journal_writer import JournalWriter
 from kvprefetch.controlplane.traces.loader import load_trace
 from kvprefetch.controlplane.traces.mooncake import DEFAULT_SHARED_PREFIX_FANOUT, load_mooncake
 

@@ -3,14 +3,12 @@
 File format (JSONL, UTF-8, optionally gzip-compressed as ``.jsonl.gz`` once rotated):
 
 * line 1, a header: ``{"kvprefetch_journal": 1, ...}`` (the format version, then free
-  metadata given to :class:`JournalWriter`);
-* then one :class:`~kvprefetch.controlplane.base.types.SessionEvent` per line, as a flat object with
-the
-  short keys ``kind``, ``session``, ``t``, ``turn``, ``in``, ``out``, ``reused``, ``stop``,
-  ``hint``, ``eta_s``, ``node``, ``tenant``, ``parent``, ``ctx`` (``None`` fields are
-  omitted).
-  ``t`` is the service clock in seconds. Unknown keys are ignored, so version 1 may gain
-  optional keys; a change of meaning bumps the version;
+  metadata given to the writer);
+* then one :class:`~kvprefetch.controlplane.base.types.SessionEvent` per line, as a flat
+  object with the short keys ``kind``, ``session``, ``t``, ``turn``, ``in``, ``out``,
+  ``reused``, ``stop``, ``hint``, ``eta_s``, ``node``, ``tenant``, ``parent``, ``ctx``
+  (``None`` fields are omitted). ``t`` is the service clock in seconds. Unknown keys are
+  ignored, so version 1 may gain optional keys; a change of meaning bumps the version;
 * and, once per scheduler start, an epoch record ``{"kvprefetch_epoch": N, "t": ...,
   "wall": ..., "compression": ...}`` (:class:`EpochRecord`: the epoch its order ids carry);
   once per clean stop, a stop record ``{"kvprefetch_stop": N, "t": ..., "wall": ...}``
@@ -27,18 +25,10 @@ moves it to a side file (:func:`quarantine`) with a counted warning and starts w
 (:func:`read_journal_events`, :func:`load_journal`) are strict: a damaged line is a
 :class:`~kvprefetch.controlplane.base.errors.TraceFormatError` naming file, line and field.
 
-Crash safety: the writer appends each record as one unbuffered ``write`` of one complete
-line, so a crash can only tear the *last* line. Every reader ignores a torn last line (one
-without its final newline that does not check out) and logs a warning; on opening an
-existing journal the writer first cuts such a torn tail, so appending never buries it.
-
-Failed writes (a full disk, a file-size limit): the writer remembers the journal's size
-before each record and, when the write fails part-way, truncates the file back to it, so a
-record whose write raised never reaches the journal later; nothing stays buffered. Until
-the cut succeeds the writer refuses to append (a partial line must not be buried).
-
-File mode: the writer creates the journal with mode 0600; the quarantine side file and a
-repaired copy take the journal's own mode.
+Writing: :class:`~kvprefetch.controlplane.traces.journal_writer.JournalWriter` appends one
+complete line per record, so a crash can only tear the *last* line; every reader here
+ignores a torn last line (one without its final newline that does not check out) and logs
+a warning. The quarantine side file and a repaired copy take the journal's own mode.
 
 As a trace (:func:`load_journal`), the journal is replayed closed-loop: ``request_started``
 gives the arrival, ``in`` and ``reused``; ``request_finished`` gives ``out``, ``stop`` and
@@ -50,7 +40,6 @@ Hints and ``session_closed`` events are for predictors and do not shape the trac
 
 from __future__ import annotations
 
-import errno
 import gzip
 import json
 import logging
@@ -58,14 +47,12 @@ import os
 import re
 import stat
 import tempfile
-import threading
 import time
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
-from typing import Any, Protocol, Self
+from typing import Any
 
 import pydantic_core
 from tqdm import tqdm
@@ -177,7 +164,8 @@ CRC_KEY = "crc"
 _CRC_TAIL = re.compile(rb',"crc":"([0-9a-f]{8})"\}\r?\n?$')
 
 
-def _encode(obj: Mapping[str, Any]) -> bytes:
+def encode_line(obj: Mapping[str, Any]) -> bytes:
+    """One JSON line without a checksum (the header, quarantined lines)."""
     return (json.dumps(obj, separators=(",", ":"), ensure_ascii=False) + "\n").encode()
 
 
@@ -189,7 +177,7 @@ def encode_checked(obj: Mapping[str, Any]) -> bytes:
     return body[:-1] + b',"%s":"%08x"}\n' % (CRC_KEY.encode(), zlib.crc32(body))
 
 
-def _verify(raw: bytes) -> bool | None:
+def verify_checksum(raw: bytes) -> bool | None:
     """True/False: the line's checksum matches or not; None: the line has none."""
     match = _CRC_TAIL.search(raw)
     if match is None:
@@ -277,226 +265,6 @@ class DamagedRecord:
 
 
 # ---------------------------------------------------------------------------------------------
-# Writing.
-# ---------------------------------------------------------------------------------------------
-
-
-class JournalFile(Protocol):
-    """The journal file as the writer uses it: unbuffered appends (``write`` returns how
-    many bytes went to the OS), ``truncate`` to cut a failed write away, ``fileno`` for
-    ``fsync``. A test wraps the real one to fail writes on demand."""
-
-    def write(self, data: bytes | memoryview, /) -> int | None: ...
-
-    def truncate(self, size: int, /) -> int: ...
-
-    def fileno(self) -> int: ...
-
-    def close(self) -> None: ...
-
-
-#: Opens the journal for appending (called by :meth:`JournalWriter.open`).
-JournalOpener = Callable[[Path], JournalFile]
-
-
-def open_journal_file(path: Path) -> JournalFile:
-    """The journal opened for unbuffered appends, created with :data:`JOURNAL_MODE`."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, JOURNAL_MODE)
-    return open(fd, "ab", buffering=0)
-
-
-class JournalWriter:
-    """Appends session events to a journal file, one checksummed line each.
-
-    Called by the live control plane for every event it observes (often: once per request
-    start and finish, plus hints), from any thread, and once per scheduler start
-    (:meth:`write_epoch`) and clean stop (:meth:`write_stop`). The constructor does no I/O;
-    :meth:`open` (or ``with``) creates the file with its header, or reopens an existing
-    journal for appending after cutting a torn last line. Each record is one unbuffered
-    ``write`` of one complete line, handed to the OS before the call returns; a write that
-    fails raises :class:`OSError` with the file cut back to its size before the record
-    (see the module docstring), and :attr:`failure` says why until a write succeeds.
-    :meth:`flush` with ``sync=True`` fsyncs. ``opener`` opens the file (default
-    :func:`open_journal_file`).
-    """
-
-    def __init__(self, path: str | Path, *, metadata: Mapping[str, Any] | None = None,
-                 opener: JournalOpener = open_journal_file) -> None:
-        self.path = Path(path)
-        self._metadata = dict(metadata or {})
-        self._opener = opener
-        self._file: JournalFile | None = None
-        self._lock = threading.Lock()
-        #: The journal's size in bytes: whole records only.
-        self._size = 0
-        #: A failed write left bytes past ``_size`` that are not cut away yet.
-        self._dirty = False
-        #: Why the last write failed (None: it did not, or a later one succeeded).
-        self.failure: str | None = None
-
-    def open(self) -> Self:
-        if self._file is not None:
-            return self
-        if self.path.name.endswith(".gz"):
-            raise TraceFormatError("cannot append to a compressed journal", path=self.path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._cut_torn_tail()
-        file = self._opener(self.path)
-        self._file, self._size, self._dirty = file, os.fstat(file.fileno()).st_size, False
-        if self._size == 0:
-            try:
-                self._append(_encode({HEADER_KEY: JOURNAL_VERSION, **self._metadata}))
-            except BaseException:
-                self.close()
-                raise
-        return self
-
-    def write(self, event: SessionEvent) -> None:
-        self._append(encode_checked(event_to_dict(event)))
-
-    def write_epoch(self, record: EpochRecord) -> None:
-        """Record a scheduler start (see :class:`EpochRecord`)."""
-        self._append(encode_checked(record.to_dict()))
-
-    def write_stop(self, record: StopRecord) -> None:
-        """Record a clean stop (see :class:`StopRecord`): the journal's last record."""
-        self._append(encode_checked(record.to_dict()))
-
-    def _append(self, data: bytes) -> None:
-        """Write ``data`` whole, or raise OSError with the journal as it was before."""
-        with self._lock:
-            self._write_locked(self._open_file(), data)
-            self._size += len(data)
-
-    def probe(self, nbytes: int = 4096) -> None:
-        """Whether the journal takes ``nbytes`` more: a blank line of that size (readers
-        skip blank lines) written and cut away again; OSError when it does not fit. Clears
-        :attr:`failure` when it does. For health checks after a failed write."""
-        with self._lock:
-            file = self._open_file()
-            self._write_locked(file, b" " * (nbytes - 1) + b"\n")
-            self._cut_back(file)
-
-    def _write_locked(self, file: JournalFile, data: bytes) -> None:
-        if self._dirty:
-            self._cut_back(file)
-        try:
-            _write_all(file, data)
-        except OSError as exc:
-            self.failure = exc.strerror or type(exc).__name__
-            try:
-                self._cut_back(file)
-            except OSError as cut:
-                _log.error("journal %s: cannot cut a failed write away (%s); appending "
-                           "stays refused until it can", self.path, cut)
-            raise
-        self.failure = None
-
-    def _open_file(self) -> JournalFile:
-        if self._file is None:
-            raise RuntimeError("JournalWriter is not open; call open() or use 'with'")
-        return self._file
-
-    def _cut_back(self, file: JournalFile) -> None:
-        """Truncate the journal to its whole records (after a failed write)."""
-        self._dirty = True
-        file.truncate(self._size)
-        self._dirty = False
-
-    def flush(self, *, sync: bool = False) -> None:
-        """Records are with the OS once written; ``sync`` also fsyncs them to the disk."""
-        with self._lock:
-            if self._file is None:
-                return
-            if sync:
-                os.fsync(self._file.fileno())
-
-    def close(self) -> None:
-        with self._lock:
-            if self._file is not None:
-                self._file.close()
-                self._file = None
-
-    def __enter__(self) -> Self:
-        return self.open()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    def _cut_torn_tail(self) -> None:
-        """Drop a partial last line left by a crash, and refuse to append to a non-journal."""
-        if not self.path.exists() or self.path.stat().st_size == 0:
-            return
-        with self.path.open("r+b") as f:
-            first = f.readline()
-            try:
-                header = json.loads(first)
-            except ValueError:
-                header = None
-            if not (isinstance(header, dict) and HEADER_KEY in header):
-                raise TraceFormatError(
-                    "not a kvprefetch journal; refusing to append", path=self.path, line=1
-                )
-            size = f.seek(0, os.SEEK_END)
-            f.seek(max(0, size - 1))
-            if f.read(1) == b"\n":
-                return
-            # Find the last newline; everything after it is the torn line.
-            position = size
-            while position > 0:
-                step = min(65536, position)
-                f.seek(position - step)
-                chunk = f.read(step)
-                cut = chunk.rfind(b"\n")
-                if cut >= 0:
-                    position = position - step + cut + 1
-                    break
-                position -= step
-            f.seek(position)
-            if _whole_record(f.read(size - position)):
-                # A complete record that only lacks its newline: readers accept it, keep it.
-                f.seek(size)
-                f.write(b"\n")
-                return
-            _log.warning(
-                "%s: cutting a torn last line (%d bytes) before appending",
-                self.path,
-                size - position,
-            )
-            f.truncate(position)
-
-
-def _write_all(file: JournalFile, data: bytes) -> None:
-    """Every byte of ``data``, through short writes (a file-size limit writes what fits,
-    then fails)."""
-    view = memoryview(data)
-    while view:
-        n = file.write(view)
-        if not n:
-            raise OSError(errno.EIO, "the journal accepted no bytes")
-        view = view[n:]
-
-
-def _whole_record(raw: bytes) -> bool:
-    """Whether a last line without its newline is a record readers accept: its checksum
-    matches, or it has none and is a JSON object without one (a journal from before
-    checksums)."""
-    verified = _verify(raw)
-    if verified is not None:
-        return verified
-    try:
-        obj = pydantic_core.from_json(raw)
-    except ValueError:
-        return False
-    return isinstance(obj, dict) and CRC_KEY not in obj
-
-
-# ---------------------------------------------------------------------------------------------
 # Reading: every line checked, damaged ones set aside.
 # ---------------------------------------------------------------------------------------------
 
@@ -552,7 +320,7 @@ class JournalScanner:
                     yield number, event
 
     def _read(self, number: int, raw: bytes) -> SessionEvent | None:
-        verified = _verify(raw)
+        verified = verify_checksum(raw)
         if verified is False:
             raise UntrustedLine("checksum mismatch")
         if verified is None and self.checked:
@@ -681,7 +449,7 @@ def quarantine(path: str | Path, damaged: Sequence[DamagedRecord], *,
     fd = os.open(side, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, mode)
     with open(fd, "ab") as f:
         for record in damaged:
-            f.write(_encode({**record.to_dict(), "journal": source.name,
+            f.write(encode_line({**record.to_dict(), "journal": source.name,
                              "quarantined_at": stamp}))
         f.flush()
         os.fsync(f.fileno())
@@ -720,7 +488,7 @@ def _kept_lines(path: Path, bad: set[int]) -> Iterator[bytes]:
     with path.open("rb") as stream:
         for number, raw in enumerate(stream, start=1):
             if number == 1 and number in bad:
-                yield _encode({HEADER_KEY: JOURNAL_VERSION, "repaired": True})
+                yield encode_line({HEADER_KEY: JOURNAL_VERSION, "repaired": True})
             if number in bad or not raw.strip():
                 continue
             yield raw if raw.endswith(b"\n") else raw + b"\n"

@@ -27,7 +27,7 @@ from kvprefetch.controlplane.live.config import ServiceConfig
 from kvprefetch.controlplane.live.connect import connect
 from kvprefetch.controlplane.live.journal import LiveJournalScanner
 from kvprefetch.controlplane.live.service import SchedulerService
-from kvprefetch.controlplane.traces.journal import JournalFile, open_journal_file
+from kvprefetch.controlplane.traces.journal_writer import JournalFile, open_journal_file
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
