@@ -498,9 +498,9 @@ def test_bad_key_styles() -> None:
 
 
 def test_tenant_salts_keep_tenants_apart_and_match_lmcache() -> None:
-    """Each tenant's KV is keyed under its own cache salt (issue 15): equal tokens of two
+    """Each tenant's KV is keyed under its own cache salt: equal tokens of two
     tenants share no key, the keys are LMCache's own for that salt, and the default
-    tenant's keys are exactly the unsalted ones of before."""
+    tenant's keys are exactly the unsalted ones."""
     tokens = list(range(5000, 5000 + 4 * 16 + 5))
     base = LMCacheKeySettings("Qwen/Qwen3-32B", chunk_size=16, world_size=2)
     keys: dict[str, list[str]] = {}

@@ -1,4 +1,4 @@
-"""The L2 adapter's critical paths against real Valkey and S3 on loopback (issue 16):
+"""The L2 adapter's critical paths against real Valkey and S3 on loopback:
 lookups answered from the adapter's index (no round trip per key, never S3), a stale index
 that falls back on load, write-back stores acknowledged at Valkey speed with a bounded,
 journaled upload backlog (back-pressure, restart), and LMCache's conventions."""
@@ -96,8 +96,8 @@ def test_lookup_answers_from_the_index_in_at_most_one_round_trip(
         stored = keys(8)
         assert store(a, stored, memory_objects([3 * KIB] * 8)).is_successful()
         assert a._valkey is not None
-        counting = CountingClient(a._valkey._client)
-        a._valkey._client = counting
+        counting = CountingClient(a._valkey._conn._client)
+        a._valkey._conn._client = counting
         count_s3_calls(a, s3_calls)
         # Stored here: answered from memory, no round trip at all.
         assert lookup(a, stored) == [True] * 8
@@ -109,7 +109,7 @@ def test_lookup_answers_from_the_index_in_at_most_one_round_trip(
         assert lookup(a, stored[:2] + keys(2, start=200)) == [True, True, False, False]
         assert counting.round_trips == 2
         assert s3_calls == []  # never S3 on the lookup path
-        a._valkey._client = counting.inner
+        a._valkey._conn._client = counting.inner
         a.submit_unlock(stored + stored + stored[:2])
     finally:
         a.close()

@@ -1,4 +1,4 @@
-"""LMCache's own L2-adapter tests, run against our adapter (issue 16).
+"""LMCache's own L2-adapter tests, run against our adapter.
 
 Nothing of LMCache's is vendored: the test fetches LMCache's source distribution at the
 installed version (``pip download``), keeps it in pytest's cache (or ``$KVP_LMCACHE_SDIST_DIR``)

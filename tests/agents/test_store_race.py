@@ -1,4 +1,4 @@
-"""Readers racing writers that overwrite the same keys (issue 15, "reads that never destroy").
+"""Readers racing writers that overwrite the same keys: reads that never destroy.
 
 Writers keep overwriting a few keys with different payloads (different sizes too, so the
 number of Valkey stripes and S3 ranges changes between versions) while readers keep reading

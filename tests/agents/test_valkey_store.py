@@ -158,8 +158,8 @@ def test_an_overwrite_under_a_reader_never_tears_or_deletes_the_new_version(
     """The reader read version 1's head; version 2 is published (new parts under a new tag,
     then the head, then version 1's parts dropped) before the reader fetches parts. The
     reader finds version 1 gone, deletes nothing (the head is not the one it read) and reads
-    version 2 whole. The old code overwrote parts in place, failed the checksum and deleted
-    version 2."""
+    version 2 whole: a part overwritten in place would fail the checksum and a drop would
+    delete version 2."""
     v1, v2 = os.urandom(300 * KIB), os.urandom(200 * KIB + 9)
     store.put([("k", v1), ("other", b"x")] if batch else [("k", v1)])
     sink = _OverwriteOnOpen(store, "k", v2, batch)
@@ -184,25 +184,26 @@ def test_a_corrupt_part_of_a_replaced_version_leaves_the_new_one(store: ValkeySt
     v1, v2 = os.urandom(300 * KIB), os.urandom(300 * KIB)
     store.put([("k", v1)])
     raw_v1 = store.client.get(store.head_key("k"))
-    head_v1 = store._parse_head("k", raw_v1)
+    head_v1 = store._layout.parse_head("k", raw_v1)
     name = store.part_key("k", 1)
     store.client.setrange(name, 5, bytes([store.client.getrange(name, 5, 5)[0] ^ 1]))
     # A reader that read v1's head meets the corrupt part after v2 replaced it: v2 stays.
     assert store.put([("k", v2)])[0].ok
     err = CorruptObjectError("checksum mismatch in part 1")
-    assert store._drop_if_unchanged("k", raw_v1, head_v1, err) is False
+    assert store._reads.drop_if_unchanged("k", raw_v1, head_v1, err) is False
     assert bytes(store.get(["k"])[0].data or b"") == v2
     # The same failure on the head that is still current drops it.
     raw_v2 = store.client.get(store.head_key("k"))
-    head_v2 = store._parse_head("k", raw_v2)
-    assert store._drop_if_unchanged("k", raw_v2, head_v2, err) is True
+    head_v2 = store._layout.parse_head("k", raw_v2)
+    assert store._reads.drop_if_unchanged("k", raw_v2, head_v2, err) is True
     assert not store.exists(["k"])[0].ok
     assert not any(store.client.exists(n) for n in store.physical_keys(head_v2.header,
                                                                       head_v2.tag))
 
 
-def test_old_layout_reads_as_a_miss_and_the_next_put_clears_it(store: ValkeyStore) -> None:
-    """A striped head without a version tag (written before the layout change) is a miss,
+def test_an_untagged_striped_head_is_a_miss_and_the_next_put_clears_it(
+        store: ValkeyStore) -> None:
+    """A striped head without a version tag (parts named ``p:<key>:<i>``) is a miss,
     left alone by readers; the next put replaces it and deletes its old parts."""
     payload = os.urandom(200 * KIB)
     header = make_header("o", payload, store.config.part_bytes)
@@ -211,7 +212,8 @@ def test_old_layout_reads_as_a_miss_and_the_next_put_clears_it(store: ValkeyStor
     for i, name in enumerate(old_parts):
         store.client.set(name, payload[slice(*header.part_range(i))])
     r = store.get(["o"])[0]
-    assert r.miss and isinstance(r.error, ObjectNotFoundError) and "old layout" in str(r.error)
+    assert r.miss and isinstance(r.error, ObjectNotFoundError)
+    assert "without a version tag" in str(r.error)
     assert store.client.exists(store.head_key("o")) and all(
         store.client.exists(n) for n in old_parts)
     assert store.put([("o", payload)])[0].ok
