@@ -6,11 +6,16 @@ moves every later one), so only aggregates over many settings decide. This comma
 ``kvprefetch sim`` once per cell of the grid (every policy of ``--policies`` in each) in
 parallel worker processes, then summarises the subject policy (``--subject``, default
 ``predictive``) per trace and over all cells: the geometric mean of its returning mean
-and p90 TTFT over ``ondemand``'s, the cells where it is worse than ``ondemand`` (mean or
-p90) and worse than the better of ``ondemand`` and ``queue`` (mean), and the median
-``gap_closure``. A table on the terminal, every cell and the summary in ``--json``
-(written atomically), and with ``--plot`` a PNG: per trace, the subject's ratio to
-``ondemand`` in every cell against the load, one series per fleet size.
+and p90 TTFT over ``ondemand``'s and over the best baseline's, the cells where it is worse
+than ``ondemand`` (mean or p90), the cells where a baseline leads it (mean) and which, and
+the median ``gap_closure``. The best baseline of a cell is, for the mean and for the p90
+apart, the best of every policy run other than the subject, ``predictive`` and ``oracle``:
+``ondemand``, ``queue`` and the published peers (``continuum-ttl``, ``mori``,
+``ttl-lognormal``; :data:`~kvprefetch.controlplane.core.policies.PEER_POLICIES`). A table on
+the terminal, every cell and the summary in ``--json`` (written atomically), and with
+``--plot`` a PNG: per trace, the subject's ratio to ``ondemand`` (top) and to the best
+baseline (bottom, each cell a baseline leads marked with its name) in every cell against
+the load, one series per fleet size.
 
 Traces may be files, folders or synthetic traffic (``synthetic:PROFILE[:SESSIONS]``,
 drawn from each cell's seed): the way to check a gain on traffic the predictor has
@@ -39,7 +44,7 @@ from kvprefetch.controlplane.cli.sim import (
     check_shards,
     hint_config,
 )
-from kvprefetch.controlplane.core.policies import POLICIES
+from kvprefetch.controlplane.core.policies import SIM_POLICIES
 
 if TYPE_CHECKING:
     from kvprefetch.controlplane.sim.hints import HintConfig
@@ -58,6 +63,19 @@ examples:
 
 #: A ratio above 1 + this counts as worse (rounding of the reported TTFTs aside).
 WORSE_TOLERANCE = 5e-4
+#: Policies that are never a cell's baseline: this project's own and the limit.
+NOT_BASELINES = frozenset({"predictive", "oracle"})
+
+
+def best_baseline(policies: dict[str, Any], subject: str, key: str) -> tuple[str, float]:
+    """The baseline with the lowest returning ``key`` (``ttft_mean_s``, ``ttft_p90_s``) in
+    one cell's report, and that value: every policy but the subject and
+    :data:`NOT_BASELINES` (ties to the first in run order)."""
+    pairs = [(name, float(p["returning"][key])) for name, p in policies.items()
+             if name != subject and name not in NOT_BASELINES]
+    if not pairs:
+        raise ConfigError(f"no baseline beside {subject!r} in the cell")
+    return min(pairs, key=lambda nv: nv[1])
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -71,7 +89,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seeds", default="0,1", help="comma-separated seeds (default 0,1)")
     p.add_argument("--policies", default="ondemand,queue,predictive,oracle",
                    help=f"policies run in every cell, a comma-separated subset of: "
-                   f"{', '.join(POLICIES)}; must include ondemand and the subject "
+                   f"{', '.join(SIM_POLICIES)}; must include ondemand and the subject "
                    "(default ondemand,queue,predictive,oracle)")
     p.add_argument("--subject", default="predictive",
                    help="the policy the summary judges (default predictive)")
@@ -134,7 +152,7 @@ def _run_cell(cell: Cell, policies: str, predictor: str, model: str,
     trace = clamp_to_window(trace, fleet.model.max_context_tokens)
     options = SimOptions(predictor=predictor, seed=cell.seed, hints=hints, shards=shards[0],
                          shared_tier=shards[1])
-    report = run_policies(trace, fleet, parse_policies(policies), options)
+    report = run_policies(trace, fleet, parse_policies(policies, peers=True), options)
     return report.to_dict()
 
 
@@ -155,14 +173,23 @@ def _ratio_row(cell: Cell, report: dict[str, Any], subject: str) -> dict[str, An
 
     od, od90 = ret("ondemand", "ttft_mean_s"), ret("ondemand", "ttft_p90_s")
     mean, p90 = ret(subject, "ttft_mean_s"), ret(subject, "ttft_p90_s")
-    best = min(od, ret("queue", "ttft_mean_s")) if "queue" in pol else od
+    best_name, best = best_baseline(pol, subject, "ttft_mean_s")
+    best90_name, best90 = best_baseline(pol, subject, "ttft_p90_s")
+    leads = mean > best * (1 + WORSE_TOLERANCE)
     closure = gap_closure({"ondemand": od, "predictive": mean} | (
         {"oracle": ret("oracle", "ttft_mean_s")} if "oracle" in pol else {}))
     return {"trace": cell.trace, "nodes": cell.nodes, "load": cell.load, "seed": cell.seed,
             "ratio_mean": mean / od, "ratio_p90": p90 / od90,
             "worse_than_ondemand": mean > od * (1 + WORSE_TOLERANCE)
             or p90 > od90 * (1 + WORSE_TOLERANCE),
-            "worse_than_best": mean > best * (1 + WORSE_TOLERANCE),
+            "worse_than_best": leads,
+            "best_mean_policy": best_name, "best_mean_s": best,
+            "best_p90_policy": best90_name, "best_p90_s": best90,
+            "ratio_mean_best": mean / best, "ratio_p90_best": p90 / best90,
+            # The baseline that leads the subject on the mean, and by how much (its
+            # mean is this fraction lower); None where none leads.
+            "leader": best_name if leads else None,
+            "lead_fraction": 1.0 - best / mean if leads else None,
             "gap_closure": closure, "pressure_ratio": report["meta"]["pressure_ratio"],
             "policies": {name: p["returning"] | {"prefetched_bytes": p["prefetched_bytes"],
                                                  "wasted_bytes": p["wasted_bytes"]}
@@ -174,34 +201,48 @@ def _geomean(xs: Sequence[float]) -> float:
 
 
 def summarize_rows(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The subject over ``rows``: geometric means of its ratios to ondemand, the cells
-    worse than ondemand and than the better of ondemand and queue, median closure."""
+    """The subject over ``rows``: geometric means of its ratios to ondemand and to the best
+    baseline, the cells worse than ondemand, the cells a baseline leads (and how many each
+    leads, and the largest lead), median closure."""
     closures = [r["gap_closure"] for r in rows if r["gap_closure"] is not None]
+    leaders: dict[str, int] = {}
+    for r in rows:
+        if r["leader"] is not None:
+            leaders[r["leader"]] = leaders.get(r["leader"], 0) + 1
+    leads = [r["lead_fraction"] for r in rows if r["lead_fraction"] is not None]
     return {"cells": len(rows),
             "ratio_mean_geomean": _geomean([r["ratio_mean"] for r in rows]),
             "ratio_p90_geomean": _geomean([r["ratio_p90"] for r in rows]),
+            "ratio_mean_best_geomean": _geomean([r["ratio_mean_best"] for r in rows]),
+            "ratio_p90_best_geomean": _geomean([r["ratio_p90_best"] for r in rows]),
             "worse_than_ondemand": sum(r["worse_than_ondemand"] for r in rows),
             "worse_than_best": sum(r["worse_than_best"] for r in rows),
+            "leaders": dict(sorted(leaders.items())),
+            "largest_lead_fraction": max(leads) if leads else None,
             "gap_closure_median": statistics.median(closures) if closures else None}
 
 
 def format_summary(summary: dict[str, dict[str, Any]], subject: str) -> str:
     head = (f"{'trace':34s} {'cells':>5s} {subject + '/ondemand mean':>24s} {'p90':>6s} "
-            f"{'worse than od':>13s} {'worse than best':>15s} {'closure':>7s}")
+            f"{'/best mean':>10s} {'p90':>6s} {'worse than od':>13s} {'best leads':>10s} "
+            f"{'closure':>7s}  leaders")
     lines = [head, "-" * len(head)]
     for name, s in summary.items():
         closure = s["gap_closure_median"]
+        leaders = ", ".join(f"{k} {v}" for k, v in s["leaders"].items()) or "-"
         lines.append(f"{name[-34:]:34s} {s['cells']:5d} {s['ratio_mean_geomean']:24.3f} "
-                     f"{s['ratio_p90_geomean']:6.3f} {s['worse_than_ondemand']:13d} "
-                     f"{s['worse_than_best']:15d} "
-                     f"{'n/a' if closure is None else f'{closure:.2f}':>7s}")
+                     f"{s['ratio_p90_geomean']:6.3f} {s['ratio_mean_best_geomean']:10.3f} "
+                     f"{s['ratio_p90_best_geomean']:6.3f} {s['worse_than_ondemand']:13d} "
+                     f"{s['worse_than_best']:10d} "
+                     f"{'n/a' if closure is None else f'{closure:.2f}':>7s}  {leaders}")
     return "\n".join(lines)
 
 
 def write_grid_plot(rows: Sequence[dict[str, Any]], subject: str, path: str) -> None:
-    """One panel per trace: ``subject``'s returning mean TTFT over ondemand's in every cell
-    (a point per seed, the line through their geometric means) against the load, one
-    colour per fleet size; 1 = ondemand, below it the subject wins."""
+    """One column per trace: ``subject``'s returning mean TTFT over ondemand's (top) and
+    over the cell's best baseline's (bottom; a cell where a baseline leads is labelled
+    with its name) in every cell (a point per seed, the line through their geometric
+    means) against the load, one colour per fleet size; below 1 the subject wins."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -210,31 +251,43 @@ def write_grid_plot(rows: Sequence[dict[str, Any]], subject: str, path: str) -> 
     from kvprefetch.controlplane.sim.report import save_figure_atomic
 
     traces = list(dict.fromkeys(r["trace"] for r in rows))
-    fig, axes = plt.subplots(1, len(traces), figsize=(4.2 * len(traces), 4), squeeze=False,
-                             sharey=True)
-    for ax, trace in zip(axes[0], traces, strict=True):
+    fig, axes = plt.subplots(2, len(traces), figsize=(4.2 * len(traces), 7.6),
+                             squeeze=False, sharey="row")
+    for col, trace in enumerate(traces):
         mine = [r for r in rows if r["trace"] == trace]
-        for nodes in sorted({r["nodes"] for r in mine}):
-            cells = [r for r in mine if r["nodes"] == nodes]
-            loads = sorted({r["load"] for r in cells})
-            points = ax.scatter([r["load"] for r in cells], [r["ratio_mean"] for r in cells],
-                                s=14, alpha=0.6)
-            ax.plot(loads, [_geomean([r["ratio_mean"] for r in cells if r["load"] == load])
-                            for load in loads],
-                    color=points.get_facecolor()[0],
-                    label=f"{nodes} node{'s' if nodes > 1 else ''}")
-        ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(sorted({r["load"] for r in mine}),
-                      [f"{load:g}" for load in sorted({r["load"] for r in mine})])
-        ax.minorticks_off()
-        ax.set_xlabel("load")
-        ax.set_title(trace[-40:], fontsize=9)
-        ax.grid(True, which="both", alpha=0.3)
+        _plot_ratio(axes[0][col], mine, "ratio_mean", trace)
+        _plot_ratio(axes[1][col], mine, "ratio_mean_best", trace)
+        for r in mine:
+            if r["leader"] is not None:
+                axes[1][col].annotate(r["leader"], (r["load"], r["ratio_mean_best"]),
+                                      fontsize=6, alpha=0.8, xytext=(3, 2),
+                                      textcoords="offset points")
     axes[0][0].set_ylabel(f"{subject} / ondemand, returning mean TTFT")
+    axes[1][0].set_ylabel(f"{subject} / best baseline, returning mean TTFT")
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
     save_figure_atomic(fig, path)
+
+
+def _plot_ratio(ax: Any, mine: Sequence[dict[str, Any]], key: str, trace: str) -> None:
+    """One panel: ``key`` of every cell of one trace against the load, per fleet size."""
+    for nodes in sorted({r["nodes"] for r in mine}):
+        cells = [r for r in mine if r["nodes"] == nodes]
+        loads = sorted({r["load"] for r in cells})
+        points = ax.scatter([r["load"] for r in cells], [r[key] for r in cells],
+                            s=14, alpha=0.6)
+        ax.plot(loads, [_geomean([r[key] for r in cells if r["load"] == load])
+                        for load in loads],
+                color=points.get_facecolor()[0],
+                label=f"{nodes} node{'s' if nodes > 1 else ''}")
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted({r["load"] for r in mine}),
+                  [f"{load:g}" for load in sorted({r["load"] for r in mine})])
+    ax.minorticks_off()
+    ax.set_xlabel("load")
+    ax.set_title(trace[-40:], fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -251,7 +304,7 @@ def run(args: argparse.Namespace) -> int:
     nodes = _numbers("--nodes", args.nodes, int)
     loads = _numbers("--loads", args.loads, float)
     seeds = _numbers("--seeds", args.seeds, int)
-    names = [p.name for p in parse_policies(args.policies)]
+    names = [p.name for p in parse_policies(args.policies, peers=True)]
     for needed in ("ondemand", args.subject):
         if needed not in names:
             raise ConfigError(f"--policies must include {needed!r} (the summary compares "
@@ -285,9 +338,12 @@ def run(args: argparse.Namespace) -> int:
     for r in rows:
         print(f"{r['trace'][-34:]:34s} nodes {r['nodes']:2d} load {r['load']:4g} seed "
               f"{r['seed']:2d}: {args.subject}/ondemand {r['ratio_mean']:.3f} "
-              f"(p90 {r['ratio_p90']:.3f})"
+              f"(p90 {r['ratio_p90']:.3f}); /best {r['ratio_mean_best']:.3f} "
+              f"({r['best_mean_policy']}; p90 {r['ratio_p90_best']:.3f}, "
+              f"{r['best_p90_policy']})"
               + ("  worse than ondemand" if r["worse_than_ondemand"] else "")
-              + ("  worse than the best baseline" if r["worse_than_best"] else ""))
+              + (f"  {r['leader']} leads by {r['lead_fraction']:.1%}"
+                 if r["leader"] is not None else ""))
     print()
     print(format_summary(summary, args.subject))
     if args.json_out:

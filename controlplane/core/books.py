@@ -34,6 +34,7 @@ from kvprefetch.controlplane.core.budgets import Budgets
 from kvprefetch.controlplane.core.draft import StepDraft
 from kvprefetch.controlplane.core.forecasts import ForecastCache
 from kvprefetch.controlplane.core.policies import EvictionKind, PolicySpec
+from kvprefetch.controlplane.core.retention_window import LognormalRetention
 from kvprefetch.controlplane.core.sessions import Sessions
 from kvprefetch.controlplane.core.stats import CoreStats
 from kvprefetch.controlplane.core.step import DEMAND_PRIORITY, LoadTicket, Placement
@@ -74,8 +75,15 @@ class TierBooks:
         #: that no decision scans every resident.
         self.predicted_use = PredictedUseEviction(forecasts.next_uses,
                                                   next_use_one=forecasts.next_use)
-        strategy: IndexedLruEviction | PredictedUseEviction = (
-            IndexedLruEviction() if policy.eviction is EvictionKind.LRU else self.predicted_use)
+        #: The retention windows of ``ttl-lognormal`` (None under every other policy).
+        self.retention: LognormalRetention | None = None
+        strategy: IndexedLruEviction | PredictedUseEviction | LognormalRetention
+        if policy.eviction is EvictionKind.LRU:
+            strategy = IndexedLruEviction()
+        elif policy.eviction is EvictionKind.RETENTION_WINDOW:
+            strategy = self.retention = LognormalRetention()
+        else:
+            strategy = self.predicted_use
         capacity = fleet.node.dram_tier_bytes if policy.dram_tier else 0
         self.tiers = [IndexedTier(f"dram{i}", capacity, strategy, holders=holders)
                       for i in range(fleet.nodes)]
@@ -174,9 +182,11 @@ class TierBooks:
         old = tier.get(sid)
         old_bytes = old.nbytes if old is not None else 0
         min_key = -INF
-        if self._policy.eviction is not EvictionKind.LRU:
-            # What it may displace must rank below its own key.
+        # What it may displace must rank below its own key.
+        if self._policy.eviction is EvictionKind.PREDICTED_USE:
             min_key = self._forecasts.next_use(sid, now_s)
+        elif self.retention is not None:
+            min_key = self.retention.key(sid, now_s)
         need = nbytes - old_bytes
         if self._budgets.shares is not None and not self._share_room(
                 sid, node, need, now_s, min_key=min_key, prefetch=False):

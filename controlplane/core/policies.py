@@ -1,7 +1,18 @@
-"""The six policies compared everywhere (ARCHITECTURE.md, "Policies compared everywhere").
+"""The six policies compared everywhere (ARCHITECTURE.md, "Policies compared everywhere"),
+and the published peers the simulator judges them against.
 
 A policy is a small frozen record of capabilities, not code: the simulator and the live
 service read the flags, so the differences between policies come from the flags alone.
+
+The peers (:data:`PEER_POLICIES`) are the strongest published retention policies, each
+modelled at the tier it acts on over the flags of the baseline it extends (``ondemand``:
+a node-local DRAM tier and a remote store, loads at GPU start), with the same router,
+cost model, links and engine as every other policy: ``continuum-ttl``
+(:mod:`~kvprefetch.controlplane.core.continuum`, HBM), ``mori``
+(:mod:`~kvprefetch.controlplane.core.mori`, HBM) and ``ttl-lognormal``
+(:mod:`~kvprefetch.controlplane.core.retention_window`, DRAM). They are simulator
+baselines: the two HBM ones change the engine's prefix cache, which the simulator models
+and the live service does not drive, so the live service does not offer them.
 """
 
 from __future__ import annotations
@@ -31,6 +42,9 @@ class EvictionKind(enum.Enum):
 
     LRU = "lru"
     PREDICTED_USE = "predicted_use"  # furthest predicted next use first (Belady w/ oracle)
+    #: Earliest end of a per-session retention window first: a window learned from the
+    #: log-normal law of inter-turn gaps (:mod:`~kvprefetch.controlplane.core.retention_window`).
+    RETENTION_WINDOW = "retention_window"
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +74,9 @@ class PolicySpec:
     #: (see :mod:`kvprefetch.controlplane.core.budgets`). Off for the oracle, whose
     #: forecasts are not guesses.
     waste_budget: bool = False
+    #: How the engine's HBM prefix cache keeps a finished session's KV, by name
+    #: (:mod:`~kvprefetch.controlplane.core.hbm_retention`); None = LRU, the engine's own.
+    hbm_retention: str | None = None
 
 
 POLICIES: dict[str, PolicySpec] = {
@@ -85,20 +102,44 @@ POLICIES: dict[str, PolicySpec] = {
     )
 }
 
+#: The published peers (module docstring): simulator baselines over ``ondemand``'s flags.
+PEER_POLICIES: dict[str, PolicySpec] = {
+    p.name: p
+    for p in (
+        PolicySpec("continuum-ttl", True, True, LoadStart.ON_SCHEDULE, EvictionKind.LRU, False,
+                   modelled_on="Continuum / CacheTTL (arXiv 2511.02230): HBM pin with a TTL "
+                   "after tool calls", hbm_retention="continuum"),
+        PolicySpec("mori", True, True, LoadStart.ON_SCHEDULE, EvictionKind.LRU, False,
+                   modelled_on="MORI (arXiv 2606.00866): idleness-ranked HBM placement",
+                   hbm_retention="mori"),
+        PolicySpec("ttl-lognormal", True, True, LoadStart.ON_SCHEDULE,
+                   EvictionKind.RETENTION_WINDOW, False,
+                   modelled_on="llm-d PR #2928 / LMCache PR #4456: log-normal retention "
+                   "window in the DRAM tier"),
+    )
+}
+
 #: The six policies compared everywhere, in report order (``all``).
 POLICY_NAMES: tuple[str, ...] = ("recompute", "local-lru", "ondemand", "queue", "predictive",
                                  "oracle")
 
 
-def parse_policies(spec: str | None) -> tuple[PolicySpec, ...]:
-    """Parse a comma-separated list of policy names (None or "all" = all six, in order)."""
+#: Every policy the simulator runs: the six, then the peers.
+SIM_POLICIES: dict[str, PolicySpec] = POLICIES | PEER_POLICIES
+
+
+def parse_policies(spec: str | None, *, peers: bool = False) -> tuple[PolicySpec, ...]:
+    """Parse a comma-separated list of policy names (None or "all" = the six, in order);
+    ``peers``: the peers are known too (the simulator's callers; a live service cannot
+    carry out the HBM ones)."""
     if spec is None or spec.strip() in ("", "all"):
         return tuple(POLICIES[name] for name in POLICY_NAMES)
+    known = SIM_POLICIES if peers else POLICIES
     out: list[PolicySpec] = []
     for raw in spec.split(","):
         name = raw.strip()
-        if name not in POLICIES:
-            raise ConfigError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
-        if POLICIES[name] not in out:
-            out.append(POLICIES[name])
+        if name not in known:
+            raise ConfigError(f"unknown policy {name!r}; known: {', '.join(known)}")
+        if known[name] not in out:
+            out.append(known[name])
     return tuple(out)

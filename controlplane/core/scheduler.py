@@ -135,6 +135,8 @@ class SchedulerCore:
         if self.shares is not None:
             self.shares.observe(event.session_id, event.tenant)
         self.predictor.observe(event)
+        if self._books.retention is not None:
+            self._books.retention.observe(event)
         self._forecasts.observed()
         self._forecasts.touch(event.session_id)
         self._prefetcher.due_dirty.add(event.session_id)
@@ -143,6 +145,11 @@ class SchedulerCore:
     def local_tokens(self, node: int, sid: str) -> int:
         """Tokens of the session on the node, in HBM or DRAM (ready or arriving)."""
         return self._books.local_tokens(node, sid)
+
+    def dram_tokens(self, node: int, sid: str) -> int:
+        """Tokens of the session in the node's DRAM books (ready or arriving)."""
+        e = self.dram[node].get(sid)
+        return e.tokens if e is not None else 0
 
     def remote_tokens(self, sid: str) -> int:
         """Tokens of the session's context in the remote store (0 under policies without

@@ -115,6 +115,10 @@ class ShardedCore:
     def use_local(self, sid: str, node: int, reused_tokens: int, now_s: float) -> int:
         return self._of(sid).use_local(sid, node, reused_tokens, now_s)
 
+    def dram_tokens(self, node: int, sid: str) -> int:
+        """Tokens of the session in the node's DRAM books (its shard's)."""
+        return self._of(sid).dram_tokens(node, sid)
+
     def request_finished(self, event: SessionEvent, context_tokens: int) -> StepOutput:
         return self._fit(self._of(event.session_id).request_finished(event, context_tokens),
                          event.time_s)

@@ -1,9 +1,11 @@
 """Discrete-event replay of a trace over a modelled GPU fleet, for one policy.
 
 What is modelled, per node: a FIFO prefill queue served by the GPU one request at a time
-(decode runs batched beside it and does not hold the queue), an HBM KV tier (LRU, as the
-engine's prefix cache), a DRAM tier (the node-local tier the agents warm; LRU or
-predicted-next-use eviction), and an ingress link shared by all transfers into the node
+(decode runs batched beside it and does not hold the queue), an HBM KV tier (the engine's
+prefix cache: LRU, or the policy's HBM retention,
+:mod:`kvprefetch.controlplane.core.hbm_retention`), a DRAM tier (the node-local tier the
+agents warm; LRU, predicted-next-use or retention-window eviction), and an ingress link
+shared by all transfers into the node
 (:mod:`kvprefetch.controlplane.sim.link`). The remote store holds every session's latest context
 once
 written (Valkey, LRU-bounded, in front of S3, unbounded). Writes to the remote store use
@@ -31,6 +33,11 @@ from kvprefetch.controlplane.base.types import (
     Trace,
     TraceRequest,
     TraceSession,
+)
+from kvprefetch.controlplane.core.hbm_retention import (
+    FinishedTurn,
+    HbmRetention,
+    make_hbm_retention,
 )
 from kvprefetch.controlplane.core.planner import PrefetchOrder
 from kvprefetch.controlplane.core.policies import PolicySpec
@@ -184,7 +191,12 @@ class Simulation:
             SchedulerCore(fleet, policy, predictor, self) if shards == 1
             else ShardedCore(fleet, policy, predictor, self, shards, shared_tier=shared_tier))
         node_cfg = fleet.node
-        self.nodes = [_Node(i, Tier(f"hbm{i}", node_cfg.hbm_kv_bytes, LruEviction()), Link(i))
+        #: The engine's HBM retention under this policy; None: LRU.
+        self.hbm_retention: HbmRetention | None = (
+            make_hbm_retention(policy.hbm_retention, fleet) if policy.hbm_retention else None)
+        self.nodes = [_Node(i, Tier(f"hbm{i}", node_cfg.hbm_kv_bytes,
+                                    self.hbm_retention.strategy if self.hbm_retention
+                                    else LruEviction()), Link(i))
                       for i in range(fleet.nodes)]
         if record_links:
             for n in self.nodes:
@@ -329,15 +341,26 @@ class Simulation:
             return self._valkey_s_per_byte, remote.valkey_latency_s, False
         return self._s3_s_per_byte, remote.s3_first_byte_s, True
 
-    def _put_hbm(self, node: _Node, session_id: str, tokens: int, pinned: int) -> None:
+    def _put_hbm(self, node: _Node, session_id: str, tokens: int, pinned: int,
+                 min_key: float = -INF) -> None:
         nbytes = tokens * self.bpt
         node.hbm.remove(session_id)
-        victims = node.hbm.victims_for(nbytes, self._now, exclude=session_id)
+        victims = node.hbm.victims_for(nbytes, self._now, exclude=session_id, min_key=min_key)
         if victims is None:
             return  # does not fit beside pinned contexts: it is simply not cached
         for v in victims:
             node.hbm.remove(v.session_id)
         node.hbm.put(TierEntry(session_id, tokens, nbytes, self._now, pinned=pinned))
+
+    def _reload_s(self, node: int, sid: str, ctx: int) -> float:
+        """What the session's next request would wait to bring ``ctx`` tokens back were
+        HBM to drop them now: the DRAM copy, else the remote load, else the prefill."""
+        if self.core.dram_tokens(node, sid) >= ctx:
+            return ctx * self.bpt * self._h2d_s_per_byte
+        if self.policy.remote:
+            s_per_byte, latency, _ = self._source(sid)
+            return latency + ctx * self.bpt * (s_per_byte + self._h2d_s_per_byte)
+        return self.fleet.prefill_s(ctx, 0)
 
     # ------------------------------------------------------------------ transfers
     def _submit(self, ticket: LoadTicket) -> Transfer:
@@ -404,6 +427,8 @@ class Simulation:
     # ------------------------------------------------------------------ requests
     def _on_arrive(self, r: _Req) -> None:
         sid = r.req.session_id
+        if self.hbm_retention is not None:
+            self.hbm_retention.arrived(sid, self._now)
         self._carry(self.core.request_started(self._event(EventKind.REQUEST_STARTED, r, None)))
         out = self.core.route_request(sid, r.req.input_tokens, r.req.reused_tokens, self._now)
         self._carry(out, sid)
@@ -485,12 +510,20 @@ class Simulation:
         req = r.req
         sid = req.session_id
         ctx = req.context_tokens_after
-        self._put_hbm(node, sid, ctx, pinned=0)
+        retention = self.hbm_retention
+        if retention is None:
+            self._put_hbm(node, sid, ctx, pinned=0)
         if self.policy.remote:
             self._remote_tokens[sid] = ctx
             self._valkey_touch(sid)
         self._carry(self.core.request_finished(
             self._event(EventKind.REQUEST_FINISHED, r, node.idx), ctx))
+        if retention is not None:  # after the write-through, which the reload cost sees
+            retention.finished(FinishedTurn(sid, req.stop_reason, ctx * self.bpt,
+                                            self._reload_s(node.idx, sid, ctx),
+                                            self.queue_wait_s(node.idx, self._now)), self._now)
+            self._put_hbm(node, sid, ctx, pinned=0,
+                          min_key=retention.admit_key(sid, self._now))
         nxt = req.turn + 1
         session = r.session
         self._push_hints(session, nxt)
