@@ -99,7 +99,7 @@ def http_app(cfg: ServeConfig, scheduler: Any, auth: TenantAuth, *, chunk_tokens
 
     return create_app(scheduler, auth=auth, limits=cfg.http.limits, chunk_tokens=chunk_tokens,
                       metrics_registry=metrics, call_timeout_s=cfg.http.call_timeout_s,
-                      health_check=health)
+                      health_check=health, metrics_tenant_names=cfg.http.metrics_tenant_names)
 
 
 class Serve:

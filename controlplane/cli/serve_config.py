@@ -169,13 +169,24 @@ class TenantSettings(_Section):
 class HttpSettings(_Section):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, lt=65536)
-    #: Older configs: the one bearer token every /v1 call must carry, or the name of an
-    #: environment variable holding it; the tenant is then named in each body. Neither
-    #: (and no ``tenants``): no auth.
+    #: Shared-token mode (instead of ``tenants``): the one bearer token every /v1 call
+    #: must carry, or the name of an environment variable holding it; the tenant is then
+    #: named in each body, so any holder may act for any tenant. Neither (and no
+    #: ``tenants``): no auth.
     bearer_token: SecretStr | None = None
     bearer_token_env: str | None = None
+    #: Where bodies name their tenant (shared token, no auth): distinct tenants admitted
+    #: per process; a call naming one more is refused (403).
+    max_named_tenants: int = Field(64, ge=1, le=100_000)
     #: The operators' token (with ``tenants``): may act for any tenant, named in the body.
     admin_token: SecretSource | None = None
+    #: The token Prometheus reads ``/metrics`` with (``authorization: credentials_file``
+    #: in its scrape config); the admin token reads it too. Unset: ``/metrics`` is open
+    #: and names tenants by pseudonym (``t-`` and a keyed hash; see metrics_tenant_names).
+    metrics_token: SecretSource | None = None
+    #: An open ``/metrics`` (no metrics_token) names tenants as they are. Default false:
+    #: anyone who reaches the port would read the tenants' names and live-session counts.
+    metrics_tenant_names: bool = False
     #: Seconds the API waits for the scheduler per call before answering "no prefetch".
     call_timeout_s: float = Field(2.0, gt=0, le=60)
     access_log: bool = False
@@ -263,7 +274,10 @@ class ServeConfig(_Section):
                   for name, t in self.tenants.items()}
         admin = (self.http.admin_token.read("http.admin_token")
                  if self.http.admin_token is not None else None)
-        return TenantAuth(tokens, admin_token=admin, shared_token=self.http.token())
+        metrics = (self.http.metrics_token.read("http.metrics_token")
+                   if self.http.metrics_token is not None else None)
+        return TenantAuth(tokens, admin_token=admin, shared_token=self.http.token(),
+                          metrics_token=metrics, max_named_tenants=self.http.max_named_tenants)
 
     def fleet_config(self, nodes: int) -> FleetConfig:
         return fleet_from_dict({**self.fleet, "nodes": nodes}, source="fleet")

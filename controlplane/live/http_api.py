@@ -22,9 +22,13 @@ Who calls (:mod:`kvprefetch.controlplane.live.tenants`): with tenant tokens conf
 token says whose call it is; ``tenant`` may be left out of the body, and a body naming
 another tenant is refused (403). Sessions are keyed by (tenant, session id): another
 tenant's session answers exactly like one that does not exist (404). The admin token and
-the single shared token of older configs act for the tenant the body names (default
-``"default"``). ``/healthz``, ``/metrics`` and the OpenAPI document stay open for probes
-and scrapers.
+the shared token act for the tenant the body names (default ``"default"``); where bodies
+name their tenants, at most ``max_named_tenants`` distinct ones are admitted (403 beyond).
+``/healthz`` and the OpenAPI document stay open for probes. ``/metrics`` needs the metrics
+or the admin token when a metrics token is configured (its readers see tenant names);
+otherwise it is open to scrapers and every ``tenant`` label is a pseudonym
+(:func:`~kvprefetch.controlplane.live.metrics.pseudonymize_tenants`), unless
+``metrics_tenant_names`` is set.
 
 Limits (:class:`~kvprefetch.controlplane.live.limits.RequestLimits`): the token is checked
 from the headers before any of the body is read, and the body is read within a size cap,
@@ -105,6 +109,7 @@ from kvprefetch.controlplane.live.limits import (
     RequestLimits,
     prehash,
 )
+from kvprefetch.controlplane.live.metrics import pseudonymize_tenants, tenant_pseudonyms
 from kvprefetch.controlplane.live.protocol import GatewayAPI, RemoteAPI
 from kvprefetch.controlplane.live.sessions import SessionQuery, SessionState
 from kvprefetch.controlplane.live.tenants import Principal, TenantAuth
@@ -158,7 +163,9 @@ class Health(BaseModel):
 #: Module level: FastAPI resolves the (postponed) annotations of endpoints in this namespace.
 _BEARER = HTTPBearer(auto_error=False,
                      description="a tenant's token (its calls are that tenant's), the admin "
-                                 "token, or the shared token of `http.bearer_token`")
+                                 "token, or the shared token of `http.bearer_token`; "
+                                 "`/metrics`: the metrics or the admin token where "
+                                 "`http.metrics_token` is set")
 _Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)]
 
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -305,7 +312,8 @@ def create_app(scheduler: GatewayAPI | Client, *, bearer_token: str | None = Non
                chunk_tokens: int | None = None,
                metrics_registry: MetricsSource | None = None,
                call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
-               health_check: Callable[[], None] | None = None) -> FastAPI:
+               health_check: Callable[[], None] | None = None,
+               metrics_tenant_names: bool = False) -> FastAPI:
     """The FastAPI app in front of ``scheduler`` (see the module docstring; a
     :class:`~kvprefetch.controlplane.live.client.Client` stands for the API it holds).
 
@@ -315,8 +323,9 @@ def create_app(scheduler: GatewayAPI | Client, *, bearer_token: str | None = Non
     tenant). Neither: no auth. ``limits``: per-call limits (default
     :class:`RequestLimits`). ``chunk_tokens``: the scheduler's chunk size, to hash token ids
     here instead of in the scheduler. ``health_check`` raises when the scheduler is
-    unreachable (``/healthz`` then answers 503). Raises :class:`ConfigError` on a bad
-    argument."""
+    unreachable (``/healthz`` then answers 503). ``metrics_tenant_names``: an open
+    ``/metrics`` (no metrics token in ``auth``) names tenants as they are instead of by
+    pseudonym. Raises :class:`ConfigError` on a bad argument."""
     if auth is not None and bearer_token is not None:
         raise ConfigError("create_app: give auth or bearer_token, not both")
     if auth is None:
@@ -328,6 +337,9 @@ def create_app(scheduler: GatewayAPI | Client, *, bearer_token: str | None = Non
     limits = limits or RequestLimits()
     backend = _gateway(scheduler, call_timeout_s)
     read_metrics = _metrics_reader(metrics_registry)
+    #: None: tenant labels as they are (the readers are authenticated, or opted in).
+    pseudonym = (None if auth.metrics_guarded or metrics_tenant_names
+                 else tenant_pseudonyms(auth.pseudonym_key()))
     http_metrics = _HttpMetrics()
     models = _edge_models(limits)
     app = FastAPI(
@@ -457,7 +469,7 @@ def create_app(scheduler: GatewayAPI | Client, *, bearer_token: str | None = Non
             description=inspect.getdoc(handle) or "")
         validator = BodyValidator(models[op], lists, large_body_bytes=limits.large_body_bytes,
                                   max_errors=limits.max_listed_errors)
-        app.add_api_route(f"/v1/{op}", _endpoint(op, validator, handle),
+        app.add_api_route(f"/v1/{op}", _endpoint(op, validator, handle, auth),
                           include_in_schema=False, **route_args)
         documented.append(APIRoute(f"/v1/{op}", _documented(op, models[op], authenticate),
                                    **route_args))
@@ -466,15 +478,21 @@ def create_app(scheduler: GatewayAPI | Client, *, bearer_token: str | None = Non
     @app.get("/metrics", tags=["ops"], response_class=Response,
              responses={200: {"content": {CONTENT_TYPE_LATEST: {}},
                               "description": "Prometheus text exposition format"}})
-    def metrics() -> Response:
+    def metrics(creds: _Credentials) -> Response:
         """The scheduler's Prometheus metrics (lateness and TTLB histograms, bytes, hit
         rate, orders in flight, events, live sessions and quota refusals per tenant) and
-        the API's own call counts and latency."""
+        the API's own call counts and latency. With a metrics token configured it needs
+        that token or the admin token (401 otherwise); without one it is open and its
+        `tenant` labels are pseudonyms (`t-` and a keyed hash of the name), unless
+        `http.metrics_tenant_names` is set."""
+        auth.authorize_metrics(creds.credentials if creds is not None else None)
         try:
             scheduler = read_metrics()
         except Exception as exc:  # the API's own metrics are still worth serving
             log.warning("metrics: scheduler metrics unavailable: %s", exc)
             scheduler = b""
+        if pseudonym is not None:
+            scheduler = pseudonymize_tenants(scheduler, pseudonym)
         body = scheduler + bytes(generate_latest(http_metrics.registry))
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
@@ -510,12 +528,13 @@ def create_app(scheduler: GatewayAPI | Client, *, bearer_token: str | None = Non
     return app
 
 
-def _endpoint(op: str, validator: BodyValidator, handle: Callable[[Any], Any]
-              ) -> Callable[..., Any]:
+def _endpoint(op: str, validator: BodyValidator, handle: Callable[[Any], Any],
+              auth: TenantAuth) -> Callable[..., Any]:
     """The endpoint of ``op``: the caller (authenticated by the edge guard before the body
     was read), its body validated in bounded time (422 listing the first errors), the
-    tenant taken from the token (or the body where the caller may name it), then
-    ``handle`` called on the thread pool with the scheduler's record."""
+    tenant taken from the token (or the body where the caller may name it, within
+    ``auth.max_named_tenants``), then ``handle`` called on the thread pool with the
+    scheduler's record."""
 
     async def endpoint(request: Request) -> Any:
         principal: Principal = getattr(request.state, PRINCIPAL_STATE)
@@ -523,7 +542,7 @@ def _endpoint(op: str, validator: BodyValidator, handle: Callable[[Any], Any]
                                            request.headers.get("content-type"))
         if isinstance(checked, Invalid):
             return _invalid_body(op, checked)
-        tenant = principal.tenant_for(getattr(checked, "tenant", None))
+        tenant = auth.tenant_for(principal, getattr(checked, "tenant", None))
         return await run_in_threadpool(handle, _as_call(op, checked, tenant))
 
     endpoint.__name__ = op

@@ -4,6 +4,9 @@ extra); the service runs without it (:class:`~kvprefetch.controlplane.live.servi
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -40,6 +43,45 @@ class LabelCap:
                 self._kept.add(value)
                 return value
         return OTHER_TENANTS
+
+
+#: A ``tenant`` label in the text exposition format (its value escaped as the format
+#: escapes it: backslash, double quote, newline).
+_TENANT_LABEL = re.compile(rb'(?<=[{,])tenant="((?:[^"\\]|\\.)*)"')
+_UNESCAPE = {b"\\\\": b"\\", b'\\"': b'"', b"\\n": b"\n"}
+
+
+def tenant_pseudonyms(key: bytes) -> Callable[[str], str]:
+    """Tenant name -> its pseudonym on an open ``/metrics``: ``t-`` and 12 hex digits of an
+    HMAC-SHA256 of the name under ``key`` (the same name, the same pseudonym, for as long
+    as the key; a name cannot be confirmed without the key). :data:`OTHER_TENANTS` stays
+    as it is: it names no tenant."""
+    memo: dict[str, str] = {}
+
+    def pseudonym(tenant: str) -> str:
+        if tenant == OTHER_TENANTS:
+            return tenant
+        label = memo.get(tenant)
+        if label is None:
+            digest = hmac.new(key, tenant.encode(), hashlib.sha256).hexdigest()
+            label = f"t-{digest[:12]}"
+            if len(memo) < MAX_TENANT_LABELS * 4:  # bounded, as the label sets are
+                memo[tenant] = label
+        return label
+
+    return pseudonym
+
+
+def pseudonymize_tenants(text: bytes, pseudonym: Callable[[str], str]) -> bytes:
+    """``text`` (the text exposition format) with the value of every ``tenant`` label
+    replaced by ``pseudonym(value)``; everything else as it is."""
+
+    def swap(match: re.Match[bytes]) -> bytes:
+        raw = re.sub(rb"\\.", lambda m: _UNESCAPE.get(m.group(0), m.group(0)[1:]),
+                     match.group(1))
+        return b'tenant="' + pseudonym(raw.decode("utf-8")).encode() + b'"'
+
+    return _TENANT_LABEL.sub(swap, text)
 
 
 class PrometheusMetrics:

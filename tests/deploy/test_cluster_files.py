@@ -59,7 +59,7 @@ def test_the_serve_config_warms_the_lmcache_server_the_script_starts() -> None:
     port = cfg.agent.lmcache.http_url.rsplit(":", 1)[1]
     assert f"KVP_LMCACHE_HTTP_PORT:-{port}" in script
     assert "--supported-transfer-mode auto" in script and "LMCacheMPConnector" in script
-    assert cfg.http.bearer_token_env == "KVPREFETCH_API_TOKEN"
+    assert cfg.tenants["default"].token.env == "KVPREFETCH_API_TOKEN"  # a tenant's token
     assert "KVPREFETCH_API_TOKEN=$(cat \"$TOKEN_FILE\")" in script  # from the 0600 file
 
 

@@ -27,7 +27,7 @@ from kvprefetch.controlplane.cli.serve_check import placeholders, ray_endpoint
 ROOT = Path(__file__).resolve().parents[2]
 #: No real cloud: nothing reaches AWS, and boto3 does not wait for an instance profile.
 OFFLINE = {"AWS_EC2_METADATA_DISABLED": "true", "AWS_ACCESS_KEY_ID": "test",
-           "AWS_SECRET_ACCESS_KEY": "test", "KVPREFETCH_API_TOKEN": "t0ken"}
+           "AWS_SECRET_ACCESS_KEY": "test", "KVPREFETCH_API_TOKEN": "t0ken-of-the-default-tenant"}
 
 
 def _check(config: Path, *extra: str) -> subprocess.CompletedProcess[str]:

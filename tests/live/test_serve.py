@@ -50,9 +50,10 @@ def _write(tmp_path: Path, cfg: dict[str, Any]) -> Path:
 
 def test_the_example_config_is_valid(monkeypatch: pytest.MonkeyPatch,
                                      capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setenv("KVPREFETCH_API_TOKEN", "secret")
+    monkeypatch.setenv("KVPREFETCH_API_TOKEN", "secret-of-the-default-tenant")
     cfg = load_serve_config(ROOT / "examples" / "serve.yaml")
-    assert cfg.placement.resource == "GPU" and cfg.http.token() == "secret"
+    assert cfg.placement.resource == "GPU" and cfg.http.token() is None  # tenant tokens
+    assert cfg.auth().authenticate("secret-of-the-default-tenant").tenant == "default"
     assert cfg.stores.valkey is not None and cfg.stores.s3 is not None
     assert cfg.service_config(["a", "b", "c"]).fleet.nodes == 3
     # --check refuses the placeholders left in it (tests/deploy/test_serve_check.py)

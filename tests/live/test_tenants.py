@@ -1,11 +1,13 @@
-"""Authenticated, isolated tenants (issue 15, item 2) on a real HTTP server on loopback:
-each tenant's token is that tenant's only; tenant B cannot read, change, close or probe
-tenant A's sessions; a tenant over its live-session quota gets 429 while others are
-unaffected, visible in the metrics; the serve config reads secrets from the environment
-or files and never shows them."""
+"""Authenticated, isolated tenants on a real HTTP server on loopback: each tenant's token
+is that tenant's only; tenant B cannot read, change, close or probe tenant A's sessions; a
+tenant over its live-session quota gets 429 while others are unaffected, visible in the
+metrics; ``/metrics`` names tenants only to the metrics or admin token (pseudonyms when
+it is open); where bodies name their tenants, at most ``max_named_tenants`` are admitted;
+the serve config reads secrets from the environment or files and never shows them."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +22,7 @@ pytest.importorskip("fastapi")
 from kvprefetch.controlplane.base.config import fleet_from_dict  # noqa: E402
 from kvprefetch.controlplane.base.errors import (  # noqa: E402
     ConfigError,
+    UnauthorizedError,
     UnknownSessionError,
     WrongTenantError,
 )
@@ -27,9 +30,18 @@ from kvprefetch.controlplane.cli.serve_config import load_serve_config  # noqa: 
 from kvprefetch.controlplane.core.quotas import TenantQuota  # noqa: E402
 from kvprefetch.controlplane.live.connect import connect  # noqa: E402
 from kvprefetch.controlplane.live.http_api import HttpServer, create_app  # noqa: E402
-from kvprefetch.controlplane.live.metrics import PrometheusMetrics  # noqa: E402
+from kvprefetch.controlplane.live.metrics import (  # noqa: E402
+    PrometheusMetrics,
+    pseudonymize_tenants,
+    tenant_pseudonyms,
+)
 from kvprefetch.controlplane.live.service import SchedulerService, ServiceConfig  # noqa: E402
-from kvprefetch.controlplane.live.tenants import TenantAuth, TenantQuotaError  # noqa: E402
+from kvprefetch.controlplane.live.tenants import (  # noqa: E402
+    DEFAULT_MAX_NAMED_TENANTS,
+    TenantAuth,
+    TenantLimitError,
+    TenantQuotaError,
+)
 
 pytestmark = pytest.mark.servers
 
@@ -39,6 +51,7 @@ FLEET = fleet_from_dict({"nodes": 2, "node": {"hbm_kv_bytes": 2 * GIB,
                                               "dram_tier_bytes": 16 * GIB}})
 TOKENS = {"acme": "acme-token-0123456789", "globex": "globex-token-0123456789"}
 ADMIN = "admin-token-0123456789"
+METRICS = "metrics-token-0123456789"
 
 
 @dataclass
@@ -57,7 +70,7 @@ def tenants() -> Iterator[Tenants]:
     cfg = ServiceConfig(fleet=FLEET, tenants=("acme", "globex"),
                         tenant_max_live_sessions={"acme": 3})
     svc = SchedulerService(cfg, metrics=metrics).start()
-    auth = TenantAuth(TOKENS, admin_token=ADMIN)
+    auth = TenantAuth(TOKENS, admin_token=ADMIN, metrics_token=METRICS)
     try:
         with HttpServer(create_app(svc, auth=auth, metrics_registry=metrics)) as srv:
             yield Tenants(svc, srv.url)
@@ -159,7 +172,7 @@ def test_a_tenant_over_its_quota_gets_429_and_the_others_are_unaffected(tenants:
     assert t.post("route", {"session_id": "a3", "input_tokens": 10}, a).status_code == 200
     with connect(t.url, token=a) as c, pytest.raises(TenantQuotaError, match="HTTP 429"):
         c.request_started("a4", input_tokens=10)
-    metrics = httpx.get(f"{t.url}/metrics").text
+    metrics = _metrics(t.url, METRICS).text
     assert 'kvprefetch_tenant_live_sessions{tenant="acme"} 3.0' in metrics
     assert 'kvprefetch_tenant_live_sessions{tenant="globex"} 5.0' in metrics
     assert 'kvprefetch_tenant_quota_refusals_total{tenant="acme"} 3.0' in metrics
@@ -179,7 +192,7 @@ def test_a_tenant_over_its_tier_share_loses_its_own_sessions_and_the_other_is_un
                         tenant_local_tier_share={"acme": 0.25},
                         tenant_prefetch_bandwidth_share={"acme": 0.1})
     svc = SchedulerService(cfg, metrics=metrics).start()
-    auth = TenantAuth(TOKENS, admin_token=ADMIN)
+    auth = TenantAuth(TOKENS, admin_token=ADMIN, metrics_token=METRICS)
     try:
         with HttpServer(create_app(svc, auth=auth, metrics_registry=metrics)) as srv:
             t = Tenants(svc, srv.url)
@@ -207,7 +220,7 @@ def test_a_tenant_over_its_tier_share_loses_its_own_sessions_and_the_other_is_un
             assert shares["acme"]["local_tier_share"] == 0.25
             assert shares["acme"]["prefetch_bandwidth_share"] == 0.1
             assert set(shares) == {"acme"}
-            text = httpx.get(f"{t.url}/metrics").text
+            text = _metrics(t.url, METRICS).text
             assert ('kvprefetch_tenant_local_tier_bytes{node="node-0",tenant="acme"} '
                     "4.294967296e+09") in text
             assert 'kvprefetch_tenant_tier_share_evictions_total{tenant="acme"} 2.0' in text
@@ -293,3 +306,148 @@ def test_bad_tenant_configs_fail_at_start(tmp_path: Path, over: dict[str, Any],
                                           message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_serve_config(_serve_yaml(tmp_path, **over))
+
+
+def _metrics(url: str, token: str | None = None) -> Any:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.get(f"{url}/metrics", headers=headers, timeout=5)
+
+
+def test_metrics_need_the_metrics_or_the_admin_token_when_one_is_configured(
+        tenants: Tenants) -> None:
+    t = tenants
+    assert t.post("route", {"session_id": "s", "input_tokens": 10},
+                  TOKENS["acme"]).status_code == 200
+    for token in (None, TOKENS["acme"], "wrong-token-0123456789"):
+        refused = _metrics(t.url, token)
+        assert refused.status_code == 401, token
+        assert refused.json()["error"] == "UnauthorizedError"
+        assert "acme" not in refused.text
+    for token in (METRICS, ADMIN):
+        text = _metrics(t.url, token).text
+        assert 'kvprefetch_tenant_live_sessions{tenant="acme"} 1.0' in text
+    # the metrics token reads /metrics and nothing else
+    assert t.post("route", {"session_id": "m", "input_tokens": 10},
+                  METRICS).status_code == 401
+    assert httpx.get(f"{t.url}/healthz").status_code == 200  # probes need no token
+
+
+def test_open_metrics_name_tenants_by_pseudonym() -> None:
+    metrics = PrometheusMetrics()
+    svc = SchedulerService(ServiceConfig(fleet=FLEET, tenants=("acme", "globex")),
+                           metrics=metrics).start()
+    texts: dict[str, str] = {}
+    try:
+        for names in (False, True):
+            app = create_app(svc, auth=TenantAuth(TOKENS), metrics_registry=metrics,
+                             metrics_tenant_names=names)
+            with HttpServer(app) as srv:
+                for tenant, token in TOKENS.items():
+                    assert httpx.post(f"{srv.url}/v1/route",
+                                      json={"session_id": f"{tenant}-s", "input_tokens": 10},
+                                      headers={"Authorization": f"Bearer {token}"},
+                                      timeout=5).status_code == 200
+                answer = _metrics(srv.url)
+                assert answer.status_code == 200
+                texts[str(names)] = answer.text
+    finally:
+        svc.close()
+    hidden, shown = texts["False"], texts["True"]
+    assert 'kvprefetch_tenant_live_sessions{tenant="acme"}' in shown
+    assert "acme" not in hidden and "globex" not in hidden
+    labels = re.findall(r'kvprefetch_tenant_live_sessions\{tenant="(t-[0-9a-f]{12})"\}',
+                        hidden)
+    assert len(set(labels)) == 2  # one pseudonym per tenant, the counts kept
+    # the same credentials, the same pseudonyms (series survive a restart); others differ
+    again = tenant_pseudonyms(TenantAuth(TOKENS).pseudonym_key())
+    assert sorted(again(name) for name in TOKENS) == sorted(labels)
+    other = tenant_pseudonyms(TenantAuth({"acme": "another-token-0123456789"}).pseudonym_key())
+    assert other("acme") not in labels
+
+
+def test_pseudonyms_replace_every_tenant_label_and_nothing_else() -> None:
+    text = (b'# HELP x_total help with tenant="acme"\n'
+            b'x_total{tenant="acme",node="n0"} 1.0\n'
+            b'y{shard="0",tenant="a\\"b"} 2.0\n'
+            b'z{tenant="_other"} 3.0\n'
+            b'w{not_tenant="acme"} 4.0\n')
+    out = pseudonymize_tenants(text, lambda name: {"_other": "_other"}.get(name, f"<{name}>"))
+    assert out == (b'# HELP x_total help with tenant="acme"\n'
+                   b'x_total{tenant="<acme>",node="n0"} 1.0\n'
+                   b'y{shard="0",tenant="<a"b>"} 2.0\n'
+                   b'z{tenant="_other"} 3.0\n'
+                   b'w{not_tenant="acme"} 4.0\n')
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-token", "no-auth"])
+def test_bodies_that_name_tenants_create_at_most_max_named_tenants(shared: bool) -> None:
+    svc = SchedulerService(ServiceConfig(fleet=FLEET)).start()  # any tenant allowed
+    token = "shared-token"
+    headers = {"Authorization": f"Bearer {token}"} if shared else {}
+    try:
+        with HttpServer(create_app(svc, bearer_token=token if shared else None)) as srv:
+            def route(tenant: str, sid: str = "s") -> Any:
+                return httpx.post(f"{srv.url}/v1/route", headers=headers, timeout=5,
+                                  json={"tenant": tenant, "session_id": sid,
+                                        "input_tokens": 10})
+
+            with httpx.Client() as http:
+                for i in range(DEFAULT_MAX_NAMED_TENANTS):
+                    assert http.post(f"{srv.url}/v1/route", headers=headers, json={
+                        "tenant": f"t{i}", "session_id": "s", "input_tokens": 10},
+                        timeout=5).status_code == 200
+            refused = route("one-too-many")
+            assert refused.status_code == 403, refused.text
+            assert refused.json()["error"] == "TenantLimitError"
+            assert "max_named_tenants" in refused.json()["detail"]
+            assert not svc.has_session("one-too-many", "s")
+            assert route("t0", "s2").status_code == 200  # admitted tenants go on
+            assert svc.summary()["live_sessions_per_tenant"].keys() == {
+                f"t{i}" for i in range(DEFAULT_MAX_NAMED_TENANTS)}
+    finally:
+        svc.close()
+
+
+def test_tenant_tokens_are_not_capped_and_a_small_cap_is_configurable() -> None:
+    auth = TenantAuth(shared_token="shared-token", max_named_tenants=2)
+    shared = auth.authenticate("shared-token")
+    assert [auth.tenant_for(shared, n) for n in ("a", None, "a")] == ["a", "default", "a"]
+    with pytest.raises(TenantLimitError):
+        auth.tenant_for(shared, "b")
+    assert auth.named_tenants == 2
+    isolated = TenantAuth(TOKENS, admin_token=ADMIN, max_named_tenants=1)
+    admin = isolated.authenticate(ADMIN)
+    assert {isolated.tenant_for(admin, n) for n in ("acme", "globex")} == {"acme", "globex"}
+    with pytest.raises(ConfigError, match="max_named_tenants"):
+        TenantAuth(max_named_tenants=0)
+
+
+def test_the_metrics_token_is_a_credential_of_its_own() -> None:
+    with pytest.raises(ConfigError, match="exactly one tenant"):
+        TenantAuth(TOKENS, admin_token=ADMIN, metrics_token=ADMIN)
+    with pytest.raises(ConfigError, match="shorter than 16"):
+        TenantAuth(metrics_token="short")
+    open_ops = TenantAuth(metrics_token=METRICS)  # /v1 stays open, /metrics does not
+    assert not open_ops.required and open_ops.metrics_guarded
+    assert open_ops.authenticate(None).tenant is None
+    open_ops.authorize_metrics(METRICS)
+    with pytest.raises(UnauthorizedError):
+        open_ops.authorize_metrics(None)
+
+
+def test_serve_config_reads_the_metrics_token_and_the_tenant_cap(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVP_T_SHARED", "shared-token")
+    secret = tmp_path / "metrics.token"
+    secret.write_text(METRICS + "\n")
+    cfg = load_serve_config(_serve_yaml(tmp_path, http={
+        "bearer_token_env": "KVP_T_SHARED", "metrics_token": {"file": str(secret)},
+        "max_named_tenants": 5}))
+    auth = cfg.auth()
+    assert auth.metrics_guarded and auth.max_named_tenants == 5
+    assert not cfg.http.metrics_tenant_names
+    auth.authorize_metrics(METRICS)
+    assert METRICS not in repr(cfg)
+    default = load_serve_config(_serve_yaml(tmp_path)).auth()
+    assert default.max_named_tenants == DEFAULT_MAX_NAMED_TENANTS == 64
+    assert not default.metrics_guarded
