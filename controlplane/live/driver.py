@@ -123,6 +123,11 @@ class LiveDriver:
         key = SessionKey.parse(event.session_id)
         if event.kind is EventKind.SESSION_CLOSED:
             self.registry.close(key)
+            # Its armed orders go now: left to fire, they would wait in the heap until due.
+            kept = [t for t in self.timers if t[2].session_id != event.session_id]
+            if len(kept) != len(self.timers):
+                heapq.heapify(kept)
+                self.timers[:] = kept
             return self.core.close(event)
         info = self.registry.open(key)
         if keys is not None:
