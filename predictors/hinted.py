@@ -86,16 +86,19 @@ class _Hint:
 
 
 def lognormal_law(centre_s: float, sigma: float = ETA_SIGMA,
-                  p_return: float = HINT_P_RETURN) -> SurvivalCurve:
-    """The survival of a gap that is log-normal around ``centre_s`` (its median) with
-    ``sigma``, returning at all with ``p_return``: knots evenly spaced in log-gap over
-    +-:data:`LAW_Z_SPAN` sigmas (linear between them, as every :class:`SurvivalCurve`)."""
+                  p_return: float = HINT_P_RETURN, *, after_s: float = 0.0) -> SurvivalCurve:
+    """The survival of a gap of ``after_s`` plus a wait that is log-normal around
+    ``centre_s`` (its median) with ``sigma``, returning at all with ``p_return``: knots
+    evenly spaced in log-wait over +-:data:`LAW_Z_SPAN` sigmas (linear between them, as
+    every :class:`SurvivalCurve`). ``after_s`` is when the hint came (seconds after the
+    last response): the hint's uncertainty is in the wait it announces, not in the time
+    already passed."""
     centre = max(MIN_LAW_CENTRE_S, centre_s)
     knots = [(0.0, 1.0)]
     for i in range(LAW_KNOTS):
         z = -LAW_Z_SPAN + 2.0 * LAW_Z_SPAN * i / (LAW_KNOTS - 1)
         cdf = 0.5 * math.erfc(-z / math.sqrt(2.0))
-        knots.append((centre * math.exp(sigma * z), 1.0 - p_return * cdf))
+        knots.append((after_s + centre * math.exp(sigma * z), 1.0 - p_return * cdf))
     return SurvivalCurve.from_knots(knots)
 
 
@@ -165,15 +168,15 @@ class HintedPredictor:
         elapsed = max(0.0, now_s - base.last_finish_s)
         since_hint = max(0.0, hint.time_s - base.last_finish_s)
         if hint.eta_s is not None:
-            centre, sigma = since_hint + max(0.0, hint.eta_s), ETA_SIGMA
+            centre, sigma = max(0.0, hint.eta_s), ETA_SIGMA
             confidence = HINT_CONFIDENCE
         elif hint.kind is HintKind.USER_TYPING:
-            centre, sigma = since_hint + TYPING_MEDIAN_S, TYPING_SIGMA
+            centre, sigma = TYPING_MEDIAN_S, TYPING_SIGMA
             confidence = TYPING_CONFIDENCE
         else:  # a tool is running, duration unknown: the model's view stands
             return base
         if hint.law is None or hint.law[0] != base.last_finish_s:
-            hint.law = (base.last_finish_s, lognormal_law(centre, sigma))
+            hint.law = (base.last_finish_s, lognormal_law(centre, sigma, after_s=since_hint))
         curve = hint.law[1]
         q = tuple(min(NEVER_S, curve.quantile_after(elapsed, level)) for level in FORECAST_LEVELS)
         return ArrivalForecast(sid, base.last_finish_s, q,

@@ -94,3 +94,18 @@ def test_hinted_wraps_any_spec_once() -> None:
     shipped = registry.load("hinted:default")  # already hinted: not wrapped twice
     assert isinstance(shipped, HintedPredictor) and isinstance(shipped.inner, AdaptivePredictor)
     assert isinstance(registry.load("hinted").inner, EwmaPredictor)  # type: ignore[attr-defined]
+
+
+def test_a_late_hint_s_eta_counts_from_the_hint() -> None:
+    """A tool hint 40 s after the response with an ETA of 2 s: the session is due about
+    2 s after the hint, with the ETA's spread (sigma 0.5 on the 2 s), not spread over the
+    40 s already passed."""
+    p = registry.load("default")
+    p.observe(SessionEvent(EventKind.REQUEST_STARTED, "s", 0.0, input_tokens=100))
+    p.observe(SessionEvent(EventKind.REQUEST_FINISHED, "s", 5.0, input_tokens=100,
+                           output_tokens=10, stop_reason="end_turn"))
+    p.observe(SessionEvent(EventKind.HINT, "s", 45.0, hint=HintKind.TOOL_RUNNING, eta_s=2.0))
+    fc = p.forecast("s", 45.0)
+    assert fc is not None
+    q10, q50, q90 = (fc.arrival_quantile_after(q, 45.0) for q in (0.1, 0.5, 0.9))
+    assert 45.5 < q10 < q50 < q90 < 50.0 and abs(q50 - 47.0) < 0.3
