@@ -1,11 +1,20 @@
 """The live service's decisions, under its lock: applies session events to the registry
 and the core, and turns the core's outputs into messages for the agents.
 
-:class:`LiveDriver` holds the service's rooms (sessions, orders, the fleet view, the
-armed-order timers) around one :class:`~kvprefetch.controlplane.core.scheduler.SchedulerCore`. It is
-not thread-safe and never sends anything itself: every method that decides takes the
+:class:`LiveDriver` holds the service's rooms around one
+:class:`~kvprefetch.controlplane.core.scheduler.SchedulerCore`: sessions
+(:class:`~kvprefetch.controlplane.live.sessions.SessionRegistry`), orders
+(:class:`~kvprefetch.controlplane.live.orders.OrderBook`), the fleet view, the armed-order
+timers, the outcomes of transfers
+(:class:`~kvprefetch.controlplane.live.transfers.TransferOutcomes`) and the fleet's members
+(:class:`~kvprefetch.controlplane.live.membership.FleetMembership`). It is not thread-safe
+and never sends anything itself: every method that decides takes the
 :class:`~kvprefetch.controlplane.live.ports.Outbox` that the service sends once its lock is
 released.
+
+Every session event takes one path, :meth:`LiveDriver.apply`, for a live call and for a
+journal replayed on restart alike, so a resumed session has the context, turns and chunk
+names it had.
 """
 
 from __future__ import annotations
@@ -14,33 +23,22 @@ import heapq
 import itertools
 import logging
 import math
-from collections.abc import Callable, Iterable
-from dataclasses import asdict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from kvprefetch.controlplane.base import api
+from kvprefetch.controlplane.base.errors import InvalidRequestError
 from kvprefetch.controlplane.base.keys import chunk_hashes, session_prefix
 from kvprefetch.controlplane.base.types import EventKind, HintKind, SessionEvent, SessionKey
-from kvprefetch.controlplane.base.wire import (
-    AgentHello,
-    AgentStatus,
-    EngineReport,
-    GpuStartPlan,
-    TierEvictions,
-    TransferOrder,
-    TransferReport,
-    format_order_id,
-    order_epoch,
-)
+from kvprefetch.controlplane.base.wire import EngineReport, GpuStartPlan
 from kvprefetch.controlplane.core.planner import PrefetchOrder
-from kvprefetch.controlplane.core.quotas import TenantQuotaStats
 from kvprefetch.controlplane.core.scheduler import SchedulerCore
 from kvprefetch.controlplane.core.step import StepOutput
 from kvprefetch.controlplane.live.config import ServiceClock, ServiceConfig
 from kvprefetch.controlplane.live.fleet import LiveFleet
 from kvprefetch.controlplane.live.journal import KeysChange, LiveJournalScanner, LiveJournalWriter
-from kvprefetch.controlplane.live.orders import OrderBook, report_mismatch
+from kvprefetch.controlplane.live.membership import FleetMembership
+from kvprefetch.controlplane.live.orders import OrderBook
 from kvprefetch.controlplane.live.ports import Outbox, ServiceMetricsSink, ServiceStats
 from kvprefetch.controlplane.live.sessions import (
     SessionInfo,
@@ -49,9 +47,17 @@ from kvprefetch.controlplane.live.sessions import (
     SessionState,
 )
 from kvprefetch.controlplane.live.tenants import TenantQuotaError
+from kvprefetch.controlplane.live.transfers import TransferOutcomes
 from kvprefetch.controlplane.traces.journal import DamagedRecord, TimeLimits
 
 log = logging.getLogger(__name__)
+
+
+def check_node(node: int, nodes: int) -> None:
+    """Refuse a call that names a node outside a fleet of ``nodes`` slots
+    (InvalidRequestError)."""
+    if not 0 <= node < nodes:
+        raise InvalidRequestError(f"node {node} out of range (the fleet has {nodes} nodes)")
 
 
 class LiveDriver:
@@ -66,7 +72,7 @@ class LiveDriver:
         self.fleet = fleet
         self.orders = orders
         self.clock = clock
-        self.metrics = metrics
+        self._metrics = metrics
         self._wall = wall
         self.stats = ServiceStats()
         self.registry = SessionRegistry(config.chunk_tokens, config.tenants,
@@ -75,19 +81,33 @@ class LiveDriver:
         self.timers: list[tuple[float, int, PrefetchOrder]] = []
         self._seq = itertools.count()
         self.journal: LiveJournalWriter | None = None
-        #: Node slots out of the fleet (no agent yet): never routed to, warmed on joining.
-        self.out_nodes: set[int] = set()
-        self.nodes_joined = 0
         #: Records journalled since the journal was opened or last compacted.
         self.journal_records = 0
         #: Service time of the next sweep (the first one on the first tick).
         self._next_sweep_s = 0.0
-        names = config.node_names
-        self._names = list(names) if names is not None else [
-            f"node-{i}" for i in range(config.fleet.nodes)]
+        #: The rooms for transfer outcomes and fleet members (they carry out through
+        #: this driver).
+        self.transfers = TransferOutcomes(config, core, orders, self.registry, clock,
+                                          self.stats, metrics, self._carry_through)
+        self.members = FleetMembership(config, core, fleet, self.registry, self.transfers,
+                                       clock, self.stats, metrics, self._carry_through)
+
+    @property
+    def metrics(self) -> ServiceMetricsSink:
+        return self._metrics
+
+    @metrics.setter
+    def metrics(self, sink: ServiceMetricsSink) -> None:
+        """Swap the sink in every room (a Prometheus registry created after start)."""
+        self._metrics = self.transfers.metrics = self.members.metrics = sink
 
     def node_name(self, node: int) -> str:
-        return self._names[node]
+        return self.members.node_name(node)
+
+    def _carry_through(self, out: StepOutput, box: Outbox) -> None:
+        """:meth:`carry` for the rooms, looked up per call (a carry replaced on this driver
+        is the one they use too)."""
+        self.carry(out, box)
 
     def fire_due(self, now: float, box: Outbox) -> None:
         """Start the armed orders whose time has come."""
@@ -104,16 +124,6 @@ class LiveDriver:
         self._next_sweep_s = now + self.config.fleet.planner.sweep_interval_s
         self.stats.sweeps += 1
         self.carry(self.core.sweep(now), box)
-
-    def expire(self, wall: float, now: float, box: Outbox) -> None:
-        """Give up orders not reported within ``order_timeout_s`` and re-plan them."""
-        for node in range(self.config.fleet.nodes):
-            for inflight in self.orders.in_flight(node):
-                if wall - inflight.sent_wall_s > self.config.order_timeout_s:
-                    self.stats.orders_lost += 1
-                    o = inflight.order
-                    box.cancel.append((o.node, o.session_id, o.order_id))
-                    self._order_failed(o, now, "timed out", box)
 
     # ------------------------------------------------------------------ events
     def apply(self, event: SessionEvent, keys: KeysChange | None = None) -> StepOutput:
@@ -263,7 +273,7 @@ class LiveDriver:
             if math.isinf(out.prefetch_ready_s):
                 info.await_prefetch_node = node
             else:
-                self._lateness(out.prefetch_ready_s - now)
+                self.transfers.lateness(out.prefetch_ready_s - now)
         est = max(0.0, decision.estimated_ttft_s - self.fleet.queue_wait_s(node, now))
         self.fleet.enqueue(node, est, info.node, info.est_service_s)
         info.node, info.est_service_s = node, est
@@ -275,6 +285,9 @@ class LiveDriver:
                                local_ready=local_ready)
 
     def request_finished(self, call: api.RequestFinished, box: Outbox) -> None:
+        """The response ended on ``call.node`` (InvalidRequestError when the fleet has no
+        such node; nothing is recorded then)."""
+        check_node(call.node, self.config.fleet.nodes)
         info = self.registry.known(SessionKey(call.tenant, call.session_id))
         hashes = tuple(call.chunk_hashes) if call.chunk_hashes is not None else None
         event = SessionEvent(
@@ -340,190 +353,6 @@ class LiveDriver:
         for sid in report.hbm_evicted:  # the served session too, when it did not fit
             hbm.pop(sid, None)
 
-    # ------------------------------------------------------------------ fleet changes
-    def mark_out(self, nodes: Iterable[int], box: Outbox) -> None:
-        """Take node slots out of the fleet (at start: the nodes that have no agent yet).
-        The core never routes to them and drops their books."""
-        now = self.clock.now_s()
-        for node in nodes:
-            if node not in self.out_nodes:
-                self.out_nodes.add(node)
-                self.carry(self.core.node_left(node, now), box)
-        if self.out_nodes:
-            log.info("nodes %s are out of the fleet until their agents say hello",
-                     ", ".join(str(n) for n in sorted(self.out_nodes)))
-
-    def node_joined(self, node: int, now: float, box: Outbox, *, replayed: bool = False
-                    ) -> None:
-        """An out node joined (its agent said hello, or a replayed event names it): the
-        core routes to it from now on and warms it with idle sessions whose KV is local
-        nowhere; the warm-up loads go to its agent like any others. Counted in
-        ``nodes_joined`` and the ``node_joined`` event metric unless ``replayed``."""
-        self.out_nodes.discard(node)
-        before = len(box.execute)
-        self.carry(self.core.node_joined(node, now), box)
-        if replayed:
-            return
-        self.nodes_joined += 1
-        self.metrics.event("node_joined")
-        warm = box.execute[before:]
-        log.info("node %d (%s) joined the fleet: warming it with %d sessions (%.1f MiB "
-                 "modelled)", node, self.node_name(node), len(warm),
-                 sum(o.nbytes for o in warm) / (1 << 20))
-
-    # ------------------------------------------------------------------ agent calls
-    def agent_hello(self, hello: AgentHello, box: Outbox) -> None:
-        """An agent (re)started: orders sent to its previous incarnation are lost (re-plan
-        them); reconcile the node's books with what its tier really holds. The agent of a
-        node out of the fleet joins it (after the reconcile: it is warmed against books
-        that match its tier)."""
-        now = self.clock.now_s()
-        joining = hello.node in self.out_nodes
-        if joining and hello.node_name:
-            self._names[hello.node] = hello.node_name
-        self.fleet.nodes[hello.node].incarnation = hello.incarnation
-        for inflight in self.orders.in_flight(hello.node):
-            if inflight.incarnation != hello.incarnation:
-                self.stats.orders_lost += 1
-                self._order_failed(inflight.order, now, "agent restarted", box)
-        if hello.inventory is not None:
-            inventory = set(hello.inventory)
-
-            def holds(sid: str, tokens: int) -> bool:
-                info = self.registry.by_sid(sid)
-                keys = self.registry.keys_of(info, tokens) if info is not None else []
-                return info is not None and (not keys or keys[0] in inventory)
-
-            self.carry(self.core.reconcile(hello.node, holds, now), box)
-        log.info("agent on node %d (%s) is up: incarnation %s, %d keys in its tier",
-                 hello.node, hello.node_name, hello.incarnation[:8], len(hello.inventory))
-        if joining:
-            self.node_joined(hello.node, now, box)
-
-    def node_status(self, status: AgentStatus, box: Outbox) -> None:
-        """An agent's periodic report of its tier (``AgentConfig.status_interval_s``). This
-        shard's quota of the node's DRAM tier follows the capacity the tier really has: its
-        share (1/``shards``) of the reported capacity in booked bytes, never more than the
-        configured quota. Every shard receives the same report and takes the same share, so
-        the quotas never add up to more than the tier; a quota that shrinks evicts what
-        no longer fits (:meth:`SchedulerCore.set_tier_capacity`). A report of another
-        incarnation than the node's current one, or of no capacity, changes nothing."""
-        node = self.fleet.nodes[status.node]
-        if status.capacity_bytes <= 0 or (node.incarnation
-                                          and status.incarnation != node.incarnation):
-            return
-        share = 1 if self.config.shard_tier == "shared" else self.config.shards
-        quota = min(self.config.fleet.node.dram_tier_bytes,
-                    status.booked_capacity_bytes // share)
-        tier = self.core.dram[status.node]
-        if quota == tier.capacity_bytes:
-            return
-        log.info("node %d (%s): this shard's tier quota %d -> %d bytes (the agent reports "
-                 "%d bytes, kv_scale %g, %d shards)", status.node, status.node_name,
-                 tier.capacity_bytes, quota, status.capacity_bytes, status.kv_scale,
-                 self.config.shards)
-        self.stats.quota_changes += 1
-        self.carry(self.core.set_tier_capacity(status.node, quota, self.clock.now_s()), box)
-
-    def tier_evicted(self, evictions: TierEvictions, box: Outbox) -> None:
-        """The node's tier evicted chunks of these sessions by its own order (the shards'
-        books together wanted more than it holds): their entries in this shard's books of
-        the node go, and idle ones are planned again (as after a reconcile). Entries still
-        arriving are kept (their transfer decides). A report of another incarnation than
-        the node's current one changes nothing."""
-        node = self.fleet.nodes[evictions.node]
-        if node.incarnation and evictions.incarnation != node.incarnation:
-            return
-        before = len(self.core.dram[evictions.node])
-        self.carry(self.core.forget_local(evictions.node, set(evictions.sessions),
-                                          self.clock.now_s()), box)
-        self.stats.tier_evictions += before - len(self.core.dram[evictions.node])
-
-    def report_transfer(self, report: TransferReport, box: Outbox) -> None:
-        """An agent finished (or gave up) an order. Idempotent per order id; a report that
-        does not match its order (another epoch, session, node, kind or keys) is counted
-        and logged, never booked."""
-        order = self._order_of(report)
-        if order is None:
-            return
-        now = self.clock.now_s()
-        if not report.complete:
-            self._order_failed(order, now, report.error or "incomplete", box)
-            return
-        self.orders.close(order)
-        self.carry(self.core.transfer_done(order.session_id, order.node, now,
-                                            demand=not order.prefetch), box)
-        self._count_done(order, report)
-        info = self.registry.by_sid(order.session_id)
-        if info is not None and info.await_prefetch_node == order.node:
-            info.await_prefetch_node = None
-            self._lateness(now - info.arrival_s)
-
-    def _order_of(self, report: TransferReport) -> TransferOrder | None:
-        """The order in flight that ``report`` is the outcome of, or None (counted)."""
-        if order_epoch(report.order_id) != self.orders.epoch:
-            self._reject(report, "stale_epoch")
-            return None
-        if not 0 <= report.node < self.config.fleet.nodes:
-            self._reject(report, "unknown_node")
-            return None
-        inflight = self.orders.by_id(report.order_id)
-        if inflight is None:
-            if self.orders.was_closed(report.order_id):
-                # A duplicate (the engine and the agent both report), or an order given up
-                # (timed out, its agent restarted): not an error.
-                self.stats.reports_duplicate += 1
-            else:
-                self._reject(report, "unknown_order")
-            return None
-        why = report_mismatch(report, inflight.order)
-        if why is None and report.incarnation and inflight.incarnation \
-                and report.incarnation != inflight.incarnation:
-            why = "incarnation"
-        if why is not None:
-            self._reject(report, why, inflight.order)
-            return None
-        return inflight.order
-
-    def _reject(self, report: TransferReport, why: str,
-                order: TransferOrder | None = None) -> None:
-        rejected = self.stats.reports_rejected
-        rejected[why] = rejected.get(why, 0) + 1
-        log.warning("report of order %s (%s, node %d) rejected: %s%s; not booked",
-                    format_order_id(report.order_id), report.session_id, report.node, why,
-                    "" if order is None else
-                    f" (the order is {order.session_id} on node {order.node})")
-
-    def _count_done(self, order: TransferOrder, report: TransferReport) -> None:
-        s = self.stats
-        s.orders_done += 1
-        ttlb = report.ttlb_wall_s * self.config.time_compression
-        s.ttlb_s.append(ttlb)
-        self.metrics.ttlb(ttlb, order.prefetch)
-        self.metrics.bytes_moved(report.bytes_moved, order.prefetch)
-        if order.prefetch:
-            s.prefetch_bytes += report.bytes_moved
-            s.prefetch_model_bytes += order.nbytes
-        else:
-            s.demand_bytes += report.bytes_moved
-            s.demand_model_bytes += order.nbytes
-
-    def _order_failed(self, order: TransferOrder, now: float, why: str, box: Outbox) -> None:
-        self.orders.close(order)
-        self.stats.orders_failed += 1
-        log.info("order %s (%s -> node %d) failed: %s; re-planning",
-                 format_order_id(order.order_id), order.session_id, order.node, why)
-        self.carry(self.core.transfer_failed(order.session_id, order.node, now), box)
-
-    def unsent(self, order: TransferOrder, why: str, box: Outbox) -> None:
-        """An order could not be handed to its agent."""
-        if self.orders.get(order.node, order.order_id) is not None:
-            self._order_failed(order, self.clock.now_s(), why, box)
-
-    def _lateness(self, seconds: float) -> None:
-        self.stats.lateness_s.append(seconds)
-        self.metrics.lateness(seconds)
-
     # ------------------------------------------------------------------ resume
     def resume(self, path: Path, limits: TimeLimits) -> LiveJournalScanner:
         """Replay the journal through :meth:`apply` (as the live calls did); keep the
@@ -542,8 +371,8 @@ class LiveDriver:
         box = Outbox()
         for line, event in scan:
             try:
-                if event.node is not None and event.node in self.out_nodes:
-                    self.node_joined(event.node, event.time_s, box, replayed=True)
+                if event.node is not None and event.node in self.members.out_nodes:
+                    self.members.node_joined(event.node, event.time_s, box, replayed=True)
                 self.carry(self.apply(event, scan.keys), box)
             except Exception as exc:  # a record the checks let through: never a restart loop
                 log.exception("journal %s:%d: replaying the record failed; set aside", path,
@@ -555,57 +384,3 @@ class LiveDriver:
                  "last epoch %d", path, scan.events, len(self.registry), scan.last_t,
                  scan.last_epoch)
         return scan
-
-    # ------------------------------------------------------------------ introspection
-    def summary(self) -> dict[str, Any]:
-        core, s = self.core, self.stats
-        return {
-            "policy": self.policy.name, "events": s.events, "routes": s.routes,
-            "sessions": len(self.registry), "orders_sent": s.orders_sent,
-            "orders_done": s.orders_done, "orders_failed": s.orders_failed,
-            "orders_lost": s.orders_lost, "orders_cancelled": s.orders_cancelled,
-            "orders_in_flight": {self.node_name(i): self.orders.count(i)
-                                 for i in range(self.config.fleet.nodes)},
-            "prefetch_bytes": s.prefetch_bytes, "demand_bytes": s.demand_bytes,
-            "prefetch_model_bytes": s.prefetch_model_bytes,
-            "demand_model_bytes": s.demand_model_bytes,
-            "prefetches": core.stats.prefetches,
-            "prefetches_dropped": core.stats.prefetches_dropped,
-            "wasted_bytes_modelled": core.stats.wasted_bytes,
-            "prefetch_used_bytes_modelled": core.stats.prefetch_used_bytes,
-            "prefetches_over_budget": core.stats.prefetches_over_budget,
-            "warmup_bytes": core.stats.warmup_bytes,
-            "ttlb_s": list(s.ttlb_s), "lateness_s": list(s.lateness_s),
-            "plan_step_s": list(s.plan_step_s),
-            "plan_steps": s.plan_steps,
-            "eviction_index": asdict(core.eviction_index_stats()),
-            "loop_errors": s.loop_errors, "sweeps": s.sweeps, "clock_s": self.clock.now_s(),
-            "epoch": self.orders.epoch, "reports_rejected": dict(s.reports_rejected),
-            "reports_duplicate": s.reports_duplicate,
-            "journal_quarantined": s.journal_quarantined,
-            "journal_compactions": s.journal_compactions,
-            "journal_records_dropped": s.journal_records_dropped,
-            "quota_refusals": s.quota_refusals,
-            "quota_changes": s.quota_changes,
-            "tier_evictions": s.tier_evictions,
-            "tier_quota_bytes": {self.node_name(i): t.capacity_bytes
-                                 for i, t in enumerate(core.dram)},
-            "live_sessions_per_tenant": dict(self.registry.per_tenant),
-            "tenant_shares": self._tenant_shares(),
-            "nodes_joined": self.nodes_joined,
-            "nodes_out": [self.node_name(n) for n in sorted(self.out_nodes)],
-            "sizes": {"sessions": len(self.registry), "core_sessions": core.sessions(),
-                      "timers": len(self.timers), **self.orders.sizes()},
-        }
-
-    def _tenant_shares(self) -> dict[str, Any]:
-        """Each tenant with a share: its quota, its bytes in each node's books and what its
-        shares did (empty without quotas)."""
-        shares = self.core.shares
-        if shares is None:
-            return {}
-        held = shares.tier_bytes(self.core.dram)
-        return {t: {**asdict(q), **asdict(shares.stats.get(t) or TenantQuotaStats()),
-                    "local_tier_bytes": {self.node_name(n): held[(t, n)]
-                                         for n in range(self.config.fleet.nodes)}}
-                for t, q in sorted(shares.quotas.items())}

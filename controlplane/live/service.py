@@ -1,38 +1,28 @@
 """The live scheduler: :class:`SchedulerCore` on a wall clock, fed by the gateway, the
 engines and the prefetch agents.
 
-``SchedulerService`` is a plain class (the Ray actor in :mod:`kvprefetch.controlplane.live.ray_app`
-wraps it; tests drive it directly). It is a thin driver of the core, in rooms:
+``SchedulerService`` is a plain class (the Ray actor in
+:mod:`kvprefetch.controlplane.live.ray_app` wraps it; tests drive it directly) that
+implements :class:`~kvprefetch.controlplane.live.protocol.SchedulerAPI`. It is a thin driver
+of the core, in rooms:
 
-* :class:`~kvprefetch.controlplane.live.sessions.SessionRegistry`: sessions, tenancy, chunk names;
-* :class:`~kvprefetch.controlplane.live.orders.OrderBook`: orders in flight, bounded de-duplication;
-* :class:`~kvprefetch.controlplane.live.fleet.LiveFleet`: the core's view of the fleet, from
-reports;
-* :class:`~kvprefetch.controlplane.live.driver.LiveDriver`: the decisions under the lock: every
-session
-  event is journalled (:class:`~kvprefetch.controlplane.live.journal.LiveJournalWriter`: the event
-  and
-  the change of its chunk names), then applied by ``LiveDriver.apply``, the one path that
-  live calls and resume share, so a resumed session has the context, turns and chunk names
-  it had;
+* :class:`~kvprefetch.controlplane.live.driver.LiveDriver`: the decisions under the lock
+  (sessions, orders, the fleet's members, transfer outcomes): every session event is
+  journalled, then applied by ``LiveDriver.apply``, the one path that live calls and
+  resume share;
+* :class:`~kvprefetch.controlplane.live.service_journal.ServiceJournal`: the journal over
+  the service's life (replay and quarantine at start, fail-closed writes, fsync on the
+  loop's interval, compaction, the stop record);
 * :class:`~kvprefetch.controlplane.live.ports.AgentFanout`: the core's decisions
-  (:class:`~kvprefetch.controlplane.core.step.StepOutput`) carried out as messages to the agents;
-* a control loop that fires armed prefetch orders, expires lost orders and flushes the
-  journal; it logs and counts every failure and never dies;
-* a journal that fails closed: a call whose event cannot be journalled (a full disk)
-  raises :class:`~kvprefetch.controlplane.base.errors.JournalUnavailableError` (503) having
-  changed nothing, and is never replayed; :meth:`SchedulerService.check_health` reports the
-  journal unwritable until it takes records again. A clean :meth:`SchedulerService.close`
-  ends the journal with a stop record;
-* journal compaction (:func:`~kvprefetch.controlplane.live.journal.compact_journal`): at start-up
-  after a long replay, and in a background thread once ``journal_compact_records`` records
-  were written since the last one. The journal is rewritten atomically without closed
-  sessions' records, so a resume costs the live sessions' events, not the history.
+  (:class:`~kvprefetch.controlplane.core.step.StepOutput`) carried out as messages to the
+  agents;
+* a control loop that fires armed prefetch orders, re-plans idle sessions every sweep
+  interval, expires lost orders and flushes the journal; it logs and counts every failure
+  and never dies.
 
-Incarnations: each start replays the journal (damaged records are quarantined to a side
-file and counted, never a failed start-up, which Ray would turn into a restart loop), then
-takes the next epoch (:func:`next_epoch`, journalled); every order id carries it, so agents
-and reports never confuse this incarnation's orders with a predecessor's.
+Incarnations: each start replays the journal, then takes the next epoch
+(:func:`next_epoch`, journalled); every order id carries it, so agents and reports never
+confuse this incarnation's orders with a predecessor's.
 
 Fleet changes: ``fleet.nodes`` is the capacity; nodes from ``initial_nodes`` on are out of
 the fleet at start (the core's ``node_left``) and join when their agent first says hello
@@ -44,12 +34,12 @@ list lengths, token-id range) before it touches any state, and token ids are has
 chunk keys before the lock is taken, so one large request never holds up the small ones.
 Sessions are keyed by (tenant, session id); a new session is refused with
 :class:`~kvprefetch.controlplane.live.tenants.TenantQuotaError` while its tenant holds
-``max_live_sessions`` live ones.
+``max_live_sessions`` live ones. With ``shards > 1`` a session another shard owns is
+refused with :class:`~kvprefetch.controlplane.base.errors.WrongShardError`.
 
 Threading: every public method may be called from any thread; one lock guards the state.
 Messages to agents are sent after the lock is released.
 """
-
 from __future__ import annotations
 
 import logging
@@ -58,7 +48,6 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import replace
-from pathlib import Path
 from typing import Any, TypeVar, cast
 
 from pydantic import ValidationError
@@ -67,7 +56,6 @@ from kvprefetch.controlplane.base import api
 from kvprefetch.controlplane.base.errors import (
     ConfigError,
     InvalidRequestError,
-    JournalUnavailableError,
     WrongShardError,
 )
 from kvprefetch.controlplane.base.shards import ShardRing, shard_epoch
@@ -84,18 +72,8 @@ from kvprefetch.controlplane.base.wire import (
 from kvprefetch.controlplane.core.quotas import TenantQuotaStats
 from kvprefetch.controlplane.core.scheduler import SchedulerCore
 from kvprefetch.controlplane.live.config import ServiceClock, ServiceConfig
-from kvprefetch.controlplane.live.driver import LiveDriver
+from kvprefetch.controlplane.live.driver import LiveDriver, check_node
 from kvprefetch.controlplane.live.fleet import LiveFleet
-from kvprefetch.controlplane.live.journal import (
-    JournalOpener,
-    LiveJournalScanner,
-    LiveJournalWriter,
-    compact_journal,
-    live_records,
-    open_journal_file,
-    publish_compacted,
-    write_compacted,
-)
 from kvprefetch.controlplane.live.limits import check_call, prehash
 from kvprefetch.controlplane.live.orders import OrderBook
 from kvprefetch.controlplane.live.ports import (
@@ -107,18 +85,18 @@ from kvprefetch.controlplane.live.ports import (
     ServiceMetricsSink,
     ServiceStats,
 )
+from kvprefetch.controlplane.live.service_journal import ServiceJournal
 from kvprefetch.controlplane.live.sessions import SessionQuery, SessionRegistry, SessionState
-from kvprefetch.controlplane.traces.journal import (
-    EpochRecord,
-    StopRecord,
-    TimeLimits,
-    quarantine,
-)
+from kvprefetch.controlplane.live.summary import driver_summary
+from kvprefetch.controlplane.traces.journal_writer import JournalOpener, open_journal_file
 
 log = logging.getLogger(__name__)
 
-_Call = TypeVar("_Call", bound=api.RouteQuery | api.RequestStarted | api.RequestFinished
-                | api.HintCall | api.SessionClosed)
+#: The calls of the gateway that record a session event.
+_GatewayCall = (api.RouteQuery | api.RequestStarted | api.RequestFinished | api.HintCall
+                | api.SessionClosed)
+_Call = TypeVar("_Call", bound=_GatewayCall)
+_Answer = TypeVar("_Answer")
 
 #: Epochs from the wall clock count whole seconds from 2024-01-01 UTC (so that order ids,
 #: epoch << 32 | n, stay below 2**63 until 2092).
@@ -149,8 +127,6 @@ class SchedulerService:
                  calendar: Callable[[], float] = time.time,
                  journal_opener: JournalOpener = open_journal_file) -> None:
         self.config = config
-        #: Opens the journal file (a test injects one whose writes fail on demand).
-        self._journal_opener = journal_opener
         self.policy = config.policy_spec
         self.clock = ServiceClock(config.time_compression, wall=wall)
         self._wall = wall
@@ -167,14 +143,12 @@ class SchedulerService:
         #: The outboxes of the calls of a :meth:`batch` under way (None: none).
         self._batched: list[Outbox] | None = None
         self._driver: LiveDriver | None = None
-        self._journal: LiveJournalWriter | None = None
-        #: The background compaction under way, if any.
-        self._compactor: threading.Thread | None = None
-        #: Records the journal kept at its last compaction (the next waits for as many).
-        self._journal_kept = 0
+        #: ``journal_opener`` opens the journal file (a test injects one whose writes fail).
+        self.journal = ServiceJournal(config, self.clock, self._lock, wall=wall,
+                                      calendar=calendar, opener=journal_opener,
+                                      stopping=lambda: self._stopping)
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self._last_sync = 0.0
         self._ring = ShardRing(config.shards)
 
     # ------------------------------------------------------------------ lifecycle
@@ -194,27 +168,14 @@ class SchedulerService:
                             self._metrics, self._wall)
         # Node slots without an agent yet are out until their agent says hello (a journal
         # replayed next brings back those its events prove had joined).
-        driver.mark_out(range(self.config.nodes_at_start, self.config.fleet.nodes), Outbox())
-        path = self.config.journal_path
-        last_epoch, next_seq = 0, 1
-        if path is not None and Path(path).exists() and Path(path).stat().st_size > 0:
-            scan = self._resume(driver, Path(path))
-            last_epoch, next_seq = scan.last_epoch, scan.last_seq + 1
-            limit = self.config.journal_compact_records
-            if limit and scan.records >= limit:
-                self._compact_at_start(driver, Path(path))
+        driver.members.mark_out(range(self.config.nodes_at_start, self.config.fleet.nodes),
+                                Outbox())
+        last_epoch, next_seq = self.journal.replay(driver)
         self.epoch = shard_epoch(next_epoch(last_epoch, self._calendar(),
                                             damaged=driver.stats.journal_quarantined > 0),
                                  self.config.shard, self.config.shards)
         self.orders.begin_epoch(self.epoch)
-        if path is not None:
-            self._journal = driver.journal = LiveJournalWriter(
-                path, metadata=self._journal_metadata(), next_seq=next_seq,
-                opener=self._journal_opener).open()
-            self._journal.write_epoch(EpochRecord(self.epoch, self.clock.now_s(),
-                                                  self._calendar(),
-                                                  self.config.time_compression))
-            self._journal.flush(sync=True)
+        self.journal.open(driver, next_seq, self.epoch)
         self._driver = driver
         self._attach_metric_readers()
         self._stopping = False
@@ -224,82 +185,24 @@ class SchedulerService:
         nodes = self.config.fleet.nodes
         log.info("scheduler service started: epoch %d, policy %s, %d of %d nodes in the "
                  "fleet, compression %g", self.epoch, self.policy.name,
-                 nodes - len(driver.out_nodes), nodes, self.config.time_compression)
+                 nodes - len(driver.members.out_nodes), nodes, self.config.time_compression)
         return self
 
-    def _resume(self, driver: LiveDriver, path: Path) -> LiveJournalScanner:
-        """Replay the journal; quarantine its damaged records (never fail start-up on
-        them: Ray would restart the scheduler into the same record forever). Returns the
-        scan (last epoch, last sequence number, records read)."""
-        scan = driver.resume(path, TimeLimits(now_wall_s=self._calendar()))
-        damaged = scan.damaged
-        if damaged:
-            driver.stats.journal_quarantined = len(damaged)
-            try:
-                side = quarantine(path, damaged, wall_s=self._calendar())
-            except OSError as exc:  # the records were skipped all the same
-                log.error("journal %s: could not quarantine %d damaged records: %s", path,
-                          len(damaged), exc)
-            else:
-                lines = ", ".join(f"{d.line} ({d.reason})" for d in damaged[:10])
-                log.warning("journal %s: %d damaged records skipped and moved to %s: lines %s%s",
-                            path, len(damaged), side, lines,
-                            " ..." if len(damaged) > 10 else "")
-        return scan
-
-    def _journal_metadata(self) -> dict[str, Any]:
-        return {"source": "kvprefetch-service", "policy": self.policy.name,
-                "time_compression": self.config.time_compression}
-
-    def _compact_at_start(self, driver: LiveDriver, path: Path) -> None:
-        """Before the writer opens it: the journal without closed sessions' records (a
-        failure is logged; the journal stays as it was)."""
-        t0 = self._wall()
-        try:
-            result = compact_journal(path, metadata=self._journal_metadata())
-        except OSError as exc:
-            log.error("journal %s: compaction failed: %s", path, exc)
-            return
-        if result.damaged:
-            log.error("journal %s: not compacted: %d damaged records left in it", path,
-                      result.damaged)
-            return
-        self._journal_kept = result.records_after
-        driver.stats.journal_compactions += 1
-        driver.stats.journal_records_dropped += result.records_before - result.records_after
-        log.info("journal %s compacted at start-up in %.2f s: %d records -> %d (%.1f -> "
-                 "%.1f MiB)", path, self._wall() - t0, result.records_before,
-                 result.records_after, result.bytes_before / (1 << 20),
-                 result.bytes_after / (1 << 20))
-
     def close(self) -> None:
+        """Stop the control loop, then end the journal with a stop record. Idempotent."""
         with self._wake:
             self._stopping = True
             self._wake.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
-        if self._compactor is not None:  # it gives up once it sees _stopping
-            self._compactor.join(timeout=60)
-            self._compactor = None
-        if self._journal is not None:
-            with self._lock:
-                try:  # the journal's last record says the scheduler stopped cleanly
-                    self._journal.write_stop(StopRecord(self.epoch, self.clock.now_s(),
-                                                        self._calendar()))
-                    self._journal.flush(sync=True)
-                except (JournalUnavailableError, OSError) as exc:
-                    log.error("journal %s: not closed cleanly: %s", self._journal.path, exc)
-                self._journal.close()
-                self._journal = None
+        self.journal.close(self.epoch)
 
     def check_health(self) -> None:
         """Raise :class:`JournalUnavailableError` while the journal takes no records (after
         a failed write; see :meth:`LiveJournalWriter.check_writable`). For ``/healthz`` and
         the actor's ``ping``; no I/O while the journal is healthy."""
-        journal = self._journal
-        if journal is not None:
-            journal.check_writable()
+        self.journal.check_health()
 
     def __enter__(self) -> SchedulerService:
         return self.start()
@@ -368,11 +271,6 @@ class SchedulerService:
     def node_name(self, node: int) -> str:
         return self.driver.node_name(node)
 
-    def _check_node(self, node: int) -> None:
-        if not 0 <= node < self.config.fleet.nodes:
-            raise InvalidRequestError(
-                f"node {node} out of range (the fleet has {self.config.fleet.nodes} nodes)")
-
     @contextmanager
     def _step(self) -> Iterator[Outbox]:
         """Decide under the lock, then send what was decided (in a :meth:`batch`: when
@@ -426,42 +324,36 @@ class SchedulerService:
             return cast(_Call, prehash(call, self.config.chunk_tokens))
         return call
 
+    def _gateway_call(self, kind: type[_GatewayCall], call: _GatewayCall | dict[str, Any],
+                      decide: Callable[[LiveDriver, Any, Outbox], _Answer]) -> _Answer:
+        """Every gateway call: a dict is parsed as ``kind`` at this edge; the call is checked
+        against the limits and the shard ring and its token ids hashed, outside the lock;
+        then the driver's ``decide`` runs under it (:meth:`_step`)."""
+        parsed: _GatewayCall = api.parse(kind, call) if isinstance(call, dict) else call
+        checked = self._admit(parsed)
+        with self._step() as box:
+            return decide(self.driver, checked, box)
+
     def request_started(self, call: api.RequestStarted | api.RouteQuery | dict[str, Any]
                         ) -> api.Ack:
-        started: api.RequestStarted | api.RouteQuery = self._admit(
-            api.parse(api.RequestStarted, call) if isinstance(call, dict) else call)
-        with self._step() as box:
-            self.driver.start_request(started, box)
+        self._gateway_call(api.RequestStarted, call, LiveDriver.start_request)
         return api.ACCEPTED
 
     def route(self, call: api.RouteQuery | dict[str, Any]) -> api.RouteAnswer:
         """Pick the node for a request; records ``request_started`` when the gateway has
         not sent it for this request."""
-        checked: api.RouteQuery = self._admit(
-            api.parse(api.RouteQuery, call) if isinstance(call, dict) else call)
-        with self._step() as box:
-            return self.driver.route(checked, box)
+        return self._gateway_call(api.RouteQuery, call, LiveDriver.route)
 
     def request_finished(self, call: api.RequestFinished | dict[str, Any]) -> api.Ack:
-        checked: api.RequestFinished = self._admit(
-            api.parse(api.RequestFinished, call) if isinstance(call, dict) else call)
-        self._check_node(checked.node)
-        with self._step() as box:
-            self.driver.request_finished(checked, box)
+        self._gateway_call(api.RequestFinished, call, LiveDriver.request_finished)
         return api.ACCEPTED
 
     def hint(self, call: api.HintCall | dict[str, Any]) -> api.Ack:
-        checked: api.HintCall = self._admit(
-            api.parse(api.HintCall, call) if isinstance(call, dict) else call)
-        with self._step() as box:
-            self.driver.hint(checked, box)
+        self._gateway_call(api.HintCall, call, LiveDriver.hint)
         return api.ACCEPTED
 
     def session_closed(self, call: api.SessionClosed | dict[str, Any]) -> api.Ack:
-        checked: api.SessionClosed = self._admit(
-            api.parse(api.SessionClosed, call) if isinstance(call, dict) else call)
-        with self._step() as box:
-            self.driver.session_closed(checked, box)
+        self._gateway_call(api.SessionClosed, call, LiveDriver.session_closed)
         return api.ACCEPTED
 
     def session_state(self, call: SessionQuery | dict[str, Any]) -> SessionState:
@@ -482,7 +374,7 @@ class SchedulerService:
                   ) -> GpuStartPlan:
         """The node's GPU picks the request up: the core may start its demand load; the
         engine waits for the order it is told of, then reads its local tier."""
-        self._check_node(node)
+        check_node(node, self.config.fleet.nodes)
         self._check_owner(tenant, session_id)
         with self._step() as box:
             return self.driver.gpu_start(node, tenant, session_id, reused_tokens, box)
@@ -499,7 +391,7 @@ class SchedulerService:
             return self.driver.use_local(node, tenant, session_id, reused_tokens)
 
     def engine_report(self, report: EngineReport) -> None:
-        self._check_node(report.node)
+        check_node(report.node, self.config.fleet.nodes)
         with self._lock:
             self.driver.engine_report(report)
 
@@ -509,33 +401,33 @@ class SchedulerService:
         them); reconcile the node's books with what its tier really holds. The agent of a
         node out of the fleet (``initial_nodes``) joins it: the node is warmed with idle
         sessions whose KV is local nowhere, and routed to from now on."""
-        self._check_node(hello.node)
+        check_node(hello.node, self.config.fleet.nodes)
         with self._step() as box:
-            self.driver.agent_hello(hello, box)
+            self.driver.members.agent_hello(hello, box)
 
     def node_status(self, status: AgentStatus) -> None:
         """An agent's periodic report of its tier: this shard's quota of the node follows
-        the capacity it reports (:meth:`LiveDriver.node_status`)."""
-        self._check_node(status.node)
+        the capacity it reports (:meth:`FleetMembership.node_status`)."""
+        check_node(status.node, self.config.fleet.nodes)
         with self._step() as box:
-            self.driver.node_status(status, box)
+            self.driver.members.node_status(status, box)
 
     def tier_evicted(self, evictions: TierEvictions) -> None:
         """The node's tier evicted these sessions' chunks by its own order: their books
-        entries go (:meth:`LiveDriver.tier_evicted`)."""
-        self._check_node(evictions.node)
+        entries go (:meth:`FleetMembership.tier_evicted`)."""
+        check_node(evictions.node, self.config.fleet.nodes)
         with self._step() as box:
-            self.driver.tier_evicted(evictions, box)
+            self.driver.members.tier_evicted(evictions, box)
 
     def report_transfer(self, report: TransferReport) -> None:
         """An agent finished (or gave up) an order. Idempotent per order id."""
         with self._step() as box:
-            self.driver.report_transfer(report, box)
+            self.driver.transfers.report(report, box)
 
     def _unsent(self, order: TransferOrder, why: str) -> None:
         """An order could not be handed to its agent (called by the fan-out)."""
         with self._step() as box:
-            self.driver.unsent(order, why, box)
+            self.driver.transfers.unsent(order, why, box)
 
     # ------------------------------------------------------------------ control loop
     def _loop(self) -> None:
@@ -563,73 +455,15 @@ class SchedulerService:
             now = self.clock.now_s()
             self.driver.fire_due(now, box)
             self.driver.sweep(now, box)
-            self.driver.expire(wall, now, box)
+            self.driver.transfers.expire(wall, now, box)
             self.stats.plan_step_s.append(self._wall() - wall)
             self.stats.plan_steps += 1
-        if self._journal is not None:
-            sync = wall - self._last_sync > self.config.journal_sync_interval_s
-            if sync:
-                self._last_sync = wall
-            self._journal.flush(sync=sync)
-            self._maybe_compact()
-
-    # ------------------------------------------------------------------ compaction
-    def _maybe_compact(self) -> None:
-        """From the loop: compact in the background once ``journal_compact_records``
-        records (and as many as the last compaction kept) were written since."""
-        limit, driver = self.config.journal_compact_records, self._driver
-        if not limit or self._journal is None or driver is None or (
-                self._compactor is not None and self._compactor.is_alive()):
-            return
-        if driver.journal_records < max(limit, self._journal_kept):
-            return
-        self._compactor = threading.Thread(target=self.compact_journal,
-                                           name="kvprefetch-journal-compaction", daemon=True)
-        self._compactor.start()
+        self.journal.tick(wall)
 
     def compact_journal(self) -> bool:
-        """Compact the journal while the service runs: under the lock, note where the
-        journal ends and which sessions are live; without it, copy their records to a new
-        file; under the lock again, append what was written meanwhile, rename the copy
-        over the journal and reopen the writer on it. Returns whether it compacted (a
-        failure is logged and counted in ``loop_errors``; the journal stays as it was)."""
-        journal, driver = self._journal, self._driver
-        if journal is None or driver is None:
-            return False
-        path, t0 = journal.path, self._wall()
-        try:
-            with self._lock:
-                journal.flush()
-                upto = path.stat().st_size
-                live = {info.sid for info in driver.registry}
-                written, driver.journal_records = driver.journal_records, 0
-            records, read, damaged = live_records(path, upto, live)
-            if damaged:
-                log.error("journal %s: not compacted: %d damaged records (the next start "
-                          "quarantines them)", path, damaged)
-                with self._lock:
-                    driver.journal_records += written
-                return False
-            tmp = write_compacted(path, records, self._journal_metadata())
-            with self._lock:
-                if self._stopping or self._journal is not journal:
-                    tmp.unlink(missing_ok=True)
-                    return False
-                journal.flush()
-                size = publish_compacted(tmp, path, upto)
-                journal.close()
-                journal.open()
-                self._journal_kept = len(records) + 1
-                driver.stats.journal_compactions += 1
-                driver.stats.journal_records_dropped += read - len(records) - 1
-        except Exception:
-            driver.stats.loop_errors += 1
-            log.exception("journal %s: compaction failed; the journal stays as it was", path)
-            return False
-        log.info("journal %s compacted in %.2f s: %d records -> %d (%d live sessions, "
-                 "%.1f MiB)", path, self._wall() - t0, read, len(records) + 1, len(live),
-                 size / (1 << 20))
-        return True
+        """Compact the journal now, while serving (:meth:`ServiceJournal.compact`): whether
+        it did."""
+        return self.journal.compact()
 
     # ------------------------------------------------------------------ introspection
     def sessions(self) -> int:
@@ -642,7 +476,7 @@ class SchedulerService:
 
     def summary(self) -> dict[str, Any]:
         with self._lock:
-            out = self.driver.summary()
+            out = driver_summary(self.driver)
         if self.config.shards > 1:
             out["shard"], out["shards"] = self.config.shard, self.config.shards
         return out

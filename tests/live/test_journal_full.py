@@ -182,7 +182,7 @@ def test_a_write_that_cannot_be_cut_back_blocks_appends_until_it_can(
     c = connect(service=svc, tenant="acme")
     c.route("a", input_tokens=100)
     size = path.stat().st_size
-    journal = svc._journal
+    journal = svc.journal.writer
     assert journal is not None
     real_truncate = _FullDiskFile.truncate
     _FullDiskFile.truncate = lambda self, n: (_ for _ in ()).throw(  # type: ignore[method-assign]
