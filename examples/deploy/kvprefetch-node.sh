@@ -19,8 +19,8 @@
 # own processes are Ray's: `ray start` daemonizes them and the cluster launcher watches them.
 #
 # Secrets: the scheduler's API token is read from $KVP_API_TOKEN_FILE, which must be mode
-# 0600 or 0400; serve gets it in its environment (KVPREFETCH_API_TOKEN, the serve config's
-# http.bearer_token_env), the gateway reads the file itself (--token-file). No secret is
+# 0600 or 0400; serve gets it in its environment (KVPREFETCH_API_TOKEN, the token of the
+# serve config's `default` tenant), the gateway reads the file itself (--token-file). No secret is
 # ever on a command line. Store credentials come from the environment or the instance
 # role (AWS_ACCESS_KEY_ID ..., boto3's chain), never from the config file: the LMCache
 # server's --l2-adapter JSON is built from the serve config and refuses inline secrets.

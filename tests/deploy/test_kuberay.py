@@ -132,7 +132,11 @@ def test_the_configmap_serve_config_loads_and_matches_the_example(
     cfg = load_serve_config(path)
     example = yaml.safe_load((ROOT / "examples" / "serve.yaml").read_text())
     assert cfg.agent.backend == example["agent"]["backend"] == "lmcache-mp"
-    assert cfg.http.bearer_token_env == TOKEN_ENV and cfg.http.host == "0.0.0.0"
+    # per-tenant tokens, as in the example: the gateway's tenant reads the Secret's variable
+    assert cfg.http.bearer_token_env is None and cfg.http.host == "0.0.0.0"
+    assert set(cfg.tenants) == set(example["tenants"]) == {"default"}
+    assert cfg.tenants["default"].token.env == TOKEN_ENV  # type: ignore[union-attr]
+    assert cfg.service_config(["a"]).predictor == example["service"]["predictor"] == "default"
     assert "REPLACE_ME" in cfg.stores.model_dump_json()  # endpoints left to the user
 
 
