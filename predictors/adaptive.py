@@ -269,8 +269,8 @@ def _bucket_curve(grid: tuple[float, ...], seg: np.ndarray, p_never: float
     for bit (tests/predictors/test_adaptive_fast_path.py); the curve is valid by this
     construction, so it is made without :class:`SurvivalCurve`'s checks (its knot
     integral is left to the first ``integral`` call, as for any curve). A rebuild runs
-    every :data:`REBUILD_EVERY` gaps of a bucket: it was a third of the scheduler's time
-    per event (issue 12).
+    every :data:`REBUILD_EVERY` gaps of a bucket, so its cost shows in the scheduler's time
+    per event (`kvprefetch bench control-plane`).
     """
     done = np.add.accumulate(seg)
     total = float(done[-1])  # the running sum's last value: the loops' total

@@ -11,11 +11,9 @@ Either way the session returns at all with :data:`HINT_P_RETURN`, and the foreca
 the law as a survival curve conditioned on the silence so far (``conditioned=True``): a
 session whose ETA has passed is due soon, then less and less so the longer it stays
 silent, and past the law's last knot (:data:`LAW_Z_SPAN` sigmas beyond its median) it is
-taken not to return (handing it back to the wrapped model's forecast there measured worse:
-0.858 vs 0.841 s on the default fleet with full hints). Measured in the simulator (README,
-"Hints"): against fixed quantiles floored at "silent as long again" (the recency rule for
-forecasts that ignore the silence), the laws cut the bytes wasted by hinted prefetches by
-a half to three quarters.
+taken not to return (the hint said when; a session silent far past it is not coming). A
+law, rather than fixed quantiles floored at "silent as long again", keeps a hinted
+prefetch from being re-planned ever later while the session stays silent.
 
 A hint holds until the session's next request starts. Without hints the wrapped model's
 forecast is returned unchanged. ``hinted`` alone wraps ``ewma``; ``hinted:SPEC`` wraps any

@@ -58,15 +58,15 @@ class NodeProfile(_Frozen):
     gpus: int = Field(1, gt=0)
     #: Dense bf16 peak per GPU. H100 SXM: 989 TFLOP/s (NVIDIA H100 datasheet).
     peak_flops_per_gpu: float = Field(989e12, gt=0)
-    #: Prefill model-FLOPs utilisation; 0.4-0.6 is typical (ARCHITECTURE.md, cost model).
+    #: Prefill model-FLOPs utilisation; 0.4-0.6 is typical (docs/architecture.md, cost model).
     prefill_mfu: float = Field(0.5, gt=0, le=1)
     hbm_kv_bytes: ByteSize = Field(gt=0, description="HBM left for KV after weights/activations "
                                    "(bytes, or a size such as 48GiB)")
     dram_tier_bytes: ByteSize = Field(ge=0, description="node-local CPU DRAM tier (LMCache L1; "
                                       "bytes, or a size such as 64GiB)")
-    #: NIC bandwidth per node: 100-400 Gb/s is common for GPU nodes (ARCHITECTURE.md).
+    #: NIC bandwidth per node: 100-400 Gb/s is common for GPU nodes (docs/architecture.md).
     nic_gbps: float = Field(100.0, gt=0)
-    #: Host-to-GPU copy bandwidth; PCIe 5 x16 gives ~25-50 GB/s in practice (ARCHITECTURE.md).
+    #: Host-to-GPU copy bandwidth; PCIe 5 x16 gives ~25-50 GB/s in practice (docs/architecture.md).
     h2d_gbyte_s: float = Field(25.0, gt=0)
 
     @property
@@ -81,7 +81,7 @@ class NodeProfile(_Frozen):
 class RemoteStoreProfile(_Frozen):
     """The remote token store: Valkey (hot, in front of) S3 (cold, durable)."""
 
-    #: Valkey per-request latency: sub-millisecond on a local network (ARCHITECTURE.md).
+    #: Valkey per-request latency: sub-millisecond on a local network (docs/architecture.md).
     valkey_latency_s: float = Field(0.0005, ge=0)
     #: Valkey throughput one node can pull with several connections and striped values.
     #: One connection reads ~1.3-1.7 GB/s of 4 MiB values (LMCache's valkey adapter and a
@@ -119,13 +119,12 @@ class PlannerConfig(_Frozen):
     min_confidence: float = Field(0.7, ge=0, le=1)
     #: A prefetch may displace residents (rather than only fill free room) when its
     #: forecast is at least this confident: a client's hint with an ETA (0.9,
-    #: ``kvprefetch.predictors.hinted``) or the oracle's certainty. A forecast from history alone
-    #: cannot time a return better than the residents' recency (README, "Why prefetch
-    #: without hints cannot close the gap"); letting those displace measured worse.
+    #: ``kvprefetch.predictors.hinted``) or the oracle's certainty. A forecast from history
+    #: alone cannot time a return better than the residents' recency, so it only fills
+    #: free room.
     displace_min_confidence: float = Field(0.85, ge=0, le=1)
     #: ... and only residents predicted to be used after this quantile of its arrival (a
     #: late one: the candidate must come first with some certainty, not only on median).
-    #: Measured on 15 runs with hints (README, "Hints"): 0.75 beat 0.5 and 0.9.
     displace_quantile: float = Field(0.75, ge=0.5, lt=1)
     #: Do not plan further ahead than this (seconds); such sessions are re-planned later,
     #: and sessions idle for longer are no longer swept.
@@ -144,19 +143,13 @@ class PlannerConfig(_Frozen):
     #: and when the GPU picks the request up otherwise. 0 (the default): during any
     #: queue wait (a request that does not queue is loaded at its GPU start). While the
     #: request waits its load yields the link to the loads GPUs wait for
-    #: (``QUEUED_PRIORITY``), so even a short overlap is a gain: measured on 69 runs
-    #: (README, "Loading during any queue wait"), 0 gave 0.987 of 0.5's returning mean
-    #: TTFT and left predictive behind the better of ``ondemand`` and ``queue`` in 3 of
-    #: them (0.5: 13, mostly by loading at GPU start what ``queue`` overlapped with a
-    #: short wait). Before the loads of waiting requests had that priority, 0.5 beat 0
-    #: and 2.
+    #: (``QUEUED_PRIORITY``), so even a short overlap is a gain.
     arrival_load_min_wait_fraction: float = Field(0.0, ge=0)
     #: ... and starts it at most this multiple of the time to last byte before the GPU is
     #: expected to pick the request up: behind a longer queue, a load at arrival would
-    #: hold DRAM for the whole wait and an overloaded fleet thrashes (measured: Claude
-    #: Code on 2 nodes, returning mean 35.0 s loading at arrival, 11.3 s at GPU start past
-    #: 3x, ondemand 16.5 s, queue 154 s), so the load waits in the queue with its request
-    #: and starts that long before the request's estimated GPU start.
+    #: hold DRAM for the whole wait and an overloaded fleet thrashes, so the load waits in
+    #: the queue with its request and starts that long before the request's estimated GPU
+    #: start.
     arrival_load_max_wait_fraction: float = Field(3.0, gt=0)
 
 

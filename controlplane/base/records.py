@@ -3,12 +3,11 @@
 A frozen dataclass's generated ``__init__`` sets each field through
 ``object.__setattr__`` (looked up and called once per field), which makes the records the
 scheduler builds for every event (events, forecasts, routing requests and decisions, step
-outputs) cost about twice as much as mutable ones: about a tenth of the pure core's time
-per event (issue 12). :func:`quick_init` replaces it by one that sets each slot through
-the slot's own descriptor, read once per class. The record stays frozen (assignment still
-raises ``FrozenInstanceError``), equal, hashable and printable as before; only
-construction is faster (an :class:`~kvprefetch.controlplane.base.types.ArrivalForecast`: 1.5-1.9 ->
-0.9-1.4 us here, 1.35-1.69x side by side).
+outputs) cost about twice as much as mutable ones (`kvprefetch bench control-plane --modes
+inproc` shows the pure core's events per second). :func:`quick_init` replaces it by one
+that sets each slot through the slot's own descriptor, read once per class. The record stays
+frozen (assignment still raises ``FrozenInstanceError``), equal, hashable and printable;
+only construction is faster.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Summaries of a policy run, with the metric names of ARCHITECTURE.md ("Metrics")."""
+"""Summaries of a policy run, with the metric names of docs/concepts.md ("Metrics the
+results use")."""
 
 from __future__ import annotations
 

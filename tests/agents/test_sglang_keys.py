@@ -112,7 +112,7 @@ def test_object_names_follow_sglangs_file_backend(tmp_path: Path, mla: bool, pp:
 
 def test_tenant_salts_are_sglang_namespaces_and_keep_tenants_apart() -> None:
     """A tenant's pages are named under its cache salt as SGLang names a request that
-    carries it (issue 15); the default tenant's, with no salt, exactly as before."""
+    carries it; the default tenant's, with no salt, exactly as before."""
     tokens = list(range(1000, 1300))
     names = {}
     for tenant in ("default", "acme", "globex"):

@@ -1,5 +1,5 @@
 """IndexedTier: the same victims as a full sort of every resident's key, without computing
-every key per decision (issue 12, item 3)."""
+every key per decision."""
 
 from __future__ import annotations
 

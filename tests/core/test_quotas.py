@@ -1,4 +1,4 @@
-"""Per-tenant shares enforced by the scheduling core (issue 15): a tenant over its share of a
+"""Per-tenant shares enforced by the scheduling core: a tenant over its share of a
 node's local tier loses its own sessions first, never another tenant's, and KV it cannot
 make room for among its own is not kept; a tenant's prefetches start no faster than its
 share of the node's NIC. The other tenant is unaffected. Hand-computed numbers: the 8B

@@ -1,6 +1,6 @@
 """The indexed sweep (kvprefetch.controlplane.core.sweep): the same decisions as forecasting every
 due
-session at every sweep, with forecasts only where the gate may pass (issue 12)."""
+session at every sweep, with forecasts only where the gate may pass."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The default predictor's forecast hot path (kvprefetch.predictors.adaptive._read_curve) gives the
-numbers of the survival curve's own methods, bit for bit (issue 12: no decision may
+numbers of the survival curve's own methods, bit for bit (no decision may
 change for speed)."""
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def test_read_curve_equals_the_curve_methods_bit_for_bit() -> None:
 
 def _reference_curve(grid: tuple[float, ...], seg: list[float], p_never: float
                      ) -> SurvivalCurve:
-    """The bucket curve as the plain loops built it before (issue 12)."""
+    """The bucket curve as plain Python loops build it: the reference."""
     from itertools import accumulate
 
     done = list(accumulate(seg))
