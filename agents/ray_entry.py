@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import ray
 
@@ -32,6 +32,7 @@ from kvprefetch.agents.engine_emulator import (
     ServeRequest,
     ServeResult,
 )
+from kvprefetch.controlplane.base.scheduler_api import NodeAPI
 from kvprefetch.controlplane.base.shards import ShardRing, split_engine_report, split_tier_evictions
 from kvprefetch.controlplane.base.wire import (
     AgentHello,
@@ -44,6 +45,9 @@ from kvprefetch.controlplane.base.wire import (
 )
 
 log = logging.getLogger(__name__)
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 NAMESPACE = "kvprefetch"
 SCHEDULER_NAME = "kvprefetch-scheduler"
@@ -72,7 +76,10 @@ def node_resource(node: int) -> str:
 
 
 class _SchedulerRef:
-    """The scheduler actor's handle, looked up by name and again after it restarts."""
+    """One scheduler shard's actor, looked up by name (and again after :meth:`reset`, once
+    it restarted). Its calls are the methods of
+    :class:`~kvprefetch.controlplane.base.scheduler_api.NodeAPI`, which name and type them:
+    ``ref.send(NodeAPI.report_transfer, report)``."""
 
     def __init__(self, name: str = SCHEDULER_NAME, namespace: str = NAMESPACE) -> None:
         self._name = name
@@ -80,12 +87,26 @@ class _SchedulerRef:
         self._handle: Any = None
 
     def get(self) -> Any:
+        """The actor handle (ValueError while no actor has the name)."""
         if self._handle is None:
             self._handle = ray.get_actor(self._name, namespace=self._namespace)
         return self._handle
 
     def reset(self) -> None:
         self._handle = None
+
+    def send(self, call: Callable[Concatenate[NodeAPI, _P], object], /,
+             *args: _P.args, **kwargs: _P.kwargs) -> Any:
+        """Start ``call`` on the actor and return its ObjectRef at once (fire and forget
+        unless the caller waits on it)."""
+        return getattr(self.get(), call.__name__).remote(*args, **kwargs)
+
+    def ask(self, timeout_s: float, call: Callable[Concatenate[NodeAPI, _P], _R], /,
+            *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        """``call`` on the actor, waiting at most ``timeout_s`` seconds for its answer
+        (``ray.exceptions.GetTimeoutError`` after)."""
+        answer: _R = ray.get(self.send(call, *args, **kwargs), timeout=timeout_s)
+        return answer
 
 
 class _Shards:
@@ -134,7 +155,7 @@ class _AgentActor:
             for shard, part in split_tier_evictions(evicted, self._shards.ring).items():
                 ref = self._shards.refs[shard]
                 try:
-                    ref.get().tier_evicted.remote(part)
+                    ref.send(NodeAPI.tier_evicted, part)
                 except Exception as exc:  # the shard's next reconcile drops them
                     ref.reset()
                     log.warning("agent %d: shard %d not told of %d evicted sessions: %s",
@@ -155,7 +176,7 @@ class _AgentActor:
             return
         for ref in refs:
             try:
-                ref.get().node_status.remote(status)
+                ref.send(NodeAPI.node_status, status)
             except Exception as exc:
                 ref.reset()
                 log.debug("agent %d: shard not reachable for a status: %s",
@@ -164,7 +185,7 @@ class _AgentActor:
     def _report(self, report: TransferReport) -> None:
         ref = self._shards.of_order(report.order_id)
         try:
-            ref.get().report_transfer.remote(report)
+            ref.send(NodeAPI.report_transfer, report)
         except Exception:
             ref.reset()
             raise
@@ -176,7 +197,7 @@ class _AgentActor:
         greeted = []
         for ref in self._shards.refs:
             try:
-                ref.get().agent_hello.remote(self.agent.hello())
+                ref.send(NodeAPI.agent_hello, self.agent.hello())
                 greeted.append(ref)
             except Exception as exc:
                 ref.reset()
@@ -243,25 +264,23 @@ class _EngineActor:
     def _gpu_start(self, node: int, tenant: str, sid: str, reused: int) -> GpuStartPlan:
         ref = self._shards.owner(tenant, sid)
         try:
-            plan: GpuStartPlan = ray.get(
-                ref.get().gpu_start.remote(node, tenant, sid, reused),
-                timeout=ENGINE_CALL_TIMEOUT_S)
+            return ref.ask(ENGINE_CALL_TIMEOUT_S, NodeAPI.gpu_start, node, tenant, sid, reused)
         except (ray.exceptions.RayActorError, ValueError):
             ref.reset()
             raise
-        return plan
 
     def _use_local(self, node: int, tenant: str, sid: str, reused: int,
                    done: TransferReport | None) -> int:
         # Fire and forget: it carries the report it depends on, and the GPU must not wait
         # a round trip for book-keeping (the engine reads what its tier really holds).
-        self._shards.owner(tenant, sid).get().use_local.remote(node, tenant, sid, reused, done)
+        self._shards.owner(tenant, sid).send(NodeAPI.use_local, node, tenant, sid, reused,
+                                             done)
         return 0
 
     def _send(self, report: EngineReport) -> None:
         # The served session's shard, and drop notices to the shards of the dropped ones.
         for shard, part in split_engine_report(report, self._shards.ring).items():
-            self._shards.refs[shard].get().engine_report.remote(part)
+            self._shards.refs[shard].send(NodeAPI.engine_report, part)
 
     def _wait(self, order_id: int, timeout_s: float) -> TransferReport | None:
         ref: Any = self._agent.wait.remote(order_id, timeout_s)

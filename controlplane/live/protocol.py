@@ -2,23 +2,24 @@
 whatever carries calls to it.
 
 :class:`SchedulerAPI` is every call the scheduler takes; :class:`GatewayAPI` is the
-gateway's part of it (the five calls of the HTTP API). Implementations:
+gateway's part of it (the calls of the HTTP API), and
+:class:`~kvprefetch.controlplane.base.scheduler_api.NodeAPI` the engines' and agents' part
+(in the bottom layer, where the agents may import it). Implementations:
 
-* :class:`~kvprefetch.controlplane.live.service.SchedulerService` (SchedulerAPI): the scheduler in
-  this process;
+* :class:`~kvprefetch.controlplane.live.service.SchedulerService` (SchedulerAPI): the
+  scheduler in this process;
 * the Ray ``SchedulerActor`` (:mod:`kvprefetch.controlplane.live.ray_app`, SchedulerAPI): the
   service wrapped as an actor;
 * :class:`~kvprefetch.controlplane.live.client.RayTransport` (SchedulerAPI): calls that actor;
-* :class:`~kvprefetch.controlplane.live.client.HttpTransport` (GatewayAPI): calls the HTTP API of
-  :mod:`kvprefetch.controlplane.live.http_api`, which fronts any GatewayAPI.
+* :class:`~kvprefetch.controlplane.live.client.HttpTransport` (GatewayAPI): calls the HTTP
+  API of :mod:`kvprefetch.controlplane.live.http_api`, which fronts any GatewayAPI.
 
 Calls take and answer the records of :mod:`kvprefetch.controlplane.base.api` (gateway) and
-:mod:`kvprefetch.controlplane.base.wire` (engines, agents); a caller holding a dict parses it at its
-own
-edge (:func:`kvprefetch.controlplane.base.api.parse`). Every method may be called from any thread.
-Refusals are the typed errors of :mod:`kvprefetch.controlplane.base.errors`
-(``UnknownSessionError``,
-``WrongTenantError``, ``InvalidRequestError``, ...); a transport across a process boundary
+:mod:`kvprefetch.controlplane.base.wire` (engines, agents); a caller holding a dict parses
+it at its own edge (:func:`kvprefetch.controlplane.base.api.parse`). Every method may be
+called from any thread. Refusals are the typed errors of
+:mod:`kvprefetch.controlplane.base.errors` (``UnknownSessionError``, ``WrongTenantError``,
+``InvalidRequestError``, ...); a transport across a process boundary
 also raises ``TimeoutError`` when the scheduler does not answer in time and
 ``ServiceUnavailableError`` when it cannot be reached.
 """
@@ -30,14 +31,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from kvprefetch.controlplane.base import api
 from kvprefetch.controlplane.base.errors import ServiceError
-from kvprefetch.controlplane.base.wire import (
-    AgentHello,
-    AgentStatus,
-    EngineReport,
-    GpuStartPlan,
-    TierEvictions,
-    TransferReport,
-)
+from kvprefetch.controlplane.base.scheduler_api import NodeAPI
 from kvprefetch.controlplane.live.sessions import SessionQuery, SessionState
 
 
@@ -86,54 +80,11 @@ class GatewayAPI(Protocol):
 
 
 @runtime_checkable
-class SchedulerAPI(GatewayAPI, Protocol):
+class SchedulerAPI(GatewayAPI, NodeAPI, Protocol):
     """Every call the scheduler takes: the gateway's (:class:`GatewayAPI`), each node's
-    engine's and prefetch agent's, and introspection for operators and tests."""
-
-    # ------------------------------------------------------------------ engine calls
-    def gpu_start(self, node: int, tenant: str, session_id: str,
-                  reused_tokens: int) -> GpuStartPlan:
-        """The engine of ``node``: its GPU picks the request up. Once per request, before
-        ``use_local``; the answer names the transfer the engine must wait for, if any."""
-        ...
-
-    def use_local(self, node: int, tenant: str, session_id: str, reused_tokens: int,
-                  done: TransferReport | None = None) -> int:
-        """The engine of ``node`` is about to read its local tier: the usable tokens there.
-        Once per request, after ``gpu_start`` (and after waiting for its transfer, whose
-        report ``done`` may carry: applying it is idempotent, see ``report_transfer``)."""
-        ...
-
-    def engine_report(self, report: EngineReport) -> None:
-        """The engine of ``report.node``: what it did for one request (its HBM contents,
-        local hits). Once per request; idempotent for the books (it overwrites the node's
-        HBM mirror), not for the metrics (counted again)."""
-        ...
-
-    # ------------------------------------------------------------------ agent calls
-    def agent_hello(self, hello: AgentHello) -> None:
-        """The prefetch agent of ``hello.node`` (re)started, or was asked to greet again:
-        orders sent to an older incarnation are failed and the node's books reconciled
-        with its inventory. Once per agent start (and when the scheduler restarts);
-        idempotent for one incarnation."""
-        ...
-
-    def node_status(self, status: AgentStatus) -> None:
-        """The prefetch agent of ``status.node`` reports its tier's capacity and occupancy
-        (every ``AgentConfig.status_interval_s``): the shard's quota of the node's tier
-        follows the reported capacity. Idempotent."""
-        ...
-
-    def tier_evicted(self, evictions: TierEvictions) -> None:
-        """The prefetch agent of ``evictions.node``: its tier evicted chunks of these
-        sessions by its own order, to fit a write; their books entries on the node go.
-        Idempotent."""
-        ...
-
-    def report_transfer(self, report: TransferReport) -> None:
-        """A prefetch agent finished (or gave up) an order. Once per order; idempotent
-        per ``order_id`` (the engine may deliver the same report through ``use_local``)."""
-        ...
+    engine's and prefetch agent's
+    (:class:`~kvprefetch.controlplane.base.scheduler_api.NodeAPI`), and introspection for
+    operators and tests."""
 
     # ------------------------------------------------------------------ introspection
     def summary(self) -> dict[str, Any]:

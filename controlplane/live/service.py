@@ -48,7 +48,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from pydantic import ValidationError
 
@@ -58,6 +58,7 @@ from kvprefetch.controlplane.base.errors import (
     InvalidRequestError,
     WrongShardError,
 )
+from kvprefetch.controlplane.base.scheduler_api import NodeAPI
 from kvprefetch.controlplane.base.shards import ShardRing, shard_epoch
 from kvprefetch.controlplane.base.types import SessionKey
 from kvprefetch.controlplane.base.wire import (
@@ -85,6 +86,7 @@ from kvprefetch.controlplane.live.ports import (
     ServiceMetricsSink,
     ServiceStats,
 )
+from kvprefetch.controlplane.live.protocol import SchedulerAPI
 from kvprefetch.controlplane.live.service_journal import ServiceJournal
 from kvprefetch.controlplane.live.sessions import SessionQuery, SessionRegistry, SessionState
 from kvprefetch.controlplane.live.summary import driver_summary
@@ -480,3 +482,8 @@ class SchedulerService:
         if self.config.shards > 1:
             out["shard"], out["shards"] = self.config.shard, self.config.shards
         return out
+
+
+if TYPE_CHECKING:  # mypy checks the service against the Protocols its callers rely on
+    _SCHEDULER: type[SchedulerAPI] = SchedulerService
+    _NODES: type[NodeAPI] = SchedulerService

@@ -12,6 +12,7 @@ import pytest
 from kvprefetch.controlplane.base import api
 from kvprefetch.controlplane.base.config import fleet_from_dict
 from kvprefetch.controlplane.base.errors import ServiceError
+from kvprefetch.controlplane.base.scheduler_api import NodeAPI
 from kvprefetch.controlplane.live.client import (
     Client,
     HttpTransport,
@@ -38,6 +39,10 @@ def _static_conformance(svc: SchedulerService, ray_t: RayTransport,
 
 def test_who_implements_which_protocol() -> None:
     assert isinstance(SchedulerService(ServiceConfig(fleet=FLEET)), SchedulerAPI)
+    # the nodes' part, which the agents and engines type their calls by
+    assert issubclass(SchedulerAPI, NodeAPI) and isinstance(
+        SchedulerService(ServiceConfig(fleet=FLEET)), NodeAPI)
+    assert not issubclass(HttpTransport, NodeAPI)
     assert issubclass(RayTransport, SchedulerAPI) and issubclass(RayTransport, RemoteAPI)
     assert issubclass(HttpTransport, RemoteAPI)
     # the HTTP API carries the gateway's calls only
