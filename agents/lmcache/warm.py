@@ -142,10 +142,6 @@ class L1Usage:
     total_bytes: int
     object_count: int
 
-    @property
-    def free_bytes(self) -> int:
-        return max(self.total_bytes - self.used_bytes, 0)
-
 
 @dataclass(frozen=True)
 class DeleteResult:
