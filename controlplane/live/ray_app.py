@@ -431,16 +431,6 @@ def _start_engine(cfg: EngineConfig, remote: RemoteStoreConfig | None, where: Pl
                                                          namespace, shards)
 
 
-def start_scheduler(service: ServiceConfig, *, namespace: str = NAMESPACE,
-                    detached: bool = False, ready_timeout_s: float = 120.0,
-                    placement: Placement | None = None, with_agents: bool = True) -> Any:
-    """Start the named scheduler actor (or get the one running) and wait until it answers.
-    ``with_agents=False``: it sends nothing to agents (``kvprefetch bench control-plane``)."""
-    return start_shards(service, 1, namespace=namespace, detached=detached,
-                        ready_timeout_s=ready_timeout_s, placement=placement,
-                        with_agents=with_agents)[0]
-
-
 def start_shards(service: ServiceConfig, shards: int, *, namespace: str = NAMESPACE,
                  detached: bool = False, ready_timeout_s: float = 120.0,
                  placement: Placement | None = None, with_agents: bool = True) -> list[Any]:
@@ -506,19 +496,6 @@ def ray_node_candidates(nodes: Sequence[dict[str, Any]] | None = None, *,
     finds them), pinned by node affinity, in NodeID order."""
     return [NodeCandidate(Placement(node_id=n["NodeID"]), None, n)
             for n in matching_nodes(nodes, resource=resource, labels=labels)]
-
-
-def local_node_candidates(nodes: Sequence[dict[str, Any]] | None = None, *,
-                          capacity: int) -> list[NodeCandidate]:
-    """One machine, many logical nodes (tests, the demo): slot ``i`` is there when an
-    alive Ray node has its custom resource (:func:`~kvprefetch.agents.ray_entry.node_resource`)."""
-    nodes = list(nodes if nodes is not None else ray.nodes())
-    found = []
-    for i in range(capacity):
-        hit = matching_nodes(nodes, resource=node_resource(i))
-        if hit:
-            found.append(NodeCandidate(Placement(resource=node_resource(i)), i, hit[0]))
-    return found
 
 
 def assign_slots(candidates: Sequence[NodeCandidate], placed: Mapping[str, int],

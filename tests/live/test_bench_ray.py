@@ -56,12 +56,12 @@ def _batching_client(namespace: str, max_events: int, flush_interval_s: float
     from kvprefetch.controlplane.live.client import EventBatching
     from kvprefetch.controlplane.live.config import ServiceConfig
     from kvprefetch.controlplane.live.connect import connect
-    from kvprefetch.controlplane.live.ray_app import start_scheduler
+    from kvprefetch.controlplane.live.ray_app import start_shards
 
     ray.init(namespace=namespace, include_dashboard=False, log_to_driver=False,
              configure_logging=False)
     try:
-        handle = start_scheduler(ServiceConfig(fleet=default_fleet("8b", 2)),
+        (handle,) = start_shards(ServiceConfig(fleet=default_fleet("8b", 2)), 1,
                                  namespace=namespace, with_agents=False)
         client = connect("auto", namespace=namespace, timeout_s=30.0,
                          batching=EventBatching(max_events=max_events,

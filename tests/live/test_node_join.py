@@ -139,14 +139,28 @@ def test_watcher_gives_new_nodes_the_free_slots_and_ignores_them_once_full(
     assert w.placed == {"n1": 0, "n2": 1, "n3": 2} and w.joined == 2
 
 
+def _local_node_candidates(nodes: list[dict[str, Any]], capacity: int) -> list[Any]:
+    """One machine, many logical nodes: slot ``i`` is there when an alive Ray node has its
+    custom resource (``node_resource(i)``), and must get that slot."""
+    from kvprefetch.agents.ray_entry import node_resource
+    from kvprefetch.controlplane.live.ray_app import NodeCandidate, Placement, matching_nodes
+
+    found = []
+    for i in range(capacity):
+        hit = matching_nodes(nodes, resource=node_resource(i))
+        if hit:
+            found.append(NodeCandidate(Placement(resource=node_resource(i)), i, hit[0]))
+    return found
+
+
 def test_local_variant_takes_the_slot_its_resource_names() -> None:
     pytest.importorskip("ray")
     from kvprefetch.agents.ray_entry import node_resource
-    from kvprefetch.controlplane.live.ray_app import assign_slots, local_node_candidates
+    from kvprefetch.controlplane.live.ray_app import assign_slots
 
     nodes = [_ray_node("n1", {node_resource(0): 1, node_resource(2): 1}),
              _ray_node("n2", {node_resource(5): 1})]
-    found = local_node_candidates(nodes, capacity=3)
+    found = _local_node_candidates(nodes, capacity=3)
     assert [c.slot for c in found] == [0, 2]
     joins, refused = assign_slots(found, {node_resource(0): 0}, 3)
     assert [(slot, c.placement.resource) for slot, c in joins] == [(2, node_resource(2))]
