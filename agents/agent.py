@@ -1,32 +1,34 @@
 """The prefetch agent: one per GPU node, carrying out the scheduler's transfer orders.
 
-It owns the node's local DRAM tier (:class:`~kvprefetch.agents.stores.LocalTier`), a connection to
-the remote token store (Valkey in front of S3, :class:`~kvprefetch.agents.stores.TieredStore`) and a
-:class:`~kvprefetch.agents.transfer.TransferEngine` between them. Per order it moves the chunk keys
-into the tier (atomic publish: a chunk is visible whole or not at all, also when the agent
-is killed mid-transfer) and reports one :class:`~kvprefetch.controlplane.base.wire.TransferReport`
-to the
-scheduler. It deletes chunks on evict advice and takes the engine's write-through of new KV.
-It also passes the scheduler's advice to the tier's eviction policy (used by ``eviction:
-predicted``): each order's ``deadline_s`` is the predicted next use of its keys, and keys
-that evict advice names but a running transfer keeps are never needed again.
-With the ``lmcache-mp`` backend the node-local tier is the node's LMCache MP server's L1
-instead: orders run as LMCache warm prefetches (:mod:`kvprefetch.agents.lmcache.backend`), evict
-advice
-deletes from L1, and the engine stores through LMCache itself.
+It owns the node's local DRAM tier (:class:`~kvprefetch.agents.stores.LocalTier`), a
+connection to the remote token store (Valkey in front of S3,
+:class:`~kvprefetch.agents.stores.TieredStore`) and a
+:class:`~kvprefetch.agents.transfer.TransferEngine` between them. Per order it moves the
+chunk keys into the tier (atomic publish: a chunk is visible whole or not at all, also when
+the agent is killed mid-transfer) and reports one
+:class:`~kvprefetch.controlplane.base.wire.TransferReport` to the scheduler. It deletes
+chunks on evict advice and takes the engine's write-through of new KV. It also passes the
+scheduler's advice to the tier's eviction policy (used by ``eviction: predicted``): each
+order's ``deadline_s`` is the predicted next use of its keys, and keys that evict advice
+names but a running transfer keeps are never needed again. With the ``lmcache-mp`` backend
+the node-local tier is the node's LMCache MP server's L1 instead: orders run as LMCache warm
+prefetches (:mod:`kvprefetch.agents.lmcache.backend`), evict advice deletes from L1, and the
+engine stores through LMCache itself.
 
 Who calls what: the scheduler sends ``execute`` (a few per second per node), ``cancel`` and
 ``evict``; the node's engine calls ``wait`` (blocks until an order ends) and
 ``write_local`` once per request; monitoring calls ``status``. All are thread-safe;
-``execute`` is idempotent per order id.
+``execute`` is idempotent per order id. The agent's own calls on the scheduler (hello,
+reports, status, the tier's evictions) are those of
+:class:`~kvprefetch.controlplane.base.scheduler_api.NodeAPI`.
 
 Scheduler incarnations: every order id carries the epoch of the scheduler that issued it
-(:func:`~kvprefetch.controlplane.base.wire.order_epoch`). The agent outlives scheduler restarts, so
-on
-the first order of a newer epoch it forgets the older epochs' de-duplication state and
-reports (their ids are never reused, but an engine must not be handed an old report), and
-it refuses orders of an epoch older than the newest it has seen (a stale message from a
-scheduler that has been replaced), counting them in ``stale_orders``.
+(:func:`~kvprefetch.controlplane.base.wire.order_epoch`). The agent outlives scheduler
+restarts, so on the first order of a newer epoch it forgets the older epochs'
+de-duplication state and reports (their ids are never reused, but an engine must not be
+handed an old report), and it refuses orders of an epoch older than the newest it has seen
+(a stale message from a scheduler that has been replaced), counting them in
+``stale_orders``.
 """
 
 from __future__ import annotations

@@ -11,9 +11,12 @@
 * ``EngineActor``: one per node on CPU-only clusters (named ``kvprefetch-engine-<node>``),
   serving many requests at once (threads), each blocking until its response ends.
 
-Placement is chosen by the caller (:mod:`kvprefetch.controlplane.live.ray_app`): node affinity on a
-real
-cluster, a per-node custom resource (:func:`node_resource`) on one machine.
+Their calls on the scheduler's shards are the methods of
+:class:`~kvprefetch.controlplane.base.scheduler_api.NodeAPI`, which name and type them.
+
+Placement is chosen by the caller (:mod:`kvprefetch.controlplane.live.ray_app`): node
+affinity on a real cluster, a per-node custom resource (:func:`node_resource`) on one
+machine.
 """
 
 from __future__ import annotations

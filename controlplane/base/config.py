@@ -83,10 +83,9 @@ class RemoteStoreProfile(_Frozen):
 
     #: Valkey per-request latency: sub-millisecond on a local network (docs/architecture.md).
     valkey_latency_s: float = Field(0.0005, ge=0)
-    #: Valkey throughput one node can pull with several connections and striped values.
-    #: One connection reads ~1.3-1.7 GB/s of 4 MiB values (LMCache's valkey adapter and a
-    #: plain GET loop, measured on loopback; see the token-store issue); a few shards and
-    #: connections per node reach ~5 GB/s before the server side saturates.
+    #: Valkey throughput one node can pull with several connections and striped values
+    #: (one connection alone reads a fraction of it; ``kvprefetch bench store`` measures a
+    #: deployment's).
     valkey_gbyte_s_per_node: float = Field(5.0, gt=0)
     #: Total Valkey memory for KV, shared by the fleet (4 shards x 128 GiB); LRU beyond
     #: it, and older objects are read from S3.

@@ -3,8 +3,8 @@
 A frozen dataclass's generated ``__init__`` sets each field through
 ``object.__setattr__`` (looked up and called once per field), which makes the records the
 scheduler builds for every event (events, forecasts, routing requests and decisions, step
-outputs) cost about twice as much as mutable ones (`kvprefetch bench control-plane --modes
-inproc` shows the pure core's events per second). :func:`quick_init` replaces it by one
+outputs) markedly slower to build than mutable ones (``kvprefetch bench control-plane
+--modes inproc`` measures the pure core's events per second). :func:`quick_init` replaces it by one
 that sets each slot through the slot's own descriptor, read once per class. The record stays
 frozen (assignment still raises ``FrozenInstanceError``), equal, hashable and printable;
 only construction is faster.

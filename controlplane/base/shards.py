@@ -1,12 +1,11 @@
 """Which scheduler shard owns a session: consistent hashing of (tenant, session id).
 
 A fleet that outgrows one scheduler runs ``N`` shards (Ray actors, one
-:class:`~kvprefetch.controlplane.live.service.SchedulerService` each); every session belongs to
-exactly
-one of them, the one its key hashes to on a ring of ``POINTS_PER_SHARD`` points per shard.
-Growing the ring from ``N`` to ``N + 1`` shards moves about ``1 / (N + 1)`` of the sessions
-(those whose next point clockwise is now one of the new shard's), not all of them as
-``hash % N`` would. Every caller (the Python client, the HTTP front, the engines and agents)
+:class:`~kvprefetch.controlplane.live.service.SchedulerService` each); every session belongs
+to exactly one of them, the one its key hashes to on a ring of ``POINTS_PER_SHARD`` points
+per shard. Growing the ring from ``N`` to ``N + 1`` shards moves about ``1 / (N + 1)`` of
+the sessions (those whose next point clockwise is now one of the new shard's), not all of
+them as ``hash % N`` would. Every caller (the Python client, the HTTP front, the engines and agents)
 computes the owner itself, so a call is one hop.
 
 Shard epochs: each shard's incarnations take epochs congruent to its shard number modulo the
@@ -25,8 +24,8 @@ import hashlib
 from kvprefetch.controlplane.base.types import SessionKey
 from kvprefetch.controlplane.base.wire import EngineReport, TierEvictions
 
-#: Points on the ring per shard: with 128 the largest shard of 4 owns about 28% of the
-#: sessions instead of 25% (measured by tests/core/test_shards.py's spread check).
+#: Points on the ring per shard: enough that the largest shard of 4 owns at most 1.3 times
+#: its even share of the sessions (tests/base/test_shards.py checks the spread).
 POINTS_PER_SHARD = 128
 
 #: The most shards one deployment may run (a fleet of 10,000 nodes needs tens).

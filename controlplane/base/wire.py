@@ -1,18 +1,20 @@
 """The messages between the scheduler service, the prefetch agents and the engines.
 
 Plain frozen records (picklable, so they cross Ray actor boundaries unchanged). Times are on
-the *service clock* (seconds; see :class:`kvprefetch.controlplane.live.service.ServiceClock`),
-durations
-measured by a process on the wall clock carry ``_wall_s`` in their name.
+the *service clock* (seconds; see :class:`kvprefetch.controlplane.live.config.ServiceClock`);
+durations measured by a process on the wall clock carry ``_wall_s`` in their name.
 
 Who sends what
 --------------
 * scheduler -> agent: :class:`TransferOrder` (prefetch or demand load), cancel by session,
   evict advice (chunk keys);
 * agent -> scheduler: :class:`AgentHello` once per (re)start, :class:`TransferReport` once
-  per order;
-* engine -> scheduler: :meth:`gpu_start` answered by :class:`GpuStartPlan`, then
+  per order, :class:`AgentStatus` periodically, :class:`TierEvictions` as the tier evicts;
+* engine -> scheduler: ``gpu_start`` answered by :class:`GpuStartPlan`, then
   :class:`EngineReport` once per request.
+
+The calls that carry them are those of
+:class:`~kvprefetch.controlplane.base.scheduler_api.NodeAPI`.
 """
 
 from __future__ import annotations

@@ -96,11 +96,10 @@ class _RayAgentPort:
 
 
 class _SchedulerActor:
-    """Thin: every method of :class:`~kvprefetch.controlplane.live.protocol.SchedulerAPI` delegates
-    to
-    :class:`SchedulerService` (:class:`~kvprefetch.controlplane.live.client.RayTransport` calls
-    them);
-    ``ping``, ``metrics_text`` and ``close`` serve the deployment."""
+    """Thin: every method of :class:`~kvprefetch.controlplane.live.protocol.SchedulerAPI`
+    delegates to :class:`SchedulerService` (called by
+    :class:`~kvprefetch.controlplane.live.client.RayTransport` and by the agents' and
+    engines' actors); ``ping``, ``metrics_text`` and ``close`` serve the deployment."""
 
     def __init__(self, config: ServiceConfig, namespace: str = NAMESPACE, *,
                  with_agents: bool = True) -> None:
@@ -149,8 +148,7 @@ class _SchedulerActor:
     def session_state(self, call: SessionQuery) -> SessionState:
         return self.svc.session_state(call)
 
-    # -- batched fire-and-forget events (kvprefetch.controlplane.live.client.EventBatcher)
-    # ----------
+    # -- batched fire-and-forget events (kvprefetch.controlplane.live.client.EventBatcher) --
     def apply_events(self, events: Sequence[tuple[str, Any]]) -> list[str]:
         """Apply queued events in the order they were queued; one message per event the
         service refused or failed (empty: all applied). A refusal does not stop the rest:
