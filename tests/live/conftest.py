@@ -14,7 +14,7 @@ import pytest
 
 from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey
 
-# Token auth (ARCHITECTURE.md: two raylets on one machine need it); Ray reads the mode when
+# Token auth (two raylets on one machine need it); Ray reads the mode when
 # it is imported, so it is set before any test module imports ray.
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 

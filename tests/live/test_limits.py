@@ -1,4 +1,4 @@
-"""Per-call limits (issue 15, item 5): the HTTP body limit (413 before the body is read
+"""Per-call limits: the HTTP body limit (413 before the body is read
 whole), list lengths and token-id range (422 naming the field, nothing half-applied),
 session-id rules, token hashing outside the scheduler's lock, and the in-process client's
 timeout."""

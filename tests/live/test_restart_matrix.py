@@ -1,4 +1,4 @@
-"""The restart matrix (issue 15): the scheduler restarted at each interesting point of an
+"""The restart matrix: the scheduler restarted at each interesting point of an
 order's life while its agents live on (Ray's normal recovery), in process with real agents
 and Valkey. Every case must end with consistent books:
 

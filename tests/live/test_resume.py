@@ -79,8 +79,8 @@ def _content_traffic(svc: SchedulerService) -> None:
 
 
 def test_a_session_resumes_with_its_context_and_chunk_names(tmp_path: Path) -> None:
-    """The issue's defect 4: a context named by content came back named by position (its
-    chunk hashes were not journalled), so every chunk the agents held was missed."""
+    """A context named by content comes back named by content (its chunk hashes are
+    journalled): named by position, every chunk the agents hold would be missed."""
     cfg = ServiceConfig(fleet=FLEET, journal_path=str(tmp_path / "journal.jsonl"))
     with SchedulerService(cfg) as svc:
         _content_traffic(svc)

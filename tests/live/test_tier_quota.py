@@ -1,4 +1,4 @@
-"""A shard's quota of a node's DRAM tier follows what the node's agent reports (issue 12):
+"""A shard's quota of a node's DRAM tier follows what the node's agent reports:
 the configured tier divided among the shards, lowered to the real capacity; what no longer
 fits is evicted and the agent told. Shards may instead share the tier: each books all of
 it, and what the tier evicts leaves its owner's books. A real agent (its tier on /dev/shm,
