@@ -169,8 +169,8 @@ def test_compaction_while_serving_keeps_what_is_written_meanwhile(tmp_path: Path
 # Resume time: a long history against the live sessions it leaves.
 # ---------------------------------------------------------------------------------------------
 
-#: Events of the synthetic history (the issue asks about 10^6:
-#: ``KVPREFETCH_RESUME_EVENTS=1000000``); 1 in ``LIVE_EVERY`` sessions is left open.
+#: Events of the synthetic history (``KVPREFETCH_RESUME_EVENTS=1000000`` for a history of a
+#: million); 1 in ``LIVE_EVERY`` sessions is left open.
 RESUME_EVENTS = int(os.environ.get("KVPREFETCH_RESUME_EVENTS", "20000"))
 LIVE_EVERY = 50
 
