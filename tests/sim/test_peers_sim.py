@@ -15,10 +15,16 @@ from kvprefetch.controlplane.core.policies import POLICIES, parse_policies
 from kvprefetch.controlplane.sim import SimOptions, Simulation, run_policies
 from kvprefetch.controlplane.sim.report import SimReport
 from kvprefetch.controlplane.traces import ArrivalOptions, bundled_trace_path, load_trace
-from kvprefetch.controlplane.traces.synthetic import PROFILES, synthetic_trace
+from kvprefetch.controlplane.traces.synthetic import PROFILES, SyntheticProfile, synthetic_trace
 from kvprefetch.predictors.registry import load as load_predictor
 
 GIB = 1 << 30
+
+
+def _profile(name: str) -> SyntheticProfile:
+    p = PROFILES[name]
+    assert p is not None
+    return p
 
 
 def _fleet(hbm_gib: float, dram_gib: float) -> FleetConfig:
@@ -35,9 +41,8 @@ def _returning(report: SimReport, name: str) -> tuple[float, float]:
 def _tool_heavy() -> Trace:
     """Agentic sessions with short tool calls (median 2 s), as Continuum's SWE-Bench and
     BFCL agents."""
-    profile = replace(PROFILES["agentic"], tool_median_s=2.0, tool_sigma=1.0, turns_mean=20,
+    profile = replace(_profile("agentic"), tool_median_s=2.0, tool_sigma=1.0, turns_mean=20,
                       context_median_tokens=15_000)
-    assert profile is not None
     return synthetic_trace(profile, 40, seed=0,
                            arrivals=ArrivalOptions(session_rate_per_s=0.05))
 
@@ -85,7 +90,7 @@ def test_ttl_lognormal_beats_lru_dram_retention_on_chat_traffic() -> None:
     """Chat sessions (human turns only) of users who differ in pace: half answer in ~8 s,
     half in ~4 min; the DRAM tier holds a few contexts."""
     arrivals = ArrivalOptions(session_rate_per_s=0.02)
-    fast = replace(PROFILES["chat"], think_median_s=8.0, think_sigma=0.6, away_share=0.0,
+    fast = replace(_profile("chat"), think_median_s=8.0, think_sigma=0.6, away_share=0.0,
                    turns_mean=8)
     slow = replace(fast, think_median_s=240.0)
     sessions = (synthetic_trace(fast, 60, seed=0, arrivals=arrivals).sessions
