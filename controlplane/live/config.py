@@ -77,7 +77,7 @@ class ServiceConfig(BaseModel):
     #: How shards hold each node's DRAM tier: ``split`` = 1/N each (a static quota, which
     #: fragments a tier of few large contexts); ``shared`` = each books the whole tier,
     #: the node's own tier evicts by its order when their writes overfill it and tells the
-    #: owner of each session it evicted (:meth:`LiveDriver.tier_evicted`). ``shared`` needs
+    #: owner of each session it evicted (:meth:`FleetMembership.tier_evicted`). ``shared`` needs
     #: agents with their own tier holding chunks named by position (backend ``local``, the
     #: gateway sending token counts): an evicted chunk named by content (a hash, an SGLang
     #: page) does not say whose it is, and LMCache's L1 (``lmcache-mp``) evicts unseen.
