@@ -191,8 +191,9 @@ def test_three_distinct_fds_each_signalled_by_its_own_operation(
 
 
 def test_submits_return_before_the_work_is_done(adapter: KvPrefetchL2Adapter) -> None:
-    gated, gated_valkey = GatedStore(adapter.store), GatedStore(adapter._valkey)
-    adapter.store, adapter._valkey = gated, gated_valkey  # lookups ask Valkey directly
+    gated, gated_valkey = GatedStore(adapter.store), GatedStore(adapter._stores.valkey)
+    # Lookups ask Valkey directly.
+    adapter._stores.store, adapter._stores.valkey = gated, gated_valkey
     ks, objs = keys(3), memory_objects([200 * KIB] * 3)
     started = time.monotonic()
     store_id = adapter.submit_store_task(ks, objs)
@@ -208,7 +209,7 @@ def test_submits_return_before_the_work_is_done(adapter: KvPrefetchL2Adapter) ->
     gated.gate.set()
     gated_valkey.gate.set()
     assert wait_result(adapter.get_store_event_fd(), adapter.pop_completed_store_tasks)
-    adapter.store, adapter._valkey = gated.inner, gated_valkey.inner
+    adapter._stores.store, adapter._stores.valkey = gated.inner, gated_valkey.inner
 
 
 def test_round_trip_is_byte_exact_and_bitmaps_are_per_key(

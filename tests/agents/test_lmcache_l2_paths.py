@@ -71,8 +71,8 @@ def s3_calls() -> Iterator[list[str]]:
 
 
 def count_s3_calls(adapter: KvPrefetchL2Adapter, calls: list[str]) -> None:
-    assert adapter._s3 is not None
-    adapter._s3.client.meta.events.register(
+    assert adapter._stores.s3 is not None
+    adapter._stores.s3.client.meta.events.register(
         "before-call.s3.*", lambda model, **_: calls.append(model.name))
 
 
@@ -92,12 +92,12 @@ def test_lookup_answers_from_the_index_in_at_most_one_round_trip(
     a = KvPrefetchL2Adapter(params(valkey_server, s3_server, key_prefix,
                                    index_reconcile_s=0, write_back=HOLD_UPLOADS))
     try:
-        wait_until(lambda: a._index.stats().reconciles >= 1)  # the start-up listing
+        wait_until(lambda: a._stores.index.stats().reconciles >= 1)  # the start-up listing
         stored = keys(8)
         assert store(a, stored, memory_objects([3 * KIB] * 8)).is_successful()
-        assert a._valkey is not None
-        counting = CountingClient(a._valkey._conn._client)
-        a._valkey._conn._client = counting
+        assert a._stores.valkey is not None
+        counting = CountingClient(a._stores.valkey._conn._client)
+        a._stores.valkey._conn._client = counting
         count_s3_calls(a, s3_calls)
         # Stored here: answered from memory, no round trip at all.
         assert lookup(a, stored) == [True] * 8
@@ -109,7 +109,7 @@ def test_lookup_answers_from_the_index_in_at_most_one_round_trip(
         assert lookup(a, stored[:2] + keys(2, start=200)) == [True, True, False, False]
         assert counting.round_trips == 2
         assert s3_calls == []  # never S3 on the lookup path
-        a._valkey._conn._client = counting.inner
+        a._stores.valkey._conn._client = counting.inner
         a.submit_unlock(stored + stored + stored[:2])
     finally:
         a.close()
@@ -124,14 +124,14 @@ def test_lookup_finds_objects_only_s3_holds_through_the_listing(
     ks, objs = keys(3), memory_objects([5 * KIB] * 3)
     try:
         assert store(writer, ks, objs).is_successful()
-        assert writer._valkey is not None
-        writer._valkey.delete([writer.name_of(k) for k in ks])  # evicted from Valkey
+        assert writer._stores.valkey is not None
+        writer._stores.valkey.delete([writer.name_of(k) for k in ks])  # evicted from Valkey
     finally:
         writer.close()
     reader = KvPrefetchL2Adapter(params(valkey_server, s3_server, key_prefix,
                                         index_reconcile_s=0))
     try:
-        wait_until(lambda: reader._index.stats().reconciles >= 1)
+        wait_until(lambda: reader._stores.index.stats().reconciles >= 1)
         assert lookup(reader, ks) == [True] * 3
         dest = memory_objects([5 * KIB] * 3, b"\0")
         assert load(reader, ks, dest) == [True] * 3
@@ -152,10 +152,10 @@ def test_lookup_index_off_asks_every_tier_on_each_lookup(
                                         index_reconcile_s=0, lookup_index=False))
     ks, objs = keys(3), memory_objects([5 * KIB] * 3)
     try:
-        wait_until(lambda: reader._index.stats().reconciles >= 1)  # before the writer's put
+        wait_until(lambda: reader._stores.index.stats().reconciles >= 1)  # before the writer's put
         assert store(writer, ks, objs).is_successful()
-        assert writer._valkey is not None
-        writer._valkey.delete([writer.name_of(k) for k in ks[:2]])  # evicted from Valkey
+        assert writer._stores.valkey is not None
+        writer._stores.valkey.delete([writer.name_of(k) for k in ks[:2]])  # evicted from Valkey
         count_s3_calls(reader, s3_calls)
         assert lookup(reader, ks + keys(1, start=50)) == [True, True, True, False]
         assert s3_calls.count("HeadObject") == 3  # the two Valkey lacks, and the unknown one
@@ -172,15 +172,15 @@ def test_a_stale_present_index_falls_back_on_load(
         ks, objs = keys(2), memory_objects([300 * KIB, 7 * KIB])
         assert store(a, ks, objs).is_successful()
         assert a.drain_uploads(WAIT_S)
-        assert a._valkey is not None
+        assert a._stores.valkey is not None
         names = [a.name_of(k) for k in ks]
-        a._valkey.delete(names[:1])  # key 0: gone from Valkey, still in S3
+        a._stores.valkey.delete(names[:1])  # key 0: gone from Valkey, still in S3
         a.store.delete(names[1:])  # key 1: gone from both tiers, behind the adapter's back
         assert lookup(a, ks) == [True, True]  # the index still says both are there
         dest = memory_objects([300 * KIB, 7 * KIB], b"\0")
         assert load(a, ks, dest) == [True, False]  # key 0 from S3; key 1 a clean miss
         assert content(dest[0]) == content(objs[0])
-        assert a._index.stats().stale_present == 1
+        assert a._stores.index.stats().stale_present == 1
         assert lookup(a, ks) == [True, False]  # the stale entry is gone
         a.submit_unlock(ks + ks[:1])
     finally:
@@ -191,8 +191,8 @@ def test_a_stale_present_index_falls_back_on_load(
 
 
 def s3_has(s3_server: EmbeddedS3, a: KvPrefetchL2Adapter, ks: list[Any]) -> list[bool]:
-    assert a._s3 is not None
-    return [r.ok for r in a._s3.exists([a.name_of(k) for k in ks])]
+    assert a._stores.s3 is not None
+    return [r.ok for r in a._stores.s3.exists([a.name_of(k) for k in ks])]
 
 
 def read_from_s3_alone(s3_server: EmbeddedS3, key_prefix: str, ks: list[Any],
@@ -209,9 +209,9 @@ def read_from_s3_alone(s3_server: EmbeddedS3, key_prefix: str, ks: list[Any],
 def test_write_back_acks_before_s3_has_it_then_drains(
         valkey_server: EmbeddedValkey, s3_server: EmbeddedS3, key_prefix: str) -> None:
     a = KvPrefetchL2Adapter(params(valkey_server, s3_server, key_prefix))
-    assert a._uploads is not None
-    gate = GatedStore(a._uploads.cold)
-    a._uploads.cold = gate  # S3 uploads wait at the gate
+    assert a._stores.uploads is not None
+    gate = GatedStore(a._stores.uploads.cold)
+    a._stores.uploads.cold = gate  # S3 uploads wait at the gate
     sizes = [600 * KIB, 3 * KIB, 256 * KIB]
     ks, objs = keys(3), memory_objects(sizes)
     expected = [content(o) for o in objs]
@@ -256,9 +256,9 @@ def test_back_pressure_when_the_backlog_is_full(
     a = KvPrefetchL2Adapter(params(
         valkey_server, s3_server, key_prefix,
         write_back={"max_backlog_bytes": 512 * KIB, "full_wait_s": 1.0}))
-    assert a._uploads is not None
-    gate = GatedStore(a._uploads.cold)
-    a._uploads.cold = gate
+    assert a._stores.uploads is not None
+    gate = GatedStore(a._stores.uploads.cold)
+    a._stores.uploads.cold = gate
     try:
         assert store(a, keys(1), memory_objects([400 * KIB])).is_successful()
         started = time.monotonic()
@@ -287,8 +287,8 @@ def test_a_restart_requeues_pending_uploads_and_counts_the_lost(
     first = KvPrefetchL2Adapter(p)
     try:
         assert store(first, ks, objs).is_successful()
-        assert first._uploads is not None
-        journal = first._uploads.journal
+        assert first._stores.uploads is not None
+        journal = first._stores.uploads.journal
         assert s3_has(s3_server, first, ks) == [False] * 3
     finally:
         first.close()  # a crash, as far as S3 is concerned: nothing was uploaded
@@ -369,16 +369,16 @@ def test_a_store_task_split_into_batches_stores_journals_and_uploads_every_key(
     threads; every key is acknowledged, journaled, loads back and reaches S3 byte for byte."""
     a = KvPrefetchL2Adapter(params(valkey_server, s3_server, key_prefix, store_batch_keys=3,
                                    write_back=HOLD_UPLOADS))
-    assert a._valkey is not None and a._uploads is not None
+    assert a._stores.valkey is not None and a._stores.uploads is not None
     threads: set[str] = set()
-    real_put = a._valkey.put
+    real_put = a._stores.valkey.put
 
     def recording_put(items: Any, **kw: Any) -> Any:
         threads.add(threading.current_thread().name)
         assert len(items) <= 3
         return real_put(items, **kw)
 
-    a._valkey.put = recording_put  # type: ignore[method-assign]
+    a._stores.valkey.put = recording_put  # type: ignore[method-assign]
     sizes = [300 * KIB, 5, 70 * KIB, 600 * KIB, 1, 256 * KIB, 3 * KIB, 1024 * KIB, 17,
              90 * KIB, 512 * KIB]
     ks, objs = keys(len(sizes)), memory_objects(sizes)
