@@ -2,17 +2,19 @@
 
 One file per object, in the shared object format, named by a hash of the key. A write goes
 to a hidden temporary file that is space-reserved up front (``posix_fallocate``: a full tier
-fails before any payload byte is written, and tmpfs allocates its pages in one go, which is
-several times faster than growing the file write by write), then is renamed into place
+fails before any payload byte is written, and tmpfs allocates its pages in one go rather
+than as the file grows write by write), then is renamed into place
 (atomic publish): readers see the whole object or nothing. ``start`` removes temporary files
 left by a killed process and re-indexes the published ones.
 
 Writers fill the file through a shared memory mapping. With file recycling on (the DRAM
 default) the tier keeps each file's mapping for as long as the file exists, through renames
 (tmp -> published -> spare -> tmp ...), so a write into a recycled file costs only the copy:
-mapping and unmapping 32 MiB of tmpfs per chunk (page-table setup, then teardown with TLB
-flushes) costs about a fifth of a loopback transfer on two cores. A mapping is closed when its
-file is unlinked, so it never holds memory the tier does not account for.
+mapping and unmapping tmpfs per chunk (page-table setup, then teardown with TLB flushes)
+would cost a large share of a loopback transfer (``kvprefetch bench store`` writes through
+this path). A mapping is closed when its file is unlinked, so it never holds memory the tier
+does not account for. The files, spares and mappings are
+:class:`~kvprefetch.agents.stores.local_files.TierFiles`; the tier books the objects.
 
 Capacity is accounted in bytes on disk (header + payload), reservations included. The
 objects are booked in a :class:`~kvprefetch.controlplane.base.tiers.Tier` (the project's one tier
@@ -36,7 +38,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-import xxhash
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvprefetch.agents.stores.base import (
@@ -69,14 +70,19 @@ from kvprefetch.agents.stores.format import (
     make_header,
     validate_key,
 )
+from kvprefetch.agents.stores.local_files import (
+    MAP_FLAGS,
+    SPARE_PREFIX,
+    SUFFIX,
+    TMP_PREFIX,
+    TierFiles,
+    close_map,
+    tier_file_name,
+)
 from kvprefetch.controlplane.base.tiers import Tier, TierEntry
 
 log = logging.getLogger(__name__)
 MIB = 1 << 20
-_SUFFIX = ".kvp"
-_TMP_PREFIX = ".tmp-"
-_SPARE_PREFIX = ".spare-"
-_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
 class LocalTierConfig(BaseModel):
@@ -118,12 +124,6 @@ class LocalTierConfig(BaseModel):
         return "never" if self.kind == "dram" else "file+dir"
 
 
-def tier_file_name(key: str) -> str:
-    """The file that holds ``key`` in a tier's folder: its xxh3-128 hex digest and the
-    tier's suffix (the tier's one naming rule, shared with readers of the same folder)."""
-    return xxhash.xxh3_128_hexdigest(key.encode("utf-8")) + _SUFFIX
-
-
 @dataclass(frozen=True, slots=True)
 class _Reservation:
     token: str
@@ -139,7 +139,7 @@ class LocalWriter:
         self.header = header
         self._reservation = reservation
         self._offset = header.header_bytes
-        self.tmp_path = tier.root / f"{_TMP_PREFIX}{reservation.token}"
+        self.tmp_path = tier.files.tmp_path(reservation.token)
         self._fd: int | None = None
         self._map: mmap.mmap | None = None
         self._inode = -1
@@ -149,7 +149,7 @@ class LocalWriter:
     def _open(self) -> None:
         size = self.header.total_bytes
         try:
-            reused = self._tier.take_spare(size, self.tmp_path)
+            reused = self._tier.files.take_spare(size, self.tmp_path)
             fd = os.open(self.tmp_path, os.O_RDWR if reused else os.O_CREAT | os.O_EXCL | os.O_RDWR,
                          0o644)
             self._fd = fd
@@ -160,8 +160,8 @@ class LocalWriter:
             else:
                 os.posix_fallocate(fd, 0, size)
             self._inode = os.fstat(fd).st_ino
-            cached = self._tier.take_map(self._inode, size) if reused else None
-            self._map = cached if cached is not None else mmap.mmap(fd, size, flags=_MAP_FLAGS)
+            cached = self._tier.files.take_map(self._inode, size) if reused else None
+            self._map = cached if cached is not None else mmap.mmap(fd, size, flags=MAP_FLAGS)
             self._view = memoryview(self._map)[:size]
             self._view[: self._offset] = self.header.encode()
         except OSError as exc:
@@ -195,7 +195,7 @@ class LocalWriter:
             if flush:
                 self._map.flush()
             mapping, self._map = self._map, None
-            if not self._tier.keep_map(self._inode, mapping):
+            if not self._tier.files.keep_map(self._inode, mapping):
                 close_map(mapping)
 
     def commit(self) -> None:
@@ -208,10 +208,10 @@ class LocalWriter:
                 os.fsync(self._fd)
             os.close(self._fd)
             self._fd = None
-            final = self._tier.root / tier_file_name(self.header.key)
+            final = self._tier.files.path_of(self.header.key)
             self._tier.publish(self.tmp_path, final, self.header, self._reservation)
             if policy == "file+dir":
-                self._tier.fsync_dir()
+                self._tier.files.fsync_dir()
         except OSError as exc:
             self.abort()
             raise StoreError(f"{self._tier.name}: publish failed: {exc}") from exc
@@ -231,17 +231,12 @@ class LocalWriter:
         self._tier.discard(self.tmp_path)
 
 
-def close_map(mapping: mmap.mmap) -> None:
-    try:
-        mapping.close()
-    except BufferError:  # a caller still holds a view; the GC unmaps it later
-        log.debug("a tier mapping is still exported")
-
-
 class LocalTier(StoreLifecycle):
-    """A DRAM or disk tier on this node; an :class:`~kvprefetch.agents.stores.base.ObjectStore` and
-    a
-    :class:`~kvprefetch.agents.stores.base.PayloadSink` (``open``) for the transfer engine."""
+    """A DRAM or disk tier on this node; an
+    :class:`~kvprefetch.agents.stores.base.ObjectStore` and a
+    :class:`~kvprefetch.agents.stores.base.PayloadSink` (``open``) for the transfer engine.
+    Books the objects and reservations and evicts by policy; its files are
+    :attr:`files`."""
 
     def __init__(
         self,
@@ -267,28 +262,23 @@ class LocalTier(StoreLifecycle):
         self._reserved_bytes = 0
         self._stats = StatsCounter()
         self._started = False
-        self._spares: list[tuple[int, Path]] = []  # (size, path) of reusable files
-        self._spare_bytes = 0
-        #: Mappings of the tier's files kept for reuse (recycling on), by inode; closed when
-        #: the file is unlinked. A writer takes its file's mapping out while it writes.
-        self._maps: dict[int, mmap.mmap] = {}
+        #: The folder's files, spares and kept mappings (under this tier's lock).
+        self.files = TierFiles(self.root, self.name, config.capacity_bytes,
+                               recycle=config.recycle, lock=self._lock)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> None:
         """Create the directory, drop leftovers of killed writes, index published objects."""
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise StoreConfigError(f"{self.name}: cannot create {self.root}: {exc}") from exc
+        self.files.mkdir()
         now = self._clock()
         with self._lock:
             # A list: making room below may rename files into spares while we index.
             for path in list(self.root.iterdir()):
-                if path.name.startswith((_TMP_PREFIX, _SPARE_PREFIX)):
-                    self._unlink_locked(path)
+                if path.name.startswith((TMP_PREFIX, SPARE_PREFIX)):
+                    self.files.unlink_locked(path)
                     continue
-                if not path.name.endswith(_SUFFIX):
+                if not path.name.endswith(SUFFIX):
                     continue
                 try:
                     header = self._read_header(path)
@@ -303,99 +293,11 @@ class LocalTier(StoreLifecycle):
                     self._books.put(TierEntry(header.key, 0, header.total_bytes, now))
                 else:
                     path.unlink(missing_ok=True)
-            self._trim_spares_locked()
+            self.files.trim_spares_locked(self._used_bytes)
             self._started = True
-        self._prewarm()
-
-    def _prewarm(self) -> None:
+            self.files.open = True
         budget = min(self.config.prewarm_bytes, self.config.capacity_bytes - self.used_bytes)
-        size = self.config.prewarm_file_bytes
-        while budget >= size:
-            path = self.root / f"{_SPARE_PREFIX}{uuid.uuid4().hex}"
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
-            try:
-                os.posix_fallocate(fd, 0, size)
-                mapping = (mmap.mmap(fd, size, flags=_MAP_FLAGS) if self.config.recycle
-                           else None)
-                inode = os.fstat(fd).st_ino
-            except OSError as exc:
-                os.close(fd)
-                path.unlink(missing_ok=True)
-                log.warning("%s: prewarm stopped: %s", self.name, exc)
-                break
-            os.close(fd)
-            with self._lock:
-                self._spares.append((size, path))
-                self._spare_bytes += size
-                if mapping is not None:
-                    self._maps[inode] = mapping
-            budget -= size
-
-    # -- reusable files ------------------------------------------------------------------------
-
-    def take_map(self, inode: int, size: int) -> mmap.mmap | None:
-        """The kept mapping of file ``inode`` if it covers ``size`` bytes (for a writer)."""
-        with self._lock:
-            mapping = self._maps.pop(inode, None)
-        if mapping is not None and len(mapping) < size:
-            close_map(mapping)
-            return None
-        return mapping
-
-    def keep_map(self, inode: int, mapping: mmap.mmap) -> bool:
-        """Keep a writer's mapping of file ``inode`` for its next write (recycling on)."""
-        if not self.config.recycle or not self._started:
-            return False
-        with self._lock:
-            old = self._maps.get(inode)
-            if old is not None and old is not mapping:
-                return False
-            self._maps[inode] = mapping
-        return True
-
-    def _unlink_locked(self, path: Path) -> None:
-        """Unlink one of the tier's files and close its kept mapping (frees its memory)."""
-        if self._maps:
-            try:
-                inode = path.stat().st_ino
-            except FileNotFoundError:
-                return
-            mapping = self._maps.pop(inode, None)
-            if mapping is not None:
-                close_map(mapping)
-        path.unlink(missing_ok=True)
-
-    def take_spare(self, size: int, dest: Path) -> bool:
-        """Move a reusable file to ``dest`` (the smallest that fits, else the largest)."""
-        with self._lock:
-            if not self._spares:
-                return False
-            fitting = [s for s in self._spares if s[0] >= size]
-            choice = min(fitting) if fitting else max(self._spares)
-            self._spares.remove(choice)
-            self._spare_bytes -= choice[0]
-        os.replace(choice[1], dest)
-        return True
-
-    def _recycle_locked(self, path: Path, size: int) -> None:
-        """Keep ``path`` for reuse if the tier has room for it, else delete it."""
-        if (self.config.recycle
-                and self._used_bytes + self._spare_bytes + size <= self.config.capacity_bytes):
-            spare = self.root / f"{_SPARE_PREFIX}{uuid.uuid4().hex}"
-            try:
-                os.replace(path, spare)
-            except FileNotFoundError:
-                return
-            self._spares.append((size, spare))
-            self._spare_bytes += size
-        else:
-            self._unlink_locked(path)
-
-    def _trim_spares_locked(self) -> None:
-        while self._spares and self._used_bytes + self._spare_bytes > self.config.capacity_bytes:
-            size, path = self._spares.pop()
-            self._spare_bytes -= size
-            self._unlink_locked(path)
+        self.files.prewarm(budget, self.config.prewarm_file_bytes)
 
     def discard(self, tmp_path: Path) -> None:
         """Drop an aborted write's file (kept for reuse when possible)."""
@@ -404,7 +306,7 @@ class LocalTier(StoreLifecycle):
         except FileNotFoundError:
             return
         with self._lock:
-            self._recycle_locked(tmp_path, size)
+            self.files.recycle_locked(tmp_path, size, self._used_bytes)
 
     def publish(self, tmp: Path, final: Path, header: ObjectHeader,
                 reservation: _Reservation) -> None:
@@ -413,21 +315,18 @@ class LocalTier(StoreLifecycle):
         with self._lock:
             old = self._books.remove(header.key)
             if old is not None:
-                self._recycle_locked(final, old.nbytes)
+                self.files.recycle_locked(final, old.nbytes, self._used_bytes)
             os.replace(tmp, final)
             if self._reserved.pop(reservation.token, None) is not None:
                 self._reserved_bytes -= reservation.size_bytes
             # The reservation's room becomes the object's (it was counted all along).
             self._books.put(TierEntry(header.key, 0, reservation.size_bytes, now))
-            self._trim_spares_locked()
+            self.files.trim_spares_locked(self._used_bytes)
         self._stats.add(puts=1, bytes_written=header.payload_bytes)
 
     def close(self) -> None:
         self._started = False
-        with self._lock:
-            maps, self._maps = self._maps, {}
-        for mapping in maps.values():
-            close_map(mapping)
+        self.files.close()
 
     @property
     def _used_bytes(self) -> int:
@@ -449,14 +348,7 @@ class LocalTier(StoreLifecycle):
 
     def path_of(self, key: str) -> Path:
         """Where the published object lies (for readers that map it, e.g. an LMCache L1)."""
-        return self.root / tier_file_name(key)
-
-    def fsync_dir(self) -> None:
-        fd = os.open(self.root, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        return self.files.path_of(key)
 
     # -- capacity ----------------------------------------------------------------------------
 
@@ -475,7 +367,8 @@ class LocalTier(StoreLifecycle):
             return False
         for entry in victims:
             self._books.remove(entry.key)
-            self._recycle_locked(self.root / tier_file_name(entry.key), entry.nbytes)
+            self.files.recycle_locked(self.files.path_of(entry.key), entry.nbytes,
+                                      self._used_bytes)
         if victims:
             self.policy.forget(e.key for e in victims)
             self._stats.add(evictions=len(victims))
@@ -509,11 +402,7 @@ class LocalTier(StoreLifecycle):
             self._reserved[token] = size
             self._reserved_bytes += size
             # Spare files stay within the free capacity; the write may take one of them.
-            while self._spares and (self._used_bytes + self._spare_bytes - self._spares[-1][0]
-                                    > self.config.capacity_bytes):
-                spare_size, spare_path = self._spares.pop()
-                self._spare_bytes -= spare_size
-                self._unlink_locked(spare_path)
+            self.files.trim_for_write_locked(self._used_bytes)
             return _Reservation(token, size)
 
     def release(self, reservation: _Reservation) -> None:
@@ -565,7 +454,7 @@ class LocalTier(StoreLifecycle):
                 entry.last_use_s = self._clock()
         if entry is None:
             return GetResult(key, error=ObjectNotFoundError(f"{key!r} not in {self.name}"))
-        path = self.root / tier_file_name(key)
+        path = self.files.path_of(key)
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
@@ -645,7 +534,8 @@ class LocalTier(StoreLifecycle):
         with self._lock:
             entry = self._books.remove(key)
             if entry is not None:
-                self._recycle_locked(self.root / tier_file_name(key), entry.nbytes)
+                self.files.recycle_locked(self.files.path_of(key), entry.nbytes,
+                                          self._used_bytes)
                 self.policy.forget((key,))
         return entry is not None
 
@@ -657,3 +547,6 @@ class LocalTier(StoreLifecycle):
                 self._stats.add(deletes=1)
             out.append(OpResult(key, gone))
         return out
+
+
+__all__ = ["LocalTier", "LocalTierConfig", "LocalWriter", "close_map", "tier_file_name"]

@@ -145,7 +145,7 @@ def test_recycled_files_keep_their_mapping_and_free_it_when_unlinked(tmp_path: P
     from kvprefetch.agents.stores.format import make_header
 
     t = tier(tmp_path, 100 * KIB, prewarm_bytes=40 * KIB, prewarm_file_bytes=20 * KIB)
-    assert len(t._maps) == 2  # the prewarmed files are mapped once, at start
+    assert len(t.files.maps) == 2  # the prewarmed files are mapped once, at start
 
     def write(key: str, payload: bytes) -> None:
         writer = t.open(make_header(key, payload, 4 * KIB))
@@ -165,14 +165,14 @@ def test_recycled_files_keep_their_mapping_and_free_it_when_unlinked(tmp_path: P
             write(key, payload)  # 5 x ~12 KiB in a 100 KiB tier: evicts and recycles
         for key in set(t.keys()) & set(payloads):
             assert bytes(t.get([key])[0].data or b"") == payloads[key]
-        assert set(t._maps) <= inodes()  # no mapping of an unlinked file
+        assert set(t.files.maps) <= inodes()  # no mapping of an unlinked file
         assert t.used_bytes <= 100 * KIB
-    mapped = len(t._maps)
+    mapped = len(t.files.maps)
     assert mapped >= 2
     t.delete(t.keys())
-    assert set(t._maps) <= inodes()
+    assert set(t.files.maps) <= inodes()
     t.close()
-    assert not t._maps
+    assert not t.files.maps
 
 
 def test_aborted_write_into_a_recycled_file_publishes_nothing(tmp_path: Path) -> None:
@@ -190,4 +190,4 @@ def test_aborted_write_into_a_recycled_file_publishes_nothing(tmp_path: Path) ->
     view.release()
     writer.abort()
     assert not t.exists(["a"])[0].ok and t.used_bytes == 0
-    assert set(t._maps) <= {p.stat().st_ino for p in tmp_path.iterdir()}
+    assert set(t.files.maps) <= {p.stat().st_ino for p in tmp_path.iterdir()}
