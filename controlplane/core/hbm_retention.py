@@ -20,6 +20,7 @@ context. Pure: no clock of its own, every call takes ``now_s``; deterministic.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -27,13 +28,22 @@ from kvprefetch.controlplane.base.config import FleetConfig
 from kvprefetch.controlplane.base.errors import ConfigError
 from kvprefetch.controlplane.base.tiers import EvictionStrategy
 
-__all__ = ["HBM_RETENTIONS", "FinishedTurn", "HbmRetention", "make_hbm_retention"]
+__all__ = ["HBM_RETENTIONS", "FinishedTurn", "HbmRetention", "NextUses", "make_hbm_retention"]
 
-#: Retention strategies by name, as ``module:Class`` (imported only when selected).
-HBM_RETENTIONS: dict[str, str] = {
-    "continuum": "kvprefetch.controlplane.core.continuum:ContinuumTtl",
-    "mori": "kvprefetch.controlplane.core.mori:MoriIdleness",
+#: Retention strategies by name, as ``module:Class`` (imported only when selected); the
+#: flag says whether the class reads the core's predicted next uses (its second argument).
+HBM_RETENTIONS: dict[str, tuple[str, bool]] = {
+    "continuum": ("kvprefetch.controlplane.core.continuum:ContinuumTtl", False),
+    "mori": ("kvprefetch.controlplane.core.mori:MoriIdleness", False),
+    "next-use": ("kvprefetch.controlplane.core.hbm_next_use:NextUseHbm", True),
 }
+
+
+class NextUses(Protocol):
+    """The core's predicted next use of each session at ``now_s`` (seconds; ``inf``:
+    never)."""
+
+    def __call__(self, sids: Sequence[str], now_s: float) -> list[float]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,11 +81,15 @@ class HbmRetention(Protocol):
         ...
 
 
-def make_hbm_retention(name: str, fleet: FleetConfig) -> HbmRetention:
-    """The retention strategy ``name`` (a key of :data:`HBM_RETENTIONS`) for ``fleet``."""
-    target = HBM_RETENTIONS.get(name)
-    if target is None:
+def make_hbm_retention(name: str, fleet: FleetConfig, next_uses: NextUses) -> HbmRetention:
+    """The retention strategy ``name`` (a key of :data:`HBM_RETENTIONS`) for ``fleet``;
+    ``next_uses``: the core's predicted next uses, for the strategies that read them."""
+    known = HBM_RETENTIONS.get(name)
+    if known is None:
         raise ConfigError(f"unknown HBM retention {name!r}; known: {', '.join(HBM_RETENTIONS)}")
+    target, reads_forecasts = known
     module, cls = target.split(":")
-    made: HbmRetention = getattr(importlib.import_module(module), cls)(fleet)
+    made: HbmRetention = (getattr(importlib.import_module(module), cls)(fleet, next_uses)
+                          if reads_forecasts
+                          else getattr(importlib.import_module(module), cls)(fleet))
     return made

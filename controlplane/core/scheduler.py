@@ -42,7 +42,7 @@ Who calls what
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from kvprefetch.controlplane.base.config import FleetConfig
 from kvprefetch.controlplane.base.keys import DEFAULT_CHUNK_TOKENS
@@ -145,6 +145,11 @@ class SchedulerCore:
     def local_tokens(self, node: int, sid: str) -> int:
         """Tokens of the session on the node, in HBM or DRAM (ready or arriving)."""
         return self._books.local_tokens(node, sid)
+
+    def next_uses(self, sids: Sequence[str], now_s: float) -> list[float]:
+        """Predicted next use of each session at ``now_s`` (the DRAM books' predicted-use
+        keys; ``inf``: never)."""
+        return self._forecasts.next_uses(sids, now_s)
 
     def dram_tokens(self, node: int, sid: str) -> int:
         """Tokens of the session in the node's DRAM books (ready or arriving)."""

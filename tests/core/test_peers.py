@@ -51,13 +51,14 @@ def test_peers_are_simulator_policies_only() -> None:
         assert (p.dram_tier, p.remote, p.load_start, p.prefetch) == (
             od.dram_tier, od.remote, od.load_start, od.prefetch)
     with pytest.raises(ConfigError):
-        make_hbm_retention("nope", FLEET)
+        make_hbm_retention("nope", FLEET, lambda sids, now_s: [INF] * len(sids))
 
 
 def test_other_policies_run_none_of_the_peer_code() -> None:
     for name in ("recompute", "local-lru", "ondemand", "queue", "predictive", "oracle"):
         policy = POLICIES[name]
-        assert policy.hbm_retention is None
+        # The engine's LRU, or (predictive, oracle) the core's predicted next use.
+        assert policy.hbm_retention in (None, "next-use")
         assert policy.eviction is not EvictionKind.RETENTION_WINDOW
         core = SchedulerCore(FLEET, policy, load_predictor("default"), IdleFleet())
         assert core._books.retention is None
@@ -149,3 +150,16 @@ def test_retention_window_is_a_lognormal_quantile_shifted_per_session() -> None:
     fast, slow = r.keys([_entry("fast", t), _entry("slow", t - 60)], t + 100)
     assert fast > slow
     assert r.bounds([_entry("fast", t)], t)[0].upper == fast
+
+
+def test_next_use_hbm_keeps_what_is_needed_soonest() -> None:
+    uses = {"soon": 20.0, "late": 500.0, "never": INF}
+    hbm = make_hbm_retention("next-use", FLEET, lambda sids, now_s: [uses[s] for s in sids])
+    tier = Tier("hbm", 3 * GIB, hbm.strategy)
+    for i, sid in enumerate(("late", "never", "soon")):
+        tier.put(_entry(sid, float(i)))
+    assert [e.key for e in tier.victims_for(2 * GIB, 10.0) or []] == ["never", "late"]
+    uses["new"] = 600.0  # needed after every resident but "never": it displaces only that
+    assert [e.key for e in tier.victims_for(GIB, 10.0, min_key=hbm.admit_key("new", 10.0))
+            or []] == ["never"]
+    assert tier.victims_for(2 * GIB, 10.0, min_key=hbm.admit_key("new", 10.0)) is None
