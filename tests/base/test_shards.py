@@ -24,7 +24,7 @@ def test_owners_are_stable_and_spread_evenly() -> None:
     assert owners == [again.owner(t, s) for t, s in SESSIONS]  # any client computes the same
     counts = Counter(owners)
     assert set(counts) == {0, 1, 2, 3}
-    assert max(counts.values()) / (len(SESSIONS) / 4) < 1.3  # the bound POINTS_PER_SHARD is chosen for
+    assert max(counts.values()) / (len(SESSIONS) / 4) < 1.3  # POINTS_PER_SHARD's bound
 
 
 def test_adding_a_shard_moves_about_one_in_n_sessions() -> None:

@@ -88,10 +88,15 @@ class Fleet:
             self.svc.agent_hello(agent.hello())
         return self.svc
 
-    def crash(self) -> None:
-        """The scheduler dies: the agents' reports go nowhere until the next one starts."""
+    def deafen(self) -> None:
+        """From now on the agents' reports reach no scheduler (they are kept in
+        :attr:`unacknowledged`) until the next one starts."""
         for agent in self.agents:
             agent.set_reporter(self.unacknowledged.append)
+
+    def crash(self) -> None:
+        """The scheduler dies: the agents' reports go nowhere until the next one starts."""
+        self.deafen()
         self.svc.close()
 
     def turn(self, sid: str, *, node: int = 0, tenant: str = "acme") -> None:
@@ -199,8 +204,9 @@ def test_restart_with_an_order_issued_but_not_started(fleet: Fleet) -> None:
 
 def test_restart_with_a_transfer_in_flight(fleet: Fleet) -> None:
     fleet.turn("s")
+    fleet.deafen()  # the scheduler dies before the agent reports, however fast it is
     old = _demand(fleet, "s")
-    fleet.crash()  # before the agent reports
+    fleet.crash()
     report = fleet.agents[1].wait(old, 10)
     assert report is not None and report.complete
     svc = fleet.start()
