@@ -19,6 +19,8 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 DATA = HERE / "data"
+#: The repository's README: its results summary is rendered from the same JSON.
+README = HERE.parent.parent / "README.md"
 GIB = 1 << 30
 BLOCK = re.compile(r"(<!-- results:([a-z0-9-]+) -->\n)(.*?)(<!-- /results:\2 -->)", re.S)
 
@@ -252,8 +254,28 @@ def summary_table(_name: str) -> list[str]:
     return _table(["run", "date", "commit", "machine", "headline"], rows)
 
 
+#: What each run is, in the README's words.
+WHAT = {
+    "sim-bundled-n1": "`kvprefetch sim`, bundled Claude Code slice, 1 node",
+    "sim-bundled-n2": "`kvprefetch sim`, bundled Claude Code slice, 2 nodes",
+    "sim-grid-unseen": "`kvprefetch sim-grid`, synthetic traffic no predictor here has seen",
+    "bench-control-plane": "`kvprefetch bench control-plane`: scheduler events per second",
+    "bench-store": "`kvprefetch bench store`: one session's KV into the local tier",
+}
+
+
+def readme_table(_name: str) -> list[str]:
+    """The README's results summary: the same headlines, linking the pages."""
+    runs = _runs()
+    rows = [[WHAT.get(name, name), _headline(name) if name in runs else "not measured",
+             f"[{page.removesuffix('.md')}](docs/results/{page})"]
+            for name, page in PAGES.items() if (DATA / f"{name}.json").exists()]
+    return _table(["run", "result", "page"], rows)
+
+
 RENDERERS: dict[str, Callable[[str], list[str]]] = {
     "summary": summary_table,
+    "readme": readme_table,
     "sim-bundled-n1": sim_table,
     "sim-bundled-n2": sim_table,
     "sim-grid-unseen": grid_table,
@@ -264,8 +286,8 @@ RENDERERS: dict[str, Callable[[str], list[str]]] = {
 
 def render(name: str) -> str:
     """The Markdown of one result block: provenance, then the tables."""
-    if name == "summary":
-        return "\n".join([*summary_table(name), ""])
+    if name in ("summary", "readme"):
+        return "\n".join([*RENDERERS[name](name), ""])
     if not (DATA / f"{name}.json").exists():
         return f"*(not measured: data/{name}.json is missing)*\n"
     return "\n".join([*run_block(name), *RENDERERS[name](name), ""])
@@ -277,7 +299,7 @@ def fill(markdown: str) -> str:
 
 
 def main() -> int:
-    for page in sorted(HERE.glob("*.md")):
+    for page in [*sorted(HERE.glob("*.md")), README]:
         text = page.read_text()
         new = fill(text)
         if new != text:

@@ -1,0 +1,52 @@
+"""The README as a user reads it: short, its figures equal the result pages' JSON, and the
+output it shows is what the command prints on this checkout."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+
+
+def _generator():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("results_generate",
+                                                  ROOT / "docs" / "results" / "generate.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_readme_is_a_short_guide() -> None:
+    text = README.read_text()
+    assert len(text.splitlines()) <= 300
+    # development history: session ordinals, issue numbers, "was X before"
+    words = re.compile(r"\b(first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth"
+                       r"|eleventh|twelfth|thirteenth|fourteenth) session\b|\bissue \d+"
+                       r"|\bwas \S+ before\b", re.I)
+    assert not words.findall(text)
+
+
+def test_the_results_summary_is_rendered_from_the_result_pages_json() -> None:
+    """`python docs/results/generate.py` leaves the README as it is: its figures are the
+    JSON's (a drifted README or a newer run not rendered fails here)."""
+    text = README.read_text()
+    assert "<!-- results:readme -->" in text
+    assert _generator().fill(text) == text
+
+
+def test_the_sim_output_shown_is_what_the_command_prints() -> None:
+    block = re.search(r"```console\n\$ (kvprefetch [^\n]+)\n(.*?)```", README.read_text(), re.S)
+    assert block is not None
+    command, shown = block.group(1).split(), block.group(2).splitlines()
+    out = subprocess.run([sys.executable, "-m", "kvprefetch", *command[1:], "--no-progress"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    printed = {" ".join(line.split()) for line in out.stdout.splitlines()}
+    for line in shown:
+        assert " ".join(line.split()) in printed, line
