@@ -28,7 +28,7 @@ from kvprefetch.predictors.learned import LearnedPredictor
 #: sessions under 100 ms (4 ensembles); accuracy was checked on a validation split of the
 #: training part only.
 #: 40 trees at a learning rate of 0.2 score as well as 100 at 0.1 on held-out Claude Code
-#: sessions (mean pinball 77.7 vs 77.8 s, AUC 0.869 vs 0.869) and predict 2.5x faster.
+#: sessions (`kvprefetch eval-predictor`) and predict faster.
 GBM_PARAMS: dict[str, Any] = {"max_iter": 40, "learning_rate": 0.2, "max_leaf_nodes": 15}
 
 
@@ -95,8 +95,8 @@ class GbmPredictor(LearnedPredictor):
 
     def _predict(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         # One OpenMP thread for small batches: the scheduler asks for a few rows at a time,
-        # where waking a thread team costs more than it saves (measured: 4.0 ms -> 0.9 ms
-        # per single-row call on a loaded 2-core machine).
+        # where waking a thread team costs more than it saves (tests/predictors:
+        # test_forecast_cost bounds a single-row forecast).
         with _one_openmp_thread() if len(x) < _THREADED_ROWS else contextlib.nullcontext():
             u_q = np.column_stack([reg.predict(x) for reg in self.regressors])
             if self.classifier is None:

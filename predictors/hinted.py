@@ -66,9 +66,8 @@ MIN_LAW_CENTRE_S = 0.5
 HINT_CONFIDENCE = 0.9
 #: Confidence of a "user typing" forecast without an ETA: below the planner's default
 #: ``min_confidence`` (0.7), so it ranks the session for eviction (due soon: kept) but
-#: starts no prefetch. How long a person types is unknown to the hint; measured in the
-#: simulator (typing time from the new user tokens at Dhakal-2018 speeds), prefetches it
-#: started landed minutes early and 87% of their bytes were evicted unused.
+#: starts no prefetch. How long a person types is unknown to the hint: prefetches started
+#: on it land minutes early and hold DRAM that the sessions due first need.
 TYPING_CONFIDENCE = 0.5
 #: Probability that a hinted session returns at all (an abandoned reply, a cancelled tool).
 HINT_P_RETURN = 0.95

@@ -18,8 +18,8 @@ measures TTFT at the client, in wall seconds. Scaled replay by default: 2 arriva
 idle gaps capped at 30 trace s and replayed 10x faster, token counts x 1/32 (contexts up to
 ~4k tokens), outputs capped at 8 tokens: 60 requests per policy and seed, ~30-40 s each;
 with vLLM's start-up (1-3 min) about 4-6 min in all on 2 cores. L2 loads are not paced by
-default: on CPU, LMCache's L2 path already costs 0.2-1.6x the prefill it saves (measured;
-a Llama-3.1-8B on an H100 at 5 GB/s loads in ~0.4x); --link-mib-s adds pacing. The run
+default: on CPU, LMCache's L2 path already costs a large share of the prefill it saves;
+--link-mib-s adds pacing. The run
 measures TTFT cold / from L1 / from L2 at start and reports the ratio it got. JSON: the
 emulated demo's fields plus meta.engine = "vllm", meta.vllm and, per policy,
 engine_counters (vLLM's and LMCache's own counters).

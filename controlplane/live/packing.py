@@ -2,12 +2,10 @@
 
 Ray pickles each argument of an actor call with its own pickler, which calls back into
 Python for every object it meets that is not a plain value. A pydantic model is such an
-object, and it pickles as its field dict, the set of fields given and two Nones: ~2.5 us to
-send and ~1.4 us to receive per model (measured with Ray's cloudpickle on this project's
-2-core machine; a batch of 128 routes took 0.31 ms to pickle). Packed, the same batch
-takes 0.07 ms, packing included (0.014 ms of it to pickle): a tuple of the field values,
-in the model's field order, then a bit mask of the fields given, all plain values that
-the C pickler writes alone.
+object, and it pickles as its field dict, the set of fields given and two Nones, each a
+call back into Python. Packed, a call is a tuple of the field values, in the model's field
+order, then a bit mask of the fields given: all plain values that the C pickler writes
+alone (`kvprefetch bench control-plane --modes ray-1` shows the route rate it buys).
 
 Only the types that cross once per request are packed (:data:`PACKED`: the route query,
 ``request_started``, ``request_finished`` and the route answer); hints, closes, reports
