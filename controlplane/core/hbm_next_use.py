@@ -10,11 +10,11 @@ rule across both local tiers (the DRAM books already evict by it).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvprefetch.controlplane.base.config import FleetConfig
 from kvprefetch.controlplane.base.tiers import TierEntry
-from kvprefetch.controlplane.core.hbm_retention import FinishedTurn, NextUses
+from kvprefetch.controlplane.core.hbm_retention import FinishedTurn
 
 __all__ = ["NextUseHbm"]
 
@@ -22,7 +22,8 @@ __all__ = ["NextUseHbm"]
 class NextUseHbm:
     """See the module docstring; an :class:`~.hbm_retention.HbmRetention`."""
 
-    def __init__(self, fleet: FleetConfig, next_uses: NextUses) -> None:
+    def __init__(self, fleet: FleetConfig,
+                 next_uses: Callable[[Sequence[str], float], list[float]]) -> None:
         self._next_uses = next_uses
         self.strategy = self
 

@@ -27,23 +27,31 @@ from typing import Protocol
 from kvprefetch.controlplane.base.config import FleetConfig
 from kvprefetch.controlplane.base.errors import ConfigError
 from kvprefetch.controlplane.base.tiers import EvictionStrategy
+from kvprefetch.controlplane.base.types import ArrivalForecast
 
-__all__ = ["HBM_RETENTIONS", "FinishedTurn", "HbmRetention", "NextUses", "make_hbm_retention"]
+__all__ = ["HBM_RETENTIONS", "FinishedTurn", "Forecasts", "HbmRetention", "make_hbm_retention"]
 
-#: Retention strategies by name, as ``module:Class`` (imported only when selected); the
-#: flag says whether the class reads the core's predicted next uses (its second argument).
-HBM_RETENTIONS: dict[str, tuple[str, bool]] = {
-    "continuum": ("kvprefetch.controlplane.core.continuum:ContinuumTtl", False),
-    "mori": ("kvprefetch.controlplane.core.mori:MoriIdleness", False),
-    "next-use": ("kvprefetch.controlplane.core.hbm_next_use:NextUseHbm", True),
+#: Retention strategies by name, as ``module:Class`` (imported only when selected), and
+#: what of the core's forecasts the class reads (its second argument): ``next_uses``,
+#: ``forecast`` or nothing.
+HBM_RETENTIONS: dict[str, tuple[str, str | None]] = {
+    "continuum": ("kvprefetch.controlplane.core.continuum:ContinuumTtl", None),
+    "mori": ("kvprefetch.controlplane.core.mori:MoriIdleness", None),
+    "next-use": ("kvprefetch.controlplane.core.hbm_next_use:NextUseHbm", "next_uses"),
+    "forecast": ("kvprefetch.controlplane.core.hbm_forecast:ForecastHbm", "forecast"),
 }
 
 
-class NextUses(Protocol):
-    """The core's predicted next use of each session at ``now_s`` (seconds; ``inf``:
-    never)."""
+class Forecasts(Protocol):
+    """The core's forecasts, as the retention strategies that read them see them."""
 
-    def __call__(self, sids: Sequence[str], now_s: float) -> list[float]: ...
+    def next_uses(self, sids: Sequence[str], now_s: float) -> list[float]:
+        """Predicted next use of each session at ``now_s`` (seconds; ``inf``: never)."""
+        ...
+
+    def forecast(self, sid: str, now_s: float) -> ArrivalForecast | None:
+        """The session's next-arrival forecast at ``now_s`` (None: none)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,15 +89,15 @@ class HbmRetention(Protocol):
         ...
 
 
-def make_hbm_retention(name: str, fleet: FleetConfig, next_uses: NextUses) -> HbmRetention:
+def make_hbm_retention(name: str, fleet: FleetConfig, forecasts: Forecasts) -> HbmRetention:
     """The retention strategy ``name`` (a key of :data:`HBM_RETENTIONS`) for ``fleet``;
-    ``next_uses``: the core's predicted next uses, for the strategies that read them."""
+    ``forecasts``: the core's, for the strategies that read them."""
     known = HBM_RETENTIONS.get(name)
     if known is None:
         raise ConfigError(f"unknown HBM retention {name!r}; known: {', '.join(HBM_RETENTIONS)}")
-    target, reads_forecasts = known
+    target, reads = known
     module, cls = target.split(":")
-    made: HbmRetention = (getattr(importlib.import_module(module), cls)(fleet, next_uses)
-                          if reads_forecasts
-                          else getattr(importlib.import_module(module), cls)(fleet))
+    kind = getattr(importlib.import_module(module), cls)
+    made: HbmRetention = (kind(fleet) if reads is None
+                          else kind(fleet, getattr(forecasts, reads)))
     return made

@@ -193,7 +193,7 @@ class Simulation:
         node_cfg = fleet.node
         #: The engine's HBM retention under this policy; None: LRU.
         self.hbm_retention: HbmRetention | None = (
-            make_hbm_retention(policy.hbm_retention, fleet, self.core.next_uses)
+            make_hbm_retention(policy.hbm_retention, fleet, self.core)
             if policy.hbm_retention else None)
         self.nodes = [_Node(i, Tier(f"hbm{i}", node_cfg.hbm_kv_bytes,
                                     self.hbm_retention.strategy if self.hbm_retention

@@ -4,13 +4,14 @@ log-normal retention window, and the seams they plug into (inert for every other
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import pytest
 
 from kvprefetch.controlplane.base.config import default_fleet
 from kvprefetch.controlplane.base.errors import ConfigError
 from kvprefetch.controlplane.base.tiers import INF, Tier, TierEntry
-from kvprefetch.controlplane.base.types import EventKind, SessionEvent
+from kvprefetch.controlplane.base.types import ArrivalForecast, EventKind, SessionEvent
 from kvprefetch.controlplane.core.continuum import ContinuumConfig, ContinuumTtl
 from kvprefetch.controlplane.core.hbm_retention import FinishedTurn, make_hbm_retention
 from kvprefetch.controlplane.core.mori import MoriIdleness
@@ -27,6 +28,19 @@ from kvprefetch.predictors.registry import load as load_predictor
 
 FLEET = default_fleet("8b", 1)
 GIB = 1 << 30
+
+
+class _Forecasts:
+    """The core's forecasts, as fixed next uses (and no arrival forecasts)."""
+
+    def __init__(self, uses: dict[str, float]) -> None:
+        self.uses = uses
+
+    def next_uses(self, sids: Sequence[str], now_s: float) -> list[float]:
+        return [self.uses[s] for s in sids]
+
+    def forecast(self, sid: str, now_s: float) -> ArrivalForecast | None:
+        return None
 
 
 def _turn(sid: str, stop: str | None = "tool_use", *, nbytes: int = GIB,
@@ -51,14 +65,14 @@ def test_peers_are_simulator_policies_only() -> None:
         assert (p.dram_tier, p.remote, p.load_start, p.prefetch) == (
             od.dram_tier, od.remote, od.load_start, od.prefetch)
     with pytest.raises(ConfigError):
-        make_hbm_retention("nope", FLEET, lambda sids, now_s: [INF] * len(sids))
+        make_hbm_retention("nope", FLEET, _Forecasts({}))
 
 
 def test_other_policies_run_none_of_the_peer_code() -> None:
     for name in ("recompute", "local-lru", "ondemand", "queue", "predictive", "oracle"):
         policy = POLICIES[name]
-        # The engine's LRU, or (predictive, oracle) the core's predicted next use.
-        assert policy.hbm_retention in (None, "next-use")
+        # The engine's LRU, or the core's forecasts (predictive) and next uses (oracle).
+        assert policy.hbm_retention in (None, "forecast", "next-use")
         assert policy.eviction is not EvictionKind.RETENTION_WINDOW
         core = SchedulerCore(FLEET, policy, load_predictor("default"), IdleFleet())
         assert core._books.retention is None
@@ -154,7 +168,7 @@ def test_retention_window_is_a_lognormal_quantile_shifted_per_session() -> None:
 
 def test_next_use_hbm_keeps_what_is_needed_soonest() -> None:
     uses = {"soon": 20.0, "late": 500.0, "never": INF}
-    hbm = make_hbm_retention("next-use", FLEET, lambda sids, now_s: [uses[s] for s in sids])
+    hbm = make_hbm_retention("next-use", FLEET, _Forecasts(uses))
     tier = Tier("hbm", 3 * GIB, hbm.strategy)
     for i, sid in enumerate(("late", "never", "soon")):
         tier.put(_entry(sid, float(i)))
