@@ -27,18 +27,16 @@ from typing import Protocol
 from kvprefetch.controlplane.base.config import FleetConfig
 from kvprefetch.controlplane.base.errors import ConfigError
 from kvprefetch.controlplane.base.tiers import EvictionStrategy
-from kvprefetch.controlplane.base.types import ArrivalForecast
 
 __all__ = ["HBM_RETENTIONS", "FinishedTurn", "Forecasts", "HbmRetention", "make_hbm_retention"]
 
 #: Retention strategies by name, as ``module:Class`` (imported only when selected), and
-#: what of the core's forecasts the class reads (its second argument): ``next_uses``,
-#: ``forecast`` or nothing.
+#: what of the core's forecasts the class reads (its second argument): ``next_uses`` or
+#: nothing.
 HBM_RETENTIONS: dict[str, tuple[str, str | None]] = {
     "continuum": ("kvprefetch.controlplane.core.continuum:ContinuumTtl", None),
     "mori": ("kvprefetch.controlplane.core.mori:MoriIdleness", None),
     "next-use": ("kvprefetch.controlplane.core.hbm_next_use:NextUseHbm", "next_uses"),
-    "forecast": ("kvprefetch.controlplane.core.hbm_forecast:ForecastHbm", "forecast"),
 }
 
 
@@ -47,10 +45,6 @@ class Forecasts(Protocol):
 
     def next_uses(self, sids: Sequence[str], now_s: float) -> list[float]:
         """Predicted next use of each session at ``now_s`` (seconds; ``inf``: never)."""
-        ...
-
-    def forecast(self, sid: str, now_s: float) -> ArrivalForecast | None:
-        """The session's next-arrival forecast at ``now_s`` (None: none)."""
         ...
 
 

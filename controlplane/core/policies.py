@@ -94,12 +94,10 @@ POLICIES: dict[str, PolicySpec] = {
         # start: loading every miss at arrival (`queue`) holds DRAM for the whole of a
         # long wait and evicts KV that requests ahead in the queue need (which is why
         # `queue` can be slower than `ondemand` on one busy node).
-        # Both decide HBM retention too: predictive holds a session's KV in HBM while its
-        # forecast return is worth the HBM (``forecast``); the oracle ranks HBM by its
-        # exact next use (``next-use``), so its two local tiers evict by Belady's rule.
         PolicySpec("predictive", True, True, LoadStart.ADAPTIVE, EvictionKind.PREDICTED_USE,
-                   True, modelled_on="kvprefetch", suffix_eviction=True, waste_budget=True,
-                   hbm_retention="forecast"),
+                   True, modelled_on="kvprefetch", suffix_eviction=True, waste_budget=True),
+        # The oracle ranks HBM by its exact next use too (``next-use``): its two local
+        # tiers evict by Belady's rule.
         PolicySpec("oracle", True, True, LoadStart.ON_ARRIVAL, EvictionKind.PREDICTED_USE, True,
                    predictor="oracle", safety_margin_s=0.0, modelled_on="the physical limit",
                    suffix_eviction=True, hbm_retention="next-use"),

@@ -46,7 +46,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from kvprefetch.controlplane.base.config import FleetConfig
 from kvprefetch.controlplane.base.keys import DEFAULT_CHUNK_TOKENS
-from kvprefetch.controlplane.base.types import ArrivalForecast, SessionEvent
+from kvprefetch.controlplane.base.types import SessionEvent
 from kvprefetch.controlplane.core.books import TierBooks
 from kvprefetch.controlplane.core.budgets import Budgets
 from kvprefetch.controlplane.core.draft import StepDraft
@@ -150,10 +150,6 @@ class SchedulerCore:
         """Predicted next use of each session at ``now_s`` (the DRAM books' predicted-use
         keys; ``inf``: never)."""
         return self._forecasts.next_uses(sids, now_s)
-
-    def forecast(self, sid: str, now_s: float) -> ArrivalForecast | None:
-        """The session's next-arrival forecast at ``now_s`` (the predictor's, cached)."""
-        return self._forecasts.forecast(sid, now_s)
 
     def dram_tokens(self, node: int, sid: str) -> int:
         """Tokens of the session in the node's DRAM books (ready or arriving)."""

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 
 from kvprefetch.controlplane.base.config import FleetConfig
 from kvprefetch.controlplane.base.shards import ShardRing
-from kvprefetch.controlplane.base.types import DEFAULT_TENANT, ArrivalForecast, SessionEvent
+from kvprefetch.controlplane.base.types import DEFAULT_TENANT, SessionEvent
 from kvprefetch.controlplane.core.planner import PrefetchOrder
 from kvprefetch.controlplane.core.policies import PolicySpec
 from kvprefetch.controlplane.core.scheduler import SchedulerCore
@@ -118,10 +118,6 @@ class ShardedCore:
     def next_uses(self, sids: Sequence[str], now_s: float) -> list[float]:
         """Predicted next use of each session (its shard's forecast)."""
         return [self._of(sid).next_uses([sid], now_s)[0] for sid in sids]
-
-    def forecast(self, sid: str, now_s: float) -> ArrivalForecast | None:
-        """The session's forecast (its shard's)."""
-        return self._of(sid).forecast(sid, now_s)
 
     def dram_tokens(self, node: int, sid: str) -> int:
         """Tokens of the session in the node's DRAM books (its shard's)."""

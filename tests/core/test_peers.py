@@ -11,7 +11,7 @@ import pytest
 from kvprefetch.controlplane.base.config import default_fleet
 from kvprefetch.controlplane.base.errors import ConfigError
 from kvprefetch.controlplane.base.tiers import INF, Tier, TierEntry
-from kvprefetch.controlplane.base.types import ArrivalForecast, EventKind, SessionEvent
+from kvprefetch.controlplane.base.types import EventKind, SessionEvent
 from kvprefetch.controlplane.core.continuum import ContinuumConfig, ContinuumTtl
 from kvprefetch.controlplane.core.hbm_retention import FinishedTurn, make_hbm_retention
 from kvprefetch.controlplane.core.mori import MoriIdleness
@@ -38,9 +38,6 @@ class _Forecasts:
 
     def next_uses(self, sids: Sequence[str], now_s: float) -> list[float]:
         return [self.uses[s] for s in sids]
-
-    def forecast(self, sid: str, now_s: float) -> ArrivalForecast | None:
-        return None
 
 
 def _turn(sid: str, stop: str | None = "tool_use", *, nbytes: int = GIB,
@@ -71,8 +68,8 @@ def test_peers_are_simulator_policies_only() -> None:
 def test_other_policies_run_none_of_the_peer_code() -> None:
     for name in ("recompute", "local-lru", "ondemand", "queue", "predictive", "oracle"):
         policy = POLICIES[name]
-        # The engine's LRU, or the core's forecasts (predictive) and next uses (oracle).
-        assert policy.hbm_retention in (None, "forecast", "next-use")
+        # The engine's LRU, or (the oracle) its exact next uses.
+        assert policy.hbm_retention == ("next-use" if name == "oracle" else None)
         assert policy.eviction is not EvictionKind.RETENTION_WINDOW
         core = SchedulerCore(FLEET, policy, load_predictor("default"), IdleFleet())
         assert core._books.retention is None
@@ -177,3 +174,4 @@ def test_next_use_hbm_keeps_what_is_needed_soonest() -> None:
     assert [e.key for e in tier.victims_for(GIB, 10.0, min_key=hbm.admit_key("new", 10.0))
             or []] == ["never"]
     assert tier.victims_for(2 * GIB, 10.0, min_key=hbm.admit_key("new", 10.0)) is None
+

@@ -53,12 +53,10 @@ def test_property_predictive_never_wastes_more_than_requests_read_beyond_the_all
 def test_without_the_budget_the_same_fleet_wastes_more_than_it_reads() -> None:
     """The property is not vacuous: with a 4 GiB allowance, a fleet where prefetch without
     the budget wastes 26.2 GiB and gets 15.0 GiB read (every client hints, exact tool
-    ETAs); with it, nothing past the credit. Both keep the engine's LRU HBM: with
-    predictive's own HBM retention this fleet wastes nothing, budget or not."""
+    ETAs); with it, nothing past the credit."""
     fleet = _fleet(1, 32, allowance_gib=4.0)
-    lru_hbm = replace(POLICIES["predictive"], name="lru-hbm", hbm_retention=None)
-    free = replace(lru_hbm, name="no-budget", waste_budget=False)
+    free = replace(POLICIES["predictive"], name="no-budget", waste_budget=False)
     wasted, used, _ = _bytes(free, fleet, 2.0, 9, 0.0, 1.0)
     assert wasted > used + 4 * GIB
-    wasted, used, _ = _bytes(lru_hbm, fleet, 2.0, 9, 0.0, 1.0)
+    wasted, used, _ = _bytes(POLICIES["predictive"], fleet, 2.0, 9, 0.0, 1.0)
     assert wasted <= used + 4 * GIB
