@@ -19,7 +19,7 @@ from kvprefetch.controlplane.cli.options import (
     positive_int,
 )
 from kvprefetch.controlplane.cli.predictor_option import add_predictor_option
-from kvprefetch.controlplane.core.policies import POLICIES, POLICY_NAMES
+from kvprefetch.controlplane.core.policies import PEER_POLICIES, POLICY_NAMES, SIM_POLICIES
 
 if TYPE_CHECKING:
     from kvprefetch.controlplane.sim.hints import HintConfig
@@ -48,8 +48,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "research, random)")
     add_trace_format_option(p)
     p.add_argument("--policies", default="all",
-                   help=f"comma-separated subset of: {', '.join(POLICIES)} (default: all, "
-                   f"which runs {', '.join(POLICY_NAMES)})")
+                   help=f"comma-separated subset of: {', '.join(SIM_POLICIES)} (default: "
+                   f"all, which runs {', '.join(POLICY_NAMES)}; the peers "
+                   f"{', '.join(PEER_POLICIES)} are published retention policies, simulator "
+                   "only)")
     add_predictor_option(p, several=False, default="default",
                          help="the one predictor of the 'predictive' policy: a name, "
                          "NAME:ARTIFACT or module:Class (default: 'default', the shipped "
@@ -218,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
     from kvprefetch.controlplane.traces import ArrivalOptions, bundled_trace_path
     from kvprefetch.predictors.registry import resolve
 
-    policies = parse_policies(args.policies)
+    policies = parse_policies(args.policies, peers=True)
     check_shards(args)
     hints = hint_config(args)
     resolve(args.predictor)  # fail fast on an unknown predictor, before loading anything

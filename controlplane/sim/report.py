@@ -240,7 +240,8 @@ def format_table(report: SimReport) -> str:
             f"{h.abandon_share:g}): sent {h.sent_typing} typing, {h.sent_tool} tool, "
             f"{h.sent_abandoned} abandoned per policy"
         )
-    head = (f"{'policy':<11} {'ret':>6} {'ret mean':>9} {'ret p50':>8} {'ret p90':>8} "
+    w = max(11, *(len(name) for name in report.policies))  # the policy column's width
+    head = (f"{'policy':<{w}} {'ret':>6} {'ret mean':>9} {'ret p50':>8} {'ret p90':>8} "
             f"{'ret p99':>8} {'all mean':>9} {'stall s':>9} {'prefetch':>9} {'wasted':>8} "
             f"{'remote':>9}")
     lines += ["", "TTFT in seconds (ret = returning requests); bytes in GiB", head,
@@ -248,7 +249,7 @@ def format_table(report: SimReport) -> str:
     for name, p in report.policies.items():
         r = p.returning
         lines.append(
-            f"{name:<11} {r.requests:>6} {r.ttft_mean_s:>9.3f} {r.ttft_p50_s:>8.3f} "
+            f"{name:<{w}} {r.requests:>6} {r.ttft_mean_s:>9.3f} {r.ttft_p50_s:>8.3f} "
             f"{r.ttft_p90_s:>8.3f} {r.ttft_p99_s:>8.3f} {p.ttft_mean_s:>9.3f} "
             f"{p.stall_s:>9.0f} {p.prefetched_bytes / GIB:>9.0f} "
             f"{p.wasted_bytes / GIB:>8.0f} {p.remote_bytes / GIB:>9.0f}"
