@@ -219,6 +219,13 @@ def _headline(name: str) -> str:
         return (f"{total['cells']} cells: predictive / ondemand returning mean TTFT geomean "
                 f"{_num(total['ratio_mean_geomean'], 2)}; {total['worse_than_ondemand']} cells "
                 f"worse than ondemand; median gap closure {_num(total['gap_closure_median'], 2)}")
+    if name == "peers-grid":
+        total = report["summary"]["all"]
+        leaders = ", ".join(f"{p} {n}" for p, n in total.get("leaders", {}).items()) or "none"
+        return (f"{total['cells']} cells: predictive / best baseline (ondemand, queue, peers) "
+                f"returning mean geomean {_num(total['ratio_mean_best_geomean'], 2)}, p90 "
+                f"{_num(total['ratio_p90_best_geomean'], 2)}; cells a peer leads on the "
+                f"mean: {leaders}")
     if name == "bench-control-plane":
         modes = report["modes"]
         parts = [f"{mode} {_num(r.get('events_per_s'), 0)} events/s" for mode, r in modes.items()]
@@ -235,6 +242,7 @@ PAGES = {
     "sim-bundled-n1": "prefetch-quality.md",
     "sim-bundled-n2": "prefetch-quality.md",
     "sim-grid-unseen": "prefetch-quality.md",
+    "peers-grid": "peers.md",
     "bench-control-plane": "control-plane.md",
     "bench-store": "data-plane.md",
 }
@@ -259,6 +267,7 @@ WHAT = {
     "sim-bundled-n1": "`kvprefetch sim`, bundled Claude Code slice, 1 node",
     "sim-bundled-n2": "`kvprefetch sim`, bundled Claude Code slice, 2 nodes",
     "sim-grid-unseen": "`kvprefetch sim-grid`, synthetic traffic no predictor here has seen",
+    "peers-grid": "`kvprefetch sim-grid` against the published retention policies",
     "bench-control-plane": "`kvprefetch bench control-plane`: scheduler events per second",
     "bench-store": "`kvprefetch bench store`: one session's KV into the local tier",
 }

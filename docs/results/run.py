@@ -45,6 +45,15 @@ RUNS: dict[str, list[str]] = {
         "--json", "docs/results/data/sim-grid-unseen.json",
         "--plot", "docs/results/sim-grid-unseen.png",
     ],
+    "peers-grid": [
+        "kvprefetch", "sim-grid",
+        "--traces", "controlplane/data/traces/claude-code,synthetic:agentic,synthetic:chat,"
+        "synthetic:research",
+        "--nodes", "2,4", "--loads", "1,2", "--seeds", "0,1",
+        "--policies", "ondemand,queue,continuum-ttl,mori,ttl-lognormal,predictive,oracle",
+        "--workers", "2", "--no-progress",
+        "--json", "docs/results/data/peers-grid.json", "--plot", "docs/results/peers-grid.png",
+    ],
     "bench-control-plane": [
         "kvprefetch", "bench", "control-plane", "--modes", "inproc,service,http,ray-1",
         "--sessions", "1000", "--events", "3000", "--no-progress",
