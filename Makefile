@@ -116,9 +116,9 @@ test-vllm:
 		tests/agents/test_vllm_cpu.py tests/live/test_demo_vllm.py tests/agents/test_aiperf_bench.py \
 		tests/deploy/test_local_cluster.py
 
-# The pure tests (no servers, no Ray, no shared traces): under a minute.
+# The pure tests (no servers, no Ray, no shared traces), on two workers: about a minute.
 test-fast: setup
-	$(PY) -m pytest -q -m "not servers and not slow and not live"
+	$(PY) -m pytest -q -n 2 -m "not servers and not slow and not live"
 
 # Style, types, and the package layers (pyproject.toml [tool.importlinter]).
 lint: setup
