@@ -8,8 +8,7 @@ by their checksums), after the response it writes the KV it computed back to the
 store and the local tier, as LMCache does. Object sizes are the modelled sizes times
 ``kv_scale`` so that a laptop can carry them. With ``backend: lmcache-mp`` it is instead a
 real client of the node's LMCache MP server (:mod:`kvprefetch.agents.lmcache.engine_kv`): it
-retrieves
-the reusable prefix from LMCache and stores new KV through it.
+retrieves the reusable prefix from LMCache and stores new KV through it.
 
 A request's life (as in the simulator): FIFO queue for the GPU -> ``gpu_start`` (the
 scheduler dispatches a demand load, or points at a prefetch still arriving) -> wait for that

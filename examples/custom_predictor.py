@@ -7,8 +7,7 @@ Run from the repository root (so ``examples`` is importable), or put this folder
         --predictor examples.custom_predictor:StopAwarePredictor
 
 It implements the :class:`kvprefetch.predictors.base.Predictor` protocol with plain Python: a tool
-call
-is expected back in seconds, the end of a turn in minutes.
+call is expected back in seconds, the end of a turn in minutes.
 """
 
 from __future__ import annotations

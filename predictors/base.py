@@ -34,8 +34,7 @@ when ``now_s`` is later than the last finish, on it not having returned yet);
 ``p_return`` is the probability of returning within ``horizon_s`` of the last finish (the
 trained models use "within the next 60 s from now", so their ``horizon_s`` is
 ``elapsed + 60``). :func:`kvprefetch.predictors.distribution.prob_return_within` converts any
-forecast
-to another horizon.
+forecast to another horizon.
 """
 
 from __future__ import annotations

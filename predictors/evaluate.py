@@ -17,8 +17,7 @@ Metrics (per predictor):
 * ``coverage_80``: share of gaps inside [q10, q90].
 * ``auc_return_60s``: ROC AUC of P(return within 60 s) (from
   :func:`~kvprefetch.predictors.distribution.prob_return_within`) over every response, the
-  never-returned
-  last responses included.
+  never-returned last responses included.
 * ``calibration``: how well P(return within ``h`` | silent for ``a``) matches the outcomes,
   for ``h`` in :data:`CALIBRATION_HORIZONS_S` and ``a`` in :data:`CALIBRATION_SILENCES_S`
   (see :func:`calibration`); ``ece_h{h}_a{a}`` the expected calibration error of each cell.

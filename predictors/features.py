@@ -2,8 +2,7 @@
 
 Learned predictors never compute features themselves: they keep a :class:`FeatureTracker`,
 feed it the same :class:`~kvprefetch.controlplane.base.types.SessionEvent` stream in training
-(replayed
-from a trace by :func:`replay_session`) and in serving (from the scheduler), and read its
+(replayed from a trace by :func:`replay_session`) and in serving (from the scheduler), and read its
 rows. Train/serve skew is therefore impossible by construction; artifacts record
 :data:`FEATURE_SCHEMA_VERSION` and :data:`FEATURE_NAMES` and refuse to load against another
 schema.

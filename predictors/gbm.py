@@ -26,9 +26,8 @@ from kvprefetch.predictors.learned import LearnedPredictor
 
 #: Boosting settings: small trees and few iterations keep a batched forecast of 10,000
 #: sessions under 100 ms (4 ensembles); accuracy was checked on a validation split of the
-#: training part only.
-#: 40 trees at a learning rate of 0.2 score as well as 100 at 0.1 on held-out Claude Code
-#: sessions (`kvprefetch eval-predictor`) and predict faster.
+#: training part only. 40 trees at a learning rate of 0.2 score as well as 100 at 0.1 on held-out
+#: Claude Code sessions (`kvprefetch eval-predictor`) and predict faster.
 GBM_PARAMS: dict[str, Any] = {"max_iter": 40, "learning_rate": 0.2, "max_leaf_nodes": 15}
 
 

@@ -4,8 +4,7 @@ LMCache MP server (L2 -> L1), instead of copies into the project's own local tie
 An order names a session's chunks by position; LMCache names content by token ids. So per
 order the backend reads the session's token ids from the remote store (written there by
 whoever stored its KV: :mod:`kvprefetch.agents.lmcache.tokens`), cuts them to the order's token
-count,
-and submits ``POST /cache/prefetches`` through
+count, and submits ``POST /cache/prefetches`` through
 :class:`~kvprefetch.agents.lmcache.warm.LMCacheWarmClient`.
 The result comes back as a :class:`~kvprefetch.agents.transfer.TransferResult` (one key per chunk:
 found chunks moved, missing ones missed, a trailing partial chunk counted present because
@@ -14,8 +13,7 @@ both backends.
 
 Start-up compares chunk size and hash algorithm with the server's ``/config``
 (:class:`~kvprefetch.agents.lmcache.errors.LMCacheConfigMismatchError` names the field), so a node
-whose
-keys could never match fails loudly instead of warming nothing.
+whose keys could never match fails loudly instead of warming nothing.
 
 Evict advice deletes the session's objects from L1 (``DELETE /cache/objects``); L2 keeps
 them. What is warm is LMCache's to know: the backend remembers the chunks of the orders it
@@ -78,8 +76,7 @@ class LMCacheBackendConfig(BaseModel):
     #: The base of the tenants' LMCache cache salts ("" = none): the default tenant's KV
     #: is keyed with it, every other tenant's with
     #: :func:`~kvprefetch.controlplane.base.keys.tenant_cache_salt` of it, which the engine's
-    #: requests
-    #: must carry as their ``cache_salt`` (the gateway sets it).
+    #: requests must carry as their ``cache_salt`` (the gateway sets it).
     cache_salt: str = ""
     #: Longest one warm may take before the order is reported failed (wall seconds).
     warm_timeout_s: float = Field(60.0, gt=0)

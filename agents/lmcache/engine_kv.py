@@ -11,9 +11,8 @@ session wherever it returns (:mod:`kvprefetch.agents.lmcache.tokens`).
 
 Token ids: the traces carry token counts only, so a session's ids are
 :func:`~kvprefetch.agents.lmcache.tokens.synthetic_tokens` (a turn's ids extend the previous
-turn's).
-The KV of token ``t`` holds ``t mod 127`` in every element, so a retrieve checks that it got
-the right session's KV back.
+turn's). The KV of token ``t`` holds ``t mod 127`` in every element, so a retrieve checks that it
+got the right session's KV back.
 """
 
 from __future__ import annotations

@@ -2,8 +2,7 @@
 
 Every class is a :class:`~kvprefetch.agents.stores.errors.StoreError` (so a
 :class:`~kvprefetch.controlplane.base.errors.KvPrefetchError`): the agent's loop can catch one type
-and
-still tell a misconfigured node (:class:`LMCacheConfigMismatchError`, raised at start-up)
+and still tell a misconfigured node (:class:`LMCacheConfigMismatchError`, raised at start-up)
 from a node whose engine has not registered yet (:class:`LMCacheNoLayoutError`) and from a
 server that is down or slow (:class:`LMCacheUnavailableError`, :class:`LMCacheTimeoutError`).
 

@@ -14,8 +14,7 @@ request on arrival ``batch_exists`` (up to 128 page hashes per call, answer: how
 consecutive pages from the first are present), then ``batch_get_v1`` (``interface_v1``) or
 ``batch_get`` for those pages; per finished request ``batch_set_v1``/``batch_set`` for the
 pages it wrote back. Keys are SGLang's page hashes (:mod:`kvprefetch.agents.sglang.keys`); objects
-are
-named by :class:`~kvprefetch.agents.sglang.keys.PageKeyScheme` from the storage config (model,
+are named by :class:`~kvprefetch.agents.sglang.keys.PageKeyScheme` from the storage config (model,
 ranks).
 
 Reads: the node-local DRAM tier the agent warms first (a file per object, opened by name:

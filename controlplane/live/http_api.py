@@ -1,9 +1,7 @@
 """The HTTP API: the gateway operations of :mod:`kvprefetch.controlplane.live.client` for gateways
-not
-written in Python, as JSON ``POST /v1/<op>`` endpoints on the models of
+not written in Python, as JSON ``POST /v1/<op>`` endpoints on the models of
 :mod:`kvprefetch.controlplane.base.api` (the OpenAPI document at ``/openapi.json`` is generated from
-them,
-with this server's limits).
+them, with this server's limits).
 
 =====================  =========================  ==================================
 endpoint               body                       answer
@@ -43,8 +41,7 @@ scheduler receives the chunk hashes. :class:`HttpServer` answers 503 past
 
 Errors are JSON ``{"error": <type name>, "detail": <message>}`` with the status of the
 typed error (:attr:`~kvprefetch.controlplane.base.errors.ServiceError.http_status`): 401 no or wrong
-bearer
-token, 403 a tenant not allowed or not the token's, 404 unknown session, 408 body too
+bearer token, 403 a tenant not allowed or not the token's, 404 unknown session, 408 body too
 slow, 413 body too large, 422 a body that fails validation (``errors`` then lists the first
 fields as ``loc``/``msg``/``type``), 429 the tenant holds its quota of live sessions or
 the caller its large bodies in progress, 503 scheduler unavailable or too many
@@ -136,8 +133,7 @@ HTTP_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.
 
 #: Where ``/metrics`` reads the scheduler's measurements: a registry, an object holding one
 #: (:class:`~kvprefetch.controlplane.live.metrics.PrometheusMetrics`), or a function returning
-#: exposition
-#: text (the Ray scheduler actor's ``metrics_text``).
+#: exposition text (the Ray scheduler actor's ``metrics_text``).
 MetricsSource = CollectorRegistry | Callable[[], bytes] | Any
 
 

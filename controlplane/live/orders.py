@@ -3,8 +3,7 @@ reported, by id and by (session, node), with bounded de-duplication of reports; 
 check of a report against its order (:func:`report_mismatch`).
 
 Order ids carry the scheduler's epoch (:func:`~kvprefetch.controlplane.base.wire.make_order_id`):
-the
-book issues ids of one epoch, set by :meth:`OrderBook.begin_epoch` when the service starts.
+the book issues ids of one epoch, set by :meth:`OrderBook.begin_epoch` when the service starts.
 """
 
 from __future__ import annotations

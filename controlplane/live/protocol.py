@@ -82,8 +82,8 @@ class GatewayAPI(Protocol):
 @runtime_checkable
 class SchedulerAPI(GatewayAPI, NodeAPI, Protocol):
     """Every call the scheduler takes: the gateway's (:class:`GatewayAPI`), each node's
-    engine's and prefetch agent's
-    (:class:`~kvprefetch.controlplane.base.scheduler_api.NodeAPI`), and introspection for
+    engine's and prefetch agent's (:class:`~kvprefetch.controlplane.base.scheduler_api.NodeAPI`),
+    and introspection for
     operators and tests."""
 
     # ------------------------------------------------------------------ introspection

@@ -5,8 +5,7 @@ shard (each with its own event batcher) and sends every call about a session to 
 that owns it (:class:`~kvprefetch.controlplane.base.shards.ShardRing`, computed here: one hop). An
 engine's report goes to the served session's shard, and a drop notice to each other shard
 whose sessions its HBM dropped (:func:`~kvprefetch.controlplane.base.shards.split_engine_report`);
-an
-agent's hello goes to every shard (each keeps its own books of the node). A transfer
+an agent's hello goes to every shard (each keeps its own books of the node). A transfer
 report goes to the shard that issued the order: each shard's epochs are congruent to its
 number modulo the shard count, and every order id carries its epoch.
 

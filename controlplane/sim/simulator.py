@@ -7,13 +7,11 @@ prefix cache: LRU, or the policy's HBM retention,
 agents warm; LRU, predicted-next-use or retention-window eviction), and an ingress link
 shared by all transfers into the node
 (:mod:`kvprefetch.controlplane.sim.link`). The remote store holds every session's latest context
-once
-written (Valkey, LRU-bounded, in front of S3, unbounded). Writes to the remote store use
+once written (Valkey, LRU-bounded, in front of S3, unbounded). Writes to the remote store use
 the NIC's egress direction and are not on any request's critical path.
 
 A request's life: arrival -> routing (:mod:`kvprefetch.controlplane.core.router`) -> (policy: load
-missing
-KV at arrival) -> prefill queue -> (policy: load at schedule; the GPU waits = stall) ->
+missing KV at arrival) -> prefill queue -> (policy: load at schedule; the GPU waits = stall) ->
 DRAM->HBM copy of reused KV (stall) -> prefill of the new tokens -> first token (TTFT)
 -> decode -> finish: the context is written to HBM, the DRAM tier and the remote store.
 """

@@ -2,8 +2,7 @@
 
 The loaders parse untrusted files; every malformed value becomes a
 :class:`~kvprefetch.controlplane.base.errors.TraceFormatError` that says *where* (file, 1-based line
-when the
-format is line-based, field path) and *what* was expected, so a user can fix the file.
+when the format is line-based, field path) and *what* was expected, so a user can fix the file.
 """
 
 from __future__ import annotations

@@ -79,8 +79,7 @@ def load_trace(
     claude-code.
 
     Raises :class:`~kvprefetch.controlplane.base.errors.UnknownFormatError` for an unknown ``fmt``,
-    an
-    undetectable file or an unknown synthetic profile,
+    an undetectable file or an unknown synthetic profile,
     :class:`~kvprefetch.controlplane.base.errors.TraceFormatError` for a missing path,
     an empty trace or a malformed record (naming file, line and field).
     """

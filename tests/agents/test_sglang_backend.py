@@ -5,8 +5,7 @@ byte; the node-local tier is read first; checksums catch damaged objects.
 
 The zero-copy v1 calls run against a page-first host pool double
 (:class:`kvprefetch.agents.sglang.host_pool.PageFirstHostPool`, the same methods and page geometry
-as
-SGLang's ``MHATokenToKVPoolHost``): SGLang's real host pool cannot be built on CPU without
+as SGLang's ``MHATokenToKVPoolHost``): SGLang's real host pool cannot be built on CPU without
 torchvision, which its config package imports.
 SGLang is imported directly (see test_sglang_keys.py for the rule on a missing SGLang).
 """
