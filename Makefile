@@ -120,11 +120,13 @@ test-vllm:
 test-fast: setup
 	$(PY) -m pytest -q -n 2 -m "not servers and not slow and not live"
 
-# Style, types, and the package layers (pyproject.toml [tool.importlinter]).
+# Style, types, the package layers (pyproject.toml [tool.importlinter]), no import cycles
+# and no private name imported across modules (tests/test_layers.py).
 lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 	$(VENV)/bin/lint-imports
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_layers.py
 
 # The shared Claude Code set (../shared/traces), all six policies.
 sim-full: setup
