@@ -107,9 +107,7 @@ def create(spec: str, *, trace: Trace | None = None) -> Predictor:
     if name == "hinted" and artifact is not None:
         from kvprefetch.predictors.hinted import with_hints
 
-        inner = (load_artifact(artifact) if Path(artifact).is_file()
-                 else create(artifact, trace=trace))
-        return with_hints(inner)
+        return with_hints(create(artifact, trace=trace))  # a spec, or a trained FILE
     try:
         if name in NEEDS_TRACE:
             if trace is None:

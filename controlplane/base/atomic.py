@@ -15,13 +15,17 @@ from pathlib import Path
 from typing import Any
 
 
-def write_atomic(path: str | Path, chunks: Iterable[bytes]) -> Path:
-    """Write ``chunks`` to ``path`` atomically; returns the path."""
+def write_atomic(path: str | Path, chunks: Iterable[bytes], *, mode: int | None = None) -> Path:
+    """Write ``chunks`` to ``path`` atomically (a temporary file beside it, fsynced, renamed
+    over it); ``mode``: the file's permission bits (default: the temporary file's, 0600).
+    Returns the path."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
     try:
         with os.fdopen(fd, "wb") as f:
+            if mode is not None:
+                os.fchmod(f.fileno(), mode)
             for chunk in chunks:
                 f.write(chunk)
             f.flush()

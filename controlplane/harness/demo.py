@@ -56,7 +56,7 @@ from kvprefetch.controlplane.harness.demo_report import (
     SeedTrace,
     build_report,
     run_from_books,
-    write_plot,
+    write_outputs,
 )
 
 log = logging.getLogger(__name__)
@@ -142,14 +142,7 @@ def run_demo(args: argparse.Namespace) -> int:
     report = build_report(args, fleet, seeds, runs, service_predictor,
                      time.perf_counter() - started)
     print_report(report)
-    if args.json_out:
-        from kvprefetch.controlplane.base.atomic import write_json_atomic
-
-        write_json_atomic(args.json_out, report)
-        print(f"wrote {args.json_out}")
-    if args.plot:
-        write_plot(report, args.plot)
-        print(f"wrote {args.plot}")
+    write_outputs(args, report)
     return 0
 
 

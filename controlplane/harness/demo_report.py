@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvprefetch.controlplane.base.atomic import save_figure_atomic
+from kvprefetch.controlplane.base.atomic import save_figure_atomic, write_json_atomic
 
 GIB = 1 << 30
 
@@ -302,6 +302,17 @@ def build_report(args: argparse.Namespace, fleet: Any, seeds: list[SeedTrace],
         report["gap_closure"] = closure
     return report
 
+
+
+def write_outputs(args: argparse.Namespace, report: dict[str, Any]) -> None:
+    """The report's files, as the demos' ``--json`` and ``--plot`` ask: JSON written
+    atomically, the PNG by :func:`write_plot`; each named on the terminal."""
+    if args.json_out:
+        write_json_atomic(args.json_out, report)
+        print(f"wrote {args.json_out}")
+    if args.plot:
+        write_plot(report, args.plot)
+        print(f"wrote {args.plot}")
 
 
 def write_plot(report: dict[str, Any], path: str | Path) -> None:

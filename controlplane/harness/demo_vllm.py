@@ -62,7 +62,7 @@ from kvprefetch.controlplane.harness.demo_report import (
     Run,
     build_report,
     run_from_books,
-    write_plot,
+    write_outputs,
 )
 from kvprefetch.controlplane.harness.vllm_nodes import (
     L2_LOAD_S_PER_TOKEN,
@@ -202,14 +202,7 @@ def run_demo_vllm(args: argparse.Namespace) -> int:
                           time.perf_counter() - started)
     _extend_report(report, args, extra, plan)
     print_report(report)
-    if args.json_out:
-        from kvprefetch.controlplane.base.atomic import write_json_atomic
-
-        write_json_atomic(args.json_out, report)
-        print(f"wrote {args.json_out}")
-    if args.plot:
-        write_plot(report, args.plot)
-        print(f"wrote {args.plot}")
+    write_outputs(args, report)
     return 0
 
 

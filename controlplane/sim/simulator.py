@@ -19,7 +19,7 @@ DRAM->HBM copy of reused KV (stall) -> prefill of the new tokens -> first token 
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -47,6 +47,7 @@ from kvprefetch.predictors.base import Predictor
 
 from .hints import HintCounts, PlannedHint, hints_by_turn
 from .link import DEMAND, PREFETCH, QUEUED, Link, Transfer
+from .remote import RemoteStore
 
 (_ARRIVE, _XFER_DONE, _PREFILL_DONE, _FINISH, _PREFETCH_START, _CLEAR, _SWEEP, _HINT,
  _JOIN) = range(9)
@@ -178,11 +179,9 @@ class Simulation:
         self._seq = 0
         self._events: list[tuple[float, int, int, object]] = []
         self._tid = 0
-        self._remote_tokens: dict[str, int] = {}
         #: Orders the core armed during the event being handled (armed after it).
         self._orders: list[PrefetchOrder] = []
-        self._valkey: OrderedDict[str, int] = OrderedDict()
-        self._valkey_bytes = 0
+        self.remote = RemoteStore(fleet)
         #: One core, or ``shards`` cores each planning with its quota of the fleet (or
         #: sharing each node's tier).
         self.core: SchedulerCore | ShardedCore = (
@@ -200,12 +199,6 @@ class Simulation:
         if record_links:
             for n in self.nodes:
                 n.link.record = []
-        remote = fleet.remote
-        nic = node_cfg.nic_bytes_per_s
-        self._valkey_s_per_byte = 1.0 / min(nic, remote.valkey_gbyte_s_per_node * 1e9)
-        self._s3_s_per_byte = 1.0 / min(
-            nic, remote.s3_gbyte_s_per_connection * 1e9 * remote.s3_connections
-        )
         self._h2d_s_per_byte = 1.0 / (node_cfg.h2d_gbyte_s * 1e9)
         #: Client hints (:mod:`.hints`), sent relative to the end of the response before
         #: their request; and those sent so far.
@@ -228,7 +221,7 @@ class Simulation:
         return e.tokens if e is not None else 0
 
     def remote_source(self, session_id: str) -> tuple[float, float]:
-        s_per_byte, latency, _ = self._source(session_id)
+        s_per_byte, latency, _ = self.remote.source(session_id)
         return s_per_byte, latency
 
     # ------------------------------------------------------------------ event plumbing
@@ -333,13 +326,6 @@ class Simulation:
             parent_id=r.session.parent_id,
         )
 
-    def _source(self, session_id: str) -> tuple[float, float, bool]:
-        """(seconds per byte, first-byte latency, from S3?) of the session's remote copy."""
-        remote = self.fleet.remote
-        if session_id in self._valkey:
-            return self._valkey_s_per_byte, remote.valkey_latency_s, False
-        return self._s3_s_per_byte, remote.s3_first_byte_s, True
-
     def _put_hbm(self, node: _Node, session_id: str, tokens: int, pinned: int,
                  min_key: float = -INF) -> None:
         nbytes = tokens * self.bpt
@@ -357,14 +343,14 @@ class Simulation:
         if self.core.dram_tokens(node, sid) >= ctx:
             return ctx * self.bpt * self._h2d_s_per_byte
         if self.policy.remote:
-            s_per_byte, latency, _ = self._source(sid)
+            s_per_byte, latency, _ = self.remote.source(sid)
             return latency + ctx * self.bpt * (s_per_byte + self._h2d_s_per_byte)
         return self.fleet.prefill_s(ctx, 0)
 
     # ------------------------------------------------------------------ transfers
     def _submit(self, ticket: LoadTicket) -> Transfer:
         node = self.nodes[ticket.node]
-        s_per_byte, latency, from_s3 = self._source(ticket.session_id)
+        s_per_byte, latency, from_s3 = self.remote.source(ticket.session_id)
         self._tid += 1
         klass = (PREFETCH if ticket.prefetch
                  else QUEUED if ticket.priority < DEMAND_PRIORITY else DEMAND)
@@ -398,7 +384,7 @@ class Simulation:
         self.out.ttlb_s.append(self._now - xfer.submitted_s)
         if xfer.prefetch:
             self.out.prefetched_bytes += xfer.nbytes
-        self._valkey_touch(xfer.session_id)
+        self.remote.touch(xfer.session_id)
         self._carry(self.core.transfer_done(xfer.session_id, node.idx, self._now,
                                             demand=xfer.klass != PREFETCH))
         waiting = node.running
@@ -407,21 +393,6 @@ class Simulation:
             if waiting.prefetch_ready_s is not None:
                 waiting.prefetch_ready_s = self._now
             self._begin_prefill(node, waiting)
-
-    def _valkey_touch(self, session_id: str) -> None:
-        """Write or promote the session's object into Valkey (LRU beyond its capacity)."""
-        cap = self.fleet.remote.valkey_capacity_bytes
-        nbytes = self._remote_tokens.get(session_id, 0) * self.bpt
-        old = self._valkey.pop(session_id, None)
-        if old is not None:
-            self._valkey_bytes -= old
-        if nbytes > cap:
-            return
-        self._valkey[session_id] = nbytes
-        self._valkey_bytes += nbytes
-        while self._valkey_bytes > cap:
-            _, b = self._valkey.popitem(last=False)
-            self._valkey_bytes -= b
 
     # ------------------------------------------------------------------ requests
     def _on_arrive(self, r: _Req) -> None:
@@ -513,8 +484,7 @@ class Simulation:
         if retention is None:
             self._put_hbm(node, sid, ctx, pinned=0)
         if self.policy.remote:
-            self._remote_tokens[sid] = ctx
-            self._valkey_touch(sid)
+            self.remote.write(sid, ctx)
         self._carry(self.core.request_finished(
             self._event(EventKind.REQUEST_FINISHED, r, node.idx), ctx))
         if retention is not None:  # after the write-through, which the reload cost sees

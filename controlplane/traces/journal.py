@@ -46,7 +46,6 @@ import logging
 import os
 import re
 import stat
-import tempfile
 import time
 import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -57,6 +56,7 @@ from typing import Any
 import pydantic_core
 from tqdm import tqdm
 
+from kvprefetch.controlplane.base.atomic import write_atomic
 from kvprefetch.controlplane.base.errors import TraceFormatError
 from kvprefetch.controlplane.base.types import (
     EventKind,
@@ -469,19 +469,7 @@ def file_mode(path: Path) -> int:
 def replace_journal(path: Path, chunks: Iterable[bytes]) -> None:
     """Replace the journal at ``path`` atomically by ``chunks`` (a temporary file beside it,
     fsynced, given the journal's mode, renamed over it)."""
-    mode = file_mode(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), mode)
-            for chunk in chunks:
-                f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, chunks, mode=file_mode(path))
 
 
 def _kept_lines(path: Path, bad: set[int]) -> Iterator[bytes]:
