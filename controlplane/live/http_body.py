@@ -206,11 +206,17 @@ class BodyValidator:
                 return None
             try:
                 if spec.int_range is not None:
-                    out.extend(_ints(piece, spec.int_range, adapter))
+                    items, bad = _ints(piece, spec.int_range, adapter,
+                                       errors.limit - len(errors.items) + 1)
+                    for at, msg, kind in bad:
+                        errors.add(f"{name}.{index + at}", msg, kind)
+                    failed = failed or bool(bad)
+                    if not failed:
+                        out.extend(items)
                 else:
                     out.extend(adapter.validate_json(b"[" + piece + b"]"))
                 pos, index = cut + 1, index + piece.count(b",") + 1
-            except (ValidationError, _BadItem, ValueError) as exc:
+            except (ValidationError, ValueError) as exc:
                 failed = True
                 k = _first_index(exc)
                 if k is None:  # not a list of items at all: nothing more to find here
@@ -241,12 +247,6 @@ def _fail_fast_list(item: Any) -> Any:
     return Annotated[list[item], FailFast()]
 
 
-class _BadItem(Exception):
-    def __init__(self, index: int, msg: str, kind: str) -> None:
-        super().__init__(msg)
-        self.index, self.msg, self.kind = index, msg, kind
-
-
 @dataclass(frozen=True, slots=True)
 class _RawList:
     """A big array of the body, not yet read: the bytes between its brackets."""
@@ -256,8 +256,6 @@ class _RawList:
 
 
 def _first_index(exc: Exception) -> int | None:
-    if isinstance(exc, _BadItem):
-        return exc.index
     if isinstance(exc, ValidationError):
         loc = exc.errors(include_url=False, include_input=False, include_context=False)[0]
         first = loc.get("loc", ())
@@ -276,26 +274,37 @@ def _kind(exc: Exception) -> str:
     if isinstance(exc, ValidationError):
         err = exc.errors(include_url=False, include_input=False, include_context=False)[0]
         return str(err.get("type", ""))
-    if isinstance(exc, _BadItem):
-        return exc.kind
     return "json_invalid"
 
 
-def _ints(piece: bytes, bounds: tuple[int, int], adapter: TypeAdapter[list[Any]]
-          ) -> list[Any]:
-    """The integers of one slice: decoded by :func:`json.loads`, checked by type and range
-    in single passes, and by ``adapter`` (which names the first bad item) only when those
-    passes find something to look at."""
+def _ints(piece: bytes, bounds: tuple[int, int], adapter: TypeAdapter[list[Any]],
+          room: int) -> tuple[list[Any], list[tuple[int, str, str]]]:
+    """The integers of one slice and its first ``room`` bad items (index in the slice,
+    message, kind), from one :func:`json.loads` and one pass: a slice of valid ids is
+    checked by type and range in single C-level passes, and only the items that fail them
+    are looked at one by one (by ``adapter``, which names the error as for a small body)."""
     items = _json_items(piece)
-    if set(map(type, items)) <= {int} and (
-            not items or (min(items) >= bounds[0] and max(items) <= bounds[1])):
-        return items
-    # as api.JSON_INTS: no booleans or strings; the first bad item of either kind is named
-    text = next((at for at, item in enumerate(items) if isinstance(item, bool | str)), None)
-    checked = list(adapter.validate_python(items if text is None else items[:text]))
-    if text is not None:
-        raise _BadItem(text, "Input should be a valid integer", "int_type")
-    return checked
+    low, high = bounds
+    if set(map(type, items)) <= {int} and (not items or (min(items) >= low
+                                                         and max(items) <= high)):
+        return items, []
+    bad: list[tuple[int, str, str]] = []
+    for at, item in enumerate(items):
+        if type(item) is int and low <= item <= high:
+            continue
+        if isinstance(item, bool | str):  # as api.JSON_INTS: no booleans or strings
+            bad.append((at, "Input should be a valid integer", "int_type"))
+        else:
+            try:
+                items[at] = adapter.validate_python([item])[0]  # an integral float
+                continue
+            except ValidationError as exc:
+                err = exc.errors(include_url=False, include_input=False,
+                                 include_context=False)[0]
+                bad.append((at, str(err.get("msg", "")), str(err.get("type", ""))))
+        if len(bad) >= room:
+            break
+    return items, bad
 
 
 def _json_items(piece: bytes) -> list[Any]:

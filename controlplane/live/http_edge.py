@@ -4,11 +4,13 @@
 1. The bearer token, from the headers alone: a call without a valid one is answered 401
    before any of its body is read (the connection is then closed).
 2. The body's declared length against ``max_body_bytes`` (413).
-3. A large body (over ``large_body_bytes``, or of unknown length) waits for one of its
+3. A large body of a caller whose refused bodies have spent its budget is answered 429
+   (with ``Retry-After``) from its headers, unread; see :class:`RefusalBudget`.
+4. A large body (over ``large_body_bytes``, or of unknown length) waits for one of its
    caller's ``max_large_bodies_per_caller`` turns (429 after ``body_read_timeout_s``),
    so that one tenant's heavy calls queue behind each other and not in front of other
    tenants' calls.
-4. The body is read within ``body_read_timeout_s`` and, after ``body_rate_grace_s``, at
+5. The body is read within ``body_read_timeout_s`` and, after ``body_rate_grace_s``, at
    ``min_body_rate_bytes_per_s`` or faster (408 otherwise), never past
    ``max_body_bytes`` (413), and while it arrives its commas, brackets and braces are
    counted: a body with more list items or nested values than any valid call carries is
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from collections.abc import Collection
 from typing import Any
 
@@ -36,6 +39,9 @@ from kvprefetch.controlplane.live.tenants import Principal, Role, TenantAuth
 STRUCTURE_SLACK = 64
 #: Where the principal is handed on to the app (``request.state.principal``).
 PRINCIPAL_STATE = "principal"
+#: Answers that refuse a body the edge or the endpoint has read (in part): a large one is
+#: charged to its caller's :class:`RefusalBudget`.
+REFUSED_BODY_STATUSES = frozenset({400, 408, 413, 422})
 
 
 def bearer_token(headers: Collection[tuple[bytes, bytes]]) -> str | None:
@@ -58,19 +64,53 @@ def caller_key(principal: Principal) -> str:
     return principal.role.value
 
 
+class RefusalBudget:
+    """Bytes of refused large bodies one caller may still send: a bucket of
+    ``burst_bytes`` refilled at ``bytes_per_s``, into which each refused large body is
+    charged (its declared length, else the bytes read). While the bucket is empty or in
+    debt, the caller's large bodies are refused unread, so the bytes an abusive caller
+    makes the edge receive, parse and validate are bounded by ``burst_bytes`` plus
+    ``bytes_per_s`` over time, and the event loop and interpreter it shares with every
+    other caller stay free for them. Valid bodies and small bodies are never charged or
+    held back. ``now`` is the event loop's clock, in seconds."""
+
+    def __init__(self, burst_bytes: int, bytes_per_s: int, now: float) -> None:
+        self.burst_bytes = burst_bytes
+        self.bytes_per_s = bytes_per_s
+        self._left = float(burst_bytes)
+        self._at = now
+
+    def wait_s(self, now: float) -> float:
+        """Seconds until the caller may send a large body again (0: it may now)."""
+        self._refill(now)
+        return 0.0 if self._left > 0 else (1.0 - self._left) / self.bytes_per_s
+
+    def charge(self, nbytes: int, now: float) -> None:
+        self._refill(now)
+        self._left -= nbytes
+
+    def _refill(self, now: float) -> None:
+        self._left = min(float(self.burst_bytes),
+                         self._left + (now - self._at) * self.bytes_per_s)
+        self._at = now
+
+
 class _Refused(Exception):
     """Answer the call with this status and error body and close the connection."""
 
     def __init__(self, status: int, error: str, detail: str,
-                 errors: list[dict[str, str]] | None = None) -> None:
+                 errors: list[dict[str, str]] | None = None, retry_after_s: float = 0.0
+                 ) -> None:
         super().__init__(detail)
         self.status, self.error, self.detail, self.errors = status, error, detail, errors
+        self.retry_after_s = retry_after_s
 
 
 class EdgeGuard:
     """ASGI middleware checking every ``POST`` (see the module docstring): the token for
     ``operations`` (paths), the body's size, pace and shape for all. One instance per app;
-    its per-caller turns live as long as the app (one small entry per caller)."""
+    its per-caller turns and refusal budgets live as long as the app (one small entry
+    per caller)."""
 
     def __init__(self, app: Any, *, auth: TenantAuth, limits: RequestLimits,
                  operations: Collection[str]) -> None:
@@ -80,6 +120,7 @@ class EdgeGuard:
         self.operations = frozenset(operations)
         self.max_items = limits.max_token_ids + limits.max_chunk_hashes + STRUCTURE_SLACK
         self._turns: dict[str, asyncio.Semaphore] = {}
+        self._budgets: dict[str, RefusalBudget] = {}
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope.get("method") != "POST":
@@ -93,10 +134,21 @@ class EdgeGuard:
             await _answer(send, refusal)
             return
         turns: asyncio.Semaphore | None = None
+        budget: RefusalBudget | None = None
         if declared is None or declared > self.limits.large_body_bytes:
+            caller = caller_key(principal)
+            budget = self._budget(caller)
+            wait_s = budget.wait_s(asyncio.get_running_loop().time())
+            if wait_s > 0:
+                await _answer(send, _Refused(
+                    429, "TooManyRefusedBodiesError",
+                    "the caller's large bodies refused lately exceed its budget "
+                    f"(refused_body_burst_bytes={self.limits.refused_body_burst_bytes}, "
+                    f"refused_body_bytes_per_s={self.limits.refused_body_bytes_per_s}): "
+                    f"retry in {wait_s:.1f} s", retry_after_s=wait_s))
+                return
             turns = self._turns.setdefault(
-                caller_key(principal),
-                asyncio.Semaphore(self.limits.max_large_bodies_per_caller))
+                caller, asyncio.Semaphore(self.limits.max_large_bodies_per_caller))
             try:
                 await asyncio.wait_for(turns.acquire(), self.limits.body_read_timeout_s)
             except TimeoutError:
@@ -105,10 +157,13 @@ class EdgeGuard:
                     f"the caller has {self.limits.max_large_bodies_per_caller} large "
                     "bodies in progress (max_large_bodies_per_caller): retry later"))
                 return
+        size = [0]
         try:
             try:
-                body = await self._read(receive)
+                body = await self._read(receive, size)
             except _Refused as refusal:
+                if budget is not None:
+                    budget.charge(declared or size[0], asyncio.get_running_loop().time())
                 await _answer(send, refusal)
                 return
             if body is None:  # the client went away: an answer for the log and metrics only
@@ -126,10 +181,29 @@ class EdgeGuard:
                     return {"type": "http.request", "body": body, "more_body": False}
                 return await receive()
 
-            await self.app(scope, replay, send)
+            if budget is None:
+                await self.app(scope, replay, send)
+                return
+            charged = budget
+
+            async def charge_refusals(message: Any) -> None:
+                if (message["type"] == "http.response.start"
+                        and message["status"] in REFUSED_BODY_STATUSES):
+                    charged.charge(len(body), asyncio.get_running_loop().time())
+                await send(message)
+
+            await self.app(scope, replay, charge_refusals)
         finally:
             if turns is not None:
                 turns.release()
+
+    def _budget(self, caller: str) -> RefusalBudget:
+        budget = self._budgets.get(caller)
+        if budget is None:
+            budget = self._budgets[caller] = RefusalBudget(
+                self.limits.refused_body_burst_bytes, self.limits.refused_body_bytes_per_s,
+                asyncio.get_running_loop().time())
+        return budget
 
     def _authenticate(self, path: str, headers: Any) -> Principal:
         if path not in self.operations:
@@ -152,8 +226,9 @@ class EdgeGuard:
                 return declared
         return None
 
-    async def _read(self, receive: Any) -> bytes | None:
-        """The whole body within the limits (None: the client disconnected)."""
+    async def _read(self, receive: Any, read: list[int]) -> bytes | None:
+        """The whole body within the limits (None: the client disconnected);
+        ``read[0]``: the bytes read so far."""
         limits = self.limits
         loop = asyncio.get_running_loop()
         started = loop.time()
@@ -173,6 +248,7 @@ class EdgeGuard:
                 return None
             chunk = message.get("body", b"")
             size += len(chunk)
+            read[0] = size
             if size > limits.max_body_bytes:
                 raise _Refused(413, "RequestTooLargeError", _too_large(
                     size, "at least ", limits.max_body_bytes))
@@ -212,6 +288,8 @@ async def _answer(send: Any, refusal: _Refused) -> None:
                (b"connection", b"close")]
     if refusal.status == 401:
         headers.append((b"www-authenticate", b"Bearer"))
+    if refusal.retry_after_s > 0:
+        headers.append((b"retry-after", str(math.ceil(refusal.retry_after_s)).encode()))
     await send({"type": "http.response.start", "status": refusal.status, "headers": headers})
     await send({"type": "http.response.body", "body": payload})
 

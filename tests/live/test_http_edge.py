@@ -7,10 +7,11 @@ refused. Memory is the server process's resident set (/proc/PID/status)."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 import socket
+import statistics
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,6 +25,8 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from edge_server import TOKENS  # noqa: E402
+
+from kvprefetch.controlplane.live.http_edge import RefusalBudget  # noqa: E402
 
 MIB = 1 << 20
 ACME = {"Authorization": f"Bearer {TOKENS['acme']}", "Content-Type": "application/json"}
@@ -137,45 +140,104 @@ def test_a_large_valid_body_is_served(served: Served) -> None:
 
 
 @pytest.mark.servers
-@pytest.mark.xfail(reason="invalid 2 MiB bodies (validated, 20 errors listed) still raise "
-                          "another tenant's route p99 past 2x on a loaded 2-core host",
-                   strict=False)
-def test_another_tenants_route_latency_holds_while_bad_bodies_arrive(served: Served) -> None:
+def test_another_tenants_route_latency_holds_while_bad_bodies_arrive() -> None:
+    """globex's route p99 while acme sends bad bodies as fast as three clients can, against
+    its p99 with acme quiet, side by side: quiet and attacked phases alternate in rounds on
+    one server, and the medians of the rounds' p99s are compared (a load spike from
+    elsewhere on the host moves one round, not the median). acme's clients run in
+    processes of their own, as other hosts would: in this process they would hold its
+    interpreter lock against globex's client. The attacked phases begin once acme's
+    refusal budget is spent (its first ``refused_body_burst_bytes`` of bad bodies are read
+    and refused with their errors; later ones mostly wait for their 429)."""
     bodies = [bad_tokens(16 * MIB - 1024), bad_tokens(2 * MIB),
               bad_tokens(4 * MIB, b"[]"), b'{"session_id": "s", "token_ids": ["' + b"x" * 8 * MIB
               + b'"]}']
-    with httpx.Client(timeout=30) as client:
-        for i in range(50):
-            _route(served.url, client, GLOBEX, i)
-        baseline = [_route(served.url, client, GLOBEX, i) for i in range(300)]
-        stop = threading.Event()
-        sent = [0]
-        statuses: set[int] = set()
-
-        def send_bad(k: int) -> None:
-            with httpx.Client(timeout=30) as bad:
-                while not stop.is_set():
-                    body = bodies[(k + sent[0]) % len(bodies)]
-                    statuses.add(bad.post(f"{served.url}/v1/route", headers=ACME,
-                                          content=body).status_code)
-                    sent[0] += 1
-                    time.sleep(0.05)  # each sender: up to ~20 bad bodies a second
-
-        senders = [threading.Thread(target=send_bad, args=(k,)) for k in range(3)]
-        for t in senders:
-            t.start()
+    fork = multiprocessing.get_context("fork")
+    attacking, engaged, stop = fork.Event(), fork.Event(), fork.Event()
+    results: Any = fork.Queue()
+    with serve() as srv, httpx.Client(timeout=30) as client:
+        senders = [fork.Process(target=_send_bad, args=(srv.url, bodies, k, attacking, engaged,
+                                                        stop, results), daemon=True)
+                   for k in range(3)]
+        for p in senders:
+            p.start()
         try:
-            time.sleep(0.5)
-            loaded = [_route(served.url, client, GLOBEX, 1000 + i) for i in range(300)]
+            for i in range(50):
+                _route(srv.url, client, GLOBEX, i)
+            attacking.set()
+            engaged.wait(10)  # acme's budget is spent (asserted below by its 429s)
+            attacking.clear()
+            quiet_p99, attacked_p99 = [], []
+            for r in range(ROUNDS):
+                time.sleep(0.2)  # acme's bodies in flight are answered
+                quiet_p99.append(_p99([_route(srv.url, client, GLOBEX, i)
+                                       for i in range(SAMPLES)]))
+                attacking.set()
+                time.sleep(0.2)
+                attacked_p99.append(_p99([_route(srv.url, client, GLOBEX, 10_000 * r + i)
+                                          for i in range(SAMPLES)]))
+                attacking.clear()
+            # acme's small calls are served meanwhile; its large ones wait for their turn
+            small = client.post(f"{srv.url}/v1/route", headers=ACME,
+                                content=b'{"session_id": "s", "input_tokens": 1}')
+            large = client.post(f"{srv.url}/v1/route", headers=ACME,
+                                content=json.dumps({"session_id": "s",
+                                                    "token_ids": list(range(20_000))}))
         finally:
             stop.set()
-            for t in senders:
-                t.join()
-    base, under = _p99(baseline), _p99(loaded)
-    print(f"globex route p99 {base * 1e3:.1f} ms alone, {under * 1e3:.1f} ms while acme sent "
-          f"{sent[0]} bad bodies ({sorted(statuses)})")
-    assert statuses == {422} and sent[0] >= 6
-    assert under <= 2 * base + 0.002, (base, under)
+            attacking.set()
+            counts = [results.get(timeout=60) for _ in senders]
+            for p in senders:
+                p.join(timeout=30)
+    sent = sum(n for n, _ in counts)
+    statuses = set().union(*(s for _, s in counts))
+    base, under = statistics.median(quiet_p99), statistics.median(attacked_p99)
+    rounds = ", ".join(f"{q * 1e3:.1f}/{a * 1e3:.1f}"
+                       for q, a in zip(quiet_p99, attacked_p99, strict=True))
+    print(f"globex route p99 {base * 1e3:.1f} ms quiet, {under * 1e3:.1f} ms while acme sent "
+          f"{sent} bad bodies ({sorted(statuses)}); rounds quiet/attacked (ms): {rounds}")
+    assert small.status_code == 200, small.text
+    assert large.status_code == 429 and int(large.headers["retry-after"]) >= 1, large.text
+    assert {422, 429} <= statuses <= {422, 429, 0} and sent >= 20, (sent, statuses)
+    assert under <= 2 * base + 0.002, (quiet_p99, attacked_p99)
+
+
+ROUNDS, SAMPLES = 3, 200
+
+
+def _send_bad(url: str, bodies: list[bytes], k: int, attacking: Any, engaged: Any,
+              stop: Any, results: Any) -> None:
+    """acme's client: sends ``bodies`` in turn while ``attacking`` is set, until ``stop``;
+    sets ``engaged`` at a 429 and puts (bodies sent, statuses) on ``results`` at the end
+    (status 0: the server closed the connection before it took the body)."""
+    sent, statuses = 0, set()
+    with httpx.Client(timeout=30) as bad:
+        while not stop.is_set():
+            if not attacking.wait(0.1):
+                continue
+            try:
+                status = bad.post(f"{url}/v1/route", headers=ACME,
+                                  content=bodies[(k + sent) % len(bodies)]).status_code
+            except httpx.TransportError:
+                status = 0
+            statuses.add(status)
+            sent += 1
+            if status == 429:
+                engaged.set()
+            time.sleep(0.05)  # each client: up to ~20 bad bodies a second
+    results.put((sent, statuses))
+
+
+def test_a_refusal_budget_holds_a_caller_back_until_it_has_refilled() -> None:
+    budget = RefusalBudget(burst_bytes=10, bytes_per_s=2, now=0.0)
+    assert budget.wait_s(0.0) == 0
+    budget.charge(16, 0.0)  # 6 bytes in debt: back above 0 after 3 s
+    assert budget.wait_s(0.0) == pytest.approx(3.5)
+    assert budget.wait_s(3.0) > 0 and budget.wait_s(3.6) == 0
+    budget.charge(1, 100.0)  # refilled to the burst, not past it
+    assert budget.wait_s(100.0) == 0
+    budget.charge(9, 100.0)
+    assert budget.wait_s(100.0) == pytest.approx(0.5)
 
 
 @pytest.mark.servers
