@@ -22,9 +22,23 @@ or after, a newer one. A hot tier without leases gets no promotions and no hot r
 A write that leaves one tier's copy behind the acknowledged version (Valkey unreachable
 during a put or delete, S3 down, a write-back upload pending or failed) is recorded in
 :class:`~kvprefetch.agents.stores.freshness.StaleCopies`: reads skip that copy (Valkey's is
-deleted as soon as Valkey answers again; S3's is a miss until a later put reaches S3). The
-record is this process's; readers in another process sharing the servers rely on the
-invalidation reaching Valkey. Concurrent puts of one key settle on either version.
+deleted as soon as Valkey answers again; S3's is a miss until a later put reaches S3). That
+record is this process's; readers in another process sharing the servers rely on what
+reaches Valkey: the invalidation of a stale Valkey copy, and for write-back the pending
+upload record (:class:`PendingUploadStore`).
+
+Write-back across processes: a write-back put records its keys as pending uploads in
+Valkey *before* it writes their values, and the record of a key is removed only after an
+upload of the newest value this process wrote has landed in S3 (and only if no newer put
+recorded the key since). A read that misses Valkey (the value evicted or expired) checks
+the record before it reads S3 and misses when it stands. Invariant: while Valkey keeps its
+records and answers, no process reads an S3 copy older than an acknowledged write-back
+put, whether or not Valkey still holds the value. A record outlives a failed upload (reads
+miss until a later put of the key lands). Outside the invariant: a Valkey restart that
+loses its data loses the records (the writer's own reads stay safe through its
+:class:`StaleCopies`; other processes may read S3's older copy until the upload lands), and
+while Valkey is unreachable other processes read S3 unchecked. Concurrent puts of one key
+settle on either version.
 """
 
 from __future__ import annotations
@@ -119,6 +133,28 @@ class FillableStore(Protocol):
              ) -> list[OpResult]: ...
 
 
+@runtime_checkable
+class PendingUploadStore(Protocol):
+    """A hot tier that records which keys' cold copies a write-back upload has yet to
+    bring up to date, where every process sharing the tier sees it.
+
+    Called by :class:`TieredStore`: ``mark_pending_uploads`` once per write-back put,
+    before the values are written; ``clear_pending_uploads`` from a background thread once
+    per upload that landed (idempotent; it removes only the records holding the tokens
+    given); ``drop_pending_uploads`` after a delete reached both tiers; ``pending_uploads``
+    once per read whose keys missed the hot tier, before the cold tier is read. Each raises
+    :class:`StoreError` when the tier fails.
+    """
+
+    def mark_pending_uploads(self, keys: Sequence[str]) -> list[bytes]: ...
+
+    def clear_pending_uploads(self, items: Sequence[tuple[str, bytes]]) -> None: ...
+
+    def drop_pending_uploads(self, keys: Sequence[str]) -> None: ...
+
+    def pending_uploads(self, keys: Sequence[str]) -> set[str]: ...
+
+
 class _TeeWriter:
     def __init__(self, inner: PayloadWriter, header: ObjectHeader,
                  on_commit: Callable[[ObjectHeader, bytearray], None]) -> None:
@@ -180,8 +216,9 @@ class TieredStore(StoreLifecycle):
         self._repairs = {"hot": 0, "cold": 0}
         self._stale = StaleCopies(self.config.max_stale_keys)
         #: Write-back: the newest payload per key not yet in S3 (with the generation of its
-        #: stale mark), and the keys whose upload task runs (one per key, in order).
-        self._uploads: dict[str, tuple[int, Buffer]] = {}
+        #: stale mark and the token of its pending upload record), and the keys whose upload
+        #: task runs (one per key, in order).
+        self._uploads: dict[str, tuple[int, Buffer, bytes | None]] = {}
         self._uploading: set[str] = set()
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -351,8 +388,8 @@ class TieredStore(StoreLifecycle):
             self._observe(self.hot, [a.error for a in answers])
             results.update((a.key, a) for a in answers)
         rest = [k for k in keys if k not in results or not results[k].ok]
-        behind = self._stale.of("cold", rest)  # S3 holds an older version: a miss
-        rest = [k for k in rest if k not in behind] if behind else rest
+        behind = self._stale.of("cold", rest) | self._pending_elsewhere(rest)
+        rest = [k for k in rest if k not in behind] if behind else rest  # S3 is older: a miss
         if rest and self._up(self.cold):
             check_cancel(cancel)
             hot_broken = {k for k in rest
@@ -391,6 +428,17 @@ class TieredStore(StoreLifecycle):
                     f"{k!r}: no tier could serve it ({cause or 'all tiers down'})"))
             out.append(self._stats.count_get(r))
         return out
+
+    def _pending_elsewhere(self, keys: list[str]) -> set[str]:
+        """Those of ``keys`` whose upload to S3 is pending in any process, by the records
+        in Valkey (none when Valkey cannot tell: it is down, or keeps no records)."""
+        if not keys or not isinstance(self.hot, PendingUploadStore) or not self._up(self.hot):
+            return set()
+        try:
+            return self.hot.pending_uploads(keys)
+        except StoreError as exc:
+            self._observe(self.hot, [exc])
+            return set()
 
     def _lease(self, keys: list[str]) -> dict[str, bytes]:
         """Fill leases on ``keys`` (answered absent or broken by the hot tier), taken before
@@ -441,6 +489,14 @@ class TieredStore(StoreLifecycle):
                 f"{lagging} tier unreachable and {self.config.max_stale_keys} keys already "
                 "wait for it to catch up")
             return [OpResult(k, False, full) for k, _ in items]
+        tokens: dict[str, bytes] = {}
+        if write_back and isinstance(self.hot, PendingUploadStore):
+            try:  # before the values: no moment when Valkey lacks both value and record
+                keys = [k for k, _ in items]
+                tokens = dict(zip(keys, self.hot.mark_pending_uploads(keys), strict=True))
+            except StoreError as exc:  # S3 first then, as in write-through
+                self._observe(self.hot, [exc])
+                write_back = False
         cold_res: dict[str, OpResult] = {}
         hot_res: dict[str, OpResult] = {}
         if cold_up and not write_back:
@@ -458,7 +514,10 @@ class TieredStore(StoreLifecycle):
         self._stale.mark("hot", [k for k, _ in items if k in cold_ok and k not in hot_ok])
         self._stale.clear("hot", hot_ok, before)
         if write_back:
-            self._upload_later([(k, p) for k, p in items if k in hot_ok])
+            self._upload_later([(k, p) for k, p in items if k in hot_ok], tokens)
+            for key, token in tokens.items():
+                if key not in hot_ok:  # not written: S3's copy is still the newest
+                    self._clear_pending(key, token)
         else:
             self._stale.mark("cold", [k for k, _ in items if k in hot_ok and k not in cold_ok])
             self._stale.clear("cold", cold_ok, before)
@@ -475,10 +534,12 @@ class TieredStore(StoreLifecycle):
                 out.append(OpResult(key, False, err or StoreUnavailableError("no tier is up")))
         return out
 
-    def _upload_later(self, items: Sequence[tuple[str, Buffer]]) -> None:
+    def _upload_later(self, items: Sequence[tuple[str, Buffer]],
+                      tokens: dict[str, bytes]) -> None:
         """Write-back: queue the newest payload of each key for S3; S3's copy is stale until
         it lands. One upload task per key, which uploads whatever is newest when it starts
-        and again while newer puts arrive, so S3 never ends on an older version."""
+        and again while newer puts arrive, so S3 never ends on an older version; then it
+        clears the key's pending upload record (``tokens``: each key's)."""
         if not items:
             return
         self._stale.mark("cold", [k for k, _ in items])
@@ -486,7 +547,7 @@ class TieredStore(StoreLifecycle):
         start = []
         with self._lock:
             for key, payload in items:
-                self._uploads[key] = (gen, payload)
+                self._uploads[key] = (gen, payload, tokens.get(key))
                 if key not in self._uploading:
                     self._uploading.add(key)
                     start.append(key)
@@ -500,7 +561,7 @@ class TieredStore(StoreLifecycle):
                 if entry is None:  # deleted meanwhile
                     self._uploading.discard(key)
                     return
-            gen, payload = entry
+            gen, payload, token = entry
             res = self.cold.put([(key, payload)]) if self._up(self.cold) else [
                 OpResult(key, False, StoreUnavailableError("cold tier down"))]
             self._observe(self.cold, [r.error for r in res])
@@ -514,10 +575,20 @@ class TieredStore(StoreLifecycle):
                 self.cold.delete([key])
             elif res[0].ok:
                 self._stale.clear("cold", [key], gen)
+                self._clear_pending(key, token)
             else:  # S3 keeps an older version: reads that miss Valkey miss
                 log.warning("%s: write-back of %r failed; S3 holds an older version: %s",
                             self.name, key, res[0].error)
             return
+
+    def _clear_pending(self, key: str, token: bytes | None) -> None:
+        if token is None or not isinstance(self.hot, PendingUploadStore):
+            return
+        try:
+            self.hot.clear_pending_uploads([(key, token)])
+        except StoreError as exc:  # the record stays: other processes' reads of it miss
+            self._observe(self.hot, [exc])
+            log.warning("%s: pending upload record of %r not cleared: %s", self.name, key, exc)
 
     def delete(self, keys: Sequence[str], *, cancel: CancelToken | None = None) -> list[OpResult]:
         """Delete from both tiers; a tier that could not delete is marked stale for the key
@@ -543,4 +614,10 @@ class TieredStore(StoreLifecycle):
         for which in _TIERS:
             self._stale.mark(which, [k for k in keys if k not in done[which]])
             self._stale.clear(which, done[which], before)
+        both = [k for k in keys if k in done["hot"] and k in done["cold"]]
+        if both and isinstance(self.hot, PendingUploadStore):
+            try:  # nothing is behind a key that no tier holds
+                self.hot.drop_pending_uploads(both)
+            except StoreError as exc:
+                self._observe(self.hot, [exc])
         return [OpResult(k, gone[k], errors[k]) for k in keys]

@@ -55,6 +55,11 @@ class KeyLayout:
     def head_key(self, key: str) -> str:
         return f"{self.prefix}h:{key}"
 
+    def pending_upload_key(self, key: str) -> str:
+        """The record that a write-back upload of ``key`` has not reached the durable tier
+        yet (see :meth:`ValkeyStore.mark_pending_uploads`)."""
+        return f"{self.prefix}w:{key}"
+
     def part_name(self, key: str, tag: str, index: int) -> str:
         """Part ``index`` of the version ``tag`` (16 hex digits) of ``key``."""
         return f"{self.prefix}v:{key}:{tag}:{index}"

@@ -28,6 +28,13 @@ marker, and an expired or evicted marker is absent, so a fill never lands over, 
 newer version. The marker lives in the head key itself, so the check touches one key (one
 cluster slot) and a put pays nothing for it.
 
+Pending uploads (write-back over a durable tier): ``P w:<key>`` holds a random token while
+a write-back upload of ``key`` has not reached the durable tier. A tiered store writes it
+before the value and removes it (compare-and-delete on its token) once the upload landed;
+a reader that misses the head looks for it before it reads the durable tier, which is then
+behind. It carries no expiry: under a ``volatile-*`` eviction policy Valkey never evicts it,
+and under ``allkeys-*`` it is among the newest keys while its upload runs.
+
 Parts of one object hash to different cluster slots on purpose: a large object is then
 spread over every shard and read from all of them at once.
 
@@ -42,6 +49,7 @@ fills, deletes).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -214,6 +222,46 @@ class ValkeyStore(StoreLifecycle):
         """Delete ``keys``: each head taken with ``GETDEL`` (one pipelined round trip), so
         that exactly one caller deletes the parts of the version it took."""
         return self._writes.delete(keys, cancel=cancel)
+
+    # -- pending uploads (see the module docstring) ------------------------------------------
+
+    def mark_pending_uploads(self, keys: Sequence[str]) -> list[bytes]:
+        """Record that the durable tier's copies of ``keys`` are about to fall behind (one
+        pipelined round trip): a fresh token per key, to pass to
+        :meth:`clear_pending_uploads` once the upload landed. Called by a write-back
+        put before it writes the values; raises :class:`StoreError` when Valkey fails."""
+        tokens = [os.urandom(LEASE_TOKEN_BYTES) for _ in keys]
+        with translate_valkey_errors("mark pending uploads"):
+            pipe = self.client.pipeline(transaction=False)
+            for k, token in zip(keys, tokens, strict=True):
+                pipe.set(self._layout.pending_upload_key(k), token)
+            pipe.execute()
+        return tokens
+
+    def clear_pending_uploads(self, items: Sequence[tuple[str, bytes]]) -> None:
+        """Remove the records of uploads that landed, ``(key, token)`` each, only where the
+        record still holds that token (a newer put's record stays). Idempotent; raises
+        :class:`StoreError` when Valkey fails."""
+        with translate_valkey_errors("clear pending uploads"):
+            for k, token in items:
+                self._conn.delete_if_unchanged(self._layout.pending_upload_key(k), token)
+
+    def drop_pending_uploads(self, keys: Sequence[str]) -> None:
+        """Remove the records of ``keys`` whatever they hold (the keys were deleted from
+        both tiers). Raises :class:`StoreError` when Valkey fails."""
+        self._conn.delete_names([self._layout.pending_upload_key(k) for k in keys])
+
+    def pending_uploads(self, keys: Sequence[str]) -> set[str]:
+        """Those of ``keys`` whose durable copy is behind (one pipelined round trip).
+        Raises :class:`StoreError` when Valkey fails."""
+        if not keys:
+            return set()
+        with translate_valkey_errors("read pending uploads"):
+            pipe = self.client.pipeline(transaction=False)
+            for k in keys:
+                pipe.exists(self._layout.pending_upload_key(k))
+            found = pipe.execute()
+        return {k for k, n in zip(keys, found, strict=True) if n}
 
 
 __all__ = [

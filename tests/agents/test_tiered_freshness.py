@@ -1,8 +1,11 @@
 """An acknowledged overwrite is never followed by an older value (Valkey over S3, real
-servers): promotions racing puts, Valkey stalled or restarted during puts, random
-interleavings of puts, evictions, reads and Valkey faults.
+servers): promotions racing puts, Valkey stalled or restarted during puts, write-back
+uploads overtaken by evictions, random interleavings of puts, evictions, reads and Valkey
+faults. A second store over the same servers stands for a reader in another process: it
+shares nothing with the writer but the servers.
 
-``KVP_FRESHNESS_OPS`` sets the length of the random run (1,500 in the suite).
+``KVP_FRESHNESS_OPS`` sets the length of the random runs (1,500 in the suite) and
+``KVP_WRITE_BACK_OPS`` that of the write-back run read from two processes (10,000).
 """
 
 from __future__ import annotations
@@ -248,6 +251,48 @@ def test_write_back_uploads_end_on_the_newest_version(
         store.close()
 
 
+def test_a_write_back_is_not_undone_by_an_eviction_for_a_reader_in_another_process(
+    valkey_server: EmbeddedValkey, s3_server: EmbeddedS3, key_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Write-back: S3 holds v1; v2 is put, and Valkey evicts it before its upload lands. A
+    reader in another process misses (it must not read v1 from S3, nor promote it), and
+    reads v2 once the upload has landed."""
+    writer = make(valkey_server, s3_server, key_prefix, write_mode="write-back")
+    other = make(valkey_server, s3_server, key_prefix, write_mode="write-back")
+    writer.start()
+    other.start()
+    gate = threading.Event()
+    cold_put = writer.cold.put
+
+    def held_put(items: Sequence[tuple[str, Buffer]], **kw: Any) -> list[OpResult]:
+        assert gate.wait(30)
+        return cold_put(items, **kw)
+
+    try:
+        v1, v2 = os.urandom(5 * KIB), os.urandom(40 * KIB)
+        assert writer.put([("k", v1)])[0].ok
+        writer.flush()
+        monkeypatch.setattr(writer.cold, "put", held_put)
+        assert writer.put([("k", v2)])[0].ok  # acknowledged; its upload waits at the gate
+        writer.hot.delete(["k"])  # evicted
+        assert read(other, "k") is None
+        other.flush()
+        assert read(writer, "k") is None and read(other, "k") is None
+        gate.set()
+        writer.flush()
+        assert read(other, "k") == v2
+        other.flush()
+        assert {read(other, "k") for _ in range(5)} | {read(writer, "k")} == {v2}
+        writer.hot.delete(["k"])  # evicted after the upload: S3 serves v2
+        assert read(other, "k") == v2
+    finally:
+        gate.set()
+        writer.delete(["k"])
+        writer.close()
+        other.close()
+
+
 # -- random interleavings ------------------------------------------------------------------
 
 
@@ -285,23 +330,24 @@ class Oracle:
 
 def run_interleavings(valkey: EmbeddedValkey, s3: EmbeddedS3, prefix: str, ops: int,
                       seed: int, mode: str = "write-through",
-                      log: Callable[[str], None] | None = None) -> Tally:
+                      log: Callable[[str], None] | None = None, *,
+                      other_reader: bool = False) -> Tally:
     """``ops`` random steps over four keys: put (sizes from inline to four stripes),
     evict from Valkey, read, and now and then a Valkey stall (SIGSTOP for a few steps) or
-    a restart (SIGKILL, then a fresh empty server on the same port). Fills are slowed
-    at random so that promotions overlap the steps after them."""
+    a restart (SIGKILL, then a fresh empty server on the same port). Fills (and
+    write-back uploads) are slowed at random so that they overlap the steps after them.
+    ``other_reader``: half the reads go to a second store, as from another process, which
+    has only what reaches Valkey to go by (see :mod:`kvprefetch.agents.stores.tiered`):
+    that run has no stalls or restarts, which keep a put's invalidation or pending upload
+    record from Valkey."""
     rng = random.Random(seed)
     store = make(valkey, s3, prefix, write_mode=mode, hot_ttl_s=120.0)
-    store.start()
+    other = make(valkey, s3, prefix, write_mode=mode, hot_ttl_s=120.0) if other_reader else None
+    readers = [store] if other is None else [store, other]
+    for reader in readers:
+        reader.start()
+        slow_down(reader, random.Random(rng.random()))
     hot = hot_of(store)
-    fill = hot.fill
-
-    def slow_fill(items: Sequence[tuple[str, Buffer, bytes]], *,
-                  ttl_s: float | None = None) -> list[OpResult]:
-        time.sleep(rng.choice((0.0, 0.0, 0.002, 0.01)))
-        return fill(items, ttl_s=ttl_s)
-
-    hot.fill = slow_fill  # type: ignore[method-assign]
     keys = ("a", "b", "c", "d")
     oracle = Oracle()
     tally = Tally()
@@ -328,7 +374,7 @@ def run_interleavings(valkey: EmbeddedValkey, s3: EmbeddedS3, prefix: str, ops: 
                     hot.delete([key])
             elif roll < 0.985:
                 tally.reads += 1
-                got = read(store, key)
+                got = read(rng.choice(readers), key)
                 if got is None:
                     tally.misses += 1
                 elif oracle.fresh(key, got):
@@ -338,11 +384,11 @@ def run_interleavings(valkey: EmbeddedValkey, s3: EmbeddedS3, prefix: str, ops: 
                     if len(tally.examples) < 5:
                         tally.examples.append(f"step {step}: {key!r} stale")
             elif roll < 0.995:
-                if stalled_until < 0:
+                if stalled_until < 0 and other is None:
                     tally.stalls += 1
                     os.kill(_pid(valkey), signal.SIGSTOP)
                     stalled_until = step + rng.randint(2, 12)
-            elif stalled_until < 0:
+            elif stalled_until < 0 and other is None:
                 tally.restarts += 1
                 valkey.kill()
                 valkey.start()
@@ -356,7 +402,28 @@ def run_interleavings(valkey: EmbeddedValkey, s3: EmbeddedS3, prefix: str, ops: 
             os.kill(_pid(valkey), signal.SIGCONT)
         store.delete(list(keys))
         store.close()
+        if other is not None:
+            other.close()
     return tally
+
+
+def slow_down(store: TieredStore, rng: random.Random) -> None:
+    """Delay the store's fills and its uploads to S3 at random (up to 10 ms each)."""
+    hot, cold = hot_of(store), store.cold
+    fill, put = hot.fill, cold.put
+
+    def slow_fill(items: Sequence[tuple[str, Buffer, bytes]], *,
+                  ttl_s: float | None = None) -> list[OpResult]:
+        time.sleep(rng.choice((0.0, 0.0, 0.002, 0.01)))
+        return fill(items, ttl_s=ttl_s)
+
+    def slow_put(items: Sequence[tuple[str, Buffer]], **kw: Any) -> list[OpResult]:
+        if threading.current_thread() is not threading.main_thread():  # uploads only
+            time.sleep(rng.choice((0.0, 0.0, 0.002, 0.01)))
+        return put(items, **kw)
+
+    hot.fill = slow_fill  # type: ignore[method-assign]
+    cold.put = slow_put  # type: ignore[method-assign]
 
 
 @pytest.mark.parametrize("mode", ["write-through", "write-back"])
@@ -369,4 +436,19 @@ def test_random_interleavings_never_read_an_overwritten_value(
     tally = run_interleavings(private_valkey, s3_server, key_prefix, ops, seed=7, mode=mode)
     print(tally)
     assert tally.stale == 0, tally.examples
+    assert tally.reads > ops // 3 and tally.hits > tally.reads // 3
+
+
+def test_write_back_with_evictions_never_reads_an_overwritten_value_in_another_process(
+    private_valkey: EmbeddedValkey, s3_server: EmbeddedS3, key_prefix: str,
+) -> None:
+    """Write-back, Valkey evicting keys whose uploads may still be pending (uploads and
+    fills slowed at random), half the reads from a second store as from another process:
+    no read returns an overwritten value."""
+    ops = int(os.environ.get("KVP_WRITE_BACK_OPS", "10000"))
+    tally = run_interleavings(private_valkey, s3_server, key_prefix, ops, seed=11,
+                              mode="write-back", other_reader=True)
+    print(tally)
+    assert tally.stale == 0, tally.examples
+    assert tally.evictions > ops // 10
     assert tally.reads > ops // 3 and tally.hits > tally.reads // 3
