@@ -116,9 +116,14 @@ test-vllm:
 		tests/agents/test_vllm_cpu.py tests/live/test_demo_vllm.py tests/agents/test_aiperf_bench.py \
 		tests/deploy/test_local_cluster.py
 
-# The pure tests (no servers, no Ray, no shared traces), on two workers: about a minute.
+# pytest on two xdist workers (two cores): tests sharing an expensive setup carry one
+# xdist_group and run on one worker (loadgroup); one OpenMP thread per worker, since
+# scikit-learn's and torch's thread teams on a busy core spin rather than help.
+PYTEST_PAR := OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadgroup
+
+# The pure tests (no servers, no Ray, no shared traces): under a minute on 2 cores.
 test-fast: setup
-	$(PY) -m pytest -q -n 2 -m "not servers and not slow and not live"
+	$(PYTEST_PAR) -q -m "not servers and not slow and not live"
 
 # Style, types, the package layers (pyproject.toml [tool.importlinter]), no import cycles
 # and no private name imported across modules (tests/test_layers.py).

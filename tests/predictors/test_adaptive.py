@@ -366,6 +366,7 @@ def test_shipped_default_loads_fitted_with_its_train_groups() -> None:
     assert fc is not None and fc.survival is not None
 
 
+@pytest.mark.slow  # loads the whole shared Claude Code set
 def test_shipped_default_never_saw_the_held_out_half() -> None:
     """``kvprefetch sim --test-split 0.5`` (split seed 0) accepts it: no overlap."""
     from kvprefetch.controlplane.cli.sim import held_out
