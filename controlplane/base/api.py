@@ -119,9 +119,22 @@ class RequestStarted(_Sized):
     """A request of the session arrived at the gateway (before routing)."""
 
 
+#: A route's request id: chosen by the caller (the Python client: a uuid4's hex), unique
+#: within its tenant for as long as the scheduler remembers it.
+RequestId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._:@+=-]+$",
+                                 description="the caller's id of this route, unique within "
+                                             "its tenant (the Python client sends a uuid4's "
+                                             "hex): a call again with the same id and body "
+                                             "answers what the first one did and applies "
+                                             "nothing twice; the same id with another body "
+                                             "is refused (409)")]
+
+
 class RouteQuery(_Sized):
     """Where should this request run? Records ``request_started`` too unless already sent
-    for this request."""
+    for this request. With ``request_id`` the call is idempotent (see ``RequestId``)."""
+
+    request_id: RequestId | None = None
 
 
 class RequestFinished(_SessionCall):
@@ -187,10 +200,36 @@ class RouteAnswer(_Model):
     #: KV of the session is (or is arriving) in the chosen node's local tier.
     local_ready: bool = False
     timed_out: bool = False
+    #: The query's ``request_id``: with it, a caller that got no answer (``timed_out``, or a
+    #: 503) sends the same query again or cancels the route (``RouteCancel``).
+    request_id: str | None = None
 
     @classmethod
-    def no_prefetch(cls, *, timed_out: bool = True) -> RouteAnswer:
-        return cls(node=None, timed_out=timed_out)
+    def no_prefetch(cls, *, timed_out: bool = True, request_id: str | None = None
+                    ) -> RouteAnswer:
+        return cls(node=None, timed_out=timed_out, request_id=request_id)
+
+
+class RouteCancel(_SessionCall):
+    """Undo the route ``request_id`` of this session, whose request the caller abandoned
+    (its answer never came, or the request will not run)."""
+
+    request_id: RequestId
+
+
+#: What a cancel found: ``cancelled``, the route's request is undone (by this call or an
+#: earlier cancel of the same id); ``unknown``, the scheduler remembers no route by that id
+#: (never applied, or forgotten past ``route_memory_per_tenant``): nothing to undo;
+#: ``finished``, the route's request already ended (finished, followed by the session's
+#: next request, or the session closed): nothing undone.
+CancelOutcome = Literal["cancelled", "unknown", "finished"]
+
+
+class RouteCancelled(_Model):
+    """A cancel's answer (see ``CancelOutcome``)."""
+
+    request_id: str
+    outcome: CancelOutcome
 
 
 class Ack(_Model):

@@ -95,6 +95,14 @@ class WrongShardError(ServiceError):
     http_status = 421
 
 
+class RequestIdConflictError(ServiceError):
+    """A route's ``request_id`` names another route of the tenant: one for another session
+    or with another body, or one that was cancelled. Nothing was applied; send the query
+    with a new id."""
+
+    http_status = 409
+
+
 class ServiceUnavailableError(ServiceError):
     """The scheduler cannot be reached (not deployed, restarting, timed out)."""
 

@@ -5,7 +5,11 @@ Every call is validated here (pydantic, :mod:`kvprefetch.controlplane.base.api`)
 the process, carries a tenant, and waits at most ``timeout_s``: a ``route`` that times out
 answers :meth:`RouteAnswer.no_prefetch` (run the request anywhere, without prefetch) and an
 event that times out answers ``Ack(accepted=False, timed_out=True)``; neither raises, so
-the inference path is never held up for long. The service's refusals come back as typed
+the inference path is never held up for long. Every route carries a request id (one the
+caller gives, else a fresh uuid4's hex), which its answer repeats, a timed-out one too: with
+it the caller sends the route again (``route(..., request_id=...)``: the scheduler answers
+the first answer and applies nothing twice, also across its restarts) or cancels it
+(:meth:`Client.cancel_route`). The service's refusals come back as typed
 errors (:class:`~kvprefetch.controlplane.base.errors.UnknownSessionError`,
 :class:`~kvprefetch.controlplane.base.errors.WrongTenantError`,
 :class:`~kvprefetch.controlplane.base.errors.MalformedHintError`, ...).
@@ -27,13 +31,11 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import threading
 import time
-from collections import deque
+import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from pydantic import BaseModel
@@ -43,6 +45,7 @@ from kvprefetch.controlplane.base.errors import (
     InvalidRequestError,
     KvPrefetchError,
     MalformedHintError,
+    RequestIdConflictError,
     ServiceError,
     ServiceUnavailableError,
     UnauthorizedError,
@@ -57,6 +60,7 @@ from kvprefetch.controlplane.base.wire import (
     TierEvictions,
     TransferReport,
 )
+from kvprefetch.controlplane.live.batching import EventBatcher, EventBatching
 from kvprefetch.controlplane.live.packing import pack, unpack
 from kvprefetch.controlplane.live.protocol import GatewayAPI, RemoteAPI, SchedulerAPI
 from kvprefetch.controlplane.live.sessions import SessionQuery, SessionState
@@ -90,178 +94,6 @@ def with_timeout(transport: _Transport, timeout_s: float) -> _Transport:
     view = copy.copy(transport)
     view.timeout_s = timeout_s
     return view
-
-
-@dataclass(frozen=True, slots=True)
-class EventBatching:
-    """How :class:`RayTransport` queues fire-and-forget events (``request_started``,
-    ``request_finished``, hints, session closes, agent and engine reports) instead of one
-    actor call each: flushed when ``max_events`` are queued, every ``flush_interval_s``,
-    and ahead of every ``route`` (in the same actor call, so the scheduler sees them
-    first). At most ``max_batches_in_flight`` batches are unanswered and ``max_queued``
-    events queued: past either a caller waits (back-pressure, counted), no event is
-    dropped."""
-
-    max_events: int = 256
-    flush_interval_s: float = 0.005
-    max_queued: int = 10_000
-    max_batches_in_flight: int = 8
-
-    def __post_init__(self) -> None:
-        if self.max_events < 1 or self.max_queued < self.max_events:
-            raise InvalidRequestError("max_events must be >= 1 and <= max_queued")
-        if not self.flush_interval_s > 0 or self.max_batches_in_flight < 1:
-            raise InvalidRequestError("flush_interval_s must be > 0 and "
-                                      "max_batches_in_flight >= 1")
-
-
-@dataclass(slots=True)
-class BatchStats:
-    """What an :class:`EventBatcher` did (cumulative)."""
-
-    queued: int = 0
-    batches: int = 0
-    #: Events that went with a route (in its actor call).
-    with_route: int = 0
-    #: Times a caller waited: the queue full or too many batches unanswered.
-    backpressure_waits: int = 0
-    #: Events the scheduler refused or failed (each one's message is logged).
-    refused: int = 0
-    #: Events sent again after the actor was unavailable (Ray restarts it).
-    resent: int = 0
-
-
-class EventBatcher:
-    """The queue of :class:`EventBatching` for one scheduler actor (thread-safe; a
-    daemon thread flushes it on the timer). Events leave in the order they were queued, and
-    Ray runs one caller's calls to an actor in the order they were sent."""
-
-    def __init__(self, handle: Any, cfg: EventBatching, get: Callable[[str, Any], Any]
-                 ) -> None:
-        self._handle = handle
-        self.cfg = cfg
-        self._get = get
-        self._lock = threading.Lock()
-        self._queue: list[tuple[str, Any]] = []
-        self._oldest_s = 0.0
-        #: (reference to the actor's answer, the events it carries)
-        self._in_flight: deque[tuple[Any, list[tuple[str, Any]]]] = deque()
-        self.stats = BatchStats()
-        self._stop = threading.Event()
-        self._timer = threading.Thread(target=self._run, name="kvprefetch-batcher",
-                                       daemon=True)
-        self._timer.start()
-
-    def submit(self, kind: str, call: Any) -> None:
-        with self._lock:
-            if len(self._queue) >= self.cfg.max_queued:
-                self.stats.backpressure_waits += 1
-                self._flush_locked()
-            if not self._queue:
-                self._oldest_s = time.monotonic()
-            self._queue.append((kind, call))
-            self.stats.queued += 1
-            if len(self._queue) >= self.cfg.max_events:
-                self._flush_locked()
-
-    def send_with(self, send: Callable[[list[tuple[str, Any]]], _T]
-                  ) -> tuple[_T, list[tuple[str, Any]]]:
-        """The queued events, handed to ``send`` (which submits the synchronous call that
-        carries them) under the queue's lock, so that no call of another thread (a flush,
-        another gateway thread's route) is submitted between taking them and sending
-        them: a session's events reach the actor in the order they were queued. Returns
-        what ``send`` returned and the events."""
-        with self._lock:
-            events, self._queue = self._queue, []
-            self.stats.with_route += len(events)
-            return send(events), events
-
-    def put_back(self, events: list[tuple[str, Any]]) -> None:
-        """Events :meth:`send_with` gave out whose call failed before the actor had them: queued
-        again ahead of the rest (counted as resent)."""
-        if events:
-            with self._lock:
-                if not self._queue:
-                    self._oldest_s = time.monotonic()
-                self._queue[:0] = events
-                self.stats.resent += len(events)
-
-    def settle_refusals(self, refused: Sequence[str]) -> None:
-        if refused:
-            with self._lock:
-                self.stats.refused += len(refused)
-            for msg in refused:
-                log.warning("batched event refused: %s", msg)
-
-    def flush(self, *, wait: bool = False) -> None:
-        """Send what is queued; ``wait``: until every batch is answered."""
-        with self._lock:
-            self._flush_locked()
-            if wait:
-                while self._in_flight:
-                    self._settle_oldest()
-
-    def _flush_locked(self) -> None:
-        if self._queue:
-            events, self._queue = self._queue, []
-            self._in_flight.append((self._handle.apply_events.remote(events), events))
-            self.stats.batches += 1
-        self._reap()
-        while len(self._in_flight) > self.cfg.max_batches_in_flight:
-            self.stats.backpressure_waits += 1
-            self._settle_oldest()
-
-    def _reap(self) -> None:
-        """Settle the answered batches at the head (without waiting)."""
-        import ray
-
-        while self._in_flight:
-            ready, _ = ray.wait([self._in_flight[0][0]], timeout=0)
-            if not ready:
-                return
-            self._settle_oldest()
-
-    def _settle_oldest(self) -> None:
-        ref, events = self._in_flight.popleft()
-        try:
-            refused = self._get("apply_events", ref)
-        except TimeoutError:
-            # Still running (a slow actor): waited for again, never sent twice.
-            self.stats.backpressure_waits += 1
-            self._in_flight.appendleft((ref, events))
-            return
-        except ServiceUnavailableError as exc:
-            # The actor died under it (Ray restarts it): sent again, ahead of anything
-            # queued since; an event it had applied before dying is refused the second
-            # time (counted) or is idempotent.
-            log.warning("batch of %d events: %s; sending it again", len(events), exc)
-            self.stats.resent += len(events)
-            self._in_flight.appendleft((self._handle.apply_events.remote(events), events))
-            return
-        except KvPrefetchError as exc:
-            refused = [f"batch: {exc}"] * len(events)
-        self.stats.refused += len(refused)
-        for msg in refused:
-            log.warning("batched event refused: %s", msg)
-
-    def _run(self) -> None:
-        interval = self.cfg.flush_interval_s
-        while not self._stop.wait(interval):
-            try:
-                with self._lock:
-                    if self._queue and time.monotonic() - self._oldest_s >= interval:
-                        self._flush_locked()
-                    else:
-                        self._reap()
-            except Exception:  # the timer never dies; the next tick tries again
-                log.exception("event batcher flush failed")
-
-    def close(self) -> None:
-        """Send everything and wait for the answers, then stop the timer."""
-        try:
-            self.flush(wait=True)
-        finally:
-            self._stop.set()
 
 
 class RayTransport:
@@ -358,10 +190,20 @@ class RayTransport:
         self.batcher.settle_refusals(refused)
         return unpack(api.RouteAnswer, answer)
 
+    def cancel_route(self, call: api.RouteCancel) -> api.RouteCancelled:
+        """The queued events go first (Ray runs one caller's calls in order); repeated
+        while the actor restarts, as a cancel is idempotent."""
+        if self.batcher is not None:
+            self.batcher.flush()
+        answer: api.RouteCancelled = self._retried("cancel_route", lambda: self._get(
+            "cancel_route", self._handle.cancel_route.remote(call)))
+        return answer
+
     def _retried(self, op: str, call: Callable[[], _T]) -> _T:
         """``call`` again while the actor is unavailable (Ray is restarting it; the calls
         sent meanwhile wait for the new incarnation), until ``timeout_s`` has passed. A
-        route is safe to repeat: a second one for the same request routes it again."""
+        route is safe to repeat: with its request id the scheduler answers the first
+        answer, and without one it routes the same request again."""
         deadline = time.monotonic() + self.timeout_s
         while True:
             try:
@@ -526,6 +368,11 @@ class InProcessTransport:
                    ) -> list[api.RouteAnswer | ServiceError]:
         return route_each(self.route, calls)
 
+    def cancel_route(self, call: api.RouteCancel) -> api.RouteCancelled:
+        answer: api.RouteCancelled = self._wait("cancel_route",
+                                                lambda: self.scheduler.cancel_route(call))
+        return answer
+
     def request_finished(self, call: api.RequestFinished) -> api.Ack:
         answer: api.Ack = self._wait("request_finished",
                                      lambda: self.scheduler.request_finished(call))
@@ -550,6 +397,7 @@ _STATUS_ERRORS: dict[int, type[ServiceError]] = {
     401: UnauthorizedError,
     403: WrongTenantError,
     404: UnknownSessionError,
+    409: RequestIdConflictError,
     413: InvalidRequestError,
     422: InvalidRequestError,
     429: TenantQuotaError,
@@ -609,6 +457,9 @@ class HttpTransport:
     def route_many(self, calls: Sequence[api.RouteQuery]
                    ) -> list[api.RouteAnswer | ServiceError]:
         return route_each(self.route, calls)
+
+    def cancel_route(self, call: api.RouteCancel) -> api.RouteCancelled:
+        return api.RouteCancelled.model_validate(self._post("cancel_route", call))
 
     def request_finished(self, call: api.RequestFinished) -> api.Ack:
         return api.Ack.model_validate(self._post("request_finished", call))
@@ -695,19 +546,38 @@ class Client:
               token_ids: Sequence[int] | None = None,
               chunk_hashes: Sequence[str] | None = None, reused_tokens: int | None = None,
               parent_id: str | None = None, tenant: str | None = None,
-              timeout_s: float | None = None) -> api.RouteAnswer:
-        """The node to run this request on (and ``request_started`` if not yet sent)."""
+              request_id: str | None = None, timeout_s: float | None = None
+              ) -> api.RouteAnswer:
+        """The node to run this request on (and ``request_started`` if not yet sent).
+        ``request_id``: the id of this route (default: a new uuid4's hex); the answer
+        repeats it, also when it is ``no_prefetch`` (timed out, or the scheduler
+        unreachable): send the route again with it, or cancel it
+        (:meth:`cancel_route`)."""
         payload = api.parse(api.RouteQuery, self._fields(
             session_id, tenant, input_tokens=input_tokens,
             token_ids=list(token_ids) if token_ids is not None else None,
             chunk_hashes=list(chunk_hashes) if chunk_hashes is not None else None,
-            reused_tokens=reused_tokens, parent_id=parent_id))
+            reused_tokens=reused_tokens, parent_id=parent_id,
+            request_id=request_id or uuid.uuid4().hex))
         try:
             return self._bounded(timeout_s).route(payload)
         except (TimeoutError, ServiceUnavailableError) as exc:
             self.timeouts += isinstance(exc, TimeoutError)
-            log.warning("route: %s; running without prefetch", exc)
-            return api.RouteAnswer.no_prefetch(timed_out=isinstance(exc, TimeoutError))
+            log.warning("route %s: %s; running without prefetch", payload.request_id, exc)
+            return api.RouteAnswer.no_prefetch(timed_out=isinstance(exc, TimeoutError),
+                                               request_id=payload.request_id)
+
+    def cancel_route(self, session_id: str, request_id: str, *, tenant: str | None = None,
+                     timeout_s: float | None = None) -> api.RouteCancelled:
+        """Undo the route ``request_id`` of this session, whose request will not run (its
+        answer was lost, or the caller gave up): while that request is in flight it ends
+        (the session's first request closes the session, releasing its tenant's quota; a
+        later one finishes as aborted, the context unchanged). Idempotent; ``outcome``
+        says what it found (``unknown``: nothing applied under that id). Raises
+        TimeoutError when the scheduler does not answer (send it again)."""
+        payload = api.parse(api.RouteCancel, self._fields(session_id, tenant,
+                                                          request_id=request_id))
+        return self._bounded(timeout_s).cancel_route(payload)
 
     def route_many(self, requests: Sequence[dict[str, Any]], *,
                    timeout_s: float | None = None) -> list[api.RouteAnswer]:
@@ -721,6 +591,7 @@ class Client:
             fields = dict(item)
             session_id = fields.pop("session_id")
             tenant = fields.pop("tenant", None)
+            fields["request_id"] = fields.get("request_id") or uuid.uuid4().hex
             payloads.append(api.parse(api.RouteQuery, self._fields(session_id, tenant,
                                                                    **fields)))
         try:
@@ -728,13 +599,14 @@ class Client:
         except (TimeoutError, ServiceUnavailableError) as exc:
             self.timeouts += isinstance(exc, TimeoutError)
             log.warning("route_many: %s; running without prefetch", exc)
-            return [api.RouteAnswer.no_prefetch(timed_out=isinstance(exc, TimeoutError))
-                    for _ in payloads]
+            return [api.RouteAnswer.no_prefetch(timed_out=isinstance(exc, TimeoutError),
+                                                request_id=payload.request_id)
+                    for payload in payloads]
         answers = []
         for payload, answer in zip(payloads, got, strict=True):
             if isinstance(answer, ServiceError):
                 log.warning("route of %s refused: %s", payload.session_id, answer)
-                answer = api.RouteAnswer.no_prefetch()
+                answer = api.RouteAnswer.no_prefetch(request_id=payload.request_id)
             answers.append(answer)
         return answers
 

@@ -7,6 +7,7 @@ them, with this server's limits).
 endpoint               body                       answer
 =====================  =========================  ==================================
 POST /v1/route             :class:`~api.RouteQuery`       :class:`~api.RouteAnswer`
+POST /v1/cancel_route      :class:`~api.RouteCancel`      :class:`~api.RouteCancelled`
 POST /v1/request_started   :class:`~api.RequestStarted`   :class:`~api.Ack`
 POST /v1/request_finished  :class:`~api.RequestFinished`  :class:`~api.Ack`
 POST /v1/hint              :class:`~api.HintCall`         :class:`~api.Ack`
@@ -42,12 +43,14 @@ scheduler receives the chunk hashes. :class:`HttpServer` answers 503 past
 Errors are JSON ``{"error": <type name>, "detail": <message>}`` with the status of the
 typed error (:attr:`~kvprefetch.controlplane.base.errors.ServiceError.http_status`): 401 no or wrong
 bearer token, 403 a tenant not allowed or not the token's, 404 unknown session, 408 body too
-slow, 413 body too large, 422 a body that fails validation (``errors`` then lists the first
-fields as ``loc``/``msg``/``type``), 429 the tenant holds its quota of live sessions or
-the caller its large bodies in progress, 503 scheduler unavailable or too many
+slow, 409 a route's ``request_id`` already names another route (another session or body,
+or a cancelled one), 413 body too large, 422 a body that fails validation (``errors`` then
+lists the first fields as ``loc``/``msg``/``type``), 429 the tenant holds its quota of live
+sessions or the caller its large bodies in progress, 503 scheduler unavailable or too many
 connections. A call the scheduler does not answer within ``call_timeout_s`` answers 200
 like the Python client does: a route with ``node: null, timed_out: true`` (run the request
-without prefetch), an event with ``accepted: false``.
+without prefetch; with its ``request_id``, send it again or cancel it), an event with
+``accepted: false``.
 
 The app fronts any :class:`~kvprefetch.controlplane.live.protocol.GatewayAPI`: a
 :class:`~kvprefetch.controlplane.live.service.SchedulerService` in this process (called through an
@@ -118,6 +121,7 @@ DEFAULT_CALL_TIMEOUT_S = 2.0
 #: Operation (the path ``/v1/<op>``, the GatewayAPI method) -> the model of its body.
 OPERATIONS: dict[str, type[BaseModel]] = {
     "route": api.RouteQuery,
+    "cancel_route": api.RouteCancel,
     "request_started": api.RequestStarted,
     "request_finished": api.RequestFinished,
     "hint": api.HintCall,
@@ -126,8 +130,9 @@ OPERATIONS: dict[str, type[BaseModel]] = {
 }
 #: Operation -> the model of its answer.
 ANSWERS: dict[str, type[BaseModel]] = {
-    "route": api.RouteAnswer, "request_started": api.Ack, "request_finished": api.Ack,
-    "hint": api.Ack, "session_closed": api.Ack, "session_state": SessionState,
+    "route": api.RouteAnswer, "cancel_route": api.RouteCancelled, "request_started": api.Ack,
+    "request_finished": api.Ack, "hint": api.Ack, "session_closed": api.Ack,
+    "session_state": SessionState,
 }
 HTTP_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
@@ -173,6 +178,9 @@ _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     404: {"model": ErrorBody, "description": "the caller's tenant has no live session by "
                                              "this id (whether or not another tenant has "
                                              "one)"},
+    409: {"model": ErrorBody, "description": "the route's `request_id` names another route "
+                                             "of the tenant (another session or body, or "
+                                             "a cancelled one); nothing was applied"},
     413: {"model": ErrorBody, "description": "the request body is larger than "
                                              "`max_body_bytes`"},
     422: {"model": ErrorBody, "description": "the body fails validation or a limit; "
@@ -411,14 +419,33 @@ def create_app(scheduler: GatewayAPI | Client, *, bearer_token: str | None = Non
     # ------------------------------------------------------------------ operations
     def route(call: Any) -> api.RouteAnswer:
         """Where to run this request (records `request_started` too unless it was sent for
-        this request). `node: null` means: no advice, run it anywhere without prefetch."""
+        this request). `node: null` means: no advice, run it anywhere without prefetch.
+        With `request_id` the call is idempotent: the same call again (a retry after a
+        timeout or a 503) answers the first answer and applies nothing twice, also after
+        the scheduler restarted; the id with another session or body is refused (409)."""
         if chunk_tokens is not None:
             call = prehash(call, chunk_tokens)
         try:
             return backend.route(call)
         except TimeoutError:
             log.warning("route: the scheduler did not answer in %.3g s", call_timeout_s)
-            return api.RouteAnswer.no_prefetch(timed_out=True)
+            return api.RouteAnswer.no_prefetch(timed_out=True, request_id=call.request_id)
+
+    def cancel_route(call: Any) -> api.RouteCancelled:
+        """Undo the route `request_id` of this session, whose request will not run (its
+        answer never came, or the caller gave up). While that request is in flight it
+        ends: the session's first request closes the session (its tenant's live-session
+        quota is released); a later one finishes as `aborted` with no output, the context
+        unchanged. Idempotent. `outcome`: `cancelled` (undone, now or by an earlier
+        cancel), `unknown` (no route by that id is remembered: nothing to undo) or
+        `finished` (the request already ended: nothing undone). 503 when the scheduler
+        does not answer in time (send it again)."""
+        try:
+            return backend.cancel_route(call)
+        except TimeoutError:
+            raise ServiceUnavailableError(
+                f"cancel_route: the scheduler did not answer in {call_timeout_s:.3g} s"
+            ) from None
 
     def request_started(call: Any) -> api.Ack:
         """A request of the session arrived at the gateway."""
@@ -450,7 +477,7 @@ def create_app(scheduler: GatewayAPI | Client, *, bearer_token: str | None = Non
             ) from None
 
     handlers: dict[str, Callable[[Any], Any]] = {
-        "route": route, "request_started": request_started,
+        "route": route, "cancel_route": cancel_route, "request_started": request_started,
         "request_finished": request_finished, "hint": hint,
         "session_closed": session_closed, "session_state": session_state,
     }

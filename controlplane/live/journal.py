@@ -31,8 +31,12 @@ the next record, so a failed write leaves no gap.
 Compaction (:func:`compact_journal`): the journal is rewritten atomically as its header, the
 last scheduler-start record and the records of the sessions still live, each from after its
 last close: the events of closed sessions are dropped, so resuming costs the live sessions'
-events, not the history. Records written while it ran are copied over as they are (the
-tail). What compaction forgets: the books of closed sessions' KV that may still sit in a
+events, not the history. A route record
+(:class:`~kvprefetch.controlplane.traces.journal.RouteRecord`) stays while the scheduler
+remembers its request id (where it names the ids it remembers) and its session is kept, or
+it records a cancel (a retry of a cancelled route is refused after a restart too, also when
+the cancel closed the session). Records written while it ran are copied over as they are
+(the tail). What compaction forgets: the books of closed sessions' KV that may still sit in a
 node's tier (an agent's hello reconciles them away after a restart anyway), the core's
 counters, and what an online predictor learnt from closed sessions.
 """
@@ -60,6 +64,7 @@ from kvprefetch.controlplane.traces.journal import (
     JOURNAL_VERSION,
     EpochRecord,
     JournalScanner,
+    RouteRecord,
     StopRecord,
     TimeLimits,
     event_to_dict,
@@ -89,6 +94,9 @@ _SEQ_HEAD = re.compile(rb'\{"seq":(\d{1,19}),')
 MAX_TOKENS = 100_000_000
 #: The longest hint ETA a live call may give (seconds).
 MAX_ETA_S = 86_400.0
+#: A request id as the API takes it (``api.RequestId``) and a route record's digest.
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:@+=-]{1,64}")
+_DIGEST = re.compile(r"[0-9a-f]{1,64}")
 #: The largest epoch an order id can carry (``epoch << 32 | n`` below 2^63).
 MAX_EPOCH = (1 << 31) - 1
 
@@ -156,6 +164,9 @@ class LiveJournalWriter(JournalWriter):
         self._numbered({SEQ_KEY: 0, **record.to_dict()})
 
     def write_stop(self, record: StopRecord) -> None:
+        self._numbered({SEQ_KEY: 0, **record.to_dict()})
+
+    def write_route(self, record: RouteRecord) -> None:
         self._numbered({SEQ_KEY: 0, **record.to_dict()})
 
     def _numbered(self, row: dict[str, Any]) -> None:
@@ -287,7 +298,7 @@ class LiveJournalScanner(JournalScanner):
                 yield number, raw, event
 
     def _read(self, number: int, raw: bytes) -> SessionEvent | None:
-        self.keys, self.last_raw = None, raw
+        self.keys, self.last_raw, self.route = None, raw, None
         head = _SEQ_HEAD.match(raw)
         seq = int(head.group(1)) if head is not None else None
         if seq is not None and seq <= self.last_seq:
@@ -311,6 +322,8 @@ class LiveJournalScanner(JournalScanner):
             raise _Damaged("no sequence number after numbered records", field=SEQ_KEY)
         if event is not None:
             self._check_values(event)
+        if self.route is not None:
+            self._check_route(self.route)
         if event is not None and _KEYS_MARK in raw:
             value = pydantic_core.from_json(raw).get(KEYS_KEY)
             if value is not None:
@@ -339,6 +352,31 @@ class LiveJournalScanner(JournalScanner):
         if event.eta_s is not None and event.eta_s > MAX_ETA_S:
             raise _Damaged(f"eta_s {event.eta_s} is above a day", field="eta_s")
 
+    def _check_route(self, route: RouteRecord) -> None:
+        """A route record with values no live route produces is damaged."""
+        if not _REQUEST_ID.fullmatch(route.request_id):
+            raise _Damaged(f"request id {route.request_id[:80]!r} is not one the API takes",
+                           field="kvprefetch_route")
+        if not _DIGEST.fullmatch(route.digest):
+            raise _Damaged("digest: expected 1-64 hex digits", field="digest")
+        if route.turn > MAX_TOKENS:
+            raise _Damaged(f"turn {route.turn} is above {MAX_TOKENS:,}", field="turn")
+        if not 0.0 <= route.arrival_s <= route.time_s:
+            raise _Damaged(f"arrival {route.arrival_s!r} is not in 0..t", field="arrival")
+        if self.nodes is not None and route.node >= self.nodes:
+            raise _Damaged(f"node {route.node} is outside the fleet ({self.nodes} nodes)",
+                           field="node")
+        key = SessionKey.parse(route.session_id)
+        try:
+            check_tenant_name(route.tenant)
+            check_tenant_name(key.tenant)
+            check_session_id(key.session_id)
+        except InvalidRequestError as exc:
+            raise _Damaged(f"route {route.request_id!r}: {exc}", field="session") from None
+        if key.tenant != route.tenant:
+            raise _Damaged(f"route {route.request_id!r}: session {route.session_id!r} is "
+                           f"not tenant {route.tenant!r}'s", field="tenant")
+
 
 # ---------------------------------------------------------------------------------------------
 # Compaction.
@@ -362,25 +400,36 @@ class CompactionResult:
                 "damaged": self.damaged}
 
 
-def live_records(path: Path, upto_bytes: int, live: Collection[str] | None
+def live_records(path: Path, upto_bytes: int, live: Collection[str] | None,
+                 routes: Collection[tuple[str, str]] | None = None
                  ) -> tuple[list[bytes], int, int]:
     """The records of the first ``upto_bytes`` bytes of the journal that a compacted copy
     keeps: the last scheduler-start record and every record of a session in ``live``
     (None: every session not closed at the end of the prefix) from after its last close, in
-    file order. Returns (records, records read, damaged records left out)."""
+    file order; and the route records of the sessions kept, and those of cancels, whose
+    (tenant, request id) is in ``routes`` (None: any). Returns (records, records read,
+    damaged records left out)."""
     scan = LiveJournalScanner(path)
     by_session: dict[str, list[tuple[int, bytes]]] = {}
+    route_lines: list[tuple[int, bytes, RouteRecord]] = []
     epoch: tuple[int, bytes] | None = None
     for number, raw, event in scan.lines(upto_bytes):
         if event is None:
             if scan.last_line_was_epoch:
                 epoch = (number, raw)
+            elif scan.route is not None:
+                route_lines.append((number, raw, scan.route))
         elif event.kind is EventKind.SESSION_CLOSED:
             by_session.pop(event.session_id, None)
         else:
             by_session.setdefault(event.session_id, []).append((number, raw))
     keep = [r for sid, records in by_session.items() if live is None or sid in live
             for r in records]
+    for number, raw, route in route_lines:
+        kept = route.session_id in by_session and (live is None or route.session_id in live)
+        if (kept or route.cancelled) and (
+                routes is None or (route.tenant, route.request_id) in routes):
+            keep.append((number, raw))
     if epoch is not None:  # in its place: the records stay in sequence
         keep.append(epoch)
     keep.sort(key=lambda r: r[0])
@@ -434,15 +483,16 @@ def publish_compacted(tmp: Path, path: Path, from_bytes: int) -> int:
 
 
 def compact_journal(path: str | Path, live: Collection[str] | None = None, *,
-                    metadata: Mapping[str, Any] | None = None) -> CompactionResult:
+                    metadata: Mapping[str, Any] | None = None,
+                    routes: Collection[tuple[str, str]] | None = None) -> CompactionResult:
     """Rewrite the journal at ``path`` atomically without the records of closed sessions
-    (see the module docstring); ``live`` as in :func:`live_records`. Run it where no
+    (see the module docstring); ``live`` and ``routes`` as in :func:`live_records`. Run it where no
     writer appends to the file (the scheduler at start-up, ``kvprefetch journal compact``).
     A journal with damaged records is left as it is (``damaged`` in the result says so):
     quarantine them first."""
     p = Path(path)
     size = p.stat().st_size
-    records, read, damaged = live_records(p, size, live)
+    records, read, damaged = live_records(p, size, live, routes)
     if damaged:
         return CompactionResult(read, read, size, size, damaged)
     tmp = write_compacted(p, records, metadata)

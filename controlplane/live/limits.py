@@ -152,7 +152,8 @@ def prehash(call: api.RouteQuery | api.RequestStarted, chunk_tokens: int
     if call.token_ids is None:
         return call
     hashes = chunk_hashes(call.token_ids, chunk_tokens)
+    request_id = _field(call, "request_id")  # a route's, kept: it makes the route idempotent
     return type(call).model_construct(
         tenant=call.tenant, session_id=call.session_id, input_tokens=len(call.token_ids),
         token_ids=None, chunk_hashes=hashes, reused_tokens=call.reused_tokens,
-        parent_id=call.parent_id)
+        parent_id=call.parent_id, **({} if request_id is None else {"request_id": request_id}))

@@ -42,8 +42,9 @@ class GatewayAPI(Protocol):
     request rate of the fleet (tens to thousands per second); each answers at once (the
     scheduler's work that follows runs after the answer).
 
-    None is idempotent: each records one event in the journal, so a retry of a call that
-    did reach the scheduler records it twice.
+    Only ``route`` with a ``request_id`` and ``cancel_route`` are idempotent; every other
+    call records one event in the journal, so a retry of a call that did reach the
+    scheduler records it twice.
     """
 
     def request_started(self, call: api.RequestStarted) -> api.Ack:
@@ -54,7 +55,18 @@ class GatewayAPI(Protocol):
     def route(self, call: api.RouteQuery) -> api.RouteAnswer:
         """The node to run the request on. Once per request; a second call for the same
         request (before ``request_finished``) routes it again, moving the estimate of the
-        queue it waits in, and records no second start."""
+        queue it waits in, and records no second start. With ``call.request_id`` it is
+        idempotent: the same id again (the same session and body) answers the first
+        answer and applies nothing, also after the scheduler restarted;
+        ``RequestIdConflictError`` (409) for the id with another session or body, or
+        after it was cancelled."""
+        ...
+
+    def cancel_route(self, call: api.RouteCancel) -> api.RouteCancelled:
+        """Undo the route ``call.request_id`` whose request the caller abandoned (its
+        answer was lost, or the request will not run): its request, still in flight,
+        ends (the session's first request closes the session). Idempotent; at most once
+        per route; ``outcome`` says what it found."""
         ...
 
     def request_finished(self, call: api.RequestFinished) -> api.Ack:

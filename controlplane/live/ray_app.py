@@ -133,6 +133,9 @@ class _SchedulerActor:
     def route(self, call: api.RouteQuery) -> api.RouteAnswer:
         return self.svc.route(call)
 
+    def cancel_route(self, call: api.RouteCancel) -> api.RouteCancelled:
+        return self.svc.cancel_route(call)
+
     def request_started(self, call: api.RequestStarted) -> api.Ack:
         return self.svc.request_started(call)
 
@@ -148,7 +151,7 @@ class _SchedulerActor:
     def session_state(self, call: SessionQuery) -> SessionState:
         return self.svc.session_state(call)
 
-    # -- batched fire-and-forget events (kvprefetch.controlplane.live.client.EventBatcher) --
+    # -- batched fire-and-forget events (kvprefetch.controlplane.live.batching.EventBatcher) --
     def apply_events(self, events: Sequence[tuple[str, Any]]) -> list[str]:
         """Apply queued events in the order they were queued; one message per event the
         service refused or failed (empty: all applied). A refusal does not stop the rest:

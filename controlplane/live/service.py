@@ -29,6 +29,11 @@ the fleet at start (the core's ``node_left``) and join when their agent first sa
 (``node_joined``: routed to from then on, warmed with idle sessions whose KV is local
 nowhere), counted in the summary's ``nodes_joined``.
 
+Idempotent routes: a route with a ``request_id`` is applied once; a retry with the id
+answers the first answer, also after a restart (the answer is journalled), and
+:meth:`SchedulerService.cancel_route` undoes a route whose answer the caller never used
+(:mod:`kvprefetch.controlplane.live.routes`).
+
 Limits and tenancy: every gateway call is checked against ``config.limits`` (names,
 list lengths, token-id range) before it touches any state, and token ids are hashed into
 chunk keys before the lock is taken, so one large request never holds up the small ones.
@@ -343,8 +348,20 @@ class SchedulerService:
 
     def route(self, call: api.RouteQuery | dict[str, Any]) -> api.RouteAnswer:
         """Pick the node for a request; records ``request_started`` when the gateway has
-        not sent it for this request."""
-        return self._gateway_call(api.RouteQuery, call, LiveDriver.route)
+        not sent it for this request. Idempotent per ``request_id`` (a call again with the
+        id answers the first answer, RequestIdConflictError for another body):
+        :meth:`LiveDriver.route_once`."""
+        return self._gateway_call(api.RouteQuery, call, LiveDriver.route_once)
+
+    def cancel_route(self, call: api.RouteCancel | dict[str, Any]) -> api.RouteCancelled:
+        """Undo the route of ``call.request_id``, whose request the caller abandoned;
+        idempotent (:meth:`LiveDriver.cancel_route` says what undo means)."""
+        parsed: api.RouteCancel = (api.parse(api.RouteCancel, call) if isinstance(call, dict)
+                                   else call)
+        check_call(parsed, self.config.limits)
+        self._check_owner(parsed.tenant, parsed.session_id)
+        with self._step() as box:
+            return self.driver.cancel_route(parsed, box)
 
     def request_finished(self, call: api.RequestFinished | dict[str, Any]) -> api.Ack:
         self._gateway_call(api.RequestFinished, call, LiveDriver.request_finished)
@@ -479,6 +496,8 @@ class SchedulerService:
     def summary(self) -> dict[str, Any]:
         with self._lock:
             out = driver_summary(self.driver)
+            out["routes_remembered"] = len(self.driver.routes)
+            out["routes_forgotten"] = self.driver.routes.forgotten
         if self.config.shards > 1:
             out["shard"], out["shards"] = self.config.shard, self.config.shards
         return out

@@ -18,7 +18,8 @@ checks live in :mod:`kvprefetch.controlplane.live.journal`.
   after a long replay, and in a background thread once ``journal_compact_records``
   records were written since the last one (and as many as that one kept). The journal is
   rewritten atomically without closed sessions' records, so a resume costs the live
-  sessions' events, not the history.
+  sessions' events, not the history; of the route records, those of live sessions and of
+  cancels stay while the service remembers their request ids.
 
 Threading: :meth:`~ServiceJournal.compact` runs on its own thread and takes the service's
 lock only to note where the journal ends and to swap the files; every other method runs
@@ -138,7 +139,8 @@ class ServiceJournal:
         failure is logged; the journal stays as it was)."""
         t0 = self._wall()
         try:
-            result = compact_journal(path, metadata=self.metadata())
+            result = compact_journal(path, metadata=self.metadata(),
+                                     routes=set(driver.routes))
         except OSError as exc:
             log.error("journal %s: compaction failed: %s", path, exc)
             return
@@ -202,8 +204,9 @@ class ServiceJournal:
                 journal.flush()
                 upto = path.stat().st_size
                 live = {info.sid for info in driver.registry}
+                routes = set(driver.routes)
                 written, driver.journal_records = driver.journal_records, 0
-            records, read, damaged = live_records(path, upto, live)
+            records, read, damaged = live_records(path, upto, live, routes)
             if damaged:
                 log.error("journal %s: not compacted: %d damaged records (the next start "
                           "quarantines them)", path, damaged)

@@ -32,12 +32,8 @@ from kvprefetch.controlplane.base.wire import (
     TransferReport,
     order_epoch,
 )
-from kvprefetch.controlplane.live.client import (
-    EventBatcher,
-    EventBatching,
-    RayTransport,
-    with_timeout,
-)
+from kvprefetch.controlplane.live.batching import EventBatcher, EventBatching
+from kvprefetch.controlplane.live.client import RayTransport, with_timeout
 from kvprefetch.controlplane.live.protocol import RemoteAPI, SchedulerAPI
 from kvprefetch.controlplane.live.sessions import SessionQuery, SessionState
 
@@ -143,6 +139,9 @@ class ShardedTransport:
                 for i, answer in zip(groups[s], got, strict=True):
                     answers[i] = answer
         return [a for a in answers if a is not None]
+
+    def cancel_route(self, call: api.RouteCancel) -> api.RouteCancelled:
+        return self.owner(call.tenant, call.session_id).cancel_route(call)
 
     def request_finished(self, call: api.RequestFinished) -> api.Ack:
         return self.owner(call.tenant, call.session_id).request_finished(call)

@@ -13,7 +13,11 @@ File format (JSONL, UTF-8, optionally gzip-compressed as ``.jsonl.gz`` once rota
   "wall": ..., "compression": ...}`` (:class:`EpochRecord`: the epoch its order ids carry);
   once per clean stop, a stop record ``{"kvprefetch_stop": N, "t": ..., "wall": ...}``
   (:class:`StopRecord`): a journal that does not end with one belongs to a scheduler that
-  still runs, crashed, or was cut at a record boundary.
+  still runs, crashed, or was cut at a record boundary;
+* and, after each route that carried a request id, a route record ``{"kvprefetch_route":
+  <request id>, "tenant": ..., "session": ..., "digest": ..., "turn": ..., "node": ...,
+  ...}`` (:class:`RouteRecord`: the answer a retry with that id gets, or that the route was
+  cancelled). Route records are not session events: the trace readers skip them.
 
 Every record but the header ends with its checksum, ``..., "crc": "1a2b3c4d"}``: the CRC-32
 of the line's bytes without that key (journals written before checksums still load). A
@@ -48,7 +52,7 @@ import re
 import stat
 import time
 import zlib
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,6 +77,7 @@ FORMAT_NAME = "journal"
 HEADER_KEY = "kvprefetch_journal"
 EPOCH_KEY = "kvprefetch_epoch"
 STOP_KEY = "kvprefetch_stop"
+ROUTE_KEY = "kvprefetch_route"
 JOURNAL_VERSION = 1
 #: The mode of a journal the writer creates (owner only: events name tenants and sessions).
 JOURNAL_MODE = 0o600
@@ -229,6 +234,54 @@ class StopRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class RouteRecord:
+    """A route that carried a request id: whose (``tenant``, ``session_id`` in the events'
+    ``tenant/session`` form), the digest of its query, the session's ``turn`` it answered
+    for, the answer (``node``, ``node_name``, ``estimated_ttft_s``, ``local_ready``), and
+    whether it was since cancelled. ``time_s`` is the service clock; ``arrival_s`` the
+    service time the request it answered for started (with ``turn``, which request that
+    is)."""
+
+    request_id: str
+    tenant: str
+    session_id: str
+    digest: str
+    turn: int
+    time_s: float
+    node: int
+    arrival_s: float = 0.0
+    node_name: str | None = None
+    estimated_ttft_s: float | None = None
+    local_ready: bool = False
+    cancelled: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {ROUTE_KEY: self.request_id, "tenant": self.tenant, "session": self.session_id,
+               "digest": self.digest, "turn": self.turn, "t": self.time_s, "node": self.node,
+               "arrival": self.arrival_s, "node_name": self.node_name,
+               "ttft_s": self.estimated_ttft_s, "local_ready": self.local_ready,
+               "cancelled": self.cancelled}
+        return {key: value for key, value in out.items() if value is not None}
+
+    @classmethod
+    def from_dict(cls, row: Mapping[str, Any], reader: FieldReader) -> RouteRecord:
+        flags = {}
+        for name in ("local_ready", "cancelled"):
+            value = row.get(name, False)
+            if not isinstance(value, bool):
+                raise reader.error(name, f"expected true or false, got {value!r}")
+            flags[name] = value
+        ttft = row.get("ttft_s")
+        return cls(reader.text(row, ROUTE_KEY), reader.text(row, "tenant"),
+                   reader.text(row, "session"), reader.text(row, "digest"),
+                   reader.count(row, "turn"), reader.number(row, "t"),
+                   reader.count(row, "node"), reader.number(row, "arrival"),
+                   reader.optional_text(row, "node_name"),
+                   reader.number(row, "ttft_s") if ttft is not None else None,
+                   flags["local_ready"], flags["cancelled"])
+
+
+@dataclass(frozen=True, slots=True)
 class TimeLimits:
     """How far in the future a record's time may lie (a damaged or forged ``t`` such as
     ``1e300`` must not freeze the service clock).
@@ -284,6 +337,10 @@ class JournalScanner:
     After iterating, :attr:`records` counts the lines read (blank ones excepted),
     :attr:`events` the events yielded, :attr:`epochs`/:attr:`last_epoch` the scheduler
     starts, :attr:`last_t` the latest accepted time.
+
+    Route records are not yielded: each trusted one is handed to ``on_route`` (when given)
+    in file order, between the events around it; :attr:`route` is the last record read when
+    it was a route record (None otherwise).
     """
 
     def __init__(self, path: str | Path, *, limits: TimeLimits | None = None,
@@ -300,6 +357,8 @@ class JournalScanner:
         self.last_t = 0.0
         self.header_ok = False
         self._epoch: EpochRecord | None = None
+        self.route: RouteRecord | None = None
+        self.on_route: Callable[[RouteRecord], None] | None = None
 
     def __iter__(self) -> Iterator[tuple[int, SessionEvent]]:
         check_exists(self.path)
@@ -318,8 +377,11 @@ class JournalScanner:
                 if event is not None:
                     self.events += 1
                     yield number, event
+                elif self.route is not None and self.on_route is not None:
+                    self.on_route(self.route)
 
     def _read(self, number: int, raw: bytes) -> SessionEvent | None:
+        self.route = None
         verified = verify_checksum(raw)
         if verified is False:
             raise UntrustedLine("checksum mismatch")
@@ -353,6 +415,13 @@ class JournalScanner:
                 self.last_t = max(self.last_t, stop.time_s)
                 return None
             self.stopped = False
+            if ROUTE_KEY in obj:
+                route = RouteRecord.from_dict(obj, reader)
+                if (why := self._out_of_range(route.time_s)) is not None:
+                    raise UntrustedLine(why, field="t")
+                self.route = route
+                self.last_t = max(self.last_t, route.time_s)
+                return None
             if EPOCH_KEY in obj:
                 epoch = EpochRecord.from_dict(obj, reader)
                 if (why := self._out_of_range(epoch.time_s, epoch.wall_s)) is not None:

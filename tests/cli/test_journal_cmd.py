@@ -52,10 +52,10 @@ def test_journal_compact_keeps_the_live_sessions(tmp_path: Path,
     header_before = json.loads(path.read_bytes().splitlines()[0])
     assert main(["journal", "compact", "--json", str(path)]) == 0
     report = json.loads(capsys.readouterr().out)
-    # Header, scheduler start, 60 turn events, 8 closes, clean stop -> header, start,
-    # 2 x 6 events.
+    # Header, scheduler start, 60 turn events and 30 route records, 8 closes, clean stop
+    # -> header, start, 2 x (6 events and 3 route records).
     assert report["compacted"] and report["damaged"] == 0
-    assert (report["records_before"], report["records_after"]) == (71, 14)
+    assert (report["records_before"], report["records_after"]) == (101, 20)
     assert report["bytes_after"] == path.stat().st_size < report["bytes_before"]
     assert not list(tmp_path.glob(".journal.jsonl.*"))  # no temporary file left behind
     header = json.loads(path.read_bytes().splitlines()[0])

@@ -25,6 +25,7 @@ from kvprefetch.controlplane.base.errors import (  # noqa: E402
     ConfigError,
     InvalidRequestError,
     MalformedHintError,
+    ServiceUnavailableError,
     UnauthorizedError,
     UnknownSessionError,
     WrongTenantError,
@@ -304,6 +305,9 @@ class _SlowScheduler:
     def route_many(self, calls: Sequence[api.RouteQuery]) -> list[api.RouteAnswer]:
         return self._late("route_many")
 
+    def cancel_route(self, call: api.RouteCancel) -> api.RouteCancelled:
+        return self._late("cancel_route")
+
     def request_finished(self, call: api.RequestFinished) -> api.Ack:
         return self._late("request_finished")
 
@@ -322,8 +326,10 @@ def test_a_scheduler_timeout_answers_without_prefetch_and_health_reports_it() ->
     app = create_app(slow, bearer_token=None, call_timeout_s=0.1, health_check=down)
     assert slow.timeout_s == 0.1  # the app bounds a remote scheduler by its call timeout
     with HttpServer(app) as srv, connect(srv.url) as c:
-        ans = c.route("s", input_tokens=10)
-        assert ans.node is None and ans.timed_out
+        ans = c.route("s", input_tokens=10, request_id="r1")
+        assert ans.node is None and ans.timed_out and ans.request_id == "r1"
+        with pytest.raises(ServiceUnavailableError, match="cancel_route"):
+            c.cancel_route("s", "r1")
         ack = c.request_finished("s", node=0, input_tokens=10)
         assert not ack.accepted and ack.timed_out
         health = httpx.get(f"{srv.url}/healthz")

@@ -166,26 +166,27 @@ def test_journal_check_reports_and_repairs(
         capsys: pytest.CaptureFixture[str]) -> None:
     data, events = original
     lines = data.splitlines(keepends=True)
-    lines[3] = lines[3].replace(b'"kind"', b'"kinb"')
+    lines[4] = lines[4].replace(b'"kind"', b'"kinb"')
     lines[-1] = lines[-1][:-7]  # torn
     path = _write(tmp_path, b"".join(lines))
     before = path.read_bytes()
     assert main(["journal", "check", str(path)]) == 1
     out = capsys.readouterr().out
-    assert "2 damaged" in out and "line 4: checksum mismatch" in out
+    assert "2 damaged" in out and "line 5: checksum mismatch" in out
     assert f"line {len(lines)}: torn last line" in out
     assert path.read_bytes() == before  # checking alone changes nothing
     assert main(["journal", "check", "--repair", "--json", str(path)]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["damaged"] == 2 and report["repaired"]
-    assert [d["line"] for d in report["damaged_lines"]] == [4, len(lines)]
+    assert [d["line"] for d in report["damaged_lines"]] == [5, len(lines)]
     assert main(["journal", "check", str(path)]) == 0
     assert "0 damaged" in capsys.readouterr().out
-    # Line 1 is the header, line 2 the first scheduler start: line 4 held event 1; the
-    # torn last line was the second scheduler's stop record.
+    # Line 1 is the header, line 2 the first scheduler start, line 3 event 0 and line 4
+    # its route's record: line 5 held event 1; the torn last line was the second
+    # scheduler's stop record.
     assert list(read_journal_events(path)) == events[:1] + events[2:]
     kept = [json.loads(q)["raw"] for q in quarantine_path(path).read_text().splitlines()]
-    assert kept == [lines[3].decode(), lines[-1].decode()]
+    assert kept == [lines[4].decode(), lines[-1].decode()]
 
 
 def _mutate(data: bytes, rng: random.Random) -> tuple[str, bytes]:

@@ -47,6 +47,12 @@ EPOCH_ABSURD: list[tuple[str, object]] = [
     ("t", 1e300), ("wall", 1e300), ("kvprefetch_epoch", 1 << 40), ("compression", -1.0),
     ("kvprefetch_epoch", -3), ("seq", 1),
 ]
+#: The same for route records.
+ROUTE_ABSURD: list[tuple[str, object]] = [
+    ("t", 1e300), ("t", -5.0), ("node", 99), ("turn", 10**12), ("arrival", -1.0),
+    ("kvprefetch_route", "a b"), ("digest", "xyz"), ("session", "other/x"),
+    ("cancelled", "yes"), ("seq", 1),
+]
 #: The same for clean-stop records.
 STOP_ABSURD: list[tuple[str, object]] = [
     ("t", 1e300), ("wall", 1e300), ("kvprefetch_stop", -3), ("seq", 1),
@@ -113,7 +119,8 @@ def _mutate(data: bytes, rng: random.Random) -> tuple[str, bytes, bool]:
     row = json.loads(lines[i])
     row.pop("crc", None)
     key, value = rng.choice(ABSURD if "kind" in row else STOP_ABSURD
-                            if "kvprefetch_stop" in row else EPOCH_ABSURD)
+                            if "kvprefetch_stop" in row else ROUTE_ABSURD
+                            if "kvprefetch_route" in row else EPOCH_ABSURD)
     same = row.get(key) == value
     row[key] = value
     lines[i] = encode_checked(row)

@@ -94,7 +94,7 @@ def test_other_values_cross_as_they_are() -> None:
 
 def test_a_tuple_of_the_wrong_length_is_refused_by_name() -> None:
     packed = pack(api.RouteQuery(session_id="s", input_tokens=5))
-    with pytest.raises(InvalidRequestError, match="a packed RouteQuery has 3 items, not 8"):
+    with pytest.raises(InvalidRequestError, match="a packed RouteQuery has 3 items, not 9"):
         unpack(api.RouteQuery, packed[:3])
     with pytest.raises(InvalidRequestError, match="packed RequestFinished"):
         unpack_event("request_finished", packed)

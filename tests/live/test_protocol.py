@@ -85,6 +85,10 @@ class _Remote:
         self._seen("route_many")
         return [api.RouteAnswer(node=1, node_name="node-1") for _ in calls]
 
+    def cancel_route(self, call: api.RouteCancel) -> api.RouteCancelled:
+        self._seen("cancel_route")
+        return api.RouteCancelled(request_id=call.request_id, outcome="unknown")
+
     def request_finished(self, call: api.RequestFinished) -> api.Ack:
         self._seen("request_finished")
         return api.Ack()

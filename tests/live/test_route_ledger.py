@@ -1,0 +1,71 @@
+"""The route memory by request id, as pure logic: per-tenant LRU bounds, digests of a
+route's body, the conflicts a memo refuses, and replay from journal records."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvprefetch.controlplane.base import api
+from kvprefetch.controlplane.base.errors import InvalidRequestError, RequestIdConflictError
+from kvprefetch.controlplane.live.routes import RouteLedger, RouteMemo, route_digest
+
+
+def _memo(sid: str = "t/s", digest: str = "d", turn: int = 0) -> RouteMemo:
+    return RouteMemo(sid, digest, turn, 1.0, api.RouteAnswer(node=1, node_name="node-1",
+                                                             request_id="r"))
+
+
+def test_each_tenant_keeps_its_most_recently_used_ids() -> None:
+    ledger = RouteLedger(per_tenant=2)
+    for rid in ("a", "b"):
+        ledger.put("t", rid, _memo())
+    ledger.put("u", "a", _memo("u/s"))
+    assert ledger.get("t", "a") is not None  # now the most recently used of t
+    ledger.put("t", "c", _memo())
+    assert ledger.get("t", "b") is None and ledger.get("t", "a") is not None
+    assert sorted(ledger) == [("t", "a"), ("t", "c"), ("u", "a")]
+    assert len(ledger) == 3 and ledger.forgotten == 1
+    with pytest.raises(ValueError):
+        RouteLedger(per_tenant=0)
+
+
+def test_a_memo_refuses_another_session_or_body() -> None:
+    memo = _memo()
+    memo.check("r", "t/s", "d")
+    memo.check("r", "t/s", None)  # a cancel names the session only
+    with pytest.raises(RequestIdConflictError, match="another session"):
+        memo.check("r", "t/other", "d")
+    with pytest.raises(RequestIdConflictError, match="another body"):
+        memo.check("r", "t/s", "e")
+
+
+def test_the_digest_is_the_body_without_tenant_or_id() -> None:
+    base = api.RouteQuery(tenant="t", session_id="s", input_tokens=10, request_id="a")
+    same = api.RouteQuery(tenant="u", session_id="s", input_tokens=10, request_id="b")
+    assert route_digest(base) == route_digest(same) and len(route_digest(base)) == 32
+    for other in (api.RouteQuery(session_id="s", input_tokens=11),
+                  api.RouteQuery(session_id="s2", input_tokens=10),
+                  api.RouteQuery(session_id="s", input_tokens=10, reused_tokens=5),
+                  api.RouteQuery(session_id="s", input_tokens=10, chunk_hashes=["h"])):
+        assert route_digest(other) != route_digest(base)
+
+
+def test_a_record_replays_as_the_memo_it_stands_for() -> None:
+    memo = _memo(turn=3)
+    ledger = RouteLedger(per_tenant=4)
+    ledger.replay(memo.record("t", "r", 9.0))
+    back = ledger.get("t", "r")
+    assert back is not None and back.journalled
+    assert (back.session_id, back.digest, back.turn, back.arrival_s, back.answer) == (
+        memo.session_id, memo.digest, memo.turn, memo.arrival_s, memo.answer)
+    memo.cancelled = True
+    ledger.replay(memo.record("t", "r", 9.5))  # the later record wins
+    assert ledger.get("t", "r").cancelled  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("rid", ["", "x" * 65, "a b", "a/b"])
+def test_request_ids_are_validated(rid: str) -> None:
+    with pytest.raises(InvalidRequestError, match="request_id"):
+        api.parse(api.RouteQuery, {"session_id": "s", "input_tokens": 1, "request_id": rid})
+    with pytest.raises(InvalidRequestError, match="request_id"):
+        api.parse(api.RouteCancel, {"session_id": "s", "request_id": rid})
