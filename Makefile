@@ -100,10 +100,16 @@ sim: setup
 	mkdir -p out
 	$(VENV)/bin/kvprefetch sim --nodes 1 --json out/sim.json --plot out/sim.png
 
-# CI: everything in the main venv (with SGLang), then the real vLLM (CPU) engine tests in
+# pytest on two xdist workers (two cores), loadgroup: the tests of one group (tests/conftest.py:
+# the Ray tests, a module that trains its models once) run on one worker; one OpenMP thread
+# per worker, since scikit-learn's and torch's thread teams on a busy core spin, not help.
+PYTEST_PAR := OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadgroup
+
+# CI: everything in the main venv (with SGLang) on two workers, the tests that start Ray on
+# one of them one after another (tests/conftest.py), then the real vLLM (CPU) engine tests in
 # its own venv (tests marked `vllm`; vLLM's venv and aiperf's set up on first run).
 test: lint setup-sglang
-	$(PY) -m pytest -q -m "not vllm"
+	$(PYTEST_PAR) -q -m "not vllm"
 	$(MAKE) test-vllm
 
 # The real-engine tests: vLLM + LMCache + agent + gateway by the engines' own counters
@@ -115,11 +121,6 @@ test-vllm:
 	AIPERF=$(AIPERF_VENV)/bin/aiperf $(VLLM_VENV)/bin/python -m pytest -q -m vllm \
 		tests/agents/test_vllm_cpu.py tests/live/test_demo_vllm.py tests/agents/test_aiperf_bench.py \
 		tests/deploy/test_local_cluster.py
-
-# pytest on two xdist workers (two cores): tests sharing an expensive setup carry one
-# xdist_group and run on one worker (loadgroup); one OpenMP thread per worker, since
-# scikit-learn's and torch's thread teams on a busy core spin rather than help.
-PYTEST_PAR := OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadgroup
 
 # The pure tests (no servers, no Ray, no shared traces): under a minute on 2 cores.
 test-fast: setup

@@ -32,9 +32,6 @@ from kvprefetch.predictors.features import (
 from kvprefetch.predictors.hinted import HintedPredictor
 from kvprefetch.predictors.splits import split_trace
 
-# One xdist worker runs the whole module, so the models are trained once (module fixture).
-pytestmark = pytest.mark.xdist_group("predictors")
-
 TRAINABLE = ["empirical", "survival", "gbm", "torch-seq"]
 METRIC_KEYS = {"gaps", "mae_log_gap", "pinball_q10", "pinball_q50", "pinball_q90",
                "coverage_80", "auc_return_60s"}
