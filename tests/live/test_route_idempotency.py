@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -247,8 +248,18 @@ def test_through_ray_a_retry_after_the_scheduler_actor_restarts_is_answered_once
             first = c.route("s1", input_tokens=4_000, request_id="r1")
             assert first.node is not None
             # The scheduler actor dies (its answer could have been lost with it); Ray
-            # restarts it from the journal, and the client retries while it is away.
+            # restarts it from the journal.
+            epoch = ray.get(actor.epoch.remote(), timeout=30)
             ray.kill(actor, no_restart=False)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                try:
+                    if ray.get(actor.epoch.remote(), timeout=5) != epoch:
+                        break
+                except ray.exceptions.RayError:  # away while Ray restarts it
+                    pass
+                time.sleep(0.1)
+            assert ray.get(actor.epoch.remote(), timeout=30) != epoch
             retry = c.route("s1", input_tokens=4_000, request_id="r1")
             assert retry == first
             summary = ray.get(actor.summary.remote(), timeout=30)
