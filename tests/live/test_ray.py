@@ -211,6 +211,30 @@ def test_scheduler_restart_resumes_from_the_journal(
         dep.shutdown()
 
 
+def test_a_route_retried_after_the_scheduler_actor_restarts_is_answered_once(
+        tmp_path: Path, local_ray: None) -> None:
+    from kvprefetch.controlplane.live.ray_app import start_shards
+
+    cfg = ServiceConfig(fleet=FLEET, journal_path=str(tmp_path / "journal.jsonl"))
+    (actor,) = start_shards(cfg, 1, with_agents=False)
+    try:
+        with connect("auto", tenant="acme", timeout_s=30) as c:
+            first = c.route("s1", input_tokens=4_000, request_id="r1")
+            assert first.node is not None
+            # The scheduler actor dies (its answer could have been lost with it); Ray
+            # restarts it from the journal, and the new incarnation answers the retry.
+            epoch = ray.get(actor.epoch.remote(), timeout=30)
+            ray.kill(actor, no_restart=False)
+            assert _wait(lambda: ray.get(actor.epoch.remote(), timeout=5) != epoch, 60)
+            assert c.route("s1", input_tokens=4_000, request_id="r1") == first
+            summary = ray.get(actor.summary.remote(), timeout=30)
+            assert summary["events"] == 0 and summary["routes_remembered"] == 1
+            assert c.cancel_route("s1", "r1").outcome == "cancelled"
+            assert not ray.get(actor.has_session.remote("acme", "s1"), timeout=30)
+    finally:
+        ray.kill(actor, no_restart=True)
+
+
 def _alive(handle: Any) -> bool:
     try:
         return bool(ray.get(handle.ping.remote(), timeout=5))

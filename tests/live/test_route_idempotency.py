@@ -1,14 +1,13 @@
 """Idempotent routes across restarts: a route the scheduler applied and journalled but
 whose answer the caller never got (a timeout or a 503 while the scheduler restarted) is
 answered on retry with its request id, applied once, and can be cancelled, which releases
-what it held. Real uvicorn servers on loopback in front of real schedulers with journals;
-the slow test goes through a Ray scheduler actor that is killed and restarted by Ray."""
+what it held. Real uvicorn servers on loopback in front of real schedulers with journals
+(the same through a Ray scheduler actor that Ray restarts: tests/live/test_ray.py)."""
 
 from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -232,40 +231,3 @@ def test_a_route_record_that_cannot_be_written_is_answered_on_retry(tmp_path: Pa
         assert retry.node is not None and svc.stats.events == 1
         assert len(_records(tmp_path, kvprefetch_route="r1")) == 1
 
-
-@pytest.mark.slow
-def test_through_ray_a_retry_after_the_scheduler_actor_restarts_is_answered_once(
-        tmp_path: Path) -> None:
-    ray = pytest.importorskip("ray")
-    from kvprefetch.agents.ray_entry import NAMESPACE
-    from kvprefetch.controlplane.live.ray_app import start_shards
-
-    ray.init(num_cpus=2, object_store_memory=80 << 20, include_dashboard=False,
-             namespace=NAMESPACE, log_to_driver=False)
-    try:
-        (actor,) = start_shards(_config(tmp_path), 1, with_agents=False)
-        with connect("auto", tenant="acme", timeout_s=30) as c:
-            first = c.route("s1", input_tokens=4_000, request_id="r1")
-            assert first.node is not None
-            # The scheduler actor dies (its answer could have been lost with it); Ray
-            # restarts it from the journal.
-            epoch = ray.get(actor.epoch.remote(), timeout=30)
-            ray.kill(actor, no_restart=False)
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                try:
-                    if ray.get(actor.epoch.remote(), timeout=5) != epoch:
-                        break
-                except ray.exceptions.RayError:  # away while Ray restarts it
-                    pass
-                time.sleep(0.1)
-            assert ray.get(actor.epoch.remote(), timeout=30) != epoch
-            retry = c.route("s1", input_tokens=4_000, request_id="r1")
-            assert retry == first
-            summary = ray.get(actor.summary.remote(), timeout=30)
-            assert summary["events"] == 0 and summary["routes_remembered"] == 1
-            assert c.cancel_route("s1", "r1").outcome == "cancelled"
-            assert not ray.get(actor.has_session.remote("acme", "s1"), timeout=30)
-        ray.kill(actor, no_restart=True)
-    finally:
-        ray.shutdown()
