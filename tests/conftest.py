@@ -7,19 +7,34 @@ from typing import Any
 
 import pytest
 
-#: Test modules whose tests run on one xdist worker, one after another, by group name.
-#: ``ray``: modules that start a Ray runtime (ray.init, ``ray start``, ``kvprefetch serve``,
-#: the demos); two runtimes at once would contend for Ray's fixed default ports (Serve's HTTP
-#: port, the dashboard agent's, the head's client server). ``predictors``: the module's
-#: models are trained once, in a module fixture, rather than once per worker.
-XDIST_GROUPS = {
-    **{f"tests/live/{name}": "ray" for name in (
+#: Modules with tests that start a Ray runtime (ray.init, ``ray start``, ``kvprefetch serve``,
+#: the demos): one group, run one test at a time on one worker. Two runtimes at once would
+#: contend for Ray's fixed default ports (Serve's HTTP port, the dashboard agent's, the
+#: head's client server).
+RAY_MODULES = (
+    "tests/deploy/test_local_cluster.py",
+    *(f"tests/live/{name}" for name in (
         "test_bench_ray.py", "test_demo.py", "test_demo_lmcache.py", "test_demo_vllm.py",
         "test_node_join.py", "test_ray.py", "test_readme_http.py", "test_serve.py",
-        "test_serve_gateway.py", "test_shards_ray.py")},
-    "tests/deploy/test_local_cluster.py": "ray",
-    "tests/predictors/test_predictors.py": "predictors",
-}
+        "test_serve_gateway.py", "test_shards_ray.py")),
+)
+#: Modules whose module-scoped fixtures are expensive (a wheel built and installed, the docs
+#: site built, LMCache servers started, models trained, a large trace evaluated): each is a
+#: group of its own, so that one worker builds them once rather than each worker once.
+WHOLE_MODULES = (
+    "tests/agents/test_lmcache_agent.py",
+    "tests/agents/test_lmcache_mp.py",
+    "tests/deploy/test_serve_check.py",
+    "tests/live/test_http_edge.py",
+    "tests/packaging/test_wheel.py",
+    "tests/predictors/test_adaptive.py",
+    "tests/predictors/test_calibration.py",
+    "tests/predictors/test_predictors.py",
+    "tests/test_docs.py",
+)
+#: Test module path -> xdist group.
+XDIST_GROUPS = {**{path: "ray" for path in RAY_MODULES},
+                **{path: path for path in WHOLE_MODULES}}
 
 
 @pytest.hookimpl(optionalhook=True)

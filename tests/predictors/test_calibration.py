@@ -109,15 +109,21 @@ def exp_trace() -> tuple[Trace, dict[str, float]]:
     return _exponential_trace(800)
 
 
+@pytest.fixture(scope="module")
+def honest(exp_trace) -> dict:
+    """The metrics of the predictor that knows each session's true law."""
+    trace, rates = exp_trace
+    return evaluate(_KnownRate(rates), trace)
+
+
 def _cells(metrics: dict) -> list[dict]:
     cells: list[dict] = metrics["calibration"]["cells"]
     assert len(cells) == len(CALIBRATION_HORIZONS_S) * len(CALIBRATION_SILENCES_S)
     return cells
 
 
-def test_calibrated_predictor_has_ece_near_zero(exp_trace) -> None:
-    trace, rates = exp_trace
-    metrics = evaluate(_KnownRate(rates), trace)
+def test_calibrated_predictor_has_ece_near_zero(honest) -> None:
+    metrics = honest
     for cell in _cells(metrics):
         assert cell["n"] > 700 and cell["missing"] == 0
         assert cell["ece"] < 0.04, cell
@@ -125,10 +131,9 @@ def test_calibrated_predictor_has_ece_near_zero(exp_trace) -> None:
         assert metrics[ece_key(cell["h_s"], cell["a_s"])] == cell["ece"]
 
 
-def test_miscalibrated_predictors_have_large_ece(exp_trace) -> None:
+def test_miscalibrated_predictors_have_large_ece(exp_trace, honest) -> None:
     trace, rates = exp_trace
     keys = [ece_key(h, a) for h in CALIBRATION_HORIZONS_S for a in CALIBRATION_SILENCES_S]
-    honest = evaluate(_KnownRate(rates), trace)
     too_fast = evaluate(_KnownRate(rates, scale=10.0, stop=0.0), trace)
     too_slow = evaluate(_KnownRate(rates, scale=0.1), trace)
     assert all(too_fast[k] > 0.2 and too_fast[k] > 10 * honest[k] for k in keys)
