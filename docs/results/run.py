@@ -54,6 +54,16 @@ RUNS: dict[str, list[str]] = {
         "--workers", "2", "--no-progress",
         "--json", "docs/results/data/peers-grid.json", "--plot", "docs/results/peers-grid.png",
     ],
+    "peers-grid-full": [
+        "kvprefetch", "sim-grid",
+        "--traces", "../shared/traces/claude-code,synthetic:agentic,synthetic:agentic-nostop,"
+        "synthetic:chat,synthetic:research",
+        "--nodes", "2,4,8", "--loads", "0.5,1,2", "--seeds", "0,1,2",
+        "--policies", "ondemand,queue,continuum-ttl,mori,ttl-lognormal,predictive,oracle",
+        "--workers", "2", "--no-progress",
+        "--json", "docs/results/data/peers-grid-full.json",
+        "--plot", "docs/results/peers-grid-full.png",
+    ],
     "bench-control-plane": [
         "kvprefetch", "bench", "control-plane", "--modes", "inproc,service,http,ray-1",
         "--sessions", "1000", "--events", "3000", "--no-progress",
