@@ -116,8 +116,8 @@ PEER_POLICIES: dict[str, PolicySpec] = {
                    hbm_retention="mori"),
         PolicySpec("ttl-lognormal", True, True, LoadStart.ON_SCHEDULE,
                    EvictionKind.RETENTION_WINDOW, False,
-                   modelled_on="llm-d PR #2928 / LMCache PR #4456: log-normal retention "
-                   "window in the DRAM tier"),
+                   modelled_on="llm-d PR #2928 / LMCache PR #4456: a log-normal retention "
+                   "window, applied in the DRAM tier"),
     )
 }
 

@@ -5,7 +5,8 @@ Sources: llm-d router PR #2928 (github.com/llm-d/llm-d-router/pull/2928: a
 the session's next turn, fits a log-normal law online, because "inter-turn intervals of a
 multi-turn workload follow a log-normal distribution whose parameters vary by deployment",
 and a ``kv-cache-retention`` plugin asks the engine to retain the session's KV for a
-window drawn from it); LMCache PR #4456 (per-request TTL retention in LMCache's CPU tier);
+window drawn from it); LMCache PR #4456 (per-request retention windows, a TTL, that protect a
+request's KV from eviction in LMCache's L2 tier);
 TensorRT-LLM's retention priorities with a duration (a retained block outranks ordinary
 ones until its window passes, then ages normally).
 
@@ -26,10 +27,10 @@ engine as every policy), in the node-local DRAM tier the scheduler's books keep:
 
 What is left out: the header gate of PR #2928 (only ``x-session-type: agentic`` sessions
 are retained; here every session is); the engine-side API it drives (vLLM's retention API,
-HBM) — this model acts where LMCache PR #4456 does, in the CPU tier. One law for all
-sessions would give every entry the same window and order a full tier exactly as LRU does;
-the per-session shift is this model's reading of "learns when a session's next turn is
-likely to arrive".
+HBM) and LMCache's L2 tier, where PR #4456 applies its windows — this model applies the
+window rule in the node-local DRAM tier. One law for all sessions would give every entry
+the same window and order a full tier exactly as LRU does; the per-session shift is this
+model's reading of "learns when a session's next turn is likely to arrive".
 """
 
 from __future__ import annotations
