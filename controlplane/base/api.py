@@ -120,14 +120,17 @@ class RequestStarted(_Sized):
 
 
 #: A route's request id: chosen by the caller (the Python client: a uuid4's hex), unique
-#: within its tenant for as long as the scheduler remembers it.
+#: within its tenant for as long as the scheduler remembers it: while the request it routed
+#: is in flight (its ``request_finished`` or the session's close forgets it), and after a
+#: cancel.
 RequestId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._:@+=-]+$",
                                  description="the caller's id of this route, unique within "
                                              "its tenant (the Python client sends a uuid4's "
                                              "hex): a call again with the same id and body "
                                              "answers what the first one did and applies "
-                                             "nothing twice; the same id with another body "
-                                             "is refused (409)")]
+                                             "nothing twice while the request is in flight; "
+                                             "the same id with another body is refused "
+                                             "(409)")]
 
 
 class RouteQuery(_Sized):
@@ -219,9 +222,9 @@ class RouteCancel(_SessionCall):
 
 #: What a cancel found: ``cancelled``, the route's request is undone (by this call or an
 #: earlier cancel of the same id); ``unknown``, the scheduler remembers no route by that id
-#: (never applied, or forgotten past ``route_memory_per_tenant``): nothing to undo;
-#: ``finished``, the route's request already ended (finished, followed by the session's
-#: next request, or the session closed): nothing undone.
+#: (never applied, its request already finished or its session closed, or forgotten past
+#: ``route_memory_per_tenant``): nothing to undo; ``finished``, the route's request is no
+#: longer the session's request in flight though its id is remembered: nothing undone.
 CancelOutcome = Literal["cancelled", "unknown", "finished"]
 
 

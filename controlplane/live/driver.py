@@ -136,6 +136,7 @@ class LiveDriver:
         restart."""
         key = SessionKey.parse(event.session_id)
         if event.kind is EventKind.SESSION_CLOSED:
+            self.routes.finish(key.tenant, event.session_id)
             self.registry.close(key)
             # Its armed orders go now: left to fire, they would wait in the heap until due.
             kept = [t for t in self.timers if t[2].session_id != event.session_id]
@@ -151,6 +152,7 @@ class LiveDriver:
             info.await_prefetch_node = None
             return self.core.request_started(event)
         if event.kind is EventKind.REQUEST_FINISHED:
+            self.routes.finish(key.tenant, event.session_id)
             info.in_flight, info.context_tokens = False, event.context_after
             return self.core.request_finished(event, event.context_after)
         return self.core.hint(event)
@@ -286,13 +288,13 @@ class LiveDriver:
         local_ready = self.core.local_tokens(node, key.wire) > 0
         return api.RouteAnswer(node=node, node_name=self.node_name(node),
                                estimated_ttft_s=round(decision.estimated_ttft_s, 6),
-                               local_ready=local_ready)
+                               local_ready=local_ready, request_id=call.request_id)
 
     def route_once(self, call: api.RouteQuery, box: Outbox) -> api.RouteAnswer:
         """:meth:`route`, once per request id: a query without one is routed; one whose id
         is remembered, with the same session and body, answers the remembered answer and
-        applies nothing; a new id is routed, then remembered and journalled
-        (:mod:`~kvprefetch.controlplane.live.routes`). RequestIdConflictError (nothing
+        applies nothing; a new id is routed, then remembered (until its request ends) and
+        journalled (:mod:`~kvprefetch.controlplane.live.routes`). RequestIdConflictError (nothing
         applied) for an id of another session or body, or of a cancelled route."""
         request_id = call.request_id
         if request_id is None:
@@ -303,8 +305,7 @@ class LiveDriver:
         if memo is None:
             answer = self.route(call, box)
             info = self.registry.known(key)
-            memo = RouteMemo(key.wire, digest, info.turns - 1, info.arrival_s,
-                             answer.model_copy(update={"request_id": request_id}))
+            memo = RouteMemo(key.wire, digest, info.turns - 1, info.arrival_s, answer)
             self.routes.put(call.tenant, request_id, memo)
         else:
             memo.check(request_id, key.wire, digest)
@@ -323,9 +324,10 @@ class LiveDriver:
         prefetches stop); a later one finishes as ``aborted`` with no output, the session's
         context unchanged (a ``request_finished`` event); either way the request leaves
         its node's queue. Idempotent: a second cancel answers ``cancelled`` and changes
-        nothing; an id not remembered answers ``unknown``; a request that already ended
-        answers ``finished`` (nothing undone). RequestIdConflictError for an id of
-        another session."""
+        nothing; an id not remembered answers ``unknown`` (a request that finished, or whose
+        session closed, is forgotten: nothing undone); a remembered one whose request is no
+        longer in flight answers ``finished``. RequestIdConflictError for an id of another
+        session."""
         request_id = call.request_id
         key = SessionKey(call.tenant, call.session_id)
         memo = self.routes.get(call.tenant, request_id)
@@ -337,8 +339,9 @@ class LiveDriver:
             if (info is None or not info.in_flight or info.turns - 1 != memo.turn
                     or info.arrival_s != memo.arrival_s):
                 return api.RouteCancelled(request_id=request_id, outcome="finished")
-            self._abandon(call, info, memo, box)
+            self._abandon(call, info, memo, box)  # its end forgets the memo: put it back
             memo.cancelled, memo.journalled = True, False
+            self.routes.put(call.tenant, request_id, memo)
         self._journal_route(call.tenant, request_id, memo)
         return api.RouteCancelled(request_id=request_id, outcome="cancelled")
 

@@ -142,9 +142,9 @@ def test_compaction_at_start_drops_closed_sessions_and_keeps_live_ones(
         assert again.summary()["journal_compactions"] == 1
         assert again.epoch > epoch
     records_after = len(path.read_bytes().splitlines())
-    # header + the last start + the 9 events and 5 route records of the live sessions +
-    # this start and its clean stop
-    assert records_after == 18 and records_after * 10 < records_before
+    # header + the last start + the 9 events of the live sessions and the route record of
+    # the one route still in flight + this start and its clean stop
+    assert records_after == 14 and records_after * 10 < records_before
     with SchedulerService(plain) as third:  # the compacted journal resumes the same
         assert _books(third) == before
         assert not third.has_session("t", "old0") and third.stats.journal_quarantined == 0

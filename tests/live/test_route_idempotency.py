@@ -177,8 +177,8 @@ def test_the_client_reuses_its_id_and_a_later_turn_cancelled_ends_as_aborted(
         assert c.route("s1", input_tokens=1_000).request_id != first.request_id
         c.request_finished("s1", node=first.node or 0, input_tokens=1_000, output_tokens=50,
                            context_tokens=1_050)
-        # The first route's request ended: nothing to undo.
-        assert c.cancel_route("s1", first.request_id).outcome == "finished"
+        # The first route's request ended: its id is forgotten, nothing to undo.
+        assert c.cancel_route("s1", first.request_id).outcome == "unknown"
         turn = c.route("s1", input_tokens=1_200, request_id="turn-2")
         assert c.session_state("s1").in_flight
         assert c.cancel_route("s1", "turn-2").outcome == "cancelled"
@@ -195,9 +195,8 @@ def test_route_memory_is_bounded_and_compaction_keeps_what_it_remembers(
     cfg = _config(tmp_path, route_memory_per_tenant=2)
     with SchedulerService(cfg) as svc:
         c = connect(service=svc, tenant="acme")
-        for i in range(3):
+        for i in range(3):  # in flight: each can still be retried
             c.route(f"s{i}", input_tokens=100, request_id=f"r{i}")
-            c.request_finished(f"s{i}", node=0, input_tokens=100)
         c.session_closed("s0")
         assert svc.summary()["routes_remembered"] == 2
         assert svc.summary()["routes_forgotten"] == 1
@@ -231,3 +230,36 @@ def test_a_route_record_that_cannot_be_written_is_answered_on_retry(tmp_path: Pa
         assert retry.node is not None and svc.stats.events == 1
         assert len(_records(tmp_path, kvprefetch_route="r1")) == 1
 
+
+
+def test_a_route_is_forgotten_when_its_request_ends_and_replay_agrees(tmp_path: Path) -> None:
+    cfg = _config(tmp_path)
+    with SchedulerService(cfg) as svc:
+        c = connect(service=svc, tenant="acme")
+        done = c.route("s1", input_tokens=100, request_id="done")
+        c.request_finished("s1", node=done.node or 0, input_tokens=100, output_tokens=10,
+                           context_tokens=110)
+        c.route("s2", input_tokens=100, request_id="closed")
+        c.session_closed("s2")
+        c.route("s3", input_tokens=100, request_id="gone")
+        assert c.cancel_route("s3", "gone").outcome == "cancelled"  # closes s3, remembered
+        live = c.route("s4", input_tokens=100, request_id="live")
+        assert svc.summary()["routes_remembered"] == 2
+        # The caller had the finished route's answer: the id routes the next turn afresh.
+        assert c.route("s1", input_tokens=200, request_id="done").node is not None
+        assert c.session_state("s1").turns == 2
+    with SchedulerService(cfg) as again:
+        c = connect(service=again, tenant="acme")
+        # Replay remembers what the live scheduler did: the in-flight routes (s1's second
+        # turn and s4's) and the cancel, not the ones whose requests ended.
+        assert sorted(again.driver.routes) == [("acme", "done"), ("acme", "gone"),
+                                               ("acme", "live")]
+        assert c.route("s4", input_tokens=100, request_id="live") == live
+        with pytest.raises(RequestIdConflictError, match="cancelled"):
+            c.route("s3", input_tokens=100, request_id="gone")
+        assert c.cancel_route("s2", "closed").outcome == "unknown"
+        assert again.stats.events == 0
+        assert again.compact_journal()
+    with SchedulerService(cfg) as third:
+        assert sorted(third.driver.routes) == [("acme", "done"), ("acme", "gone"),
+                                               ("acme", "live")]

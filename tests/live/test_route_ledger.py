@@ -43,11 +43,19 @@ def test_the_digest_is_the_body_without_tenant_or_id() -> None:
     base = api.RouteQuery(tenant="t", session_id="s", input_tokens=10, request_id="a")
     same = api.RouteQuery(tenant="u", session_id="s", input_tokens=10, request_id="b")
     assert route_digest(base) == route_digest(same) and len(route_digest(base)) == 32
-    for other in (api.RouteQuery(session_id="s", input_tokens=11),
-                  api.RouteQuery(session_id="s2", input_tokens=10),
-                  api.RouteQuery(session_id="s", input_tokens=10, reused_tokens=5),
-                  api.RouteQuery(session_id="s", input_tokens=10, chunk_hashes=["h"])):
-        assert route_digest(other) != route_digest(base)
+    others = [api.RouteQuery(session_id="s", input_tokens=11),
+              api.RouteQuery(session_id="s2", input_tokens=10),
+              api.RouteQuery(session_id="s", input_tokens=10, reused_tokens=5),
+              api.RouteQuery(session_id="s", input_tokens=10, reused_tokens=0),
+              api.RouteQuery(session_id="s", input_tokens=10, parent_id="p"),
+              api.RouteQuery(session_id="s", input_tokens=1, chunk_hashes=["h"]),
+              api.RouteQuery(session_id="s", input_tokens=1, chunk_hashes=["h", "i"]),
+              api.RouteQuery(session_id="s", input_tokens=1, chunk_hashes=["hi"]),
+              api.RouteQuery(session_id="s", token_ids=[1]),
+              api.RouteQuery(session_id="s", token_ids=[2]),
+              api.RouteQuery(session_id="s", token_ids=[1 << 70])]
+    digests = {route_digest(q) for q in [base, *others]}
+    assert len(digests) == len(others) + 1  # every body its own digest
 
 
 def test_a_record_replays_as_the_memo_it_stands_for() -> None:
@@ -63,9 +71,41 @@ def test_a_record_replays_as_the_memo_it_stands_for() -> None:
     assert ledger.get("t", "r").cancelled  # type: ignore[union-attr]
 
 
+def test_an_ended_request_forgets_its_routes_but_cancelled_ones() -> None:
+    ledger = RouteLedger(per_tenant=8)
+    ledger.put("t", "a", _memo("t/s"))
+    ledger.put("t", "b", _memo("t/s"))  # a second id for the same request in flight
+    ledger.put("t", "c", _memo("t/other"))
+    gone = _memo("t/s")
+    gone.cancelled = True
+    ledger.put("t", "x", gone)
+    ledger.finish("t", "t/s")
+    assert sorted(ledger) == [("t", "c"), ("t", "x")]
+    ledger.finish("t", "t/s")  # nothing left of it: a no-op
+    ledger.finish("u", "u/s")
+    ledger.finish("t", "t/other")
+    assert sorted(ledger) == [("t", "x")]
+
+
+def test_an_id_reused_by_another_session_is_not_forgotten_by_the_first() -> None:
+    ledger = RouteLedger(per_tenant=1)
+    ledger.put("t", "a", _memo("t/s"))
+    ledger.put("t", "b", _memo("t/s2"))  # forgets a past the bound; t/s still lists it
+    ledger.put("t", "a", _memo("t/s3"))  # a again, for another session: forgets b
+    ledger.finish("t", "t/s")
+    assert sorted(ledger) == [("t", "a")] and ledger.forgotten == 2
+
+
 @pytest.mark.parametrize("rid", ["", "x" * 65, "a b", "a/b"])
 def test_request_ids_are_validated(rid: str) -> None:
     with pytest.raises(InvalidRequestError, match="request_id"):
         api.parse(api.RouteQuery, {"session_id": "s", "input_tokens": 1, "request_id": rid})
     with pytest.raises(InvalidRequestError, match="request_id"):
         api.parse(api.RouteCancel, {"session_id": "s", "request_id": rid})
+
+
+def test_a_sessions_list_of_ids_stays_within_what_is_remembered() -> None:
+    ledger = RouteLedger(per_tenant=4)
+    for i in range(100):  # fresh ids for one request that never ends
+        ledger.put("t", f"r{i}", _memo("t/s"))
+    assert len(ledger) == 4 and len(ledger._by_session["t/s"]) <= 17
