@@ -119,14 +119,14 @@ class RequestStarted(_Sized):
     """A request of the session arrived at the gateway (before routing)."""
 
 
-#: A route's request id: chosen by the caller (the Python client: a uuid4's hex), unique
+#: A route's request id: chosen by the caller (the Python client: 32 hex digits), unique
 #: within its tenant for as long as the scheduler remembers it: while the request it routed
 #: is in flight (its ``request_finished`` or the session's close forgets it), and after a
 #: cancel.
 RequestId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._:@+=-]+$",
                                  description="the caller's id of this route, unique within "
-                                             "its tenant (the Python client sends a uuid4's "
-                                             "hex): a call again with the same id and body "
+                                             "its tenant (the Python client sends 32 hex "
+                                             "digits): a call again with the same id and body "
                                              "answers what the first one did and applies "
                                              "nothing twice while the request is in flight; "
                                              "the same id with another body is refused "

@@ -6,10 +6,10 @@ the process, carries a tenant, and waits at most ``timeout_s``: a ``route`` that
 answers :meth:`RouteAnswer.no_prefetch` (run the request anywhere, without prefetch) and an
 event that times out answers ``Ack(accepted=False, timed_out=True)``; neither raises, so
 the inference path is never held up for long. Every route carries a request id (one the
-caller gives, else a fresh uuid4's hex), which its answer repeats, a timed-out one too: with
-it the caller sends the route again (``route(..., request_id=...)``: the scheduler answers
-the first answer and applies nothing twice, also across its restarts) or cancels it
-(:meth:`Client.cancel_route`). The service's refusals come back as typed
+caller gives, else a fresh one, :class:`RequestIds`), which its answer repeats, a timed-out
+one too: with it the caller sends the route again (``route(..., request_id=...)``: the
+scheduler answers the first answer and applies nothing twice, also across its restarts) or
+cancels it (:meth:`Client.cancel_route`). The service's refusals come back as typed
 errors (:class:`~kvprefetch.controlplane.base.errors.UnknownSessionError`,
 :class:`~kvprefetch.controlplane.base.errors.WrongTenantError`,
 :class:`~kvprefetch.controlplane.base.errors.MalformedHintError`, ...).
@@ -29,10 +29,11 @@ too), a :class:`RayTransport` for a Ray address (``"auto"``, ``"ray://host:10001
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import logging
+import os
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -491,6 +492,31 @@ def _http_error(path: str, status: int, text: str) -> ServiceError:
     return cls(f"HTTP {status}: {detail}")
 
 
+#: Forks of this process so far, as seen by a child (:class:`RequestIds` redraws after one).
+_forks = [0]
+os.register_at_fork(after_in_child=lambda: _forks.__setitem__(0, _forks[0] + 1))
+
+
+class RequestIds:
+    """A client's route request ids: 32 hex digits, 16 drawn at random (from the OS, once
+    per client and again in a forked child) and a counter of 16: unique per client by
+    construction, and across clients as the random half is, without a system call per
+    route. Thread-safe (``next`` on a count is atomic)."""
+
+    def __init__(self) -> None:
+        self._draw()
+
+    def _draw(self) -> None:
+        self._forks = _forks[0]
+        self._prefix = os.urandom(8).hex()
+        self._seq = itertools.count()
+
+    def __call__(self) -> str:
+        if self._forks != _forks[0]:  # a forked child would repeat its parent's ids
+            self._draw()
+        return f"{self._prefix}{next(self._seq):016x}"
+
+
 class Client:
     """See the module docstring. Thread-safe when its API is (all three are)."""
 
@@ -504,6 +530,7 @@ class Client:
         self.tenant = tenant
         self.timeout_s = timeout_s
         self.timeouts = 0
+        self._request_ids = RequestIds()
 
     @property
     def scheduler(self) -> GatewayAPI:
@@ -549,7 +576,7 @@ class Client:
               request_id: str | None = None, timeout_s: float | None = None
               ) -> api.RouteAnswer:
         """The node to run this request on (and ``request_started`` if not yet sent).
-        ``request_id``: the id of this route (default: a new uuid4's hex); the answer
+        ``request_id``: the id of this route (default: a new one, :class:`RequestIds`); the answer
         repeats it, also when it is ``no_prefetch`` (timed out, or the scheduler
         unreachable): send the route again with it, or cancel it
         (:meth:`cancel_route`)."""
@@ -558,7 +585,7 @@ class Client:
             token_ids=list(token_ids) if token_ids is not None else None,
             chunk_hashes=list(chunk_hashes) if chunk_hashes is not None else None,
             reused_tokens=reused_tokens, parent_id=parent_id,
-            request_id=request_id or uuid.uuid4().hex))
+            request_id=request_id or self._request_ids()))
         try:
             return self._bounded(timeout_s).route(payload)
         except (TimeoutError, ServiceUnavailableError) as exc:
@@ -591,7 +618,7 @@ class Client:
             fields = dict(item)
             session_id = fields.pop("session_id")
             tenant = fields.pop("tenant", None)
-            fields["request_id"] = fields.get("request_id") or uuid.uuid4().hex
+            fields["request_id"] = fields.get("request_id") or self._request_ids()
             payloads.append(api.parse(api.RouteQuery, self._fields(session_id, tenant,
                                                                    **fields)))
         try:

@@ -173,7 +173,8 @@ def test_the_client_reuses_its_id_and_a_later_turn_cancelled_ends_as_aborted(
     with SchedulerService(_config(tmp_path)) as svc:
         c = connect(service=svc, tenant="acme")
         first = c.route("s1", input_tokens=1_000)
-        assert first.request_id and len(first.request_id) == 32  # a uuid4's hex
+        assert first.request_id and len(first.request_id) == 32  # hex digits
+        int(first.request_id, 16)
         assert c.route("s1", input_tokens=1_000).request_id != first.request_id
         c.request_finished("s1", node=first.node or 0, input_tokens=1_000, output_tokens=50,
                            context_tokens=1_050)

@@ -3,10 +3,13 @@ route's body, the conflicts a memo refuses, and replay from journal records."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from kvprefetch.controlplane.base import api
 from kvprefetch.controlplane.base.errors import InvalidRequestError, RequestIdConflictError
+from kvprefetch.controlplane.live.client import RequestIds
 from kvprefetch.controlplane.live.routes import RouteLedger, RouteMemo, route_digest
 
 
@@ -102,6 +105,23 @@ def test_request_ids_are_validated(rid: str) -> None:
         api.parse(api.RouteQuery, {"session_id": "s", "input_tokens": 1, "request_id": rid})
     with pytest.raises(InvalidRequestError, match="request_id"):
         api.parse(api.RouteCancel, {"session_id": "s", "request_id": rid})
+
+
+def test_a_clients_request_ids_are_distinct_also_in_a_forked_child() -> None:
+    ids = RequestIds()
+    mine = [ids() for _ in range(3)]
+    assert len(set(mine)) == 3 and all(len(r) == 32 and int(r, 16) >= 0 for r in mine)
+    assert RequestIds()() not in mine  # another client: another random half
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: the ids its parent makes next must not be its own
+        os.write(write, ids().encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    child = os.read(read, 64).decode()
+    os.close(read)
+    assert len(child) == 32 and child != ids() and child[:16] != mine[0][:16]
 
 
 def test_a_sessions_list_of_ids_stays_within_what_is_remembered() -> None:
