@@ -101,18 +101,24 @@ def test_agent_warms_l1_and_the_engine_hits_without_an_l2_load(
         warm: LMCacheWarmClient) -> None:
     session, ctx = f"s-{uuid.uuid4().hex[:6]}", 5 * CHUNK + 10
     assert engine.write(TENANT, session, ctx) == 5 * engine.config.layout().chunk_bytes(CHUNK)
-    deadline = time.monotonic() + 10
-    while warm.l2_write_backlog() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    # LMCache wrote the chunks through to our adapter: its own listing shows them, under
+    # LMCache writes the chunks through to our adapter: its own listing shows them, under
     # exactly the keys kvprefetch.agents.lmcache.keys computes from the session's token ids.
+    # The write-through is asynchronous (its backlog can read 0 before the store is queued),
+    # so the listing is polled until it holds every chunk or the deadline passes.
     model = engine.config.model_name
-    listed = server.get_json(f"/cache/objects?model_name={model}&page_size=5000")
-    assert listed["adapter"] == "plugin"
-    hashes = {e["key"]["chunk_hash_hex"] for e in listed["entries"]}
     tokens = synthetic_tokens(TENANT, session, ctx)
     expected = chunk_hashes(LMCacheKeySettings(model_name=model, chunk_size=CHUNK), tokens)
-    assert len(expected) == 5 and set(expected) <= hashes
+    assert len(expected) == 5
+    deadline = time.monotonic() + 30
+    while True:
+        listed = server.get_json(f"/cache/objects?model_name={model}&page_size=5000")
+        hashes = {e["key"]["chunk_hash_hex"] for e in listed["entries"]}
+        if set(expected) <= hashes and not warm.l2_write_backlog():
+            break
+        assert time.monotonic() < deadline, (sorted(set(expected) - hashes),
+                                             warm.l2_write_backlog())
+        time.sleep(0.05)
+    assert listed["adapter"] == "plugin"
     warm.clear_l1()
     assert warm.l1_usage().used_bytes == 0
 
