@@ -46,7 +46,8 @@ bearer token, 403 a tenant not allowed or not the token's, 404 unknown session, 
 slow, 409 a route's ``request_id`` already names another route (another session or body,
 or a cancelled one), 413 body too large, 422 a body that fails validation (``errors`` then
 lists the first fields as ``loc``/``msg``/``type``), 429 the tenant holds its quota of live
-sessions or the caller its large bodies in progress, 503 scheduler unavailable or too many
+sessions, or the caller its large bodies in progress or its budget of refused large bodies
+(``Retry-After`` says when to send again), 503 scheduler unavailable or too many
 connections. A call the scheduler does not answer within ``call_timeout_s`` answers 200
 like the Python client does: a route with ``node: null, timed_out: true`` (run the request
 without prefetch; with its ``request_id``, send it again or cancel it), an event with
@@ -189,8 +190,10 @@ _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     429: {"model": ErrorBody, "description": "the tenant holds its quota of live sessions "
                                              "(`max_live_sessions`), or the caller "
                                              "`max_large_bodies_per_caller` large bodies "
-                                             "in progress; other tenants are not "
-                                             "affected"},
+                                             "in progress, or its refused large bodies "
+                                             "spent `refused_body_burst_bytes` (answered "
+                                             "unread, with `Retry-After`); other tenants "
+                                             "are not affected"},
     503: {"model": ErrorBody, "description": "the scheduler is unavailable, or the server "
                                              "holds `max_connections`"},
 }
