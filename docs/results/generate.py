@@ -219,12 +219,12 @@ def _headline(name: str) -> str:
         return (f"{total['cells']} cells: predictive / ondemand returning mean TTFT geomean "
                 f"{_num(total['ratio_mean_geomean'], 2)}; {total['worse_than_ondemand']} cells "
                 f"worse than ondemand; median gap closure {_num(total['gap_closure_median'], 2)}")
-    if name == "peers-grid":
+    if name in ("peers-grid", "peers-grid-full"):
         total = report["summary"]["all"]
         leaders = ", ".join(f"{p} {n}" for p, n in total.get("leaders", {}).items()) or "none"
         return (f"{total['cells']} cells: predictive / best baseline (ondemand, queue, peers) "
                 f"returning mean geomean {_num(total['ratio_mean_best_geomean'], 2)}, p90 "
-                f"{_num(total['ratio_p90_best_geomean'], 2)}; cells a peer leads on the "
+                f"{_num(total['ratio_p90_best_geomean'], 2)}; cells a baseline leads on the "
                 f"mean: {leaders}")
     if name == "bench-control-plane":
         modes = report["modes"]
@@ -243,6 +243,7 @@ PAGES = {
     "sim-bundled-n2": "prefetch-quality.md",
     "sim-grid-unseen": "prefetch-quality.md",
     "peers-grid": "peers.md",
+    "peers-grid-full": "peers.md",
     "bench-control-plane": "control-plane.md",
     "bench-store": "data-plane.md",
 }
@@ -267,7 +268,10 @@ WHAT = {
     "sim-bundled-n1": "`kvprefetch sim`, bundled Claude Code slice, 1 node",
     "sim-bundled-n2": "`kvprefetch sim`, bundled Claude Code slice, 2 nodes",
     "sim-grid-unseen": "`kvprefetch sim-grid`, synthetic traffic no predictor here has seen",
-    "peers-grid": "`kvprefetch sim-grid` against the published retention policies",
+    "peers-grid": "`kvprefetch sim-grid` against the published retention policies, "
+                  "bundled slice",
+    "peers-grid-full": "`kvprefetch sim-grid` against the published retention policies: "
+                       "shared Claude Code set and four synthetic profiles, 2-8 nodes",
     "bench-control-plane": "`kvprefetch bench control-plane`: scheduler events per second",
     "bench-store": "`kvprefetch bench store`: one session's KV into the local tier",
 }
