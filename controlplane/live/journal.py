@@ -340,17 +340,30 @@ class LiveJournalScanner(JournalScanner):
                             ("turn", event.turn)):
             if value is not None and value > MAX_TOKENS:
                 raise _Damaged(f"{name} {value} is above {MAX_TOKENS:,}", field=name)
-        if event.node is not None and self.nodes is not None and event.node >= self.nodes:
-            raise _Damaged(f"node {event.node} is outside the fleet ({self.nodes} nodes)",
+        self._check_node(event.node)
+        self._check_session(event.session_id, f"session {event.session_id!r}")
+        if event.eta_s is not None and event.eta_s > MAX_ETA_S:
+            raise _Damaged(f"eta_s {event.eta_s} is above a day", field="eta_s")
+
+    def _check_node(self, node: int | None) -> None:
+        """A node outside the fleet makes a record damaged."""
+        if node is not None and self.nodes is not None and node >= self.nodes:
+            raise _Damaged(f"node {node} is outside the fleet ({self.nodes} nodes)",
                            field="node")
-        key = SessionKey.parse(event.session_id)
+
+    @staticmethod
+    def _check_session(session_id: str, what: str, tenant: str | None = None) -> SessionKey:
+        """The ``tenant/session`` key of a record (and its ``tenant`` field, if it has one),
+        which must be names the API takes; ``what`` names the record in the error."""
+        key = SessionKey.parse(session_id)
         try:
+            if tenant is not None:
+                check_tenant_name(tenant)
             check_tenant_name(key.tenant)
             check_session_id(key.session_id)
         except InvalidRequestError as exc:
-            raise _Damaged(f"session {event.session_id!r}: {exc}", field="session") from None
-        if event.eta_s is not None and event.eta_s > MAX_ETA_S:
-            raise _Damaged(f"eta_s {event.eta_s} is above a day", field="eta_s")
+            raise _Damaged(f"{what}: {exc}", field="session") from None
+        return key
 
     def _check_route(self, route: RouteRecord) -> None:
         """A route record with values no live route produces is damaged."""
@@ -363,16 +376,9 @@ class LiveJournalScanner(JournalScanner):
             raise _Damaged(f"turn {route.turn} is above {MAX_TOKENS:,}", field="turn")
         if not 0.0 <= route.arrival_s <= route.time_s:
             raise _Damaged(f"arrival {route.arrival_s!r} is not in 0..t", field="arrival")
-        if self.nodes is not None and route.node >= self.nodes:
-            raise _Damaged(f"node {route.node} is outside the fleet ({self.nodes} nodes)",
-                           field="node")
-        key = SessionKey.parse(route.session_id)
-        try:
-            check_tenant_name(route.tenant)
-            check_tenant_name(key.tenant)
-            check_session_id(key.session_id)
-        except InvalidRequestError as exc:
-            raise _Damaged(f"route {route.request_id!r}: {exc}", field="session") from None
+        self._check_node(route.node)
+        key = self._check_session(route.session_id, f"route {route.request_id!r}",
+                                  tenant=route.tenant)
         if key.tenant != route.tenant:
             raise _Damaged(f"route {route.request_id!r}: session {route.session_id!r} is "
                            f"not tenant {route.tenant!r}'s", field="tenant")
