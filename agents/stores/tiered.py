@@ -34,7 +34,9 @@ recorded the key since). A read that misses Valkey (the value evicted or expired
 the record before it reads S3 and misses when it stands. Invariant: while Valkey keeps its
 records and answers, no process reads an S3 copy older than an acknowledged write-back
 put, whether or not Valkey still holds the value. A record outlives a failed upload (reads
-miss until a later put of the key lands). Outside the invariant: a Valkey restart that
+miss until a later put of the key lands). A put that goes straight to S3 (Valkey down)
+while an upload of the key is queued or running hands its payload to that upload, which
+could otherwise land after it with the older value. Outside the invariant: a Valkey restart that
 loses its data loses the records (the writer's own reads stay safe through its
 :class:`StaleCopies`; other processes may read S3's older copy until the upload lands), and
 while Valkey is unreachable other processes read S3 unchecked. Concurrent puts of one key
@@ -44,6 +46,7 @@ settle on either version.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -77,6 +80,8 @@ from kvprefetch.agents.stores.freshness import StaleCopies
 
 log = logging.getLogger(__name__)
 _TIERS: tuple[Literal["hot", "cold"], ...] = ("hot", "cold")
+#: Random bytes of a pending upload record's token (one per key per write-back put).
+_RECORD_TOKEN_BYTES = 16
 
 
 class TieredStoreConfig(BaseModel):
@@ -139,14 +144,15 @@ class PendingUploadStore(Protocol):
     bring up to date, where every process sharing the tier sees it.
 
     Called by :class:`TieredStore`: ``mark_pending_uploads`` once per write-back put,
-    before the values are written; ``clear_pending_uploads`` from a background thread once
-    per upload that landed (idempotent; it removes only the records holding the tokens
-    given); ``drop_pending_uploads`` after a delete reached both tiers; ``pending_uploads``
-    once per read whose keys missed the hot tier, before the cold tier is read. Each raises
+    before the values are written, with a fresh token per key; ``clear_pending_uploads``
+    once per upload that landed, or per record that a failed put may have left
+    (idempotent; it removes only the records holding the tokens given);
+    ``drop_pending_uploads`` after a delete reached both tiers; ``pending_uploads`` once per
+    read whose keys missed the hot tier, before the cold tier is read. Each raises
     :class:`StoreError` when the tier fails.
     """
 
-    def mark_pending_uploads(self, keys: Sequence[str]) -> list[bytes]: ...
+    def mark_pending_uploads(self, items: Sequence[tuple[str, bytes]]) -> None: ...
 
     def clear_pending_uploads(self, items: Sequence[tuple[str, bytes]]) -> None: ...
 
@@ -216,10 +222,12 @@ class TieredStore(StoreLifecycle):
         self._repairs = {"hot": 0, "cold": 0}
         self._stale = StaleCopies(self.config.max_stale_keys)
         #: Write-back: the newest payload per key not yet in S3 (with the generation of its
-        #: stale mark and the token of its pending upload record), and the keys whose upload
-        #: task runs (one per key, in order).
-        self._uploads: dict[str, tuple[int, Buffer, bytes | None]] = {}
+        #: stale mark and the tokens of the pending upload records it clears once it
+        #: landed), and the keys whose upload task runs (one per key, in order).
+        self._uploads: dict[str, tuple[int, Buffer, tuple[bytes, ...]]] = {}
         self._uploading: set[str] = set()
+        #: Pending upload records to clear once Valkey answers again, by key and token.
+        self._uncleared: dict[str, set[bytes]] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -316,8 +324,16 @@ class TieredStore(StoreLifecycle):
 
     def _settle_hot(self) -> None:
         """Delete the Valkey copies that writes made while Valkey was unreachable left
-        stale; each is trusted again once its delete is acknowledged."""
-        if not self._stale.any("hot") or not self._up(self.hot):
+        stale; each is trusted again once its delete is acknowledged. Clear the pending
+        upload records that could not be cleared then."""
+        if not (self._stale.any("hot") or self._uncleared) or not self._up(self.hot):
+            return
+        if self._uncleared:
+            with self._lock:
+                records, self._uncleared = self._uncleared, {}
+            for key, tokens in records.items():
+                self._clear_pending(key, tuple(tokens))
+        if not self._stale.any("hot"):
             return
         upto = self._stale.generation()
         keys = self._stale.keys("hot")
@@ -491,15 +507,18 @@ class TieredStore(StoreLifecycle):
             return [OpResult(k, False, full) for k, _ in items]
         tokens: dict[str, bytes] = {}
         if write_back and isinstance(self.hot, PendingUploadStore):
+            tokens = {k: os.urandom(_RECORD_TOKEN_BYTES) for k, _ in items}
             try:  # before the values: no moment when Valkey lacks both value and record
-                keys = [k for k, _ in items]
-                tokens = dict(zip(keys, self.hot.mark_pending_uploads(keys), strict=True))
+                self.hot.mark_pending_uploads(list(tokens.items()))
             except StoreError as exc:  # S3 first then, as in write-through
                 self._observe(self.hot, [exc])
-                write_back = False
+                write_back = False  # the records may have landed: cleared once S3 has it
+                hot_up = self._up(self.hot)
         cold_res: dict[str, OpResult] = {}
         hot_res: dict[str, OpResult] = {}
+        handed: set[str] = set()
         if cold_up and not write_back:
+            handed = self._hand_off(items)
             answers = self.cold.put(items, cancel=cancel)
             self._observe(self.cold, [a.error for a in answers])
             cold_res = {a.key: a for a in answers}
@@ -515,12 +534,12 @@ class TieredStore(StoreLifecycle):
         self._stale.clear("hot", hot_ok, before)
         if write_back:
             self._upload_later([(k, p) for k, p in items if k in hot_ok], tokens)
-            for key, token in tokens.items():
-                if key not in hot_ok:  # not written: S3's copy is still the newest
-                    self._clear_pending(key, token)
+            # Not written: S3's copy is still as new as this put left it.
+            self._release_records({k: t for k, t in tokens.items() if k not in hot_ok})
         else:
             self._stale.mark("cold", [k for k, _ in items if k in hot_ok and k not in cold_ok])
-            self._stale.clear("cold", cold_ok, before)
+            self._stale.clear("cold", cold_ok - handed, before)
+            self._release_records({k: t for k, t in tokens.items() if k in cold_ok})
         self._settle_hot()
         out = []
         for key, _ in items:
@@ -547,12 +566,33 @@ class TieredStore(StoreLifecycle):
         start = []
         with self._lock:
             for key, payload in items:
-                self._uploads[key] = (gen, payload, tokens.get(key))
+                self._uploads[key] = (gen, payload, (tokens[key],) if key in tokens else ())
                 if key not in self._uploading:
                     self._uploading.add(key)
                     start.append(key)
         for key in start:
             self._background(partial(self._upload, key), droppable=False)
+
+    def _hand_off(self, items: Sequence[tuple[str, Buffer]]) -> set[str]:
+        """A put that goes straight to S3 (Valkey down) while a write-back upload of some
+        of its keys is queued or running: that upload could land after it, with the older
+        value. Those keys' upload tasks take the new payload, so whatever order the two
+        land in, S3 ends on it; S3's copy stays marked stale until the task is done.
+        Returns the keys handed off."""
+        with self._lock:
+            keys = [k for k, _ in items if k in self._uploading]
+        if not keys:
+            return set()
+        self._stale.mark("cold", keys)  # before the entries: the task clears up to theirs
+        gen = self._stale.generation()
+        handed = set()
+        with self._lock:
+            for key, payload in items:
+                if key in self._uploading:  # else its task is done: it landed before
+                    prior = self._uploads.get(key)
+                    self._uploads[key] = (gen, payload, prior[2] if prior else ())
+                    handed.add(key)
+        return handed
 
     def _upload(self, key: str) -> None:
         while True:
@@ -561,7 +601,7 @@ class TieredStore(StoreLifecycle):
                 if entry is None:  # deleted meanwhile
                     self._uploading.discard(key)
                     return
-            gen, payload, token = entry
+            gen, payload, tokens = entry
             res = self.cold.put([(key, payload)]) if self._up(self.cold) else [
                 OpResult(key, False, StoreUnavailableError("cold tier down"))]
             self._observe(self.cold, [r.error for r in res])
@@ -575,20 +615,40 @@ class TieredStore(StoreLifecycle):
                 self.cold.delete([key])
             elif res[0].ok:
                 self._stale.clear("cold", [key], gen)
-                self._clear_pending(key, token)
+                self._clear_pending(key, tokens)
             else:  # S3 keeps an older version: reads that miss Valkey miss
                 log.warning("%s: write-back of %r failed; S3 holds an older version: %s",
                             self.name, key, res[0].error)
             return
 
-    def _clear_pending(self, key: str, token: bytes | None) -> None:
-        if token is None or not isinstance(self.hot, PendingUploadStore):
+    def _release_records(self, tokens: dict[str, bytes]) -> None:
+        """Pending upload records a put made (or may have made) that no upload of its own
+        will clear: a key whose upload task runs hands its token to that task (which
+        clears it once S3 has the newest value); the others are cleared now."""
+        clear = []
+        with self._lock:
+            for key, token in tokens.items():
+                entry = self._uploads.get(key)
+                if key in self._uploading and entry is not None:
+                    self._uploads[key] = (*entry[:2], (*entry[2], token))
+                else:
+                    clear.append((key, token))
+        for key, token in clear:
+            self._clear_pending(key, (token,))
+
+    def _clear_pending(self, key: str, tokens: tuple[bytes, ...]) -> None:
+        """Remove the key's pending upload records holding ``tokens``; when Valkey fails,
+        again once it answers (meanwhile other processes' reads of the key miss)."""
+        if not tokens or not isinstance(self.hot, PendingUploadStore):
             return
         try:
-            self.hot.clear_pending_uploads([(key, token)])
-        except StoreError as exc:  # the record stays: other processes' reads of it miss
+            self.hot.clear_pending_uploads([(key, t) for t in tokens])
+        except StoreError as exc:
             self._observe(self.hot, [exc])
-            log.warning("%s: pending upload record of %r not cleared: %s", self.name, key, exc)
+            with self._lock:
+                self._uncleared.setdefault(key, set()).update(tokens)
+            log.warning("%s: pending upload record of %r not cleared yet: %s", self.name,
+                        key, exc)
 
     def delete(self, keys: Sequence[str], *, cancel: CancelToken | None = None) -> list[OpResult]:
         """Delete from both tiers; a tier that could not delete is marked stale for the key

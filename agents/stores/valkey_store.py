@@ -49,7 +49,6 @@ fills, deletes).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -225,18 +224,17 @@ class ValkeyStore(StoreLifecycle):
 
     # -- pending uploads (see the module docstring) ------------------------------------------
 
-    def mark_pending_uploads(self, keys: Sequence[str]) -> list[bytes]:
-        """Record that the durable tier's copies of ``keys`` are about to fall behind (one
-        pipelined round trip): a fresh token per key, to pass to
-        :meth:`clear_pending_uploads` once the upload landed. Called by a write-back
-        put before it writes the values; raises :class:`StoreError` when Valkey fails."""
-        tokens = [os.urandom(LEASE_TOKEN_BYTES) for _ in keys]
+    def mark_pending_uploads(self, items: Sequence[tuple[str, bytes]]) -> None:
+        """Record that the durable tier's copies of the keys are about to fall behind (one
+        pipelined round trip), ``(key, token)`` each: the caller's fresh token, to pass to
+        :meth:`clear_pending_uploads` once the upload landed. Called by a write-back put
+        before it writes the values; raises :class:`StoreError` when Valkey fails (the
+        records may have landed all the same)."""
         with translate_valkey_errors("mark pending uploads"):
             pipe = self.client.pipeline(transaction=False)
-            for k, token in zip(keys, tokens, strict=True):
+            for k, token in items:
                 pipe.set(self._layout.pending_upload_key(k), token)
             pipe.execute()
-        return tokens
 
     def clear_pending_uploads(self, items: Sequence[tuple[str, bytes]]) -> None:
         """Remove the records of uploads that landed, ``(key, token)`` each, only where the

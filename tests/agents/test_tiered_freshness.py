@@ -251,6 +251,45 @@ def test_write_back_uploads_end_on_the_newest_version(
         store.close()
 
 
+def test_a_put_straight_to_s3_is_not_overwritten_by_an_older_write_back_upload(
+    private_valkey: EmbeddedValkey, s3_server: EmbeddedS3, key_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Write-back: v1 is put and its upload held; Valkey stalls, so put v2 goes straight
+    to S3; then v1's upload lands. S3 ends on v2 and no read returns v1."""
+    store = make(private_valkey, s3_server, key_prefix, write_mode="write-back")
+    store.start()
+    gate = threading.Event()
+    cold_put = store.cold.put
+
+    def held_upload(items: Sequence[tuple[str, Buffer]], **kw: Any) -> list[OpResult]:
+        if threading.current_thread() is not threading.main_thread():
+            assert gate.wait(30)
+        return cold_put(items, **kw)
+
+    monkeypatch.setattr(store.cold, "put", held_upload)
+    pid = _pid(private_valkey)
+    try:
+        v1, v2 = os.urandom(5 * KIB), os.urandom(40 * KIB)
+        assert store.put([("k", v1)])[0].ok  # in Valkey; its upload waits at the gate
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            assert store.put([("k", v2)])[0].ok  # S3 only
+            gate.set()
+            store.flush()
+            assert read(store, "k") == v2
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert bytes(store.cold.get(["k"])[0].data or b"") == v2
+        time.sleep(0.3)
+        assert {read(store, "k") for _ in range(10)} == {v2}
+        assert store.stale_copies() == {"hot": 0, "cold": 0}
+    finally:
+        gate.set()
+        store.delete(["k"])
+        store.close()
+
+
 def test_a_write_back_is_not_undone_by_an_eviction_for_a_reader_in_another_process(
     valkey_server: EmbeddedValkey, s3_server: EmbeddedS3, key_prefix: str,
     monkeypatch: pytest.MonkeyPatch,
