@@ -25,7 +25,8 @@ during a put or delete, S3 down, a write-back upload pending or failed) is recor
 deleted as soon as Valkey answers again; S3's is a miss until a later put reaches S3). That
 record is this process's; readers in another process sharing the servers rely on what
 reaches Valkey: the invalidation of a stale Valkey copy, and for write-back the pending
-upload record (:class:`PendingUploadStore`).
+upload record (:class:`~kvprefetch.agents.stores.tiered_uploads.PendingUploadStore`;
+the uploads themselves: :mod:`kvprefetch.agents.stores.tiered_uploads`).
 
 Write-back across processes: a write-back put records its keys as pending uploads in
 Valkey *before* it writes their values, and the record of a key is removed only after an
@@ -51,7 +52,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from functools import partial
 from typing import Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -77,6 +77,7 @@ from kvprefetch.agents.stores.errors import (
 )
 from kvprefetch.agents.stores.format import ObjectHeader
 from kvprefetch.agents.stores.freshness import StaleCopies
+from kvprefetch.agents.stores.tiered_uploads import PendingUploadStore, WriteBackUploads
 
 log = logging.getLogger(__name__)
 _TIERS: tuple[Literal["hot", "cold"], ...] = ("hot", "cold")
@@ -136,29 +137,6 @@ class FillableStore(Protocol):
 
     def fill(self, items: Sequence[tuple[str, Buffer, bytes]], *, ttl_s: float | None = None
              ) -> list[OpResult]: ...
-
-
-@runtime_checkable
-class PendingUploadStore(Protocol):
-    """A hot tier that records which keys' cold copies a write-back upload has yet to
-    bring up to date, where every process sharing the tier sees it.
-
-    Called by :class:`TieredStore`: ``mark_pending_uploads`` once per write-back put,
-    before the values are written, with a fresh token per key; ``clear_pending_uploads``
-    once per upload that landed, or per record that a failed put may have left
-    (idempotent; it removes only the records holding the tokens given);
-    ``drop_pending_uploads`` after a delete reached both tiers; ``pending_uploads`` once per
-    read whose keys missed the hot tier, before the cold tier is read. Each raises
-    :class:`StoreError` when the tier fails.
-    """
-
-    def mark_pending_uploads(self, items: Sequence[tuple[str, bytes]]) -> None: ...
-
-    def clear_pending_uploads(self, items: Sequence[tuple[str, bytes]]) -> None: ...
-
-    def drop_pending_uploads(self, keys: Sequence[str]) -> None: ...
-
-    def pending_uploads(self, keys: Sequence[str]) -> set[str]: ...
 
 
 class _TeeWriter:
@@ -221,13 +199,10 @@ class TieredStore(StoreLifecycle):
         self._stats = StatsCounter()
         self._repairs = {"hot": 0, "cold": 0}
         self._stale = StaleCopies(self.config.max_stale_keys)
-        #: Write-back: the newest payload per key not yet in S3 (with the generation of its
-        #: stale mark and the tokens of the pending upload records it clears once it
-        #: landed), and the keys whose upload task runs (one per key, in order).
-        self._uploads: dict[str, tuple[int, Buffer, tuple[bytes, ...]]] = {}
-        self._uploading: set[str] = set()
-        #: Pending upload records to clear once Valkey answers again, by key and token.
-        self._uncleared: dict[str, set[bytes]] = {}
+        self._uploads = WriteBackUploads(
+            name, hot, cold, self._stale,
+            run=lambda task: self._background(task, droppable=False),
+            cold_up=lambda: self._up(self.cold), observe=self._observe)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -326,13 +301,10 @@ class TieredStore(StoreLifecycle):
         """Delete the Valkey copies that writes made while Valkey was unreachable left
         stale; each is trusted again once its delete is acknowledged. Clear the pending
         upload records that could not be cleared then."""
-        if not (self._stale.any("hot") or self._uncleared) or not self._up(self.hot):
+        uploads = self._uploads
+        if not (self._stale.any("hot") or uploads.clears_pending) or not self._up(self.hot):
             return
-        if self._uncleared:
-            with self._lock:
-                records, self._uncleared = self._uncleared, {}
-            for key, tokens in records.items():
-                self._clear_pending(key, tuple(tokens))
+        uploads.retry_clears()
         if not self._stale.any("hot"):
             return
         upto = self._stale.generation()
@@ -518,7 +490,7 @@ class TieredStore(StoreLifecycle):
         hot_res: dict[str, OpResult] = {}
         handed: set[str] = set()
         if cold_up and not write_back:
-            handed = self._hand_off(items)
+            handed = self._uploads.hand_off(items)
             answers = self.cold.put(items, cancel=cancel)
             self._observe(self.cold, [a.error for a in answers])
             cold_res = {a.key: a for a in answers}
@@ -533,13 +505,13 @@ class TieredStore(StoreLifecycle):
         self._stale.mark("hot", [k for k, _ in items if k in cold_ok and k not in hot_ok])
         self._stale.clear("hot", hot_ok, before)
         if write_back:
-            self._upload_later([(k, p) for k, p in items if k in hot_ok], tokens)
+            self._uploads.queue([(k, p) for k, p in items if k in hot_ok], tokens)
             # Not written: S3's copy is still as new as this put left it.
-            self._release_records({k: t for k, t in tokens.items() if k not in hot_ok})
+            self._uploads.release({k: t for k, t in tokens.items() if k not in hot_ok})
         else:
             self._stale.mark("cold", [k for k, _ in items if k in hot_ok and k not in cold_ok])
             self._stale.clear("cold", cold_ok - handed, before)
-            self._release_records({k: t for k, t in tokens.items() if k in cold_ok})
+            self._uploads.release({k: t for k, t in tokens.items() if k in cold_ok})
         self._settle_hot()
         out = []
         for key, _ in items:
@@ -553,112 +525,13 @@ class TieredStore(StoreLifecycle):
                 out.append(OpResult(key, False, err or StoreUnavailableError("no tier is up")))
         return out
 
-    def _upload_later(self, items: Sequence[tuple[str, Buffer]],
-                      tokens: dict[str, bytes]) -> None:
-        """Write-back: queue the newest payload of each key for S3; S3's copy is stale until
-        it lands. One upload task per key, which uploads whatever is newest when it starts
-        and again while newer puts arrive, so S3 never ends on an older version; then it
-        clears the key's pending upload record (``tokens``: each key's)."""
-        if not items:
-            return
-        self._stale.mark("cold", [k for k, _ in items])
-        gen = self._stale.generation()
-        start = []
-        with self._lock:
-            for key, payload in items:
-                self._uploads[key] = (gen, payload, (tokens[key],) if key in tokens else ())
-                if key not in self._uploading:
-                    self._uploading.add(key)
-                    start.append(key)
-        for key in start:
-            self._background(partial(self._upload, key), droppable=False)
-
-    def _hand_off(self, items: Sequence[tuple[str, Buffer]]) -> set[str]:
-        """A put that goes straight to S3 (Valkey down) while a write-back upload of some
-        of its keys is queued or running: that upload could land after it, with the older
-        value. Those keys' upload tasks take the new payload, so whatever order the two
-        land in, S3 ends on it; S3's copy stays marked stale until the task is done.
-        Returns the keys handed off."""
-        with self._lock:
-            keys = [k for k, _ in items if k in self._uploading]
-        if not keys:
-            return set()
-        self._stale.mark("cold", keys)  # before the entries: the task clears up to theirs
-        gen = self._stale.generation()
-        handed = set()
-        with self._lock:
-            for key, payload in items:
-                if key in self._uploading:  # else its task is done: it landed before
-                    prior = self._uploads.get(key)
-                    self._uploads[key] = (gen, payload, prior[2] if prior else ())
-                    handed.add(key)
-        return handed
-
-    def _upload(self, key: str) -> None:
-        while True:
-            with self._lock:
-                entry = self._uploads.get(key)
-                if entry is None:  # deleted meanwhile
-                    self._uploading.discard(key)
-                    return
-            gen, payload, tokens = entry
-            res = self.cold.put([(key, payload)]) if self._up(self.cold) else [
-                OpResult(key, False, StoreUnavailableError("cold tier down"))]
-            self._observe(self.cold, [r.error for r in res])
-            with self._lock:
-                newest = self._uploads.get(key)
-                if newest is not None and newest[0] != gen:
-                    continue  # a newer put arrived meanwhile: upload it too
-                self._uploads.pop(key, None)
-                self._uploading.discard(key)
-            if newest is None and res[0].ok:  # deleted while uploading: not resurrected
-                self.cold.delete([key])
-            elif res[0].ok:
-                self._stale.clear("cold", [key], gen)
-                self._clear_pending(key, tokens)
-            else:  # S3 keeps an older version: reads that miss Valkey miss
-                log.warning("%s: write-back of %r failed; S3 holds an older version: %s",
-                            self.name, key, res[0].error)
-            return
-
-    def _release_records(self, tokens: dict[str, bytes]) -> None:
-        """Pending upload records a put made (or may have made) that no upload of its own
-        will clear: a key whose upload task runs hands its token to that task (which
-        clears it once S3 has the newest value); the others are cleared now."""
-        clear = []
-        with self._lock:
-            for key, token in tokens.items():
-                entry = self._uploads.get(key)
-                if key in self._uploading and entry is not None:
-                    self._uploads[key] = (*entry[:2], (*entry[2], token))
-                else:
-                    clear.append((key, token))
-        for key, token in clear:
-            self._clear_pending(key, (token,))
-
-    def _clear_pending(self, key: str, tokens: tuple[bytes, ...]) -> None:
-        """Remove the key's pending upload records holding ``tokens``; when Valkey fails,
-        again once it answers (meanwhile other processes' reads of the key miss)."""
-        if not tokens or not isinstance(self.hot, PendingUploadStore):
-            return
-        try:
-            self.hot.clear_pending_uploads([(key, t) for t in tokens])
-        except StoreError as exc:
-            self._observe(self.hot, [exc])
-            with self._lock:
-                self._uncleared.setdefault(key, set()).update(tokens)
-            log.warning("%s: pending upload record of %r not cleared yet: %s", self.name,
-                        key, exc)
-
     def delete(self, keys: Sequence[str], *, cancel: CancelToken | None = None) -> list[OpResult]:
         """Delete from both tiers; a tier that could not delete is marked stale for the key
         (its copy is skipped by reads; Valkey's is deleted once it answers again)."""
         gone = dict.fromkeys(keys, False)
         errors: dict[str, StoreError | None] = dict.fromkeys(keys)
         done: dict[str, set[str]] = {"hot": set(), "cold": set()}
-        with self._lock:
-            for k in keys:
-                self._uploads.pop(k, None)
+        self._uploads.forget(keys)
         before = self._stale.generation()
         for which in _TIERS:
             tier = self.hot if which == "hot" else self.cold
