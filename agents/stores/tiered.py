@@ -37,11 +37,11 @@ records and answers, no process reads an S3 copy older than an acknowledged writ
 put, whether or not Valkey still holds the value. A record outlives a failed upload (reads
 miss until a later put of the key lands). A put that goes straight to S3 (Valkey down)
 while an upload of the key is queued or running hands its payload to that upload, which
-could otherwise land after it with the older value. Outside the invariant: a Valkey restart that
-loses its data loses the records (the writer's own reads stay safe through its
-:class:`StaleCopies`; other processes may read S3's older copy until the upload lands), and
-while Valkey is unreachable other processes read S3 unchecked. Concurrent puts of one key
-settle on either version.
+could otherwise land after it with the older value. Outside the invariant: a Valkey
+restart that loses its data loses the records (the writer's own reads stay safe through
+its :class:`StaleCopies`; other processes may read S3's older copy until the upload
+lands), and while Valkey is unreachable other processes read S3 unchecked. Concurrent puts
+of one key settle on either version.
 """
 
 from __future__ import annotations
