@@ -390,7 +390,7 @@ def test_cli_sim_writes_json_and_plot(tmp_path: Path, cli: Callable[..., CliRun]
     out = tmp_path / "r.json"
     png = tmp_path / "r.png"
     res = cli("sim", "--limit-sessions", "6", "--no-progress", "--json", str(out),
-               "--plot", str(png), "--workers", "1")
+              "--plot", str(png), "--workers", "1")
     assert res.returncode == 0, res.stderr
     data = json.loads(out.read_text())
     assert set(data["meta"]) >= {"trace", "requests", "sessions", "seed", "wall_s",
@@ -529,8 +529,8 @@ def test_cli_sim_with_hints_reports_them(tmp_path: Path, cli: Callable[..., CliR
                                          ) -> None:
     out = tmp_path / "r.json"
     res = cli("sim", "--limit-sessions", "6", "--no-progress", "--json", str(out),
-               "--workers", "1", "--policies", "ondemand,predictive,oracle",
-               "--hints", "typing,tool", "--hint-coverage", "0.5")
+              "--workers", "1", "--policies", "ondemand,predictive,oracle",
+              "--hints", "typing,tool", "--hint-coverage", "0.5")
     assert res.returncode == 0, res.stderr
     hints = json.loads(out.read_text())["meta"]["hints"]
     assert hints["kinds"] == ["user_typing", "tool_running"] and hints["coverage"] == 0.5
