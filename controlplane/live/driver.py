@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvprefetch.controlplane.base import api
-from kvprefetch.controlplane.base.errors import InvalidRequestError, RequestIdConflictError
+from kvprefetch.controlplane.base.errors import InvalidRequestError
 from kvprefetch.controlplane.base.keys import chunk_hashes, session_prefix
 from kvprefetch.controlplane.base.types import EventKind, HintKind, SessionEvent, SessionKey
 from kvprefetch.controlplane.base.wire import EngineReport, GpuStartPlan
@@ -41,7 +41,7 @@ from kvprefetch.controlplane.live.journal import KeysChange, LiveJournalScanner,
 from kvprefetch.controlplane.live.membership import FleetMembership
 from kvprefetch.controlplane.live.orders import OrderBook
 from kvprefetch.controlplane.live.ports import Outbox, ServiceMetricsSink, ServiceStats
-from kvprefetch.controlplane.live.routes import RouteLedger, RouteMemo, route_digest
+from kvprefetch.controlplane.live.routes import RouteLedger
 from kvprefetch.controlplane.live.sessions import (
     SessionInfo,
     SessionQuery,
@@ -289,88 +289,6 @@ class LiveDriver:
         return api.RouteAnswer(node=node, node_name=self.node_name(node),
                                estimated_ttft_s=round(decision.estimated_ttft_s, 6),
                                local_ready=local_ready, request_id=call.request_id)
-
-    def route_once(self, call: api.RouteQuery, box: Outbox) -> api.RouteAnswer:
-        """:meth:`route`, once per request id: a query without one is routed; one whose id
-        is remembered, with the same session and body, answers the remembered answer and
-        applies nothing; a new id is routed, then remembered (until its request ends) and
-        journalled (:mod:`~kvprefetch.controlplane.live.routes`). RequestIdConflictError (nothing
-        applied) for an id of another session or body, or of a cancelled route."""
-        request_id = call.request_id
-        if request_id is None:
-            return self.route(call, box)
-        key = SessionKey(call.tenant, call.session_id)
-        digest = route_digest(call)
-        memo = self.routes.get(call.tenant, request_id)
-        if memo is None:
-            answer = self.route(call, box)
-            info = self.registry.known(key)
-            memo = RouteMemo(key.wire, digest, info.turns - 1, info.arrival_s, answer)
-            self.routes.put(call.tenant, request_id, memo)
-        else:
-            memo.check(request_id, key.wire, digest)
-            if memo.cancelled:
-                raise RequestIdConflictError(
-                    f"request id {request_id!r}: its route was cancelled; nothing was "
-                    "applied: send the query with a new id")
-        self._journal_route(call.tenant, request_id, memo)
-        return memo.answer
-
-    def cancel_route(self, call: api.RouteCancel, box: Outbox) -> api.RouteCancelled:
-        """Undo the route ``call.request_id``, whose request the caller abandoned. Undo
-        means: when that request is still the session's request in flight, it ends as
-        the client would have ended it: the session's first request closes the session (a
-        ``session_closed`` event: the tenant's live-session quota is released and its
-        prefetches stop); a later one finishes as ``aborted`` with no output, the session's
-        context unchanged (a ``request_finished`` event); either way the request leaves
-        its node's queue. Idempotent: a second cancel answers ``cancelled`` and changes
-        nothing; an id not remembered answers ``unknown`` (a request that finished, or whose
-        session closed, is forgotten: nothing undone); a remembered one whose request is no
-        longer in flight answers ``finished``. RequestIdConflictError for an id of another
-        session."""
-        request_id = call.request_id
-        key = SessionKey(call.tenant, call.session_id)
-        memo = self.routes.get(call.tenant, request_id)
-        if memo is None:
-            return api.RouteCancelled(request_id=request_id, outcome="unknown")
-        memo.check(request_id, key.wire, None)
-        if not memo.cancelled:
-            info = self.registry.get(key)
-            if (info is None or not info.in_flight or info.turns - 1 != memo.turn
-                    or info.arrival_s != memo.arrival_s):
-                return api.RouteCancelled(request_id=request_id, outcome="finished")
-            self._abandon(call, info, memo, box)  # its end forgets the memo: put it back
-            memo.cancelled, memo.journalled = True, False
-            self.routes.put(call.tenant, request_id, memo)
-        self._journal_route(call.tenant, request_id, memo)
-        return api.RouteCancelled(request_id=request_id, outcome="cancelled")
-
-    def _abandon(self, call: api.RouteCancel, info: SessionInfo, memo: RouteMemo,
-                 box: Outbox) -> None:
-        """End the in-flight request of a cancelled route (see :meth:`cancel_route`)."""
-        if info.node is not None:
-            self.fleet.dequeue(info.node, info.est_service_s)
-            info.node, info.est_service_s = None, 0.0
-        if memo.turn == 0:
-            self.session_closed(api.SessionClosed(tenant=call.tenant,
-                                                  session_id=call.session_id), box)
-            return
-        node = memo.answer.node
-        assert node is not None
-        self.request_finished(api.RequestFinished(
-            tenant=call.tenant, session_id=call.session_id, node=node,
-            input_tokens=info.context_tokens, output_tokens=0,
-            context_tokens=info.context_tokens, stop_reason="aborted"), box)
-
-    def _journal_route(self, tenant: str, request_id: str, memo: RouteMemo) -> None:
-        """Journal ``memo``'s state unless it is there already (JournalUnavailableError
-        when the write fails: the memo stays, and the next call with its id tries again)."""
-        if memo.journalled:
-            return
-        if self.journal is not None:
-            self.journal.write_route(memo.record(tenant, request_id, self.clock.now_s()))
-            self.journal_records += 1
-        memo.journalled = True
 
     def request_finished(self, call: api.RequestFinished, box: Outbox) -> None:
         """The response ended on ``call.node`` (InvalidRequestError when the fleet has no

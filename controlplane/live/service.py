@@ -92,6 +92,7 @@ from kvprefetch.controlplane.live.ports import (
     ServiceStats,
 )
 from kvprefetch.controlplane.live.protocol import SchedulerAPI
+from kvprefetch.controlplane.live.route_calls import cancel_route, route_once
 from kvprefetch.controlplane.live.service_journal import ServiceJournal
 from kvprefetch.controlplane.live.sessions import SessionQuery, SessionRegistry, SessionState
 from kvprefetch.controlplane.live.summary import driver_summary
@@ -350,18 +351,19 @@ class SchedulerService:
         """Pick the node for a request; records ``request_started`` when the gateway has
         not sent it for this request. Idempotent per ``request_id`` (a call again with the
         id answers the first answer, RequestIdConflictError for another body):
-        :meth:`LiveDriver.route_once`."""
-        return self._gateway_call(api.RouteQuery, call, LiveDriver.route_once)
+        :func:`~kvprefetch.controlplane.live.route_calls.route_once`."""
+        return self._gateway_call(api.RouteQuery, call, route_once)
 
     def cancel_route(self, call: api.RouteCancel | dict[str, Any]) -> api.RouteCancelled:
         """Undo the route of ``call.request_id``, whose request the caller abandoned;
-        idempotent (:meth:`LiveDriver.cancel_route` says what undo means)."""
+        idempotent (:func:`~kvprefetch.controlplane.live.route_calls.cancel_route` says what undo
+        means)."""
         parsed: api.RouteCancel = (api.parse(api.RouteCancel, call) if isinstance(call, dict)
                                    else call)
         check_call(parsed, self.config.limits)
         self._check_owner(parsed.tenant, parsed.session_id)
         with self._step() as box:
-            return self.driver.cancel_route(parsed, box)
+            return cancel_route(self.driver, parsed, box)
 
     def request_finished(self, call: api.RequestFinished | dict[str, Any]) -> api.Ack:
         self._gateway_call(api.RequestFinished, call, LiveDriver.request_finished)
