@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 EXTRAS ?= dev,plot,stores,ml,serve,lmcache
 
-.PHONY: setup setup-vllm setup-sglang setup-aiperf demo demo-vllm bench-aiperf sim test \
+.PHONY: setup setup-vllm setup-sglang setup-aiperf setup-test-venvs setup-vllm-venv demo demo-vllm bench-aiperf sim test \
 	test-vllm test-fast lint sim-full sim-unseen clean
 
 # torch is pinned to the CPU build for CPU machines (an open range would pull a multi-GB
@@ -105,20 +105,28 @@ sim: setup
 # per worker, since scikit-learn's and torch's thread teams on a busy core spin, not help.
 PYTEST_PAR := OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadgroup
 
-# CI: everything in the main venv (with SGLang) on two workers, the tests that start Ray on
-# one of them one after another (tests/conftest.py), then the real vLLM (CPU) engine tests in
-# its own venv (tests marked `vllm`; vLLM's venv and aiperf's set up on first run).
-test: lint setup-sglang
+# CI: the three venvs set up side by side, then everything in the main venv (with SGLang) on
+# two workers, the tests that start Ray on one of them one after another (tests/conftest.py),
+# then the real vLLM (CPU) engine tests in its own venv (tests marked `vllm`).
+test: setup-test-venvs lint
 	$(PYTEST_PAR) -q -m "not vllm"
 	$(MAKE) test-vllm
 
-# The real-engine tests: vLLM + LMCache + agent + gateway by the engines' own counters
-# (~2 min), the vLLM demo short and aiperf through the gateway (~2-3 min each; the three
-# files took 386 s in one run here, aiperf's venv ~1 min to set up the first time).
-test-vllm:
+# The venvs `make test` uses, installed side by side: pip is mostly one core and waits on
+# downloads, so the three together take about half as long as one after another.
+setup-test-venvs:
+	$(MAKE) -j3 setup-sglang setup-aiperf setup-vllm-venv
+
+setup-vllm-venv:
 	$(MAKE) setup-vllm VENV=$(VLLM_VENV)
-	$(MAKE) setup-aiperf
-	AIPERF=$(AIPERF_VENV)/bin/aiperf $(VLLM_VENV)/bin/python -m pytest -q -m vllm \
+
+# The real-engine tests: vLLM + LMCache + agent + gateway by the engines' own counters
+# (~2 min), the vLLM demo short, aiperf through the gateway and the deployment script on a
+# local cluster (~2-3 min each). Two workers: the three that start Ray run one after another
+# on one (tests/conftest.py), the engine test without Ray beside them on the other.
+test-vllm: setup-vllm-venv setup-aiperf
+	AIPERF=$(AIPERF_VENV)/bin/aiperf $(VLLM_VENV)/bin/python -m pytest \
+		-n 2 --dist loadgroup -q -m vllm \
 		tests/agents/test_vllm_cpu.py tests/live/test_demo_vllm.py tests/agents/test_aiperf_bench.py \
 		tests/deploy/test_local_cluster.py
 

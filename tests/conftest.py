@@ -15,6 +15,7 @@ from markselect import deselects_whole, module_marks
 #: contend for Ray's fixed default ports (Serve's HTTP port, the dashboard agent's, the
 #: head's client server).
 RAY_MODULES = (
+    "tests/agents/test_aiperf_bench.py",
     "tests/deploy/test_local_cluster.py",
     *(f"tests/live/{name}" for name in (
         "test_bench_ray.py", "test_demo.py", "test_demo_lmcache.py", "test_demo_vllm.py",
