@@ -84,10 +84,6 @@ from kvprefetch.predictors.features import (
     stop_category,
 )
 
-# Enum members as module names for the per-event path (``EventKind.X`` is a descriptor call
-# per access on Python 3.11).
-_STARTED, _FINISHED = EventKind.REQUEST_STARTED, EventKind.REQUEST_FINISHED
-
 #: A session silent this long (one day) is taken never to return: the last knot.
 LAST_KNOT_S = 86400.0
 #: Knots at every whole second up to this: gaps are recorded in whole seconds (Claude Code)
@@ -330,12 +326,12 @@ class AdaptivePredictor:
         if st is None:
             st = self._sessions[event.session_id] = _SessionState()
         kind = event.kind
-        if kind is _STARTED:
+        if kind is EventKind.REQUEST_STARTED:
             bucket = st.bucket
             gap = st.on_start(event.time_s)
             if gap is not None and self.fitted:
                 self._buckets[bucket].add_gap(gap)
-        elif kind is _FINISHED:
+        elif kind is EventKind.REQUEST_FINISHED:
             st.on_finish(event.time_s, event.stop_reason)
         elif kind is EventKind.SESSION_CLOSED or event.hint is HintKind.SESSION_CLOSED:
             if not st.closed and not st.in_flight and st.last_finish_s is not None and (

@@ -36,9 +36,8 @@ from kvprefetch.controlplane.core.view import FleetView
 
 __all__ = ["DemandLoads"]
 
-# Enum members as module names: ``LoadStart.X`` costs a descriptor call per access on
-# Python 3.11, and every request reads several.
-_ON_ARRIVAL, _ADAPTIVE = LoadStart.ON_ARRIVAL, LoadStart.ADAPTIVE
+#: The load starts that leave a demand load to the GPU start (ADAPTIVE: when not started
+#: or armed during the queue wait).
 _AT_GPU_START = (LoadStart.ON_SCHEDULE, LoadStart.ADAPTIVE)
 
 
@@ -65,7 +64,7 @@ class DemandLoads:
         """The request was routed to ``node`` (``heading``: a transfer of the session is
         already on its way there): start its demand load now, arm it for later, or leave
         it to the GPU start (see :meth:`_arrival_load_start`)."""
-        adaptive = self._policy.load_start is _ADAPTIVE
+        adaptive = self._policy.load_start is LoadStart.ADAPTIVE
         wait = self._view.queue_wait_s(node, now_s) if adaptive else 0.0
         if heading:
             s.awaiting_node = node
@@ -182,9 +181,9 @@ class DemandLoads:
         started a few TTLBs before the GPU start still lands off the GPU's critical
         path."""
         load_start = self._policy.load_start
-        if load_start is _ON_ARRIVAL:
+        if load_start is LoadStart.ON_ARRIVAL:
             return now_s
-        if load_start is not _ADAPTIVE or wait <= 0.0:
+        if load_start is not LoadStart.ADAPTIVE or wait <= 0.0:
             # No queue: the GPU picks the request up now, and an engine that reads the
             # remote store on its own (vLLM + LMCache) would fetch the same bytes.
             return None

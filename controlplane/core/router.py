@@ -67,10 +67,10 @@ def _numbers(view: NodeView) -> NodeNumbers:
 
 
 class Router:
-    """:func:`route` for one fleet, its constants read once: the scheduler routes every
-    request through one (a :class:`NodeView` per node and the fleet's derived properties
-    per estimate would be a tenth of its time per event). The same float operations
-    in the same order as the formula in the module doc, so the same estimates bit for bit."""
+    """:func:`route` for one fleet, its constants read once, each node a plain tuple: the
+    scheduler routes every request through one (``kvprefetch bench control-plane`` times
+    the scheduler per event). The same float operations in the same order as the formula
+    in the module doc, so the same estimates bit for bit."""
 
     __slots__ = ("_bpt", "_decode_s", "_fleet", "_h2d", "_margin")
 
@@ -88,21 +88,16 @@ class Router:
         held = min(reuse, req.remote_tokens)
         prefill: dict[int, float] = {}  # by the tokens reused from anywhere
         out = []
-        # min(a, b) and max(a, b) written out (``b if b < a else a`` is what they return)
         for _, queue_wait_s, hbm_tokens, dram_tokens, dram_wait_s, backlog_s in nodes:
-            hbm = hbm_tokens if hbm_tokens < reuse else reuse
-            dram = dram_tokens if dram_tokens < reuse else reuse
-            if not dram > hbm:
-                dram = hbm
-            remote = held if held > dram else dram
+            hbm = min(hbm_tokens, reuse)
+            dram = max(min(dram_tokens, reuse), hbm)
+            remote = max(held, dram)
             load_s = (dram - hbm) * bpt / h2d
             if dram > hbm:
                 load_s += dram_wait_s
             if remote > dram:
-                fetch_s = (backlog_s + req.remote_latency_s
-                           + (remote - dram) * bpt * req.remote_s_per_byte)
-                if fetch_s > load_s:
-                    load_s = fetch_s
+                load_s = max(load_s, backlog_s + req.remote_latency_s
+                             + (remote - dram) * bpt * req.remote_s_per_byte)
             prefill_s = prefill.get(remote)
             if prefill_s is None:
                 prefill_s = prefill[remote] = self._fleet.prefill_s(req.input_tokens - remote,
@@ -116,11 +111,7 @@ class Router:
         estimates = self.estimates(req, nodes)
         if not nodes:
             raise ValueError("no node to route to")
-        best = 0  # min over (estimate, node number), written out
-        for i in range(1, len(nodes)):
-            e, b = estimates[i], estimates[best]
-            if e < b or (e == b and nodes[i][0] < nodes[best][0]):
-                best = i
+        best = min(range(len(nodes)), key=lambda i: (estimates[i], nodes[i][0]))
         if req.home_node is not None:
             for i, numbers in enumerate(nodes):
                 if numbers[0] == req.home_node:
