@@ -105,6 +105,16 @@ class TierBooks:
             self._forecasts.left_tier(sid)
         return entry
 
+    def drop_copy(self, sid: str, node: int) -> None:
+        """Drop the session's entry on the node unless a transfer or a queued request holds
+        it; what a prefetch brought into it and no request read counts as wasted."""
+        entry = self.tiers[node].get(sid)
+        s = self._sessions.get(sid)
+        if entry is None or entry.pinned or (s is not None and node in s.inflight_nodes):
+            return
+        self._stats.wasted_bytes += entry.prefetch_unused_bytes
+        self.drop(node, sid)
+
     def cancel(self, sid: str, node: int) -> None:
         """Stop the session's transfer to the node and drop what it reserved."""
         self.lost(sid, node)

@@ -77,6 +77,13 @@ class PolicySpec:
     #: How the engine's HBM prefix cache keeps a finished session's KV, by name
     #: (:mod:`~kvprefetch.controlplane.core.hbm_retention`); None = LRU, the engine's own.
     hbm_retention: str | None = None
+    #: HBM and DRAM hold different contexts: a finished context stays in HBM alone (its
+    #: DRAM copy is dropped), and a context HBM evicts is demoted into DRAM over the host
+    #: link, where the DRAM tier's own ranking admits it or not. SGLang HiCache's
+    #: ``write_back`` policy works this way; vLLM + LMCache write every context through to
+    #: LMCache when it is stored, so for them (and in the live service) it is the
+    #: simulator's alone (:mod:`kvprefetch.controlplane.sim.simulator`).
+    exclusive_hierarchy: bool = False
 
 
 POLICIES: dict[str, PolicySpec] = {
@@ -95,12 +102,13 @@ POLICIES: dict[str, PolicySpec] = {
         # long wait and evicts KV that requests ahead in the queue need (which is why
         # `queue` can be slower than `ondemand` on one busy node).
         PolicySpec("predictive", True, True, LoadStart.ADAPTIVE, EvictionKind.PREDICTED_USE,
-                   True, modelled_on="kvprefetch", suffix_eviction=True, waste_budget=True),
+                   True, modelled_on="kvprefetch", suffix_eviction=True, waste_budget=True,
+                   exclusive_hierarchy=True),
         # The oracle ranks HBM by its exact next use too (``next-use``): its two local
-        # tiers evict by Belady's rule.
+        # tiers evict by Belady's rule, over the same exclusive hierarchy as `predictive`.
         PolicySpec("oracle", True, True, LoadStart.ON_ARRIVAL, EvictionKind.PREDICTED_USE, True,
                    predictor="oracle", safety_margin_s=0.0, modelled_on="the physical limit",
-                   suffix_eviction=True, hbm_retention="next-use"),
+                   suffix_eviction=True, hbm_retention="next-use", exclusive_hierarchy=True),
     )
 }
 

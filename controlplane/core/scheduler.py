@@ -83,6 +83,7 @@ class SchedulerCore:
         self, fleet: FleetConfig, policy: PolicySpec, predictor: Predictor, view: FleetView,
         *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, indexed_sweep: bool = True,
         tenant_quotas: Mapping[str, TenantQuota] | None = None,
+        exclusive_hierarchy: bool = False,
     ) -> None:
         if chunk_tokens <= 0:
             raise ValueError(f"chunk_tokens must be > 0, got {chunk_tokens}")
@@ -90,6 +91,10 @@ class SchedulerCore:
         self.policy = policy
         self.predictor = predictor
         self.view = view
+        #: The engine keeps HBM and DRAM exclusive (``PolicySpec.exclusive_hierarchy``)
+        #: and reports what its HBM evicts (:meth:`hbm_evicted`); only the simulator's
+        #: engine model does.
+        self.exclusive_hierarchy = exclusive_hierarchy and policy.dram_tier
         self.bpt = fleet.model.kv_bytes_per_token
         #: Granularity of suffix eviction: the agents' chunk (LMCache's, 256 tokens).
         self.chunk_tokens = chunk_tokens
@@ -255,10 +260,22 @@ class SchedulerCore:
         if self.policy.remote:
             s.remote_tokens = context_tokens
         self._observe(event)
-        if self.policy.dram_tier and node not in s.inflight_nodes:
+        if self.exclusive_hierarchy and self.view.hbm_tokens(node, sid) >= context_tokens:
+            self._books.drop_copy(sid, node)  # HBM holds it: DRAM's copy would be a duplicate
+        elif self.policy.dram_tier and node not in s.inflight_nodes:
             self._books.write_through(sid, node, context_tokens, now)
         if self.policy.prefetch and not s.in_flight:
             self._prefetcher.plan(sid, now)
+        return self._output()
+
+    def hbm_evicted(self, sid: str, node: int, tokens: int, now_s: float) -> StepOutput:
+        """The node's HBM dropped the session's ``tokens`` (or did not take them): under an
+        exclusive hierarchy they are demoted into its DRAM tier, which keeps them if its
+        ranking makes room (the write-through's rule)."""
+        s = self._sessions.get(sid)
+        if (self.exclusive_hierarchy and s is not None and node not in s.inflight_nodes
+                and self.dram_tokens(node, sid) < tokens):
+            self._books.write_through(sid, node, tokens, now_s)
         return self._output()
 
     # ------------------------------------------------------------------ transfers

@@ -55,7 +55,8 @@ class ShardedCore:
                  view: FleetView, shards: int, *, shared_tier: bool = False) -> None:
         quota = fleet.shard_quota(shards, shared_tier=shared_tier)
         self.ring = ShardRing(shards)
-        self.cores = [SchedulerCore(quota, policy, copy.deepcopy(predictor), view)
+        self.cores = [SchedulerCore(quota, policy, copy.deepcopy(predictor), view,
+                                    exclusive_hierarchy=policy.exclusive_hierarchy)
                       for _ in range(shards)]
         #: Each node's real tier when the cores share it (None: static quotas).
         self._shared_bytes = (fleet.node.dram_tier_bytes
@@ -126,6 +127,9 @@ class ShardedCore:
     def request_finished(self, event: SessionEvent, context_tokens: int) -> StepOutput:
         return self._fit(self._of(event.session_id).request_finished(event, context_tokens),
                          event.time_s)
+
+    def hbm_evicted(self, sid: str, node: int, tokens: int, now_s: float) -> StepOutput:
+        return self._fit(self._of(sid).hbm_evicted(sid, node, tokens, now_s), now_s)
 
     def hint(self, event: SessionEvent) -> StepOutput:
         return self._fit(self._of(event.session_id).hint(event), event.time_s)

@@ -185,7 +185,8 @@ class Simulation:
         #: One core, or ``shards`` cores each planning with its quota of the fleet (or
         #: sharing each node's tier).
         self.core: SchedulerCore | ShardedCore = (
-            SchedulerCore(fleet, policy, predictor, self) if shards == 1
+            SchedulerCore(fleet, policy, predictor, self,
+                          exclusive_hierarchy=policy.exclusive_hierarchy) if shards == 1
             else ShardedCore(fleet, policy, predictor, self, shards, shared_tier=shared_tier))
         node_cfg = fleet.node
         #: The engine's HBM retention under this policy; None: LRU.
@@ -328,14 +329,30 @@ class Simulation:
 
     def _put_hbm(self, node: _Node, session_id: str, tokens: int, pinned: int,
                  min_key: float = -INF) -> None:
+        """Put the session's ``tokens`` in the node's HBM, evicting what its ranking puts
+        after them. Under an exclusive hierarchy what leaves HBM is demoted into DRAM, a
+        context HBM does not take too."""
         nbytes = tokens * self.bpt
         node.hbm.remove(session_id)
         victims = node.hbm.victims_for(nbytes, self._now, exclude=session_id, min_key=min_key)
-        if victims is None:
-            return  # does not fit beside pinned contexts: it is simply not cached
+        if victims is None:  # does not fit beside pinned contexts: it is not cached here
+            if not pinned:
+                self._demote(node, session_id, tokens)
+            return
         for v in victims:
             node.hbm.remove(v.session_id)
         node.hbm.put(TierEntry(session_id, tokens, nbytes, self._now, pinned=pinned))
+        for v in victims:
+            self._demote(node, v.session_id, v.tokens)
+
+    def _demote(self, node: _Node, session_id: str, tokens: int) -> None:
+        """Under an exclusive hierarchy, hand a context leaving HBM to the core for the
+        node's DRAM tier. The copy over the host link is not charged, as the
+        write-through's copy at a response end is not: it moves at most the bytes a
+        write-through would, and an engine that demotes ahead of need (a free-block
+        watermark) does it off the requests' path."""
+        if self.policy.exclusive_hierarchy:
+            self._carry(self.core.hbm_evicted(session_id, node.idx, tokens, self._now))
 
     def _reload_s(self, node: int, sid: str, ctx: int) -> float:
         """What the session's next request would wait to bring ``ctx`` tokens back were
@@ -480,19 +497,18 @@ class Simulation:
         req = r.req
         sid = req.session_id
         ctx = req.context_tokens_after
-        retention = self.hbm_retention
-        if retention is None:
-            self._put_hbm(node, sid, ctx, pinned=0)
+        # HBM takes the context before the core hears of it under LRU HBM and an exclusive
+        # hierarchy (the core then drops DRAM's copy of what HBM holds), after it under a
+        # retention policy (its reload cost sees the write-through).
+        hbm_first = self.hbm_retention is None or self.policy.exclusive_hierarchy
+        if hbm_first:
+            self._keep_in_hbm(node, r)
         if self.policy.remote:
             self.remote.write(sid, ctx)
         self._carry(self.core.request_finished(
             self._event(EventKind.REQUEST_FINISHED, r, node.idx), ctx))
-        if retention is not None:  # after the write-through, which the reload cost sees
-            retention.finished(FinishedTurn(sid, req.stop_reason, ctx * self.bpt,
-                                            self._reload_s(node.idx, sid, ctx),
-                                            self.queue_wait_s(node.idx, self._now)), self._now)
-            self._put_hbm(node, sid, ctx, pinned=0,
-                          min_key=retention.admit_key(sid, self._now))
+        if not hbm_first:
+            self._keep_in_hbm(node, r)
         nxt = req.turn + 1
         session = r.session
         self._push_hints(session, nxt)
@@ -501,6 +517,18 @@ class Simulation:
             if nreq.gap_s is not None:
                 t = self._now + nreq.gap_s
                 self._push(t, _ARRIVE, _Req(nreq, session, t))
+
+    def _keep_in_hbm(self, node: _Node, r: _Req) -> None:
+        """The finished context of ``r`` into the node's HBM, as its retention admits it."""
+        sid, ctx = r.req.session_id, r.req.context_tokens_after
+        retention = self.hbm_retention
+        if retention is None:
+            self._put_hbm(node, sid, ctx, pinned=0)
+            return
+        retention.finished(FinishedTurn(sid, r.req.stop_reason, ctx * self.bpt,
+                                        self._reload_s(node.idx, sid, ctx),
+                                        self.queue_wait_s(node.idx, self._now)), self._now)
+        self._put_hbm(node, sid, ctx, pinned=0, min_key=retention.admit_key(sid, self._now))
 
     def _push_hints(self, session: TraceSession, turn: int) -> None:
         """The response before request ``turn`` just ended: schedule the hints of that gap.
