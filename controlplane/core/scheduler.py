@@ -238,8 +238,12 @@ class SchedulerCore:
 
     def use_local(self, sid: str, node: int, reused_tokens: int, now_s: float) -> int:
         """The GPU starts the request: returns the usable DRAM-tier tokens and marks them
-        read (a prefetch that is read is useful, not wasted)."""
-        return self._books.use_local(sid, node, reused_tokens, now_s)
+        read (a prefetch that is read is useful, not wasted). Under an exclusive
+        hierarchy the DRAM copy then goes: the request holds its context in HBM."""
+        usable = self._books.use_local(sid, node, reused_tokens, now_s)
+        if self.exclusive_hierarchy:
+            self._books.drop_copy(sid, node)
+        return usable
 
     def mark_read(self, sid: str, node: int, tokens: int, arrived_s: float) -> None:
         """A request that arrived at ``arrived_s`` and ran on ``node`` took ``tokens`` of
