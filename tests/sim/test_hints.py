@@ -400,7 +400,9 @@ def test_an_exact_tool_hint_lets_the_prefetch_land_before_the_request() -> None:
     from both tiers, and b's second (55k, more than a tier holds) leaves the DRAM tier empty.
     Without hints last-gap has one gap of a (confidence too low to prefetch): a's last turn
     loads its KV on demand. With an exact tool hint (ETA = the true 60 s) the predictor
-    knows when a comes back: the prefetch lands before a's request, which is faster."""
+    knows when a comes back: the prefetch lands before a's request, which is faster. The
+    write-through hierarchy of vLLM + LMCache (under an exclusive one, b's turns demote a's
+    context into DRAM and no prefetch is needed)."""
     a = _tool_session("a", 0.0, [(10_000, 100, 0.0), (1_000, 100, 100.0), (1_000, 50, 60.0)])
     b = _tool_session("b", 110.0, [(25_000, 100, 0.0), (30_000, 50, 2.0)])
     trace = Trace("tool-hint", (a, b), "test")
@@ -411,7 +413,8 @@ def test_an_exact_tool_hint_lets_the_prefetch_land_before_the_request() -> None:
                                                                  ("b", 1, 2.0)]
 
     def last_turn_of_a(hints: tuple[PlannedHint, ...] | None) -> tuple[float, PolicyRun]:
-        run = run_policy(trace, fleet, POLICIES["predictive"], "last-gap", hints=hints)
+        run = run_policy(trace, fleet, replace(POLICIES["predictive"], exclusive_hierarchy=False),
+                         "last-gap", hints=hints)
         (rec,) = [r for r in run.records if (r.session_id, r.turn) == ("a", 2)]
         assert rec.reused_local_tokens == rec.reused_tokens == 11_200
         return rec.ttft_s, run

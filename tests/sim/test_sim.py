@@ -476,10 +476,10 @@ def test_prefetch_lateness_is_finite_when_the_prefetch_lands_while_the_request_q
     fleet = fleet_from_dict({"nodes": args.nodes, "node": {
         "hbm_kv_bytes": int(args.hbm_gib * GIB), "dram_tier_bytes": int(args.dram_gib * GIB)}})
     trace = build_trace(args, fleet.model.max_context_tokens)
-    # Predictive as it was when this case was found (ewma, loading at GPU start, predicted-
-    # use eviction): today's adaptive load timing and eviction avoid the case altogether.
+    # Predictive with ewma, loading at GPU start, predicted-use eviction and a write-through
+    # hierarchy: the adaptive load timing and the exclusive hierarchy avoid the case.
     policy = replace(POLICIES["predictive"], load_start=LoadStart.ON_SCHEDULE,
-                     eviction=EvictionKind.PREDICTED_USE)
+                     eviction=EvictionKind.PREDICTED_USE, exclusive_hierarchy=False)
     run = run_policy(trace, fleet, policy, "ewma")
     assert run.lateness_s and all(math.isfinite(x) for x in run.lateness_s)
 
