@@ -77,12 +77,12 @@ class PolicySpec:
     #: How the engine's HBM prefix cache keeps a finished session's KV, by name
     #: (:mod:`~kvprefetch.controlplane.core.hbm_retention`); None = LRU, the engine's own.
     hbm_retention: str | None = None
-    #: HBM and DRAM hold different contexts: a finished context stays in HBM alone (its
-    #: DRAM copy is dropped), and a context HBM evicts is demoted into DRAM over the host
-    #: link, where the DRAM tier's own ranking admits it or not. SGLang HiCache's
-    #: ``write_back`` policy works this way; vLLM + LMCache write every context through to
-    #: LMCache when it is stored, so for them (and in the live service) it is the
-    #: simulator's alone (:mod:`kvprefetch.controlplane.sim.simulator`).
+    #: HBM and DRAM hold different contexts: a context in HBM (a finished one, or one a
+    #: request read into it) has no DRAM copy, and a context HBM evicts is demoted into
+    #: DRAM over the host link, where the DRAM tier's own ranking admits it or not. The
+    #: nearest engine mechanism is SGLang HiCache's ``write_back`` write policy (the host
+    #: pool is written when the device evicts); vLLM + LMCache write every context
+    #: through when it is stored. Simulator only (docs/engines-retention.md).
     exclusive_hierarchy: bool = False
 
 

@@ -14,6 +14,11 @@ A request's life: arrival -> routing (:mod:`kvprefetch.controlplane.core.router`
 missing KV at arrival) -> prefill queue -> (policy: load at schedule; the GPU waits = stall) ->
 DRAM->HBM copy of reused KV (stall) -> prefill of the new tokens -> first token (TTFT)
 -> decode -> finish: the context is written to HBM, the DRAM tier and the remote store.
+
+Under an exclusive hierarchy (``PolicySpec.exclusive_hierarchy``: ``predictive`` and the
+oracle) a node's HBM and DRAM hold different contexts: a request's GPU start drops the DRAM
+copy it reads into HBM, a finished context goes to HBM alone, and whatever HBM evicts (or
+does not take) is demoted into DRAM, where the core's DRAM ranking admits it or not.
 """
 
 from __future__ import annotations
