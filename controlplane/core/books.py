@@ -60,8 +60,10 @@ class TierBooks:
     def __init__(self, fleet: FleetConfig, policy: PolicySpec, view: FleetView,
                  forecasts: ForecastCache, budgets: Budgets, sessions: Sessions,
                  stats: CoreStats, draft: StepDraft, holders: dict[str, set[IndexedTier]],
-                 *, chunk_tokens: int) -> None:
+                 *, chunk_tokens: int, exclusive_hierarchy: bool = False) -> None:
         self._policy = policy
+        #: HBM and DRAM hold different contexts (``SchedulerCore.exclusive_hierarchy``).
+        self.exclusive_hierarchy = exclusive_hierarchy
         self._view = view
         self._forecasts = forecasts
         self._budgets = budgets
@@ -224,7 +226,11 @@ class TierBooks:
         tier = self.tiers[node]
         have = tier.get(sid)
         have_tokens = have.tokens if have is not None and have.ready_at_s <= now_s else 0
-        delta = tokens - have_tokens
+        # Under an exclusive hierarchy a prefix in HBM has no DRAM copy: the load brings
+        # only what lies beyond it (HBM's part comes down over the host link, uncharged as
+        # a demotion is).
+        delta = tokens - (max(have_tokens, self._view.hbm_tokens(node, sid))
+                          if self.exclusive_hierarchy else have_tokens)
         if delta <= 0:
             return None
         nbytes = tokens * self.bpt

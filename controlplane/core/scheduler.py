@@ -115,7 +115,8 @@ class SchedulerCore:
         self._budgets = Budgets(policy, fleet.planner, self.stats, self.shares)
         self._books = TierBooks(fleet, policy, view, self._forecasts, self._budgets,
                                 self._sessions, self.stats, self._draft, holders,
-                                chunk_tokens=chunk_tokens)
+                                chunk_tokens=chunk_tokens,
+                                exclusive_hierarchy=self.exclusive_hierarchy)
         #: The books of every node's local DRAM tier (authoritative for what agents hold).
         self.dram = self._books.tiers
         self._loads = DemandLoads(fleet, policy, view, self._books, self._sessions,
