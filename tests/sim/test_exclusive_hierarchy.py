@@ -11,8 +11,8 @@ import pytest
 from kvprefetch.controlplane.base.config import GIB, fleet_from_dict
 from kvprefetch.controlplane.base.types import Trace, TraceRequest, TraceSession
 from kvprefetch.controlplane.core.policies import POLICIES, SIM_POLICIES, PolicySpec
-from kvprefetch.predictors.registry import load as load_predictor
 from kvprefetch.controlplane.sim import Simulation
+from kvprefetch.predictors.registry import load as load_predictor
 
 # One node, 4 GiB of HBM and 4 GiB of DRAM: 32k tokens each of the 8B model's KV.
 FLEET = fleet_from_dict({"nodes": 1, "node": {"hbm_kv_bytes": 4 * GIB,
