@@ -37,19 +37,16 @@ from kvprefetch.controlplane.base.types import (
     TraceRequest,
     TraceSession,
 )
-from kvprefetch.controlplane.core.hbm_retention import (
-    FinishedTurn,
-    HbmRetention,
-    make_hbm_retention,
-)
+from kvprefetch.controlplane.core.hbm_retention import HbmRetention
 from kvprefetch.controlplane.core.planner import PrefetchOrder
 from kvprefetch.controlplane.core.policies import PolicySpec
 from kvprefetch.controlplane.core.scheduler import SchedulerCore
 from kvprefetch.controlplane.core.sharded import ShardedCore
 from kvprefetch.controlplane.core.step import DEMAND_PRIORITY, LoadTicket, StepOutput
-from kvprefetch.controlplane.core.tiers import LruEviction, Tier, TierEntry
+from kvprefetch.controlplane.core.tiers import Tier
 from kvprefetch.predictors.base import Predictor
 
+from .engine_hbm import EngineHbm
 from .hints import HintCounts, PlannedHint, hints_by_turn
 from .link import DEMAND, PREFETCH, QUEUED, Link, Transfer
 from .remote import RemoteStore
@@ -194,14 +191,11 @@ class Simulation:
                           exclusive_hierarchy=policy.exclusive_hierarchy) if shards == 1
             else ShardedCore(fleet, policy, predictor, self, shards, shared_tier=shared_tier))
         node_cfg = fleet.node
+        self.hbm = EngineHbm(fleet, policy, self.core, self.remote, self._carry,
+                             self.queue_wait_s)
         #: The engine's HBM retention under this policy; None: LRU.
-        self.hbm_retention: HbmRetention | None = (
-            make_hbm_retention(policy.hbm_retention, fleet, self.core)
-            if policy.hbm_retention else None)
-        self.nodes = [_Node(i, Tier(f"hbm{i}", node_cfg.hbm_kv_bytes,
-                                    self.hbm_retention.strategy if self.hbm_retention
-                                    else LruEviction()), Link(i))
-                      for i in range(fleet.nodes)]
+        self.hbm_retention: HbmRetention | None = self.hbm.retention
+        self.nodes = [_Node(i, self.hbm.tiers[i], Link(i)) for i in range(fleet.nodes)]
         if record_links:
             for n in self.nodes:
                 n.link.record = []
@@ -332,43 +326,6 @@ class Simulation:
             parent_id=r.session.parent_id,
         )
 
-    def _put_hbm(self, node: _Node, session_id: str, tokens: int, pinned: int,
-                 min_key: float = -INF) -> None:
-        """Put the session's ``tokens`` in the node's HBM, evicting what its ranking puts
-        after them. Under an exclusive hierarchy what leaves HBM is demoted into DRAM, a
-        context HBM does not take too."""
-        nbytes = tokens * self.bpt
-        node.hbm.remove(session_id)
-        victims = node.hbm.victims_for(nbytes, self._now, exclude=session_id, min_key=min_key)
-        if victims is None:  # does not fit beside pinned contexts: it is not cached here
-            if not pinned:
-                self._demote(node, session_id, tokens)
-            return
-        for v in victims:
-            node.hbm.remove(v.session_id)
-        node.hbm.put(TierEntry(session_id, tokens, nbytes, self._now, pinned=pinned))
-        for v in victims:
-            self._demote(node, v.session_id, v.tokens)
-
-    def _demote(self, node: _Node, session_id: str, tokens: int) -> None:
-        """Under an exclusive hierarchy, hand a context leaving HBM to the core for the
-        node's DRAM tier. The copy over the host link is not charged, as the
-        write-through's copy at a response end is not: it moves at most the bytes a
-        write-through would, and an engine that demotes ahead of need (a free-block
-        watermark) does it off the requests' path."""
-        if self.policy.exclusive_hierarchy:
-            self._carry(self.core.hbm_evicted(session_id, node.idx, tokens, self._now))
-
-    def _reload_s(self, node: int, sid: str, ctx: int) -> float:
-        """What the session's next request would wait to bring ``ctx`` tokens back were
-        HBM to drop them now: the DRAM copy, else the remote load, else the prefill."""
-        if self.core.dram_tokens(node, sid) >= ctx:
-            return ctx * self.bpt * self._h2d_s_per_byte
-        if self.policy.remote:
-            s_per_byte, latency, _ = self.remote.source(sid)
-            return latency + ctx * self.bpt * (s_per_byte + self._h2d_s_per_byte)
-        return self.fleet.prefill_s(ctx, 0)
-
     # ------------------------------------------------------------------ transfers
     def _submit(self, ticket: LoadTicket) -> Transfer:
         node = self.nodes[ticket.node]
@@ -481,7 +438,7 @@ class Simulation:
         r.reused_local_tokens = local
         prefill_s = self.fleet.prefill_s(r.req.input_tokens - local, local)
         r.first_token_s = now + copy_s + prefill_s + self.fleet.model.decode_s_per_token
-        self._put_hbm(node, sid, r.req.input_tokens, pinned=1)
+        self.hbm.put(node.idx, sid, r.req.input_tokens, 1, now)
         self._push(r.first_token_s, _PREFILL_DONE, r)
 
     def _on_prefill_done(self, r: _Req) -> None:
@@ -502,18 +459,15 @@ class Simulation:
         req = r.req
         sid = req.session_id
         ctx = req.context_tokens_after
-        # HBM takes the context before the core hears of it under LRU HBM and an exclusive
-        # hierarchy (the core then drops DRAM's copy of what HBM holds), after it under a
-        # retention policy (its reload cost sees the write-through).
-        hbm_first = self.hbm_retention is None or self.policy.exclusive_hierarchy
+        hbm_first = self.hbm.takes_finished_first
         if hbm_first:
-            self._keep_in_hbm(node, r)
+            self.hbm.keep_finished(node.idx, sid, ctx, req.stop_reason, self._now)
         if self.policy.remote:
             self.remote.write(sid, ctx)
         self._carry(self.core.request_finished(
             self._event(EventKind.REQUEST_FINISHED, r, node.idx), ctx))
         if not hbm_first:
-            self._keep_in_hbm(node, r)
+            self.hbm.keep_finished(node.idx, sid, ctx, req.stop_reason, self._now)
         nxt = req.turn + 1
         session = r.session
         self._push_hints(session, nxt)
@@ -522,18 +476,6 @@ class Simulation:
             if nreq.gap_s is not None:
                 t = self._now + nreq.gap_s
                 self._push(t, _ARRIVE, _Req(nreq, session, t))
-
-    def _keep_in_hbm(self, node: _Node, r: _Req) -> None:
-        """The finished context of ``r`` into the node's HBM, as its retention admits it."""
-        sid, ctx = r.req.session_id, r.req.context_tokens_after
-        retention = self.hbm_retention
-        if retention is None:
-            self._put_hbm(node, sid, ctx, pinned=0)
-            return
-        retention.finished(FinishedTurn(sid, r.req.stop_reason, ctx * self.bpt,
-                                        self._reload_s(node.idx, sid, ctx),
-                                        self.queue_wait_s(node.idx, self._now)), self._now)
-        self._put_hbm(node, sid, ctx, pinned=0, min_key=retention.admit_key(sid, self._now))
 
     def _push_hints(self, session: TraceSession, turn: int) -> None:
         """The response before request ``turn`` just ended: schedule the hints of that gap.
