@@ -19,6 +19,7 @@ from kvprefetch.controlplane.cli.options import (
     positive_int,
 )
 from kvprefetch.controlplane.cli.predictor_option import add_predictor_option
+from kvprefetch.controlplane.core.engines import DEFAULT_ENGINE, ENGINES
 from kvprefetch.controlplane.core.policies import PEER_POLICIES, POLICY_NAMES, SIM_POLICIES
 
 if TYPE_CHECKING:
@@ -51,7 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"comma-separated subset of: {', '.join(SIM_POLICIES)} (default: "
                    f"all, which runs {', '.join(POLICY_NAMES)}; the peers "
                    f"{', '.join(PEER_POLICIES)} are published retention policies, simulator "
-                   "only)")
+                   "only; 'reactive' is predictive with its forecasts off and 'perfect' "
+                   "predictive fed the true next arrivals)")
+    add_engine_argument(p)
     add_predictor_option(p, several=False, default="default",
                          help="the one predictor of the 'predictive' policy: a name, "
                          "NAME:ARTIFACT or module:Class (default: 'default', the shipped "
@@ -94,6 +97,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", dest="json_out", help="write the report as JSON here (atomic)")
     p.add_argument("--plot", help="write a PNG: TTFT CDF per policy, useful vs wasted bytes")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_engine_argument(p: argparse.ArgumentParser) -> None:
+    """``--engine`` (``sim`` and ``sim-grid``): the engine profile every policy runs on."""
+    profiles = "; ".join(f"{e.name}: {e.summary}" for e in ENGINES.values())
+    p.add_argument("--engine", default=DEFAULT_ENGINE, choices=tuple(ENGINES), metavar="PROFILE",
+                   help=f"engine profile every policy runs on, which grants each of them the "
+                   f"same mechanisms (default {DEFAULT_ENGINE}). {profiles}")
 
 
 def add_shard_arguments(p: argparse.ArgumentParser) -> None:
@@ -254,7 +265,8 @@ def run(args: argparse.Namespace) -> int:
     options = SimOptions(predictor=args.predictor, seed=args.seed,
                          clear_tiers_at_s=events.clear_tiers_at_s, join_at_s=events.join_at_s,
                          scenario=args.scenario, workers=args.workers, hints=hints,
-                         shards=args.shards, shared_tier=args.shared_tier)
+                         shards=args.shards, shared_tier=args.shared_tier,
+                         engine=args.engine)
     bar = tqdm(total=trace.requests * len(policies), unit="req", desc="replaying",
                disable=args.no_progress, mininterval=0.5)
     with bar:

@@ -8,10 +8,12 @@ parallel worker processes, then summarises the subject policy (``--subject``, de
 ``predictive``) per trace and over all cells: the geometric mean of its returning mean
 and p90 TTFT over ``ondemand``'s and over the best baseline's, the cells where it is worse
 than ``ondemand`` (mean or p90), the cells where a baseline leads it (mean) and which, and
-the median ``gap_closure``. The best baseline of a cell is, for the mean and for the p90
-apart, the best of every policy run other than the subject, ``predictive`` and ``oracle``:
-``ondemand``, ``queue`` and the published peers (``continuum-ttl``, ``mori``,
-``ttl-lognormal``; :data:`~kvprefetch.controlplane.core.policies.PEER_POLICIES`). A table on
+the forecast gap closure (reactive -> perfect): its median over the cells that have one,
+and every cell that has none, with the reason. The best baseline of a cell is, for the
+mean and for the p90 apart, the best of the baselines run other than the subject
+(:data:`~kvprefetch.controlplane.core.policies.BASELINE_NAMES`: ``ondemand``, ``queue``,
+the published peers and ``reactive``). Every policy of a grid runs on one engine profile
+(``--engine``). A table on
 the terminal, every cell and the summary in ``--json`` (written atomically), and with
 ``--plot`` a PNG: per trace, the subject's ratio to ``ondemand`` (top) and to the best
 baseline (bottom, each cell a baseline leads marked with its name) in every cell against
@@ -39,12 +41,14 @@ from kvprefetch.controlplane.cli.options import positive_int
 from kvprefetch.controlplane.cli.predictor_option import add_predictor_option
 from kvprefetch.controlplane.cli.sim import (
     DEFAULT_SIM_SESSION_RATE_PER_S,
+    add_engine_argument,
     add_hint_arguments,
     add_shard_arguments,
     check_shards,
     hint_config,
 )
-from kvprefetch.controlplane.core.policies import SIM_POLICIES
+from kvprefetch.controlplane.core.engines import DEFAULT_ENGINE
+from kvprefetch.controlplane.core.policies import BASELINE_NAMES, SIM_POLICIES
 
 if TYPE_CHECKING:
     from kvprefetch.controlplane.sim.hints import HintConfig
@@ -63,16 +67,16 @@ examples:
 
 #: A ratio above 1 + this counts as worse (rounding of the reported TTFTs aside).
 WORSE_TOLERANCE = 5e-4
-#: Policies that are never a cell's baseline: this project's own and the limit.
-NOT_BASELINES = frozenset({"predictive", "oracle"})
+#: The policies a grid runs unless told otherwise: the baselines, predictive and perfect.
+DEFAULT_GRID_POLICIES = ",".join((*BASELINE_NAMES, "predictive", "perfect"))
 
 
 def best_baseline(policies: dict[str, Any], subject: str, key: str) -> tuple[str, float]:
     """The baseline with the lowest returning ``key`` (``ttft_mean_s``, ``ttft_p90_s``) in
-    one cell's report, and that value: every policy but the subject and
-    :data:`NOT_BASELINES` (ties to the first in run order)."""
+    one cell's report, and that value: every policy of :data:`BASELINE_NAMES` that ran but
+    the subject (ties to the first in run order)."""
     pairs = [(name, float(p["returning"][key])) for name, p in policies.items()
-             if name != subject and name not in NOT_BASELINES]
+             if name != subject and name in BASELINE_NAMES]
     if not pairs:
         raise ConfigError(f"no baseline beside {subject!r} in the cell")
     return min(pairs, key=lambda nv: nv[1])
@@ -87,10 +91,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loads", default="0.5,1,2",
                    help="comma-separated --load values (default 0.5,1,2)")
     p.add_argument("--seeds", default="0,1", help="comma-separated seeds (default 0,1)")
-    p.add_argument("--policies", default="ondemand,queue,predictive,oracle",
+    p.add_argument("--policies", default=DEFAULT_GRID_POLICIES,
                    help=f"policies run in every cell, a comma-separated subset of: "
                    f"{', '.join(SIM_POLICIES)}; must include ondemand and the subject "
-                   "(default ondemand,queue,predictive,oracle)")
+                   f"(default {DEFAULT_GRID_POLICIES})")
+    add_engine_argument(p)
     p.add_argument("--subject", default="predictive",
                    help="the policy the summary judges (default predictive)")
     add_predictor_option(p, several=False, default="default",
@@ -137,8 +142,8 @@ class Cell:
 
 
 def _run_cell(cell: Cell, policies: str, predictor: str, model: str,
-              hints: HintConfig | None, shards: tuple[int, bool] = (1, False)
-              ) -> dict[str, Any]:
+              hints: HintConfig | None, shards: tuple[int, bool] = (1, False),
+              engine: str = DEFAULT_ENGINE) -> dict[str, Any]:
     """One cell's ``kvprefetch sim``, as the JSON of its report (in a worker process)."""
     from kvprefetch.controlplane.base.config import default_fleet
     from kvprefetch.controlplane.core.policies import parse_policies
@@ -151,7 +156,7 @@ def _run_cell(cell: Cell, policies: str, predictor: str, model: str,
     trace = load_trace(cell.trace, arrivals=arrivals, seed=cell.seed)
     trace = clamp_to_window(trace, fleet.model.max_context_tokens)
     options = SimOptions(predictor=predictor, seed=cell.seed, hints=hints, shards=shards[0],
-                         shared_tier=shards[1])
+                         shared_tier=shards[1], engine=engine)
     report = run_policies(trace, fleet, parse_policies(policies, peers=True), options)
     return report.to_dict()
 
@@ -164,7 +169,7 @@ def _hint_kinds_text(hints: HintConfig | None) -> str | None:
 
 
 def _ratio_row(cell: Cell, report: dict[str, Any], subject: str) -> dict[str, Any]:
-    from kvprefetch.controlplane.sim.metrics import gap_closure
+    from kvprefetch.controlplane.sim.metrics import forecast_gap_closure
 
     pol = report["policies"]
 
@@ -176,8 +181,8 @@ def _ratio_row(cell: Cell, report: dict[str, Any], subject: str) -> dict[str, An
     best_name, best = best_baseline(pol, subject, "ttft_mean_s")
     best90_name, best90 = best_baseline(pol, subject, "ttft_p90_s")
     leads = mean > best * (1 + WORSE_TOLERANCE)
-    closure = gap_closure({"ondemand": od, "predictive": mean} | (
-        {"oracle": ret("oracle", "ttft_mean_s")} if "oracle" in pol else {}))
+    closure, no_closure = forecast_gap_closure(
+        {name: ret(name, "ttft_mean_s") for name in pol}, subject)
     return {"trace": cell.trace, "nodes": cell.nodes, "load": cell.load, "seed": cell.seed,
             "ratio_mean": mean / od, "ratio_p90": p90 / od90,
             "worse_than_ondemand": mean > od * (1 + WORSE_TOLERANCE)
@@ -190,7 +195,8 @@ def _ratio_row(cell: Cell, report: dict[str, Any], subject: str) -> dict[str, An
             # mean is this fraction lower); None where none leads.
             "leader": best_name if leads else None,
             "lead_fraction": 1.0 - best / mean if leads else None,
-            "gap_closure": closure, "pressure_ratio": report["meta"]["pressure_ratio"],
+            "forecast_gap_closure": closure, "no_closure": no_closure,
+            "pressure_ratio": report["meta"]["pressure_ratio"],
             "policies": {name: p["returning"] | {"prefetched_bytes": p["prefetched_bytes"],
                                                  "wasted_bytes": p["wasted_bytes"]}
                          for name, p in pol.items()}}
@@ -203,8 +209,9 @@ def _geomean(xs: Sequence[float]) -> float:
 def summarize_rows(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The subject over ``rows``: geometric means of its ratios to ondemand and to the best
     baseline, the cells worse than ondemand, the cells a baseline leads (and how many each
-    leads, and the largest lead), median closure."""
-    closures = [r["gap_closure"] for r in rows if r["gap_closure"] is not None]
+    leads, and the largest lead), the median forecast gap closure over the cells that have
+    one and how many have none."""
+    closures = [r["forecast_gap_closure"] for r in rows if r["forecast_gap_closure"] is not None]
     leaders: dict[str, int] = {}
     for r in rows:
         if r["leader"] is not None:
@@ -219,22 +226,24 @@ def summarize_rows(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "worse_than_best": sum(r["worse_than_best"] for r in rows),
             "leaders": dict(sorted(leaders.items())),
             "largest_lead_fraction": max(leads) if leads else None,
-            "gap_closure_median": statistics.median(closures) if closures else None}
+            "forecast_gap_closure_median": statistics.median(closures) if closures else None,
+            "cells_without_closure": len(rows) - len(closures)}
 
 
 def format_summary(summary: dict[str, dict[str, Any]], subject: str) -> str:
     head = (f"{'trace':34s} {'cells':>5s} {subject + '/ondemand mean':>24s} {'p90':>6s} "
             f"{'/best mean':>10s} {'p90':>6s} {'worse than od':>13s} {'best leads':>10s} "
-            f"{'closure':>7s}  leaders")
+            f"{'closure':>7s} {'none':>4s}  leaders")
     lines = [head, "-" * len(head)]
     for name, s in summary.items():
-        closure = s["gap_closure_median"]
+        closure = s["forecast_gap_closure_median"]
         leaders = ", ".join(f"{k} {v}" for k, v in s["leaders"].items()) or "-"
         lines.append(f"{name[-34:]:34s} {s['cells']:5d} {s['ratio_mean_geomean']:24.3f} "
                      f"{s['ratio_p90_geomean']:6.3f} {s['ratio_mean_best_geomean']:10.3f} "
                      f"{s['ratio_p90_best_geomean']:6.3f} {s['worse_than_ondemand']:13d} "
                      f"{s['worse_than_best']:10d} "
-                     f"{'n/a' if closure is None else f'{closure:.2f}':>7s}  {leaders}")
+                     f"{'n/a' if closure is None else f'{closure:.2f}':>7s} "
+                     f"{s['cells_without_closure']:4d}  {leaders}")
     return "\n".join(lines)
 
 
@@ -320,7 +329,7 @@ def run(args: argparse.Namespace) -> int:
                disable=args.no_progress or not sys.stderr.isatty())
     with bar, ProcessPoolExecutor(max_workers=min(args.workers, len(cells))) as pool:
         futures = {pool.submit(_run_cell, c, args.policies, args.predictor, args.model,
-                               hints[c.seed], (args.shards, args.shared_tier)): c
+                               hints[c.seed], (args.shards, args.shared_tier), args.engine): c
                    for c in cells}
         for fut in as_completed(futures):
             cell = futures[fut]
@@ -343,13 +352,18 @@ def run(args: argparse.Namespace) -> int:
               f"{r['best_p90_policy']})"
               + ("  worse than ondemand" if r["worse_than_ondemand"] else "")
               + (f"  {r['leader']} leads by {r['lead_fraction']:.1%}"
-                 if r["leader"] is not None else ""))
+                 if r["leader"] is not None else "")
+              + (f"; closure {r['forecast_gap_closure']:.3f}"
+                 if r["forecast_gap_closure"] is not None
+                 else f"; no closure: {r['no_closure']}"))
+        print("    returning mean s: " + ", ".join(
+            f"{name} {p['ttft_mean_s']:.3f}" for name, p in r["policies"].items()))
     print()
     print(format_summary(summary, args.subject))
     if args.json_out:
         import json
         data = {"meta": {"traces": traces, "nodes": nodes, "loads": loads, "seeds": seeds,
-                         "policies": names, "subject": args.subject,
+                         "policies": names, "subject": args.subject, "engine": args.engine,
                          "predictor": args.predictor, "model": args.model,
                          "hints": _hint_kinds_text(hints[seeds[0]]), "shards": args.shards,
                          "shared_tier": args.shared_tier},

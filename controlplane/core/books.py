@@ -60,10 +60,10 @@ class TierBooks:
     def __init__(self, fleet: FleetConfig, policy: PolicySpec, view: FleetView,
                  forecasts: ForecastCache, budgets: Budgets, sessions: Sessions,
                  stats: CoreStats, draft: StepDraft, holders: dict[str, set[IndexedTier]],
-                 *, chunk_tokens: int, exclusive_hierarchy: bool = False) -> None:
+                 *, chunk_tokens: int, demote_on_evict: bool = False) -> None:
         self._policy = policy
-        #: HBM and DRAM hold different contexts (``SchedulerCore.exclusive_hierarchy``).
-        self.exclusive_hierarchy = exclusive_hierarchy
+        #: DRAM is written when HBM evicts (``SchedulerCore.demote_on_evict``).
+        self.demote_on_evict = demote_on_evict
         self._view = view
         self._forecasts = forecasts
         self._budgets = budgets
@@ -106,16 +106,6 @@ class TierBooks:
             self._draft.dropped.append(Placement(sid, node))
             self._forecasts.left_tier(sid)
         return entry
-
-    def drop_copy(self, sid: str, node: int) -> None:
-        """Drop the session's entry on the node unless a transfer or a queued request holds
-        it; what a prefetch brought into it and no request read counts as wasted."""
-        entry = self.tiers[node].get(sid)
-        s = self._sessions.get(sid)
-        if entry is None or entry.pinned or (s is not None and node in s.inflight_nodes):
-            return
-        self._stats.wasted_bytes += entry.prefetch_unused_bytes
-        self.drop(node, sid)
 
     def cancel(self, sid: str, node: int) -> None:
         """Stop the session's transfer to the node and drop what it reserved."""
@@ -226,11 +216,11 @@ class TierBooks:
         tier = self.tiers[node]
         have = tier.get(sid)
         have_tokens = have.tokens if have is not None and have.ready_at_s <= now_s else 0
-        # Under an exclusive hierarchy a prefix in HBM has no DRAM copy: the load brings
+        # Under demote-on-evict a prefix in HBM may have no DRAM copy: the load brings
         # only what lies beyond it (HBM's part comes down over the host link, uncharged as
         # a demotion is).
         delta = tokens - (max(have_tokens, self._view.hbm_tokens(node, sid))
-                          if self.exclusive_hierarchy else have_tokens)
+                          if self.demote_on_evict else have_tokens)
         if delta <= 0:
             return None
         nbytes = tokens * self.bpt
@@ -247,7 +237,9 @@ class TierBooks:
                 free_only=free_only):
             return None
         victims = tier.victims_for(nbytes - old_bytes, now_s, exclude=sid, min_key=min_key,
-                                   strategy=self.predicted_use if prefetch else None)
+                                   strategy=(self.predicted_use
+                                             if prefetch and self._policy.evict_advice
+                                             else None))
         if victims is None:
             return None
         self.evict(node, victims, now_s, need_bytes=nbytes - old_bytes)

@@ -1,8 +1,13 @@
-"""The six policies compared everywhere (ARCHITECTURE.md, "Policies compared everywhere"),
-and the published peers the simulator judges them against.
+"""The policies compared everywhere, and the published peers the simulator judges them
+against.
 
 A policy is a small frozen record of capabilities, not code: the simulator and the live
 service read the flags, so the differences between policies come from the flags alone.
+What a policy asks for is resolved against the engine it runs on
+(:func:`~kvprefetch.controlplane.core.engines.on_engine`): every policy in a comparison
+gets the same engine mechanisms. ``predictive`` is always shown beside its two yardsticks:
+``reactive`` (its mechanisms, forecasts off) and ``perfect`` (its mechanisms, the true
+next arrivals).
 
 The peers (:data:`PEER_POLICIES`) are the strongest published retention policies, each
 modelled at the tier it acts on over the flags of the baseline it extends (``ondemand``:
@@ -18,7 +23,7 @@ and the live service does not drive, so the live service does not offer them.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvprefetch.controlplane.base.errors import ConfigError
 
@@ -74,17 +79,32 @@ class PolicySpec:
     #: (see :mod:`kvprefetch.controlplane.core.budgets`). Off for the oracle, whose
     #: forecasts are not guesses.
     waste_budget: bool = False
-    #: How the engine's HBM prefix cache keeps a finished session's KV, by name
-    #: (:mod:`~kvprefetch.controlplane.core.hbm_retention`); None = LRU, the engine's own.
+    #: The policy's own change to how the engine's HBM prefix cache keeps a finished
+    #: session's KV, by name (:mod:`~kvprefetch.controlplane.core.hbm_retention`); None =
+    #: the engine's LRU. Only the published HBM peers bring one: no engine profile lets an
+    #: outside component rank HBM (:mod:`~kvprefetch.controlplane.core.engines`).
     hbm_retention: str | None = None
-    #: HBM and DRAM hold different contexts: a context in HBM (a finished one, or one a
-    #: request read into it) has no DRAM copy, and a context HBM evicts is demoted into
-    #: DRAM over the host link, where the DRAM tier's own ranking admits it or not. The
-    #: nearest engine mechanism is SGLang HiCache's ``write_back`` write policy (the host
-    #: pool is written when the device evicts); vLLM + LMCache write every context
-    #: through when it is stored. Simulator only (docs/engines-retention.md).
-    exclusive_hierarchy: bool = False
+    #: The policy reads forecasts (predicted next use, hints). Off: the same mechanisms
+    #: with recency in place of predicted next use and no prefetch (``reactive``).
+    forecasts: bool = True
+    # The engine's mechanisms, set for a run by
+    # :func:`~kvprefetch.controlplane.core.engines.on_engine` (the defaults are the live
+    # service's: write-through, loads at GPU start held by the GPU, evict advice).
+    #: Room for a prefetch is made by whole-session evict advice chosen by predicted next
+    #: use; without it the tier's own ranking chooses.
+    evict_advice: bool = True
+    #: A context reaches DRAM when HBM evicts it (lazy offload, write-back), not when it is
+    #: stored; a DRAM copy read into HBM stays until DRAM evicts it.
+    demote_on_evict: bool = False
+    #: The GPU serves other requests while a request's remote KV loads.
+    async_load: bool = False
+    #: The engine profile the flags above come from; None: not resolved on one.
+    engine: str | None = None
 
+
+PREDICTIVE = PolicySpec(
+    "predictive", True, True, LoadStart.ADAPTIVE, EvictionKind.PREDICTED_USE, True,
+    modelled_on="kvprefetch", suffix_eviction=True, waste_budget=True)
 
 POLICIES: dict[str, PolicySpec] = {
     p.name: p
@@ -101,14 +121,15 @@ POLICIES: dict[str, PolicySpec] = {
         # start: loading every miss at arrival (`queue`) holds DRAM for the whole of a
         # long wait and evicts KV that requests ahead in the queue need (which is why
         # `queue` can be slower than `ondemand` on one busy node).
-        PolicySpec("predictive", True, True, LoadStart.ADAPTIVE, EvictionKind.PREDICTED_USE,
-                   True, modelled_on="kvprefetch", suffix_eviction=True, waste_budget=True,
-                   exclusive_hierarchy=True),
-        # The oracle ranks HBM by its exact next use too (``next-use``): its two local
-        # tiers evict by Belady's rule, over the same exclusive hierarchy as `predictive`.
-        PolicySpec("oracle", True, True, LoadStart.ON_ARRIVAL, EvictionKind.PREDICTED_USE, True,
-                   predictor="oracle", safety_margin_s=0.0, modelled_on="the physical limit",
-                   suffix_eviction=True, hbm_retention="next-use", exclusive_hierarchy=True),
+        PREDICTIVE,
+        # `predictive`'s mechanisms with its forecasts off: the yardstick of what the
+        # forecasts add (recency in place of predicted next use, no prefetch, hints unread).
+        replace(PREDICTIVE, name="reactive", forecasts=False, waste_budget=False,
+                modelled_on="kvprefetch, forecasts off"),
+        # `predictive`'s mechanisms fed the true next arrivals, finishing exactly in time
+        # and spending no waste budget: the yardstick of what a perfect forecast adds.
+        replace(PREDICTIVE, name="perfect", predictor="oracle", safety_margin_s=0.0,
+                waste_budget=False, modelled_on="kvprefetch, perfect forecasts"),
     )
 }
 
@@ -129,22 +150,27 @@ PEER_POLICIES: dict[str, PolicySpec] = {
     )
 }
 
-#: The six policies compared everywhere, in report order (``all``).
-POLICY_NAMES: tuple[str, ...] = ("recompute", "local-lru", "ondemand", "queue", "predictive",
-                                 "oracle")
-
-
-#: Every policy the simulator runs: the six, then the peers.
+#: Every policy the simulator runs: the core policies, then the peers.
 SIM_POLICIES: dict[str, PolicySpec] = POLICIES | PEER_POLICIES
+
+#: What ``all`` runs, in report order: the references without a remote store, the
+#: baselines (the engine's own loads, the peers, ``reactive``), ``predictive`` and
+#: ``perfect``.
+POLICY_NAMES: tuple[str, ...] = ("recompute", "local-lru", "ondemand", "queue",
+                                 *PEER_POLICIES, "reactive", "predictive", "perfect")
+
+#: The baselines ``predictive`` is judged against: every policy with a remote store that
+#: reads no forecast of its own.
+BASELINE_NAMES: tuple[str, ...] = ("ondemand", "queue", *PEER_POLICIES, "reactive")
 
 
 def parse_policies(spec: str | None, *, peers: bool = False) -> tuple[PolicySpec, ...]:
-    """Parse a comma-separated list of policy names (None or "all" = the six, in order);
-    ``peers``: the peers are known too (the simulator's callers; a live service cannot
-    carry out the HBM ones)."""
-    if spec is None or spec.strip() in ("", "all"):
-        return tuple(POLICIES[name] for name in POLICY_NAMES)
+    """Parse a comma-separated list of policy names (None or "all" = :data:`POLICY_NAMES`,
+    in order, those known); ``peers``: the peers are known too
+    (the simulator's callers; a live service cannot carry out the HBM ones)."""
     known = SIM_POLICIES if peers else POLICIES
+    if spec is None or spec.strip() in ("", "all"):
+        return tuple(known[name] for name in POLICY_NAMES if name in known)
     out: list[PolicySpec] = []
     for raw in spec.split(","):
         name = raw.strip()

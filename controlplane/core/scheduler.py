@@ -83,7 +83,6 @@ class SchedulerCore:
         self, fleet: FleetConfig, policy: PolicySpec, predictor: Predictor, view: FleetView,
         *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, indexed_sweep: bool = True,
         tenant_quotas: Mapping[str, TenantQuota] | None = None,
-        exclusive_hierarchy: bool = False,
     ) -> None:
         if chunk_tokens <= 0:
             raise ValueError(f"chunk_tokens must be > 0, got {chunk_tokens}")
@@ -91,10 +90,10 @@ class SchedulerCore:
         self.policy = policy
         self.predictor = predictor
         self.view = view
-        #: The engine keeps HBM and DRAM exclusive (``PolicySpec.exclusive_hierarchy``)
-        #: and reports what its HBM evicts (:meth:`hbm_evicted`); only the simulator's
-        #: engine model does.
-        self.exclusive_hierarchy = exclusive_hierarchy and policy.dram_tier
+        #: The engine writes a context to DRAM when HBM evicts it
+        #: (``PolicySpec.demote_on_evict``) and reports what its HBM evicts
+        #: (:meth:`hbm_evicted`).
+        self.demote_on_evict = policy.demote_on_evict and policy.dram_tier
         self.bpt = fleet.model.kv_bytes_per_token
         #: Granularity of suffix eviction: the agents' chunk (LMCache's, 256 tokens).
         self.chunk_tokens = chunk_tokens
@@ -116,7 +115,7 @@ class SchedulerCore:
         self._books = TierBooks(fleet, policy, view, self._forecasts, self._budgets,
                                 self._sessions, self.stats, self._draft, holders,
                                 chunk_tokens=chunk_tokens,
-                                exclusive_hierarchy=self.exclusive_hierarchy)
+                                demote_on_evict=self.demote_on_evict)
         #: The books of every node's local DRAM tier (authoritative for what agents hold).
         self.dram = self._books.tiers
         self._loads = DemandLoads(fleet, policy, view, self._books, self._sessions,
@@ -239,12 +238,8 @@ class SchedulerCore:
 
     def use_local(self, sid: str, node: int, reused_tokens: int, now_s: float) -> int:
         """The GPU starts the request: returns the usable DRAM-tier tokens and marks them
-        read (a prefetch that is read is useful, not wasted). Under an exclusive
-        hierarchy the DRAM copy then goes: the request holds its context in HBM."""
-        usable = self._books.use_local(sid, node, reused_tokens, now_s)
-        if self.exclusive_hierarchy:
-            self._books.drop_copy(sid, node)
-        return usable
+        read (a prefetch that is read is useful, not wasted)."""
+        return self._books.use_local(sid, node, reused_tokens, now_s)
 
     def mark_read(self, sid: str, node: int, tokens: int, arrived_s: float) -> None:
         """A request that arrived at ``arrived_s`` and ran on ``node`` took ``tokens`` of
@@ -255,7 +250,8 @@ class SchedulerCore:
 
     def request_finished(self, event: SessionEvent, context_tokens: int) -> StepOutput:
         """The response ended on ``event.node``: the session's KV is written through to the
-        node's DRAM tier and the remote store; plan its next visit."""
+        node's DRAM tier (under demote-on-evict only if HBM did not keep it: DRAM gets it
+        when HBM evicts it) and the remote store; plan its next visit."""
         sid, now = event.session_id, event.time_s
         node = event.node if event.node is not None else 0
         s = self._sessions.of(sid)
@@ -265,8 +261,8 @@ class SchedulerCore:
         if self.policy.remote:
             s.remote_tokens = context_tokens
         self._observe(event)
-        if self.exclusive_hierarchy and self.view.hbm_tokens(node, sid) >= context_tokens:
-            self._books.drop_copy(sid, node)  # HBM holds it: DRAM's copy would be a duplicate
+        if self.demote_on_evict and self.view.hbm_tokens(node, sid) >= context_tokens:
+            pass  # HBM holds it; DRAM keeps whatever older prefix it has until it evicts it
         elif self.policy.dram_tier and node not in s.inflight_nodes:
             self._books.write_through(sid, node, context_tokens, now)
         if self.policy.prefetch and not s.in_flight:
@@ -274,11 +270,11 @@ class SchedulerCore:
         return self._output()
 
     def hbm_evicted(self, sid: str, node: int, tokens: int, now_s: float) -> StepOutput:
-        """The node's HBM dropped the session's ``tokens`` (or did not take them): under an
-        exclusive hierarchy they are demoted into its DRAM tier, which keeps them if its
+        """The node's HBM dropped the session's ``tokens`` (or did not take them): under
+        demote-on-evict they are written to its DRAM tier, which keeps them if its
         ranking makes room (the write-through's rule)."""
         s = self._sessions.get(sid)
-        if (self.exclusive_hierarchy and s is not None and node not in s.inflight_nodes
+        if (self.demote_on_evict and s is not None and node not in s.inflight_nodes
                 and self.dram_tokens(node, sid) < tokens):
             self._books.write_through(sid, node, tokens, now_s)
         return self._output()

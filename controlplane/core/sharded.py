@@ -55,8 +55,7 @@ class ShardedCore:
                  view: FleetView, shards: int, *, shared_tier: bool = False) -> None:
         quota = fleet.shard_quota(shards, shared_tier=shared_tier)
         self.ring = ShardRing(shards)
-        self.cores = [SchedulerCore(quota, policy, copy.deepcopy(predictor), view,
-                                    exclusive_hierarchy=policy.exclusive_hierarchy)
+        self.cores = [SchedulerCore(quota, policy, copy.deepcopy(predictor), view)
                       for _ in range(shards)]
         #: Each node's real tier when the cores share it (None: static quotas).
         self._shared_bytes = (fleet.node.dram_tier_bytes

@@ -248,7 +248,7 @@ def _simulated(args: argparse.Namespace, fleet: Any, seeds: list[SeedTrace],
 def build_report(args: argparse.Namespace, fleet: Any, seeds: list[SeedTrace],
             runs: dict[str, list[Run]], predictor: str, wall_s: float) -> dict[str, Any]:
     from kvprefetch.controlplane.base.types import HintKind
-    from kvprefetch.controlplane.sim.metrics import gap_closure, working_set_peak_bytes
+    from kvprefetch.controlplane.sim.metrics import working_set_peak_bytes
 
     per_trace = []
     for st in seeds:
@@ -297,9 +297,6 @@ def build_report(args: argparse.Namespace, fleet: Any, seeds: list[SeedTrace],
                              for n in ("ondemand", "predictive"))
             report["comparison"] = {"baseline": "ondemand", "policy": "predictive",
                                     "comparable": comparable, "returning": diff}
-    closure = gap_closure({name: p["returning"]["ttft_mean_s"] for name, p in results.items()})
-    if closure is not None:
-        report["gap_closure"] = closure
     return report
 
 

@@ -92,7 +92,8 @@ class ServiceConfig(BaseModel):
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; known: {', '.join(POLICIES)}")
         if POLICIES[self.policy].predictor == "oracle":
-            raise ValueError("policy 'oracle' reads the future: simulator only")
+            raise ValueError(f"policy {self.policy!r} reads the future (the oracle "
+                             "predictor): simulator only")
         if self.initial_nodes is not None and self.initial_nodes > self.fleet.nodes:
             raise ValueError(f"initial_nodes={self.initial_nodes} is more than the fleet's "
                              f"{self.fleet.nodes} nodes")

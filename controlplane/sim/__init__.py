@@ -1,6 +1,6 @@
 """Discrete-event trace replay over a modelled GPU fleet (see :mod:`.simulator`)."""
 
-from kvprefetch.controlplane.sim.metrics import gap_closure, summarize, working_set_peak_bytes
+from kvprefetch.controlplane.sim.metrics import summarize, working_set_peak_bytes, yardstick
 from kvprefetch.controlplane.sim.runner import SimOptions, run_policies, run_policy
 from kvprefetch.controlplane.sim.scenarios import SCENARIOS, FleetEvents, apply_scenario
 from kvprefetch.controlplane.sim.simulator import PolicyRun, RequestRecord, Simulation
@@ -13,9 +13,9 @@ __all__ = [
     "SimOptions",
     "Simulation",
     "apply_scenario",
-    "gap_closure",
     "run_policies",
     "run_policy",
     "summarize",
     "working_set_peak_bytes",
+    "yardstick",
 ]

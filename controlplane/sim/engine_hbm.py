@@ -2,10 +2,10 @@
 
 Each node's HBM is a :class:`~kvprefetch.controlplane.core.tiers.Tier`: LRU (the engine's
 own), or ranked by the policy's HBM retention
-(:mod:`kvprefetch.controlplane.core.hbm_retention`). Under an exclusive hierarchy
-(``PolicySpec.exclusive_hierarchy``) whatever leaves HBM, or a finished context HBM does
-not take, is demoted: handed to the scheduling core for the node's DRAM tier
-(``SchedulerCore.hbm_evicted``). The copy over the host link is not charged, as the
+(:mod:`kvprefetch.controlplane.core.hbm_retention`, a peer's own). Under demote-on-evict
+(``PolicySpec.demote_on_evict``: lazy offload, write-back) whatever leaves HBM, or a
+finished context HBM does not take, is demoted: handed to the scheduling core for the
+node's DRAM tier (``SchedulerCore.hbm_evicted``). The copy over the host link is not charged, as the
 write-through's copy at a response end is not: a demotion moves at most the bytes a
 write-through would, and an engine that demotes ahead of need (a free-block watermark)
 does it off the requests' path.
@@ -62,9 +62,9 @@ class EngineHbm:
     @property
     def takes_finished_first(self) -> bool:
         """Whether HBM takes a finished context before the core hears of the finish: under
-        LRU HBM and an exclusive hierarchy (the core then drops DRAM's copy of what HBM
+        LRU HBM and demote-on-evict (the core then skips the write-through of what HBM
         holds); a retention policy's reload cost sees the write-through, so after it."""
-        return self.retention is None or self._policy.exclusive_hierarchy
+        return self.retention is None or self._policy.demote_on_evict
 
     def put(self, node: int, session_id: str, tokens: int, pinned: int, now_s: float,
             min_key: float = -INF) -> None:
@@ -99,7 +99,7 @@ class EngineHbm:
                  min_key=retention.admit_key(session_id, now_s))
 
     def _demote(self, node: int, session_id: str, tokens: int, now_s: float) -> None:
-        if self._policy.exclusive_hierarchy:
+        if self._policy.demote_on_evict:
             self._carry(self._core.hbm_evicted(session_id, node, tokens, now_s))
 
     def _reload_s(self, node: int, sid: str, ctx: int) -> float:

@@ -8,8 +8,9 @@ from collections.abc import Mapping
 import numpy as np
 
 from kvprefetch.controlplane.base.types import Trace
+from kvprefetch.controlplane.core.policies import BASELINE_NAMES
 
-from .report import PolicySummary, PrefetchLateness, TransferTimes, TtftSummary
+from .report import PolicySummary, PrefetchLateness, TransferTimes, TtftSummary, Yardstick
 from .simulator import PolicyRun, RequestRecord
 
 
@@ -78,19 +79,45 @@ def summarize(run: PolicyRun) -> PolicySummary:
     )
 
 
-def gap_closure(returning_ttft_mean_s: Mapping[str, float]) -> float | None:
-    """(ondemand - predictive) / (ondemand - oracle), given each policy's mean TTFT of
-    returning requests; None when one of the three is missing or ondemand is no slower
-    than oracle."""
-    try:
-        on = returning_ttft_mean_s["ondemand"]
-        pr = returning_ttft_mean_s["predictive"]
-        orc = returning_ttft_mean_s["oracle"]
-    except KeyError:
+def forecast_gap_closure(returning_ttft_mean_s: Mapping[str, float],
+                         subject: str = "predictive") -> tuple[float | None, str | None]:
+    """(reactive - subject) / (reactive - perfect), given each policy's mean TTFT of
+    returning requests, and None or why there is none: ``perfect`` is not ahead of (no
+    slower than) every policy that ran, or ``reactive`` is no slower than it. A closure is
+    therefore never above 1; it is below 0 where the subject is behind ``reactive``."""
+    mean = returning_ttft_mean_s
+    if any(n not in mean for n in ("reactive", subject, "perfect")):
+        return None, f"needs reactive, {subject} and perfect in the run"
+    behind = [n for n, m in mean.items() if m < mean["perfect"] - 1e-9]
+    if behind:
+        return None, "perfect is not ahead of " + ", ".join(
+            f"{n} ({mean[n]:.3f} s < {mean['perfect']:.3f} s)" for n in behind)
+    if mean["reactive"] - mean["perfect"] <= 1e-9:
+        return None, "reactive is no slower than perfect: forecasts have nothing to gain"
+    return _round((mean["reactive"] - mean[subject]) / (mean["reactive"] - mean["perfect"])), None
+
+
+def yardstick(summaries: Mapping[str, PolicySummary]) -> Yardstick | None:
+    """``predictive`` against the best baseline that ran (:data:`~kvprefetch.controlplane.
+    core.policies.BASELINE_NAMES`: lowest returning mean; its p90 against the lowest
+    baseline p90) and its :func:`forecast_gap_closure`. None when predictive did not
+    run."""
+    pred = summaries.get("predictive")
+    if pred is None:
         return None
-    if on - orc <= 1e-12:
-        return None
-    return _round((on - pr) / (on - orc))
+    mean = {name: p.returning.ttft_mean_s for name, p in summaries.items()}
+    baselines = [n for n in BASELINE_NAMES if n in summaries]
+    best = min(baselines, key=lambda n: mean[n]) if baselines else None
+    best_p90 = (min(summaries[n].returning.ttft_p90_s for n in baselines)
+                if baselines else None)
+    closure, reason = forecast_gap_closure(mean)
+    return Yardstick(
+        best_baseline=best,
+        vs_best_baseline=(_round(mean["predictive"] / mean[best])
+                          if best is not None and mean[best] > 0 else None),
+        vs_best_baseline_p90=(_round(pred.returning.ttft_p90_s / best_p90)
+                              if best_p90 else None),
+        forecast_gap_closure=closure, no_closure=reason)
 
 
 def working_set_peak_bytes(trace: Trace, kv_bytes_per_token: int) -> int:

@@ -125,6 +125,42 @@ class PolicySummary:
 
 
 @dataclass(frozen=True, slots=True)
+class Yardstick:
+    """``predictive`` against its baselines and its two references, on returning TTFT
+    (:func:`~kvprefetch.controlplane.sim.metrics.yardstick`)."""
+
+    #: The baseline with the lowest returning mean (None: no baseline ran).
+    best_baseline: str | None
+    #: predictive / the best baseline's returning mean, and / the lowest baseline p90.
+    vs_best_baseline: float | None
+    vs_best_baseline_p90: float | None
+    #: (reactive - predictive) / (reactive - perfect), returning mean; None with a reason.
+    forecast_gap_closure: float | None
+    #: Why there is no closure (None when there is one).
+    no_closure: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"best_baseline": self.best_baseline, "vs_best_baseline": self.vs_best_baseline,
+                "vs_best_baseline_p90": self.vs_best_baseline_p90,
+                "forecast_gap_closure": self.forecast_gap_closure,
+                "no_closure": self.no_closure}
+
+    def lines(self) -> list[str]:
+        """The table's closing lines."""
+        out = []
+        if self.best_baseline is not None:
+            out.append(f"predictive / best baseline ({self.best_baseline}), returning mean: "
+                       f"{self.vs_best_baseline:.3f}; p90 / the lowest baseline p90: "
+                       f"{self.vs_best_baseline_p90:.3f}")
+        if self.forecast_gap_closure is not None:
+            out.append(f"forecast gap closure (reactive -> perfect, returning mean): "
+                       f"{self.forecast_gap_closure:.3f}")
+        else:
+            out.append(f"forecast gap closure: none ({self.no_closure})")
+        return out
+
+
+@dataclass(frozen=True, slots=True)
 class HintsMeta:
     """The client hints a replay sent (:mod:`~kvprefetch.controlplane.sim.hints`): the settings, and
     how many of each kind every policy's replay sent (the same planned hints for all)."""
@@ -162,6 +198,8 @@ class SimMeta:
     predictor: str
     model: str
     nodes: int
+    #: The engine profile every policy ran on (:mod:`kvprefetch.controlplane.core.engines`).
+    engine: str
     #: Peak summed KV of live sessions
     #: (:func:`~kvprefetch.controlplane.sim.metrics.working_set_peak_bytes`).
     working_set_peak_bytes: int
@@ -183,7 +221,8 @@ class SimMeta:
             "trace": self.trace, "trace_format": self.trace_format,
             "requests": self.requests, "sessions": self.sessions, "seed": self.seed,
             "scenario": self.scenario, "predictor": self.predictor, "model": self.model,
-            "nodes": self.nodes, "working_set_peak_bytes": self.working_set_peak_bytes,
+            "nodes": self.nodes, "engine": self.engine,
+            "working_set_peak_bytes": self.working_set_peak_bytes,
             "local_capacity_bytes": self.local_capacity_bytes,
             "pressure_ratio": self.pressure_ratio, "wall_s": self.wall_s}
         if self.hints is not None:
@@ -203,9 +242,8 @@ class SimReport:
     meta: SimMeta
     #: Policy name -> its summary, in the order the policies were given.
     policies: Mapping[str, PolicySummary]
-    #: (ondemand - predictive) / (ondemand - oracle) on returning mean TTFT; None when
-    #: one of the three did not run or ondemand is no slower than oracle.
-    gap_closure: float | None = None
+    #: predictive against its baselines and references; None when predictive did not run.
+    yardstick: Yardstick | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object of ``kvprefetch sim --json``."""
@@ -213,8 +251,8 @@ class SimReport:
             "meta": self.meta.to_dict(),
             "policies": {name: p.to_dict() for name, p in self.policies.items()},
         }
-        if self.gap_closure is not None:
-            out["gap_closure"] = self.gap_closure
+        if self.yardstick is not None:
+            out["yardstick"] = self.yardstick.to_dict()
         return out
 
     def to_json(self) -> str:
@@ -228,7 +266,7 @@ def format_table(report: SimReport) -> str:
     meta = report.meta
     lines = [
         f"trace {meta.trace}: {meta.requests} requests, {meta.sessions} sessions; "
-        f"{meta.nodes} x {meta.model}; predictor {meta.predictor}",
+        f"{meta.nodes} x {meta.model} on engine {meta.engine}; predictor {meta.predictor}",
         f"working set peak {meta.working_set_peak_bytes / GIB:,.0f} GiB vs local tiers "
         f"{meta.local_capacity_bytes / GIB:,.0f} GiB: pressure {meta.pressure_ratio:.2f}x",
     ]
@@ -254,9 +292,8 @@ def format_table(report: SimReport) -> str:
             f"{p.stall_s:>9.0f} {p.prefetched_bytes / GIB:>9.0f} "
             f"{p.wasted_bytes / GIB:>8.0f} {p.remote_bytes / GIB:>9.0f}"
         )
-    if report.gap_closure is not None:
-        lines.append(f"\ngap_closure (ondemand -> oracle, returning mean TTFT): "
-                     f"{report.gap_closure:.3f}")
+    if report.yardstick is not None:
+        lines += ["", *report.yardstick.lines()]
     lines.append(f"wall time {meta.wall_s:.1f} s")
     return "\n".join(lines)
 
@@ -284,7 +321,8 @@ def write_plot(report: Mapping[str, Any], path: str | Path) -> None:
     ax1.set_title("TTFT CDF, returning requests")
     ax1.grid(True, which="both", alpha=0.3)
     ax1.legend()
-    names = [n for n in report["policies"] if n in POLICIES and POLICIES[n].prefetch]
+    names = [n for n in report["policies"]
+             if n in POLICIES and POLICIES[n].prefetch and POLICIES[n].forecasts]
     useful = [(report["policies"][n]["prefetched_bytes"]
                - report["policies"][n]["wasted_bytes"]) / GIB for n in names]
     wasted = [report["policies"][n]["wasted_bytes"] / GIB for n in names]

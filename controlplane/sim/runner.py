@@ -21,13 +21,14 @@ from typing import Any
 
 from kvprefetch.controlplane.base.config import FleetConfig
 from kvprefetch.controlplane.base.types import Trace
+from kvprefetch.controlplane.core.engines import DEFAULT_ENGINE, EngineProfile
 from kvprefetch.controlplane.core.policies import PolicySpec
 from kvprefetch.predictors.base import Predictor
 from kvprefetch.predictors.hinted import with_hints
 from kvprefetch.predictors.registry import load as load_predictor
 
 from .hints import HintConfig, HintCounts, PlannedHint, hint_kind_names, plan_hints
-from .metrics import gap_closure, summarize, working_set_peak_bytes
+from .metrics import summarize, working_set_peak_bytes, yardstick
 from .report import HintsMeta, PolicySummary, SimMeta, SimReport
 from .simulator import PolicyRun, Simulation
 
@@ -48,6 +49,9 @@ class SimOptions:
     #: The shards book each node's whole tier and the node evicts LRU across them (live:
     #: ``shard_tier: shared``), instead of 1/N each.
     shared_tier: bool = False
+    #: The engine profile every policy runs on (:mod:`kvprefetch.controlplane.core.engines`),
+    #: or its name.
+    engine: EngineProfile | str = DEFAULT_ENGINE
 
 
 def hinted_predictor(policy: PolicySpec, predictor: Predictor) -> Predictor:
@@ -62,37 +66,42 @@ def run_policy(trace: Trace, fleet: FleetConfig, policy: PolicySpec, predictor_s
                progress: Callable[[int], None] | None = None, *,
                hints: Sequence[PlannedHint] | None = None,
                join_at_s: float | None = None, shards: int = 1,
-               shared_tier: bool = False) -> PolicyRun:
-    """One policy's replay. ``hints``: the planned client hints (:func:`plan_hints`), which
-    also turns the predictor's hint reading on (even when empty); None = no hints."""
+               shared_tier: bool = False,
+               engine: EngineProfile | str = DEFAULT_ENGINE) -> PolicyRun:
+    """One policy's replay on ``engine``. ``hints``: the planned client hints
+    (:func:`plan_hints`), which also turns the predictor's hint reading on (even when
+    empty); None = no hints."""
     predictor = load_predictor(policy.predictor or predictor_spec, trace=trace)
     if hints is not None:
         predictor = hinted_predictor(policy, predictor)
     sim = Simulation(trace, fleet, policy, predictor, clear_tiers_at_s=clear_tiers_at_s,
                      join_at_s=join_at_s, hints=hints or (), shards=shards,
-                     shared_tier=shared_tier)
+                     shared_tier=shared_tier, engine=engine)
     return sim.run(progress)
 
 
 _WORKER_STATE: dict[str, Any] = {}
 
 
-def _init_worker(trace: Trace, fleet: FleetConfig, predictor: str, clear: float | None,
-                 queue: Any, hints: Sequence[PlannedHint] | None, join: float | None,
-                 shards: int, shared_tier: bool) -> None:
-    _WORKER_STATE.update(trace=trace, fleet=fleet, predictor=predictor, clear=clear,
-                         queue=queue, hints=hints, join=join, shards=shards,
-                         shared_tier=shared_tier)
+def _init_worker(trace: Trace, fleet: FleetConfig, options: SimOptions, queue: Any,
+                 hints: Sequence[PlannedHint] | None) -> None:
+    _WORKER_STATE.update(trace=trace, fleet=fleet, options=options, queue=queue, hints=hints)
 
 
 def _run_in_worker(policy: PolicySpec) -> PolicySummary:
     st = _WORKER_STATE
     queue = st["queue"]
-    run = run_policy(st["trace"], st["fleet"], policy, st["predictor"], st["clear"],
-                     progress=queue.put if queue is not None else None, hints=st["hints"],
-                     join_at_s=st["join"], shards=st["shards"],
-                     shared_tier=st["shared_tier"])
-    return summarize(run)
+    return summarize(_run(st["trace"], st["fleet"], policy, st["options"], st["hints"],
+                          queue.put if queue is not None else None))
+
+
+def _run(trace: Trace, fleet: FleetConfig, policy: PolicySpec, options: SimOptions,
+         hints: Sequence[PlannedHint] | None, progress: Callable[[int], None] | None
+         ) -> PolicyRun:
+    return run_policy(trace, fleet, policy, options.predictor, options.clear_tiers_at_s,
+                      progress, hints=hints, join_at_s=options.join_at_s,
+                      shards=options.shards, shared_tier=options.shared_tier,
+                      engine=options.engine)
 
 
 def run_policies(
@@ -109,18 +118,15 @@ def run_policies(
     results: dict[str, PolicySummary] = {}
     if options.workers <= 1 or len(policies) <= 1:
         for policy in policies:
-            run = run_policy(trace, fleet, policy, options.predictor, options.clear_tiers_at_s,
-                             progress, hints=hints, join_at_s=options.join_at_s,
-                             shards=options.shards, shared_tier=options.shared_tier)
-            results[policy.name] = summarize(run)
+            results[policy.name] = summarize(_run(trace, fleet, policy, options, hints,
+                                                  progress))
     else:
         ctx = mp.get_context("fork")
         queue = ctx.Queue() if progress is not None else None
         with ProcessPoolExecutor(
             max_workers=min(options.workers, len(policies)), mp_context=ctx,
             initializer=_init_worker,
-            initargs=(trace, fleet, options.predictor, options.clear_tiers_at_s, queue, hints,
-                      options.join_at_s, options.shards, options.shared_tier),
+            initargs=(trace, fleet, options, queue, hints),
         ) as pool:
             futures = {p.name: pool.submit(_run_in_worker, p) for p in policies}
             while queue is not None and progress is not None and not all(
@@ -146,6 +152,7 @@ def run_policies(
         predictor=options.predictor,
         model=fleet.model.name,
         nodes=fleet.nodes,
+        engine=options.engine if isinstance(options.engine, str) else options.engine.name,
         working_set_peak_bytes=working_set,
         local_capacity_bytes=local_capacity,
         pressure_ratio=round(working_set / max(1, local_capacity), 3),
@@ -154,8 +161,7 @@ def run_policies(
         shards=options.shards,
         shared_tier=options.shared_tier,
     )
-    closure = gap_closure({name: p.returning.ttft_mean_s for name, p in results.items()})
-    return SimReport(meta, results, closure)
+    return SimReport(meta, results, yardstick(results))
 
 
 def _hints_meta(config: HintConfig | None, hints: Sequence[PlannedHint] | None

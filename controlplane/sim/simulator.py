@@ -15,10 +15,12 @@ missing KV at arrival) -> prefill queue -> (policy: load at schedule; the GPU wa
 DRAM->HBM copy of reused KV (stall) -> prefill of the new tokens -> first token (TTFT)
 -> decode -> finish: the context is written to HBM, the DRAM tier and the remote store.
 
-Under an exclusive hierarchy (``PolicySpec.exclusive_hierarchy``: ``predictive`` and the
-oracle) a node's HBM and DRAM hold different contexts: a request's GPU start drops the DRAM
-copy it reads into HBM, a finished context goes to HBM alone, and whatever HBM evicts (or
-does not take) is demoted into DRAM, where the core's DRAM ranking admits it or not.
+Every policy runs on one engine profile (:mod:`kvprefetch.controlplane.core.engines`),
+which sets the mechanisms above for all of them alike. Under demote-on-evict (lazy offload,
+write-back) a finished context goes to HBM alone and reaches DRAM when HBM evicts it (or
+does not take it), where the core's DRAM ranking admits it or not. Under asynchronous
+loads a request whose KV is still loading when the GPU picks it up is set aside, and the
+GPU serves the next request; once the load lands the request goes before the queue.
 """
 
 from __future__ import annotations
@@ -36,6 +38,12 @@ from kvprefetch.controlplane.base.types import (
     Trace,
     TraceRequest,
     TraceSession,
+)
+from kvprefetch.controlplane.core.engines import (
+    DEFAULT_ENGINE,
+    EngineProfile,
+    engine_profile,
+    on_engine,
 )
 from kvprefetch.controlplane.core.hbm_retention import HbmRetention
 from kvprefetch.controlplane.core.planner import PrefetchOrder
@@ -79,6 +87,10 @@ class _Node:
     hbm: Tier
     link: Link
     queue: deque[_Req] = field(default_factory=deque)
+    #: Under asynchronous loads: requests the GPU set aside while their KV loads, and
+    #: those whose KV has landed, which go before the queue.
+    loading: list[_Req] = field(default_factory=list)
+    loaded: deque[_Req] = field(default_factory=deque)
     running: _Req | None = None
     running_end_est_s: float = 0.0
     queued_est_s: float = 0.0
@@ -149,10 +161,11 @@ def clamp_to_window(trace: Trace, window: int) -> Trace:
 
 
 class Simulation:
-    """Replays ``trace`` on ``fleet`` under ``policy``: the physics of the fleet (GPU
-    queues, HBM, links, the remote store) around one :class:`SchedulerCore`, which makes
-    every decision. Deterministic: no clock, no randomness beyond the trace and the
-    predictor, ties broken by insertion order."""
+    """Replays ``trace`` on ``fleet`` under ``policy`` as it runs on ``engine`` (a profile
+    or its name; :func:`~kvprefetch.controlplane.core.engines.on_engine`): the physics of
+    the fleet (GPU queues, HBM, links, the remote store) around one :class:`SchedulerCore`,
+    which makes every decision. Deterministic: no clock, no randomness beyond the trace and
+    the predictor, ties broken by insertion order."""
 
     def __init__(
         self,
@@ -167,10 +180,12 @@ class Simulation:
         hints: Iterable[PlannedHint] = (),
         shards: int = 1,
         shared_tier: bool = False,
+        engine: EngineProfile | str = DEFAULT_ENGINE,
     ) -> None:
         self.trace = trace
         self.fleet = fleet
-        self.policy = policy
+        self.engine = engine_profile(engine) if isinstance(engine, str) else engine
+        self.policy = policy = on_engine(policy, self.engine)
         self.predictor = predictor
         self.clear_tiers_at_s = clear_tiers_at_s
         #: Scale-out: the last node is absent until then, and joins empty.
@@ -187,8 +202,7 @@ class Simulation:
         #: One core, or ``shards`` cores each planning with its quota of the fleet (or
         #: sharing each node's tier).
         self.core: SchedulerCore | ShardedCore = (
-            SchedulerCore(fleet, policy, predictor, self,
-                          exclusive_hierarchy=policy.exclusive_hierarchy) if shards == 1
+            SchedulerCore(fleet, policy, predictor, self) if shards == 1
             else ShardedCore(fleet, policy, predictor, self, shards, shared_tier=shared_tier))
         node_cfg = fleet.node
         self.hbm = EngineHbm(fleet, policy, self.core, self.remote, self._carry,
@@ -368,10 +382,21 @@ class Simulation:
                                             demand=xfer.klass != PREFETCH))
         waiting = node.running
         if waiting is not None and waiting.waiting_on is xfer:
-            waiting.waiting_on = None
-            if waiting.prefetch_ready_s is not None:
-                waiting.prefetch_ready_s = self._now
+            self._landed(waiting)
             self._begin_prefill(node, waiting)
+            return
+        aside = next((r for r in node.loading if r.waiting_on is xfer), None)
+        if aside is not None:
+            node.loading.remove(aside)
+            self._landed(aside)
+            node.loaded.append(aside)
+            self._try_start(node)
+
+    def _landed(self, r: _Req) -> None:
+        """The load ``r`` waited for landed."""
+        r.waiting_on = None
+        if r.prefetch_ready_s is not None:
+            r.prefetch_ready_s = self._now
 
     # ------------------------------------------------------------------ requests
     def _on_arrive(self, r: _Req) -> None:
@@ -404,20 +429,39 @@ class Simulation:
             r.waiting_on = self._submit(ticket)
 
     def _try_start(self, node: _Node) -> None:
-        if node.running is not None or not node.queue:
-            return
-        r = node.queue.popleft()
-        node.queued_est_s = max(0.0, node.queued_est_s - r.est_service_s)
+        while node.running is None and node.loaded:
+            r = node.loaded.popleft()
+            node.queued_est_s = max(0.0, node.queued_est_s - r.est_service_s)
+            self._run(node, r)
+            self._begin_prefill(node, r)
+        while node.running is None and node.queue:
+            r = node.queue.popleft()
+            node.queued_est_s = max(0.0, node.queued_est_s - r.est_service_s)
+            self._run(node, r)
+            r.start_s = self._now
+            out = self.core.gpu_start(r.req.session_id, node.idx, r.req.reused_tokens,
+                                      self._now)
+            self._carry(out, r.req.session_id)
+            self._attach_demand(r, out)
+            if r.waiting_on is not None and r.waiting_on.done_s is None:
+                # The transfer goes first; the GPU waits for it (resumed by
+                # _on_transfer_done), or under asynchronous loads sets the request aside
+                # and serves the next one.
+                self._push_completion(node.link.promote(r.waiting_on, self._now))
+                if not self.policy.async_load:
+                    return
+                node.running = None
+                node.loading.append(r)
+                node.queued_est_s += r.est_service_s
+                continue
+            self._start_ready(node, r)
+
+    def _run(self, node: _Node, r: _Req) -> None:
         node.running = r
         node.running_end_est_s = self._now + r.est_service_s
-        r.start_s = self._now
-        out = self.core.gpu_start(r.req.session_id, node.idx, r.req.reused_tokens, self._now)
-        self._carry(out, r.req.session_id)
-        self._attach_demand(r, out)
-        if r.waiting_on is not None and r.waiting_on.done_s is None:
-            # The GPU waits for the transfer (resumed by _on_transfer_done): it goes first.
-            self._push_completion(node.link.promote(r.waiting_on, self._now))
-            return
+
+    def _start_ready(self, node: _Node, r: _Req) -> None:
+        """The GPU picked up ``r`` and its KV needs no load it waits for: prefill."""
         if r.waiting_on is not None and r.prefetch_ready_s == INF:
             r.prefetch_ready_s = r.waiting_on.done_s  # the prefetch landed while it queued
         r.waiting_on = None

@@ -38,31 +38,23 @@ RUNS: dict[str, list[str]] = {
         "--json", "docs/results/data/sim-bundled-n2.json",
         "--plot", "docs/results/sim-bundled-n2.png",
     ],
-    "sim-grid-unseen": [
+    "yardstick-vllm-lmcache": [
         "kvprefetch", "sim-grid",
-        "--traces", "synthetic:agentic,synthetic:chat,synthetic:research",
-        "--nodes", "2,4", "--loads", "1,2", "--seeds", "0,1", "--no-progress",
-        "--json", "docs/results/data/sim-grid-unseen.json",
-        "--plot", "docs/results/sim-grid-unseen.png",
-    ],
-    "peers-grid": [
-        "kvprefetch", "sim-grid",
-        "--traces", "controlplane/data/traces/claude-code,synthetic:agentic,synthetic:chat,"
-        "synthetic:research",
-        "--nodes", "2,4", "--loads", "1,2", "--seeds", "0,1",
-        "--policies", "ondemand,queue,continuum-ttl,mori,ttl-lognormal,predictive,oracle",
-        "--workers", "2", "--no-progress",
-        "--json", "docs/results/data/peers-grid.json", "--plot", "docs/results/peers-grid.png",
-    ],
-    "peers-grid-full": [
-        "kvprefetch", "sim-grid",
-        "--traces", "../shared/traces/claude-code,synthetic:agentic,synthetic:agentic-nostop,"
-        "synthetic:chat,synthetic:research",
+        "--traces", "controlplane/data/traces/claude-code,synthetic:agentic,"
+        "synthetic:agentic-nostop,synthetic:chat,synthetic:research",
         "--nodes", "2,4,8", "--loads", "0.5,1,2", "--seeds", "0,1,2",
-        "--policies", "ondemand,queue,continuum-ttl,mori,ttl-lognormal,predictive,oracle",
-        "--workers", "2", "--no-progress",
-        "--json", "docs/results/data/peers-grid-full.json",
-        "--plot", "docs/results/peers-grid-full.png",
+        "--engine", "vllm-lmcache", "--workers", "2", "--no-progress",
+        "--json", "docs/results/data/yardstick-vllm-lmcache.json",
+        "--plot", "docs/results/yardstick-vllm-lmcache.png",
+    ],
+    "yardstick-vllm-lmcache-lazy": [
+        "kvprefetch", "sim-grid",
+        "--traces", "controlplane/data/traces/claude-code,synthetic:agentic,"
+        "synthetic:agentic-nostop,synthetic:chat,synthetic:research",
+        "--nodes", "2,4,8", "--loads", "0.5,1,2", "--seeds", "0,1,2",
+        "--engine", "vllm-lmcache-lazy", "--workers", "2", "--no-progress",
+        "--json", "docs/results/data/yardstick-vllm-lmcache-lazy.json",
+        "--plot", "docs/results/yardstick-vllm-lmcache-lazy.png",
     ],
     "bench-control-plane": [
         "kvprefetch", "bench", "control-plane", "--modes", "inproc,service,http,ray-1",

@@ -13,7 +13,7 @@ import pytest
 from kvprefetch.controlplane.base.config import default_fleet
 from kvprefetch.controlplane.cli import main
 from kvprefetch.controlplane.cli.sim import DEFAULT_SIM_SESSION_RATE_PER_S
-from kvprefetch.controlplane.core.policies import parse_policies
+from kvprefetch.controlplane.core.policies import BASELINE_NAMES, parse_policies
 from kvprefetch.controlplane.sim import SimOptions, run_policies
 from kvprefetch.controlplane.sim.hints import HintConfig
 from kvprefetch.controlplane.sim.simulator import clamp_to_window
@@ -46,9 +46,9 @@ def test_grid_cells_are_the_sims_they_name_and_the_summary_follows(
     # One cell, run again by hand as `kvprefetch sim` would: the same figures.
     cell = next(c for c in data["cells"] if c["trace"] == "synthetic:chat:24"
                 and c["nodes"] == 2 and c["seed"] == 3)
-    rep = _sim_by_hand("synthetic:chat:24", 2, "ondemand,queue,predictive,oracle",
+    rep = _sim_by_hand("synthetic:chat:24", 2, "ondemand,queue,reactive,predictive,perfect",
                        SimOptions(seed=3))
-    for name in ("ondemand", "queue", "predictive", "oracle"):
+    for name in ("ondemand", "queue", "reactive", "predictive", "perfect"):
         assert cell["policies"][name]["ttft_mean_s"] == rep["policies"][name]["returning"][
             "ttft_mean_s"]
     od = rep["policies"]["ondemand"]["returning"]["ttft_mean_s"]
@@ -64,10 +64,14 @@ def test_grid_cells_are_the_sims_they_name_and_the_summary_follows(
     assert total["worse_than_best"] == sum(c["worse_than_best"] for c in cells)
     for c in cells:
         pol = c["policies"]
-        best = min(pol["ondemand"]["ttft_mean_s"], pol["queue"]["ttft_mean_s"])
+        best = min(pol[n]["ttft_mean_s"] for n in BASELINE_NAMES)  # the default runs them all
         assert c["worse_than_best"] == (pol["predictive"]["ttft_mean_s"] > best * 1.0005)
+        assert (c["forecast_gap_closure"] is None) == (c["no_closure"] is not None)
     printed = capsys.readouterr().out
     assert "predictive/ondemand mean" in printed and "synthetic:research:24" in printed
+    assert "returning mean s: ondemand" in printed and "closure" in printed
+    assert total["cells_without_closure"] == sum(c["forecast_gap_closure"] is None
+                                                 for c in cells)
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -75,8 +79,8 @@ def test_grid_cells_are_the_sims_they_name_and_the_summary_follows(
     (["--loads", "fast"], "--loads: 'fast' is not a float"),
     (["--seeds", "-1"], "--seeds: -1 must be >= 0"),
     (["--policies", "queue,predictive"], "--policies must include 'ondemand'"),
-    (["--subject", "oracle", "--policies", "ondemand,predictive"],
-     "--policies must include 'oracle'"),
+    (["--subject", "perfect", "--policies", "ondemand,predictive"],
+     "--policies must include 'perfect'"),
     (["--traces", "synthetic:nope"], "unknown synthetic profile 'nope'"),
     (["--model", "13b"], "unknown model '13b'"),
     (["--shards", "0"], "--shards must be 1-"),

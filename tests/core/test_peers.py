@@ -66,10 +66,9 @@ def test_peers_are_simulator_policies_only() -> None:
 
 
 def test_other_policies_run_none_of_the_peer_code() -> None:
-    for name in ("recompute", "local-lru", "ondemand", "queue", "predictive", "oracle"):
-        policy = POLICIES[name]
-        # The engine's LRU, or (the oracle) its exact next uses.
-        assert policy.hbm_retention == ("next-use" if name == "oracle" else None)
+    for name, policy in POLICIES.items():
+        # The engine's LRU: no engine profile lets an outside component rank HBM.
+        assert policy.hbm_retention is None, name
         assert policy.eviction is not EvictionKind.RETENTION_WINDOW
         core = SchedulerCore(FLEET, policy, load_predictor("default"), IdleFleet())
         assert core._books.retention is None

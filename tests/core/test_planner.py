@@ -17,7 +17,7 @@ def test_oracle_orders_finish_just_in_time() -> None:
         TraceRequest("s", 1, 0.0, 41_000, 10, 40_000, 120.0, "tool_use", 1.0),
     ))
     trace = Trace("t", (sess,), "test")
-    core = SchedulerCore(two_node_fleet(), POLICIES["oracle"], OraclePredictor(trace), FakeFleet())  # type: ignore[arg-type]
+    core = SchedulerCore(two_node_fleet(), POLICIES["perfect"], OraclePredictor(trace), FakeFleet())  # type: ignore[arg-type]
     finish_turn(core, "s", 0.0, node=0, ctx=40_010)
     (order,) = core.clear_local(1.0).orders  # the node restarted cold: plan it back
     ttlb = 0.0005 + 40_010 * core.bpt / 5e9

@@ -29,7 +29,7 @@ def test_forget_drops_session_and_predictor_state() -> None:
 
 def test_the_step_output_carries_the_planners_priority_and_reports_only_real_evictions(
 ) -> None:
-    whole = replace(POLICIES["oracle"], suffix_eviction=False)
+    whole = replace(POLICIES["perfect"], suffix_eviction=False)
     core = SchedulerCore(two_node_fleet(), whole, load("last-gap"), FakeFleet())  # type: ignore[arg-type]
     # Writing the same session through twice replaces its entry: not an eviction.
     finish_turn(core, "a", 0.0, node=0, ctx=40_000)

@@ -80,7 +80,7 @@ def test_bad_config_is_a_typed_error() -> None:
     with pytest.raises(ValueError, match="node_names"):
         ServiceConfig(fleet=FLEET, node_names=("a",))
     with pytest.raises(ValueError, match="oracle"):
-        ServiceConfig(fleet=FLEET, policy="oracle")
+        ServiceConfig(fleet=FLEET, policy="perfect")
     with pytest.raises(KvPrefetchError, match="unknown predictor"):
         SchedulerService(ServiceConfig(fleet=FLEET, predictor="nope")).start()
     svc = SchedulerService(ServiceConfig(fleet=FLEET))

@@ -340,11 +340,11 @@ def test_hint_due_at_the_arrival_comes_first_and_one_after_it_is_never_sent() ->
 
 def test_coverage_zero_replays_exactly_like_no_hints(bundled: Trace) -> None:
     fleet = default_fleet("8b", 1)
-    policies = parse_policies("ondemand,predictive,oracle")
+    policies = parse_policies("ondemand,predictive,perfect")
     off = run_policies(bundled, fleet, policies, SimOptions(predictor="ewma"))
     zero = run_policies(bundled, fleet, policies,
                         SimOptions(predictor="ewma", hints=HintConfig(coverage=0.0)))
-    assert zero.gap_closure == off.gap_closure
+    assert zero.yardstick == off.yardstick
     for name, summary in off.policies.items():
         assert json.dumps(zero.policies[name].to_dict()) == json.dumps(summary.to_dict())
     assert off.meta.hints is None and "hints" not in off.meta.to_dict()
@@ -356,7 +356,7 @@ def test_coverage_zero_replays_exactly_like_no_hints(bundled: Trace) -> None:
 
 def test_hints_replay_deterministically_and_report_what_was_sent(bundled: Trace) -> None:
     fleet = default_fleet("8b", 1)
-    policies = parse_policies("ondemand,predictive,oracle")
+    policies = parse_policies("ondemand,predictive,perfect")
     cfg = HintConfig(coverage=0.5, abandon_share=0.1, tool_eta_sigma=0.3, seed=4)
     reports = []
     for workers in (1, 2):
@@ -381,7 +381,7 @@ def test_the_users_predictor_reads_hints_the_oracle_keeps_its_own() -> None:
     assert isinstance(wrapped, HintedPredictor) and wrapped.inner is ewma
     assert hinted_predictor(POLICIES["predictive"], wrapped) is wrapped
     oracle = OraclePredictor(Trace("empty", (), "test"))
-    assert hinted_predictor(POLICIES["oracle"], oracle) is oracle
+    assert hinted_predictor(POLICIES["perfect"], oracle) is oracle
 
 
 def _tool_session(sid: str, start_s: float, turns: list[tuple[int, int, float]]) -> TraceSession:
@@ -413,8 +413,8 @@ def test_an_exact_tool_hint_lets_the_prefetch_land_before_the_request() -> None:
                                                                  ("b", 1, 2.0)]
 
     def last_turn_of_a(hints: tuple[PlannedHint, ...] | None) -> tuple[float, PolicyRun]:
-        run = run_policy(trace, fleet, replace(POLICIES["predictive"], exclusive_hierarchy=False),
-                         "last-gap", hints=hints)
+        run = run_policy(trace, fleet, POLICIES["predictive"], "last-gap", hints=hints,
+                         engine="local")
         (rec,) = [r for r in run.records if (r.session_id, r.turn) == ("a", 2)]
         assert rec.reused_local_tokens == rec.reused_tokens == 11_200
         return rec.ttft_s, run
@@ -431,6 +431,6 @@ def test_an_exact_tool_hint_lets_the_prefetch_land_before_the_request() -> None:
     # ... and the request no longer waits for them: most of their load time (Valkey's
     # 5 GB/s) is saved.
     assert with_hints < without - 0.8 * run_on.prefetched_bytes / 5e9
-    oracle = run_policy(trace, fleet, POLICIES["oracle"], "last-gap", hints=plan)
+    oracle = run_policy(trace, fleet, POLICIES["perfect"], "last-gap", hints=plan)
     (best,) = [r.ttft_s for r in oracle.records if (r.session_id, r.turn) == ("a", 2)]
     assert with_hints == pytest.approx(best)
