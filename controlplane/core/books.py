@@ -83,7 +83,8 @@ class TierBooks:
         if policy.eviction is EvictionKind.LRU:
             strategy = IndexedLruEviction()
         elif policy.eviction is EvictionKind.RETENTION_WINDOW:
-            strategy = self.retention = LognormalRetention()
+            strategy = self.retention = LognormalRetention(
+                tier_bytes=fleet.node.dram_tier_bytes if policy.dram_tier else 0)
         else:
             strategy = self.predicted_use
         capacity = fleet.node.dram_tier_bytes if policy.dram_tier else 0
@@ -188,7 +189,7 @@ class TierBooks:
         if self._policy.eviction is EvictionKind.PREDICTED_USE:
             min_key = self._forecasts.next_use(sid, now_s)
         elif self.retention is not None:
-            min_key = self.retention.key(sid, now_s)
+            min_key = self.retention.admit_key(sid, now_s)
         need = nbytes - old_bytes
         if self._budgets.shares is not None and not self._share_room(
                 sid, node, need, now_s, min_key=min_key, prefetch=False):

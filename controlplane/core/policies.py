@@ -13,8 +13,8 @@ The peers (:data:`PEER_POLICIES`) are the strongest published retention policies
 modelled at the tier it acts on over the flags of the baseline it extends (``ondemand``:
 a node-local DRAM tier and a remote store, loads at GPU start), with the same router,
 cost model, links and engine as every other policy: ``continuum-ttl``
-(:mod:`~kvprefetch.controlplane.core.continuum`, HBM), ``mori``
-(:mod:`~kvprefetch.controlplane.core.mori`, HBM) and ``ttl-lognormal``
+(:mod:`~kvprefetch.controlplane.sim.peers.continuum`, HBM), ``mori``
+(:mod:`~kvprefetch.controlplane.sim.peers.mori`, HBM) and ``ttl-lognormal``
 (:mod:`~kvprefetch.controlplane.core.retention_window`, DRAM). They are simulator
 baselines: the two HBM ones change the engine's prefix cache, which the simulator models
 and the live service does not drive, so the live service does not offer them.
@@ -80,7 +80,7 @@ class PolicySpec:
     #: forecasts are not guesses.
     waste_budget: bool = False
     #: The policy's own change to how the engine's HBM prefix cache keeps a finished
-    #: session's KV, by name (:mod:`~kvprefetch.controlplane.core.hbm_retention`); None =
+    #: session's KV, by name (:mod:`~kvprefetch.controlplane.sim.peers.hbm_retention`); None =
     #: the engine's LRU. Only the published HBM peers bring one: no engine profile lets an
     #: outside component rank HBM (:mod:`~kvprefetch.controlplane.core.engines`).
     hbm_retention: str | None = None

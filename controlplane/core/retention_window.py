@@ -20,21 +20,23 @@ engine as every policy), in the node-local DRAM tier the scheduler's books keep:
 * the window: at each response end, the ``quantile`` of the session's law
   (``exp(mu + z_q sigma)``), at most ``max_window_s``; ``cold_window_s`` before
   ``min_samples`` gaps are seen;
-* retention: an entry's key is minus the end of its window (``last use + window``), the
-  earliest end goes first: every entry past its window goes before any inside one, and
-  inside windows the one about to expire goes first. A finished context enters the tier
-  only by displacing entries whose window ends before its own (admission).
+* retention, as PR #4456 shields entries: at a response end the session's context is
+  shielded until its window ends, if the contexts shielded on the node and this one stay
+  within ``max_fraction`` of the tier (``retention_max_fraction``); otherwise it is not.
+  A shielded entry goes only after every unshielded one (and among shielded entries the
+  window that ends first goes first); an unshielded entry, or one past its window, ages
+  by LRU. A finished context displaces only unshielded entries (admission).
 
 What is left out: the header gate of PR #2928 (only ``x-session-type: agentic`` sessions
 are retained; here every session is); the engine-side API it drives (vLLM's retention API,
-HBM) and LMCache's L2 tier, where PR #4456 applies its windows — this model applies the
-window rule in the node-local DRAM tier. One law for all sessions would give every entry
-the same window and order a full tier exactly as LRU does; the per-session shift is this
-model's reading of "learns when a session's next turn is likely to arrive".
+HBM) and LMCache's L2 tier, where PR #4456 applies its windows: this model applies them in
+the node-local DRAM tier, with one shield budget per node (``max_fraction`` is this
+model's default; the pull request leaves it to the deployment).
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -79,10 +81,20 @@ class RetentionConfig:
     cold_window_s: float = 600.0
     #: The longest window (seconds).
     max_window_s: float = 4 * 3600.0
+    #: Share of a node's tier that shielded contexts may hold (``retention_max_fraction``).
+    max_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         if not 0.0 < self.quantile < 1.0:
             raise ValueError(f"quantile must be in (0, 1), got {self.quantile!r}")
+        if not 0.0 <= self.max_fraction <= 1.0:
+            raise ValueError(f"max_fraction must be in [0, 1], got {self.max_fraction!r}")
+
+
+#: Keys of shielded entries lie below this and every LRU key above it (a key is minus a
+#: time in seconds; shielded keys are minus the window's end, shifted far below).
+SHIELD_TOP = -1e14
+_SHIELD_SHIFT = 1e15
 
 
 class LognormalRetention:
@@ -92,11 +104,19 @@ class LognormalRetention:
     key when indexed bounds it until then.
 
     Called by the core: :meth:`observe` once per session event, before the event's
-    write-through; ``keys``/``bounds`` at eviction decisions of the DRAM books.
+    write-through, with the node and the context's bytes at a response end;
+    :meth:`admit_key` at the write-through; ``keys``/``bounds`` at eviction decisions of
+    the DRAM books. ``tier_bytes``: one node's tier (the shield budget's base).
     """
 
-    def __init__(self, config: RetentionConfig | None = None) -> None:
+    def __init__(self, config: RetentionConfig | None = None, *, tier_bytes: int = 0) -> None:
         self.config = config or RetentionConfig()
+        self._budget_bytes = self.config.max_fraction * tier_bytes
+        #: session -> (node, end of its shield, bytes shielded), while shielded
+        self._shield: dict[str, tuple[int, float, int]] = {}
+        #: node -> bytes shielded, and its shields' ends (heap) to release them
+        self._shielded_bytes: dict[int, int] = {}
+        self._ends: list[tuple[float, str]] = []
         self._z = _z(self.config.quantile)
         #: Welford over log(gap), all sessions.
         self._n = 0
@@ -110,15 +130,45 @@ class LognormalRetention:
         self._window: dict[str, float] = {}
 
     # -- the law -----------------------------------------------------------------------
-    def observe(self, event: SessionEvent) -> None:
+    def observe(self, event: SessionEvent, nbytes: int = 0) -> None:
+        """A session event; at a response end ``nbytes`` is the context's size."""
         sid = event.session_id
+        now = event.time_s
+        self._release(sid)
         if event.kind is EventKind.REQUEST_STARTED:
             since = self._finished_at.pop(sid, None)
             if since is not None:
-                self._add_gap(sid, event.time_s - since)
+                self._add_gap(sid, now - since)
         elif event.kind is EventKind.REQUEST_FINISHED:
-            self._finished_at[sid] = event.time_s
-            self._window[sid] = self.window_s(sid)
+            self._finished_at[sid] = now
+            window = self._window[sid] = self.window_s(sid)
+            node = event.node if event.node is not None else 0
+            self._expire(now)
+            held = self._shielded_bytes.get(node, 0)
+            if held + nbytes <= self._budget_bytes:
+                self._shield[sid] = (node, now + window, nbytes)
+                self._shielded_bytes[node] = held + nbytes
+                heapq.heappush(self._ends, (now + window, sid))
+
+    def _release(self, sid: str) -> None:
+        shield = self._shield.pop(sid, None)
+        if shield is not None:
+            node, _, nbytes = shield
+            self._shielded_bytes[node] -= nbytes
+
+    def _expire(self, now_s: float) -> None:
+        """Release the shields whose windows ended by ``now_s``."""
+        ends = self._ends
+        while ends and ends[0][0] <= now_s:
+            end, sid = heapq.heappop(ends)
+            shield = self._shield.get(sid)
+            if shield is not None and shield[1] == end:
+                self._release(sid)
+
+    def shielded_until(self, sid: str) -> float:
+        """When the session's shield ends (``-inf``: not shielded)."""
+        shield = self._shield.get(sid)
+        return shield[1] if shield is not None else -INF
 
     def _add_gap(self, sid: str, gap_s: float) -> None:
         x = math.log(max(gap_s, 1e-3))
@@ -139,14 +189,24 @@ class LognormalRetention:
         mu = (cfg.prior_gaps * self._mean + total) / (cfg.prior_gaps + n)
         return min(cfg.max_window_s, math.exp(mu + self._z * sigma))
 
-    def key(self, sid: str, last_use_s: float) -> float:
-        """Minus the end of the entry's window: the largest (earliest end) goes first."""
-        window = self._window.get(sid)
-        return -(last_use_s + (window if window is not None else self.window_s(sid)))
+    def key(self, sid: str, last_use_s: float, now_s: float) -> float:
+        """Shielded: below every LRU key, the window that ends first going first; else
+        LRU's (minus the last use)."""
+        end = self.shielded_until(sid)
+        return -_SHIELD_SHIFT - end if end > now_s else -last_use_s
+
+    def admit_key(self, sid: str, now_s: float) -> float:
+        """A finished context displaces only unshielded entries."""
+        return SHIELD_TOP
 
     # -- the strategy ------------------------------------------------------------------
     def keys(self, entries: Sequence[TierEntry], now_s: float) -> list[float]:
-        return [self.key(e.key, e.last_use_s) for e in entries]
+        return [self.key(e.key, e.last_use_s, now_s) for e in entries]
 
     def bounds(self, entries: Sequence[TierEntry], now_s: float) -> list[KeyBound]:
-        return [KeyBound(-INF, self.key(e.key, e.last_use_s), INF) for e in entries]
+        out = []
+        for e in entries:
+            end = self.shielded_until(e.key)
+            out.append(KeyBound(-INF, -_SHIELD_SHIFT - end, end) if end > now_s
+                       else KeyBound(-INF, -e.last_use_s, INF))
+        return out

@@ -42,7 +42,7 @@ Who calls what
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 
 from kvprefetch.controlplane.base.config import FleetConfig
 from kvprefetch.controlplane.base.keys import DEFAULT_CHUNK_TOKENS
@@ -136,12 +136,12 @@ class SchedulerCore:
         return self._draft.close(self.dram, route_decision, promote=promote,
                                  prefetch_ready_s=prefetch_ready_s)
 
-    def _observe(self, event: SessionEvent) -> None:
+    def _observe(self, event: SessionEvent, context_tokens: int = 0) -> None:
         if self.shares is not None:
             self.shares.observe(event.session_id, event.tenant)
         self.predictor.observe(event)
         if self._books.retention is not None:
-            self._books.retention.observe(event)
+            self._books.retention.observe(event, context_tokens * self.bpt)
         self._forecasts.observed()
         self._forecasts.touch(event.session_id)
         self._prefetcher.due_dirty.add(event.session_id)
@@ -150,11 +150,6 @@ class SchedulerCore:
     def local_tokens(self, node: int, sid: str) -> int:
         """Tokens of the session on the node, in HBM or DRAM (ready or arriving)."""
         return self._books.local_tokens(node, sid)
-
-    def next_uses(self, sids: Sequence[str], now_s: float) -> list[float]:
-        """Predicted next use of each session at ``now_s`` (the DRAM books' predicted-use
-        keys; ``inf``: never)."""
-        return self._forecasts.next_uses(sids, now_s)
 
     def dram_tokens(self, node: int, sid: str) -> int:
         """Tokens of the session in the node's DRAM books (ready or arriving)."""
@@ -260,7 +255,7 @@ class SchedulerCore:
         s.last_finish_s = now
         if self.policy.remote:
             s.remote_tokens = context_tokens
-        self._observe(event)
+        self._observe(event, context_tokens)
         if self.demote_on_evict and self.view.hbm_tokens(node, sid) >= context_tokens:
             pass  # HBM holds it; DRAM keeps whatever older prefix it has until it evicts it
         elif self.policy.dram_tier and node not in s.inflight_nodes:

@@ -2,7 +2,7 @@
 
 Each node's HBM is a :class:`~kvprefetch.controlplane.core.tiers.Tier`: LRU (the engine's
 own), or ranked by the policy's HBM retention
-(:mod:`kvprefetch.controlplane.core.hbm_retention`, a peer's own). Under demote-on-evict
+(:mod:`kvprefetch.controlplane.sim.peers.hbm_retention`, a peer's own). Under demote-on-evict
 (``PolicySpec.demote_on_evict``: lazy offload, write-back) whatever leaves HBM, or a
 finished context HBM does not take, is demoted: handed to the scheduling core for the
 node's DRAM tier (``SchedulerCore.hbm_evicted``). The copy over the host link is not charged, as the
@@ -16,18 +16,15 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvprefetch.controlplane.base.config import FleetConfig
-from kvprefetch.controlplane.core.hbm_retention import (
-    FinishedTurn,
-    HbmRetention,
-    make_hbm_retention,
-)
 from kvprefetch.controlplane.core.policies import PolicySpec
 from kvprefetch.controlplane.core.scheduler import SchedulerCore
-from kvprefetch.controlplane.core.sharded import ShardedCore
 from kvprefetch.controlplane.core.step import StepOutput
 from kvprefetch.controlplane.core.tiers import LruEviction, Tier, TierEntry
 
+from .peers.hbm_retention import FinishedTurn, HbmRetention
+from .peers.registry import make_hbm_retention
 from .remote import RemoteStore
+from .sharded_core import ShardedCore
 
 __all__ = ["EngineHbm"]
 
@@ -53,7 +50,7 @@ class EngineHbm:
         self._h2d_s_per_byte = 1.0 / (fleet.node.h2d_gbyte_s * 1e9)
         #: The engine's HBM retention under this policy; None: LRU.
         self.retention: HbmRetention | None = (
-            make_hbm_retention(policy.hbm_retention, fleet, core)
+            make_hbm_retention(policy.hbm_retention, fleet)
             if policy.hbm_retention else None)
         self.tiers = [Tier(f"hbm{i}", fleet.node.hbm_kv_bytes,
                            self.retention.strategy if self.retention else LruEviction())

@@ -44,7 +44,8 @@ class SimOptions:
     workers: int = 1
     #: Client hints the simulated clients send; None = no hints at all.
     hints: HintConfig | None = None
-    #: Scheduler shards the decisions are split over (:mod:`kvprefetch.controlplane.core.sharded`).
+    #: Scheduler shards the decisions are split over
+    #: (:mod:`kvprefetch.controlplane.sim.sharded_core`).
     shards: int = 1
     #: The shards book each node's whole tier and the node evicts LRU across them (live:
     #: ``shard_tier: shared``), instead of 1/N each.

@@ -3,7 +3,7 @@
 What is modelled, per node: a FIFO prefill queue served by the GPU one request at a time
 (decode runs batched beside it and does not hold the queue), an HBM KV tier (the engine's
 prefix cache: LRU, or the policy's HBM retention,
-:mod:`kvprefetch.controlplane.core.hbm_retention`), a DRAM tier (the node-local tier the
+:mod:`kvprefetch.controlplane.sim.peers.hbm_retention`), a DRAM tier (the node-local tier the
 agents warm; LRU, predicted-next-use or retention-window eviction), and an ingress link
 shared by all transfers into the node
 (:mod:`kvprefetch.controlplane.sim.link`). The remote store holds every session's latest context
@@ -45,13 +45,13 @@ from kvprefetch.controlplane.core.engines import (
     engine_profile,
     on_engine,
 )
-from kvprefetch.controlplane.core.hbm_retention import HbmRetention
 from kvprefetch.controlplane.core.planner import PrefetchOrder
 from kvprefetch.controlplane.core.policies import PolicySpec
 from kvprefetch.controlplane.core.scheduler import SchedulerCore
-from kvprefetch.controlplane.core.sharded import ShardedCore
 from kvprefetch.controlplane.core.step import DEMAND_PRIORITY, LoadTicket, StepOutput
 from kvprefetch.controlplane.core.tiers import Tier
+from kvprefetch.controlplane.sim.peers.hbm_retention import HbmRetention
+from kvprefetch.controlplane.sim.sharded_core import ShardedCore
 from kvprefetch.predictors.base import Predictor
 
 from .engine_hbm import EngineHbm

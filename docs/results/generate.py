@@ -76,7 +76,7 @@ def sim_table(name: str) -> list[str]:
     report = _load(name)
     meta = report["meta"]
     policies = report["policies"]
-    base = policies.get("ondemand", {}).get("returning", {}).get("ttft_mean_s")
+    base = policies.get("reactive", {}).get("returning", {}).get("ttft_mean_s")
     rows = []
     for policy, result in policies.items():
         ret = result.get("returning", {})
@@ -92,18 +92,31 @@ def sim_table(name: str) -> list[str]:
     lines = [
         f"Trace `{meta['trace']}` ({_num(meta['sessions'])} sessions, "
         f"{_num(meta['requests'])} requests), {meta['nodes']} x {meta['model']}, "
-        f"predictor `{meta['predictor']}`, seed {meta['seed']}; working set peak "
+        f"engine `{meta.get('engine')}`, predictor `{meta['predictor']}`, seed {meta['seed']}; "
+        f"working set peak "
         f"{_gib(meta['working_set_peak_bytes'])} GiB vs local tiers "
         f"{_gib(meta['local_capacity_bytes'])} GiB (pressure {meta['pressure_ratio']}x).",
         "",
         *_table(["policy", "ret", "ret mean s", "ret p50 s", "ret p90 s", "ret p99 s",
-                 "all mean s", "ret mean / ondemand", "stall s", "prefetches",
+                 "all mean s", "ret mean / reactive", "stall s", "prefetches",
                  "prefetched GiB", "wasted GiB", "remote GiB"], rows),
         "",
-        f"Gap closure (ondemand → oracle, returning mean TTFT): "
-        f"**{_num(report.get('gap_closure'))}**.",
+        *_yardstick_lines(report.get("yardstick") or {}),
     ]
     return lines
+
+
+def _yardstick_lines(ys: dict[str, Any]) -> list[str]:
+    """predictive / best baseline and the forecast gap closure, or why there is none."""
+    closure = ys.get("forecast_gap_closure")
+    return [
+        f"`predictive` / best baseline (`{ys.get('best_baseline')}`), returning mean: "
+        f"**{_num(ys.get('vs_best_baseline'))}**; p90 / the lowest baseline p90: "
+        f"**{_num(ys.get('vs_best_baseline_p90'))}**.",
+        "",
+        (f"Forecast gap closure (reactive → perfect, returning mean): **{_num(closure)}**."
+         if closure is not None else f"Forecast gap closure: none ({ys.get('no_closure')})."),
+    ]
 
 
 def grid_table(name: str) -> list[str]:
@@ -112,36 +125,45 @@ def grid_table(name: str) -> list[str]:
     subject = meta.get("subject", "predictive")
     rows = []
     for trace, summary in report["summary"].items():
+        leaders = ", ".join(f"`{p}` {n}" for p, n in summary.get("leaders", {}).items())
         rows.append([
             f"`{trace}`" if trace != "all" else "**all**", _num(summary["cells"]),
-            _num(summary["ratio_mean_geomean"]), _num(summary["ratio_p90_geomean"]),
-            _num(summary["worse_than_ondemand"]), _num(summary["worse_than_best"]),
-            _num(summary["gap_closure_median"]),
+            _num(summary["ratio_mean_best_geomean"]), _num(summary["ratio_p90_best_geomean"]),
+            _num(summary["ratio_mean_geomean"]), _num(summary["worse_than_best"]),
+            leaders or "-", _num(summary["forecast_gap_closure_median"]),
+            _num(summary["cells_without_closure"]),
         ])
     cells = []
     for cell in report["cells"]:
         subj = cell["policies"].get(subject, {})
+        perfect = cell["policies"].get("perfect", {})
         cells.append([
             f"`{cell['trace']}`", str(cell["nodes"]), _num(cell["load"], 1), str(cell["seed"]),
-            _num(cell.get("pressure_ratio"), 2), _num(cell["ratio_mean"]),
-            _num(cell["ratio_p90"]), _num(cell.get("gap_closure")),
+            _num(cell.get("pressure_ratio"), 2), _num(cell["ratio_mean_best"]),
+            f"`{cell['best_mean_policy']}`", _num(cell["ratio_p90_best"]),
+            _num(cell.get("forecast_gap_closure")) if cell.get("no_closure") is None
+            else f"none: {cell['no_closure']}",
             _gib(subj.get("prefetched_bytes")), _gib(subj.get("wasted_bytes")),
+            _gib(perfect.get("prefetched_bytes")),
         ])
     return [
-        f"Subject `{subject}` against `ondemand`; policies in every cell: "
+        f"Engine `{meta.get('engine')}`; subject `{subject}`; policies in every cell: "
         f"{', '.join(f'`{p}`' for p in meta['policies'])}; predictor `{meta['predictor']}`, "
         f"model {meta['model']}, hints: {meta.get('hints') or 'none'}.",
         "",
-        "Summary per trace (ratios are the subject's returning-request TTFT over "
-        "`ondemand`'s: below 1 is better; geometric mean over the cells):",
+        "Summary per trace (ratios are the subject's returning-request TTFT over the cell's "
+        "best baseline's, or over `ondemand`'s: below 1 the subject is ahead; geometric mean "
+        "over the cells). The closure is the median over the cells that have one; `none` "
+        "counts the cells where `perfect` is not ahead of every policy (each listed below):",
         "",
-        *_table(["trace", "cells", "mean ratio", "p90 ratio", "cells worse than ondemand",
-                 "cells worse than best", "gap closure (median)"], rows),
+        *_table(["trace", "cells", "/ best mean", "/ best p90", "/ ondemand mean",
+                 "cells a baseline leads", "leaders", "closure (median)", "none"], rows),
         "",
         "Every cell:",
         "",
-        *_table(["trace", "nodes", "load", "seed", "pressure", "mean ratio", "p90 ratio",
-                 "gap closure", f"{subject} prefetched GiB", f"{subject} wasted GiB"], cells),
+        *_table(["trace", "nodes", "load", "seed", "pressure", "/ best mean", "best",
+                 "/ best p90", "forecast gap closure", f"{subject} prefetched GiB",
+                 f"{subject} wasted GiB", "perfect prefetched GiB"], cells),
     ]
 
 
@@ -212,20 +234,22 @@ def _headline(name: str) -> str:
     if name.startswith("sim-bundled"):
         ret = {p: r.get("returning", {}).get("ttft_mean_s") for p, r in report["policies"].items()}
         ratio = ret["predictive"] / ret["ondemand"] if ret.get("ondemand") else None
-        return (f"{report['meta']['nodes']} node(s): predictive / ondemand returning mean TTFT "
-                f"{_num(ratio, 2)}; gap closure {_num(report.get('gap_closure'), 2)}")
-    if name == "sim-grid-unseen":
-        total = report["summary"]["all"]
-        return (f"{total['cells']} cells: predictive / ondemand returning mean TTFT geomean "
-                f"{_num(total['ratio_mean_geomean'], 2)}; {total['worse_than_ondemand']} cells "
-                f"worse than ondemand; median gap closure {_num(total['gap_closure_median'], 2)}")
-    if name in ("peers-grid", "peers-grid-full"):
+        ys = report.get("yardstick") or {}
+        closure = ys.get("forecast_gap_closure")
+        return (f"{report['meta']['nodes']} node(s), engine {report['meta'].get('engine')}: "
+                f"predictive / best baseline ({ys.get('best_baseline')}) returning mean "
+                f"{_num(ys.get('vs_best_baseline'), 3)}; predictive / ondemand "
+                f"{_num(ratio, 2)}; forecast gap closure "
+                + (_num(closure, 2) if closure is not None else f"none ({ys.get('no_closure')})"))
+    if name.startswith("yardstick-"):
         total = report["summary"]["all"]
         leaders = ", ".join(f"{p} {n}" for p, n in total.get("leaders", {}).items()) or "none"
-        return (f"{total['cells']} cells: predictive / best baseline (ondemand, queue, peers) "
-                f"returning mean geomean {_num(total['ratio_mean_best_geomean'], 2)}, p90 "
-                f"{_num(total['ratio_p90_best_geomean'], 2)}; cells a baseline leads on the "
-                f"mean: {leaders}")
+        return (f"{total['cells']} cells: predictive / best baseline returning mean geomean "
+                f"{_num(total['ratio_mean_best_geomean'], 3)}, p90 "
+                f"{_num(total['ratio_p90_best_geomean'], 3)}; cells a baseline leads on the "
+                f"mean: {total['worse_than_best']} ({leaders}); median forecast gap closure "
+                f"{_num(total['forecast_gap_closure_median'], 2)}, "
+                f"{total['cells_without_closure']} cells without one")
     if name == "bench-control-plane":
         modes = report["modes"]
         parts = [f"{mode} {_num(r.get('events_per_s'), 0)} events/s" for mode, r in modes.items()]
@@ -241,9 +265,8 @@ def _headline(name: str) -> str:
 PAGES = {
     "sim-bundled-n1": "prefetch-quality.md",
     "sim-bundled-n2": "prefetch-quality.md",
-    "sim-grid-unseen": "prefetch-quality.md",
-    "peers-grid": "peers.md",
-    "peers-grid-full": "peers.md",
+    "yardstick-vllm-lmcache": "yardstick.md",
+    "yardstick-vllm-lmcache-lazy": "yardstick.md",
     "bench-control-plane": "control-plane.md",
     "bench-store": "data-plane.md",
 }
@@ -267,11 +290,10 @@ def summary_table(_name: str) -> list[str]:
 WHAT = {
     "sim-bundled-n1": "`kvprefetch sim`, bundled Claude Code slice, 1 node",
     "sim-bundled-n2": "`kvprefetch sim`, bundled Claude Code slice, 2 nodes",
-    "sim-grid-unseen": "`kvprefetch sim-grid`, synthetic traffic no predictor here has seen",
-    "peers-grid": "`kvprefetch sim-grid` against the published retention policies, "
-                  "bundled slice",
-    "peers-grid-full": "`kvprefetch sim-grid` against the published retention policies: "
-                       "shared Claude Code set and four synthetic profiles, 2-8 nodes",
+    "yardstick-vllm-lmcache": "`kvprefetch sim-grid --engine vllm-lmcache`: bundled slice "
+                              "and four synthetic profiles x 2/4/8 nodes x 3 loads x 3 seeds",
+    "yardstick-vllm-lmcache-lazy": "`kvprefetch sim-grid --engine vllm-lmcache-lazy`: the "
+                                   "same grid on LMCache's lazy offload",
     "bench-control-plane": "`kvprefetch bench control-plane`: scheduler events per second",
     "bench-store": "`kvprefetch bench store`: one session's KV into the local tier",
 }
@@ -291,7 +313,8 @@ RENDERERS: dict[str, Callable[[str], list[str]]] = {
     "readme": readme_table,
     "sim-bundled-n1": sim_table,
     "sim-bundled-n2": sim_table,
-    "sim-grid-unseen": grid_table,
+    "yardstick-vllm-lmcache": grid_table,
+    "yardstick-vllm-lmcache-lazy": grid_table,
     "bench-control-plane": control_plane_table,
     "bench-store": store_table,
 }

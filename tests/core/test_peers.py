@@ -4,40 +4,33 @@ log-normal retention window, and the seams they plug into (inert for every other
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import pytest
 
 from kvprefetch.controlplane.base.config import default_fleet
 from kvprefetch.controlplane.base.errors import ConfigError
-from kvprefetch.controlplane.base.tiers import INF, Tier, TierEntry
+from kvprefetch.controlplane.base.tiers import Tier, TierEntry
 from kvprefetch.controlplane.base.types import EventKind, SessionEvent
-from kvprefetch.controlplane.core.continuum import ContinuumConfig, ContinuumTtl
-from kvprefetch.controlplane.core.hbm_retention import FinishedTurn, make_hbm_retention
-from kvprefetch.controlplane.core.mori import MoriIdleness
 from kvprefetch.controlplane.core.policies import (
     PEER_POLICIES,
     POLICIES,
     EvictionKind,
     parse_policies,
 )
-from kvprefetch.controlplane.core.retention_window import LognormalRetention, RetentionConfig
+from kvprefetch.controlplane.core.retention_window import (
+    SHIELD_TOP,
+    LognormalRetention,
+    RetentionConfig,
+)
 from kvprefetch.controlplane.core.scheduler import SchedulerCore
 from kvprefetch.controlplane.core.view import IdleFleet
+from kvprefetch.controlplane.sim.peers import FinishedTurn, make_hbm_retention
+from kvprefetch.controlplane.sim.peers.continuum import ContinuumConfig, ContinuumTtl
+from kvprefetch.controlplane.sim.peers.mori import MoriIdleness
 from kvprefetch.predictors.registry import load as load_predictor
 
 FLEET = default_fleet("8b", 1)
 GIB = 1 << 30
-
-
-class _Forecasts:
-    """The core's forecasts, as fixed next uses (and no arrival forecasts)."""
-
-    def __init__(self, uses: dict[str, float]) -> None:
-        self.uses = uses
-
-    def next_uses(self, sids: Sequence[str], now_s: float) -> list[float]:
-        return [self.uses[s] for s in sids]
 
 
 def _turn(sid: str, stop: str | None = "tool_use", *, nbytes: int = GIB,
@@ -62,7 +55,7 @@ def test_peers_are_simulator_policies_only() -> None:
         assert (p.dram_tier, p.remote, p.load_start, p.prefetch) == (
             od.dram_tier, od.remote, od.load_start, od.prefetch)
     with pytest.raises(ConfigError):
-        make_hbm_retention("nope", FLEET, _Forecasts({}))
+        make_hbm_retention("nope", FLEET)
 
 
 def test_other_policies_run_none_of_the_peer_code() -> None:
@@ -82,10 +75,12 @@ def test_continuum_pins_after_a_tool_call_until_the_ttl() -> None:
     tier.put(_entry("tool", 10.0))
     tier.put(_entry("human", 11.0))
     tier.put(_entry("older", 1.0))
-    # While the pin holds the tool session goes last and cannot go at all.
+    # While the pin holds the tool session goes last: only under pressure, once nothing
+    # unpinned is left to make room with.
     assert [e.key for e in tier.victims_for(2 * GIB, 12.0) or []] == ["older", "human"]
-    assert tier.victims_for(3 * GIB, 12.0) is None
-    assert c.strategy.keys([tier.get("tool")], 12.0) == [-INF]  # type: ignore[list-item]
+    assert [e.key for e in tier.victims_for(3 * GIB, 12.0) or []] == ["older", "human", "tool"]
+    (pinned,) = c.strategy.keys([tier.get("tool")], 12.0)  # type: ignore[list-item]
+    assert pinned < -1e14 and c.pinned_until("tool") == 15.0
     # At expiry it ages as LRU would: older than "human", so before it.
     assert [e.key for e in tier.victims_for(3 * GIB, 15.5) or []] == ["older", "tool", "human"]
     # Its next arrival releases the pin at once and measures the tool's duration.
@@ -93,6 +88,18 @@ def test_continuum_pins_after_a_tool_call_until_the_ttl() -> None:
     c.arrived("tool", 21.5)
     assert list(c._durations) == [1.5]
     assert c.strategy.keys([tier.get("tool")], 21.6) == [-10.0]  # type: ignore[list-item]
+
+
+def test_continuum_releases_pins_under_pressure_latest_program_first() -> None:
+    c = ContinuumTtl(FLEET, ContinuumConfig(cold_ttl_s=50.0))
+    tier = Tier("hbm", 3 * GIB, c.strategy)
+    for i, sid in enumerate(("first", "second", "third")):
+        c.finished(_turn(sid), float(i))
+        tier.put(_entry(sid, float(i)))
+    # Every resident is pinned: a new context gets room from the program pinned last.
+    assert [e.key for e in tier.victims_for(GIB, 5.0, min_key=c.admit_key("new", 5.0))
+            or []] == ["third"]
+    assert [e.key for e in tier.victims_for(2 * GIB, 5.0) or []] == ["third", "second"]
 
 
 def test_continuum_ttl_follows_the_tool_durations_and_the_reload_cost() -> None:
@@ -143,7 +150,8 @@ def _gap(r: LognormalRetention, sid: str, start_s: float, gap_s: float) -> float
 
 
 def test_retention_window_is_a_lognormal_quantile_shifted_per_session() -> None:
-    r = LognormalRetention(RetentionConfig(quantile=0.9, prior_gaps=2.0, min_samples=4))
+    r = LognormalRetention(RetentionConfig(quantile=0.9, prior_gaps=2.0, min_samples=4),
+                           tier_bytes=4 * GIB)
     assert r.window_s("fast") == RetentionConfig().cold_window_s
     t = 0.0
     for _ in range(10):
@@ -153,24 +161,32 @@ def test_retention_window_is_a_lognormal_quantile_shifted_per_session() -> None:
     assert r.window_s("new") == pytest.approx(
         math.exp(math.log(50.0) + 1.2816 * r._m2 ** 0.5 / 19 ** 0.5), rel=1e-3)
     assert r.window_s("fast") < r.window_s("new") < r.window_s("slow")
-    # Keys: minus the end of the window, so a fast session idle past its window goes
-    # before a slow one idle for longer but still inside its own.
-    r.observe(SessionEvent(kind=EventKind.REQUEST_FINISHED, session_id="fast", time_s=t))
-    r.observe(SessionEvent(kind=EventKind.REQUEST_FINISHED, session_id="slow", time_s=t - 60))
-    fast, slow = r.keys([_entry("fast", t), _entry("slow", t - 60)], t + 100)
-    assert fast > slow
-    assert r.bounds([_entry("fast", t)], t)[0].upper == fast
+    # Shields: with room for both, a fast session idle past its window ages by LRU and goes
+    # before a slow one idle for longer but still shielded.
+    r.observe(SessionEvent(kind=EventKind.REQUEST_FINISHED, session_id="fast", time_s=t), GIB)
+    r.observe(SessionEvent(kind=EventKind.REQUEST_FINISHED, session_id="slow", time_s=t - 60),
+              GIB)
+    assert r.shielded_until("fast") < t + 200 < r.shielded_until("slow")
+    fast, slow = r.keys([_entry("fast", t), _entry("slow", t - 60)], t + 200)
+    assert fast == -t and slow < SHIELD_TOP < fast
+    assert r.admit_key("new", t) == SHIELD_TOP
+    bound = r.bounds([_entry("slow", t - 60)], t)[0]
+    assert bound.upper == slow and bound.until_s == r.shielded_until("slow")
 
 
-def test_next_use_hbm_keeps_what_is_needed_soonest() -> None:
-    uses = {"soon": 20.0, "late": 500.0, "never": INF}
-    hbm = make_hbm_retention("next-use", FLEET, _Forecasts(uses))
-    tier = Tier("hbm", 3 * GIB, hbm.strategy)
-    for i, sid in enumerate(("late", "never", "soon")):
-        tier.put(_entry(sid, float(i)))
-    assert [e.key for e in tier.victims_for(2 * GIB, 10.0) or []] == ["never", "late"]
-    uses["new"] = 600.0  # needed after every resident but "never": it displaces only that
-    assert [e.key for e in tier.victims_for(GIB, 10.0, min_key=hbm.admit_key("new", 10.0))
-            or []] == ["never"]
-    assert tier.victims_for(2 * GIB, 10.0, min_key=hbm.admit_key("new", 10.0)) is None
+def test_retention_window_shields_only_within_its_byte_budget() -> None:
+    """Half of a 4 GiB tier may be shielded: a third 1 GiB context finds the budget spent
+    and ages by LRU, until a shield is released (its session returns)."""
+    r = LognormalRetention(RetentionConfig(max_fraction=0.5), tier_bytes=4 * GIB)
+    for i, sid in enumerate(("a", "b", "c")):
+        r.observe(SessionEvent(kind=EventKind.REQUEST_FINISHED, session_id=sid,
+                               time_s=float(i), node=0), GIB)
+    assert r.shielded_until("a") > 10 and r.shielded_until("b") > 10
+    assert r.shielded_until("c") == -math.inf
+    assert r.keys([_entry("c", 2.0)], 10.0) == [-2.0]
+    r.observe(SessionEvent(kind=EventKind.REQUEST_STARTED, session_id="a", time_s=5.0))
+    r.observe(SessionEvent(kind=EventKind.REQUEST_FINISHED, session_id="c", time_s=6.0,
+                           node=0), GIB)
+    assert r.shielded_until("c") > 10 and r.shielded_until("a") == -math.inf
+
 

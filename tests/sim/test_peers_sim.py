@@ -10,9 +10,9 @@ from kvprefetch.controlplane.base.config import FleetConfig, default_fleet
 from kvprefetch.controlplane.base.tiers import LruEviction
 from kvprefetch.controlplane.base.types import Trace, TraceSession
 from kvprefetch.controlplane.cli.sim import DEFAULT_SIM_SESSION_RATE_PER_S
-from kvprefetch.controlplane.core.continuum import ContinuumTtl
 from kvprefetch.controlplane.core.policies import POLICIES, parse_policies
 from kvprefetch.controlplane.sim import SimOptions, Simulation, run_policies
+from kvprefetch.controlplane.sim.peers.continuum import ContinuumTtl
 from kvprefetch.controlplane.sim.report import SimReport
 from kvprefetch.controlplane.traces import ArrivalOptions, bundled_trace_path, load_trace
 from kvprefetch.controlplane.traces.synthetic import PROFILES, SyntheticProfile, synthetic_trace
@@ -89,12 +89,11 @@ def _renamed(trace: Trace, prefix: str) -> tuple[TraceSession, ...]:
         for s in trace.sessions)
 
 
-def test_ttl_lognormal_cuts_lru_dram_retention_s_p90_on_chat_traffic() -> None:
+def test_ttl_lognormal_is_ahead_of_lru_dram_retention_on_chat_traffic() -> None:
     """Chat sessions (human turns only) of users who differ in pace: half answer in ~8 s,
-    half in ~4 min; the DRAM tier holds a few contexts. On the default engine the window
-    cuts the p90 (8.30 s against 8.36 s) and loses the mean (3.06 s against 2.94 s):
-    shielding slow users' contexts costs the fast users' reloads, which asynchronous loads
-    make cheap."""
+    half in ~4 min; the DRAM tier holds a few contexts. On the default engine, shields on
+    half the tier then LRU: the mean a little below LRU's (2.933 s against 2.942 s), the
+    p90 the same (8.363 s); every context shielded (a budget of 1.0) loses the mean."""
     arrivals = ArrivalOptions(session_rate_per_s=0.02)
     fast = replace(_profile("chat"), think_median_s=8.0, think_sigma=0.6, away_share=0.0,
                    turns_mean=8)
@@ -108,4 +107,4 @@ def test_ttl_lognormal_cuts_lru_dram_retention_s_p90_on_chat_traffic() -> None:
                           parse_policies("ondemand,ttl-lognormal", peers=True), SimOptions())
     od_mean, od_p90 = _returning(report, "ondemand")
     mean, p90 = _returning(report, "ttl-lognormal")
-    assert p90 < od_p90 and mean < 1.1 * od_mean
+    assert mean < od_mean and p90 <= od_p90

@@ -7,8 +7,8 @@ from __future__ import annotations
 from kvprefetch.controlplane.base.config import GIB, fleet_from_dict
 from kvprefetch.controlplane.base.shards import ShardRing
 from kvprefetch.controlplane.core.policies import POLICIES
-from kvprefetch.controlplane.core.sharded import ShardedCore
 from kvprefetch.controlplane.sim.runner import SimOptions, run_policies
+from kvprefetch.controlplane.sim.sharded_core import ShardedCore
 from kvprefetch.controlplane.sim.simulator import Simulation, clamp_to_window
 from kvprefetch.controlplane.traces import ArrivalOptions, bundled_trace_path, load_trace
 from kvprefetch.predictors.registry import load

@@ -115,10 +115,6 @@ class ShardedCore:
     def use_local(self, sid: str, node: int, reused_tokens: int, now_s: float) -> int:
         return self._of(sid).use_local(sid, node, reused_tokens, now_s)
 
-    def next_uses(self, sids: Sequence[str], now_s: float) -> list[float]:
-        """Predicted next use of each session (its shard's forecast)."""
-        return [self._of(sid).next_uses([sid], now_s)[0] for sid in sids]
-
     def dram_tokens(self, node: int, sid: str) -> int:
         """Tokens of the session in the node's DRAM books (its shard's)."""
         return self._of(sid).dram_tokens(node, sid)

@@ -10,9 +10,11 @@ released and the KV ages like any other.
 What is modelled (over ``ondemand``'s flags, with the same router, cost model, links and
 engine as every policy):
 
-* the pin: after a ``tool_use`` response the session's HBM entry has the key ``-inf``
-  (never evicted) until ``now + tau*``, then its LRU key; any other response, and the
-  session's next arrival, release it;
+* the pin: after a ``tool_use`` response the session's HBM entry ranks below every
+  unpinned one until ``now + tau*``, then takes its LRU key; any other response, and the
+  session's next arrival, release it. Under pressure (HBM holds nothing unpinned to make
+  room with) pins are released, the program pinned last first, as Continuum gives pinned
+  programs up in reverse order of arrival;
 * tau*: the expected utility of a TTL ``tau`` is ``F(tau) x (reload_s + queue_s) -
   c x E[min(T, tau)]`` over the empirical law ``F`` of the tool durations ``T`` seen so far
   (the last ``window`` gaps after ``tool_use`` responses, measured from each response end
@@ -24,7 +26,8 @@ engine as every policy):
   durations (0, no pin, when none is positive); before ``min_samples`` durations are seen
   the TTL is ``cold_ttl_s``.
 
-What is left out: program-level first-come-first-serve (Continuum schedules a returning
+What is left out (Continuum does it, the simulator does not): program-level
+first-come-first-serve (Continuum schedules a returning
 turn of a program ahead of later programs' requests); the simulator's prefill queue is
 FIFO for every policy and this model keeps it so, so the queueing term enters the choice of
 tau* (as in the paper) but the pin saves no queue position. Continuum's TTL adjustments by
@@ -41,7 +44,7 @@ from dataclasses import dataclass
 
 from kvprefetch.controlplane.base.config import FleetConfig
 from kvprefetch.controlplane.base.tiers import INF, TierEntry
-from kvprefetch.controlplane.core.hbm_retention import FinishedTurn
+from kvprefetch.controlplane.sim.peers.hbm_retention import FinishedTurn
 
 __all__ = ["ContinuumConfig", "ContinuumTtl"]
 
@@ -62,15 +65,22 @@ class ContinuumConfig:
     max_ttl_s: float = 600.0
 
 
-class _PinKeys:
-    """LRU keys, ``-inf`` while a pin holds."""
+#: Pinned keys lie this far below LRU keys (minus a time in seconds).
+_PIN_SHIFT = 1e15
 
-    def __init__(self, held_until: dict[str, float]) -> None:
-        self._held_until = held_until
+
+class _PinKeys:
+    """LRU keys; while a pin holds, below every LRU key, the latest pin the largest."""
+
+    def __init__(self, held: dict[str, tuple[float, float]]) -> None:
+        self._held = held
 
     def keys(self, entries: Sequence[TierEntry], now_s: float) -> list[float]:
-        held = self._held_until
-        return [-INF if held.get(e.key, -INF) > now_s else -e.last_use_s for e in entries]
+        out = []
+        for e in entries:
+            until, since = self._held.get(e.key, (-INF, 0.0))
+            out.append(since - _PIN_SHIFT if until > now_s else -e.last_use_s)
+        return out
 
 
 class ContinuumTtl:
@@ -79,20 +89,20 @@ class ContinuumTtl:
     def __init__(self, fleet: FleetConfig, config: ContinuumConfig | None = None) -> None:
         self.config = config or ContinuumConfig()
         self._hbm_bytes = fleet.node.hbm_kv_bytes
-        #: session -> end of its pin (seconds)
-        self._held_until: dict[str, float] = {}
+        #: session -> (end of its pin, when it was pinned) (seconds)
+        self._held: dict[str, tuple[float, float]] = {}
         #: session -> end of its last tool-call response (until it returns)
         self._tool_since: dict[str, float] = {}
         self._durations: deque[float] = deque(maxlen=self.config.window)
         self._sorted: list[float] = []
         self._prefix: list[float] = []
         self._stale = True
-        self.strategy = _PinKeys(self._held_until)
+        self.strategy = _PinKeys(self._held)
         #: Pins made and TTLs chosen (for reports and tests).
         self.pins = 0
 
     def arrived(self, session_id: str, now_s: float) -> None:
-        self._held_until.pop(session_id, None)
+        self._held.pop(session_id, None)
         since = self._tool_since.pop(session_id, None)
         if since is not None:
             self._durations.append(max(0.0, now_s - since))
@@ -101,17 +111,22 @@ class ContinuumTtl:
     def finished(self, turn: FinishedTurn, now_s: float) -> None:
         sid = turn.session_id
         if turn.stop_reason != TOOL_STOP:
-            self._held_until.pop(sid, None)
+            self._held.pop(sid, None)
             return
         self._tool_since[sid] = now_s
         tau = self.ttl_s(turn)
         if tau > 0.0:
-            self._held_until[sid] = now_s + tau
+            self._held[sid] = (now_s + tau, now_s)
             self.pins += 1
         else:
-            self._held_until.pop(sid, None)
+            self._held.pop(sid, None)
+
+    def pinned_until(self, session_id: str) -> float:
+        """When the session's pin ends (``-inf``: not pinned)."""
+        return self._held.get(session_id, (-INF, 0.0))[0]
 
     def admit_key(self, session_id: str, now_s: float) -> float:
+        """A finished context may displace any resident, a pinned one last."""
         return -INF
 
     def ttl_s(self, turn: FinishedTurn) -> float:

@@ -8,8 +8,11 @@ HBM and the most idle are placed in CPU DRAM, the boundary between the two follo
 tiers' capacities, and each tier admits a program only ahead of those it outranks.
 
 What is modelled (over ``ondemand``'s flags, with the same router, cost model, links and
-engine as every policy; the DRAM tier holds every finished context as under ``ondemand``,
-so placing a session "down" is dropping its HBM copy):
+engine profile as every policy). The DRAM tier is the profile's: on a write-through
+profile (``vllm-lmcache``) it holds every finished context, so placing a session "down" is
+dropping its HBM copy; on a profile that demotes on eviction (``vllm-lmcache-lazy``,
+``sglang-hicache``) a context reaches DRAM when HBM evicts it, so the two tiers hold a
+partition as MORI's placement does:
 
 * the score of a session at ``now`` over its last ``window`` turns: ``idle / (idle +
   busy)``, where ``busy`` is each turn's arrival-to-response-end time and ``idle`` the gaps
@@ -20,7 +23,7 @@ so placing a session "down" is dropping its HBM copy):
 * admission control: a finished session's context enters HBM only by displacing
   residents more idle than it; otherwise it stays in DRAM alone.
 
-What is left out: MORI's migrations between rankings (promoting a busy session's KV from
+What is left out (MORI does it, the simulator does not): the migrations between rankings (promoting a busy session's KV from
 DRAM into HBM before its next request, demoting in the background); here a session moves
 up only when its next request reads it, at the same host-link copy every policy pays. The
 DRAM tier keeps ``ondemand``'s LRU below HBM (MORI's own DRAM admission is not modelled).
@@ -35,7 +38,7 @@ from dataclasses import dataclass, field
 
 from kvprefetch.controlplane.base.config import FleetConfig
 from kvprefetch.controlplane.base.tiers import TierEntry
-from kvprefetch.controlplane.core.hbm_retention import FinishedTurn
+from kvprefetch.controlplane.sim.peers.hbm_retention import FinishedTurn
 
 __all__ = ["MoriIdleness"]
 
