@@ -1,6 +1,6 @@
 """``oracle``: reads the future from the trace being replayed (simulator only).
 
-It is the upper bound every other predictor is measured against (``gap_closure``): its
+The predictor of the ``perfect`` policy, the reference of the forecast gap closure: its
 forecast is a point mass at the true next arrival, or ``p_return = 0`` when the session
 never returns.
 """

@@ -106,12 +106,14 @@ class AgentSettings(_Section):
 
     def lmcache_for(self, node_ip: str) -> LMCacheBackendConfig | None:
         """The ``lmcache`` section for the node at ``node_ip``: ``{node_ip}`` in its
-        ``http_url`` becomes the node's address (servers bound to their node's address,
-        e.g. several nodes' LMCache servers on one machine)."""
-        if self.lmcache is None or "{node_ip}" not in self.lmcache.http_url:
-            return self.lmcache
-        return self.lmcache.model_copy(
-            update={"http_url": self.lmcache.http_url.replace("{node_ip}", node_ip)})
+        ``http_url`` and ``request_url`` becomes the node's address (servers bound to their
+        node's address, e.g. several nodes' LMCache servers on one machine)."""
+        if self.lmcache is None:
+            return None
+        urls = {name: url.replace("{node_ip}", node_ip)
+                for name in ("http_url", "request_url")
+                if "{node_ip}" in (url := getattr(self.lmcache, name))}
+        return self.lmcache.model_copy(update=urls) if urls else self.lmcache
 
     def dram(self, node: int) -> LocalTierConfig | None:
         """Node ``node``'s local tier (None with the ``lmcache-mp`` backend)."""

@@ -140,7 +140,7 @@ def add_hint_arguments(p: argparse.ArgumentParser) -> None:
                        "drawn per session from Dhakal et al., CHI 2018) and/or 'tool_running' "
                        "(a tool call runs, with an ETA of its duration). The policies that "
                        "run --predictor "
-                       "read them through the 'hinted' wrapper; the oracle does not need them")
+                       "read them through the 'hinted' wrapper; 'perfect' does not need them")
     hints.add_argument("--hint-coverage", type=float, metavar="F",
                        help="share of session groups (a client with its sub-agents) that send "
                        "hints, in [0, 1] (default 1.0); raising it with the same --hint-seed "

@@ -24,9 +24,10 @@ The profiles:
   ranks by predicted next use and trims to a prefix.
 
 No profile offers HBM retention: neither vLLM nor SGLang lets an outside component rank or
-pin the GPU prefix cache (docs/engines-retention.md). The published peers whose whole idea
-is an HBM ranking (``continuum-ttl``, ``mori``) bring it as their own engine change
-(:attr:`PolicySpec.hbm_retention`), which no other policy gets.
+pin the GPU prefix cache (docs/engines-retention.md). The published peers bring their own
+engine change, which no other policy gets: an HBM ranking (``continuum-ttl``, ``mori``;
+:attr:`PolicySpec.hbm_retention`) or a DRAM retention window (``ttl-lognormal``, LMCache's
+retention pull request, not in 0.5.6).
 """
 
 from __future__ import annotations

@@ -60,9 +60,10 @@ class PolicySpec:
     load_start: LoadStart
     eviction: EvictionKind
     prefetch: bool
-    #: Predictor this policy always uses (the oracle reads the future); None = the user's.
+    #: Predictor this policy always uses (``perfect``: the oracle, which reads the future);
+    #: None = the user's.
     predictor: str | None = None
-    #: Overrides the planner's safety margin (the oracle finishes exactly in time).
+    #: Overrides the planner's safety margin (``perfect`` finishes exactly in time).
     safety_margin_s: float | None = None
     modelled_on: str = ""
     #: Room is made by cutting a victim's KV back to a prefix, chunk by chunk, not by
@@ -76,7 +77,7 @@ class PolicySpec:
     #: Prefetch only within a waste budget: a prefetch starts only if, were all its bytes
     #: and those of every unread prefetch wasted, the wasted bytes would still not exceed
     #: the bytes prefetches brought that requests read, plus ``planner.waste_allowance_gib``
-    #: (see :mod:`kvprefetch.controlplane.core.budgets`). Off for the oracle, whose
+    #: (see :mod:`kvprefetch.controlplane.core.budgets`). Off for ``perfect``, whose
     #: forecasts are not guesses.
     waste_budget: bool = False
     #: The policy's own change to how the engine's HBM prefix cache keeps a finished

@@ -168,3 +168,18 @@ def test_perfect_is_no_worse_than_reactive_and_predictive_on_small_random_traces
         assert ys.no_closure is not None and ys.no_closure.startswith("perfect is not ahead")
         assert all(n in ys.no_closure for n in ahead)
         assert mean["perfect"] <= min(mean[n] for n in ahead) * 1.02  # by a hair
+
+
+def test_sim_help_lists_every_profile_and_a_bad_name_is_refused() -> None:
+    import argparse
+
+    from kvprefetch.controlplane.cli import sim as sim_cli
+
+    parser = argparse.ArgumentParser()
+    sim_cli.add_arguments(parser)
+    text = "".join(parser.format_help().split())  # argparse wraps at spaces and hyphens
+    for engine in ENGINES.values():
+        assert "".join(f"{engine.name}: {engine.summary}".split()) in text
+    assert parser.parse_args([]).engine == "vllm-lmcache"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--engine", "vllm"])
