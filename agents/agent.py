@@ -12,8 +12,9 @@ scheduler's advice to the tier's eviction policy (used by ``eviction: predicted`
 order's ``deadline_s`` is the predicted next use of its keys, and keys that evict advice
 names but a running transfer keeps are never needed again. With the ``lmcache-mp`` backend
 the node-local tier is the node's LMCache MP server's L1 instead: orders run as LMCache warm
-prefetches (:mod:`kvprefetch.agents.lmcache.backend`), evict advice deletes from L1, and the
-engine stores through LMCache itself.
+prefetches (:mod:`kvprefetch.agents.lmcache.backend`), evict advice deletes from L1, the
+engine stores through LMCache itself, and what L1 drops on its own reaches the scheduler
+from LMCache's KV events (``lmcache.kv_events``), as the local tier's evictions do.
 
 Who calls what: the scheduler sends ``execute`` (a few per second per node), ``cancel`` and
 ``evict``; the node's engine calls ``wait`` (blocks until an order ends) and
@@ -55,6 +56,7 @@ from kvprefetch.agents.lmcache.backend import (
     WarmHandle,
     require_backend_settings,
 )
+from kvprefetch.agents.lmcache.kv_events import KVEventStats
 from kvprefetch.agents.sglang.warm import SGLangWarmConfig, SGLangWarmer
 from kvprefetch.agents.stores.base import ObjectStore
 from kvprefetch.agents.stores.local import LocalTier, LocalTierConfig
@@ -212,7 +214,8 @@ class PrefetchAgent:
             self._store = cfg.remote.build()
         self._store.start()
         if cfg.lmcache is not None and cfg.backend == "lmcache-mp":
-            self._warmer = LMCacheWarmer(cfg.lmcache, self._store, name=f"agent{self.node}")
+            self._warmer = LMCacheWarmer(cfg.lmcache, self._store, name=f"agent{self.node}",
+                                         on_evict=self._on_tier_evict)
             try:
                 self._warmer.start()  # refuses a server whose keys cannot match ours
             except BaseException:
@@ -478,7 +481,9 @@ class PrefetchAgent:
         return gone
 
     def _on_tier_evict(self, keys: list[str]) -> None:
-        """The tier evicted ``keys`` to make room (called under the tier's lock)."""
+        """The tier evicted ``keys`` by its own order: the local tier to make room (called
+        under its lock), LMCache's L1 by its policy or someone else's delete (called by the
+        ``lmcache-mp`` backend, mostly from its KV-event thread)."""
         with self._evictions:
             self._tier_evicted.extend(keys)
             over = len(self._tier_evicted) - EVICTION_MEMORY
@@ -489,19 +494,22 @@ class PrefetchAgent:
             self._evictions.notify_all()
 
     def take_evictions(self, timeout_s: float) -> TierEvictions | None:
-        """The sessions whose chunks the tier evicted by its own order (to fit a write)
-        since the last call, waiting up to ``timeout_s`` for one; keys written again since
-        are left out (a newer copy landed). None if there are none. The scheduler's books
-        of this node are stale for each session named (sent to its owner shard)."""
+        """The sessions whose chunks the tier evicted by its own order (the local tier to
+        fit a write; LMCache's L1 by its policy, a delete that was not our advice, or a gap
+        in its KV events) since the last call, waiting up to ``timeout_s`` for one; keys
+        written or warmed again since are left out (a newer copy landed). None if there are
+        none. The scheduler's books of this node are stale for each session named (sent to
+        its owner shard)."""
         with self._evictions:
             if not self._tier_evicted:
                 self._evictions.wait(timeout_s)
             keys = list(dict.fromkeys(self._tier_evicted))
             self._tier_evicted.clear()
-        if not keys or self._tier is None:
+        if not keys:
             return None
-        back = self._tier.exists(keys)
-        sessions = {s for k, r in zip(keys, back, strict=True) if not r.ok
+        back = (self._warmer.holds(keys) if isinstance(self._warmer, LMCacheWarmer)
+                else [r.ok for r in self.tier.exists(keys)])
+        sessions = {s for k, held in zip(keys, back, strict=True) if not held
                     and (s := position_key_session(k)) is not None}
         if not sessions:
             return None
@@ -535,6 +543,13 @@ class PrefetchAgent:
             warm = set(self._warmer.warm_keys())
             return [k in warm for k in keys]
         return [r.ok for r in self.tier.exists(list(keys))]
+
+    def kv_events(self) -> KVEventStats | None:
+        """The ``lmcache-mp`` backend's KV-event subscription counters (None on other
+        backends, or when it does not follow the server's events)."""
+        if isinstance(self._warmer, LMCacheWarmer):
+            return self._warmer.event_stats()
+        return None
 
     def status(self) -> AgentStatus:
         if self._warmer is not None:

@@ -6,8 +6,9 @@
   when it dies; on every (re)start it greets the scheduler with its incarnation and the
   keys its tier still holds, so orders sent to a dead predecessor are re-planned; every
   ``status_interval_s`` it reports its tier's capacity and occupancy to every shard
-  (their quotas of the node follow it), and what its tier evicts by its own order goes to
-  the shards that own those sessions (their books drop them).
+  (their quotas of the node follow it), and what its tier evicts by its own order (LMCache's
+  L1: as its KV events tell) goes to the shards that own those sessions (their books drop
+  them).
 * ``EngineActor``: one per node on CPU-only clusters (named ``kvprefetch-engine-<node>``),
   serving many requests at once (threads), each blocking until its response ends.
 
@@ -35,6 +36,7 @@ from kvprefetch.agents.engine_emulator import (
     ServeRequest,
     ServeResult,
 )
+from kvprefetch.agents.lmcache.kv_events import KVEventStats
 from kvprefetch.controlplane.base.scheduler_api import NodeAPI
 from kvprefetch.controlplane.base.shards import ShardRing, split_engine_report, split_tier_evictions
 from kvprefetch.controlplane.base.wire import (
@@ -139,9 +141,8 @@ class _AgentActor:
         if config.status_interval_s > 0:
             threading.Thread(target=self._send_status, args=(config.status_interval_s,),
                              name=f"agent-{config.node}-status", daemon=True).start()
-        if config.backend != "lmcache-mp":  # LMCache's L1 evicts without telling us
-            threading.Thread(target=self._send_evictions, name=f"agent-{config.node}-evicted",
-                             daemon=True).start()
+        threading.Thread(target=self._send_evictions, name=f"agent-{config.node}-evicted",
+                         daemon=True).start()
 
     def _send_evictions(self) -> None:
         """What the tier evicted by its own order, to the shards that own the sessions
@@ -237,6 +238,9 @@ class _AgentActor:
 
     def status(self) -> AgentStatus:
         return self.agent.status()
+
+    def kv_events(self) -> KVEventStats | None:
+        return self.agent.kv_events()
 
     def where(self) -> dict[str, Any]:
         """The Ray node this agent runs on (for placement checks)."""

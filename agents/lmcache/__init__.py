@@ -1,5 +1,6 @@
 """LMCache integration: the ``lmcache server`` launcher, our L2 adapter plugin, the
-``lmcache-mp`` agent backend and the engine emulator's LMCache client.
+``lmcache-mp`` agent backend (with its subscriber to the server's KV events) and the engine
+emulator's LMCache client.
 
 Importing this package does not import LMCache (nor torch): the clients import it when
 they connect. The L2 adapter (:mod:`kvprefetch.agents.lmcache.l2_adapter`, loaded by
@@ -18,6 +19,8 @@ from kvprefetch.agents.lmcache.errors import (
     LMCacheTransferError,
     LMCacheUnavailableError,
 )
+from kvprefetch.agents.lmcache.kv_events import KVEventStats, KVEventSubscriber
+from kvprefetch.agents.lmcache.l1_residency import L1Residency
 from kvprefetch.agents.lmcache.mp_client import KVLayout, LMCacheMPClient
 from kvprefetch.agents.lmcache.server import LMCacheServer, find_lmcache
 from kvprefetch.agents.lmcache.tokens import (
@@ -28,7 +31,10 @@ from kvprefetch.agents.lmcache.tokens import (
 from kvprefetch.agents.lmcache.warm import LMCacheWarmClient, WarmResult, object_keys
 
 __all__ = [
+    "KVEventStats",
+    "KVEventSubscriber",
     "KVLayout",
+    "L1Residency",
     "LMCacheBackendConfig",
     "LMCacheConfigMismatchError",
     "LMCacheEngineConfig",

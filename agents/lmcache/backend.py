@@ -17,8 +17,17 @@ whose keys could never match fails loudly instead of warming nothing.
 
 Evict advice deletes the session's objects from L1 (``DELETE /cache/objects``); L2 keeps
 them. What is warm is LMCache's to know: the backend remembers the chunks of the orders it
-completed (for ``inventory``/``has``) and forgets a session on evict advice, while LMCache's
-own L1 eviction may drop chunks sooner; the engine's lookup is the truth.
+completed (:class:`~kvprefetch.agents.lmcache.l1_residency.L1Residency`, for
+``inventory``/``has``) and forgets a session on evict advice. LMCache's own L1 eviction
+drops chunks too: with ``kv_events`` on, the backend follows the server's KV events
+(:class:`~kvprefetch.agents.lmcache.kv_events.KVEventSubscriber`) and hands the chunk keys
+each removal takes out of a warmed session to ``on_evict``, the agent's report of the
+tier's own evictions. After a gap in those events (lost records, a server restart) it
+cannot tell which sessions L1 still holds: LMCache 0.5.6 lists L2 only (``GET
+/cache/objects`` refuses ``tier=l1``) and its lookups load from L2 as they look, so every
+session it believed warm is forgotten and reported, and the scheduler plans them again (a
+warm of chunks L1 still holds loads nothing). Without the events the engine's lookup is the
+only truth.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import count
@@ -33,9 +43,21 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvprefetch.agents.lmcache.errors import LMCacheError
+from kvprefetch.agents.lmcache.errors import (
+    LMCacheConfigMismatchError,
+    LMCacheError,
+    LMCacheUnavailableError,
+)
+from kvprefetch.agents.lmcache.keys import LMCacheKeySettings, chunk_hashes
+from kvprefetch.agents.lmcache.kv_events import (
+    KVEventStats,
+    KVEventSubscriber,
+    ResyncReason,
+    request_url,
+)
+from kvprefetch.agents.lmcache.l1_residency import MAX_CHUNKS, L1Residency, ResidencyStats
 from kvprefetch.agents.lmcache.tokens import get_session_tokens, tokens_key
-from kvprefetch.agents.lmcache.warm import LMCacheWarmClient, object_keys
+from kvprefetch.agents.lmcache.warm import LMCacheWarmClient, ServerSettings, object_keys
 from kvprefetch.agents.stores.base import ObjectStore
 from kvprefetch.agents.stores.errors import StoreError
 from kvprefetch.agents.transfer import TransferResult
@@ -48,6 +70,10 @@ log = logging.getLogger(__name__)
 #: Where a node's agent lands orders and its engine finds KV: the project's own DRAM/disk
 #: tier, or the node's LMCache MP server.
 Backend = Literal["local", "lmcache-mp"]
+#: Whether the backend follows the server's KV events: see ``LMCacheBackendConfig.kv_events``.
+KVEventsMode = Literal["auto", "required", "off"]
+#: Called with chunk keys that left L1 by LMCache's own doing (the agent's eviction path).
+EvictionCallback = Callable[[list[str]], None]
 
 
 def require_backend_settings(backend: Backend, *, dram: object | None, lmcache: object | None,
@@ -87,6 +113,20 @@ class LMCacheBackendConfig(BaseModel):
     #: Bytes of one chunk object of one rank (LMCache does not report sizes): for the
     #: bytes in reports; 0 = unknown.
     chunk_bytes: int = Field(0, ge=0)
+    #: Follow the server's KV events, so that the chunks LMCache's L1 drops on its own
+    #: (its eviction policy, a delete or clear by someone else) reach the scheduler as the
+    #: tier's evictions: ``auto`` = when the server publishes them (else a warning at
+    #: start), ``required`` = refuse to start unless it does, ``off`` = never (the
+    #: scheduler's books then keep what L1 dropped until its own advice evicts it). The
+    #: server publishes them unless started with ``--kv-event-log-size 0`` or
+    #: ``--disable-observability``.
+    kv_events: KVEventsMode = "auto"
+    #: The server's request endpoint the events come from (``tcp://host:port``); "" = the
+    #: one in its ``GET /config``, at ``http_url``'s host when it is bound to all addresses.
+    request_url: str = ""
+    #: (session, chunk) entries kept to tell which sessions a removed chunk belonged to;
+    #: past it the sessions warmed longest ago are reported evicted.
+    max_tracked_chunks: int = Field(MAX_CHUNKS, ge=1)
 
 
 @dataclass
@@ -143,35 +183,121 @@ class OrderPool:
         raise NotImplementedError
 
 
+@dataclass(frozen=True)
+class _EvictionFeed:
+    """The :class:`~kvprefetch.agents.lmcache.kv_events.KVEventSink` of a warmer: LMCache's
+    removals, as the warmed chunk keys they take out, to ``report``."""
+
+    residency: L1Residency
+    report: EvictionCallback
+    name: str
+
+    def removed(self, chunk_hashes: Sequence[bytes]) -> None:
+        self.report(self.residency.removed(chunk_hashes))
+
+    def resync(self, reason: ResyncReason) -> None:
+        gone = self.residency.withdraw_all()
+        if gone:
+            log.warning("%s: %s: reporting the %d chunks believed warm as evicted (L1 "
+                        "cannot be listed)", self.name, reason.replace("_", " "), len(gone))
+        self.report(gone)
+
+
 class LMCacheWarmer(OrderPool):
     """Runs transfer orders as LMCache warm prefetches (see the module docstring).
 
-    ``store`` is the remote token store holding the sessions' token ids. Thread-safe.
+    ``store`` is the remote token store holding the sessions' token ids; ``on_evict`` is
+    called with the chunk keys that left L1 by LMCache's own doing (from the event thread,
+    and from the pool's threads for warms that a removal overtook). Thread-safe.
     """
 
     def __init__(self, config: LMCacheBackendConfig, store: ObjectStore, *,
-                 name: str = "lmcache") -> None:
+                 name: str = "lmcache", on_evict: EvictionCallback | None = None) -> None:
         super().__init__(name)
         self.config = config
         self._store = store
         self._client = LMCacheWarmClient(config.http_url, config.http_timeout_s)
-        self._lock = threading.Lock()
-        #: "tenant/session" -> chunk keys of its last completed warm.
-        self._warm: dict[str, tuple[str, ...]] = {}
+        self._on_evict = on_evict
+        #: The sessions of completed warms, by chunk key and by LMCache chunk hash.
+        self._residency = L1Residency(config.max_tracked_chunks)
+        self._events: KVEventSubscriber | None = None
 
     def start(self) -> LMCacheWarmer:
+        """Check the server's settings against ours and, with ``kv_events``, subscribe to
+        its KV events before the first order runs.
+
+        Raises:
+            LMCacheConfigMismatchError: keys could not match, or ``kv_events: required``
+                and the server publishes none.
+            LMCacheUnavailableError: ``kv_events: required`` and no subscription within
+                ``http_timeout_s``.
+        """
         cfg = self.config
-        self._client.check_compatible(chunk_size=cfg.chunk_size,
-                                      hash_algorithm=cfg.hash_algorithm,
-                                      model_name=cfg.model_name, world_size=cfg.world_size)
+        settings = self._client.check_compatible(
+            chunk_size=cfg.chunk_size, hash_algorithm=cfg.hash_algorithm,
+            model_name=cfg.model_name, world_size=cfg.world_size)
+        self._events = self._follow_events(settings)
         self._open_pool(cfg.max_in_flight)
-        log.info("%s: warming LMCache at %s (model %s, chunk %d, %s)", self.name,
-                 cfg.http_url, cfg.model_name, cfg.chunk_size, cfg.hash_algorithm)
+        log.info("%s: warming LMCache at %s (model %s, chunk %d, %s, KV events %s)",
+                 self.name, cfg.http_url, cfg.model_name, cfg.chunk_size, cfg.hash_algorithm,
+                 self._events.url if self._events else "not followed")
         return self
 
     def close(self) -> None:
         self._close_pool()
+        if self._events is not None:
+            self._events.close()
+            self._events = None
         self._client.close()
+
+    def event_stats(self) -> KVEventStats | None:
+        """The KV-event subscription's counters (None when not following)."""
+        return self._events.stats() if self._events is not None else None
+
+    def residency_stats(self) -> ResidencyStats:
+        """What the backend believes warm, and what removals, gaps and the bound took."""
+        return self._residency.stats()
+
+    def _follow_events(self, settings: ServerSettings) -> KVEventSubscriber | None:
+        cfg = self.config
+        if cfg.kv_events == "off":
+            return None
+        enabled = self._client.kv_events_enabled()
+        if not enabled:
+            why = ("its LMCache has no KV-event channel" if enabled is None else
+                   "it publishes no KV events (started with --kv-event-log-size 0 or "
+                   "--disable-observability)")
+            if cfg.kv_events == "required":
+                raise LMCacheConfigMismatchError(
+                    "kv_events.enabled", True, enabled, where=cfg.http_url,
+                    hint=f"{why}; kv_events: required needs them")
+            log.warning("%s: the LMCache server at %s: %s, so the scheduler will not learn "
+                        "of L1's own evictions (kv_events: off silences this)", self.name,
+                        cfg.http_url, why)
+            return None
+        url = cfg.request_url or request_url(settings.transport, settings.host,
+                                             settings.port, cfg.http_url)
+        feed = _EvictionFeed(self._residency, self._report_evicted, self.name)
+        events = KVEventSubscriber(url, cfg.model_name, feed, timeout_s=cfg.http_timeout_s,
+                                   name=f"{self.name}-events")
+        if not events.start() and cfg.kv_events == "required":
+            events.close()
+            raise LMCacheUnavailableError(
+                f"{self.name}: no KV events from {url} within {cfg.http_timeout_s:g} s "
+                "(kv_events: required)")
+        return events
+
+    def _report_evicted(self, keys: list[str]) -> None:
+        if keys and self._on_evict is not None:
+            self._on_evict(keys)
+
+    def _chunk_hashes(self, tokens: list[int]) -> list[bytes]:
+        """LMCache's hashes of the complete chunks of ``tokens`` (what its removals name)."""
+        cfg = self.config
+        settings = LMCacheKeySettings(model_name=cfg.model_name, chunk_size=cfg.chunk_size,
+                                      hash_algorithm=cfg.hash_algorithm,
+                                      world_size=cfg.world_size)
+        return [bytes.fromhex(h) for h in chunk_hashes(settings, tokens)]
 
     # ------------------------------------------------------------------ orders
     def _not_started(self) -> Exception:
@@ -194,13 +320,16 @@ class LMCacheWarmer(OrderPool):
                                 missed=(tokens_key(tenant, session_id),))
         tokens = tokens[:order.tokens]
         full = min(total, len(tokens) // cfg.chunk_size)
+        since = self._residency.mark()
         result = self._client.prefetch(cfg.model_name, cfg.world_size, tokens,
                                        cache_salt=tenant_cache_salt(tenant, cfg.cache_salt),
                                        timeout_s=cfg.warm_timeout_s)
         found = min(full, result.found_chunks)
         if found == full:
-            with self._lock:
-                self._warm[order.session_id] = order.keys
+            hashes = (self._chunk_hashes(tokens[:full * cfg.chunk_size])
+                      if self._events is not None else [])
+            self._report_evicted(self._residency.add(order.session_id, order.keys, hashes,
+                                                     since=since))
         # Chunks LMCache never keys (a partial tail, tokens the store lacks) have nothing
         # to move: counted present.
         return self._result(tid, total, found, total - full, started, cancelled,
@@ -224,8 +353,7 @@ class LMCacheWarmer(OrderPool):
         cfg = self.config
         gone = 0
         for tenant, session_id in sessions:
-            with self._lock:
-                self._warm.pop(SessionKey(tenant, session_id).wire, None)
+            self._residency.forget(SessionKey(tenant, session_id).wire)
             tokens = get_session_tokens(self._store, tenant, session_id)
             if not tokens:
                 continue
@@ -237,8 +365,12 @@ class LMCacheWarmer(OrderPool):
         return gone
 
     def warm_keys(self) -> tuple[str, ...]:
-        with self._lock:
-            return tuple(k for keys in self._warm.values() for k in keys)
+        """The chunk keys of completed warms that LMCache has not reported dropped."""
+        return self._residency.keys()
+
+    def holds(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key is among :meth:`warm_keys`."""
+        return self._residency.holds(keys)
 
     def usage(self) -> tuple[int, int]:
         """L1's (used, total) bytes."""

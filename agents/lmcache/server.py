@@ -82,6 +82,7 @@ class LMCacheServer(ServerProcess):
         self._extra = extra_args
         self._env = env or {}
         self._timeout = start_timeout_s
+        self._same_ports = False
 
     @property
     def http_url(self) -> str:
@@ -108,9 +109,13 @@ class LMCacheServer(ServerProcess):
         return args + list(self._extra)
 
     def start(self) -> LMCacheServer:
+        """Start on free ports (or, from :meth:`restart`, on the ports it had)."""
         if self.running:
             return self
-        self.port, self.http_port, self.prometheus_port = free_port(), free_port(), free_port()
+        if not self._same_ports:
+            self.port, self.http_port, self.prometheus_port = (free_port(), free_port(),
+                                                               free_port())
+        self._same_ports = False
         self._dir = Path(tempfile.mkdtemp(prefix="kvp-lmcache-"))
         env = {**os.environ, "LMCACHE_DISABLE_BANNER": "1", **self._env}
         log_file = self.log_path
@@ -126,6 +131,14 @@ class LMCacheServer(ServerProcess):
         log.info("lmcache server on %s:%d, HTTP %s (pid %d)", self.host, self.port,
                  self.http_url, self._proc.pid)
         return self
+
+    def restart(self) -> LMCacheServer:
+        """Stop the server and start a new one on the same ports, as a supervisor restarts
+        a crashed server: its clients reconnect to the same endpoint and find an empty L1
+        and a new KV-event incarnation."""
+        self.stop()
+        self._same_ports = True
+        return self.start()
 
     def _wait_ready(self) -> None:
         import httpx

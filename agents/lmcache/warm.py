@@ -10,7 +10,8 @@
   retained, not pinned) and polls ``GET /cache/prefetches/{id}`` with backoff until it
   completes, returning found/total keys and the time to last byte;
 - capacity: :meth:`~LMCacheWarmClient.l1_usage` reads L1's used and total bytes from
-  ``GET /status``;
+  ``GET /status``, and :meth:`~LMCacheWarmClient.kv_events_enabled` whether the server
+  publishes L1's changes (:mod:`kvprefetch.agents.lmcache.kv_events` follows them);
 - eviction advice: :meth:`~LMCacheWarmClient.delete` (``DELETE /cache/objects``, L1, L2 or
   both) and :meth:`~LMCacheWarmClient.clear_l1` (``POST /cache/clear``);
 - attribution: :meth:`~LMCacheWarmClient.lookup_hits` reads the server's per-model lookup
@@ -66,6 +67,12 @@ class ServerSettings:
     supported_transfer_mode: str
     shm_name: str
     l1_size_bytes: int
+    #: The request endpoint engines connect to: ``zmq`` or ``grpc``, the bound host, port.
+    transport: str = "zmq"
+    host: str = ""
+    port: int = 0
+    #: Records of L1 changes kept for KV-event subscribers (0: the channel is off).
+    kv_event_log_size: int = 0
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> ServerSettings:
@@ -77,7 +84,10 @@ class ServerSettings:
                        hash_algorithm=str(mp["hash_algorithm"]),
                        supported_transfer_mode=str(mp["supported_transfer_mode"]),
                        shm_name=str(mp.get("shm_name") or ""),
-                       l1_size_bytes=int(l1["size_in_bytes"]))
+                       l1_size_bytes=int(l1["size_in_bytes"]),
+                       transport=str(mp.get("transport") or "zmq"),
+                       host=str(mp.get("host") or ""), port=int(mp.get("port") or 0),
+                       kv_event_log_size=int(mp.get("kv_event_log_size") or 0))
         except (KeyError, TypeError, ValueError) as exc:
             raise LMCacheError(f"unexpected /config body from the LMCache server: {exc!r}") \
                 from exc
@@ -388,6 +398,15 @@ class LMCacheWarmClient:
         except (KeyError, TypeError, ValueError) as exc:
             raise LMCacheError(f"unexpected /status body from {self.http_url}: {exc!r}") \
                 from exc
+
+    def kv_events_enabled(self) -> bool | None:
+        """Whether the server publishes its L1 changes to KV-event subscribers
+        (``kv_events.enabled`` in ``GET /status``); ``None`` when its LMCache has no such
+        channel."""
+        section = self._status().get("kv_events")
+        if not isinstance(section, dict):
+            return None
+        return bool(section.get("enabled"))
 
     def l2_write_backlog(self) -> int:
         """Keys stored into L1 whose write-through to L2 has not finished yet (pending plus

@@ -23,10 +23,11 @@ partition as MORI's placement does:
 * admission control: a finished session's context enters HBM only by displacing
   residents more idle than it; otherwise it stays in DRAM alone.
 
-What is left out (MORI does it, the simulator does not): the migrations between rankings (promoting a busy session's KV from
-DRAM into HBM before its next request, demoting in the background); here a session moves
-up only when its next request reads it, at the same host-link copy every policy pays. The
-DRAM tier keeps ``ondemand``'s LRU below HBM (MORI's own DRAM admission is not modelled).
+What is left out (MORI does it, the simulator does not): the migrations between rankings
+(promoting a busy session's KV from DRAM into HBM before its next request, demoting in the
+background); here a session moves up only when its next request reads it, at the same
+host-link copy every policy pays. The DRAM tier keeps the profile's LRU below HBM (MORI's
+own DRAM admission is not modelled).
 A session never seen idle scores 0 (busiest).
 """
 
