@@ -26,6 +26,20 @@ HERE = Path(__file__).resolve().parent
 DATA = HERE / "data"
 ROOT = HERE.parent.parent
 
+def _yardstick(engine: str) -> list[str]:
+    """The yardstick grid on one engine profile: the bundled slice and four synthetic
+    profiles x 2/4/8 nodes x loads 0.5/1/2 x 3 seeds, every default policy."""
+    return [
+        "kvprefetch", "sim-grid",
+        "--traces", "controlplane/data/traces/claude-code,synthetic:agentic,"
+        "synthetic:agentic-nostop,synthetic:chat,synthetic:research",
+        "--nodes", "2,4,8", "--loads", "0.5,1,2", "--seeds", "0,1,2",
+        "--engine", engine, "--workers", "2", "--no-progress",
+        "--json", f"docs/results/data/yardstick-{engine}.json",
+        "--plot", f"docs/results/yardstick-{engine}.png",
+    ]
+
+
 #: name -> the command line, as a user types it from the repository root.
 RUNS: dict[str, list[str]] = {
     "sim-bundled-n1": [
@@ -38,24 +52,8 @@ RUNS: dict[str, list[str]] = {
         "--json", "docs/results/data/sim-bundled-n2.json",
         "--plot", "docs/results/sim-bundled-n2.png",
     ],
-    "yardstick-vllm-lmcache": [
-        "kvprefetch", "sim-grid",
-        "--traces", "controlplane/data/traces/claude-code,synthetic:agentic,"
-        "synthetic:agentic-nostop,synthetic:chat,synthetic:research",
-        "--nodes", "2,4,8", "--loads", "0.5,1,2", "--seeds", "0,1,2",
-        "--engine", "vllm-lmcache", "--workers", "2", "--no-progress",
-        "--json", "docs/results/data/yardstick-vllm-lmcache.json",
-        "--plot", "docs/results/yardstick-vllm-lmcache.png",
-    ],
-    "yardstick-vllm-lmcache-lazy": [
-        "kvprefetch", "sim-grid",
-        "--traces", "controlplane/data/traces/claude-code,synthetic:agentic,"
-        "synthetic:agentic-nostop,synthetic:chat,synthetic:research",
-        "--nodes", "2,4,8", "--loads", "0.5,1,2", "--seeds", "0,1,2",
-        "--engine", "vllm-lmcache-lazy", "--workers", "2", "--no-progress",
-        "--json", "docs/results/data/yardstick-vllm-lmcache-lazy.json",
-        "--plot", "docs/results/yardstick-vllm-lmcache-lazy.png",
-    ],
+    **{f"yardstick-{engine}": _yardstick(engine)
+       for engine in ("vllm-lmcache", "vllm-lmcache-lazy")},
     "bench-control-plane": [
         "kvprefetch", "bench", "control-plane", "--modes", "inproc,service,http,ray-1",
         "--sessions", "1000", "--events", "3000", "--no-progress",
