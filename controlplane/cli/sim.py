@@ -23,6 +23,7 @@ from kvprefetch.controlplane.core.engines import DEFAULT_ENGINE, ENGINES
 from kvprefetch.controlplane.core.policies import PEER_POLICIES, POLICY_NAMES, SIM_POLICIES
 
 if TYPE_CHECKING:
+    from kvprefetch.controlplane.core.policies import PolicySpec
     from kvprefetch.controlplane.sim.hints import HintConfig
 
 #: Default Poisson rate of session starts for the simulator: one every 75 s. On the shared
@@ -37,6 +38,7 @@ EPILOG = """examples:
   kvprefetch sim --scenario cold-start --nodes 2 --model 70b
   kvprefetch sim --trace ../shared/traces/claude-code --scenario scale-out --nodes 3
   kvprefetch sim --nodes 1 --hints user_typing,tool_running --hint-coverage 0.5  # half hint
+  kvprefetch sim --nodes 2 --engine local --ablation   # what each forecast decision is worth
 """
 
 
@@ -55,6 +57,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "only; 'reactive' is predictive with its forecasts off and 'perfect' "
                    "predictive fed the true next arrivals)")
     add_engine_argument(p)
+    p.add_argument("--ablation", action="store_true",
+                   help="also run predictive with each forecast-driven decision's forecast "
+                   "switched off alone (predictive-no-dram, -no-prefetch, -no-advice, "
+                   "-no-hints; those the engine profile offers): what each decision is worth")
     add_predictor_option(p, several=False, default="default",
                          help="the one predictor of the 'predictive' policy: a name, "
                          "NAME:ARTIFACT or module:Class (default: 'default', the shipped "
@@ -97,6 +103,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", dest="json_out", help="write the report as JSON here (atomic)")
     p.add_argument("--plot", help="write a PNG: TTFT CDF per policy, useful vs wasted bytes")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def with_ablations(policies: tuple[PolicySpec, ...], engine: str, *, hints: bool
+                   ) -> tuple[PolicySpec, ...]:
+    """``policies`` with predictive's ablations (:mod:`kvprefetch.controlplane.sim.ablation`)
+    right after it; a :class:`ConfigError` when predictive is not among them."""
+    from kvprefetch.controlplane.core.engines import engine_profile
+    from kvprefetch.controlplane.sim.ablation import ablations
+
+    names = [p.name for p in policies]
+    if "predictive" not in names:
+        raise ConfigError("--ablation needs predictive in --policies")
+    at = names.index("predictive") + 1
+    extra = ablations(policies[at - 1], engine_profile(engine), hints=hints)
+    return (*policies[:at], *extra, *policies[at:])
 
 
 def add_engine_argument(p: argparse.ArgumentParser) -> None:
@@ -234,6 +255,8 @@ def run(args: argparse.Namespace) -> int:
     policies = parse_policies(args.policies, peers=True)
     check_shards(args)
     hints = hint_config(args)
+    if args.ablation:
+        policies = with_ablations(policies, args.engine, hints=hints is not None)
     resolve(args.predictor)  # fail fast on an unknown predictor, before loading anything
     if args.fleet:
         overrides: dict[str, object] = {}

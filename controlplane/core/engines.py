@@ -169,7 +169,7 @@ def on_engine(policy: PolicySpec, engine: EngineProfile) -> PolicySpec:
         load_start=load_start,
         prefetch=prefetch,
         suffix_eviction=policy.suffix_eviction and engine.offers(Mechanism.TRIMS),
-        evict_advice=prefetch and engine.offers(Mechanism.EVICT_ADVICE),
+        evict_advice=policy.evict_advice and prefetch and engine.offers(Mechanism.EVICT_ADVICE),
         demote_on_evict=policy.dram_tier and engine.offers(Mechanism.DEMOTE_ON_EVICT),
         async_load=policy.remote and engine.offers(Mechanism.ASYNC_LOAD),
         engine=engine.name,

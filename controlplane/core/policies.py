@@ -88,6 +88,8 @@ class PolicySpec:
     #: The policy reads forecasts (predicted next use, hints). Off: the same mechanisms
     #: with recency in place of predicted next use and no prefetch (``reactive``).
     forecasts: bool = True
+    #: The policy's predictor reads client hints when clients send them.
+    reads_hints: bool = True
     # The engine's mechanisms, set for a run by
     # :func:`~kvprefetch.controlplane.core.engines.on_engine` (the defaults are the live
     # service's: write-through, loads at GPU start held by the GPU, evict advice).

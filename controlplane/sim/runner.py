@@ -58,8 +58,11 @@ class SimOptions:
 def hinted_predictor(policy: PolicySpec, predictor: Predictor) -> Predictor:
     """``predictor`` as a policy uses it when clients send hints: the user's predictor reads
     them through :class:`~kvprefetch.predictors.hinted.HintedPredictor` (unless it is one
-    already); a policy's own predictor (the oracle's) is left alone."""
-    return predictor if policy.predictor is not None else with_hints(predictor)
+    already); a policy's own predictor (the oracle's), and that of a policy that reads no
+    forecast or no hint, is left alone."""
+    if policy.predictor is not None or not (policy.forecasts and policy.reads_hints):
+        return predictor
+    return with_hints(predictor)
 
 
 def run_policy(trace: Trace, fleet: FleetConfig, policy: PolicySpec, predictor_spec: str,

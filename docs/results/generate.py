@@ -231,6 +231,13 @@ def store_table(name: str) -> list[str]:
 def _headline(name: str) -> str:
     """One sentence of what a run found, from its JSON."""
     report = _load(name)
+    if name.startswith("sim-ablation"):
+        ret = {p: r.get("returning", {}).get("ttft_mean_s")
+               for p, r in report["policies"].items()}
+        parts = [f"{p.removeprefix('predictive-')} {_num(m / ret['predictive'], 3)}"
+                 for p, m in ret.items() if p.startswith("predictive-")]
+        return ("returning mean over predictive's, each decision's forecast off: "
+                + "; ".join(parts))
     if name.startswith("sim-bundled"):
         ret = {p: r.get("returning", {}).get("ttft_mean_s") for p, r in report["policies"].items()}
         ratio = ret["predictive"] / ret["ondemand"] if ret.get("ondemand") else None
@@ -265,6 +272,7 @@ def _headline(name: str) -> str:
 PAGES = {
     "sim-bundled-n1": "prefetch-quality.md",
     "sim-bundled-n2": "prefetch-quality.md",
+    "sim-ablation-local-n2": "prefetch-quality.md",
     "yardstick-vllm-lmcache": "yardstick.md",
     "yardstick-vllm-lmcache-lazy": "yardstick.md",
     "bench-control-plane": "control-plane.md",
@@ -290,6 +298,8 @@ def summary_table(_name: str) -> list[str]:
 WHAT = {
     "sim-bundled-n1": "`kvprefetch sim`, bundled Claude Code slice, 1 node",
     "sim-bundled-n2": "`kvprefetch sim`, bundled Claude Code slice, 2 nodes",
+    "sim-ablation-local-n2": "`kvprefetch sim --engine local --ablation`, every client "
+                             "hinting, 2 nodes: each forecast decision switched off alone",
     "yardstick-vllm-lmcache": "`kvprefetch sim-grid --engine vllm-lmcache`: bundled slice "
                               "and four synthetic profiles x 2/4/8 nodes x 3 loads x 3 seeds",
     "yardstick-vllm-lmcache-lazy": "`kvprefetch sim-grid --engine vllm-lmcache-lazy`: the "
@@ -313,6 +323,7 @@ RENDERERS: dict[str, Callable[[str], list[str]]] = {
     "readme": readme_table,
     "sim-bundled-n1": sim_table,
     "sim-bundled-n2": sim_table,
+    "sim-ablation-local-n2": sim_table,
     "yardstick-vllm-lmcache": grid_table,
     "yardstick-vllm-lmcache-lazy": grid_table,
     "bench-control-plane": control_plane_table,

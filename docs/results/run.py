@@ -52,6 +52,11 @@ RUNS: dict[str, list[str]] = {
         "--json", "docs/results/data/sim-bundled-n2.json",
         "--plot", "docs/results/sim-bundled-n2.png",
     ],
+    "sim-ablation-local-n2": [
+        "kvprefetch", "sim", "--nodes", "2", "--engine", "local", "--ablation",
+        "--hints", "user_typing,tool_running", "--no-progress",
+        "--json", "docs/results/data/sim-ablation-local-n2.json",
+    ],
     **{f"yardstick-{engine}": _yardstick(engine)
        for engine in ("vllm-lmcache", "vllm-lmcache-lazy")},
     "bench-control-plane": [
