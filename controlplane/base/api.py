@@ -142,11 +142,18 @@ class RouteQuery(_Sized):
 
 class RequestFinished(_SessionCall):
     """The response ended on ``node``; the session's context is now
-    ``input_tokens + output_tokens`` tokens (or ``context_tokens`` when given)."""
+    ``input_tokens + output_tokens`` tokens (or ``context_tokens`` when given). ``node``
+    None (a route that gave no advice: ``RouteAnswer.node`` None) is a finish on no known
+    node: it is acknowledged and not recorded (``Ack.accepted`` False), as no node's books
+    can take the context; the request stays in flight at the scheduler until the session's
+    next finish on a node, or its close."""
 
-    node: Annotated[int, Field(ge=0), JSON_INT] = Field(
+    node: Annotated[int, Field(ge=0), JSON_INT] | None = Field(
+        default=None,
         description="the index of the node that served the request, one of the fleet's "
-                    "(422 when out of range)")
+                    "(422 when out of range); left out or null when the route gave no "
+                    "node (its answer's node was null): the finish is then acknowledged "
+                    "with accepted false and not recorded")
     input_tokens: Tokens
     output_tokens: Tokens = 0
     context_tokens: Tokens | None = None
@@ -236,7 +243,10 @@ class RouteCancelled(_Model):
 
 
 class Ack(_Model):
-    """An event call's answer. ``accepted`` False: not recorded (timed out)."""
+    """An event call's answer. ``accepted`` False: not recorded; ``timed_out`` says the
+    scheduler did not answer in time, else it could not be reached (the Python client
+    answers so rather than raise) or the call was a finish on no node
+    (``RequestFinished``)."""
 
     accepted: bool = True
     timed_out: bool = False

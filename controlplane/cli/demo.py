@@ -11,6 +11,7 @@ import argparse
 from typing import Any
 
 from kvprefetch.controlplane.cli import demo_vllm
+from kvprefetch.controlplane.cli.options import require_extra_module
 
 EPILOG = """defaults: 2 nodes; 3 arrival seeds x 2 policies (ondemand, predictive) = 6 replays,
 each of the first 12 sessions to arrive (0.05 session starts per trace second), at most 16
@@ -99,6 +100,8 @@ class ExplicitStore(argparse._StoreAction):
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.plot:  # written last: a missing matplotlib stops the demo before it starts
+        require_extra_module("matplotlib")
     if args.engine == "vllm":
         from kvprefetch.controlplane.harness.demo_vllm import run_demo_vllm
 

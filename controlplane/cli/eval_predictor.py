@@ -32,6 +32,7 @@ from kvprefetch.controlplane.cli.options import (
     load_trace_option,
     non_negative_int,
     positive_int,
+    require_extra_module,
 )
 from kvprefetch.controlplane.cli.predictor_option import add_predictor_option
 
@@ -71,6 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.calibration_plot:  # written last: a missing matplotlib stops the run before it
+        require_extra_module("matplotlib")
     from kvprefetch.predictors import registry
     from kvprefetch.predictors.evaluate import evaluate
     from kvprefetch.predictors.splits import split_trace

@@ -11,6 +11,7 @@ installed.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -148,3 +149,17 @@ def missing_extra(exc: ModuleNotFoundError, command: str) -> str | None:
         return None
     return (f"kvprefetch {command}: needs the {extra!r} extra: pip install "
             f"'kvprefetch[{extra}]' (missing module: {module})")
+
+
+def require_extra_module(module: str) -> None:
+    """Raise ModuleNotFoundError for ``module`` when it cannot be imported, which ``main``
+    prints as :func:`missing_extra`'s one line (exit status 2). A command calls it first
+    thing for an output it writes only at the end (``--plot``: matplotlib), so that a
+    missing extra stops it before the run, not after it. Looks the module up without
+    importing it."""
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a finder refused it, or a half-imported module
+        found = False
+    if not found:
+        raise ModuleNotFoundError(f"No module named {module!r}", name=module)

@@ -17,6 +17,7 @@ from kvprefetch.controlplane.cli.options import (
     non_negative_int,
     positive_float,
     positive_int,
+    require_extra_module,
 )
 from kvprefetch.controlplane.cli.predictor_option import add_predictor_option
 from kvprefetch.controlplane.core.engines import DEFAULT_ENGINE, ENGINES
@@ -252,6 +253,8 @@ def run(args: argparse.Namespace) -> int:
     from kvprefetch.controlplane.traces import ArrivalOptions, bundled_trace_path
     from kvprefetch.predictors.registry import resolve
 
+    if args.plot:
+        require_extra_module("matplotlib")  # before the run, not after it
     policies = parse_policies(args.policies, peers=True)
     check_shards(args)
     hints = hint_config(args)

@@ -300,6 +300,10 @@ def _plot_ratio(ax: Any, mine: Sequence[dict[str, Any]], key: str, trace: str) -
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.plot:  # the plot is written last: a missing matplotlib stops the grid before it runs
+        from kvprefetch.controlplane.cli.options import require_extra_module
+
+        require_extra_module("matplotlib")
     from tqdm import tqdm
 
     from kvprefetch.controlplane.base.atomic import write_atomic

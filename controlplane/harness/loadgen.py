@@ -703,6 +703,11 @@ def format_table(result: dict[str, Any]) -> str:
     def num(v: float | None, fmt: str) -> str:
         return "n/a" if v is None else format(v, fmt)
 
+    def ms(v: float | None, width: int, places: int) -> str:
+        """Milliseconds right-aligned in ``width`` columns, unit included; a value not
+        measured is ``n/a``, without the unit."""
+        return f"{'n/a' if v is None else f'{v:.{places}f}ms':>{width}}"
+
     lines = [f"{result['sessions']:,} live sessions, {result['events']:,} events measured "
              f"per mode; trace {result['trace']}; {result['nodes']} nodes; policy "
              f"{result['policy']}",
@@ -710,8 +715,8 @@ def format_table(result: dict[str, Any]) -> str:
              f"{'plan p99':>9} {'B/session':>10} {'lost':>6}",
              "-" * 70]
     for mode, m in result["modes"].items():
-        lines.append(f"{mode:<9} {m['events_per_s']:>10,.0f} {m['route_p50_ms']:>8.3f}ms "
-                     f"{m['route_p99_ms']:>8.3f}ms {num(m['plan_p99_ms'], '>7.2f')}ms "
+        lines.append(f"{mode:<9} {m['events_per_s']:>10,.0f} {ms(m['route_p50_ms'], 10, 3)} "
+                     f"{ms(m['route_p99_ms'], 10, 3)} {ms(m['plan_p99_ms'], 9, 2)} "
                      f"{num(m['bytes_per_session'], '>10,.0f'):>10} {m['lost_events']:>6}")
     ray1 = result["modes"].get("ray-1", {})
     base, base_cpu = ray1.get("events_per_s"), ray1.get("events_per_shard_cpu_s")
@@ -734,7 +739,8 @@ def format_table(result: dict[str, Any]) -> str:
         if kill:
             restart = kill["restart_s"]
             lines.append(f"{mode}: shard {kill['shard']} killed halfway, answering again "
-                         f"after {num(restart, '.2f')} s; route p99 ms by shard before -> "
+                         f"after {num(restart, '.2f')}{'' if restart is None else ' s'}; "
+                         "route p99 ms by shard before -> "
                          f"after (-> from {SETTLE_S:g} s after its restart): " + ", ".join(
                              f"{s} {num(v['before'], '.3f')} -> {num(v['after'], '.3f')} "
                              f"({num(v['settled'], '.3f')})"

@@ -2,15 +2,20 @@
 (:func:`kvprefetch.controlplane.live.connect.connect` builds one from an address).
 
 Every call is validated here (pydantic, :mod:`kvprefetch.controlplane.base.api`) before it leaves
-the process, carries a tenant, and waits at most ``timeout_s``: a ``route`` that times out
-answers :meth:`RouteAnswer.no_prefetch` (run the request anywhere, without prefetch) and an
-event that times out answers ``Ack(accepted=False, timed_out=True)``; neither raises, so
-the inference path is never held up for long. Every route carries a request id (one the
-caller gives, else a fresh one, :class:`RequestIds`), which its answer repeats, a timed-out
-one too: with it the caller sends the route again (``route(..., request_id=...)``: the
-scheduler answers the first answer and applies nothing twice, also across its restarts) or
-cancels it (:meth:`Client.cancel_route`). The service's refusals come back as typed
-errors (:class:`~kvprefetch.controlplane.base.errors.UnknownSessionError`,
+the process, carries a tenant, and waits at most ``timeout_s``: a ``route`` that times out or
+cannot reach the scheduler answers :meth:`RouteAnswer.no_prefetch` (``node`` None: run the
+request anywhere, without prefetch), and an event (``request_started``,
+``request_finished``, ``hint``, ``session_closed``) answers ``Ack(accepted=False)``
+(``timed_out`` True when it timed out); none of them raises then, so the inference path is
+never held up for long nor broken. ``request_finished`` takes the route answer's ``node``
+as it is, None included (see :class:`~kvprefetch.controlplane.base.api.RequestFinished`).
+
+Every route carries a request id (one the caller gives, else a fresh one,
+:class:`RequestIds`), which its answer repeats, a timed-out one too: with it the caller
+sends the route again (``route(..., request_id=...)``: the scheduler answers the first
+answer and applies nothing twice, also across its restarts) or cancels it
+(:meth:`Client.cancel_route`). The service's refusals come back as typed errors
+(:class:`~kvprefetch.controlplane.base.errors.UnknownSessionError`,
 :class:`~kvprefetch.controlplane.base.errors.WrongTenantError`,
 :class:`~kvprefetch.controlplane.base.errors.MalformedHintError`, ...).
 
@@ -561,12 +566,17 @@ class Client:
         return out
 
     def _ack(self, op: str, send: Callable[[_Call], api.Ack], payload: _Call) -> api.Ack:
+        """Send an event; one the scheduler does not take in time, or cannot take as it is
+        unreachable, is dropped (logged and answered ``accepted=False``), never raised."""
         try:
             return send(payload)
         except TimeoutError:
             self.timeouts += 1
             log.warning("%s timed out; the event is dropped", op)
             return api.Ack(accepted=False, timed_out=True)
+        except ServiceUnavailableError as exc:
+            log.warning("%s: %s; the event is dropped", op, exc)
+            return api.Ack(accepted=False)
 
     # ------------------------------------------------------------------ the API
     def route(self, session_id: str, *, input_tokens: int | None = None,
@@ -649,12 +659,16 @@ class Client:
             reused_tokens=reused_tokens, parent_id=parent_id))
         return self._ack("request_started", self._bounded(timeout_s).request_started, payload)
 
-    def request_finished(self, session_id: str, *, node: int, input_tokens: int,
+    def request_finished(self, session_id: str, *, node: int | None, input_tokens: int,
                          output_tokens: int = 0, context_tokens: int | None = None,
                          stop_reason: str | None = None,
                          chunk_hashes: Sequence[str] | None = None, tenant: str | None = None,
                          local_tokens_read: int | None = None,
                          timeout_s: float | None = None) -> api.Ack:
+        """The response ended on ``node``: the route answer's node, as it came. None (the
+        route gave no advice) is a finish on no known node, which the scheduler
+        acknowledges without recording it (``accepted`` False; see
+        :class:`~kvprefetch.controlplane.base.api.RequestFinished`)."""
         payload = api.parse(api.RequestFinished, self._fields(
             session_id, tenant, node=node, input_tokens=input_tokens,
             output_tokens=output_tokens, context_tokens=context_tokens,

@@ -290,9 +290,22 @@ class LiveDriver:
                                estimated_ttft_s=round(decision.estimated_ttft_s, 6),
                                local_ready=local_ready, request_id=call.request_id)
 
-    def request_finished(self, call: api.RequestFinished, box: Outbox) -> None:
+    def request_finished(self, call: api.RequestFinished, box: Outbox) -> api.Ack:
         """The response ended on ``call.node`` (InvalidRequestError when the fleet has no
-        such node; nothing is recorded then)."""
+        such node; nothing is recorded then).
+
+        A finish on no node (``call.node`` None: its route gave no advice, and the caller
+        ran the request where it chose) of a known session is acknowledged without being
+        recorded (UnknownSessionError for an unknown one, as for every call): the core
+        books a finished context on the node that served it, and booking it on a node
+        that may not hold it would send evictions there and route the session to KV it
+        does not have. The session's request stays in flight; its next finish on a node
+        records the context then (a later route of the session routes that request
+        again). Counted in ``finishes_without_node``."""
+        if call.node is None:
+            self.registry.known(SessionKey(call.tenant, call.session_id))
+            self.stats.finishes_without_node += 1
+            return api.Ack(accepted=False)
         check_node(call.node, self.config.fleet.nodes)
         info = self.registry.known(SessionKey(call.tenant, call.session_id))
         hashes = tuple(call.chunk_hashes) if call.chunk_hashes is not None else None
@@ -304,8 +317,15 @@ class LiveDriver:
         if call.local_tokens_read:
             self.core.mark_read(info.sid, call.node, call.local_tokens_read, info.arrival_s)
         self.applied(event, keys, box)
+        return api.ACCEPTED
 
     def hint(self, call: api.HintCall, box: Outbox) -> None:
+        """A hint re-plans the session; a ``session_closed`` hint closes it, exactly as
+        :meth:`session_closed` does (one event, journalled as the close)."""
+        if call.hint.kind == "session_closed":
+            self.session_closed(api.SessionClosed(tenant=call.tenant,
+                                                  session_id=call.session_id), box)
+            return
         info = self.registry.known(SessionKey(call.tenant, call.session_id))
         self.record_and_apply(SessionEvent(
             EventKind.HINT, info.sid, self.clock.now_s(), max(0, info.turns - 1),

@@ -457,12 +457,17 @@ def create_app(scheduler: GatewayAPI | Client, *, bearer_token: str | None = Non
         return event("request_started", lambda: backend.request_started(call))
 
     def request_finished(call: Any) -> api.Ack:
-        """The response ended on `node`; the session's context grew."""
+        """The response ended on `node`; the session's context grew. Without `node` (or
+        `node: null`, when the route gave no advice) the finish is on no known node: it is
+        answered `accepted: false` and not recorded (no node's books take a context no
+        node is known to hold); the request stays in flight until the session's next
+        finish on a node."""
         return event("request_finished", lambda: backend.request_finished(call))
 
     def hint(call: Any) -> api.Ack:
         """A typed hint: `user_typing` (optional `eta_s`), `tool_running` (`eta_s` = the
-        expected duration) or `session_closed`."""
+        expected duration) or `session_closed` (closes the session, as
+        `/v1/session_closed` does)."""
         return event("hint", lambda: backend.hint(call))
 
     def session_closed(call: Any) -> api.Ack:

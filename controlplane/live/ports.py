@@ -138,6 +138,9 @@ class ServiceStats:
     journal_records_dropped: int = 0
     #: Calls refused because their tenant held its quota of live sessions.
     quota_refusals: int = 0
+    #: ``request_finished`` calls on no node (their route gave no advice): acknowledged,
+    #: not recorded.
+    finishes_without_node: int = 0
     #: Times an agent's status moved this shard's quota of a node's tier.
     quota_changes: int = 0
     #: Books entries dropped because the node's tier evicted them by its own order.

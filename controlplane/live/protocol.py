@@ -71,11 +71,13 @@ class GatewayAPI(Protocol):
 
     def request_finished(self, call: api.RequestFinished) -> api.Ack:
         """The response ended on ``call.node``; the session's context grew. Once per
-        request."""
+        request. ``call.node`` None (its route gave no advice) is answered
+        ``accepted=False`` and not recorded."""
         ...
 
     def hint(self, call: api.HintCall) -> api.Ack:
-        """A typed hint (a person typing, a tool running): zero or more per idle gap."""
+        """A typed hint (a person typing, a tool running): zero or more per idle gap. A
+        ``session_closed`` hint is :meth:`session_closed`."""
         ...
 
     def session_closed(self, call: api.SessionClosed) -> api.Ack:

@@ -366,10 +366,13 @@ class SchedulerService:
             return cancel_route(self.driver, parsed, box)
 
     def request_finished(self, call: api.RequestFinished | dict[str, Any]) -> api.Ack:
-        self._gateway_call(api.RequestFinished, call, LiveDriver.request_finished)
-        return api.ACCEPTED
+        """The response ended on ``call.node``; a finish on no node (``node`` None) is
+        answered ``accepted=False`` and not recorded (:meth:`LiveDriver.request_finished`)."""
+        return self._gateway_call(api.RequestFinished, call, LiveDriver.request_finished)
 
     def hint(self, call: api.HintCall | dict[str, Any]) -> api.Ack:
+        """A typed hint; a ``session_closed`` hint closes the session as
+        :meth:`session_closed` does."""
         self._gateway_call(api.HintCall, call, LiveDriver.hint)
         return api.ACCEPTED
 

@@ -41,6 +41,7 @@ def driver_summary(driver: LiveDriver) -> dict[str, Any]:
         "journal_compactions": s.journal_compactions,
         "journal_records_dropped": s.journal_records_dropped,
         "quota_refusals": s.quota_refusals,
+        "finishes_without_node": s.finishes_without_node,
         "quota_changes": s.quota_changes,
         "tier_evictions": s.tier_evictions,
         "tier_quota_bytes": {driver.node_name(i): t.capacity_bytes

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvprefetch.controlplane.cli import main
+from kvprefetch.controlplane.harness.loadgen import format_table
 
 
 def _check_modes(result: dict, modes: set[str], sessions: int, events: int) -> None:
@@ -80,3 +81,29 @@ def test_bench_control_plane_refuses_lanes_with_a_kill_and_too_many_in_flight(
     assert main(["bench", "control-plane", "--sessions", "100", "--concurrency", "60",
                  "--lanes", "2", "--no-progress"]) == 2
     assert "concurrency x lanes" in capsys.readouterr().err
+
+
+def test_the_table_prints_n_a_without_a_unit_for_what_was_not_measured() -> None:
+    """A mode without planning steps (or a kill that never saw the shard answer again)
+    prints ``n/a`` in the column's place, never ``n/ams``; measured values keep units."""
+    def mode(plan_p99_ms: float | None, **extra: object) -> dict[str, object]:
+        return {"events_per_s": 1000.0, "route_p50_ms": 0.5, "route_p99_ms": 2.0,
+                "plan_p99_ms": plan_p99_ms, "bytes_per_session": None, "lost_events": 0,
+                **extra}
+
+    kill = {"shard": 1, "restart_s": None,
+            "route_p99_ms_by_shard": {"0": {"before": 1.0, "after": None, "settled": None}}}
+    table = format_table({"sessions": 10, "events": 100, "trace": "t", "nodes": 2,
+                          "policy": "predictive",
+                          "modes": {"inproc": mode(1.25), "ray-2": mode(None, kill=kill)}})
+    assert "n/ams" not in table and "n/a s" not in table
+    lines = table.splitlines()
+    header, measured, missing = lines[1], lines[3], lines[4]
+    end = header.index("plan p99") + len("plan p99")  # the column's right edge
+    assert measured[:end].endswith("    1.25ms") and missing[:end].endswith("      n/a")
+    assert measured[end:] == missing[end:]  # the columns after it stay in place
+    assert "answering again after n/a; route p99" in table
+    revived = format_table({"sessions": 10, "events": 100, "trace": "t", "nodes": 2,
+                            "policy": "predictive",
+                            "modes": {"ray-2": mode(None, kill={**kill, "restart_s": 1.5})}})
+    assert "answering again after 1.50 s; route p99" in revived

@@ -148,6 +148,45 @@ def test_missing_extra_names_the_extra_or_nothing() -> None:
     assert missing_extra(ModuleNotFoundError("x"), "sim") is None
 
 
+PLOT_LINE = re.compile(r"kvprefetch (sim|sim-grid|eval-predictor|demo): needs the 'plot' extra: "
+                       r"pip install 'kvprefetch\[plot\]' \(missing module: matplotlib\)")
+
+
+@pytest.mark.parametrize("argv", [
+    ["sim-grid", "--traces", "synthetic:agentic:6", "--nodes", "1", "--loads", "1",
+     "--seeds", "0", "--policies", "ondemand,predictive", "--workers", "1", "--no-progress",
+     "--json", "{out}", "--plot", "{png}"],
+    ["eval-predictor", "--trace", "synthetic:agentic:12", "--no-progress", "--json", "{out}",
+     "--calibration-plot", "{png}"],
+    ["sim", "--trace", "synthetic:agentic:6", "--nodes", "1", "--workers", "1",
+     "--no-progress", "--json", "{out}", "--plot", "{png}"],
+])
+def test_a_plot_without_matplotlib_stops_the_command_before_it_runs(
+        argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plot is the last thing written: without the 'plot' extra the command says so in
+    one line (exit status 2) before any work, not after the whole run."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what import sees when it is absent
+    out, png = tmp_path / "out.json", tmp_path / "out.png"
+    assert main([a.format(out=out, png=png) for a in argv]) == 2
+    captured = capsys.readouterr()
+    assert PLOT_LINE.fullmatch(captured.err.strip()), captured.err
+    assert captured.out == "" and not out.exists() and not png.exists()
+
+
+def test_a_demo_plot_without_matplotlib_stops_before_the_demo_starts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvprefetch.controlplane.harness.demo as demo
+
+    started: list[object] = []
+    monkeypatch.setattr(demo, "run_demo", lambda args: started.append(args) or 0)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert main(["demo", "--no-progress", "--plot", str(tmp_path / "demo.png")]) == 2
+    assert PLOT_LINE.fullmatch(capsys.readouterr().err.strip())
+    assert started == []
+
+
 def test_the_extras_table_follows_pyproject() -> None:
     """Each direct requirement of an extra maps to it; each mapped extra exists."""
     extras: dict[str, list[str]] = tomllib.loads((REPO / "pyproject.toml").read_text())[

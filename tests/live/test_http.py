@@ -96,6 +96,35 @@ def test_round_trip_through_the_python_client(http_api: Api) -> None:
     assert http_api.service.stats.events == 7
 
 
+def test_a_finish_without_a_node_is_acknowledged_and_not_recorded(http_api: Api) -> None:
+    """``node`` left out or null (the route gave no advice): 200 with ``accepted`` false, the
+    request still in flight; the OpenAPI document shows the field as optional."""
+    s1 = {"tenant": "acme", "session_id": "s1"}
+    assert http_api.post("route", {**s1, "input_tokens": 5000}).status_code == 200
+    events = http_api.service.stats.events
+    for body in ({**s1, "input_tokens": 5000, "output_tokens": 100},
+                 {**s1, "node": None, "input_tokens": 5000}):
+        resp = http_api.post("request_finished", body)
+        assert resp.status_code == 200, resp.text
+        assert resp.json() == {"accepted": False, "timed_out": False}
+    state = http_api.post("session_state", s1).json()
+    assert state["in_flight"] and state["context_tokens"] == 0
+    assert http_api.service.stats.events == events
+    schema = httpx.get(f"{http_api.url}/openapi.json").json()["components"]["schemas"]
+    finished = next(v for k, v in schema.items() if k.startswith("RequestFinished"))
+    assert "node" in finished["properties"] and "node" not in finished.get("required", [])
+
+
+def test_a_session_closed_hint_closes_the_session(http_api: Api) -> None:
+    s1 = {"tenant": "acme", "session_id": "s1"}
+    assert http_api.post("route", {**s1, "input_tokens": 100}).status_code == 200
+    resp = http_api.post("hint", {**s1, "hint": {"kind": "session_closed"}})
+    assert resp.status_code == 200 and resp.json()["accepted"], resp.text
+    assert not http_api.service.has_session("acme", "s1")
+    gone = http_api.post("session_state", s1)
+    assert gone.status_code == 404 and gone.json()["error"] == "UnknownSessionError"
+
+
 def test_a_call_is_not_held_back_by_delayed_acks(http_api: Api) -> None:
     # uvicorn serving a socket bound by the caller does not set TCP_NODELAY on the
     # connections it accepts; they inherit it from the listening socket. Without it every

@@ -22,6 +22,7 @@ from kvprefetch.controlplane.base.types import EventKind, SessionKey
 from kvprefetch.controlplane.live.config import ServiceConfig
 from kvprefetch.controlplane.live.connect import connect
 from kvprefetch.controlplane.live.service import SchedulerService
+from kvprefetch.controlplane.live.tenants import TenantQuotaError
 from kvprefetch.controlplane.traces import load_trace, read_journal_events
 
 GIB = 1 << 30
@@ -140,6 +141,68 @@ def test_session_closed_frees_state() -> None:
         assert not svc.has_session("default", "x")
         with pytest.raises(UnknownSessionError):
             c.hint("x", "user_typing")
+
+
+def test_a_session_closed_hint_closes_the_session_as_session_closed_does(
+        tmp_path: Path) -> None:
+    """The hint frees the session and its tenant's live-session slot, and is journalled as
+    the close: a restarted service does not bring the session back."""
+    with _service(tmp_path, tenants=("acme",), max_live_sessions_per_tenant=1) as svc:
+        c = connect(service=svc, tenant="acme")
+        _turn(c, "s1", 1000, 0)
+        with pytest.raises(TenantQuotaError):
+            c.route("s2", input_tokens=10)  # s1 holds the tenant's one slot
+        assert c.hint("s1", api.Hint(kind="session_closed")).accepted
+        assert not svc.has_session("acme", "s1") and svc.core.sessions() == 0
+        assert svc.summary()["live_sessions_per_tenant"].get("acme", 0) == 0
+        with pytest.raises(UnknownSessionError):
+            c.session_state("s1")
+        with pytest.raises(UnknownSessionError):  # closed: a second close finds nothing
+            c.session_closed("s1")
+        _turn(c, "s2", 1000, 0)  # the slot is free
+    kinds = [e.kind for e in read_journal_events(tmp_path / "journal.jsonl")
+             if e.session_id == "acme/s1"]
+    assert kinds[-1] is EventKind.SESSION_CLOSED and EventKind.HINT not in kinds
+    with _service(tmp_path, tenants=("acme",), max_live_sessions_per_tenant=1) as again:
+        assert not again.has_session("acme", "s1") and again.has_session("acme", "s2")
+
+
+def test_a_finish_on_no_node_books_nothing_and_leaves_the_request_in_flight(
+        tmp_path: Path) -> None:
+    """A route that gave no advice leaves the caller no node to name (the README passes
+    ``answer.node`` as it came): that finish is acknowledged with ``accepted`` False and
+    recorded nowhere (no node's books, no journal record); the session's next finish on a
+    node records its context."""
+    with _service(tmp_path) as svc:
+        c = connect(service=svc, tenant="acme")
+        sid = "acme/s1"
+        first = _turn(c, "s1", 1000, 0, out=100)
+        books = [svc.core.dram_tokens(n, sid) for n in range(FLEET.nodes)]
+        assert books[first] == 1100  # a finish on a node is booked there
+        journal = tmp_path / "journal.jsonl"
+        records = sum(1 for _ in read_journal_events(journal))
+
+        assert c.route("s1", input_tokens=1500, reused_tokens=1100).node is not None
+        ack = c.request_finished("s1", node=None, input_tokens=1500, output_tokens=200,
+                                 stop_reason="tool_calls")
+        assert ack == api.Ack(accepted=False, timed_out=False)
+        assert [svc.core.dram_tokens(n, sid) for n in range(FLEET.nodes)] == books
+        state = c.session_state("s1")
+        assert state.in_flight and state.context_tokens == 1100 and state.turns == 2
+        assert sum(1 for _ in read_journal_events(journal)) == records + 1  # the start only
+        assert svc.summary()["finishes_without_node"] == 1
+        with pytest.raises(UnknownSessionError):  # as any call on an unknown session
+            c.request_finished("new", node=None, input_tokens=10)
+        assert not svc.has_session("acme", "new") and svc.summary()["events"] == 3
+
+        again = c.route("s1", input_tokens=1800, reused_tokens=1700)  # routed again
+        assert again.node is not None
+        assert c.request_finished("s1", node=again.node, input_tokens=1800,
+                                  output_tokens=50).accepted
+        state = c.session_state("s1")
+        assert not state.in_flight and state.context_tokens == 1850 and state.turns == 2
+        assert svc.core.dram_tokens(again.node, sid) == 1850
+        assert svc.stats.loop_errors == 0
 
 
 @pytest.mark.slow
