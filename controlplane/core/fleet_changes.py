@@ -96,12 +96,14 @@ class FleetChanges:
         """A node's agent reported what its tier holds: drop the book entries of sessions it
         does not hold (``holds(session_id, tokens)``), except those still arriving, whose
         transfers decide, and plan the idle ones again (a prefetch may bring them back, as
-        after an eviction). Unknown sessions' entries are dropped too."""
+        after an eviction). Unknown sessions' entries are dropped too. What a prefetch
+        brought into a dropped entry and no request read counts as wasted."""
         for entry in list(self._books.tiers[node]):
             if entry.ready_at_s > now_s:
                 continue
             sid = entry.session_id
             if sid not in self._sessions or not holds(sid, entry.tokens):
+                self._stats.wasted_bytes += entry.prefetch_unused_bytes
                 self._books.drop(node, sid)
                 self._prefetcher.plan_again(sid, now_s)
 

@@ -351,3 +351,23 @@ def test_the_waste_budget_starts_a_prefetch_only_if_its_loss_would_stay_within_t
     core.transfer_done("c", 0, 25.0, demand=False)
     core.clear_local(26.0)
     assert (core.stats.prefetch_used_bytes, core.stats.wasted_bytes) == (0, c_bytes)
+
+
+def test_a_warmed_session_the_tier_evicts_before_its_request_counts_as_wasted() -> None:
+    """The node's engine evicts warmed KV by its own order (LMCache's L1 past its
+    watermark, reported through the agent): the unread prefetched bytes are wasted; an
+    entry a request has read is not."""
+    fleet = fleet_from_dict({"nodes": 2, "node": {"dram_tier_bytes": 10 * GIB}})
+    core = SchedulerCore(fleet, POLICIES["predictive"], load("last-gap"), FakeFleet())
+    for i, t in enumerate((0.0, 2.0)):
+        finish_turn(core, f"s{i}", t, 0, 40_000)
+    warm = [t for t in core.clear_local(100.0).loads if t.node == 0]
+    assert {t.session_id for t in warm} == {"s0", "s1"}
+    for ticket in warm:
+        core.transfer_done(ticket.session_id, 0, 101.0, demand=False)
+    core.use_local("s1", 0, 40_000, 102.0)  # s1's request read its warmed KV
+    before = core.stats.wasted_bytes
+    core.forget_local(0, {"s0", "s1"}, 103.0)
+    s0 = next(t for t in warm if t.session_id == "s0")
+    assert core.stats.wasted_bytes - before == s0.nbytes
+    assert core.dram_tokens(0, "s0") == core.dram_tokens(0, "s1") == 0
