@@ -81,6 +81,10 @@ class AgentSettings(_Section):
     tier_path: str = Field("/dev/shm/kvprefetch-{node}", min_length=1)
     tier_capacity_bytes: ByteSize | None = Field(None, gt=0)
     tier_kind: str = Field("dram", pattern="^(dram|disk)$")
+    #: How the tier chooses victims: ``lru``, or ``predicted``: furthest predicted next use
+    #: first, as the scheduler advises through each order's deadline and its evict advice
+    #: (the DRAM ranking of the simulator's ``local`` engine profile).
+    tier_eviction: Literal["lru", "predicted"] = "lru"
     transfer: TransferConfig = TransferConfig()
     #: Each agent reports its tier's capacity to the scheduler this often (seconds): every
     #: shard's quota of the node follows it (a tier smaller than ``fleet.node.
@@ -120,7 +124,8 @@ class AgentSettings(_Section):
         if self.backend == "lmcache-mp" or self.tier_capacity_bytes is None:
             return None
         return LocalTierConfig(path=self.tier_path.format(node=node), kind=self.tier_kind,
-                               capacity_bytes=self.tier_capacity_bytes)
+                               capacity_bytes=self.tier_capacity_bytes,
+                               eviction=self.tier_eviction)
 
 
 class SecretSource(_Section):

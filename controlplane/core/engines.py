@@ -126,7 +126,7 @@ ENGINES: Mapping[str, EngineProfile] = MappingProxyType({
                 "(kvprefetch.controlplane.core.loads)",
                 Mechanism.EVICT_ADVICE: "the agent's evict advice (kvprefetch.agents.stores."
                 "local LocalTier.evict)",
-                Mechanism.DRAM_RANKING: "agent.dram.eviction: predicted "
+                Mechanism.DRAM_RANKING: "agent.tier_eviction: predicted "
                 "(kvprefetch.agents.stores.eviction PredictedNextUsePolicy)",
                 Mechanism.TRIMS: "the agent's trim advice keeps a prefix "
                 "(kvprefetch.agents.stores.local)",

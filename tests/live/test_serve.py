@@ -78,6 +78,8 @@ def test_the_example_config_is_valid(monkeypatch: pytest.MonkeyPatch,
     (_minimal(service={"loop_interval_s": 0}), "service.loop_interval_s"),
     (_minimal(service={"fleet": {}}), "service.fleet"),
     (_minimal(colour="red"), "colour"),
+    (_minimal(agent={"tier_capacity_bytes": 1, "tier_eviction": "mru"}),
+     "agent.tier_eviction"),
     (_minimal(agent={"tier_capacity_bytes": 1, "backend": "sglang"}), "agent.sglang section"),
     (_minimal(agent={"backend": "sglang", "sglang": {"model_name": "m"}}),
      "agent.tier_capacity_bytes"),
@@ -90,6 +92,19 @@ def test_bad_configs_fail_at_start_naming_the_field(tmp_path: Path, cfg: dict[st
     with pytest.raises(ConfigError) as err:
         load_serve_config(path)
     assert str(path) in str(err.value) and field in str(err.value), str(err.value)
+
+
+def test_the_tier_eviction_knob_reaches_every_agent_tier(tmp_path: Path) -> None:
+    """``agent.tier_eviction: predicted`` ranks each local tier by the scheduler's
+    predicted next use (the ``local`` engine profile's DRAM ranking); LRU by default."""
+    from kvprefetch.agents.stores.eviction import LruPolicy, PredictedNextUsePolicy, make_policy
+
+    default = load_serve_config(_write(tmp_path, _minimal())).agent.dram(0)
+    assert default is not None and isinstance(make_policy(default.eviction), LruPolicy)
+    ranked = load_serve_config(_write(tmp_path, _minimal(agent={
+        "tier_capacity_bytes": 64 * MIB, "tier_eviction": "predicted"}))).agent.dram(2)
+    assert ranked is not None
+    assert isinstance(make_policy(ranked.eviction), PredictedNextUsePolicy)
 
 
 def test_the_sglang_backend_fills_each_node_tier_with_sglang_pages(tmp_path: Path) -> None:
