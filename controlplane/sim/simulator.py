@@ -79,6 +79,18 @@ class _Req:
     est_service_s: float = 0.0
     prefetch_ready_s: float | None = None
 
+    def event(self, kind: EventKind, node: int | None, now_s: float) -> SessionEvent:
+        """The request's start or finish as the scheduling core hears of it."""
+        req = self.req
+        finished = kind is EventKind.REQUEST_FINISHED
+        return SessionEvent(
+            kind=kind, session_id=req.session_id, time_s=now_s, turn=req.turn,
+            input_tokens=req.input_tokens,
+            output_tokens=req.output_tokens if finished else 0,
+            reused_tokens=req.reused_tokens,
+            stop_reason=req.stop_reason if finished else None,
+            node=node, tenant=self.session.tenant, parent_id=self.session.parent_id)
+
 
 @dataclass(slots=True)
 class _Node:
@@ -323,23 +335,6 @@ class Simulation:
         return self.out
 
     # ------------------------------------------------------------------ helpers
-    def _event(self, kind: EventKind, r: _Req, node: int | None) -> SessionEvent:
-        req = r.req
-        finished = kind is EventKind.REQUEST_FINISHED
-        return SessionEvent(
-            kind=kind,
-            session_id=req.session_id,
-            time_s=self._now,
-            turn=req.turn,
-            input_tokens=req.input_tokens,
-            output_tokens=req.output_tokens if finished else 0,
-            reused_tokens=req.reused_tokens,
-            stop_reason=req.stop_reason if finished else None,
-            node=node,
-            tenant=r.session.tenant,
-            parent_id=r.session.parent_id,
-        )
-
     # ------------------------------------------------------------------ transfers
     def _submit(self, ticket: LoadTicket) -> Transfer:
         node = self.nodes[ticket.node]
@@ -403,7 +398,7 @@ class Simulation:
         sid = r.req.session_id
         if self.hbm_retention is not None:
             self.hbm_retention.arrived(sid, self._now)
-        self._carry(self.core.request_started(self._event(EventKind.REQUEST_STARTED, r, None)))
+        self._carry(self.core.request_started(r.event(EventKind.REQUEST_STARTED, None, self._now)))
         out = self.core.route_request(sid, r.req.input_tokens, r.req.reused_tokens, self._now)
         self._carry(out, sid)
         node = self.nodes[out.node]
@@ -509,7 +504,7 @@ class Simulation:
         if self.policy.remote:
             self.remote.write(sid, ctx)
         self._carry(self.core.request_finished(
-            self._event(EventKind.REQUEST_FINISHED, r, node.idx), ctx))
+            r.event(EventKind.REQUEST_FINISHED, node.idx, self._now), ctx))
         if not hbm_first:
             self.hbm.keep_finished(node.idx, sid, ctx, req.stop_reason, self._now)
         nxt = req.turn + 1
