@@ -116,11 +116,14 @@ class PlannerConfig(_Frozen):
     min_p_return: float = Field(0.3, ge=0, le=1)
     #: Skip prefetches whose forecast is less confident than this (0 = always trust).
     min_confidence: float = Field(0.7, ge=0, le=1)
-    #: A prefetch may displace residents (rather than only fill free room) when its
-    #: forecast is at least this confident: a client's hint with an ETA (0.9,
-    #: ``kvprefetch.predictors.hinted``) or the oracle's certainty. A forecast from history
-    #: alone cannot time a return better than the residents' recency, so it only fills
-    #: free room.
+    #: A prefetch may displace residents (rather than only fill free room) where its
+    #: forecasts have won this share of their bets against the residents they would
+    #: displace (the one-sided 95% lower bound of the share;
+    #: :mod:`kvprefetch.controlplane.core.bets`). Above 0.5 the forecast must beat
+    #: recency by a margin; 1 turns displacement off but for certain forecasts.
+    displace_min_win_share: float = Field(0.5, ge=0, le=1)
+    #: Forecasts at least this confident (a client's hint with an ETA, 0.9,
+    #: ``kvprefetch.predictors.hinted``) keep a record of their own.
     displace_min_confidence: float = Field(0.85, ge=0, le=1)
     #: ... and only residents predicted to be used after this quantile of its arrival (a
     #: late one: the candidate must come first with some certainty, not only on median).

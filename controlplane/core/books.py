@@ -94,6 +94,8 @@ class TierBooks:
         self.grown: set[str] = set()
         #: Plans an idle session again after an eviction (the prefetcher's ``plan``).
         self.plan_evicted: Callable[[str, float], None] = _not_wired
+        #: A prefetch of the session was evicted unread (its bets are lost).
+        self.prefetch_wasted: Callable[[str], None] = lambda sid: None
 
     def local_tokens(self, node: int, sid: str) -> int:
         """Tokens of the session on the node, in HBM or DRAM (ready or arriving)."""
@@ -156,6 +158,8 @@ class TierBooks:
             else:
                 self.drop(node, sid)
                 self._stats.wasted_bytes += v.prefetch_unused_bytes
+            if v.prefetch_unused_bytes > 0:
+                self.prefetch_wasted(sid)
             s = self._sessions.get(sid)
             if self._policy.prefetch and s is not None and not s.in_flight:
                 self.plan_evicted(sid, now_s)
@@ -265,6 +269,18 @@ class TierBooks:
                 self._budgets.shares.charge(sid, node, ticket.nbytes, now_s)
         self._sessions.of(sid).inflight_nodes[node] = ticket
         return ticket
+
+    def displaced_by(self, sid: str, node: int, tokens: int, now_s: float, *,
+                     min_key: float) -> list[TierEntry] | None:
+        """The residents a prefetch of ``tokens`` of the session to ``node`` would evict
+        now (as :meth:`reserve` would choose them; empty when free room suffices; None
+        when it cannot make room). Evicts nothing."""
+        tier = self.tiers[node]
+        have = tier.get(sid)
+        need = tokens * self.bpt - (have.nbytes if have is not None else 0)
+        return tier.victims_for(need, now_s, exclude=sid, min_key=min_key,
+                                strategy=self.predicted_use if self._policy.evict_advice
+                                else None)
 
     def use_local(self, sid: str, node: int, reused_tokens: int, now_s: float) -> int:
         """The GPU starts the request: the usable DRAM-tier tokens, marked read."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from kvprefetch.controlplane.base.config import FleetConfig
 from kvprefetch.controlplane.base.types import ArrivalForecast
+from kvprefetch.controlplane.core.bets import DisplacementBets
 from kvprefetch.controlplane.core.books import TierBooks
 from kvprefetch.controlplane.core.draft import StepDraft
 from kvprefetch.controlplane.core.forecasts import ForecastCache
@@ -67,6 +68,9 @@ class Prefetcher:
             IdleIndex(fleet.planner.sweep_interval_s)
             if indexed_sweep and policy.prefetch and isinstance(predictor, GatedPredictor)
             else None)
+        #: The forecast's record against recency: where it may displace residents.
+        self.bets = DisplacementBets(fleet.planner.displace_min_win_share,
+                                     fleet.planner.max_lead_s)
         #: Sessions whose due state may have changed in the call under way.
         self.due_dirty: set[str] = set()
         #: Due sessions whose local copy may have grown since a sweep last looked (a DRAM
@@ -133,14 +137,7 @@ class Prefetcher:
         if self._books.local_tokens(order.node, sid) >= order.tokens:
             return
         use = max(now_s, forecast.arrival_at(0.5) if forecast else order.predicted_use_s)
-        # An uncertain prefetch only fills free room: under pressure, whatever it would
-        # evict is likelier to be used first (every such admission measured waste). A
-        # sharp one (a hint's ETA, the oracle) displaces the residents predicted to be used
-        # after a late quantile of its arrival (for the oracle: after it, Belady).
-        free_only, min_key = True, use
-        if forecast is not None and forecast.confidence >= cfg.displace_min_confidence:
-            free_only = False
-            min_key = max(use, forecast.arrival_at(cfg.displace_quantile))
+        free_only, min_key = self._displacement(sid, order, forecast, use, now_s)
         ticket = self._books.reserve(sid, order.node, order.tokens, prefetch=True,
                                      deadline_s=order.deadline_s, now_s=now_s,
                                      min_key=min_key, free_only=free_only,
@@ -149,6 +146,29 @@ class Prefetcher:
             self._stats.prefetches_dropped += 1
             return
         self.start_load(s, ticket, use)
+
+    def _displacement(self, sid: str, order: PrefetchOrder, forecast: ArrivalForecast | None,
+                      use_s: float, now_s: float) -> tuple[bool, float]:
+        """``(free_only, min_key)`` for a prefetch about to start. It may displace only
+        residents predicted to be used after a late quantile of its arrival (for a
+        certain forecast: after it, Belady), and only where the forecast has beaten
+        recency so far (:mod:`kvprefetch.controlplane.core.bets`); otherwise it fills
+        free room, as ``reactive`` would leave the tier."""
+        if forecast is None or not self._policy.evict_advice:
+            return True, use_s
+        cfg = self._planner
+        min_key = max(use_s, forecast.arrival_at(cfg.displace_quantile))
+        if forecast.confidence >= 1.0:
+            return False, min_key
+        victims = self._books.displaced_by(sid, order.node, order.tokens, now_s,
+                                           min_key=min_key)
+        if not victims:
+            return victims is None, min_key
+        victim_ids = [v.key for v in victims]
+        bucket = self.bets.bucket(forecast.confidence >= cfg.displace_min_confidence, now_s,
+                                  use_s, self._forecasts.next_uses(victim_ids, now_s))
+        self.bets.place(sid, victim_ids, bucket, now_s)
+        return not self.bets.allows(bucket), min_key
 
     def start_load(self, s: SessionState, ticket: LoadTicket, use_s: float) -> None:
         """Start a prefetch the tier has room for; the entry is kept until ``use_s``."""

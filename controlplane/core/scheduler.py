@@ -124,6 +124,7 @@ class SchedulerCore:
                                       self._sessions, self.stats, self._draft,
                                       indexed_sweep=indexed_sweep)
         self._books.plan_evicted = self._prefetcher.plan
+        self._books.prefetch_wasted = self._prefetcher.bets.wasted
         self._changes = FleetChanges(policy, self._forecasts, self._books, self._prefetcher,
                                      self._sessions, self.stats, self._draft)
 
@@ -181,6 +182,7 @@ class SchedulerCore:
         s.awaiting_node = None
         self._loads.disarm(sid, s)
         self._prefetcher.evicted.discard(sid)
+        self._prefetcher.bets.arrived(sid, event.time_s)
         self._observe(event)
         return self._output()
 
@@ -327,6 +329,7 @@ class SchedulerCore:
                 self._books.cancel(sid, node)
         self._prefetcher.evicted.discard(sid)
         self._prefetcher.recheck.discard(sid)
+        self._prefetcher.bets.forget(sid)
         self.predictor.forget(sid)
         self._forecasts.observed()
         return self._output()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 
 import pytest
@@ -9,6 +10,7 @@ from fleet_fakes import FakeFleet, finish_turn, session_home, two_node_fleet
 
 from kvprefetch.controlplane.base.config import GIB, fleet_from_dict
 from kvprefetch.controlplane.base.types import ArrivalForecast, EventKind, HintKind, SessionEvent
+from kvprefetch.controlplane.core.bets import LEAD_BINS, BetRecord
 from kvprefetch.controlplane.core.policies import POLICIES
 from kvprefetch.controlplane.core.scheduler import SchedulerCore
 from kvprefetch.controlplane.core.step import QUEUED_PRIORITY, StepOutput
@@ -285,11 +287,12 @@ class _SetForecasts:
 
 
 def _hinted_prefetch_over(b_gap_s: float, confidence: float, *,
-                          waste_allowance_gib: float = 32.0
+                          waste_allowance_gib: float = 32.0, record: BetRecord | None = None
                           ) -> tuple[StepOutput, SchedulerCore]:
     """c is evicted from node 0 (full with a and b), then a hint makes its forecast
     (arrival q10 / q50 / q90 at 26 / 31 / 61 s; q75 at 49.75 s, linear between the knots)
     with ``confidence``; a is next used at 40 s, b ``b_gap_s`` after its finish at 21 s.
+    Every bucket of the forecasts' bets starts with ``record`` (default: 20 won, 0 lost).
     The output of starting c's prefetch."""
     pred = _SetForecasts()
     policy = replace(POLICIES["predictive"], suffix_eviction=False)
@@ -305,6 +308,10 @@ def _hinted_prefetch_over(b_gap_s: float, confidence: float, *,
     finish_turn(core, "b", 20.0, node=0, ctx=40_000)
     assert core.dram[0].get("c") is None and core.remote_tokens("c") == 40_000
     pred.laws["c"] = ((25.0, 30.0, 60.0), confidence)
+    bets = core._prefetcher.bets
+    for bucket in itertools.product((False, True), range(LEAD_BINS + 1)):
+        won = BetRecord(wins=20) if record is None else replace(record)
+        bets.records[bucket] = won
     (order,) = core.hint(SessionEvent(EventKind.HINT, "c", 22.0, hint=HintKind.TOOL_RUNNING,
                                       eta_s=30.0)).orders
     assert order.deadline_s == 26.0 and 22.0 < order.start_at_s < 26.0
@@ -322,10 +329,31 @@ def test_a_sharp_prefetch_displaces_only_residents_due_after_a_late_quantile_of_
     # b due at 45 s: after c's median but not after its q75: nothing is displaced.
     out, core = _hinted_prefetch_over(24.0, 0.9)
     assert out.loads == () and out.evictions == () and core.stats.prefetches_dropped == 1
-    # An uncertain forecast (below planner.displace_min_confidence 0.85) only fills free
+    # A forecast whose bets against recency were lost as often as won only fills free
     # room, whatever the residents' keys.
-    out, core = _hinted_prefetch_over(500.0, 0.8)
+    out, core = _hinted_prefetch_over(500.0, 0.9, record=BetRecord(wins=20, losses=20))
     assert out.loads == () and out.evictions == () and core.dram[0].get("b") is not None
+
+
+def test_a_prefetch_that_would_displace_places_a_bet_that_the_first_arrival_settles() -> None:
+    # No record yet: c's prefetch fills free room only (there is none), and its bet that
+    # c comes back before b is open.
+    out, core = _hinted_prefetch_over(500.0, 0.9, record=BetRecord())
+    bets = core._prefetcher.bets
+    assert out.loads == () and bets.open_bets == 1
+    # c arrives first: the bet is won, in the bucket of a sharp forecast due far sooner
+    # than b.
+    core.request_started(SessionEvent(EventKind.REQUEST_STARTED, "c", 31.0,
+                                      input_tokens=40_000))
+    assert bets.open_bets == 0
+    assert {k: (r.wins, r.losses) for k, r in bets.records.items() if r.settled} == {
+        (True, LEAD_BINS): (1, 0)}
+    # b arriving first loses the bet instead.
+    out, core = _hinted_prefetch_over(500.0, 0.9, record=BetRecord())
+    core.request_started(SessionEvent(EventKind.REQUEST_STARTED, "b", 30.0,
+                                      input_tokens=40_000))
+    records = core._prefetcher.bets.records
+    assert [(r.wins, r.losses) for r in records.values() if r.settled] == [(0, 1)]
 
 
 def test_the_waste_budget_starts_a_prefetch_only_if_its_loss_would_stay_within_the_credit(

@@ -1,0 +1,78 @@
+"""The displacement bets: the forecast's record against recency, per bucket."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvprefetch.controlplane.core.bets import LEAD_BINS, BetRecord, DisplacementBets, wilson_lower
+
+
+def test_the_wilson_bound_needs_a_few_straight_wins_to_pass_one_half() -> None:
+    assert wilson_lower(0, 0) == 0.0
+    assert wilson_lower(2, 2) < 0.5 < wilson_lower(3, 3)
+    # A forecast right 60% of the time passes one half only with enough bets.
+    assert wilson_lower(6, 10) < 0.5 < wilson_lower(120, 200)
+    assert wilson_lower(50, 100) < 0.5
+    assert wilson_lower(10, 10) == pytest.approx(0.787, abs=1e-3)
+
+
+def test_the_bucket_is_the_sharpness_and_the_forecast_lead_in_powers_of_two() -> None:
+    bucket = DisplacementBets.bucket
+    assert bucket(False, 100.0, 110.0, [115.0]) == (False, 0)  # 1.5x sooner
+    assert bucket(True, 100.0, 110.0, [140.0, 190.0]) == (True, 2)  # the soonest victim: 4x
+    assert bucket(False, 100.0, 101.0, [1e6]) == (False, LEAD_BINS)  # capped
+    assert bucket(False, 100.0, 110.0, [math.inf]) == (False, LEAD_BINS)  # never back
+    assert bucket(False, 100.0, 110.0, [50.0]) == (False, 0)  # a victim already due
+
+
+def _bets() -> DisplacementBets:
+    return DisplacementBets(min_win_share=0.5, horizon_s=100.0)
+
+
+def test_the_first_arrival_settles_a_bet_and_a_won_record_allows_displacement() -> None:
+    bets = _bets()
+    b = (False, 3)
+    assert not bets.allows(b)  # no record: fill free room only
+    for i in range(3):
+        bets.place(f"c{i}", [f"v{i}", f"w{i}"], b, float(i))
+    assert bets.open_bets == 3
+    for i in range(3):
+        bets.arrived(f"c{i}", 10.0 + i)
+        bets.arrived(f"v{i}", 11.0 + i)  # after its bet was settled: no effect
+    assert bets.records[b] == BetRecord(wins=3, losses=0) and bets.open_bets == 0
+    assert bets.allows(b) and not bets.allows((True, 3))
+    # Victims first: losses, until the record no longer clears one half.
+    for i in range(3):
+        bets.place(f"d{i}", [f"x{i}"], b, 20.0)
+        bets.arrived(f"x{i}", 21.0)
+    assert bets.records[b] == BetRecord(wins=3, losses=3) and not bets.allows(b)
+
+
+def test_a_prefetch_evicted_unread_loses_its_bets_and_a_close_drops_them() -> None:
+    bets = _bets()
+    bets.place("c", ["v"], (True, 1), 0.0)
+    bets.place("v", ["c"], (True, 1), 0.0)
+    bets.wasted("c")  # only the bet where c is the candidate
+    assert bets.records[(True, 1)] == BetRecord(wins=0, losses=1) and bets.open_bets == 1
+    bets.forget("v")
+    assert bets.open_bets == 0 and bets.records[(True, 1)].settled == 1
+
+
+def test_bets_nobody_settles_expire_after_the_horizon() -> None:
+    bets = _bets()
+    bets.place("c", ["v"], (False, 0), 0.0)
+    bets.place("d", ["w"], (False, 0), 50.0)
+    bets.arrived("someone-else", 120.0)  # c's bet is past the 100 s horizon
+    assert bets.open_bets == 1
+    bets.arrived("c", 130.0)
+    assert bets.records == {}
+    bets.arrived("d", 140.0)
+    assert bets.records[(False, 0)] == BetRecord(wins=1, losses=0)
+
+
+def test_an_empty_victim_list_is_no_bet() -> None:
+    bets = _bets()
+    bets.place("c", [], (False, 0), 0.0)
+    assert bets.open_bets == 0
