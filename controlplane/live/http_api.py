@@ -37,8 +37,9 @@ a deadline and a minimum rate, with a few large bodies per caller at once
 ``max_chunk_hashes``, token ids outside 0..``max_token_id`` and session ids that break the
 rules are refused with 422 naming the field, listing at most ``max_listed_errors`` errors.
 With ``chunk_tokens`` given, token ids are hashed here, off the event loop, and the
-scheduler receives the chunk hashes. :class:`HttpServer` answers 503 past
-``max_connections``.
+scheduler receives the chunk hashes. :class:`HttpServer` admits, times and closes
+connections (:mod:`~kvprefetch.controlplane.live.http_conn`): 503 past ``max_connections``
+busy or proven ones.
 
 Errors are JSON ``{"error": <type name>, "detail": <message>}`` with the status of the
 typed error (:attr:`~kvprefetch.controlplane.base.errors.ServiceError.http_status`): 401 no or wrong
@@ -197,9 +198,11 @@ _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
                                              "(`max_live_sessions`), or the caller "
                                              "`max_large_bodies_per_caller` large bodies "
                                              "in progress, or its refused large bodies "
-                                             "spent `refused_body_burst_bytes` (answered "
-                                             "unread, with `Retry-After`); other tenants "
-                                             "are not affected"},
+                                             "spent `refused_body_burst_bytes`, or the "
+                                             "caller's calls exceed its rate "
+                                             "(`rate_limit_calls_per_s`); answered unread, "
+                                             "with `Retry-After`; other tenants are not "
+                                             "affected"},
     503: {"model": ErrorBody, "description": "the scheduler is unavailable, or the server "
                                              "holds `max_connections`"},
 }
