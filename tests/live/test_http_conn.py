@@ -237,3 +237,31 @@ def test_refusals_sent_before_the_body_is_read_reach_a_client_still_sending() ->
     assert too_large.startswith(b"HTTP/1.1 413"), too_large[:200]
     assert limited.startswith(b"HTTP/1.1 429"), limited[:200]
     assert b"retry-after: " in limited.lower()
+
+
+def test_the_drain_is_bounded_by_its_bytes_and_its_time() -> None:
+    """``refusal_drain_bytes``: a body past it is cut (the client sees a reset, as without
+    the drain); ``refusal_drain_timeout_s``: a client that stops sending is closed after it."""
+    head = (b"POST /v1/route HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer wrong-token\r\nContent-Length: " + str(6 * MIB).encode()
+            + b"\r\n\r\n")
+    with serve(refusal_drain_bytes=64 * 1024, refusal_drain_timeout_s=1) as srv:
+        try:
+            cut: bytes | str = _send_whole_body(srv, head, 6 * MIB)
+        except OSError as exc:
+            cut = type(exc).__name__
+        with socket.create_connection(srv.address, timeout=5) as sock:
+            t0 = time.perf_counter()
+            sock.sendall(head + b"1," * 1024)
+            answer = _read_answer(sock)  # then FIN: the server sends nothing more
+            closed = None
+            while time.perf_counter() - t0 < 5:  # a byte now and then, until it is refused
+                try:
+                    sock.sendall(b"1")
+                except OSError:
+                    closed = time.perf_counter() - t0
+                    break
+                time.sleep(0.05)
+    assert not (isinstance(cut, bytes) and cut.startswith(b"HTTP/1.1 401")), cut
+    assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
+    assert closed is not None and 0.9 < closed < 2.5, closed
