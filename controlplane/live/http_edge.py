@@ -21,8 +21,9 @@
    :data:`MAX_NUMBER_DIGITS` digits (a number no field takes, and one whose decoding alone
    would cost time quadratic in its length), naming the field.
 
-Every refused body is charged to its caller's :class:`RefusalBudget`; only large bodies are
-held back while it is spent.
+Every body of an operation refused as it is read or validated (400, 408, 413, 422), small
+ones included, is charged to its caller's :class:`RefusalBudget`; only large bodies are held
+back while it is spent.
 
 Limits are :class:`~kvprefetch.controlplane.live.limits.RequestLimits`. Every refusal is
 the API's error body, ``{"error", "detail"}`` (and ``errors`` for a 422), with
@@ -83,13 +84,13 @@ def caller_key(principal: Principal) -> str:
 
 
 class RefusalBudget:
-    """Bytes of refused large bodies one caller may still send: a bucket of
-    ``burst_bytes`` refilled at ``bytes_per_s``, into which each refused large body is
-    charged (its declared length, else the bytes read). While the bucket is empty or in
+    """Bytes of refused bodies one caller may still send: a bucket of ``burst_bytes``
+    refilled at ``bytes_per_s``, into which each refused body is charged (its declared
+    length, else the bytes read). While the bucket is empty or in
     debt, the caller's large bodies are refused unread, so the bytes an abusive caller
     makes the edge receive, parse and validate are bounded by ``burst_bytes`` plus
     ``bytes_per_s`` over time, and the event loop and interpreter it shares with every
-    other caller stay free for them. Valid bodies and small bodies are never charged or
+    other caller stay free for them. Valid bodies are never charged, and small bodies never
     held back. ``now`` is the event loop's clock, in seconds."""
 
     def __init__(self, burst_bytes: int, bytes_per_s: int, now: float) -> None:

@@ -91,11 +91,11 @@ class RequestLimits(BaseModel):
     #: up to ``body_read_timeout_s`` for a turn (429 after it).
     large_body_bytes: int = Field(64 * 1024, ge=1024)
     max_large_bodies_per_caller: int = Field(2, ge=1, le=1024)
-    #: A caller's large bodies that are refused (400, 408, 413, 422) are charged, in
-    #: bytes, to a budget of ``refused_body_burst_bytes`` refilled at
-    #: ``refused_body_bytes_per_s``; while it is spent the caller's large bodies are
-    #: answered 429 (with ``Retry-After``) unread, so that they cannot take the edge's
-    #: CPU from other callers. Valid bodies are never charged.
+    #: A caller's bodies that are refused (400, 408, 413, 422) are charged, in bytes, to
+    #: a budget of ``refused_body_burst_bytes`` refilled at ``refused_body_bytes_per_s``;
+    #: while it is spent the caller's large bodies are answered 429 (with
+    #: ``Retry-After``) unread, so that they cannot take the edge's CPU from other
+    #: callers. Valid bodies are never charged.
     refused_body_burst_bytes: int = Field(64 * MIB, ge=1024)
     refused_body_bytes_per_s: int = Field(1 * MIB, ge=1)
     #: Field errors a 422 lists (validation stops collecting after them).
