@@ -69,6 +69,7 @@ from kvprefetch.controlplane.base.wire import (
 from kvprefetch.controlplane.live.batching import EventBatcher, EventBatching
 from kvprefetch.controlplane.live.packing import pack, unpack
 from kvprefetch.controlplane.live.protocol import GatewayAPI, RemoteAPI, SchedulerAPI
+from kvprefetch.controlplane.live.route_claims import ClaimHolder
 from kvprefetch.controlplane.live.sessions import SessionQuery, SessionState
 from kvprefetch.controlplane.live.tenants import TenantQuotaError
 
@@ -314,6 +315,18 @@ class RayTransport:
     def has_session(self, tenant: str, session_id: str) -> bool:
         return bool(self._get("has_session", self._handle.has_session.remote(tenant,
                                                                               session_id)))
+
+    def claim_request_id(self, tenant: str, request_id: str, session_id: str,
+                         replacing: str | None = None) -> ClaimHolder | None:
+        """The shard's :meth:`SchedulerService.claim_request_id`."""
+        holder: ClaimHolder | None = self._get("claim_request_id",
+                                               self._handle.claim_request_id.remote(
+                                                   tenant, request_id, session_id, replacing))
+        return holder
+
+    def remembers_route(self, tenant: str, request_id: str, session_id: str) -> bool:
+        return bool(self._get("remembers_route", self._handle.remembers_route.remote(
+            tenant, request_id, session_id)))
 
     def session_state(self, call: SessionQuery) -> SessionState:
         state: SessionState = self._get("session_state",

@@ -37,8 +37,9 @@ a deadline and a minimum rate, with a few large bodies per caller at once
 ``max_chunk_hashes``, token ids outside 0..``max_token_id`` and session ids that break the
 rules are refused with 422 naming the field, listing at most ``max_listed_errors`` errors.
 With ``chunk_tokens`` given, token ids are hashed here, off the event loop, and the
-scheduler receives the chunk hashes. :class:`HttpServer` answers 503 past
-``max_connections``.
+scheduler receives the chunk hashes. :class:`HttpServer` admits, times and closes
+connections (:mod:`~kvprefetch.controlplane.live.http_conn`): 503 past ``max_connections``
+busy or proven ones.
 
 Errors are JSON ``{"error": <type name>, "detail": <message>}`` with the status of the
 typed error (:attr:`~kvprefetch.controlplane.base.errors.ServiceError.http_status`): 401 no or wrong
@@ -68,6 +69,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import socket
 import threading
 import time
@@ -101,6 +103,11 @@ from kvprefetch.controlplane.base.errors import (
 )
 from kvprefetch.controlplane.live.client import Client, InProcessTransport
 from kvprefetch.controlplane.live.http_body import BigList, BodyValidator, Invalid
+from kvprefetch.controlplane.live.http_conn import (
+    ConnectionGate,
+    ConnectionTracker,
+    guarded_protocol,
+)
 from kvprefetch.controlplane.live.http_edge import PRINCIPAL_STATE, EdgeGuard
 from kvprefetch.controlplane.live.limits import (
     SESSION_ID_MAX_CHARS,
@@ -191,9 +198,11 @@ _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
                                              "(`max_live_sessions`), or the caller "
                                              "`max_large_bodies_per_caller` large bodies "
                                              "in progress, or its refused large bodies "
-                                             "spent `refused_body_burst_bytes` (answered "
-                                             "unread, with `Retry-After`); other tenants "
-                                             "are not affected"},
+                                             "spent `refused_body_burst_bytes`, or the "
+                                             "caller's calls exceed its rate "
+                                             "(`rate_limit_calls_per_s`); answered unread, "
+                                             "with `Retry-After`; other tenants are not "
+                                             "affected"},
     503: {"model": ErrorBody, "description": "the scheduler is unavailable, or the server "
                                              "holds `max_connections`"},
 }
@@ -615,19 +624,25 @@ def _invalid_body(op: str, invalid: Invalid) -> JSONResponse:
 class HttpServer:
     """Runs an ASGI app with uvicorn on a background thread, so that signals stay with the
     caller (``kvprefetch serve`` shuts its Ray actors down after the server). ``port=0``:
-    the OS picks a free port (see :attr:`port`). ``max_connections``: open connections
-    plus calls in progress, above which calls are answered 503 (default: the app's
-    ``limits.max_connections`` for an app of :func:`create_app`, else no cap)."""
+    the OS picks a free port (see :attr:`port`). Connections are admitted, timed and
+    closed by :mod:`~kvprefetch.controlplane.live.http_conn` under ``limits`` (default:
+    the app's ``limits`` for an app of :func:`create_app`, else :class:`RequestLimits`);
+    ``max_connections``, when given, replaces theirs. :attr:`gate` keeps the books."""
 
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, *,
                  log_level: str = "warning", access_log: bool = False,
-                 max_connections: int | None = None) -> None:
+                 max_connections: int | None = None,
+                 limits: RequestLimits | None = None) -> None:
         self.app = app
-        if max_connections is None:
+        if limits is None:
             limits = getattr(getattr(app, "state", None), "limits", None)
-            if isinstance(limits, RequestLimits):
-                max_connections = limits.max_connections
-        self.max_connections = max_connections
+            if not isinstance(limits, RequestLimits):
+                limits = RequestLimits()
+        if max_connections is not None:
+            limits = limits.model_copy(update={"max_connections": max_connections})
+        self.limits = limits
+        self.max_connections = limits.max_connections
+        self.gate = ConnectionGate(limits)
         self.host = host
         self._port = port
         self.log_level = log_level
@@ -655,10 +670,11 @@ class HttpServer:
         except OSError as exc:
             sock.close()
             raise ConfigError(f"http: cannot listen on {self.host}:{self._port}: {exc}") from exc
-        config = uvicorn.Config(self.app, host=self.host, port=self._port,
+        config = uvicorn.Config(ConnectionTracker(self.app), host=self.host, port=self._port,
                                 log_level=self.log_level, access_log=self.access_log,
                                 log_config=None, lifespan="off",
-                                limit_concurrency=self.max_connections)
+                                http=guarded_protocol(self.gate),  # type: ignore[arg-type]
+                                timeout_keep_alive=math.ceil(self.limits.idle_timeout_s))
         server = uvicorn.Server(config)
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},
                                   name="kvprefetch-http", daemon=True)

@@ -2,19 +2,28 @@
 :mod:`kvprefetch.controlplane.live.http_api` sees it, in the order it is checked.
 
 1. The bearer token, from the headers alone: a call without a valid one is answered 401
-   before any of its body is read (the connection is then closed).
-2. The body's declared length against ``max_body_bytes`` (413).
-3. A large body of a caller whose refused bodies have spent its budget is answered 429
+   before any of its body is read (the connection is then closed). A connection that
+   passes it is proven (:mod:`~kvprefetch.controlplane.live.http_conn`).
+2. The caller's rate (``rate_limit_calls_per_s``, a token bucket per caller; see
+   :class:`CallRate`): a call past it is answered 429 with ``Retry-After``, unread.
+3. The body's declared length against ``max_body_bytes`` (413).
+4. A large body of a caller whose refused bodies have spent its budget is answered 429
    (with ``Retry-After``) from its headers, unread; see :class:`RefusalBudget`.
-4. A large body (over ``large_body_bytes``, or of unknown length) waits for one of its
+5. A large body (over ``large_body_bytes``, or of unknown length) waits for one of its
    caller's ``max_large_bodies_per_caller`` turns (429 after ``body_read_timeout_s``),
    so that one tenant's heavy calls queue behind each other and not in front of other
    tenants' calls.
-5. The body is read within ``body_read_timeout_s`` and, after ``body_rate_grace_s``, at
+6. The body is read within ``body_read_timeout_s`` and, after ``body_rate_grace_s``, at
    ``min_body_rate_bytes_per_s`` or faster (408 otherwise), never past
    ``max_body_bytes`` (413), and while it arrives its commas, brackets and braces are
    counted: a body with more list items or nested values than any valid call carries is
-   refused (422) without reading the rest.
+   refused (422) without reading the rest; so is a body with a run of more than
+   :data:`MAX_NUMBER_DIGITS` digits (a number no field takes, and one whose decoding alone
+   would cost time quadratic in its length), naming the field.
+
+Every body of an operation refused as it is read or validated (400, 408, 413, 422), small
+ones included, is charged to its caller's :class:`RefusalBudget`; only large bodies are held
+back while it is spent.
 
 Limits are :class:`~kvprefetch.controlplane.live.limits.RequestLimits`. Every refusal is
 the API's error body, ``{"error", "detail"}`` (and ``errors`` for a 422), with
@@ -27,16 +36,26 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 from collections.abc import Collection
 from typing import Any
 
 from kvprefetch.controlplane.base.errors import UnauthorizedError
+from kvprefetch.controlplane.live.http_conn import PROVEN_STATE
 from kvprefetch.controlplane.live.limits import RequestLimits
 from kvprefetch.controlplane.live.tenants import Principal, Role, TenantAuth
 
 #: Members, nested objects and lists a valid call has besides its list items (a bound
 #: with room to spare: the largest call has about ten members and one nested object).
 STRUCTURE_SLACK = 64
+#: Longest run of digits a body may carry: above any valid number (token ids have at most
+#: 19 digits) and any string field made of digits (session ids have at most 256
+#: characters), far below the 4,300 digits past which Python refuses to decode an integer.
+MAX_NUMBER_DIGITS = 320
+_DIGIT_RUN = b"d" * (MAX_NUMBER_DIGITS + 1)
+#: Digits as ``d``, anything else as a space: a long digit run is then one ``bytes.find``.
+_DIGITS_AS_D = bytes(0x64 if 0x30 <= b <= 0x39 else 0x20 for b in range(256))
+_KEY_BEFORE = re.compile(rb'"([A-Za-z_][A-Za-z0-9_]{0,63})"\s*:')
 #: Where the principal is handed on to the app (``request.state.principal``).
 PRINCIPAL_STATE = "principal"
 #: Answers that refuse a body the edge or the endpoint has read (in part): a large one is
@@ -65,13 +84,13 @@ def caller_key(principal: Principal) -> str:
 
 
 class RefusalBudget:
-    """Bytes of refused large bodies one caller may still send: a bucket of
-    ``burst_bytes`` refilled at ``bytes_per_s``, into which each refused large body is
-    charged (its declared length, else the bytes read). While the bucket is empty or in
+    """Bytes of refused bodies one caller may still send: a bucket of ``burst_bytes``
+    refilled at ``bytes_per_s``, into which each refused body is charged (its declared
+    length, else the bytes read). While the bucket is empty or in
     debt, the caller's large bodies are refused unread, so the bytes an abusive caller
     makes the edge receive, parse and validate are bounded by ``burst_bytes`` plus
     ``bytes_per_s`` over time, and the event loop and interpreter it shares with every
-    other caller stay free for them. Valid bodies and small bodies are never charged or
+    other caller stay free for them. Valid bodies are never charged, and small bodies never
     held back. ``now`` is the event loop's clock, in seconds."""
 
     def __init__(self, burst_bytes: int, bytes_per_s: int, now: float) -> None:
@@ -93,6 +112,28 @@ class RefusalBudget:
         self._left = min(float(self.burst_bytes),
                          self._left + (now - self._at) * self.bytes_per_s)
         self._at = now
+
+
+class CallRate:
+    """One caller's calls: a token bucket of ``burst_calls`` refilled at ``calls_per_s``;
+    each call takes one token. ``now`` is the event loop's clock, in seconds."""
+
+    def __init__(self, calls_per_s: float, burst_calls: int, now: float) -> None:
+        self.calls_per_s = calls_per_s
+        self.burst_calls = burst_calls
+        self._left = float(burst_calls)
+        self._at = now
+
+    def take(self, now: float) -> float:
+        """Take a token: 0 when there was one, else the seconds until there is (nothing
+        taken)."""
+        self._left = min(float(self.burst_calls),
+                         self._left + (now - self._at) * self.calls_per_s)
+        self._at = now
+        if self._left >= 1.0:
+            self._left -= 1.0
+            return 0.0
+        return (1.0 - self._left) / self.calls_per_s
 
 
 class _Refused(Exception):
@@ -121,23 +162,28 @@ class EdgeGuard:
         self.max_items = limits.max_token_ids + limits.max_chunk_hashes + STRUCTURE_SLACK
         self._turns: dict[str, asyncio.Semaphore] = {}
         self._budgets: dict[str, RefusalBudget] = {}
+        self._rates: dict[str, CallRate | None] = {}
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope.get("method") != "POST":
             await self.app(scope, receive, send)
             return
         headers = scope.get("headers", ())
+        operation = scope["path"] in self.operations
         try:
             principal = self._authenticate(scope["path"], headers)
+            if operation:
+                scope.setdefault("state", {})[PROVEN_STATE] = True
+                self._take_call(principal)
             declared = self._declared_length(headers)
         except _Refused as refusal:
             await _answer(send, refusal)
             return
         turns: asyncio.Semaphore | None = None
-        budget: RefusalBudget | None = None
-        if declared is None or declared > self.limits.large_body_bytes:
-            caller = caller_key(principal)
-            budget = self._budget(caller)
+        caller = caller_key(principal)
+        large = declared is None or declared > self.limits.large_body_bytes
+        budget = self._budget(caller) if operation or large else None
+        if budget is not None and large:
             wait_s = budget.wait_s(asyncio.get_running_loop().time())
             if wait_s > 0:
                 await _answer(send, _Refused(
@@ -205,6 +251,25 @@ class EdgeGuard:
                 asyncio.get_running_loop().time())
         return budget
 
+    def _take_call(self, principal: Principal) -> None:
+        """Take one of the caller's calls from its rate (429 past it)."""
+        caller = caller_key(principal)
+        now = asyncio.get_running_loop().time()
+        if caller not in self._rates:
+            limit = self.limits.rate_limit_for(
+                principal.tenant if principal.role is Role.TENANT else None)
+            self._rates[caller] = None if limit is None else CallRate(*limit, now)
+        rate = self._rates[caller]
+        if rate is None:
+            return
+        wait_s = rate.take(now)
+        if wait_s > 0:
+            raise _Refused(429, "TooManyCallsError",
+                           f"the caller's calls exceed its rate of {rate.calls_per_s:g} calls/s "
+                           f"(burst {rate.burst_calls}; rate_limit_calls_per_s, "
+                           f"tenant_rate_limits_calls_per_s): retry in {wait_s:.2f} s",
+                           retry_after_s=wait_s)
+
     def _authenticate(self, path: str, headers: Any) -> Principal:
         if path not in self.operations:
             return Principal(Role.ANONYMOUS)  # not an operation: FastAPI answers 404/405
@@ -234,6 +299,7 @@ class EdgeGuard:
         started = loop.time()
         chunks: list[bytes] = []
         size = commas = nesting = 0
+        digits = b""  # the digits that end the body so far (a run may span chunks)
         while True:
             deadline = started + limits.body_read_timeout_s
             if limits.min_body_rate_bytes_per_s > 0:
@@ -261,9 +327,31 @@ class EdgeGuard:
                                f"invalid body: {what} (no valid call has as many)",
                                [{"loc": "(root)", "msg": f"the body has {what}",
                                  "type": "too_long"}])
+            marked = (digits + chunk).translate(_DIGITS_AS_D)
+            at = marked.find(_DIGIT_RUN)
+            if at >= 0:
+                raise _long_number(chunks, chunk, at - len(digits))
+            tail = len(marked) - len(marked.rstrip(b"d"))
+            digits = (digits + chunk)[-tail:] if tail else b""
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
+
+
+def _long_number(chunks: list[bytes], chunk: bytes, at: int) -> _Refused:
+    """The 422 of a body with a digit run over :data:`MAX_NUMBER_DIGITS` at ``at`` in
+    ``chunk`` (negative: it began in the chunks before), naming the member it is in."""
+    field = "(root)"
+    before = chunk[:max(at, 0)]
+    for part in (before, *reversed(chunks)):
+        keys = _KEY_BEFORE.findall(part)
+        if keys:
+            field = keys[-1].decode()
+            break
+    msg = (f"a number of more than {MAX_NUMBER_DIGITS} digits (no valid call has one; "
+           "integers are 0..max_token_id at most)")
+    return _Refused(422, "InvalidRequestError", f"invalid body: {field}: {msg}",
+                    [{"loc": field, "msg": msg, "type": "too_long"}])
 
 
 def _too_large(size: int, at_least: str, limit: int) -> str:

@@ -57,20 +57,45 @@ class RequestLimits(BaseModel):
     body_read_timeout_s: float = Field(30.0, gt=0, le=3600)
     min_body_rate_bytes_per_s: int = Field(64 * 1024, ge=0)
     body_rate_grace_s: float = Field(1.0, ge=0, le=60)
-    #: Open connections plus calls in progress the server takes; above it a call is
-    #: answered 503 (uvicorn's ``limit_concurrency``).
+    #: Connections the server holds (:mod:`kvprefetch.controlplane.live.http_conn`): past
+    #: it a new connection takes the slot of the oldest idle one that has not passed the
+    #: token check, or is answered 503 when every one is busy or has.
     max_connections: int = Field(1024, ge=1, le=1_000_000)
+    #: The same, per client address (``max_connections`` where that is lower).
+    max_connections_per_client: int = Field(256, ge=1, le=1_000_000)
+    #: Connections admitted past ``max_connections`` for ``GET /healthz`` only.
+    health_connections: int = Field(16, ge=0, le=10_000)
+    #: A connection must deliver a call's headers within ``header_read_timeout_s`` of
+    #: opening, and a kept-alive one its next call's within ``idle_timeout_s`` of the last
+    #: answer; it is closed otherwise.
+    header_read_timeout_s: float = Field(10.0, gt=0, le=3600)
+    idle_timeout_s: float = Field(15.0, gt=0, le=3600)
+    #: After a refusal sent before the body was read (with ``Connection: close``), the
+    #: server reads and discards up to ``refusal_drain_bytes`` of the body for up to
+    #: ``refusal_drain_timeout_s`` before closing, so that a client still sending reads
+    #: the answer instead of a reset.
+    refusal_drain_bytes: int = Field(16 * MIB, ge=0, le=1 << 32)
+    refusal_drain_timeout_s: float = Field(5.0, ge=0, le=600)
+    #: Calls per second each caller (a tenant's token; the admin, shared or no token each
+    #: count as one caller) may make, as a token bucket of ``rate_limit_burst_calls``;
+    #: past it a call is answered 429 with ``Retry-After``, unread. None: no limit.
+    rate_limit_calls_per_s: float | None = Field(None, gt=0, le=1_000_000)
+    #: The bucket's size (default: one second's calls, at least 1).
+    rate_limit_burst_calls: int | None = Field(None, ge=1, le=10_000_000)
+    #: Per-tenant rates (calls per second) that replace ``rate_limit_calls_per_s`` for
+    #: those tenants' tokens.
+    tenant_rate_limits_calls_per_s: dict[str, float] = Field(default_factory=dict)
     #: A body over ``large_body_bytes`` (or of unknown length) is large: each caller
     #: (a tenant's token; the admin, shared or no token each count as one caller) has at
     #: most ``max_large_bodies_per_caller`` of them read and validated at once, and waits
     #: up to ``body_read_timeout_s`` for a turn (429 after it).
     large_body_bytes: int = Field(64 * 1024, ge=1024)
     max_large_bodies_per_caller: int = Field(2, ge=1, le=1024)
-    #: A caller's large bodies that are refused (400, 408, 413, 422) are charged, in
-    #: bytes, to a budget of ``refused_body_burst_bytes`` refilled at
-    #: ``refused_body_bytes_per_s``; while it is spent the caller's large bodies are
-    #: answered 429 (with ``Retry-After``) unread, so that they cannot take the edge's
-    #: CPU from other callers. Valid bodies are never charged.
+    #: A caller's bodies that are refused (400, 408, 413, 422) are charged, in bytes, to
+    #: a budget of ``refused_body_burst_bytes`` refilled at ``refused_body_bytes_per_s``;
+    #: while it is spent the caller's large bodies are answered 429 (with
+    #: ``Retry-After``) unread, so that they cannot take the edge's CPU from other
+    #: callers. Valid bodies are never charged.
     refused_body_burst_bytes: int = Field(64 * MIB, ge=1024)
     refused_body_bytes_per_s: int = Field(1 * MIB, ge=1)
     #: Field errors a 422 lists (validation stops collecting after them).
@@ -86,7 +111,23 @@ class RequestLimits(BaseModel):
                              f"max_token_ids={self.max_token_ids} ids up to "
                              f"{self.max_token_id} ({need} bytes of JSON): raise it or "
                              "lower the others")
+        for tenant, rate in self.tenant_rate_limits_calls_per_s.items():
+            if len(tenant) > TENANT_MAX_CHARS or not _TENANT.match(tenant):
+                raise ValueError(f"tenant_rate_limits_calls_per_s: {tenant[:80]!r} is not a "
+                                 "valid tenant name")
+            if not 0 < rate <= 1_000_000:
+                raise ValueError(f"tenant_rate_limits_calls_per_s.{tenant}: {rate} is not "
+                                 "a rate in (0, 1000000] calls per second")
         return self
+
+    def rate_limit_for(self, tenant: str | None) -> tuple[float, int] | None:
+        """(calls per second, burst calls) of a caller (a tenant's token: ``tenant``),
+        or None: no limit."""
+        rate = self.tenant_rate_limits_calls_per_s.get(tenant or "",
+                                                       self.rate_limit_calls_per_s)
+        if rate is None:
+            return None
+        return rate, self.rate_limit_burst_calls or max(1, int(rate))
 
 
 def check_session_id(session_id: str, field: str = "session_id") -> None:

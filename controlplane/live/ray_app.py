@@ -60,6 +60,7 @@ from kvprefetch.controlplane.base.wire import (
 )
 from kvprefetch.controlplane.live.packing import pack, unpack, unpack_event
 from kvprefetch.controlplane.live.protocol import SchedulerAPI
+from kvprefetch.controlplane.live.route_claims import ClaimHolder
 from kvprefetch.controlplane.live.service import SchedulerService, ServiceConfig
 from kvprefetch.controlplane.live.sessions import SessionQuery, SessionState
 
@@ -252,6 +253,13 @@ class _SchedulerActor:
 
     def has_session(self, tenant: str, session_id: str) -> bool:
         return self.svc.has_session(tenant, session_id)
+
+    def claim_request_id(self, tenant: str, request_id: str, session_id: str,
+                         replacing: str | None = None) -> ClaimHolder | None:
+        return self.svc.claim_request_id(tenant, request_id, session_id, replacing)
+
+    def remembers_route(self, tenant: str, request_id: str, session_id: str) -> bool:
+        return self.svc.remembers_route(tenant, request_id, session_id)
 
     def metrics_text(self) -> bytes:
         return self.metrics.render() if self.metrics is not None else b""

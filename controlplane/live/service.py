@@ -93,6 +93,7 @@ from kvprefetch.controlplane.live.ports import (
 )
 from kvprefetch.controlplane.live.protocol import SchedulerAPI
 from kvprefetch.controlplane.live.route_calls import cancel_route, route_once
+from kvprefetch.controlplane.live.route_claims import ClaimHolder, RequestIdClaims
 from kvprefetch.controlplane.live.service_journal import ServiceJournal
 from kvprefetch.controlplane.live.sessions import SessionQuery, SessionRegistry, SessionState
 from kvprefetch.controlplane.live.summary import driver_summary
@@ -158,6 +159,8 @@ class SchedulerService:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._ring = ShardRing(config.shards)
+        #: The request ids that hash to this shard, claimed for their sessions.
+        self._claims = RequestIdClaims(config.route_memory_per_tenant)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> SchedulerService:
@@ -497,6 +500,22 @@ class SchedulerService:
     def has_session(self, tenant: str, session_id: str) -> bool:
         with self._lock:
             return self.registry.get(SessionKey(tenant, session_id)) is not None
+
+    def claim_request_id(self, tenant: str, request_id: str, session_id: str,
+                         replacing: str | None = None) -> ClaimHolder | None:
+        """Claim a route's request id that hashes to this shard for ``session_id``
+        (:mod:`~kvprefetch.controlplane.live.route_claims`): None when claimed, else the
+        other session that holds it."""
+        with self._lock:
+            return self._claims.claim(tenant, request_id, session_id, time.monotonic(),
+                                      replacing)
+
+    def remembers_route(self, tenant: str, request_id: str, session_id: str) -> bool:
+        """Whether this shard remembers route ``request_id`` of that session (its request
+        has not ended). Read-only."""
+        with self._lock:
+            memo = self.driver.routes.get(tenant, request_id)
+            return memo is not None and memo.session_id == SessionKey(tenant, session_id).wire
 
     def summary(self) -> dict[str, Any]:
         with self._lock:

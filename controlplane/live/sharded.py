@@ -5,6 +5,8 @@ shard (each with its own event batcher) and sends every call about a session to 
 that owns it (:class:`~kvprefetch.controlplane.base.shards.ShardRing`, computed here: one hop). An
 engine's report goes to the served session's shard, and a drop notice to each other shard
 whose sessions its HBM dropped (:func:`~kvprefetch.controlplane.base.shards.split_engine_report`);
+a route with a ``request_id`` first claims the id at the shard the id hashes to, so that one
+id names one session's route across all shards (:mod:`~kvprefetch.controlplane.live.route_claims`);
 an agent's hello goes to every shard (each keeps its own books of the node). A transfer
 report goes to the shard that issued the order: each shard's epochs are congruent to its
 number modulo the shard count, and every order id carries its epoch.
@@ -21,7 +23,11 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvprefetch.controlplane.base import api
-from kvprefetch.controlplane.base.errors import ServiceError, ServiceUnavailableError
+from kvprefetch.controlplane.base.errors import (
+    RequestIdConflictError,
+    ServiceError,
+    ServiceUnavailableError,
+)
 from kvprefetch.controlplane.base.shards import ShardRing, split_engine_report, split_tier_evictions
 from kvprefetch.controlplane.base.wire import (
     AgentHello,
@@ -35,6 +41,7 @@ from kvprefetch.controlplane.base.wire import (
 from kvprefetch.controlplane.live.batching import EventBatcher, EventBatching
 from kvprefetch.controlplane.live.client import RayTransport, with_timeout
 from kvprefetch.controlplane.live.protocol import RemoteAPI, SchedulerAPI
+from kvprefetch.controlplane.live.route_claims import request_id_shard
 from kvprefetch.controlplane.live.sessions import SessionQuery, SessionState
 
 
@@ -106,7 +113,29 @@ class ShardedTransport:
         return self.owner(call.tenant, call.session_id).request_started(call)
 
     def route(self, call: api.RouteQuery) -> api.RouteAnswer:
+        self.claim(call)
         return self.owner(call.tenant, call.session_id).route(call)
+
+    def claim(self, call: api.RouteQuery) -> None:
+        """Claim ``call.request_id`` for its session at the id's shard; raises
+        RequestIdConflictError (409, nothing applied) while another session's route holds
+        it (:mod:`~kvprefetch.controlplane.live.route_claims`)."""
+        rid = call.request_id
+        if rid is None:
+            return
+        claims = self.transports[request_id_shard(call.tenant, rid, len(self.transports))]
+        holder = claims.claim_request_id(call.tenant, rid, call.session_id)
+        if holder is None:
+            return
+        # The holder's request ended and its shard forgot the id: the id passes over.
+        forgotten = not holder.young and not self.owner(
+            call.tenant, holder.session_id).remembers_route(call.tenant, rid, holder.session_id)
+        if forgotten and claims.claim_request_id(call.tenant, rid, call.session_id,
+                                                 replacing=holder.session_id) is None:
+            return
+        raise RequestIdConflictError(
+            f"request id {rid!r} names a route of another session; nothing was applied: "
+            "send the query with a new id")
 
     def route_many(self, calls: Sequence[api.RouteQuery]
                    ) -> list[api.RouteAnswer | ServiceError]:
@@ -114,14 +143,19 @@ class ShardedTransport:
         import ray
 
         groups: dict[int, list[int]] = {}
+        answers: list[api.RouteAnswer | ServiceError | None] = [None] * len(calls)
         for i, call in enumerate(calls):
+            try:
+                self.claim(call)
+            except RequestIdConflictError as exc:
+                answers[i] = exc
+                continue
             groups.setdefault(self.ring.owner(call.tenant, call.session_id), []).append(i)
         began = time.perf_counter()
         sent = {s: self.transports[s].send_routes([calls[i] for i in idx])
                 for s, idx in groups.items()}
         # In place: views made by with_timeout share the list.
         self.last_route_s[:] = [None] * len(self.transports)
-        answers: list[api.RouteAnswer | ServiceError | None] = [None] * len(calls)
         waiting = {sent[s][0]: s for s in sent}
         while waiting:  # each shard's answers as they come, so one slow shard is its own
             ready, _ = ray.wait(list(waiting), num_returns=1,
