@@ -64,10 +64,11 @@ LAW_Z_SPAN = 3.5
 MIN_LAW_CENTRE_S = 0.5
 #: Confidence of a hinted forecast with an ETA.
 HINT_CONFIDENCE = 0.9
-#: Confidence of a "user typing" forecast without an ETA: below the planner's default
-#: ``min_confidence`` (0.7), so it ranks the session for eviction (due soon: kept) but
-#: starts no prefetch. How long a person types is unknown to the hint: prefetches started
-#: on it land minutes early and hold DRAM that the sessions due first need.
+#: Confidence of a "user typing" forecast without an ETA: below
+#: ``planner.displace_min_confidence``, so its prefetches keep the record of forecasts
+#: from history (:mod:`kvprefetch.controlplane.core.bets`). How long a person types is
+#: unknown to the hint: a prefetch started on it may land minutes early and hold DRAM
+#: that the sessions due first need, which its record then shows.
 TYPING_CONFIDENCE = 0.5
 #: Probability that a hinted session returns at all (an abandoned reply, a cancelled tool).
 HINT_P_RETURN = 0.95

@@ -105,7 +105,10 @@ class DisplacementBets:
         return sharp, lead
 
     def allows(self, bucket: tuple[bool, int]) -> bool:
-        """Whether this bucket's record says its forecasts beat recency."""
+        """Whether this bucket's record says its forecasts beat recency (always, with a
+        ``min_win_share`` of 0: displacement wherever the forecast says so)."""
+        if self.min_win_share <= 0.0:
+            return True
         rec = self.records.get(bucket)
         if rec is None:
             return False

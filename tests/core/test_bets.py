@@ -76,3 +76,7 @@ def test_an_empty_victim_list_is_no_bet() -> None:
     bets = _bets()
     bets.place("c", [], (False, 0), 0.0)
     assert bets.open_bets == 0
+
+
+def test_a_zero_win_share_lets_every_forecast_displace() -> None:
+    assert DisplacementBets(min_win_share=0.0, horizon_s=1.0).allows((False, 0))

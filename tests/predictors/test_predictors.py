@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvprefetch.controlplane.base.config import default_fleet
 from kvprefetch.controlplane.base.errors import PluginError, PredictorError
 from kvprefetch.controlplane.base.types import (
     EventKind,
@@ -351,10 +352,10 @@ def test_hinted_folds_in_hints(trained, trace):
     model.observe(SessionEvent(EventKind.HINT, sid, t + 2, hint=HintKind.USER_TYPING))
     fc = model.forecast(sid, t + 2)
     # Typing time is the message over the typing speed: minutes for a Claude Code prompt;
-    # too vague to start a prefetch (below the planner's min_confidence 0.7).
+    # too vague to count as a sharp forecast (below planner.displace_min_confidence).
     assert fc is not None and fc.conditioned
     assert fc.gap_quantiles_s[0] <= fc.gap_quantiles_s[1] == pytest.approx(2 + 70, rel=0.03)
-    assert fc.confidence < 0.7
+    assert fc.confidence < default_fleet("8b", 1).planner.displace_min_confidence
     model.observe(SessionEvent(EventKind.HINT, sid, t + 3, hint=HintKind.SESSION_CLOSED))
     assert model.forecast(sid, t + 3).p_return == 0.0  # type: ignore[union-attr]
     plain = registry.load("hinted")

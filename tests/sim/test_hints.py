@@ -398,7 +398,8 @@ def test_an_exact_tool_hint_lets_the_prefetch_land_before_the_request() -> None:
     """One node with 4 GiB of HBM and of DRAM (32k tokens each). Session a's tool calls came
     back after 100 s, then after 60 s; meanwhile b's first turn (25k tokens) evicts a's 11k
     from both tiers, and b's second (55k, more than a tier holds) leaves the DRAM tier empty.
-    Without hints last-gap has one gap of a (confidence too low to prefetch): a's last turn
+    Without hints last-gap has one gap of a (less confident than the planner's
+    ``min_confidence`` here, so no prefetch): a's last turn
     loads its KV on demand. With an exact tool hint (ETA = the true 60 s) the predictor
     knows when a comes back: the prefetch lands before a's request, which is faster. The
     write-through hierarchy of vLLM + LMCache (under an exclusive one, b's turns demote a's
@@ -407,7 +408,8 @@ def test_an_exact_tool_hint_lets_the_prefetch_land_before_the_request() -> None:
     b = _tool_session("b", 110.0, [(25_000, 100, 0.0), (30_000, 50, 2.0)])
     trace = Trace("tool-hint", (a, b), "test")
     fleet = fleet_from_dict({"nodes": 1, "node": {"hbm_kv_bytes": 4 * GIB,
-                                                  "dram_tier_bytes": 4 * GIB}})
+                                                  "dram_tier_bytes": 4 * GIB},
+                             "planner": {"min_confidence": 0.7}})
     plan = plan_hints(trace, HintConfig(kinds=ONLY_TOOL, tool_eta_sigma=0.0))
     assert [(h.session_id, h.turn, h.eta_s) for h in plan] == [("a", 1, 100.0), ("a", 2, 60.0),
                                                                  ("b", 1, 2.0)]
