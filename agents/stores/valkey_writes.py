@@ -72,9 +72,11 @@ class ValkeyWriter:
         *,
         ttl_s: float | None = None,
         cancel: CancelToken | None = None,
+        pinned: bool = False,
     ) -> list[OpResult]:
         """Store each ``(key, payload)``; raises :class:`ObjectTooLargeError` before writing
-        anything if any payload exceeds ``max_object_bytes``."""
+        anything if any payload exceeds ``max_object_bytes``. ``pinned``: no expiry, whatever
+        ``ttl_s`` and the configured TTL say."""
         limit = self.config.max_object_bytes
         for key, payload in items:
             validate_key(key)
@@ -83,7 +85,7 @@ class ValkeyWriter:
                     f"{key!r}: {len(payload)} bytes exceed max_object_bytes={limit}"
                 )
         check_cancel(cancel)
-        px = self._conn.px(ttl_s)
+        px = None if pinned else self._conn.px(ttl_s)
         if not self.config.cluster:
             return self._put_pipelined(items, px, cancel)
         return self._keys.map(lambda item: self._put_one(item[0], item[1], px, cancel), items)

@@ -9,7 +9,11 @@ import pytest
 
 from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey
 from kvprefetch.agents.stores.base import MemoryWriter
-from kvprefetch.agents.stores.errors import CorruptObjectError, StoreUnavailableError
+from kvprefetch.agents.stores.errors import (
+    ColdTierDownError,
+    CorruptObjectError,
+    StoreUnavailableError,
+)
 from kvprefetch.agents.stores.format import ObjectHeader
 from kvprefetch.agents.stores.local import LocalTier, LocalTierConfig
 from kvprefetch.agents.stores.s3_store import S3Store
@@ -106,7 +110,8 @@ def test_s3_down_serves_from_valkey_and_both_down_is_a_quick_miss(
         r = store.get(["k", "absent"])
         assert r[0].ok and r[0].source == "valkey"
         assert r[1].miss
-        assert store.put([("k2", b"v")])[0].ok  # degraded write: Valkey only
+        refused = store.put([("k2", b"v")])[0]  # acknowledged only where S3 has it
+        assert not refused.ok and isinstance(refused.error, ColdTierDownError)
         private_valkey.kill()
         t0 = time.monotonic()
         r = store.get(["k"])
