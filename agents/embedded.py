@@ -218,8 +218,8 @@ class EmbeddedValkey(ServerProcess):
         return self
 
     def store_config(self, **overrides: Any) -> Any:
-        """A :class:`~kvprefetch.agents.stores.valkey_store.ValkeyStoreConfig` for this server."""
-        from kvprefetch.agents.stores.valkey_store import ValkeyStoreConfig
+        """A :class:`~kvprefetch.agents.stores.valkey.store.ValkeyStoreConfig` for this server."""
+        from kvprefetch.agents.stores.valkey.store import ValkeyStoreConfig
 
         kw: dict[str, Any] = {"host": self.host, "port": self.port, "password": self.password}
         kw.update(overrides)
@@ -398,8 +398,8 @@ class EmbeddedS3:
         self.stop()
 
     def store_config(self, **overrides: Any) -> Any:
-        """A :class:`~kvprefetch.agents.stores.s3_store.S3StoreConfig` for this server."""
-        from kvprefetch.agents.stores.s3_store import S3StoreConfig
+        """A :class:`~kvprefetch.agents.stores.s3.store.S3StoreConfig` for this server."""
+        from kvprefetch.agents.stores.s3.store import S3StoreConfig
 
         kw: dict[str, Any] = {
             "bucket": self.bucket, "endpoint_url": self.endpoint_url, "region": "us-east-1",

@@ -35,9 +35,9 @@ from kvprefetch.agents.stores.eviction import (
 )
 from kvprefetch.agents.stores.format import ObjectHeader, decode_object, encode_object, make_header
 from kvprefetch.agents.stores.local import LocalTier, LocalTierConfig
-from kvprefetch.agents.stores.s3_store import S3Store, S3StoreConfig
+from kvprefetch.agents.stores.s3.store import S3Store, S3StoreConfig
 from kvprefetch.agents.stores.tiered import TieredStore, TieredStoreConfig
-from kvprefetch.agents.stores.valkey_store import ValkeyStore, ValkeyStoreConfig
+from kvprefetch.agents.stores.valkey.store import ValkeyStore, ValkeyStoreConfig
 
 __all__ = [
     "CancelToken", "CancelledError", "ColdTierDownError", "CorruptObjectError",

@@ -31,9 +31,9 @@ from kvprefetch.agents.stores.errors import (
     HotTierDownError,
     NotDurableError,
 )
-from kvprefetch.agents.stores.s3_store import S3Store
+from kvprefetch.agents.stores.s3.store import S3Store
 from kvprefetch.agents.stores.tiered import TieredStore, TieredStoreConfig
-from kvprefetch.agents.stores.valkey_store import ValkeyStore, ValkeyStoreConfig
+from kvprefetch.agents.stores.valkey.store import ValkeyStore, ValkeyStoreConfig
 
 pytestmark = pytest.mark.servers
 KIB = 1024

@@ -25,9 +25,9 @@ import pytest
 from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey
 from kvprefetch.agents.stores.base import Buffer, OpResult
 from kvprefetch.agents.stores.errors import HotTierDownError, StoreError
-from kvprefetch.agents.stores.s3_store import S3Store
+from kvprefetch.agents.stores.s3.store import S3Store
 from kvprefetch.agents.stores.tiered import TieredStore, TieredStoreConfig
-from kvprefetch.agents.stores.valkey_store import ValkeyStore
+from kvprefetch.agents.stores.valkey.store import ValkeyStore
 
 pytestmark = pytest.mark.servers
 KIB = 1024

@@ -49,7 +49,7 @@ A striped head with no tag after its header (parts named ``P p:<key>:<i>``) read
 miss; the next put of the key replaces it and deletes those parts.
 
 The store is a facade over its collaborators: :class:`ValkeyClient` (connections and
-scripts, :mod:`~kvprefetch.agents.stores.valkey_client`), :class:`KeyLayout` (names and head
+scripts, :mod:`~kvprefetch.agents.stores.valkey.client`), :class:`KeyLayout` (names and head
 decoding), :class:`ValkeyReader` (the read path) and :class:`ValkeyWriter` (puts, leases,
 fills, deletes).
 """
@@ -76,9 +76,9 @@ from kvprefetch.agents.stores.errors import (
     StoreError,
 )
 from kvprefetch.agents.stores.format import ObjectHeader, make_header
-from kvprefetch.agents.stores.valkey_client import ValkeyClient
-from kvprefetch.agents.stores.valkey_config import ValkeyStoreConfig, translate_valkey_errors
-from kvprefetch.agents.stores.valkey_layout import (
+from kvprefetch.agents.stores.valkey.client import ValkeyClient
+from kvprefetch.agents.stores.valkey.config import ValkeyStoreConfig, translate_valkey_errors
+from kvprefetch.agents.stores.valkey.layout import (
     LEASE_MAGIC,
     LEASE_TOKEN_BYTES,
     TAG_BYTES,
@@ -86,8 +86,8 @@ from kvprefetch.agents.stores.valkey_layout import (
     KeyLayout,
     is_lease_marker,
 )
-from kvprefetch.agents.stores.valkey_reads import ValkeyReader
-from kvprefetch.agents.stores.valkey_writes import ValkeyWriter
+from kvprefetch.agents.stores.valkey.reads import ValkeyReader
+from kvprefetch.agents.stores.valkey.writes import ValkeyWriter
 
 
 class ValkeyStore(StoreLifecycle):

@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvprefetch.agents.stores.errors import StoreConfigError
-from kvprefetch.agents.stores.valkey_config import ValkeyStoreConfig, translate_valkey_errors
-from kvprefetch.agents.stores.valkey_resp import BulkPool
+from kvprefetch.agents.stores.valkey.config import ValkeyStoreConfig, translate_valkey_errors
+from kvprefetch.agents.stores.valkey.resp import BulkPool
 
 log = logging.getLogger(__name__)
 
