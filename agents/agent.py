@@ -60,9 +60,9 @@ from kvprefetch.agents.lmcache.kv_events import KVEventStats
 from kvprefetch.agents.sglang.warm import SGLangWarmConfig, SGLangWarmer
 from kvprefetch.agents.stores.base import ObjectStore
 from kvprefetch.agents.stores.local import LocalTier, LocalTierConfig
-from kvprefetch.agents.stores.s3_store import S3Store, S3StoreConfig
+from kvprefetch.agents.stores.s3.store import S3Store, S3StoreConfig
 from kvprefetch.agents.stores.tiered import TieredStore, TieredStoreConfig
-from kvprefetch.agents.stores.valkey_store import ValkeyStore, ValkeyStoreConfig
+from kvprefetch.agents.stores.valkey.store import ValkeyStore, ValkeyStoreConfig
 from kvprefetch.agents.transfer import (
     TransferConfig,
     TransferEngine,

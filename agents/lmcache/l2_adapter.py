@@ -40,7 +40,7 @@ metrics in ``report_status``). ``"tiered": {"write_mode": "write-through"}`` wai
 
 Loads are received straight into LMCache's memory objects: the Valkey tier reads each
 stripe with ``recv_into`` into the object's memory
-(:class:`~kvprefetch.agents.stores.valkey_store.ValkeyStore` with ``direct_reads``),
+(:class:`~kvprefetch.agents.stores.valkey.store.ValkeyStore` with ``direct_reads``),
 S3 ranged GETs the same way, so the kernel's copy is the only one; every part is verified
 against its xxh3 checksum before the bit is set.
 

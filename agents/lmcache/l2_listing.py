@@ -18,10 +18,10 @@ from lmcache.v1.distributed.api import KeyEntry, KeyListPage, ObjectKey
 from kvprefetch.agents.lmcache.keys import mp_wire_name
 from kvprefetch.agents.stores.errors import StoreError
 from kvprefetch.agents.stores.format import decode_header, header_length
-from kvprefetch.agents.stores.s3_config import translate_boto_errors
-from kvprefetch.agents.stores.s3_store import S3Store
-from kvprefetch.agents.stores.valkey_config import translate_valkey_errors
-from kvprefetch.agents.stores.valkey_store import ValkeyStore
+from kvprefetch.agents.stores.s3.config import translate_boto_errors
+from kvprefetch.agents.stores.s3.store import S3Store
+from kvprefetch.agents.stores.valkey.config import translate_valkey_errors
+from kvprefetch.agents.stores.valkey.store import ValkeyStore
 from kvprefetch.agents.stores.write_back import WriteBackQueue
 
 SEP: Final = "@"

@@ -19,9 +19,9 @@ from pydantic import (
 )
 
 from kvprefetch.agents.stores.errors import StoreConfigError
-from kvprefetch.agents.stores.s3_config import S3StoreConfig
+from kvprefetch.agents.stores.s3.config import S3StoreConfig
 from kvprefetch.agents.stores.tiered import TieredStoreConfig
-from kvprefetch.agents.stores.valkey_config import ValkeyStoreConfig
+from kvprefetch.agents.stores.valkey.config import ValkeyStoreConfig
 from kvprefetch.agents.stores.write_back import WriteBackConfig
 
 MIB: Final = 1 << 20

@@ -19,9 +19,9 @@ from kvprefetch.agents.lmcache.l2_params import MIB, KvPrefetchL2Params
 from kvprefetch.agents.stores.base import Buffer, GetResult, ObjectStore, OpResult, PayloadWriter
 from kvprefetch.agents.stores.errors import StoreError, TierFullError
 from kvprefetch.agents.stores.format import ObjectHeader
-from kvprefetch.agents.stores.s3_store import S3Store
+from kvprefetch.agents.stores.s3.store import S3Store
 from kvprefetch.agents.stores.tiered import TieredStore
-from kvprefetch.agents.stores.valkey_store import ValkeyStore
+from kvprefetch.agents.stores.valkey.store import ValkeyStore
 from kvprefetch.agents.stores.write_back import WriteBackQueue
 from kvprefetch.agents.transfer import TokenBucket
 

@@ -12,9 +12,13 @@ from kvprefetch.agents.stores.base import (
 )
 from kvprefetch.agents.stores.errors import (
     CancelledError,
+    ColdTierDownError,
     CorruptObjectError,
+    HotTierDownError,
+    NotDurableError,
     ObjectNotFoundError,
     ObjectTooLargeError,
+    PutRefusedError,
     StoreConfigError,
     StoreConnectionError,
     StoreError,
@@ -31,15 +35,16 @@ from kvprefetch.agents.stores.eviction import (
 )
 from kvprefetch.agents.stores.format import ObjectHeader, decode_object, encode_object, make_header
 from kvprefetch.agents.stores.local import LocalTier, LocalTierConfig
-from kvprefetch.agents.stores.s3_store import S3Store, S3StoreConfig
+from kvprefetch.agents.stores.s3.store import S3Store, S3StoreConfig
 from kvprefetch.agents.stores.tiered import TieredStore, TieredStoreConfig
-from kvprefetch.agents.stores.valkey_store import ValkeyStore, ValkeyStoreConfig
+from kvprefetch.agents.stores.valkey.store import ValkeyStore, ValkeyStoreConfig
 
 __all__ = [
-    "CancelToken", "CancelledError", "CorruptObjectError", "EvictionPolicy", "GetResult",
-    "LocalTier", "LocalTierConfig", "LruPolicy", "MemorySink", "ObjectHeader",
-    "ObjectNotFoundError", "ObjectStore", "ObjectTooLargeError", "OpResult", "PayloadSink",
-    "PayloadWriter", "PredictedNextUsePolicy", "S3Store", "S3StoreConfig", "StoreConfigError",
+    "CancelToken", "CancelledError", "ColdTierDownError", "CorruptObjectError",
+    "EvictionPolicy", "GetResult", "HotTierDownError", "LocalTier", "LocalTierConfig",
+    "LruPolicy", "MemorySink", "NotDurableError", "ObjectHeader", "ObjectNotFoundError",
+    "ObjectStore", "ObjectTooLargeError", "OpResult", "PayloadSink", "PayloadWriter",
+    "PredictedNextUsePolicy", "PutRefusedError", "S3Store", "S3StoreConfig", "StoreConfigError",
     "StoreConnectionError", "StoreError", "StoreStats", "StoreTimeoutError",
     "StoreUnavailableError", "TierEntry", "TierFullError", "TieredStore", "TieredStoreConfig",
     "ValkeyStore", "ValkeyStoreConfig", "decode_object", "encode_object", "make_header",

@@ -90,11 +90,14 @@ class OpResult:
     """The answer for one key of a batched ``exists``, ``put`` or ``delete``.
 
     ``ok`` means: present (exists), stored (put), was there and is gone (delete).
+    ``pinned`` (a tiered store's put): acknowledged while only Valkey holds the value, kept
+    there without expiry and confirmed durable until S3 has it.
     """
 
     key: str
     ok: bool
     error: StoreError | None = None
+    pinned: bool = False
 
 
 class PayloadWriter(Protocol):

@@ -58,6 +58,28 @@ class TierFullError(StoreError):
     """A local tier cannot make room for an object (after eviction); nothing was written."""
 
 
+class PutRefusedError(StoreError):
+    """A tiered store refused a put: the value is not durable where every reader would
+    find it. The value may have reached one tier; no reader ever reads a value older than
+    the last acknowledged put of the key because of it. The subclass says why."""
+
+
+class ColdTierDownError(PutRefusedError):
+    """Write-through, ``cold_down="refuse"``: S3 did not take the put (down, or it
+    failed)."""
+
+
+class HotTierDownError(PutRefusedError):
+    """Valkey could not be written: another process could go on reading Valkey's older
+    copy of the key, so the put is not acknowledged even where S3 took it."""
+
+
+class NotDurableError(PutRefusedError):
+    """A value held in Valkey until S3 has it (write-back, or ``cold_down="pin"``) was not
+    confirmed durable: Valkey's append-only file (and the replicas asked for) did not
+    acknowledge it within ``pin_timeout_s`` (``WAITAOF``), or the hot tier cannot pin."""
+
+
 class CancelledError(StoreError):
     """The operation was cancelled through its
     :class:`~kvprefetch.agents.stores.base.CancelToken`."""
@@ -65,9 +87,13 @@ class CancelledError(StoreError):
 
 __all__ = [
     "CancelledError",
+    "ColdTierDownError",
     "CorruptObjectError",
+    "HotTierDownError",
+    "NotDurableError",
     "ObjectNotFoundError",
     "ObjectTooLargeError",
+    "PutRefusedError",
     "StoreConfigError",
     "StoreConnectionError",
     "StoreError",

@@ -3,9 +3,11 @@ graceful degradation when either tier is down.
 
 A tier that fails with a connection error or a timeout is skipped for ``retry_down_after_s``
 (a small circuit breaker), so that a dead server costs one failed request, not one per key:
-Valkey down → S3 only; S3 down → Valkey only; both down → every key is a clean miss
-(:class:`StoreUnavailableError`, ``is_miss``) and the engine recomputes. Nothing waits longer
-than the tiers' own connect and read timeouts.
+reads with Valkey down go to S3 only (unless a put may be pinned, below: then they miss);
+with S3 down, to Valkey only; both down → every key is a clean miss
+(:class:`StoreUnavailableError`, ``is_miss``) and the engine recomputes. Puts follow the
+consistency contract below. Nothing waits longer than the tiers' own connect and read
+timeouts.
 
 Repair: a copy that fails verification in one tier is rewritten from the other tier's copy
 when that one verifies (in the background, counted in :meth:`TieredStore.repairs`). Hot
@@ -14,34 +16,46 @@ corrupt, cold good: the S3 copy read in its place is written back into Valkey. C
 rewritten from it. A tier with a ``repair`` method (:class:`RepairableStore`: both of ours)
 replaces only the broken version, never one written meanwhile; others get a plain ``put``.
 
-Freshness: an acknowledged put or delete is never followed by a read of an older version.
-A read that misses Valkey takes a fill lease on the key (:class:`FillableStore`) before it
-reads S3, and its promotion (or hot repair) lands only while that lease stands: any put or
-delete of the key since cancels it, so a slow promotion never writes an old version over,
-or after, a newer one. A hot tier without leases gets no promotions and no hot repairs.
-A write that leaves one tier's copy behind the acknowledged version (Valkey unreachable
-during a put or delete, S3 down, a write-back upload pending or failed) is recorded in
-:class:`~kvprefetch.agents.stores.freshness.StaleCopies`: reads skip that copy (Valkey's is
-deleted as soon as Valkey answers again; S3's is a miss until a later put reaches S3). That
-record is this process's; readers in another process sharing the servers rely on what
-reaches Valkey: the invalidation of a stale Valkey copy, and for write-back the pending
-upload record (:class:`~kvprefetch.agents.stores.tiered_uploads.PendingUploadStore`;
-the uploads themselves: :mod:`kvprefetch.agents.stores.tiered_uploads`).
+Consistency contract (the docs' operations page states it too; the tests check exactly
+this). Any number of processes read and write through tiered stores over the same Valkey
+and S3, each key written by one process at a time (writers of one key in several processes
+write the same bytes, as content-addressed KV chunks do). (1) A put is acknowledged only
+where the value is durable where every reader looks: in S3 and in Valkey (write-through),
+or pinned in Valkey -- no expiry, a pending upload record beside it, fsynced to Valkey's
+append-only file (``WAITAOF``, and ``pin_replicas`` replicas) -- until S3 has it
+(write-back, and write-through with ``cold_down="pin"``; ``OpResult.pinned`` says so).
+Otherwise the put is refused with a :class:`PutRefusedError` that says why: S3 did not take
+it (:class:`ColdTierDownError`), Valkey could not be written or reached
+(:class:`HotTierDownError`: a writer cut off from Valkey cannot invalidate the older copy
+other processes read), or Valkey did not confirm the pin durable
+(:class:`NotDurableError`). (2) A read, in any process, returns the newest acknowledged
+value of the key, or the value of a later put that was refused (it may have reached a
+tier), or a miss; never an older one. (3) Once both tiers answer and the writer's pending
+uploads have run (:meth:`TieredStore.settle`, :meth:`TieredStore.flush`), a read returns
+the newest acknowledged value, through S3 outages, Valkey restarts (that keep their
+append-only file) and partitions of any process from either server: where puts may be
+pinned (write-back, ``cold_down="pin"``), a process that cannot ask Valkey for the pending
+upload records misses rather than read S3. Outside it: Valkey
+losing its data (no append-only file, a lost disk), an ``allkeys-*`` eviction policy
+(which may evict a pinned value), and puts of one key from two processes at once.
 
-Write-back across processes: a write-back put records its keys as pending uploads in
-Valkey *before* it writes their values, and the record of a key is removed only after an
-upload of the newest value this process wrote has landed in S3 (and only if no newer put
-recorded the key since). A read that misses Valkey (the value evicted or expired) checks
-the record before it reads S3 and misses when it stands. Invariant: while Valkey keeps its
-records and answers, no process reads an S3 copy older than an acknowledged write-back
-put, whether or not Valkey still holds the value. A record outlives a failed upload (reads
-miss until a later put of the key lands). A put that goes straight to S3 (Valkey down)
-while an upload of the key is queued or running hands its payload to that upload, which
-could otherwise land after it with the older value. Outside the invariant: a Valkey
-restart that loses its data loses the records (the writer's own reads stay safe through
-its :class:`StaleCopies`; other processes may read S3's older copy until the upload
-lands), and while Valkey is unreachable other processes read S3 unchecked. Concurrent puts
-of one key settle on either version.
+How: a read that misses Valkey takes a fill lease on the key (:class:`FillableStore`)
+before it reads S3, and its promotion (or hot repair) lands only while that lease stands:
+any put or delete of the key since cancels it, so a slow promotion never writes an old
+version over, or after, a newer one. A hot tier without leases gets no promotions and no
+hot repairs. A copy the writer knows to lag (a refused put that reached one tier, an
+upload pending or failed) is recorded in
+:class:`~kvprefetch.agents.stores.freshness.StaleCopies`, and this process's reads skip it
+(Valkey's is deleted as soon as Valkey answers again). Other processes go by what is in
+Valkey: a pinned put records its keys as pending uploads (``P w:<key>``,
+:class:`~kvprefetch.agents.stores.tiered_uploads.PendingUploadStore`) *before* it writes
+their values, and a read that misses Valkey checks the record before it reads S3 and
+misses while it stands. The record of a key is removed, and the value given its TTL, only
+after an upload of the newest value this process wrote has landed in S3
+(:mod:`~kvprefetch.agents.stores.tiered_uploads`); an upload S3 refuses is tried again
+once S3 is up, the value pinned meanwhile. A write-through put that goes to S3 while an
+upload of the key is queued hands its payload to that upload, which could otherwise land
+after it with the older value.
 """
 
 from __future__ import annotations
@@ -69,7 +83,10 @@ from kvprefetch.agents.stores.base import (
     check_cancel,
 )
 from kvprefetch.agents.stores.errors import (
+    ColdTierDownError,
     CorruptObjectError,
+    HotTierDownError,
+    NotDurableError,
     ObjectNotFoundError,
     StoreConnectionError,
     StoreError,
@@ -77,7 +94,11 @@ from kvprefetch.agents.stores.errors import (
 )
 from kvprefetch.agents.stores.format import ObjectHeader
 from kvprefetch.agents.stores.freshness import StaleCopies
-from kvprefetch.agents.stores.tiered_uploads import PendingUploadStore, WriteBackUploads
+from kvprefetch.agents.stores.tiered_uploads import (
+    PendingUploadStore,
+    PinningStore,
+    WriteBackUploads,
+)
 
 log = logging.getLogger(__name__)
 _TIERS: tuple[Literal["hot", "cold"], ...] = ("hot", "cold")
@@ -91,8 +112,21 @@ class TieredStoreConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     #: ``write-through``: a put returns once S3 (then Valkey) has it. ``write-back``: a put
-    #: returns once Valkey has it; S3 is written in the background (``flush`` waits).
+    #: returns once Valkey holds it pinned and durable (see ``pin_replicas``); S3 is written
+    #: in the background (``flush`` waits).
     write_mode: Literal["write-through", "write-back"] = "write-through"
+    #: Write-through, a key S3 does not take (down, or the put failed): ``refuse`` the put
+    #: (:class:`ColdTierDownError`), or ``pin`` it in Valkey, without expiry and confirmed
+    #: durable, until S3 has it (acknowledged with ``pinned``).
+    cold_down: Literal["refuse", "pin"] = "refuse"
+    #: A pinned value is acknowledged once Valkey's append-only file has it fsynced and
+    #: this many replicas too (``WAITAOF 1 pin_replicas``), within ``pin_timeout_s``;
+    #: otherwise the put is refused (:class:`NotDurableError`). Valkey then needs
+    #: ``appendonly yes``, and ``maxmemory-policy`` ``noeviction`` or ``volatile-*``;
+    #: ``WAITAOF`` answers for one server, so pins are for a standalone Valkey (with its
+    #: replicas), not a cluster.
+    pin_replicas: int = Field(0, ge=0)
+    pin_timeout_s: float = Field(1.0, gt=0)
     #: Copy objects read from S3 into Valkey (in the background).
     promote: bool = True
     #: TTL of objects written to or promoted into the hot tier.
@@ -202,7 +236,8 @@ class TieredStore(StoreLifecycle):
         self._uploads = WriteBackUploads(
             name, hot, cold, self._stale,
             run=lambda task: self._background(task, droppable=False),
-            cold_up=lambda: self._up(self.cold), observe=self._observe)
+            cold_up=lambda: self._up(self.cold), observe=self._observe,
+            hot_ttl_s=self.config.hot_ttl_s)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -297,11 +332,20 @@ class TieredStore(StoreLifecycle):
         """Keys whose hot or cold copy may lag the acknowledged version, per tier."""
         return {"hot": self._stale.count("hot"), "cold": self._stale.count("cold")}
 
+    def settle(self) -> None:
+        """Catch up with tiers that answer again: delete Valkey's stale copies, clear
+        records and unpin values whose clear failed, start again the uploads S3 refused.
+        Every read and put does this first; call it to catch up without either."""
+        self._settle_hot()
+
     def _settle_hot(self) -> None:
         """Delete the Valkey copies that writes made while Valkey was unreachable left
         stale; each is trusted again once its delete is acknowledged. Clear the pending
-        upload records that could not be cleared then."""
+        upload records (and unpin the values) that could not be cleared then; start again
+        the uploads that failed while S3 was down."""
         uploads = self._uploads
+        if uploads.uploads_waiting and self._up(self.cold):
+            uploads.retry_uploads()
         if not (self._stale.any("hot") or uploads.clears_pending) or not self._up(self.hot):
             return
         uploads.retry_clears()
@@ -417,16 +461,25 @@ class TieredStore(StoreLifecycle):
             out.append(self._stats.count_get(r))
         return out
 
+    @property
+    def _pins(self) -> bool:
+        """Whether puts may leave a value pinned in Valkey that S3 lacks."""
+        c = self.config
+        return c.write_mode == "write-back" or c.cold_down == "pin"
+
     def _pending_elsewhere(self, keys: list[str]) -> set[str]:
-        """Those of ``keys`` whose upload to S3 is pending in any process, by the records
-        in Valkey (none when Valkey cannot tell: it is down, or keeps no records)."""
-        if not keys or not isinstance(self.hot, PendingUploadStore) or not self._up(self.hot):
+        """Those of ``keys`` whose upload to S3 may be pending in any process, by the
+        records in Valkey. When Valkey cannot tell (down, unreachable): every key where
+        puts may be pinned, else none."""
+        if not keys or not isinstance(self.hot, PendingUploadStore):
             return set()
+        if not self._up(self.hot):
+            return set(keys) if self._pins else set()
         try:
             return self.hot.pending_uploads(keys)
         except StoreError as exc:
             self._observe(self.hot, [exc])
-            return set()
+            return set(keys) if self._pins else set()
 
     def _lease(self, keys: list[str]) -> dict[str, bytes]:
         """Fill leases on ``keys`` (answered absent or broken by the hot tier), taken before
@@ -460,74 +513,129 @@ class TieredStore(StoreLifecycle):
         ttl_s: float | None = None,
         cancel: CancelToken | None = None,
     ) -> list[OpResult]:
-        """Write-through: S3, then Valkey. Write-back: Valkey now, S3 in the background
-        (uploads of one key run one at a time, newest last). A key counts as stored when
-        at least one tier has it (degraded writes are logged); the tier that missed the
-        write is marked stale for the key (see the module docstring). Refused before
-        writing when that would mark more than ``max_stale_keys``."""
+        """Acknowledge each key only where the value is durable where every reader finds
+        it (the consistency contract in the module docstring). Write-through: S3, then
+        Valkey (``ttl_s``, else ``hot_ttl_s``); a key S3 did not take is refused
+        (:class:`ColdTierDownError`) or, with ``cold_down="pin"``, pinned in Valkey until S3
+        has it. Write-back: pinned in Valkey now, uploaded in the background (uploads of one
+        key run one at a time, newest last). A key Valkey could not take is refused
+        (:class:`HotTierDownError`), a pin Valkey did not confirm durable too
+        (:class:`NotDurableError`); a pinned acknowledgement says ``pinned``. Refused
+        before writing when that would mark more than ``max_stale_keys``."""
         hot_ttl = ttl_s if ttl_s is not None else self.config.hot_ttl_s
         check_cancel(cancel)
         self._settle_hot()
-        hot_up, cold_up = self._up(self.hot), self._up(self.cold)
-        write_back = self.config.write_mode == "write-back" and hot_up
-        lagging: Literal["hot", "cold"] | None = (
-            "hot" if not hot_up else "cold" if not cold_up or write_back else None)
-        if lagging is not None and not self._stale.room(lagging, len(items)):
-            full = StoreUnavailableError(
-                f"{lagging} tier unreachable and {self.config.max_stale_keys} keys already "
-                "wait for it to catch up")
-            return [OpResult(k, False, full) for k, _ in items]
-        tokens: dict[str, bytes] = {}
-        if write_back and isinstance(self.hot, PendingUploadStore):
-            tokens = {k: os.urandom(_RECORD_TOKEN_BYTES) for k, _ in items}
-            try:  # before the values: no moment when Valkey lacks both value and record
-                self.hot.mark_pending_uploads(list(tokens.items()))
-            except StoreError as exc:  # S3 first then, as in write-through
-                self._observe(self.hot, [exc])
-                write_back = False  # the records may have landed: cleared once S3 has it
-                hot_up = self._up(self.hot)
-        cold_res: dict[str, OpResult] = {}
-        hot_res: dict[str, OpResult] = {}
+        if not items:
+            return []
+        if not self._up(self.hot):
+            down = HotTierDownError(
+                f"{self.hot.name} unreachable: another process could go on reading its "
+                "older copies")
+            return [OpResult(k, False, down) for k, _ in items]
+        for which in _TIERS:
+            if not self._stale.room(which, len(items)):
+                full = StoreUnavailableError(
+                    f"{self.config.max_stale_keys} keys already wait for the {which} tier "
+                    "to catch up")
+                return [OpResult(k, False, full) for k, _ in items]
+        if self.config.write_mode == "write-back":
+            out = self._put_pinned(items, cancel)
+        else:
+            out = self._put_through(items, hot_ttl, cancel)
+        self._settle_hot()
+        return [self._count_put(out[k]) for k, _ in items]
+
+    def _count_put(self, r: OpResult) -> OpResult:
+        if r.pinned and self.config.write_mode == "write-through":
+            self._stats.add(degraded_writes=1)
+        return r
+
+    def _put_through(self, items: Sequence[tuple[str, Buffer]], hot_ttl: float | None,
+                     cancel: CancelToken | None) -> dict[str, OpResult]:
+        """S3 first; the keys it took, then Valkey; the others refused or pinned."""
+        out: dict[str, OpResult] = {}
+        cold_err: dict[str, StoreError | None] = {}
         handed: set[str] = set()
-        if cold_up and not write_back:
+        if self._up(self.cold):
             handed = self._uploads.hand_off(items)
             answers = self.cold.put(items, cancel=cancel)
             self._observe(self.cold, [a.error for a in answers])
-            cold_res = {a.key: a for a in answers}
-        before = self._stale.generation()
-        if hot_up:
-            answers = self.hot.put(items, ttl_s=hot_ttl, cancel=cancel)
-            self._observe(self.hot, [a.error for a in answers])
-            hot_res = {a.key: a for a in answers}
-        hot_ok = {k for k, r in hot_res.items() if r.ok}
-        cold_ok = {k for k, r in cold_res.items() if r.ok}
-        # Valkey may still hold an older version (or a lease whose fill would write one).
-        self._stale.mark("hot", [k for k, _ in items if k in cold_ok and k not in hot_ok])
-        self._stale.clear("hot", hot_ok, before)
-        if write_back:
-            self._uploads.queue([(k, p) for k, p in items if k in hot_ok], tokens)
-            # Not written: S3's copy is still as new as this put left it.
-            self._uploads.release({k: t for k, t in tokens.items() if k not in hot_ok})
+            cold_err = {a.key: a.error for a in answers if not a.ok}
         else:
-            self._stale.mark("cold", [k for k, _ in items if k in hot_ok and k not in cold_ok])
-            self._stale.clear("cold", cold_ok - handed, before)
-            self._uploads.release({k: t for k, t in tokens.items() if k in cold_ok})
-        self._settle_hot()
-        out = []
-        for key, _ in items:
-            c, h = cold_res.get(key), hot_res.get(key)
-            if (c and c.ok) or (h and h.ok):
-                out.append(OpResult(key, True))
-                if not (c and c.ok) and not write_back:
-                    self._stats.add(degraded_writes=1)
+            cold_err = dict.fromkeys((k for k, _ in items), None)
+        through = [(k, p) for k, p in items if k not in cold_err]
+        if through:
+            before = self._stale.generation()
+            answers = self.hot.put(through, ttl_s=hot_ttl, cancel=cancel)
+            self._observe(self.hot, [a.error for a in answers])
+            hot_ok = {a.key for a in answers if a.ok}
+            # Valkey may still hold an older version (or a lease whose fill would write one).
+            self._stale.mark("hot", [k for k, _ in through if k not in hot_ok])
+            self._stale.clear("hot", hot_ok, before)
+            self._stale.clear("cold", {k for k, _ in through} - handed, before)
+            for a in answers:
+                out[a.key] = a if a.ok else OpResult(a.key, False, HotTierDownError(
+                    f"{a.key!r}: S3 took it, {self.hot.name} did not ({a.error}); its "
+                    "older copy is invalidated once it answers"))
+        missed = [(k, p) for k, p in items if k in cold_err]
+        if missed and self.config.cold_down == "pin":
+            out.update(self._put_pinned(missed, cancel))
+        else:
+            for k, _ in missed:
+                out[k] = OpResult(k, False, ColdTierDownError(
+                    f"{k!r}: {self.cold.name} did not take it "
+                    f"({cold_err[k] or 'down'}); refused (cold_down='refuse')"))
+        return out
+
+    def _put_pinned(self, items: Sequence[tuple[str, Buffer]], cancel: CancelToken | None
+                    ) -> dict[str, OpResult]:
+        """Pending upload records, then the values without expiry, then ``WAITAOF``; the
+        upload to S3 is queued for every value Valkey took (acknowledged or not), so that
+        Valkey's copy, the records and S3 end on the newest version."""
+        hot = self.hot
+        if not isinstance(hot, PinningStore):
+            cannot = NotDurableError(f"{hot.name} cannot hold values until S3 has them")
+            return {k: OpResult(k, False, cannot) for k, _ in items}
+        tokens = {k: os.urandom(_RECORD_TOKEN_BYTES) for k, _ in items}
+        try:  # before the values: no moment when Valkey lacks both value and record
+            hot.mark_pending_uploads(list(tokens.items()))
+        except StoreError as exc:
+            self._observe(hot, [exc])
+            self._uploads.release(tokens)  # they may have landed: cleared once it answers
+            down = HotTierDownError(f"{hot.name}: pending upload records not written: {exc}")
+            return {k: OpResult(k, False, down) for k, _ in items}
+        before = self._stale.generation()
+        answers = hot.put_pinned(items, cancel=cancel)
+        self._observe(hot, [a.error for a in answers])
+        taken = {a.key for a in answers if a.ok}
+        durable_error: StoreError | None = None
+        try:
+            hot.confirm_durable([(k, tokens[k]) for k in taken],
+                                replicas=self.config.pin_replicas,
+                                timeout_s=self.config.pin_timeout_s)
+        except StoreError as exc:
+            self._observe(hot, [exc])
+            durable_error = exc if isinstance(exc, NotDurableError) else NotDurableError(
+                f"{hot.name}: durability not confirmed: {exc}")
+        self._stale.clear("hot", taken, before)
+        self._uploads.queue([(k, p) for k, p in items if k in taken], tokens)
+        self._uploads.release({k: t for k, t in tokens.items() if k not in taken})
+        out = {}
+        for a in answers:
+            if not a.ok:
+                out[a.key] = OpResult(a.key, False, HotTierDownError(
+                    f"{a.key!r}: {hot.name} did not take it: {a.error}"))
+            elif durable_error is not None:
+                out[a.key] = OpResult(a.key, False, durable_error)
             else:
-                err = (c.error if c else None) or (h.error if h else None)
-                out.append(OpResult(key, False, err or StoreUnavailableError("no tier is up")))
+                out[a.key] = OpResult(a.key, True, pinned=True)
         return out
 
     def delete(self, keys: Sequence[str], *, cancel: CancelToken | None = None) -> list[OpResult]:
         """Delete from both tiers; a tier that could not delete is marked stale for the key
-        (its copy is skipped by reads; Valkey's is deleted once it answers again)."""
+        (its copy is skipped by this process's reads; Valkey's is deleted once it answers
+        again), and a key Valkey did not delete answers with an error
+        (:class:`HotTierDownError`): other processes may still read its copy."""
         gone = dict.fromkeys(keys, False)
         errors: dict[str, StoreError | None] = dict.fromkeys(keys)
         done: dict[str, set[str]] = {"hot": set(), "cold": set()}
@@ -547,6 +655,9 @@ class TieredStore(StoreLifecycle):
         for which in _TIERS:
             self._stale.mark(which, [k for k in keys if k not in done[which]])
             self._stale.clear(which, done[which], before)
+        for k in keys:  # another process could go on reading Valkey's copy
+            if k not in done["hot"] and errors[k] is None:
+                errors[k] = HotTierDownError(f"{k!r}: {self.hot.name} did not delete it")
         both = [k for k in keys if k in done["hot"] and k in done["cold"]]
         if both and isinstance(self.hot, PendingUploadStore):
             try:  # nothing is behind a key that no tier holds

@@ -6,17 +6,22 @@ whatever is newest when it starts and again while newer puts arrive, so that S3 
 on an older version; S3's copy of the key is marked stale in the store's
 :class:`~kvprefetch.agents.stores.freshness.StaleCopies` until the newest upload lands.
 
+An upload that fails (S3 down) keeps its entry and is tried again once S3 is up
+(:meth:`WriteBackUploads.retry_uploads`); meanwhile the value stays pinned in Valkey.
+
 Pending upload records (:class:`PendingUploadStore`, in Valkey) are cleared by the task
 whose upload makes them true no longer, each only while it still holds the token its put
-wrote; a clear that Valkey refuses is retried once Valkey answers again
+wrote, and the value is then given its TTL (:class:`PinningStore`); a clear or an unpin
+that Valkey refuses is retried once Valkey answers again
 (:meth:`WriteBackUploads.retry_clears`).
 
 Who calls what: the :class:`~kvprefetch.agents.stores.tiered.TieredStore` calls
 :meth:`~WriteBackUploads.queue` after a write-back put reached Valkey,
 :meth:`~WriteBackUploads.hand_off` before a put goes straight to S3,
 :meth:`~WriteBackUploads.release` for the records a put made that no upload of its own
-will clear, :meth:`~WriteBackUploads.forget` on delete and
-:meth:`~WriteBackUploads.retry_clears` whenever Valkey is up. Thread-safe.
+will clear, :meth:`~WriteBackUploads.forget` on delete,
+:meth:`~WriteBackUploads.retry_clears` whenever Valkey is up and
+:meth:`~WriteBackUploads.retry_uploads` whenever S3 is. Thread-safe.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Protocol, runtime_checkable
 
-from kvprefetch.agents.stores.base import Buffer, ObjectStore, OpResult
+from kvprefetch.agents.stores.base import Buffer, CancelToken, ObjectStore, OpResult
 from kvprefetch.agents.stores.errors import StoreError, StoreUnavailableError
 from kvprefetch.agents.stores.freshness import StaleCopies
 
@@ -56,6 +61,27 @@ class PendingUploadStore(Protocol):
     def pending_uploads(self, keys: Sequence[str]) -> set[str]: ...
 
 
+@runtime_checkable
+class PinningStore(PendingUploadStore, Protocol):
+    """A hot tier that holds values without expiry, durably, until the cold tier has them.
+
+    Called by :class:`TieredStore` for a write that only the hot tier takes (write-back,
+    or write-through with ``cold_down="pin"``): ``put_pinned`` once per such put, after its
+    pending upload records are marked; ``confirm_durable`` right after it, with those
+    records (raises :class:`NotDurableError` when the tier cannot confirm); ``unpin`` once
+    the upload landed and the records are cleared (idempotent; it touches only the version
+    of the payload given).
+    """
+
+    def put_pinned(self, items: Sequence[tuple[str, Buffer]], *,
+                   cancel: CancelToken | None = None) -> list[OpResult]: ...
+
+    def confirm_durable(self, records: Sequence[tuple[str, bytes]], *, replicas: int,
+                        timeout_s: float) -> None: ...
+
+    def unpin(self, items: Sequence[tuple[str, Buffer]], *, ttl_s: float | None) -> int: ...
+
+
 #: A key's newest payload not yet in S3: the generation of its stale mark, the payload,
 #: and the tokens of the pending upload records to clear once it landed.
 Entry = tuple[int, Buffer, tuple[bytes, ...]]
@@ -69,8 +95,10 @@ class WriteBackUploads:
 
     def __init__(self, name: str, hot: ObjectStore, cold: ObjectStore, stale: StaleCopies,
                  *, run: Callable[[Callable[[], None]], None], cold_up: Callable[[], bool],
-                 observe: Callable[[ObjectStore, Sequence[StoreError | None]], None]) -> None:
+                 observe: Callable[[ObjectStore, Sequence[StoreError | None]], None],
+                 hot_ttl_s: float | None = None) -> None:
         self.name = name
+        self._hot_ttl_s = hot_ttl_s
         self._hot = hot
         self._cold = cold
         self._stale = stale
@@ -83,6 +111,10 @@ class WriteBackUploads:
         self._running: set[str] = set()
         #: Records to clear once Valkey answers again, by key.
         self._uncleared: dict[str, set[bytes]] = {}
+        #: Values S3 has that are still pinned in Valkey (their unpin failed), by key.
+        self._unpins: dict[str, Buffer] = {}
+        #: Keys whose upload failed: their entry waits for S3 to be up again.
+        self._waiting: set[str] = set()
 
     def queue(self, items: Sequence[tuple[str, Buffer]], tokens: dict[str, bytes]) -> None:
         """Write-back puts that reached Valkey: upload each key's payload (the newest wins)
@@ -108,7 +140,7 @@ class WriteBackUploads:
         on it; S3's copy stays marked stale until the task is done. Returns the keys
         handed off."""
         with self._lock:
-            keys = [k for k, _ in items if k in self._running]
+            keys = [k for k, _ in items if k in self._entries or k in self._running]
         if not keys:
             return set()
         self._stale.mark("cold", keys)  # before the entries: the task clears up to theirs
@@ -116,7 +148,7 @@ class WriteBackUploads:
         handed = set()
         with self._lock:
             for key, payload in items:
-                if key in self._running:  # else its task is done: it landed before
+                if key in self._entries or key in self._running:  # else it landed before
                     prior = self._entries.get(key)
                     self._entries[key] = (gen, payload, prior[2] if prior else ())
                     handed.add(key)
@@ -130,7 +162,7 @@ class WriteBackUploads:
         with self._lock:
             for key, token in tokens.items():
                 entry = self._entries.get(key)
-                if key in self._running and entry is not None:
+                if entry is not None:
                     self._entries[key] = (*entry[:2], (*entry[2], token))
                 else:
                     clear.append((key, token))
@@ -143,19 +175,40 @@ class WriteBackUploads:
         with self._lock:
             for k in keys:
                 self._entries.pop(k, None)
+                self._waiting.discard(k)
+                self._unpins.pop(k, None)
+
+    def retry_uploads(self) -> None:
+        """Start again the uploads that failed (called while S3 is up)."""
+        if not self._waiting:
+            return
+        with self._lock:
+            start = [k for k in self._waiting if k not in self._running and k in self._entries]
+            self._waiting.clear()
+            self._running.update(start)
+        for key in start:
+            self._run(partial(self._upload, key))
+
+    @property
+    def uploads_waiting(self) -> int:
+        """Keys whose upload failed and waits for S3 (their values pinned in Valkey)."""
+        return len(self._waiting)
 
     def retry_clears(self) -> None:
         """Clear the records whose clear Valkey refused (called while Valkey is up)."""
-        if not self._uncleared:
+        if not (self._uncleared or self._unpins):
             return
         with self._lock:
             records, self._uncleared = self._uncleared, {}
+            unpins, self._unpins = self._unpins, {}
         for key, tokens in records.items():
-            self._clear(key, tuple(tokens))
+            self._clear(key, tuple(tokens), unpins.pop(key, None))
+        for key, payload in unpins.items():
+            self._unpin(key, payload)
 
     @property
     def clears_pending(self) -> bool:
-        return bool(self._uncleared)  # a dict's truth is atomic under the GIL
+        return bool(self._uncleared or self._unpins)  # a dict's truth is atomic (GIL)
 
     def _upload(self, key: str) -> None:
         while True:
@@ -172,32 +225,53 @@ class WriteBackUploads:
                 newest = self._entries.get(key)
                 if newest is not None and newest[0] != gen:
                     continue  # a newer put arrived meanwhile: upload it too
-                self._entries.pop(key, None)
                 self._running.discard(key)
+                if res[0].ok or newest is None:
+                    self._entries.pop(key, None)
+                else:  # kept, pinned in Valkey, until S3 takes it
+                    self._waiting.add(key)
             if newest is None and res[0].ok:  # deleted while uploading: not resurrected
                 self._cold.delete([key])
             elif res[0].ok:
                 self._stale.clear("cold", [key], gen)
-                self._clear(key, tokens)
-            else:  # S3 keeps an older version: reads that miss Valkey miss
-                log.warning("%s: write-back of %r failed; S3 holds an older version: %s",
+                self._clear(key, tokens, payload)
+            elif newest is not None:  # S3 keeps an older version: reads that miss Valkey miss
+                log.warning("%s: upload of %r failed; retried once S3 is up: %s",
                             self.name, key, res[0].error)
             return
 
-    def _clear(self, key: str, tokens: tuple[bytes, ...]) -> None:
-        """Remove the key's records holding ``tokens``; when Valkey fails, again once it
-        answers (meanwhile other processes' reads of the key miss)."""
+    def _clear(self, key: str, tokens: tuple[bytes, ...], payload: Buffer | None = None
+               ) -> None:
+        """Remove the key's records holding ``tokens``, then give the value S3 now has
+        (``payload``) its TTL in Valkey; when Valkey fails, again once it answers
+        (meanwhile other processes' reads of the key miss Valkey's copy or find it
+        pinned)."""
         hot = self._hot
-        if not tokens or not isinstance(hot, PendingUploadStore):
+        if tokens and isinstance(hot, PendingUploadStore):
+            try:
+                hot.clear_pending_uploads([(key, t) for t in tokens])
+            except StoreError as exc:
+                self._observe(hot, [exc])
+                with self._lock:
+                    self._uncleared.setdefault(key, set()).update(tokens)
+                    if payload is not None:
+                        self._unpins[key] = payload
+                log.warning("%s: pending upload record of %r not cleared yet: %s", self.name,
+                            key, exc)
+                return
+        if payload is not None:
+            self._unpin(key, payload)
+
+    def _unpin(self, key: str, payload: Buffer) -> None:
+        hot = self._hot
+        if not isinstance(hot, PinningStore):
             return
         try:
-            hot.clear_pending_uploads([(key, t) for t in tokens])
+            hot.unpin([(key, payload)], ttl_s=self._hot_ttl_s)
         except StoreError as exc:
             self._observe(hot, [exc])
             with self._lock:
-                self._uncleared.setdefault(key, set()).update(tokens)
-            log.warning("%s: pending upload record of %r not cleared yet: %s", self.name,
-                        key, exc)
+                self._unpins[key] = payload
 
 
-__all__ = ["PendingUploadStore", "WriteBackUploads"]
+__all__ = ["PendingUploadStore", "PinningStore", "WriteBackUploads"]

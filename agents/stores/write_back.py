@@ -40,7 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvprefetch.agents.stores.base import Buffer, ObjectStore
 from kvprefetch.agents.stores.errors import StoreError
-from kvprefetch.agents.stores.valkey_store import ValkeyStore, translate_valkey_errors
+from kvprefetch.agents.stores.valkey.store import ValkeyStore, translate_valkey_errors
 
 log = logging.getLogger(__name__)
 GIB = 1 << 30

@@ -14,19 +14,24 @@ the journal: a clean stop record (the scheduler stopped), a record cut short (th
 cut mid-record), or neither (a scheduler still appending, a crash, or a file cut at a
 record boundary: records after the last one, if any, are lost). An empty file says so.
 
-Exit status: 0 when the journal is clean (or was repaired), 1 when it has damaged lines or
-is empty.
+A journal whose first line is not its header (lost, or a blank line before it) fails the
+check: the scheduler refuses to append to it, so ``kvprefetch serve`` does not start on it.
+
+Exit status: 0 when the journal is clean (or was repaired), 1 when it has damaged lines,
+lacks its header line, is empty, or could not be repaired.
 
 ``--repair`` replaces the journal atomically by a copy without the damaged lines (a fresh
-header when the header was damaged) and appends those lines to the side file
+header when the header was damaged or missing) and appends those lines to the side file
 ``PATH.quarantine`` (JSON lines: line, reason, raw text), as the scheduler itself does on
-start-up; both keep the journal's file mode. Run it on a journal no scheduler is appending
-to.
+start-up; both keep the journal's file mode. Where it cannot (a compressed journal, a file
+it cannot rewrite) it says why and exits 1, leaving the journal as it was. Run it on a
+journal no scheduler is appending to.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import time
 from pathlib import Path
@@ -115,9 +120,49 @@ def _compact(args: argparse.Namespace) -> int:
     return 1 if result.damaged else 0
 
 
+def _header_state(path: Path, size: int | None, damaged_lines: set[int]) -> str:
+    """``ok``, ``missing`` (line 1 is no header: the scheduler refuses to append),
+    ``damaged`` (line 1 is a damaged line: a repair puts a fresh header in its place) or
+    ``none`` (an empty file)."""
+    from kvprefetch.controlplane.traces.journal import is_header_line
+
+    if not size:
+        return "none"
+    if 1 in damaged_lines:
+        return "damaged"
+    with (gzip.open(path, "rb") if path.name.endswith(".gz") else path.open("rb")) as f:
+        return "ok" if is_header_line(f.readline()) else "missing"
+
+
+def _repair(path: Path, damaged: list[Any], header: str) -> tuple[Path | None, str | None]:
+    """Set the damaged lines aside and give a journal without its header a fresh one.
+    Returns the quarantine side file (None: no damaged line) and why the repair could not
+    be done (None: it was)."""
+    from kvprefetch.controlplane.traces.journal import (
+        header_line,
+        is_header_line,
+        quarantine,
+        replace_journal,
+    )
+
+    if path.name.endswith(".gz"):
+        return None, "a compressed journal: repair the live (uncompressed) one"
+    try:
+        side = quarantine(path, damaged) if damaged else None
+        if header == "missing":
+            with path.open("rb") as f:
+                replace_journal(path, [header_line(repaired=True), *f])
+        with path.open("rb") as f:
+            if not is_header_line(f.readline()):
+                return side, "line 1 is still no journal header"
+    except OSError as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+    return side, None
+
+
 def _check(args: argparse.Namespace) -> int:
     from kvprefetch.controlplane.live.journal import LiveJournalScanner
-    from kvprefetch.controlplane.traces.journal import TimeLimits, quarantine
+    from kvprefetch.controlplane.traces.journal import TimeLimits
 
     path: Path = args.path
     size = path.stat().st_size if path.is_file() else None
@@ -128,7 +173,11 @@ def _check(args: argparse.Namespace) -> int:
     lost = scan.lost()
     reported = [gap for gap in lost if gap.damaged_lines or gap.exact]
     torn = [d.line for d in scan.damaged if d.torn]
-    side = quarantine(path, scan.damaged) if args.repair and scan.damaged else None
+    header = _header_state(path, size, {d.line for d in scan.damaged})
+    side, cannot = None, None
+    if args.repair and (scan.damaged or header == "missing"):
+        side, cannot = _repair(path, scan.damaged, header)
+    repaired = (scan.damaged or header == "missing") and cannot is None and args.repair
     end = ("empty" if size == 0 else "stopped" if scan.stopped and not scan.trailing_damaged
            else "cut-mid-record" if torn else "open")
     report = {
@@ -141,7 +190,8 @@ def _check(args: argparse.Namespace) -> int:
         "lost": [gap.to_dict() for gap in reported],
         "records_lost": sum(gap.records for gap in reported),
         "damaged_after_last_seq": list(scan.trailing_damaged), "end": end,
-        "repaired": side is not None, "quarantine": str(side) if side is not None else None,
+        "header": header, "repaired": bool(repaired), "repair_failed": cannot,
+        "quarantine": str(side) if side is not None else None,
     }
     if args.json:
         print(json.dumps(report, indent=2))
@@ -149,7 +199,7 @@ def _check(args: argparse.Namespace) -> int:
         _print_check(path, scan, report, args.show)
     if size == 0:
         return 1
-    return 1 if scan.damaged and side is None else 0
+    return 1 if (scan.damaged or header == "missing") and not repaired else 0
 
 
 def _print_check(path: Path, scan: Any, report: dict[str, Any], show: int) -> None:
@@ -159,6 +209,9 @@ def _print_check(path: Path, scan: Any, report: dict[str, Any], show: int) -> No
         return
     print(f"{path}: {scan.records} records ({scan.events} events, {scan.epochs} scheduler "
           f"starts, {scan.checked} checksummed), {len(scan.damaged)} damaged")
+    if report["header"] == "missing":
+        print("  line 1: not the journal's header (lost, or a line before it): "
+              "`kvprefetch serve` refuses to append to this journal")
     for d in scan.damaged[:show]:
         print(f"  line {d.line}: {d.reason}")
     if len(scan.damaged) > show:
@@ -186,10 +239,16 @@ def _print_check(path: Path, scan: Any, report: dict[str, Any], show: int) -> No
         print(f"end: no stop record after {last}: a scheduler still appending, a crash, or "
               f"a journal truncated at a record boundary (records after {last}, if any, "
               "are lost)")
-    if report["repaired"]:
-        print(f"repaired: {len(scan.damaged)} damaged lines moved to {report['quarantine']}")
-    elif scan.damaged:
-        print("run with --repair to set them aside")
+    if report["repair_failed"]:
+        print(f"cannot repair: {report['repair_failed']}; the journal is left as it was")
+    elif report["repaired"]:
+        if scan.damaged:
+            print(f"repaired: {len(scan.damaged)} damaged lines moved to "
+                  f"{report['quarantine']}")
+        if report["header"] == "missing":
+            print("repaired: a fresh header written before line 1")
+    elif scan.damaged or report["header"] == "missing":
+        print("run with --repair to mend it")
 
 
 def _ranges(lines: list[int]) -> str:

@@ -77,7 +77,7 @@ def probe_tcp(host: str, port: int, timeout_s: float = PROBE_TIMEOUT_S) -> None:
 
 def probe_valkey(config: Any, timeout_s: float = PROBE_TIMEOUT_S) -> str:
     """PING the configured Valkey (a :class:`ValkeyStoreConfig`); its address on success."""
-    from kvprefetch.agents.stores.valkey_store import ValkeyStore
+    from kvprefetch.agents.stores.valkey.store import ValkeyStore
 
     store = ValkeyStore(config.model_copy(update={"connect_timeout_s": timeout_s,
                                                   "socket_timeout_s": timeout_s,
@@ -89,7 +89,7 @@ def probe_valkey(config: Any, timeout_s: float = PROBE_TIMEOUT_S) -> str:
 
 def probe_s3(config: Any, timeout_s: float = PROBE_TIMEOUT_S) -> str:
     """HeadBucket on the configured bucket (an :class:`S3StoreConfig`, never creating it)."""
-    from kvprefetch.agents.stores.s3_store import S3Store
+    from kvprefetch.agents.stores.s3.store import S3Store
 
     store = S3Store(config.model_copy(update={"connect_timeout_s": timeout_s,
                                               "read_timeout_s": timeout_s,

@@ -49,7 +49,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey
 from kvprefetch.agents.lmcache.server import find_lmcache
 from kvprefetch.agents.stores.errors import StoreConfigError, StoreError
-from kvprefetch.agents.stores.s3_store import S3StoreConfig
+from kvprefetch.agents.stores.s3.store import S3StoreConfig
 
 log = logging.getLogger(__name__)
 MIB = 1 << 20
@@ -223,7 +223,7 @@ def drain_and_verify_from_s3(spec: dict[str, Any], valkey: EmbeddedValkey,
     from lmcache.cli.commands.bench.l2_adapter_bench.data import make_object_keys
 
     from kvprefetch.agents.lmcache.l2_adapter import KvPrefetchL2Adapter, object_key_name
-    from kvprefetch.agents.stores.s3_store import S3Store
+    from kvprefetch.agents.stores.s3.store import S3Store
     from kvprefetch.agents.stores.write_back import journal_backlog
 
     params = spec["adapter_params"]

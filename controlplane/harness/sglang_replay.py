@@ -54,8 +54,8 @@ from kvprefetch.agents.sglang.host_pool import PageFirstHostPool
 from kvprefetch.agents.sglang.keys import PageKeyScheme, page_hashes
 from kvprefetch.agents.sglang.warm import SGLangWarmConfig
 from kvprefetch.agents.stores.local import LocalTierConfig
-from kvprefetch.agents.stores.s3_store import S3Store, S3StoreConfig
-from kvprefetch.agents.stores.valkey_store import ValkeyStoreConfig
+from kvprefetch.agents.stores.s3.store import S3Store, S3StoreConfig
+from kvprefetch.agents.stores.valkey.store import ValkeyStoreConfig
 from kvprefetch.agents.transfer import TransferConfig
 from kvprefetch.controlplane.base.keys import position_keys, tenant_cache_salt
 from kvprefetch.controlplane.base.types import Trace

@@ -43,9 +43,9 @@ from kvprefetch.agents.stores.base import ObjectStore
 from kvprefetch.agents.stores.errors import StoreError
 from kvprefetch.agents.stores.format import decode_header
 from kvprefetch.agents.stores.local import LocalTier, LocalTierConfig
-from kvprefetch.agents.stores.s3_store import S3Store
+from kvprefetch.agents.stores.s3.store import S3Store
 from kvprefetch.agents.stores.tiered import TieredStore, TieredStoreConfig
-from kvprefetch.agents.stores.valkey_store import ValkeyStore
+from kvprefetch.agents.stores.valkey.store import ValkeyStore
 from kvprefetch.agents.transfer import TransferConfig, TransferEngine
 
 log = logging.getLogger(__name__)

@@ -535,7 +535,7 @@ def run(args: argparse.Namespace) -> int:
         scheduler = connect(args.scheduler, tenant=args.tenant, token=token)
     tokens = None
     if args.valkey:
-        from kvprefetch.agents.stores.valkey_store import ValkeyStore, ValkeyStoreConfig
+        from kvprefetch.agents.stores.valkey.store import ValkeyStore, ValkeyStoreConfig
 
         host, _, port = args.valkey.rpartition(":")
         store = ValkeyStore(ValkeyStoreConfig(host=host, port=int(port)))

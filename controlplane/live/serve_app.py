@@ -53,7 +53,7 @@ def gateway_application(config: GatewayConfig, *, scheduler: str | None = None,
                                  token=self._token)
             tokens = None
             if self._valkey:
-                from kvprefetch.agents.stores.valkey_store import ValkeyStore, ValkeyStoreConfig
+                from kvprefetch.agents.stores.valkey.store import ValkeyStore, ValkeyStoreConfig
 
                 host, _, port = self._valkey.rpartition(":")
                 self._store = ValkeyStore(ValkeyStoreConfig(host=host, port=int(port)))

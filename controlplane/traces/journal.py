@@ -169,6 +169,21 @@ CRC_KEY = "crc"
 _CRC_TAIL = re.compile(rb',"crc":"([0-9a-f]{8})"\}\r?\n?$')
 
 
+def is_header_line(raw: bytes) -> bool:
+    """Whether ``raw`` (a journal's first line) is a journal header: a JSON object holding
+    :data:`HEADER_KEY`. A writer appends only to a file that starts with one."""
+    try:
+        header = json.loads(raw)
+    except ValueError:
+        return False
+    return isinstance(header, dict) and HEADER_KEY in header
+
+
+def header_line(**metadata: Any) -> bytes:
+    """A fresh header line (the format version, then ``metadata``)."""
+    return encode_line({HEADER_KEY: JOURNAL_VERSION, **metadata})
+
+
 def encode_line(obj: Mapping[str, Any]) -> bytes:
     """One JSON line without a checksum (the header, quarantined lines)."""
     return (json.dumps(obj, separators=(",", ":"), ensure_ascii=False) + "\n").encode()
@@ -545,7 +560,7 @@ def _kept_lines(path: Path, bad: set[int]) -> Iterator[bytes]:
     with path.open("rb") as stream:
         for number, raw in enumerate(stream, start=1):
             if number == 1 and number in bad:
-                yield encode_line({HEADER_KEY: JOURNAL_VERSION, "repaired": True})
+                yield header_line(repaired=True)
             if number in bad or not raw.strip():
                 continue
             yield raw if raw.endswith(b"\n") else raw + b"\n"

@@ -17,7 +17,6 @@ name tenants and sessions).
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import threading
@@ -40,6 +39,7 @@ from kvprefetch.controlplane.traces.journal import (
     encode_checked,
     encode_line,
     event_to_dict,
+    is_header_line,
     verify_checksum,
 )
 
@@ -198,15 +198,11 @@ class JournalWriter:
         if not self.path.exists() or self.path.stat().st_size == 0:
             return
         with self.path.open("r+b") as f:
-            first = f.readline()
-            try:
-                header = json.loads(first)
-            except ValueError:
-                header = None
-            if not (isinstance(header, dict) and HEADER_KEY in header):
+            if not is_header_line(f.readline()):
                 raise TraceFormatError(
-                    "not a kvprefetch journal; refusing to append", path=self.path, line=1
-                )
+                    "not a kvprefetch journal (no header line); refusing to append: "
+                    "`kvprefetch journal check --repair` mends a journal that lost it",
+                    path=self.path, line=1)
             size = f.seek(0, os.SEEK_END)
             f.seek(max(0, size - 1))
             if f.read(1) == b"\n":

@@ -14,7 +14,7 @@ from kvprefetch.agents.stores.errors import (
     StoreConnectionError,
 )
 from kvprefetch.agents.stores.local import LocalTier, LocalTierConfig
-from kvprefetch.agents.stores.s3_store import ObjectChangedError, S3Store
+from kvprefetch.agents.stores.s3.store import ObjectChangedError, S3Store
 
 pytestmark = pytest.mark.servers
 KIB, MIB = 1024, 1 << 20

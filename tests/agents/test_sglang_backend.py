@@ -126,7 +126,7 @@ def test_pages_only_in_s3_are_served_and_objects_are_named_per_rank(
     assert backend.batch_set(keys, values)
     hot = remote.model_copy().valkey
     assert hot is not None
-    from kvprefetch.agents.stores.valkey_store import ValkeyStore
+    from kvprefetch.agents.stores.valkey.store import ValkeyStore
     with ValkeyStore(hot) as valkey:  # drop Valkey's copies: S3 alone must serve
         names = [backend.scheme.object_name(k) for k in keys]
         assert all(r.ok for r in valkey.delete(names))

@@ -26,8 +26,8 @@ import pytest
 from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey
 from kvprefetch.agents.stores.base import ObjectStore
 from kvprefetch.agents.stores.errors import CorruptObjectError
-from kvprefetch.agents.stores.s3_store import S3Store
-from kvprefetch.agents.stores.valkey_store import ValkeyStore
+from kvprefetch.agents.stores.s3.store import S3Store
+from kvprefetch.agents.stores.valkey.store import ValkeyStore
 
 pytestmark = pytest.mark.servers
 KIB = 1024

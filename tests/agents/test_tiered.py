@@ -9,12 +9,16 @@ import pytest
 
 from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey
 from kvprefetch.agents.stores.base import MemoryWriter
-from kvprefetch.agents.stores.errors import CorruptObjectError, StoreUnavailableError
+from kvprefetch.agents.stores.errors import (
+    ColdTierDownError,
+    CorruptObjectError,
+    StoreUnavailableError,
+)
 from kvprefetch.agents.stores.format import ObjectHeader
 from kvprefetch.agents.stores.local import LocalTier, LocalTierConfig
-from kvprefetch.agents.stores.s3_store import S3Store
+from kvprefetch.agents.stores.s3.store import S3Store
 from kvprefetch.agents.stores.tiered import TieredStore, TieredStoreConfig
-from kvprefetch.agents.stores.valkey_store import ValkeyStore
+from kvprefetch.agents.stores.valkey.store import ValkeyStore
 from kvprefetch.agents.transfer import TransferConfig, TransferEngine
 
 pytestmark = pytest.mark.servers
@@ -106,7 +110,8 @@ def test_s3_down_serves_from_valkey_and_both_down_is_a_quick_miss(
         r = store.get(["k", "absent"])
         assert r[0].ok and r[0].source == "valkey"
         assert r[1].miss
-        assert store.put([("k2", b"v")])[0].ok  # degraded write: Valkey only
+        refused = store.put([("k2", b"v")])[0]  # acknowledged only where S3 has it
+        assert not refused.ok and isinstance(refused.error, ColdTierDownError)
         private_valkey.kill()
         t0 = time.monotonic()
         r = store.get(["k"])

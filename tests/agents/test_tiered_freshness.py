@@ -17,18 +17,23 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey
 from kvprefetch.agents.stores.base import Buffer, OpResult
-from kvprefetch.agents.stores.s3_store import S3Store
+from kvprefetch.agents.stores.errors import HotTierDownError, StoreError
+from kvprefetch.agents.stores.s3.store import S3Store
 from kvprefetch.agents.stores.tiered import TieredStore, TieredStoreConfig
-from kvprefetch.agents.stores.valkey_store import ValkeyStore
+from kvprefetch.agents.stores.valkey.store import ValkeyStore
 
 pytestmark = pytest.mark.servers
 KIB = 1024
+#: An append-only file fsynced on every write: pinned values are confirmed at once.
+AOF_ARGS = ("--appendonly", "yes", "--appendfsync", "always",
+            "--maxmemory-policy", "volatile-lru")
 
 
 def make(valkey: EmbeddedValkey, s3: EmbeddedS3, prefix: str, **cfg: Any) -> TieredStore:
@@ -74,8 +79,11 @@ def read(store: TieredStore, key: str) -> bytes | None:
 
 
 @pytest.fixture
-def private_valkey() -> Iterator[EmbeddedValkey]:
-    with EmbeddedValkey() as server:
+def private_valkey(dram_dir: Path) -> Iterator[EmbeddedValkey]:
+    """A private Valkey that keeps an append-only file (in memory, ``dram_dir``), as
+    write-back's pinned values need (see :class:`TieredStoreConfig`)."""
+    dram_dir.mkdir(parents=True, exist_ok=True)
+    with EmbeddedValkey(extra_args=(*AOF_ARGS, "--dir", str(dram_dir))) as server:
         yield server
 
 
@@ -170,8 +178,9 @@ def test_a_put_during_a_valkey_stall_is_never_followed_by_the_old_value(
     private_valkey: EmbeddedValkey, s3_server: EmbeddedS3, key_prefix: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Valkey holds v1 and stalls (SIGSTOP); put v2 reaches S3 only; a promotion of v1
-    sent during the stall runs when Valkey resumes. Reads never return v1, and once
+    """Valkey holds v1 and stalls (SIGSTOP); put v2 reaches S3 only, and is refused (the
+    older copy in Valkey could not be invalidated); a promotion of v1 sent during the
+    stall runs when Valkey resumes. Reads never return v1 after v2 reached S3, and once
     Valkey answers again its copy is invalidated and refilled with v2."""
     store = make(private_valkey, s3_server, key_prefix)
     store.start()
@@ -185,7 +194,8 @@ def test_a_put_during_a_valkey_stall_is_never_followed_by_the_old_value(
         assert read(store, "k") == v1 and store.get(["k"])[0].source == "valkey"
         os.kill(pid, signal.SIGSTOP)
         try:
-            assert all(r.ok for r in store.put([("k", v2), ("held", v2)]))  # S3 only
+            refused = store.put([("k", v2), ("held", v2)])  # S3 takes them, Valkey cannot
+            assert all(isinstance(r.error, HotTierDownError) for r in refused)
             gate.release()  # the old promotion's script waits in Valkey's socket
             time.sleep(0.4)
             assert read(store, "k") == v2 and read(store, "held") == v2
@@ -229,11 +239,11 @@ def test_a_delete_during_a_valkey_stall_is_not_undone(
 
 
 def test_write_back_uploads_end_on_the_newest_version(
-    valkey_server: EmbeddedValkey, s3_server: EmbeddedS3, key_prefix: str,
+    private_valkey: EmbeddedValkey, s3_server: EmbeddedS3, key_prefix: str,
 ) -> None:
     """Write-back: many overwrites of one key in a row, uploads on four threads: S3 ends
     on the last one, and a read that misses Valkey before the upload lands is a miss."""
-    store = make(valkey_server, s3_server, key_prefix, write_mode="write-back",
+    store = make(private_valkey, s3_server, key_prefix, write_mode="write-back",
                  background_threads=4)
     store.start()
     try:
@@ -251,39 +261,40 @@ def test_write_back_uploads_end_on_the_newest_version(
         store.close()
 
 
-def test_a_put_straight_to_s3_is_not_overwritten_by_an_older_write_back_upload(
+def test_a_put_straight_to_s3_is_not_overwritten_by_an_older_upload(
     private_valkey: EmbeddedValkey, s3_server: EmbeddedS3, key_prefix: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Write-back: v1 is put and its upload held; Valkey stalls, so put v2 goes straight
-    to S3; then v1's upload lands. S3 ends on v2 and no read returns v1."""
-    store = make(private_valkey, s3_server, key_prefix, write_mode="write-back")
+    """Write-through, ``cold_down="pin"``: S3 refuses v1, which is pinned in Valkey and
+    its upload held; v2 then goes to S3 and Valkey; v1's upload lands after it. S3 ends
+    on v2, no read returns v1, and v2 gets its TTL."""
+    store = make(private_valkey, s3_server, key_prefix, cold_down="pin", hot_ttl_s=60.0)
     store.start()
     gate = threading.Event()
     cold_put = store.cold.put
+    refuse = [True]
 
     def held_upload(items: Sequence[tuple[str, Buffer]], **kw: Any) -> list[OpResult]:
         if threading.current_thread() is not threading.main_thread():
             assert gate.wait(30)
+        elif refuse.pop() if refuse else False:
+            return [OpResult(k, False, StoreError("S3 refused it")) for k, _ in items]
         return cold_put(items, **kw)
 
     monkeypatch.setattr(store.cold, "put", held_upload)
-    pid = _pid(private_valkey)
     try:
         v1, v2 = os.urandom(5 * KIB), os.urandom(40 * KIB)
-        assert store.put([("k", v1)])[0].ok  # in Valkey; its upload waits at the gate
-        os.kill(pid, signal.SIGSTOP)
-        try:
-            assert store.put([("k", v2)])[0].ok  # S3 only
-            gate.set()
-            store.flush()
-            assert read(store, "k") == v2
-        finally:
-            os.kill(pid, signal.SIGCONT)
+        assert store.put([("k", v1)])[0].pinned  # its upload waits at the gate
+        r = store.put([("k", v2)])[0]
+        assert r.ok and not r.pinned
+        assert read(store, "k") == v2
+        gate.set()
+        store.flush()
         assert bytes(store.cold.get(["k"])[0].data or b"") == v2
-        time.sleep(0.3)
         assert {read(store, "k") for _ in range(10)} == {v2}
         assert store.stale_copies() == {"hot": 0, "cold": 0}
+        hot = hot_of(store)
+        assert hot.pending_uploads(["k"]) == set() and hot.client.pttl(hot.head_key("k")) > 0
     finally:
         gate.set()
         store.delete(["k"])
@@ -291,14 +302,14 @@ def test_a_put_straight_to_s3_is_not_overwritten_by_an_older_write_back_upload(
 
 
 def test_a_write_back_is_not_undone_by_an_eviction_for_a_reader_in_another_process(
-    valkey_server: EmbeddedValkey, s3_server: EmbeddedS3, key_prefix: str,
+    private_valkey: EmbeddedValkey, s3_server: EmbeddedS3, key_prefix: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Write-back: S3 holds v1; v2 is put, and Valkey evicts it before its upload lands. A
     reader in another process misses (it must not read v1 from S3, nor promote it), and
     reads v2 once the upload has landed."""
-    writer = make(valkey_server, s3_server, key_prefix, write_mode="write-back")
-    other = make(valkey_server, s3_server, key_prefix, write_mode="write-back")
+    writer = make(private_valkey, s3_server, key_prefix, write_mode="write-back")
+    other = make(private_valkey, s3_server, key_prefix, write_mode="write-back")
     writer.start()
     other.start()
     gate = threading.Event()
@@ -380,8 +391,10 @@ def run_interleavings(valkey: EmbeddedValkey, s3: EmbeddedS3, prefix: str, ops: 
     that run has no stalls or restarts, which keep a put's invalidation or pending upload
     record from Valkey."""
     rng = random.Random(seed)
-    store = make(valkey, s3, prefix, write_mode=mode, hot_ttl_s=120.0)
-    other = make(valkey, s3, prefix, write_mode=mode, hot_ttl_s=120.0) if other_reader else None
+    store = make(valkey, s3, prefix, write_mode=mode, hot_ttl_s=120.0,
+                 retry_down_after_s=0.0)
+    other = make(valkey, s3, prefix, write_mode=mode, hot_ttl_s=120.0,
+                 retry_down_after_s=0.0) if other_reader else None
     readers = [store] if other is None else [store, other]
     for reader in readers:
         reader.start()

@@ -18,7 +18,7 @@ from kvprefetch.agents.stores.errors import (
 )
 from kvprefetch.agents.stores.format import ObjectHeader, make_header
 from kvprefetch.agents.stores.local import LocalTier, LocalTierConfig
-from kvprefetch.agents.stores.valkey_store import ValkeyStore
+from kvprefetch.agents.stores.valkey.store import ValkeyStore
 
 pytestmark = pytest.mark.servers
 KIB = 1024

@@ -32,9 +32,9 @@ from kvprefetch.agents.stores.format import (
     part_digest,
     validate_key,
 )
-from kvprefetch.agents.stores.valkey_client import ValkeyClient
-from kvprefetch.agents.stores.valkey_config import ValkeyStoreConfig, translate_valkey_errors
-from kvprefetch.agents.stores.valkey_layout import (
+from kvprefetch.agents.stores.valkey.client import ValkeyClient
+from kvprefetch.agents.stores.valkey.config import ValkeyStoreConfig, translate_valkey_errors
+from kvprefetch.agents.stores.valkey.layout import (
     TAG_BYTES,
     KeyLayout,
     is_lease_marker,
@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 
 class ValkeyWriter:
     """Writes and deletes objects for one
-    :class:`~kvprefetch.agents.stores.valkey_store.ValkeyStore`. Thread-safe; the pools are
+    :class:`~kvprefetch.agents.stores.valkey.store.ValkeyStore`. Thread-safe; the pools are
     the store's (``parts``: part and lane writes, ``keys``: one object each) and so are the
     counters."""
 
@@ -72,9 +72,11 @@ class ValkeyWriter:
         *,
         ttl_s: float | None = None,
         cancel: CancelToken | None = None,
+        pinned: bool = False,
     ) -> list[OpResult]:
-        """Store each ``(key, payload)``; raises :class:`ObjectTooLargeError` before writing
-        anything if any payload exceeds ``max_object_bytes``."""
+        """The work of :meth:`ValkeyStore.put` (its docstring holds the contract).
+        ``pinned``: no expiry, whatever ``ttl_s`` and the configured TTL say
+        (:meth:`ValkeyStore.put_pinned`)."""
         limit = self.config.max_object_bytes
         for key, payload in items:
             validate_key(key)
@@ -83,16 +85,14 @@ class ValkeyWriter:
                     f"{key!r}: {len(payload)} bytes exceed max_object_bytes={limit}"
                 )
         check_cancel(cancel)
-        px = self._conn.px(ttl_s)
+        px = None if pinned else self._conn.px(ttl_s)
         if not self.config.cluster:
             return self._put_pipelined(items, px, cancel)
         return self._keys.map(lambda item: self._put_one(item[0], item[1], px, cancel), items)
 
     def repair(self, items: Sequence[tuple[str, Buffer]], *, ttl_s: float | None = None
                ) -> list[OpResult]:
-        """Write good copies (from another tier) of objects found broken here, each only
-        where the key holds nothing now (the broken head was dropped): a version written
-        meanwhile is never replaced (``ok`` False then)."""
+        """The work of :meth:`ValkeyStore.repair` (its docstring holds the contract)."""
         px = self._conn.px(ttl_s)
         for key, _ in items:
             validate_key(key)
@@ -100,11 +100,7 @@ class ValkeyWriter:
                               items)
 
     def lease(self, keys: Sequence[str], *, ttl_s: float) -> list[bytes | None]:
-        """Take a fill lease on each key that holds nothing (one pipelined round trip):
-        its marker, to pass to :meth:`fill`, or None (the key holds an object or another
-        reader's lease, or Valkey failed). Called by a tiered store for the keys a read
-        missed, before it reads them from the durable tier. The marker answers as a miss
-        and expires after ``ttl_s``; a put or delete of the key replaces it."""
+        """The work of :meth:`ValkeyStore.lease` (its docstring holds the contract)."""
         if not keys:
             return []
         markers = [new_lease_marker() for _ in keys]
@@ -122,11 +118,7 @@ class ValkeyWriter:
 
     def fill(self, items: Sequence[tuple[str, Buffer, bytes]], *, ttl_s: float | None = None
              ) -> list[OpResult]:
-        """Publish copies read from the durable tier, ``(key, payload, lease marker)`` each,
-        only where the key still holds that marker (see :meth:`lease`): ``ok`` False, and
-        nothing left behind, when a put, a delete, an expiry or an eviction came first.
-        Called from a tiered store's background threads; not idempotent (the lease is used
-        up by a successful fill)."""
+        """The work of :meth:`ValkeyStore.fill` (its docstring holds the contract)."""
         px = self._conn.px(ttl_s)
         for key, _, _ in items:
             validate_key(key)
@@ -321,8 +313,7 @@ class ValkeyWriter:
     # -- delete ------------------------------------------------------------------------------
 
     def delete(self, keys: Sequence[str], *, cancel: CancelToken | None = None) -> list[OpResult]:
-        """Delete ``keys``: each head taken with ``GETDEL`` (one pipelined round trip), so
-        that exactly one caller deletes the parts of the version it took."""
+        """The work of :meth:`ValkeyStore.delete` (its docstring holds the contract)."""
         check_cancel(cancel)
         try:
             with translate_valkey_errors("delete"):

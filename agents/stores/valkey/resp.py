@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 from kvprefetch.agents.stores.errors import CorruptObjectError
-from kvprefetch.agents.stores.valkey_config import ValkeyStoreConfig
+from kvprefetch.agents.stores.valkey.config import ValkeyStoreConfig
 
 
 class BulkConnection:

@@ -1,6 +1,6 @@
 """The S3 store's read path: ranged GETs pinned to one version, received straight into the
 caller's sink, each part verified by the thread that received it (see
-:mod:`kvprefetch.agents.stores.s3_store` for the read contract)."""
+:mod:`kvprefetch.agents.stores.s3.store` for the read contract)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from kvprefetch.agents.stores.format import (
     decode_header,
     header_length,
 )
-from kvprefetch.agents.stores.s3_config import (
+from kvprefetch.agents.stores.s3.config import (
     ObjectChangedError,
     S3StoreConfig,
     translate_boto_errors,
@@ -194,7 +194,7 @@ class Quarantine:
 
 
 class S3Reader:
-    """Reads objects for one :class:`~kvprefetch.agents.stores.s3_store.S3Store`.
+    """Reads objects for one :class:`~kvprefetch.agents.stores.s3.store.S3Store`.
     Thread-safe; ``requests`` is the store's pool of ranged GETs, ``client`` hands out its
     boto3 client."""
 

@@ -48,7 +48,7 @@ class ValkeyStoreConfig(BaseModel):
     connections: int = Field(4, ge=1, le=256)
     max_object_bytes: int = Field(8 << 30, gt=0)
     #: Receive stripes straight into the destination (standalone mode only); see
-    #: :class:`~kvprefetch.agents.stores.valkey_resp.BulkConnection`. Off = every value
+    #: :class:`~kvprefetch.agents.stores.valkey.resp.BulkConnection`. Off = every value
     #: goes through valkey-py.
     direct_reads: bool = True
     #: With ``direct_reads``: read the parts of all of a ``get``'s striped objects on this

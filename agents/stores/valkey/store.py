@@ -35,6 +35,13 @@ a reader that misses the head looks for it before it reads the durable tier, whi
 behind. It carries no expiry: under a ``volatile-*`` eviction policy Valkey never evicts it,
 and under ``allkeys-*`` it is among the newest keys while its upload runs.
 
+Pinned values (the tiered store's writes that only Valkey holds until S3 has them): written
+without expiry (:meth:`ValkeyStore.put_pinned`), confirmed durable with ``WAITAOF`` on the
+connection that rewrites their pending upload records after them
+(:meth:`ValkeyStore.confirm_durable`: the append-only file is one log, so its fsync up to the
+record covers the values written before it), and given their TTL once S3 has them
+(:meth:`ValkeyStore.unpin`, only while the key still holds that very version).
+
 Parts of one object hash to different cluster slots on purpose: a large object is then
 spread over every shard and read from all of them at once.
 
@@ -42,7 +49,7 @@ A striped head with no tag after its header (parts named ``P p:<key>:<i>``) read
 miss; the next put of the key replaces it and deletes those parts.
 
 The store is a facade over its collaborators: :class:`ValkeyClient` (connections and
-scripts, :mod:`~kvprefetch.agents.stores.valkey_client`), :class:`KeyLayout` (names and head
+scripts, :mod:`~kvprefetch.agents.stores.valkey.client`), :class:`KeyLayout` (names and head
 decoding), :class:`ValkeyReader` (the read path) and :class:`ValkeyWriter` (puts, leases,
 fills, deletes).
 """
@@ -63,11 +70,15 @@ from kvprefetch.agents.stores.base import (
     StoreLifecycle,
     check_cancel,
 )
-from kvprefetch.agents.stores.errors import ObjectNotFoundError, StoreError
-from kvprefetch.agents.stores.format import ObjectHeader
-from kvprefetch.agents.stores.valkey_client import ValkeyClient
-from kvprefetch.agents.stores.valkey_config import ValkeyStoreConfig, translate_valkey_errors
-from kvprefetch.agents.stores.valkey_layout import (
+from kvprefetch.agents.stores.errors import (
+    NotDurableError,
+    ObjectNotFoundError,
+    StoreError,
+)
+from kvprefetch.agents.stores.format import ObjectHeader, make_header
+from kvprefetch.agents.stores.valkey.client import ValkeyClient
+from kvprefetch.agents.stores.valkey.config import ValkeyStoreConfig, translate_valkey_errors
+from kvprefetch.agents.stores.valkey.layout import (
     LEASE_MAGIC,
     LEASE_TOKEN_BYTES,
     TAG_BYTES,
@@ -75,8 +86,8 @@ from kvprefetch.agents.stores.valkey_layout import (
     KeyLayout,
     is_lease_marker,
 )
-from kvprefetch.agents.stores.valkey_reads import ValkeyReader
-from kvprefetch.agents.stores.valkey_writes import ValkeyWriter
+from kvprefetch.agents.stores.valkey.reads import ValkeyReader
+from kvprefetch.agents.stores.valkey.writes import ValkeyWriter
 
 
 class ValkeyStore(StoreLifecycle):
@@ -192,6 +203,71 @@ class ValkeyStore(StoreLifecycle):
         """Store each ``(key, payload)``; raises :class:`ObjectTooLargeError` before writing
         anything if any payload exceeds ``max_object_bytes``."""
         return self._writes.put(items, ttl_s=ttl_s, cancel=cancel)
+
+    def put_pinned(self, items: Sequence[tuple[str, Buffer]], *,
+                   cancel: CancelToken | None = None) -> list[OpResult]:
+        """Store each ``(key, payload)`` without expiry (whatever ``ttl_s`` is configured):
+        a value the durable tier does not hold yet. Under a ``volatile-*`` or
+        ``noeviction`` policy Valkey never evicts it."""
+        return self._writes.put(items, cancel=cancel, pinned=True)
+
+    def confirm_durable(self, records: Sequence[tuple[str, bytes]], *, replicas: int,
+                        timeout_s: float) -> None:
+        """Confirm that everything written so far for ``records`` (``(key, token)`` of
+        their pending upload records) is in Valkey's append-only file, fsynced, and in
+        ``replicas`` replicas' too: the records are rewritten, then ``WAITAOF 1 replicas``
+        on the same connection (one pipelined round trip). Raises
+        :class:`NotDurableError` when Valkey keeps no append-only file or did not confirm
+        within ``timeout_s``, :class:`StoreError` when Valkey fails."""
+        if not records:
+            return
+        with translate_valkey_errors("confirm durability"):
+            pipe = self.client.pipeline(transaction=False)
+            for k, token in records:
+                pipe.set(self._layout.pending_upload_key(k), token)
+            pipe.execute_command("WAITAOF", 1, replicas, max(1, round(timeout_s * 1000)))
+            answers = pipe.execute(raise_on_error=False)
+        got = answers[-1]
+        if isinstance(got, Exception):  # a refusal (no append-only file), not a lost link
+            raise NotDurableError(f"{self.name}: Valkey cannot confirm durability: {got}")
+        local, remote = int(got[0]), int(got[1])
+        if local < 1 or remote < replicas:
+            raise NotDurableError(
+                f"{self.name}: Valkey confirmed {local} local and {remote} replica fsyncs "
+                f"of {len(records)} pinned keys within {timeout_s} s (1 and {replicas} "
+                "wanted)")
+
+    def unpin(self, items: Sequence[tuple[str, Buffer]], *, ttl_s: float | None) -> int:
+        """Give each key its TTL (``ttl_s``, else the configured one; nothing to do for
+        none) where it still holds the version of ``payload`` that :meth:`put_pinned`
+        wrote: its parts first, then its head, only while the head is unchanged. Returns
+        how many heads got it. Raises :class:`StoreError` when Valkey fails."""
+        px = self._conn.px(ttl_s)
+        if px is None or not items:
+            return 0
+        done = 0
+        with translate_valkey_errors("unpin"):
+            pipe = self.client.pipeline(transaction=False)
+            for key, _ in items:
+                pipe.get(self.head_key(key))
+            heads = pipe.execute()
+            for (key, payload), raw in zip(items, heads, strict=True):
+                if raw is None or is_lease_marker(raw):
+                    continue
+                try:
+                    head = self._layout.parse_head(key, raw)
+                except StoreError:
+                    continue
+                if head.header != make_header(key, payload, self.config.part_bytes):
+                    continue  # another version: its writer sets its expiry
+                parts = self._layout.parts_of(key, raw)
+                if parts:
+                    pipe = self.client.pipeline(transaction=False)
+                    for name in parts:
+                        pipe.pexpire(name, px)
+                    pipe.execute()
+                done += self._conn.expire_if_unchanged(self.head_key(key), raw, px)
+        return done
 
     def repair(self, items: Sequence[tuple[str, Buffer]], *, ttl_s: float | None = None
                ) -> list[OpResult]:

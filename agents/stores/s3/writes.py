@@ -20,18 +20,18 @@ from kvprefetch.agents.stores.base import (
 )
 from kvprefetch.agents.stores.errors import ObjectTooLargeError, StoreError
 from kvprefetch.agents.stores.format import make_header
-from kvprefetch.agents.stores.s3_config import (
+from kvprefetch.agents.stores.s3.config import (
     ObjectChangedError,
     S3StoreConfig,
     translate_boto_errors,
 )
-from kvprefetch.agents.stores.s3_reads import Quarantine
+from kvprefetch.agents.stores.s3.reads import Quarantine
 
 log = logging.getLogger(__name__)
 
 
 class S3Writer:
-    """Writes objects for one :class:`~kvprefetch.agents.stores.s3_store.S3Store`.
+    """Writes objects for one :class:`~kvprefetch.agents.stores.s3.store.S3Store`.
     Thread-safe; the pools (``requests``: upload parts, ``keys``: one object each) and the
     counters are the store's."""
 
@@ -53,8 +53,7 @@ class S3Writer:
         ttl_s: float | None = None,
         cancel: CancelToken | None = None,
     ) -> list[OpResult]:
-        """Store each object (``ttl_s`` is ignored: S3 is the durable tier; use bucket
-        lifecycle rules to expire). Raises :class:`ObjectTooLargeError` before writing."""
+        """The work of :meth:`S3Store.put` (its docstring holds the contract)."""
         limit = self.config.max_object_bytes
         for key, payload in items:
             if len(payload) > limit:
@@ -66,10 +65,7 @@ class S3Writer:
 
     def repair(self, items: Sequence[tuple[str, Buffer]], *, ttl_s: float | None = None
                ) -> list[OpResult]:
-        """Replace quarantined objects with good copies (from another tier), each only if it
-        is still the very version that failed verification (``If-Match`` on its ETag): a
-        version written since is never replaced. A key not quarantined is left alone
-        (``ok`` False). ``ttl_s`` is ignored, as in :meth:`put`."""
+        """The work of :meth:`S3Store.repair` (its docstring holds the contract)."""
 
         def one(key: str, payload: Buffer) -> OpResult:
             etag = self._quarantine.etag(key)

@@ -1,5 +1,5 @@
 """The Valkey store's key layout: the names of an object's head and parts, and how a head
-is read (see :mod:`kvprefetch.agents.stores.valkey_store` for the layout itself). Pure: no
+is read (see :mod:`kvprefetch.agents.stores.valkey.store` for the layout itself). Pure: no
 I/O."""
 
 from __future__ import annotations

@@ -35,16 +35,16 @@ from kvprefetch.agents.stores.format import (
     decode_header,
     header_length,
 )
-from kvprefetch.agents.stores.valkey_client import ValkeyClient
-from kvprefetch.agents.stores.valkey_config import ValkeyStoreConfig, translate_valkey_errors
-from kvprefetch.agents.stores.valkey_layout import Head, KeyLayout
-from kvprefetch.agents.stores.valkey_resp import BulkConnection
+from kvprefetch.agents.stores.valkey.client import ValkeyClient
+from kvprefetch.agents.stores.valkey.config import ValkeyStoreConfig, translate_valkey_errors
+from kvprefetch.agents.stores.valkey.layout import Head, KeyLayout
+from kvprefetch.agents.stores.valkey.resp import BulkConnection
 
 log = logging.getLogger(__name__)
 
 
 class ValkeyReader:
-    """Reads objects for one :class:`~kvprefetch.agents.stores.valkey_store.ValkeyStore`
+    """Reads objects for one :class:`~kvprefetch.agents.stores.valkey.store.ValkeyStore`
     (its ``get``). Thread-safe; the pools are the store's (``parts``: part fetches, ``keys``:
     one object each)."""
 
@@ -76,13 +76,7 @@ class ValkeyReader:
         sink: PayloadSink | None = None,
         cancel: CancelToken | None = None,
     ) -> list[GetResult]:
-        """Fetch ``keys``: heads in one pipelined round trip, then every part of the striped
-        ones. With ``direct_reads``, an object held inline in its head is received straight
-        into the sink; with ``get_lanes`` too, the parts of every striped object are read on
-        that many connections (the calling thread takes the first), straight into the sink,
-        and any object that goes wrong there (a part gone, damaged, a lane's connection
-        lost) is read again alone by the checked path (which re-reads a replaced head and
-        drops damage)."""
+        """The work of :meth:`ValkeyStore.get` (its docstring holds the contract)."""
         check_cancel(cancel)
         keep = sink is None
         use = sink if sink is not None else MemorySink()

@@ -15,9 +15,9 @@ A checksum failure is fetched once more (in case it was torn by a server that ig
 remembered in :meth:`S3Store.quarantined` and answered as a miss, but never deleted: it
 may be the last durable copy, and a tiered store repairs it from the hot tier.
 
-The store is a facade over :class:`~kvprefetch.agents.stores.s3_reads.S3Reader` (ranged,
+The store is a facade over :class:`~kvprefetch.agents.stores.s3.reads.S3Reader` (ranged,
 pinned, verified reads and the quarantine) and
-:class:`~kvprefetch.agents.stores.s3_writes.S3Writer` (PUT, multipart upload, repair).
+:class:`~kvprefetch.agents.stores.s3.writes.S3Writer` (PUT, multipart upload, repair).
 """
 
 from __future__ import annotations
@@ -38,13 +38,13 @@ from kvprefetch.agents.stores.base import (
     check_cancel,
 )
 from kvprefetch.agents.stores.errors import ObjectNotFoundError, StoreConfigError, StoreError
-from kvprefetch.agents.stores.s3_config import (
+from kvprefetch.agents.stores.s3.config import (
     ObjectChangedError,
     S3StoreConfig,
     translate_boto_errors,
 )
-from kvprefetch.agents.stores.s3_reads import Quarantine, S3Reader
-from kvprefetch.agents.stores.s3_writes import S3Writer
+from kvprefetch.agents.stores.s3.reads import Quarantine, S3Reader
+from kvprefetch.agents.stores.s3.writes import S3Writer
 
 log = logging.getLogger(__name__)
 

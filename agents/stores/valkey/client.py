@@ -1,5 +1,5 @@
 """The connections of one Valkey store: the valkey-py client (standalone or cluster, TLS,
-AUTH), the pool of bulk RESP connections beside it, and the two server-side scripts the
+AUTH), the pool of bulk RESP connections beside it, and the server-side scripts the
 store's versioning relies on."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvprefetch.agents.stores.errors import StoreConfigError
-from kvprefetch.agents.stores.valkey_config import ValkeyStoreConfig, translate_valkey_errors
-from kvprefetch.agents.stores.valkey_resp import BulkPool
+from kvprefetch.agents.stores.valkey.config import ValkeyStoreConfig, translate_valkey_errors
+from kvprefetch.agents.stores.valkey.resp import BulkPool
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +31,13 @@ return 1
 """
 
 #: Compare-and-delete: delete KEYS[1] only if it still holds ARGV[1]; 1 if deleted.
+_EXPIRE_IF_UNCHANGED = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+
 _DELETE_IF_UNCHANGED = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('DEL', KEYS[1])
@@ -53,6 +60,7 @@ class ValkeyClient:
         self.bulk = BulkPool(config)
         self._delete_if_unchanged: Any = None
         self._fill_if_leased: Any = None
+        self._expire_if_unchanged: Any = None
 
     def _client_kwargs(self) -> dict[str, Any]:
         c = self.config
@@ -111,6 +119,7 @@ class ValkeyClient:
         # Registered here (no I/O: loaded on first use, re-sent after NOSCRIPT).
         self._delete_if_unchanged = client.register_script(_DELETE_IF_UNCHANGED)
         self._fill_if_leased = client.register_script(_FILL_IF_LEASED)
+        self._expire_if_unchanged = client.register_script(_EXPIRE_IF_UNCHANGED)
         log.info("valkey store %s connected to %s", self.name, where)
 
     def close(self) -> None:
@@ -146,6 +155,11 @@ class ValkeyClient:
         """Delete ``name`` only if it still holds ``raw`` (one script call); True if deleted.
         The caller translates errors."""
         return bool(self._delete_if_unchanged(keys=[name], args=[raw]))
+
+    def expire_if_unchanged(self, name: str, raw: bytes, px: int) -> bool:
+        """Give ``name`` an expiry of ``px`` ms only if it still holds ``raw`` (one script
+        call); True if set. The caller translates errors."""
+        return bool(self._expire_if_unchanged(keys=[name], args=[raw, str(px)]))
 
     def fill_if_leased(self, name: str, marker: bytes, value: bytes, px: int | None) -> bool:
         """Set ``name`` to ``value`` only if it still holds the lease ``marker`` (one script
