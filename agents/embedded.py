@@ -167,8 +167,16 @@ class ServerProcess:
         self.stop()
 
 
+#: What the tiered store's pinned puts (write-back, ``cold_down: pin``) need of Valkey: an
+#: append-only file fsynced on every write (``WAITAOF`` answers at once) and no eviction
+#: of keys without expiry.
+AOF_ARGS = ("--appendonly", "yes", "--appendfsync", "always",
+            "--maxmemory-policy", "volatile-lru")
+
+
 class EmbeddedValkey(ServerProcess):
-    """A private ``valkey-server`` on loopback."""
+    """A private ``valkey-server`` on loopback. ``aof``: with :data:`AOF_ARGS`, its data
+    directory in ``/dev/shm`` where there is one (an fsync there costs nothing)."""
 
     def __init__(
         self,
@@ -179,7 +187,9 @@ class EmbeddedValkey(ServerProcess):
         extra_args: tuple[str, ...] = (),
         binary: str | None = None,
         start_timeout_s: float = 10.0,
+        aof: bool = False,
     ) -> None:
+        self._aof = aof
         self.host = "127.0.0.1"
         self.port = port or 0
         self.password = password
@@ -195,7 +205,9 @@ class EmbeddedValkey(ServerProcess):
         self.port = self.port or free_port()
         # After kill() the directory is kept: a server run with an append-only file
         # (extra_args) comes back with what it fsynced, as a restarted server does.
-        self._dir = self._dir or Path(tempfile.mkdtemp(prefix="kvp-valkey-"))
+        shm = Path("/dev/shm")
+        self._dir = self._dir or Path(tempfile.mkdtemp(
+            prefix="kvp-valkey-", dir=shm if self._aof and shm.is_dir() else None))
         args = [
             binary, "--port", str(self.port), "--bind", self.host, "--save", "",
             "--appendonly", "no", "--dir", str(self._dir), "--protected-mode", "no",
@@ -205,6 +217,8 @@ class EmbeddedValkey(ServerProcess):
             args += ["--requirepass", self.password]
         if self._maxmemory:
             args += ["--maxmemory", str(self._maxmemory), "--maxmemory-policy", "allkeys-lru"]
+        if self._aof:
+            args += list(AOF_ARGS)
         args += list(self._extra)
         self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.DEVNULL)

@@ -156,7 +156,7 @@ def _run(args: argparse.Namespace, fleet: Any, policies: list[str], seeds: list[
 
     runs: dict[str, list[Run]] = {p: [] for p in policies}
     with contextlib.ExitStack() as stack:
-        valkey = stack.enter_context(EmbeddedValkey())
+        valkey = stack.enter_context(EmbeddedValkey(aof=True))  # write-back pins
         s3 = stack.enter_context(EmbeddedS3())
         ray.init(num_cpus=2, object_store_memory=80 * MIB, include_dashboard=False,
                  namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING,
