@@ -26,17 +26,21 @@ HERE = Path(__file__).resolve().parent
 DATA = HERE / "data"
 ROOT = HERE.parent.parent
 
-def _yardstick(engine: str) -> list[str]:
+def _yardstick(engine: str, *, hints: bool = False) -> list[str]:
     """The yardstick grid on one engine profile: the bundled slice and four synthetic
-    profiles x 2/4/8 nodes x loads 0.5/1/2 x 3 seeds, every default policy."""
+    profiles x 2/4/8 nodes x loads 0.5/1/2 x 3 seeds, every default policy; ``hints``:
+    every client sends typing and tool hints."""
+    name = f"yardstick-{engine}" + ("-hints" if hints else "")
     return [
         "kvprefetch", "sim-grid",
         "--traces", "controlplane/data/traces/claude-code,synthetic:agentic,"
         "synthetic:agentic-nostop,synthetic:chat,synthetic:research",
         "--nodes", "2,4,8", "--loads", "0.5,1,2", "--seeds", "0,1,2",
-        "--engine", engine, "--workers", "2", "--no-progress",
-        "--json", f"docs/results/data/yardstick-{engine}.json",
-        "--plot", f"docs/results/yardstick-{engine}.png",
+        "--engine", engine,
+        *(["--hints", "user_typing,tool_running", "--hint-coverage", "1"] if hints else []),
+        "--workers", "2", "--no-progress",
+        "--json", f"docs/results/data/{name}.json",
+        "--plot", f"docs/results/{name}.png",
     ]
 
 
@@ -59,6 +63,7 @@ RUNS: dict[str, list[str]] = {
     ],
     **{f"yardstick-{engine}": _yardstick(engine)
        for engine in ("vllm-lmcache", "vllm-lmcache-lazy")},
+    "yardstick-vllm-lmcache-hints": _yardstick("vllm-lmcache", hints=True),
     "bench-control-plane": [
         "kvprefetch", "bench", "control-plane", "--modes", "inproc,service,http,ray-1",
         "--sessions", "1000", "--events", "3000", "--no-progress",
