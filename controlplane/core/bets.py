@@ -35,6 +35,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvprefetch.controlplane.core.stats import CoreStats
+
 __all__ = ["LEAD_BINS", "MAX_OPEN_BETS", "BetRecord", "DisplacementBets", "wilson_lower"]
 
 #: Lead buckets: the candidate is forecast 2**k times sooner than its soonest victim, k in
@@ -84,6 +86,8 @@ class DisplacementBets:
 
     min_win_share: float
     horizon_s: float
+    #: The core's counters (``bets_won``, ``bets_lost``).
+    stats: CoreStats = field(default_factory=CoreStats)
     records: dict[tuple[bool, int], BetRecord] = field(default_factory=dict)
     _open: dict[int, _Bet] = field(default_factory=dict)
     _by_session: dict[str, set[int]] = field(default_factory=dict)
@@ -145,8 +149,10 @@ class DisplacementBets:
             rec = self.records.setdefault(bet.bucket, BetRecord())
             if bet.candidate == sid:
                 rec.wins += 1
+                self.stats.bets_won += 1
             else:
                 rec.losses += 1
+                self.stats.bets_lost += 1
             self._drop(bet_id)
 
     def wasted(self, sid: str) -> None:
@@ -156,6 +162,7 @@ class DisplacementBets:
             bet = self._open[bet_id]
             if bet.candidate == sid:
                 self.records.setdefault(bet.bucket, BetRecord()).losses += 1
+                self.stats.bets_lost += 1
                 self._drop(bet_id)
 
     def forget(self, sid: str) -> None:

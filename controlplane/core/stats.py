@@ -31,6 +31,11 @@ class CoreStats:
     #: Bytes of the warm-ups of empty nodes started (free room only: outside the budget,
     #: which they widen by as much).
     warmup_bytes: int = 0
+    #: Displacement bets settled (:mod:`kvprefetch.controlplane.core.bets`): the session
+    #: a prefetch would bring came back before the residents it would displace ...
+    bets_won: int = 0
+    #: ... or one of them came first, or the prefetch was evicted unread.
+    bets_lost: int = 0
 
 
 _Counters = TypeVar("_Counters", CoreStats, IndexStats)

@@ -211,6 +211,14 @@ class PrometheusMetrics:
             "Prefetches the waste budget refused (planner.waste_allowance_gib): once it "
             "grows with nothing prefetched left unread, prefetch is off until a restart",
             value=g.over_budget)
+        bets = CounterMetricFamily(
+            "kvprefetch_displacement_bets",
+            "Settled bets that a prefetch's session comes back before the residents it "
+            "would displace (planner.displace_min_win_share gates displacement on them)",
+            labels=["outcome"])
+        bets.add_metric(["won"], g.bets_won)
+        bets.add_metric(["lost"], g.bets_lost)
+        yield bets
         yield CounterMetricFamily(
             "kvprefetch_warmup_bytes",
             "Bytes ordered to warm nodes that restarted or joined empty (free room only; "

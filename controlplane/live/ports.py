@@ -37,6 +37,8 @@ class SchedulerGauges:
     orders_failed: int = 0
     orders_lost: int = 0
     loop_errors: int = 0
+    bets_won: int = 0
+    bets_lost: int = 0
 
 
 #: TTLB and lateness samples kept for the summary (a rolling window; Prometheus histograms

@@ -256,7 +256,8 @@ class SchedulerService:
                 st.warmup_bytes,
                 {self.node_name(n): t.capacity_bytes for n, t in enumerate(self.core.dram)},
                 orders_failed=self.stats.orders_failed, orders_lost=self.stats.orders_lost,
-                loop_errors=self.stats.loop_errors)
+                loop_errors=self.stats.loop_errors, bets_won=st.bets_won,
+                bets_lost=st.bets_lost)
 
     def _share_books(self) -> tuple[dict[tuple[str, str], int],
                                     dict[str, TenantQuotaStats]]:

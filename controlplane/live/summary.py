@@ -30,6 +30,7 @@ def driver_summary(driver: LiveDriver) -> dict[str, Any]:
         "prefetch_used_bytes_modelled": core.stats.prefetch_used_bytes,
         "prefetches_over_budget": core.stats.prefetches_over_budget,
         "warmup_bytes": core.stats.warmup_bytes,
+        "bets_won": core.stats.bets_won, "bets_lost": core.stats.bets_lost,
         "ttlb_s": list(s.ttlb_s), "lateness_s": list(s.lateness_s),
         "plan_step_s": list(s.plan_step_s),
         "plan_steps": s.plan_steps,

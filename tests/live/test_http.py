@@ -293,6 +293,8 @@ def test_metrics_after_traffic_have_lateness_and_ttlb(
         assert name in samples
     assert samples["kvprefetch_prefetches_over_budget_total"] == 0
     assert samples["kvprefetch_warmup_bytes_total"] == 0  # no node restarted or joined
+    for outcome in ("won", "lost"):  # nothing displaced yet: no bet settled
+        assert samples[f'kvprefetch_displacement_bets_total{{outcome="{outcome}"}}'] == 0
     assert 'kvprefetch_orders_in_flight{node="node-0"}' in samples
 
 
