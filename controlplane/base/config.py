@@ -118,12 +118,12 @@ class PlannerConfig(_Frozen):
     #: every forecast likely enough to return; where a prefetch may displace residents is
     #: decided by the forecasts' record, ``displace_min_win_share``).
     min_confidence: float = Field(0.0, ge=0, le=1)
-    #: A prefetch may displace residents (rather than only fill free room) where its
-    #: forecasts have won this share of their bets against the residents they would
-    #: displace (the one-sided 95% lower bound of the share;
+    #: A prefetch (which takes room that recency would keep) starts only where its
+    #: forecasts have won this share of their bets against the residents it pushes out
+    #: and its prefetches taken were read at least this often (one-sided 95% bounds;
     #: :mod:`kvprefetch.controlplane.core.bets`). Above 0.5 the forecast must beat
-    #: recency by a margin; 1 turns displacement off but for certain forecasts; 0 lets
-    #: every forecast displace, record or not.
+    #: recency by a margin; 1 turns prefetch off but for certain forecasts; 0 starts every
+    #: one, record or not.
     displace_min_win_share: float = Field(0.5, ge=0, le=1)
     #: Forecasts at least this confident (a client's hint with an ETA, 0.9,
     #: ``kvprefetch.predictors.hinted``) keep a record of their own.

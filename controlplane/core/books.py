@@ -94,8 +94,10 @@ class TierBooks:
         self.grown: set[str] = set()
         #: Plans an idle session again after an eviction (the prefetcher's ``plan``).
         self.plan_evicted: Callable[[str, float], None] = _not_wired
-        #: A prefetch of the session was evicted unread (its bets are lost).
+        #: A prefetch of the session was evicted unread (its bets are lost) ...
         self.prefetch_wasted: Callable[[str], None] = lambda sid: None
+        #: ... or a request read it.
+        self.prefetch_read: Callable[[str], None] = lambda sid: None
 
     def local_tokens(self, node: int, sid: str) -> int:
         """Tokens of the session on the node, in HBM or DRAM (ready or arriving)."""
@@ -271,13 +273,17 @@ class TierBooks:
         return ticket
 
     def displaced_by(self, sid: str, node: int, tokens: int, now_s: float, *,
-                     min_key: float) -> list[TierEntry] | None:
+                     min_key: float, as_if_full: bool = False) -> list[TierEntry] | None:
         """The residents a prefetch of ``tokens`` of the session to ``node`` would evict
         now (as :meth:`reserve` would choose them; empty when free room suffices; None
-        when it cannot make room). Evicts nothing."""
+        when it cannot make room); ``as_if_full``: those it would evict if the tier had
+        no free room (the residents its room would otherwise have kept). Evicts
+        nothing."""
         tier = self.tiers[node]
         have = tier.get(sid)
         need = tokens * self.bpt - (have.nbytes if have is not None else 0)
+        if as_if_full:
+            need += tier.capacity_bytes - tier.used_bytes
         return tier.victims_for(need, now_s, exclude=sid, min_key=min_key,
                                 strategy=self.predicted_use if self._policy.evict_advice
                                 else None)
@@ -303,5 +309,7 @@ class TierBooks:
 
     def _count_read(self, d: TierEntry) -> None:
         """A request read the entry: what a prefetch brought into it was used."""
+        if d.prefetch_unused_bytes > 0:
+            self.prefetch_read(d.session_id)
         self._stats.prefetch_used_bytes += d.prefetch_unused_bytes
         d.prefetch_unused_bytes = 0

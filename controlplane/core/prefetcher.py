@@ -20,8 +20,9 @@ driver's clock.
 from __future__ import annotations
 
 from kvprefetch.controlplane.base.config import FleetConfig
+from kvprefetch.controlplane.base.tiers import INF
 from kvprefetch.controlplane.base.types import ArrivalForecast
-from kvprefetch.controlplane.core.bets import DisplacementBets
+from kvprefetch.controlplane.core.bets import Bucket, DisplacementBets
 from kvprefetch.controlplane.core.books import TierBooks
 from kvprefetch.controlplane.core.draft import StepDraft
 from kvprefetch.controlplane.core.forecasts import ForecastCache
@@ -137,7 +138,11 @@ class Prefetcher:
         if self._books.local_tokens(order.node, sid) >= order.tokens:
             return
         use = max(now_s, forecast.arrival_at(0.5) if forecast else order.predicted_use_s)
-        free_only, min_key = self._displacement(sid, order, forecast, use, now_s)
+        admission = self._admission(sid, order, forecast, use, now_s)
+        if admission is None:
+            self._stats.prefetches_dropped += 1
+            return
+        free_only, min_key, bucket = admission
         ticket = self._books.reserve(sid, order.node, order.tokens, prefetch=True,
                                      deadline_s=order.deadline_s, now_s=now_s,
                                      min_key=min_key, free_only=free_only,
@@ -145,30 +150,45 @@ class Prefetcher:
         if ticket is None:
             self._stats.prefetches_dropped += 1
             return
+        if bucket is not None:
+            self.bets.took(sid, bucket)
         self.start_load(s, ticket, use)
 
-    def _displacement(self, sid: str, order: PrefetchOrder, forecast: ArrivalForecast | None,
-                      use_s: float, now_s: float) -> tuple[bool, float]:
-        """``(free_only, min_key)`` for a prefetch about to start. It may displace only
-        residents predicted to be used after a late quantile of its arrival (for a
-        certain forecast: after it, Belady), and only where the forecast has beaten
-        recency so far (:mod:`kvprefetch.controlplane.core.bets`); otherwise it fills
-        free room, as ``reactive`` would leave the tier."""
-        if forecast is None or not self._policy.evict_advice:
-            return True, use_s
+    def _admission(self, sid: str, order: PrefetchOrder, forecast: ArrivalForecast | None,
+                   use_s: float, now_s: float) -> tuple[bool, float, Bucket | None] | None:
+        """``(free_only, min_key, bucket)`` for a prefetch about to start, or None: it does
+        not start. Whatever room a prefetch takes, free or a resident's, pushes residents
+        out sooner than recency alone would: it is a bet that the session comes back
+        before them, and it starts only where such bets have been won and the prefetches
+        taken have been read (:mod:`kvprefetch.controlplane.core.bets`); elsewhere the
+        tier keeps what ``reactive`` keeps. With evict advice it may displace residents
+        predicted to be used after a late quantile of its arrival. A certain forecast is
+        not gated (it displaces those used after its arrival: Belady)."""
+        if forecast is None:
+            return True, use_s, None
         cfg = self._planner
-        min_key = max(use_s, forecast.arrival_at(cfg.displace_quantile))
+        advice = self._policy.evict_advice
+        min_key = max(use_s, forecast.arrival_at(cfg.displace_quantile)) if advice else use_s
         if forecast.confidence >= 1.0:
-            return False, min_key
-        victims = self._books.displaced_by(sid, order.node, order.tokens, now_s,
-                                           min_key=min_key)
-        if not victims:
-            return victims is None, min_key
-        victim_ids = [v.key for v in victims]
+            return not advice, min_key, None
+        books = self._books
+        victims = (books.displaced_by(sid, order.node, order.tokens, now_s, min_key=min_key)
+                   if advice else [])
+        # The residents it displaces, or those its room would have kept the longest (free
+        # room, or no resident it may displace); none when the tier would hold it beside
+        # all it holds.
+        pushed = victims or books.displaced_by(sid, order.node, order.tokens, now_s,
+                                               min_key=-INF, as_if_full=True) or []
+        free_only = not advice or victims is None
+        if not pushed:
+            return free_only, min_key, None
+        pushed_ids = [v.key for v in pushed]
         bucket = self.bets.bucket(forecast.confidence >= cfg.displace_min_confidence, now_s,
-                                  use_s, self._forecasts.next_uses(victim_ids, now_s))
-        self.bets.place(sid, victim_ids, bucket, now_s)
-        return not self.bets.allows(bucket), min_key
+                                  use_s, self._forecasts.next_uses(pushed_ids, now_s))
+        self.bets.place(sid, pushed_ids, bucket, now_s)
+        if not self.bets.allows(bucket):
+            return None
+        return free_only, min_key, bucket
 
     def start_load(self, s: SessionState, ticket: LoadTicket, use_s: float) -> None:
         """Start a prefetch the tier has room for; the entry is kept until ``use_s``."""

@@ -125,6 +125,7 @@ class SchedulerCore:
                                       indexed_sweep=indexed_sweep)
         self._books.plan_evicted = self._prefetcher.plan
         self._books.prefetch_wasted = self._prefetcher.bets.wasted
+        self._books.prefetch_read = self._prefetcher.bets.read
         self._changes = FleetChanges(policy, self._forecasts, self._books, self._prefetcher,
                                      self._sessions, self.stats, self._draft)
 

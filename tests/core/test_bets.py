@@ -6,7 +6,14 @@ import math
 
 import pytest
 
-from kvprefetch.controlplane.core.bets import LEAD_BINS, BetRecord, DisplacementBets, wilson_lower
+from kvprefetch.controlplane.core.bets import (
+    EXPLORE_EVERY,
+    LEAD_BINS,
+    BetRecord,
+    DisplacementBets,
+    wilson_lower,
+    wilson_upper,
+)
 
 
 def test_the_wilson_bound_needs_a_few_straight_wins_to_pass_one_half() -> None:
@@ -80,3 +87,31 @@ def test_an_empty_victim_list_is_no_bet() -> None:
 
 def test_a_zero_win_share_lets_every_forecast_displace() -> None:
     assert DisplacementBets(min_win_share=0.0, horizon_s=1.0).allows((False, 0))
+
+
+def test_prefetches_taken_and_left_unread_close_a_bucket_but_for_exploration() -> None:
+    bets = _bets()
+    b = (False, 2)
+    for i in range(5):  # bets won: the bucket opens
+        bets.place(f"c{i}", [f"v{i}"], b, 0.0)
+        bets.arrived(f"c{i}", 1.0)
+    assert bets.allows(b)
+    # Prefetches taken in it: read ones keep it open, unread ones close it.
+    for i in range(3):
+        bets.took(f"p{i}", b)
+        bets.read(f"p{i}")
+    assert bets.taken[b] == BetRecord(wins=3, losses=0) and bets.allows(b)
+    for i in range(12):
+        bets.took(f"q{i}", b)
+        bets.wasted(f"q{i}")
+    assert bets.taken[b] == BetRecord(wins=3, losses=12)
+    assert wilson_upper(3, 15) < 0.5
+    allowed = [bets.allows(b) for _ in range(2 * EXPLORE_EVERY)]
+    assert allowed.count(True) == 2  # one in EXPLORE_EVERY still starts
+    bets.read("never-taken")  # nothing taken for it: no record
+    assert sum(r.settled for r in bets.taken.values()) == 15
+
+
+def test_the_upper_bound_is_one_minus_the_lower_bound_of_the_losses() -> None:
+    assert wilson_upper(0, 0) == 1.0
+    assert wilson_upper(3, 10) == pytest.approx(1 - wilson_lower(7, 10))
