@@ -38,11 +38,14 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvprefetch.controlplane.base.errors import ConfigError, ServiceUnavailableError
-from kvprefetch.controlplane.cli.serve_config import ServeConfig, describe_auth, load_serve_config
-from kvprefetch.controlplane.live.tenants import TenantAuth
+from kvprefetch.controlplane.cli.options import require_extras
+
+if TYPE_CHECKING:  # imported where used: --help builds without the extras they need
+    from kvprefetch.controlplane.cli.serve_config import ServeConfig
+    from kvprefetch.controlplane.live.tenants import TenantAuth
 
 log = logging.getLogger(__name__)
 
@@ -87,9 +90,13 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--embedded runs on a local Ray runtime; drop --address "
                           f"{args.address}")
     if args.check:
+        require_extras("stores")
         return _check(args.config, args.address, embedded=embedded)
+    require_extras("serve", "stores")
     if _preflight(args.config, args.address, embedded=embedded) != 0:
         return 2
+    from kvprefetch.controlplane.cli.serve_config import load_serve_config
+
     cfg = load_serve_config(args.config, embedded=embedded)
     auth = cfg.auth()
     address = "local" if embedded else (args.address or cfg.ray.address)
@@ -275,6 +282,8 @@ class Serve:
                        metrics=metrics_text, health=health)
         server = stack.enter_context(HttpServer(app, cfg.http.host, cfg.http.port,
                                                 access_log=cfg.http.access_log, log_level="info"))
+        from kvprefetch.controlplane.cli.serve_config import describe_auth
+
         log.info("HTTP API on %s (%s): POST /v1/route ..., GET /metrics, GET /healthz, "
                  "OpenAPI at /openapi.json", server.url, describe_auth(self.auth))
         if self.nodes_file is not None:
