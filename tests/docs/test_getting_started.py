@@ -1,13 +1,15 @@
 """The getting-started page run as a newcomer runs it: its code blocks in order, as
 written, in an empty folder, with nothing but this package and its extras (the embedded
 Valkey and S3 of ``kvprefetch serve --embedded``, a local Ray runtime): ``init``, the
-token, ``serve --check``, ``serve`` until ready, and the Python client's calls to it.
+token, ``serve --check``, ``serve`` until ready, and the Python client's calls to it; then
+the hints guide's blocks against that server (the client's calls, the same over curl).
 Blocks that install packages or run for minutes carry their reason on the page."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -25,6 +27,7 @@ pytest.importorskip("valkey")
 
 pytestmark = pytest.mark.servers
 PAGE = "getting-started.md"
+HINTS = "guides/hints.md"
 HTTP_PORT = 8000
 
 
@@ -78,9 +81,11 @@ def test_every_block_is_run_or_says_why_not() -> None:
 
 
 def test_the_page_runs_as_written(tmp_path: Path) -> None:
-    page = blocks(PAGE)
+    page = blocks(PAGE) + blocks(HINTS)
     work = tmp_path / "newcomer"
     work.mkdir()
+    # curl reads ~/.curlrc: each call's HTTP status after its body, the commands as written
+    (work / ".curlrc").write_text('write-out = "\\n%{http_code}\\n"\n')
     text = script(page, work)
     if not _port_free(HTTP_PORT):  # a shared machine: the page's port is another's
         from kvprefetch.agents.embedded import free_port
@@ -92,7 +97,7 @@ def test_the_page_runs_as_written(tmp_path: Path) -> None:
             f.write_text(f.read_text().replace(f":{HTTP_PORT}", f":{port}"))
     ray_tmp = tempfile.mkdtemp(prefix="kvpg", dir="/tmp")  # short: Ray's socket paths
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-           "RAY_TMPDIR": ray_tmp, "RAY_USAGE_STATS_ENABLED": "0"}
+           "RAY_TMPDIR": ray_tmp, "RAY_USAGE_STATS_ENABLED": "0", "HOME": str(work)}
     env.pop("KVPREFETCH_API_TOKEN", None)
     (work / "page.sh").write_text(text)
     try:
@@ -113,6 +118,8 @@ def test_the_page_runs_as_written(tmp_path: Path) -> None:
     assert "files written" in out  # init
     assert out.count("kvprefetch serve --check: ok ") == 5, out
     assert "run on node 0 " in out and "finish accepted: True" in out and "closed: True" in out
+    statuses = [line for line in out.splitlines() if re.fullmatch(r"\d{3}", line)]
+    assert statuses == ["200"] * 5, out  # the hints guide's five curl calls
     assert "kvprefetch serve: ready, 1 agents" in serve_log
     assert "kvprefetch serve stopped" in serve_log, serve_log[-3000:]
     assert (work / "kvp" / "journal.jsonl").stat().st_size > 0
