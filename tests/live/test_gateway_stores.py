@@ -12,14 +12,14 @@ import yaml
 
 pytest.importorskip("fastapi")
 
-from kvprefetch.agents.embedded import EmbeddedValkey  # noqa: E402
-from kvprefetch.agents.lmcache.tokens import get_session_tokens  # noqa: E402
-from kvprefetch.agents.stores.valkey.store import ValkeyStore  # noqa: E402
-from kvprefetch.controlplane.base.errors import ConfigError  # noqa: E402
-from kvprefetch.controlplane.cli import build_parser, main  # noqa: E402
-from kvprefetch.controlplane.cli.serve_config import load_serve_config  # noqa: E402
-from kvprefetch.controlplane.live.gateway import store_sink  # noqa: E402
-from kvprefetch.controlplane.live.gateway_options import (  # noqa: E402
+from kvprefetch.agents.embedded import EmbeddedValkey
+from kvprefetch.agents.lmcache.tokens import get_session_tokens
+from kvprefetch.agents.stores.valkey.store import ValkeyStore
+from kvprefetch.controlplane.base.errors import ConfigError
+from kvprefetch.controlplane.cli import build_parser, main
+from kvprefetch.controlplane.cli.serve_config import load_serve_config
+from kvprefetch.controlplane.live.gateway import store_sink
+from kvprefetch.controlplane.live.gateway_options import (
     stores_of_serve_config,
     token_store,
 )
