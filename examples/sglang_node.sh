@@ -25,8 +25,8 @@ import json, os, sys
 from kvprefetch.agents.agent import RemoteStoreConfig
 from kvprefetch.agents.sglang.backend import SGLangStorageConfig, dynamic_extra_config
 from kvprefetch.agents.stores.local import LocalTierConfig
-from kvprefetch.agents.stores.s3_store import S3StoreConfig
-from kvprefetch.agents.stores.valkey_store import ValkeyStoreConfig
+from kvprefetch.agents.stores.s3 import S3StoreConfig
+from kvprefetch.agents.stores.valkey import ValkeyStoreConfig
 env = os.environ.get
 if env("STORAGE_CONFIG"):
     config = SGLangStorageConfig.model_validate_json(env("STORAGE_CONFIG"))
