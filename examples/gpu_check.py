@@ -31,9 +31,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# The check's other files are the ones beside this script (a clone's examples/, or a
+# `kvprefetch init` folder).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from examples.gpu_check_common import (  # after the path above
+from gpu_check_common import (  # after the path above
     SESSION,
     TENANT,
     launched,
@@ -95,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     args = parse_args(argv)
     if args.engine == "sglang":
-        from examples.gpu_check_sglang import run_sglang
+        from gpu_check_sglang import run_sglang
 
         return run_sglang(args)
     return run_vllm(args)

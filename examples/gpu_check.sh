@@ -14,14 +14,16 @@
 # and a small model the engine can load offline (a local path, or a name in the HF cache):
 #   examples/gpu_check.sh /models/Qwen2.5-0.5B-Instruct [--prompt-tokens 16000 ...]
 #   examples/gpu_check.sh /models/Qwen2.5-0.5B-Instruct --engine sglang
-# Figures go to out/gpu_check.json (out/gpu_check_sglang.json); --help lists the options.
+# (or kvp/gpu_check.sh in a `kvprefetch init kvp` folder: the check's Python files are the
+# ones beside this script). Figures go to out/gpu_check.json (out/gpu_check_sglang.json)
+# under the current directory; --help lists the options.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 PY=${PYTHON:-python3}
 case "${1:-}" in
-    -h|--help) exec "$PY" examples/gpu_check.py --help ;;
+    -h|--help) exec "$PY" "$HERE/gpu_check.py" --help ;;
 esac
-MODEL=${1:?usage: examples/gpu_check.sh MODEL [--engine vllm|sglang] [gpu_check.py options]}
+MODEL=${1:?usage: $0 MODEL [--engine vllm|sglang] [gpu_check.py options]}
 shift
 ENGINE=vllm
 prev=
@@ -51,4 +53,4 @@ case "$ENGINE" in
         exit 2 ;;
 esac
 mkdir -p out
-exec "$PY" examples/gpu_check.py --model "$MODEL" --json "$JSON" "$@"
+exec "$PY" "$HERE/gpu_check.py" --model "$MODEL" --json "$JSON" "$@"

@@ -38,7 +38,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from examples.gpu_check_common import (
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its siblings, wherever it is
+
+from gpu_check_common import (  # after the path above
     SESSION,
     TENANT,
     launched,
@@ -50,6 +52,7 @@ from examples.gpu_check_common import (
     warm_session,
     write_results,
 )
+
 from kvprefetch.agents.agent import AgentConfig, RemoteStoreConfig
 from kvprefetch.agents.sglang.backend import SGLangStorageConfig, dynamic_extra_config
 from kvprefetch.agents.sglang.keys import PageKeyScheme
@@ -59,7 +62,10 @@ from kvprefetch.agents.stores.local import LocalTierConfig
 from kvprefetch.controlplane.base.keys import tenant_cache_salt
 
 log = logging.getLogger("gpu_check")
-ROOT = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
+#: A clone's root (examples/ beside the package's folders), else None: kvprefetch is
+#: the installed package.
+CLONE = HERE.parent if (HERE.parent / "kvprefetch").is_dir() else None
 
 
 def sglang_launch(args: argparse.Namespace, storage: SGLangStorageConfig
@@ -71,9 +77,9 @@ def sglang_launch(args: argparse.Namespace, storage: SGLangStorageConfig
            "STORAGE_CONFIG": json.dumps(dynamic_extra_config(storage)["kvprefetch"]),
            "PORT": str(args.port), "PAGE_SIZE": str(args.page_size), "TP": str(args.tp),
            # SGLang's ranks import our backend by module path (kvprefetch.agents.sglang.backend)
-           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH"))
-                                         if p)}
-    cmd = [str(ROOT / "examples" / "sglang_node.sh"), args.model,
+           "PYTHONPATH": os.pathsep.join(
+               p for p in (str(CLONE) if CLONE else None, os.environ.get("PYTHONPATH")) if p)}
+    cmd = [str(HERE / "sglang_node.sh"), args.model,
            "--mem-fraction-static", str(args.gpu_memory_utilization),
            "--context-length", str(args.max_model_len),
            "--hicache-size", str(args.hicache_size_gb),

@@ -7,10 +7,11 @@
 #
 # Environment (defaults in brackets): VALKEY_HOST [127.0.0.1], VALKEY_PORT [6379],
 # S3_BUCKET (required), S3_REGION [us-east-1], S3_ENDPOINT (for non-AWS S3), DRAM_DIR
-# [/dev/shm/kvprefetch] and DRAM_BYTES [64 GiB]: the agent's 'dram' tier (same path in the
-# agent's serve.yaml, backend: sglang), READ_THREADS [4]: threads one batch's pages are
-# read and verified on from that tier, PAGE_SIZE [64], TP [1], PORT [30000],
-# SGLANG [python -m sglang.launch_server]; SGLANG=echo prints the command instead.
+# [/dev/shm/kvprefetch-$NODE] and DRAM_BYTES [64 GiB]: the tier the node's agent warms (serve's
+# agent.tier_path, /dev/shm/kvprefetch-{node} by default, backend: sglang; NODE [0]: this
+# node's number in serve's order, `kvprefetch serve --nodes-file`), READ_THREADS [4]:
+# threads one batch's pages are read and verified on from that tier, PAGE_SIZE [64], TP [1],
+# PORT [30000], SGLANG [python -m sglang.launch_server]; SGLANG=echo prints the command.
 # STORAGE_CONFIG: the backend's whole "kvprefetch" section as JSON (SGLangStorageConfig),
 # used instead of the one built from the variables above (examples/gpu_check.sh sets it).
 # Needs: SGLang (GPU build) and kvprefetch importable by the same Python.
@@ -24,14 +25,14 @@ import json, os, sys
 from kvprefetch.agents.agent import RemoteStoreConfig
 from kvprefetch.agents.sglang.backend import SGLangStorageConfig, dynamic_extra_config
 from kvprefetch.agents.stores.local import LocalTierConfig
-from kvprefetch.agents.stores.s3_store import S3StoreConfig
-from kvprefetch.agents.stores.valkey_store import ValkeyStoreConfig
+from kvprefetch.agents.stores.s3 import S3StoreConfig
+from kvprefetch.agents.stores.valkey import ValkeyStoreConfig
 env = os.environ.get
 if env("STORAGE_CONFIG"):
     config = SGLangStorageConfig.model_validate_json(env("STORAGE_CONFIG"))
 else:
     config = SGLangStorageConfig(
-        local=LocalTierConfig(path=env("DRAM_DIR", "/dev/shm/kvprefetch"),
+        local=LocalTierConfig(path=env("DRAM_DIR", "/dev/shm/kvprefetch-" + env("NODE", "0")),
                               capacity_bytes=int(env("DRAM_BYTES", str(64 << 30)))),
         local_read_threads=int(env("READ_THREADS", "4")),
         remote=RemoteStoreConfig(

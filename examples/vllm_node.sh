@@ -9,7 +9,9 @@
 # Optional: VALKEY_PORT (6379), S3_ENDPOINT (an S3-compatible endpoint URL), LMCACHE_PORT
 # (6555), LMCACHE_HTTP_PORT (6556), L1_GB (64), CHUNK_SIZE (256), VLLM (the vllm command).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# From a clone (examples/ beside the package's folders), kvprefetch imports from it too.
+if [[ -d "$HERE/../kvprefetch" ]]; then export PYTHONPATH="$HERE/..${PYTHONPATH:+:$PYTHONPATH}"; fi
 MODEL=${1:?usage: VALKEY_HOST=... S3_BUCKET=... examples/vllm_node.sh MODEL [vllm serve options]}
 shift
 : "${VALKEY_HOST:?set VALKEY_HOST}" "${S3_BUCKET:?set S3_BUCKET}"

@@ -17,6 +17,7 @@ from markselect import deselects_whole, module_marks
 RAY_MODULES = (
     "tests/agents/test_aiperf_bench.py",
     "tests/deploy/test_local_cluster.py",
+    "tests/docs/test_getting_started.py",
     *(f"tests/live/{name}" for name in (
         "test_bench_ray.py", "test_demo.py", "test_demo_lmcache.py", "test_demo_vllm.py",
         "test_node_join.py", "test_ray.py", "test_readme_http.py", "test_serve.py",

@@ -50,3 +50,14 @@ def test_the_sim_output_shown_is_what_the_command_prints() -> None:
     printed = {" ".join(line.split()) for line in out.stdout.splitlines()}
     for line in shown:
         assert " ".join(line.split()) in printed, line
+
+
+def test_the_install_section_says_how_to_install_without_a_package_index() -> None:
+    """No release is on a package index: the README installs from a clone or from the wheel
+    ``make wheel`` builds, and the Makefile has that target."""
+    text = README.read_text()
+    install = text[text.index("## Install"):text.index("\n## ", text.index("## Install") + 1)]
+    assert not re.search(r"pip install '?kvprefetch\b", install)
+    assert "pip install -e '.[serve,stores]'" in install and "make wheel" in install
+    assert re.search(r"^wheel:\n\t\$\(PYTHON\) -m pip wheel .* -w dist \.$",
+                     (ROOT / "Makefile").read_text(), re.M)

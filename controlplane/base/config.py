@@ -241,6 +241,37 @@ H100X8_FOR_70B = NodeProfile(
 
 NODE_PRESETS: dict[str, NodeProfile] = {LLAMA_8B.name: H100_FOR_8B, LLAMA_70B.name: H100X8_FOR_70B}
 
+#: Node presets per GPU, chosen by name in a fleet (``gpu: l40s``): for each model preset the
+#: KV room left in HBM and the GPU's dense bf16 peak, the rest as the model's H100 preset.
+#: A100: 312 TFLOP/s dense bf16 (NVIDIA A100 datasheet), 80 GB as the H100, so the same KV
+#: room, on PCIe 4 (~25 GB/s to the GPU). L40S: 362 TFLOP/s dense bf16 (NVIDIA L40S
+#: datasheet), 48 GB: 90% of it less 16 GB of 8B weights and activations leaves ~22 GiB for
+#: KV; eight of them (384 GB) less 141 GB of 70B weights and activations leave ~170 GiB.
+GPU_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    "h100": {LLAMA_8B.name: {}, LLAMA_70B.name: {}},
+    "a100": {LLAMA_8B.name: {"peak_flops_per_gpu": 312e12},
+             LLAMA_70B.name: {"peak_flops_per_gpu": 312e12, "h2d_gbyte_s": 25.0}},
+    "l40s": {LLAMA_8B.name: {"peak_flops_per_gpu": 362e12, "hbm_kv_bytes": 22 * GIB},
+             LLAMA_70B.name: {"peak_flops_per_gpu": 362e12, "hbm_kv_bytes": 170 * GIB,
+                              "h2d_gbyte_s": 25.0}},
+}
+
+
+def gpu_node(gpu: str, model: ModelProfile, *, source: str = "fleet config") -> dict[str, Any]:
+    """The node preset of ``gpu`` (a :data:`GPU_PRESETS` name) for ``model``: every field of
+    :class:`NodeProfile`. A model that is not a preset takes the GPU's peak FLOP/s only; its
+    ``hbm_kv_bytes`` is the fleet's to give."""
+    presets = GPU_PRESETS.get(gpu.lower())
+    if presets is None:
+        raise ConfigError(f"{source}: field 'gpu': unknown GPU {gpu!r}; known: "
+                          f"{', '.join(sorted(GPU_PRESETS))}")
+    base = NODE_PRESETS.get(model.name, H100_FOR_8B).model_dump()
+    own = presets.get(model.name)
+    if own is None:
+        own = {"peak_flops_per_gpu": next(iter(presets.values())).get(
+            "peak_flops_per_gpu", base["peak_flops_per_gpu"])}
+    return {**base, **own}
+
 
 def default_fleet(model: str = "8b", nodes: int = 4) -> FleetConfig:
     """The default fleet for a model preset (``8b`` or ``70b``, or a full preset name)."""
@@ -281,7 +312,9 @@ def load_fleet(path: str | Path, *, overrides: dict[str, Any] | None = None) -> 
 
 
 def fleet_from_dict(raw: dict[str, Any], *, source: str = "fleet config") -> FleetConfig:
-    """Build a fleet from a plain mapping (see :func:`load_fleet`)."""
+    """Build a fleet from a plain mapping (see :func:`load_fleet`); ``gpu`` (``h100``,
+    ``a100``, ``l40s``) picks the node preset of that GPU for the model (:data:`GPU_PRESETS`),
+    under the fields ``node`` gives."""
     data = dict(raw)
     model_spec = data.get("model", "8b")
     try:
@@ -294,7 +327,12 @@ def fleet_from_dict(raw: dict[str, Any], *, source: str = "fleet config") -> Fle
             model = MODELS[name]
         else:
             model = ModelProfile.model_validate(model_spec)
-        node_base = NODE_PRESETS.get(model.name, H100_FOR_8B).model_dump()
+        gpu = data.pop("gpu", None)
+        if gpu is not None and not isinstance(gpu, str):
+            raise ConfigError(f"{source}: field 'gpu': a GPU name "
+                              f"({', '.join(sorted(GPU_PRESETS))})")
+        node_base = (gpu_node(gpu, model, source=source) if gpu is not None
+                     else NODE_PRESETS.get(model.name, H100_FOR_8B).model_dump())
         node_over = data.get("node") or {}
         if not isinstance(node_over, dict):
             raise ConfigError(f"{source}: field 'node': expected a mapping")

@@ -12,14 +12,14 @@ import argparse
 
 EPILOG = """examples:
   KVPREFETCH_API_TOKEN=... kvprefetch gateway --scheduler http://head:8000 \\
-      --upstream http://node0:8000 --upstream http://node1:8000 --valkey valkey:6379
+      --upstream http://node0:8000 --upstream http://node1:8000 --config serve.yaml
   kvprefetch gateway --token-file /run/secrets/kvprefetch-token --scheduler http://head:8000 \\
       --upstream http://node0:8000 --host 0.0.0.0 --port 8080
 """
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from kvprefetch.controlplane.live.gateway import add_arguments as gateway_arguments
+    from kvprefetch.controlplane.live.gateway_options import add_arguments as gateway_arguments
 
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.allow_abbrev = False  # --token must not pass for --token-file

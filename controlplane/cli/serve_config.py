@@ -317,18 +317,74 @@ def _describe(exc: ValidationError, prefix: str = "") -> str:
     return "; ".join(parts)
 
 
-def load_serve_config(path: str | Path) -> ServeConfig:
-    """Read and fully validate a serve config (the fleet and the service too, for one
-    node); raises :class:`ConfigError` naming the file and the field."""
+#: The local tier of each agent in the embedded profile when the config sets no
+#: ``agent.tier_capacity_bytes`` (bytes).
+EMBEDDED_TIER_BYTES = 1 << 30
+#: The stores section the embedded profile validates with; ``kvprefetch serve --embedded``
+#: replaces it by the servers it starts (:func:`with_embedded_stores`).
+_EMBEDDED_STAND_IN = {"valkey": {"host": "127.0.0.1", "port": 6379},
+                      "s3": {"bucket": "kvprefetch", "endpoint_url": "http://127.0.0.1:8333",
+                             "path_style": True}}
+
+
+def embedded_profile(raw: dict[str, Any], config_dir: Path) -> dict[str, Any]:
+    """The one-machine profile of a config document (``kvprefetch serve --embedded``):
+    the stores are the Valkey and S3 servers serve starts here (the file's ``stores``
+    section is ignored but for ``tiered``), Ray is a local one-node runtime, an agent
+    with the ``lmcache-mp`` backend gets its own local tier instead (``agent.
+    tier_capacity_bytes``, default :data:`EMBEDDED_TIER_BYTES`), and the journal, when
+    the file names one, is ``journal.jsonl`` in ``config_dir``. Everything else (tokens,
+    tenants, policy, fleet, http) is the file's."""
+    doc = dict(raw)
+    given = doc.get("stores")
+    stores: dict[str, Any] = given if isinstance(given, dict) else {}
+    doc["stores"] = {**_EMBEDDED_STAND_IN,
+                     **({"tiered": stores["tiered"]} if "tiered" in stores else {})}
+    ray = dict(doc["ray"]) if isinstance(doc.get("ray"), dict) else {}
+    doc["ray"] = {**ray, "address": "local"}
+    agent = dict(doc["agent"]) if isinstance(doc.get("agent"), dict) else {}
+    if agent.get("backend", "local") == "lmcache-mp":
+        agent["backend"] = "local"
+        agent.pop("lmcache", None)
+    agent.setdefault("tier_capacity_bytes", EMBEDDED_TIER_BYTES)
+    doc["agent"] = agent
+    service = doc.get("service")
+    if isinstance(service, dict) and service.get("journal_path"):
+        doc["service"] = {**service, "journal_path": str(config_dir / "journal.jsonl")}
+    return doc
+
+
+def with_embedded_stores(cfg: ServeConfig, valkey: Any, s3: Any) -> ServeConfig:
+    """``cfg`` (validated with :func:`embedded_profile`) on the running embedded
+    servers (:class:`~kvprefetch.agents.embedded.EmbeddedValkey`, ``EmbeddedS3``)."""
+    stores = RemoteStoreConfig(valkey=valkey.store_config(), s3=s3.store_config(),
+                               tiered=cfg.stores.tiered)
+    return cfg.model_copy(update={"stores": stores})
+
+
+def read_serve_document(path: str | Path, *, embedded: bool = False) -> dict[str, Any]:
+    """The config file's document (its :func:`embedded_profile` with ``embedded``);
+    ConfigError naming the file when it is missing, not YAML or not a mapping."""
     p = Path(path)
     try:
         raw = yaml.safe_load(p.read_text())
     except FileNotFoundError:
         raise ConfigError(f"{p}: serve config not found") from None
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read the serve config: {exc.strerror}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{p}: not valid YAML: {exc}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{p}: expected a mapping at the top level")
+    return embedded_profile(raw, p.resolve().parent) if embedded else raw
+
+
+def load_serve_config(path: str | Path, *, embedded: bool = False) -> ServeConfig:
+    """Read and fully validate a serve config (the fleet and the service too, for one
+    node), as :func:`embedded_profile` makes it with ``embedded``; raises
+    :class:`ConfigError` naming the file and the field."""
+    p = Path(path)
+    raw = read_serve_document(p, embedded=embedded)
     try:
         cfg = ServeConfig.model_validate(raw)
     except ValidationError as exc:

@@ -55,6 +55,7 @@ from kvprefetch.controlplane.harness.demo_report import (
     Run,
     SeedTrace,
     build_report,
+    machine_verdict,
     run_from_books,
     write_outputs,
 )
@@ -360,7 +361,10 @@ def print_report(report: dict[str, Any]) -> None:
                   f"requests, {p['hints_failed']} hints not accepted: its figures are not "
                   "comparable (see the log)")
     pol = report["policies"]
-    if "ondemand" in pol and "predictive" in pol:
+    refused = machine_verdict(report["machine"]) if "machine" in report else None
+    if refused is not None:
+        print(refused)
+    elif "ondemand" in pol and "predictive" in pol:
         on, pr = pol["ondemand"]["returning"], pol["predictive"]["returning"]
         better = (pr["ttft_mean_s"] < on["ttft_mean_s"], pr["ttft_p90_s"] < on["ttft_p90_s"])
         verdict = "lower" if all(better) else "NOT lower (see the table)"

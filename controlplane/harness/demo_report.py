@@ -287,6 +287,7 @@ def build_report(args: argparse.Namespace, fleet: Any, seeds: list[SeedTrace],
         },
         "policies": results,
         "simulated": _simulated(args, fleet, seeds, list(runs)),
+        "machine": machine_check(seeds, results, float(getattr(args, "compression", 1.0))),
     }
     if "ondemand" in stats and "predictive" in stats:
         diff = paired_difference(stats["ondemand"], stats["predictive"])
@@ -299,6 +300,39 @@ def build_report(args: argparse.Namespace, fleet: Any, seeds: list[SeedTrace],
                                     "comparable": comparable, "returning": diff}
     return report
 
+
+
+#: The share of the median compressed gap (wall time between a response and the session's
+#: next request) the control plane's own lag may take: beyond it, the replay's timing is the
+#: machine's, not the policies', and the demo gives no verdict.
+CARRY_GAP_SHARE = 0.1
+
+
+def machine_check(seeds: Sequence[SeedTrace], policies: dict[str, Any],
+                  compression: float) -> dict[str, Any]:
+    """Whether this machine carried the comparison: the worst policy's control-plane lag
+    (p90 of the route overhead and of the run's lag behind the GPU timeline, wall ms)
+    against the median gap between a session's requests at ``compression`` (wall ms)."""
+    gaps = sorted(r.gap_s * 1e3 / compression for st in seeds for session in st.trace.sessions
+                  for r in session.requests if r.gap_s is not None)
+    gap_p50 = gaps[len(gaps) // 2] if gaps else 0.0
+    lag = max((max(p["route_overhead_ms"]["p90"], p["timeline_lag_ms"]["p90"])
+               for p in policies.values()), default=0.0)
+    share = lag / gap_p50 if gap_p50 > 0 else 0.0
+    return {"control_plane_lag_p90_ms": round(lag, 2),
+            "compressed_gap_p50_ms": round(gap_p50, 2), "lag_share": round(share, 4),
+            "limit_share": CARRY_GAP_SHARE, "carried": share <= CARRY_GAP_SHARE}
+
+
+def machine_verdict(check: dict[str, Any]) -> str | None:
+    """The line that says the machine could not carry the comparison; None when it did."""
+    if check["carried"]:
+        return None
+    return (f"this machine cannot carry the comparison: control-plane lag p90 "
+            f"{check['control_plane_lag_p90_ms']:.1f} ms is {check['lag_share']:.0%} of the "
+            f"median compressed gap {check['compressed_gap_p50_ms']:.1f} ms (at most "
+            f"{check['limit_share']:.0%}); no verdict: lower --compression, or run on an "
+            f"idle machine")
 
 
 def write_outputs(args: argparse.Namespace, report: dict[str, Any]) -> None:

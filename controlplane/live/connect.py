@@ -13,7 +13,7 @@ and the sharded transport; neither of them imports it.
 
 from __future__ import annotations
 
-from kvprefetch.controlplane.base.errors import InvalidRequestError
+from kvprefetch.controlplane.base.errors import ConfigError, InvalidRequestError
 from kvprefetch.controlplane.live.client import (
     DEFAULT_TIMEOUT_S,
     Client,
@@ -44,5 +44,12 @@ def connect(address: str = "auto", *, tenant: str | None = None,
     elif address.startswith(("http://", "https://")):
         target = HttpTransport(address, token, timeout_s=timeout_s)
     else:
-        target = open_ray(address, namespace, timeout_s=timeout_s, batching=batching)
+        try:
+            target = open_ray(address, namespace, timeout_s=timeout_s, batching=batching)
+        except ModuleNotFoundError as exc:
+            if (exc.name or "").split(".")[0] != "ray":
+                raise
+            raise ConfigError(f"connect({address!r}): a Ray address needs the 'serve' extra "
+                              "(pip install 'kvprefetch[serve]'); or connect to the HTTP "
+                              "API, connect('http://host:8000')") from None
     return Client(target, tenant=tenant, timeout_s=timeout_s)

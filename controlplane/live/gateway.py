@@ -52,6 +52,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvprefetch.controlplane.base.keys import tenant_cache_salt
 from kvprefetch.controlplane.base.types import DEFAULT_TENANT, SessionKey
 from kvprefetch.controlplane.base.vocabulary import stop_reason_or_none
+from kvprefetch.controlplane.live.gateway_options import (
+    TOKEN_ENV,
+    add_arguments,
+    stores_of_serve_config,
+    token_store,
+)
 
 log = logging.getLogger(__name__)
 
@@ -469,8 +475,6 @@ def store_sink(store: Any) -> TokenSink:
     return put
 
 
-#: The environment variable the gateway reads the scheduler's API token from.
-TOKEN_ENV = "KVPREFETCH_API_TOKEN"
 
 
 def read_token_file(path: str | os.PathLike[str]) -> str:
@@ -505,24 +509,6 @@ def scheduler_token(token_file: str | None) -> str | None:
     return os.environ.get(TOKEN_ENV) or None
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The gateway's options (``kvprefetch gateway`` and ``python -m`` this module)."""
-    parser.add_argument("--upstream", action="append", required=True,
-                        help="a node's vLLM base URL, in node order (repeat per node)")
-    parser.add_argument("--scheduler", help="the scheduler (http://... or a Ray address); "
-                        "without it, requests are routed by load")
-    parser.add_argument("--tenant")
-    parser.add_argument("--token-file", metavar="PATH",
-                        help=f"file holding the scheduler's API token (mode 0600 or 0400); "
-                        f"default: the {TOKEN_ENV} environment variable")
-    parser.add_argument("--cache-salt-env", metavar="NAME",
-                        help="environment variable holding the base of the tenants' cache "
-                        "salts (the agents' lmcache.cache_salt)")
-    parser.add_argument("--valkey", help="host:port of the token store's Valkey")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8080)
-
-
 def run(args: argparse.Namespace) -> int:
     """Serve the gateway in the foreground (uvicorn) until interrupted."""
     import uvicorn
@@ -534,11 +520,8 @@ def run(args: argparse.Namespace) -> int:
 
         scheduler = connect(args.scheduler, tenant=args.tenant, token=token)
     tokens = None
-    if args.valkey:
-        from kvprefetch.agents.stores.valkey.store import ValkeyStore, ValkeyStoreConfig
-
-        host, _, port = args.valkey.rpartition(":")
-        store = ValkeyStore(ValkeyStoreConfig(host=host, port=int(port)))
+    if args.config:
+        store = token_store(stores_of_serve_config(args.config))
         store.start()
         tokens = store_sink(store)
     salt = os.environ.get(args.cache_salt_env, "") if args.cache_salt_env else ""

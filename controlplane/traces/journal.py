@@ -39,7 +39,9 @@ gives the arrival, ``in`` and ``reused``; ``request_finished`` gives ``out``, ``
 ``api_time_s`` = finish - start; ``gap_s`` of request ``i`` = start_i - finish_{i-1}
 (clamped at 0; ``None`` if request ``i - 1`` never finished or is missing). Requests are
 numbered 0, 1, ... in turn order. ``start_s`` is relative to the journal's first event.
-Hints and ``session_closed`` events are for predictors and do not shape the trace.
+Hints are for predictors and do not shape the trace. A session id used again after its
+``session_closed`` (the service numbers the new session's turns from 0 again), or whose
+turn 0 starts again, is a new session of the trace, named ``<id>#2``, ``<id>#3``, ...
 """
 
 from __future__ import annotations
@@ -585,10 +587,19 @@ def load_journal(
     """Rebuild the sessions recorded in a journal; see the module docstring."""
     source = Path(path)
     logs: dict[str, _SessionLog] = {}
+    #: Session id -> its current incarnation (1, 2, ...) and whether that one is closed.
+    lives: dict[str, tuple[int, bool]] = {}
     first_t: float | None = None
     for number, event in _numbered_events(source, progress=progress):
         first_t = event.time_s if first_t is None else min(first_t, event.time_s)
-        log = logs.setdefault(event.session_id, _SessionLog())
+        life, closed = lives.get(event.session_id, (1, False))
+        key = _incarnation_id(event.session_id, life)
+        if closed or (event.kind is EventKind.REQUEST_STARTED and event.turn == 0
+                      and 0 in logs.get(key, _SessionLog()).started):
+            life += 1
+            key = _incarnation_id(event.session_id, life)
+        lives[event.session_id] = (life, event.kind is EventKind.SESSION_CLOSED)
+        log = logs.setdefault(key, _SessionLog())
         log.parent_id = log.parent_id or event.parent_id
         if event.kind is EventKind.REQUEST_STARTED:
             if event.turn in log.started:
@@ -612,6 +623,10 @@ def load_journal(
     sessions.sort(key=lambda s: (s.start_s, s.session_id))
     name = source.name.removesuffix(".gz").removesuffix(".jsonl")
     return Trace(name, tuple(sessions), FORMAT_NAME, 0).limit_sessions(limit_sessions)
+
+
+def _incarnation_id(session_id: str, life: int) -> str:
+    return session_id if life == 1 else f"{session_id}#{life}"
 
 
 def _build_session(session_id: str, log: _SessionLog, t0: float) -> TraceSession | None:

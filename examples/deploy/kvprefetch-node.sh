@@ -148,19 +148,17 @@ run_gateway() {
     sleep 2; waited=$(( waited + 2 ))
   done
   local args
-  mapfile -t args < <("$PY" - "$NODES_FILE" "$SERVE_CONFIG" "$VLLM_PORT" <<'EOF'
-import json, sys, yaml
-nodes, config, port = json.load(open(sys.argv[1])), yaml.safe_load(open(sys.argv[2])), sys.argv[3]
+  mapfile -t args < <("$PY" - "$NODES_FILE" "$VLLM_PORT" <<'EOF'
+import json, sys
+nodes, port = json.load(open(sys.argv[1])), sys.argv[2]
 for n in sorted(nodes, key=lambda n: n["node"]):
     print("--upstream"); print(f"http://{n['ip']}:{port}")
-valkey = (config.get("stores") or {}).get("valkey")
-if valkey:  # the token store the agents read the sessions' token ids from
-    print("--valkey"); print(f"{valkey['host']}:{valkey.get('port', 6379)}")
 EOF
   )
+  # --config: the token store is serve's stores section, as the agents read it
   exec "$PY" -m kvprefetch gateway --scheduler "${KVP_API_URL:-http://127.0.0.1:8000}" \
     --token-file "$TOKEN_FILE" --host "${KVP_GATEWAY_HOST:-0.0.0.0}" \
-    --port "${KVP_GATEWAY_PORT:-8080}" "${args[@]}"
+    --port "${KVP_GATEWAY_PORT:-8080}" --config "$SERVE_CONFIG" "${args[@]}"
 }
 
 # LMCache's --l2-adapter JSON: our plugin over the serve config's Valkey and S3.

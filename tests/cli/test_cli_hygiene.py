@@ -120,29 +120,64 @@ def test_the_top_level_help_lists_commands_whose_extras_are_missing() -> None:
         assert re.search(rf"^\s+{command}\s", res.stdout, re.MULTILINE), command
 
 
-@pytest.mark.parametrize(("argv", "extra"), [
-    (["serve", "--help"], ("serve", "stores")),
-    (["serve", "--address", "auto"], ("serve", "stores")),
+def _subcommands() -> list[list[str]]:
+    from kvprefetch.controlplane.cli import BENCHES, COMMANDS
+
+    return [[name] for name in COMMANDS] + [["bench", name] for name in BENCHES]
+
+
+@pytest.mark.parametrize("command", _subcommands(), ids=" ".join)
+def test_every_subcommand_help_needs_no_extra(command: list[str]) -> None:
+    res = _without_extras(*command, "--help")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith(f"usage: kvprefetch {' '.join(command)}"), res.stdout[:200]
+
+
+@pytest.mark.parametrize(("argv", "extras"), [
+    (["serve", "--config", "x.yaml"], ("serve", "stores")),
+    (["serve", "--config", "x.yaml", "--address", "auto"], ("serve", "stores")),
+    (["demo"], ("serve", "stores")),
+    (["bench", "lmcache"], ("lmcache", "stores")),
     (["bench", "store"], ("stores",)),
 ])
-def test_a_missing_extra_is_one_line_and_exit_status_2(argv: list[str],
-                                                        extra: tuple[str, ...]) -> None:
+def test_a_missing_extra_is_one_line_naming_every_missing_extra(
+        argv: list[str], extras: tuple[str, ...]) -> None:
     res = _without_extras(*argv)
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1, res.stderr
-    command = " ".join(a for a in argv if not a.startswith("-") and a != "auto")
-    match = re.fullmatch(rf"kvprefetch {command}: needs the '(\w+)' extra: pip install "
-                         r"'kvprefetch\[(\w+)\]' \(missing module: (\w+)\)", lines[0])
+    command = " ".join(argv[:2] if argv[0] == "bench" else argv[:1])
+    joined = ",".join(extras)
+    if len(extras) == 1:
+        match = re.fullmatch(rf"kvprefetch {command}: needs the '{extras[0]}' extra: pip "
+                             rf"install 'kvprefetch\[{joined}\]' \(missing module: (\w+)\)",
+                             lines[0])
+    else:
+        named = " and ".join(f"'{e}'" for e in extras)
+        match = re.fullmatch(rf"kvprefetch {command}: needs the {named} extras: pip install "
+                             rf"'kvprefetch\[{joined}\]' \(missing modules: ([\w, ]+)\)",
+                             lines[0])
     assert match is not None, lines[0]
-    assert match[1] == match[2] and match[1] in extra
-    assert EXTRA_OF_MODULE[match[3]] == match[1]
+    modules = match[1].split(", ")
+    assert [EXTRA_OF_MODULE[m] for m in modules] == list(extras)
+
+
+def test_connect_to_ray_without_ray_is_a_typed_error() -> None:
+    res = subprocess.run([sys.executable, "-c", _NO_EXTRAS.replace(
+        "from kvprefetch.controlplane.cli import main\nsys.exit(main(sys.argv[1:]))",
+        "from kvprefetch import KvPrefetchError, connect\n"
+        "try:\n    connect('auto')\nexcept KvPrefetchError as exc:\n"
+        "    print(type(exc).__name__, exc)\n")], cwd=REPO, capture_output=True, text=True,
+        timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("ConfigError connect('auto'): a Ray address needs the "
+                                 "'serve' extra"), res.stdout
 
 
 def test_missing_extra_names_the_extra_or_nothing() -> None:
     exc = ModuleNotFoundError("No module named 'ray.util'", name="ray.util")
-    assert missing_extra(exc, "serve") == (
-        "kvprefetch serve: needs the 'serve' extra: pip install 'kvprefetch[serve]' "
+    assert missing_extra(exc, "sim") == (
+        "kvprefetch sim: needs the 'serve' extra: pip install 'kvprefetch[serve]' "
         "(missing module: ray)")
     assert missing_extra(ModuleNotFoundError("x", name="kvprefetch.nope"), "sim") is None
     assert missing_extra(ModuleNotFoundError("x"), "sim") is None

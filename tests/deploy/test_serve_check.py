@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -92,7 +93,8 @@ def test_a_config_naming_live_stores_and_a_listening_ray_port_passes(
         done = _check(_config(tmp_path, valkey, s3, address))
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert [line.split()[4].rstrip(":") for line in lines] == ["config", "valkey", "s3", "ray"]
+    assert [line.split()[4].rstrip(":") for line in lines] == [
+        "config", "valkey", "s3", "lmcache", "journal", "ray"]
     assert all(" ok " in line for line in lines) and " FAIL " not in done.stderr
 
 
@@ -147,3 +149,98 @@ def test_the_gateway_takes_no_token_on_the_command_line(
     with pytest.raises(SystemExit):
         main(["gateway", "--upstream", "http://127.0.0.1:1", "--token", "x"])
     assert "unrecognized arguments: --token" in capsys.readouterr().err
+
+
+@pytest.mark.servers
+def test_the_check_report_is_its_lines_only(tmp_path: Path,
+                                            stores: tuple[EmbeddedValkey, EmbeddedS3]) -> None:
+    """The stores' clients log their connects at INFO: none of it enters the report."""
+    valkey, s3 = stores
+    done = _check(_config(tmp_path, valkey, s3, "auto"))
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+    assert all(line.startswith("kvprefetch serve --check: ok ")
+               for line in done.stdout.splitlines()), done.stdout
+
+
+@pytest.mark.servers
+def test_the_check_probes_the_lmcache_server_and_the_journal_directory(
+        tmp_path: Path, stores: tuple[EmbeddedValkey, EmbeddedS3]) -> None:
+    valkey, s3 = stores
+    closed = free_port()
+    path = _config(tmp_path, valkey, s3, "local")
+    doc = yaml.safe_load(path.read_text())
+    doc["agent"]["lmcache"]["http_url"] = f"http://127.0.0.1:{closed}"
+    (tmp_path / "a-file").write_text("")
+    doc["service"]["journal_path"] = str(tmp_path / "a-file" / "journal.jsonl")
+    path.write_text(yaml.safe_dump(doc))
+    done = _check(path)
+    assert done.returncode == 2
+    failed = {line.split(" FAIL ", 1)[1].split(":", 1)[0]: line
+              for line in done.stderr.splitlines()}
+    assert sorted(failed) == ["journal", "lmcache"], done.stderr
+    assert f"127.0.0.1:{closed}" in failed["lmcache"] and "a-file" in failed["journal"]
+    # on a cluster the node's server is the node's: checked there, by its agent
+    done = _check(path, "--address", "auto")
+    assert "ok lmcache" in done.stdout and " lmcache" not in done.stderr
+
+
+def test_serve_refuses_a_config_that_fails_the_check_before_ray_starts(tmp_path: Path) -> None:
+    """Placeholders left in: one line per problem, exit 2, and Ray never imported."""
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "kvprefetch", "serve", "--config",
+         str(ROOT / "examples" / "serve.yaml"), "--address", "local"], cwd=ROOT,
+        capture_output=True, text=True, timeout=120, env={**os.environ, **OFFLINE})
+    assert done.returncode == 2
+    report = [line for line in done.stderr.splitlines() if not line.startswith("import time:")]
+    assert report and all(line.startswith("kvprefetch serve: FAIL ") for line in report), report
+    fields = [line.split(" FAIL ", 1)[1].split(":", 1)[0] for line in report]
+    assert {"stores.valkey.host", "stores.s3.bucket", "valkey", "s3", "lmcache"} <= set(fields)
+    assert not any(line.endswith(" ray") for line in done.stderr.splitlines()
+                   if line.startswith("import time:"))
+    assert done.stdout == "" and time.monotonic() - started < 60
+
+
+def test_the_embedded_profile_of_the_shipped_example_passes_the_check() -> None:
+    """``--embedded``: the stores are the ones serve starts, the agent its own local tier,
+    the journal beside the config; the shipped file's placeholders (all in stores) and its
+    LMCache server do not count."""
+    done = _check(ROOT / "examples" / "serve.yaml", "--embedded")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert [line.split()[4].rstrip(":") for line in lines] == [
+        "config", "valkey", "s3", "journal", "ray"], lines
+    assert "starts with serve" in lines[1] and "starts with serve" in lines[2]
+    assert str(ROOT / "examples" / "journal.jsonl") in lines[3]
+
+
+@pytest.mark.servers
+def test_the_embedded_profile_keeps_the_file_but_its_stores_backend_and_journal(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        stores: tuple[EmbeddedValkey, EmbeddedS3]) -> None:
+    from kvprefetch.agents.agent import RemoteStoreConfig
+    from kvprefetch.controlplane.cli.serve_config import (
+        EMBEDDED_TIER_BYTES,
+        load_serve_config,
+        with_embedded_stores,
+    )
+
+    monkeypatch.setenv("KVPREFETCH_API_TOKEN", OFFLINE["KVPREFETCH_API_TOKEN"])
+    cfg = load_serve_config(ROOT / "examples" / "serve.yaml", embedded=True)
+    assert cfg.ray.address == "local" and cfg.agent.backend == "local"
+    assert cfg.agent.lmcache is None
+    tier = cfg.agent.dram(0)
+    assert tier is not None and tier.capacity_bytes == EMBEDDED_TIER_BYTES
+    assert cfg.service["journal_path"] == str(ROOT / "examples" / "journal.jsonl")
+    assert cfg.service["policy"] == "predictive" and "default" in cfg.tenants
+    assert cfg.stores.tiered.write_mode == "write-through"
+    valkey, s3 = stores
+    live = with_embedded_stores(cfg, valkey, s3)
+    assert isinstance(live.stores, RemoteStoreConfig)
+    assert live.stores.valkey is not None and live.stores.valkey.port == valkey.port
+    assert live.stores.s3 is not None and live.stores.s3.endpoint_url == s3.endpoint_url
+    # --embedded is this machine's runtime, no other
+    assert main(["serve", "--config", str(ROOT / "examples" / "serve.yaml"), "--embedded",
+                 "--address", "auto"]) == 2
+    assert "--embedded runs on a local Ray runtime" in capsys.readouterr().err

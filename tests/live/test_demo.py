@@ -54,3 +54,26 @@ def test_demo_repeats_over_two_seeds_with_hints(tmp_path: Path) -> None:
     assert png.stat().st_size > 0
     assert "95% CI" in done.stdout and "seed 6" in done.stdout
     assert wall_s < 120, f"the short demo took {wall_s:.0f} s"
+    machine = report["machine"]  # the verdict, or why this machine gives none
+    assert machine["compressed_gap_p50_ms"] > 0 and machine["control_plane_lag_p90_ms"] > 0
+    verdict = "predictive vs ondemand, pooled returning TTFT" in done.stdout
+    refused = "this machine cannot carry the comparison" in done.stdout
+    assert (verdict, refused) == (machine["carried"], not machine["carried"]), done.stdout
+
+
+def test_a_machine_that_cannot_carry_the_comparison_gives_no_verdict(tmp_path: Path) -> None:
+    """At 2000x the gaps between a session's requests shrink to milliseconds of wall time,
+    less than the control plane's own lag on any machine: the demo says so, and prints no
+    predictive-vs-ondemand result."""
+    out = tmp_path / "demo.json"
+    cmd = [sys.executable, "-m", "kvprefetch", "demo", "--seed", "5", "--sessions", "3",
+           "--turns", "4", "--compression", "2000", "--hbm-gib", "0.5", "--dram-gib", "4",
+           "--no-progress", "--json", str(out)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    machine = json.loads(out.read_text())["machine"]
+    assert not machine["carried"] and machine["lag_share"] > machine["limit_share"] == 0.1
+    gap = machine["compressed_gap_p50_ms"]
+    assert 0 < gap < machine["control_plane_lag_p90_ms"]
+    assert "this machine cannot carry the comparison" in done.stdout
+    assert "predictive vs ondemand" not in done.stdout and "paired by seed" not in done.stdout

@@ -73,11 +73,11 @@ def test_the_readme_curl_examples_answer_200(tmp_path: Path, valkey_server: Embe
         "agent": {"tier_path": f"/dev/shm/kvp-readme-{os.getpid()}-{{node}}",
                   "tier_capacity_bytes": 64 * MIB},
         "http": {"host": "127.0.0.1", "port": port},
-        "tenants": {"acme": {"token": {"env": "KVPREFETCH_TOKEN_ACME"}}},
+        "tenants": {"default": {"token": {"env": "KVPREFETCH_API_TOKEN"}}},
     }
     (tmp_path / "serve.yaml").write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
-           "KVPREFETCH_TOKEN_ACME": "readme-example-token-acme"}
+           "KVPREFETCH_API_TOKEN": "readme-example-token-default"}
     log_path = tmp_path / "serve.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "kvprefetch", "serve", "--config",

@@ -234,3 +234,36 @@ def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> 
                 return True
         time.sleep(0.2)
     return False
+
+
+@pytest.mark.servers
+def test_an_actor_that_fails_at_start_is_one_line_naming_it_and_the_cause(
+        tmp_path: Path, valkey_server: EmbeddedValkey) -> None:
+    """The agent's tier cannot be made (its path runs through a file): serve exits 2 with
+    one line that names the agent and the error, not Ray's traceback of the actor."""
+    ray_tmp = tempfile.mkdtemp(prefix="kvpf", dir="/tmp")  # short: Ray's socket paths
+    (tmp_path / "a-file").write_text("")
+    cfg = {
+        "ray": {"local_temp_dir": ray_tmp, "log_to_driver": True},
+        "stores": {"valkey": valkey_server.store_config(key_prefix="serve-fail:")
+                   .model_dump(mode="json")},
+        "agent": {"tier_path": str(tmp_path / "a-file" / "kvp-{node}"),
+                  "tier_capacity_bytes": 64 * MIB},
+        "http": {"host": "127.0.0.1", "port": free_port(), "bearer_token": "tok"},
+    }
+    path = _write(tmp_path, cfg)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "kvprefetch", "serve", "--config", str(path), "--address",
+             "local"], cwd=ROOT, capture_output=True, text=True, timeout=180,
+            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+    finally:
+        _end(_pids_under(ray_tmp))
+        subprocess.run(["rm", "-rf", ray_tmp], check=False)
+    assert done.returncode == 2, done.stderr[-4000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("kvprefetch: ")]
+    assert len(errors) == 1, done.stderr[-4000:]
+    assert errors[0].startswith("kvprefetch: error: the agent failed to start: "), errors
+    assert "StoreConfigError" in errors[0] and "a-file/kvp-0: " in errors[0]
+    assert "Not a directory" in errors[0]
+    assert "Traceback" not in done.stderr, done.stderr[-4000:]
