@@ -115,16 +115,16 @@ class PlannerConfig(_Frozen):
     #: Skip prefetches for sessions less likely than this to return within the horizon.
     min_p_return: float = Field(0.3, ge=0, le=1)
     #: Skip prefetches whose forecast is less confident than this (0, the default: plan
-    #: every forecast likely enough to return; where a prefetch may displace residents is
-    #: decided by the forecasts' record, ``displace_min_win_share``).
+    #: every forecast likely enough to return; whether one starts is decided by the
+    #: forecasts' record, ``prefetch_min_win_share``).
     min_confidence: float = Field(0.0, ge=0, le=1)
     #: A prefetch (which takes room that recency would keep) starts only where its
     #: forecasts have won this share of their bets against the residents it pushes out
     #: and its prefetches taken were read at least this often (one-sided 95% bounds;
-    #: :mod:`kvprefetch.controlplane.core.bets`). Above 0.5 the forecast must beat
-    #: recency by a margin; 1 turns prefetch off but for certain forecasts; 0 starts every
-    #: one, record or not.
-    displace_min_win_share: float = Field(0.5, ge=0, le=1)
+    #: :mod:`kvprefetch.controlplane.core.bets`). Above 0.5 (the default 0.6) the
+    #: forecast must beat recency by a margin; 1 turns prefetch off but for certain
+    #: forecasts; 0 starts every one, record or not.
+    prefetch_min_win_share: float = Field(0.6, ge=0, le=1)
     #: Forecasts at least this confident (a client's hint with an ETA, 0.9,
     #: ``kvprefetch.predictors.hinted``) keep a record of their own.
     displace_min_confidence: float = Field(0.85, ge=0, le=1)

@@ -55,14 +55,15 @@ class FleetChanges:
                 self._draft.dropped.append(Placement(e.session_id, node))
                 self._stats.wasted_bytes += e.prefetch_unused_bytes
         if self._policy.prefetch:
+            # Warm first (free room, outside the waste budget), then plan what did not fit.
             sessions = self._sessions
+            for node in range(len(self._books.tiers)):
+                self._warm(node, [sid for sid, s in sorted(sessions.items())
+                                  if s.home == node], now_s)
             for sid in sorted(sessions):
                 s = sessions[sid]
                 if s.home is not None and not s.in_flight:
                     self._prefetcher.plan(sid, now_s)
-            for node in range(len(self._books.tiers)):
-                self._warm(node, [sid for sid, s in sorted(sessions.items())
-                                  if s.home == node and s.pending is None], now_s)
 
     def node_left(self, node: int) -> None:
         """A node left the fleet (or is not in it yet): no request is routed there, its

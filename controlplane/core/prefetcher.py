@@ -70,7 +70,7 @@ class Prefetcher:
             if indexed_sweep and policy.prefetch and isinstance(predictor, GatedPredictor)
             else None)
         #: The forecast's record against recency: where it may displace residents.
-        self.bets = DisplacementBets(fleet.planner.displace_min_win_share,
+        self.bets = DisplacementBets(fleet.planner.prefetch_min_win_share,
                                      fleet.planner.max_lead_s, stats)
         #: Sessions whose due state may have changed in the call under way.
         self.due_dirty: set[str] = set()

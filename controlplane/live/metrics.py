@@ -214,7 +214,7 @@ class PrometheusMetrics:
         bets = CounterMetricFamily(
             "kvprefetch_displacement_bets",
             "Settled bets that a prefetch's session comes back before the residents it "
-            "would displace (planner.displace_min_win_share gates displacement on them)",
+            "would push out (planner.prefetch_min_win_share gates prefetch on them)",
             labels=["outcome"])
         bets.add_metric(["won"], g.bets_won)
         bets.add_metric(["lost"], g.bets_lost)

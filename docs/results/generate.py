@@ -275,6 +275,7 @@ PAGES = {
     "sim-ablation-local-n2": "prefetch-quality.md",
     "yardstick-vllm-lmcache": "yardstick.md",
     "yardstick-vllm-lmcache-lazy": "yardstick.md",
+    "yardstick-vllm-lmcache-hints": "yardstick.md",
     "bench-control-plane": "control-plane.md",
     "bench-store": "data-plane.md",
 }
@@ -304,6 +305,9 @@ WHAT = {
                               "and four synthetic profiles x 2/4/8 nodes x 3 loads x 3 seeds",
     "yardstick-vllm-lmcache-lazy": "`kvprefetch sim-grid --engine vllm-lmcache-lazy`: the "
                                    "same grid on LMCache's lazy offload",
+    "yardstick-vllm-lmcache-hints": "`kvprefetch sim-grid --engine vllm-lmcache --hints "
+                                    "user_typing,tool_running`: the same grid, every "
+                                    "client hinting",
     "bench-control-plane": "`kvprefetch bench control-plane`: scheduler events per second",
     "bench-store": "`kvprefetch bench store`: one session's KV into the local tier",
 }
@@ -326,6 +330,7 @@ RENDERERS: dict[str, Callable[[str], list[str]]] = {
     "sim-ablation-local-n2": sim_table,
     "yardstick-vllm-lmcache": grid_table,
     "yardstick-vllm-lmcache-lazy": grid_table,
+    "yardstick-vllm-lmcache-hints": grid_table,
     "bench-control-plane": control_plane_table,
     "bench-store": store_table,
 }

@@ -19,7 +19,7 @@ def test_oracle_orders_finish_just_in_time() -> None:
     trace = Trace("t", (sess,), "test")
     core = SchedulerCore(two_node_fleet(), POLICIES["perfect"], OraclePredictor(trace), FakeFleet())  # type: ignore[arg-type]
     finish_turn(core, "s", 0.0, node=0, ctx=40_010)
-    (order,) = core.clear_local(1.0).orders  # the node restarted cold: plan it back
+    (order,) = core.forget_local(0, {"s"}, 1.0).orders  # the node lost it: plan it back
     ttlb = 0.0005 + 40_010 * core.bpt / 5e9
     assert order.deadline_s == 1.0 + 120.0
     assert abs(order.start_at_s + ttlb - order.deadline_s) < 1e-6

@@ -21,10 +21,8 @@ GIB_TOKENS = 8192  # 1 GiB of 8B KV
 
 
 def _core(policy: str, quotas: dict[str, TenantQuota] | None) -> SchedulerCore:
-    # last-gap's forecasts are below this confidence: a restart warms instead of ordering.
     fleet = fleet_from_dict({"nodes": 1, "node": {"dram_tier_bytes": 10 * GIB,
-                                                  "nic_gbps": 100},
-                             "planner": {"min_confidence": 0.7}})
+                                                  "nic_gbps": 100}})
     return SchedulerCore(fleet, POLICIES[policy], load("last-gap"), FakeFleet(),  # type: ignore[arg-type]
                          tenant_quotas=quotas)
 

@@ -148,20 +148,21 @@ def test_predictive_loads_during_any_queue_wait_unless_told_to_wait_for_a_longer
 
 
 def test_a_node_that_restarts_empty_is_warmed_with_its_sessions_within_its_free_room() -> None:
-    # Node 0's tier holds two 40k-token sessions; three idle sessions call it home. The
-    # planner orders no prefetch for them (last-gap is less confident than its
-    # min_confidence here). No waste allowance and nothing prefetched read yet: the waste
-    # budget would refuse any prefetch, and does not hold a warm-up back (free room only).
+    # Node 0's tier holds two 40k-token sessions; three idle sessions call it home: it is
+    # warmed before any prefetch is planned. No waste allowance and nothing prefetched
+    # read yet: the waste budget would refuse any prefetch, and does not hold a warm-up
+    # back (free room only).
     fleet = fleet_from_dict({"nodes": 2, "node": {"dram_tier_bytes": 10 * GIB},
-                             "planner": {"waste_allowance_gib": 0, "min_confidence": 0.7}})
+                             "planner": {"waste_allowance_gib": 0}})
     core = SchedulerCore(fleet, POLICIES["predictive"], load("last-gap"), FakeFleet())
     for i, t in enumerate((0.0, 2.0, 4.0)):
         finish_turn(core, f"s{i}", t, 0, 40_000)
     finish_turn(core, "x", 6.0, 1, 40_000)  # another node's session: not node 0's to warm
     out = core.clear_local(100.0)
     warm = {ticket.session_id for ticket in out.loads if ticket.node == 0}
-    assert not out.orders
     assert len(warm) == 2 and warm <= {"s0", "s1", "s2"}
+    # What did not fit is planned: an order, no warm-up.
+    assert {o.session_id for o in out.orders} == {"s0", "s1", "s2"} - warm
     assert all(ticket.prefetch and ticket.priority < 100.0 for ticket in out.loads)
     assert core.dram[0].used_bytes <= core.dram[0].capacity_bytes
     assert not any(e.session_id == "x" for e in core.dram[0])
@@ -384,10 +385,8 @@ def test_the_waste_budget_starts_a_prefetch_only_if_its_loss_would_stay_within_t
 def test_a_warmed_session_the_tier_evicts_before_its_request_counts_as_wasted() -> None:
     """The node's engine evicts warmed KV by its own order (LMCache's L1 past its
     watermark, reported through the agent): the unread prefetched bytes are wasted; an
-    entry a request has read is not. (last-gap is less confident than the planner's
-    min_confidence here: the restart warms the sessions rather than ordering them.)"""
-    fleet = fleet_from_dict({"nodes": 2, "node": {"dram_tier_bytes": 10 * GIB},
-                             "planner": {"min_confidence": 0.7}})
+    entry a request has read is not."""
+    fleet = fleet_from_dict({"nodes": 2, "node": {"dram_tier_bytes": 10 * GIB}})
     core = SchedulerCore(fleet, POLICIES["predictive"], load("last-gap"), FakeFleet())
     for i, t in enumerate((0.0, 2.0)):
         finish_turn(core, f"s{i}", t, 0, 40_000)

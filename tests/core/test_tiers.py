@@ -3,8 +3,11 @@ evict resident KV (pure logic, a fake fleet view)."""
 
 from __future__ import annotations
 
+import itertools
+
 from fleet_fakes import FakeFleet, finish_turn, two_node_fleet
 
+from kvprefetch.controlplane.core.bets import LEAD_BINS, BetRecord
 from kvprefetch.controlplane.core.planner import PrefetchOrder
 from kvprefetch.controlplane.core.policies import POLICIES
 from kvprefetch.controlplane.core.scheduler import MAX_REPLANS, SchedulerCore
@@ -56,7 +59,10 @@ def test_an_uncertain_prefetch_never_evicts_resident_kv() -> None:
     assert start(armed) is None
     assert {e.session_id for e in core.dram[0]} == held
     assert core.stats.prefetches_dropped == 1
-    # With free room, the same prefetch goes ahead.
+    # With free room, the same prefetch goes ahead where such forecasts have beaten
+    # recency so far.
     core.dram[0].remove(sorted(held)[0])
+    for bucket in itertools.product((False, True), range(LEAD_BINS + 1)):
+        core._prefetcher.bets.records[bucket] = BetRecord(wins=20)
     ticket = start(list(core.transfer_failed(evicted, 0, 60.0).orders))
     assert ticket is not None and ticket.prefetch and ticket.session_id == evicted

@@ -74,7 +74,7 @@ def test_without_the_budget_the_same_fleet_wastes_more_than_it_reads() -> None:
     # Only confident forecasts prefetch, and they displace residents whatever their
     # record against recency.
     fleet = fleet.model_copy(update={"planner": fleet.planner.model_copy(
-        update={"displace_min_win_share": 0.0, "min_confidence": 0.7})})
+        update={"prefetch_min_win_share": 0.0, "min_confidence": 0.7})})
     budgeted = POLICIES["predictive"]
     free = replace(budgeted, name="no-budget", waste_budget=False)
     wasted, used, _ = _bytes(free, fleet, 2.0, 9, 0.0, 1.0, BLOCKING_RANKED)
