@@ -9,7 +9,8 @@ Who sends what
 * scheduler -> agent: :class:`TransferOrder` (prefetch or demand load), cancel by session,
   evict advice (chunk keys);
 * agent -> scheduler: :class:`AgentHello` once per (re)start, :class:`TransferReport` once
-  per order, :class:`AgentStatus` periodically, :class:`TierEvictions` as the tier evicts;
+  per order, :class:`AgentStatus` periodically, :class:`TierEvictions` as the tier evicts,
+  :class:`HbmReport` as the engine's KV events change its HBM;
 * engine -> scheduler: ``gpu_start`` answered by :class:`GpuStartPlan`, then
   :class:`EngineReport` once per request.
 
@@ -135,6 +136,19 @@ class TierEvictions:
     node: int
     incarnation: str
     sessions: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class HbmReport:
+    """What ``node``'s engine holds in its GPU prefix cache (HBM), as its KV events tell:
+    per session (wire name), the tokens of its prefix there now (0: none). ``full``: a
+    listing of every session the agent believes in HBM; a session it does not name holds
+    none (after a gap in the events it names none at all)."""
+
+    node: int
+    incarnation: str
+    sessions: tuple[tuple[str, int], ...]
+    full: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -63,6 +63,7 @@ from kvprefetch.controlplane.base.wire import (
     AgentStatus,
     EngineReport,
     GpuStartPlan,
+    HbmReport,
     TierEvictions,
     TransferReport,
 )
@@ -299,6 +300,9 @@ class RayTransport:
 
     def tier_evicted(self, evictions: TierEvictions) -> None:
         self._get("tier_evicted", self._handle.tier_evicted.remote(evictions))
+
+    def hbm_changed(self, report: HbmReport) -> None:
+        self._get("hbm_changed", self._handle.hbm_changed.remote(report))
 
     # ------------------------------------------------------------------ introspection
     def shard_info(self) -> tuple[int, int]:

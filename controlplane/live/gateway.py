@@ -296,6 +296,17 @@ class Gateway:
             self._leave(node)
 
 
+def engine_body(body: dict[str, Any], key: SessionKey) -> dict[str, Any]:
+    """The request as the engine gets it: vLLM's ``session_id`` is the session's wire
+    name, and ``kv_cache_report_mode: full`` makes its KV events name the session for the
+    prefix it reuses too, so that the node's agent maps HBM blocks to sessions
+    (:mod:`kvprefetch.agents.vllm.hbm_residency`). A caller's own values are replaced."""
+    xargs = body.get("vllm_xargs")
+    return {**body, "session_id": key.wire,
+            "vllm_xargs": {**(xargs if isinstance(xargs, dict) else {}),
+                           "kv_cache_report_mode": "full"}}
+
+
 def cached_tokens(usage: dict[str, Any]) -> int | None:
     """The prompt tokens an OpenAI-style ``usage`` says were cached (vLLM fills it with
     ``--enable-prompt-tokens-details``); None when it does not say."""
@@ -357,6 +368,7 @@ def build_app(gateway: Gateway) -> Any:
             gateway.metrics.requests.labels(endpoint, "upstream_unreachable").inc()
             return JSONResponse({"error": {"message": f"no engine answered: {exc}"}}, 502)
         returning = gateway.returning(session)
+        body = engine_body(body, SessionKey(gateway.metrics_tenant(), session))
 
         def first_token() -> None:
             gateway.metrics.ttft(time.perf_counter() - arrival, node=routed.node,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-from kvprefetch.controlplane.base.wire import AgentHello, AgentStatus, TierEvictions
+from kvprefetch.controlplane.base.wire import AgentHello, AgentStatus, HbmReport, TierEvictions
 from kvprefetch.controlplane.core.scheduler import SchedulerCore
 from kvprefetch.controlplane.live.config import ServiceClock, ServiceConfig
 from kvprefetch.controlplane.live.fleet import LiveFleet
@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 class FleetMembership:
     """Node slots in and out of the fleet, and the agents' calls about their nodes: hello
     (a (re)started agent; a joining node), status (the tier's capacity) and the tier's
-    own evictions."""
+    own evictions, and what the node's engine holds in HBM."""
 
     def __init__(self, config: ServiceConfig, core: SchedulerCore, fleet: LiveFleet,
                  registry: SessionRegistry, transfers: TransferOutcomes, clock: ServiceClock,
@@ -147,3 +147,31 @@ class FleetMembership:
         self._carry(self.core.forget_local(evictions.node, set(evictions.sessions),
                                            self.clock.now_s()), box)
         self.stats.tier_evictions += before - len(self.core.dram[evictions.node])
+
+    def hbm_changed(self, report: HbmReport, box: Outbox) -> None:
+        """The node's engine's HBM prefix cache changed (its KV events, through the
+        node's agent): the node's HBM mirror (what routing and the books count as local
+        in HBM) takes the reported tokens, a ``full`` listing replaces it. A session whose
+        HBM prefix shrank is handed to the core as an HBM eviction
+        (:meth:`SchedulerCore.hbm_evicted`: under demote-on-evict its context is booked
+        into the node's DRAM tier, where the engine writes it on eviction). A report of
+        another incarnation than the node's current one changes nothing."""
+        node = self.fleet.nodes[report.node]
+        if node.incarnation and report.incarnation != node.incarnation:
+            return
+        hbm = node.hbm
+        named = dict(report.sessions)
+        before = dict(hbm)
+        if report.full:
+            hbm.clear()
+            self.stats.hbm_resyncs += 1
+        for sid, tokens in named.items():
+            if tokens > 0:
+                hbm[sid] = tokens
+            else:
+                hbm.pop(sid, None)
+        now = self.clock.now_s()
+        for sid, old in sorted(before.items()):
+            if hbm.get(sid, 0) < old:
+                self.stats.hbm_evictions += 1
+                self._carry(self.core.hbm_evicted(sid, report.node, old, now), box)

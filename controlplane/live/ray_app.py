@@ -54,6 +54,7 @@ from kvprefetch.controlplane.base.wire import (
     AgentStatus,
     EngineReport,
     GpuStartPlan,
+    HbmReport,
     TierEvictions,
     TransferOrder,
     TransferReport,
@@ -244,6 +245,9 @@ class _SchedulerActor:
 
     def tier_evicted(self, evictions: TierEvictions) -> None:
         self.svc.tier_evicted(evictions)
+
+    def hbm_changed(self, report: HbmReport) -> None:
+        self.svc.hbm_changed(report)
 
     def summary(self) -> dict[str, Any]:
         return self.svc.summary()

@@ -71,6 +71,7 @@ from kvprefetch.controlplane.base.wire import (
     AgentStatus,
     EngineReport,
     GpuStartPlan,
+    HbmReport,
     TierEvictions,
     TransferOrder,
     TransferReport,
@@ -446,6 +447,13 @@ class SchedulerService:
         check_node(evictions.node, self.config.fleet.nodes)
         with self._step() as box:
             self.driver.members.tier_evicted(evictions, box)
+
+    def hbm_changed(self, report: HbmReport) -> None:
+        """The node's engine's HBM prefix cache changed: the node's HBM mirror follows
+        (:meth:`FleetMembership.hbm_changed`)."""
+        check_node(report.node, self.config.fleet.nodes)
+        with self._step() as box:
+            self.driver.members.hbm_changed(report, box)
 
     def report_transfer(self, report: TransferReport) -> None:
         """An agent finished (or gave up) an order. Idempotent per order id."""

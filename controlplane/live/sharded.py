@@ -28,12 +28,18 @@ from kvprefetch.controlplane.base.errors import (
     ServiceError,
     ServiceUnavailableError,
 )
-from kvprefetch.controlplane.base.shards import ShardRing, split_engine_report, split_tier_evictions
+from kvprefetch.controlplane.base.shards import (
+    ShardRing,
+    split_engine_report,
+    split_hbm_report,
+    split_tier_evictions,
+)
 from kvprefetch.controlplane.base.wire import (
     AgentHello,
     AgentStatus,
     EngineReport,
     GpuStartPlan,
+    HbmReport,
     TierEvictions,
     TransferReport,
     order_epoch,
@@ -216,6 +222,10 @@ class ShardedTransport:
     def tier_evicted(self, evictions: TierEvictions) -> None:
         for shard, part in split_tier_evictions(evictions, self.ring).items():
             self.transports[shard].tier_evicted(part)
+
+    def hbm_changed(self, report: HbmReport) -> None:
+        for shard, part in split_hbm_report(report, self.ring).items():
+            self.transports[shard].hbm_changed(part)
 
     def report_transfer(self, report: TransferReport) -> None:
         shard = order_epoch(report.order_id) % len(self.transports)

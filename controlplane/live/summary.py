@@ -45,6 +45,7 @@ def driver_summary(driver: LiveDriver) -> dict[str, Any]:
         "finishes_without_node": s.finishes_without_node,
         "quota_changes": s.quota_changes,
         "tier_evictions": s.tier_evictions,
+        "hbm_evictions": s.hbm_evictions, "hbm_resyncs": s.hbm_resyncs,
         "tier_quota_bytes": {driver.node_name(i): t.capacity_bytes
                              for i, t in enumerate(core.dram)},
         "live_sessions_per_tenant": dict(driver.registry.per_tenant),
