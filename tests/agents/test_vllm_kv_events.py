@@ -326,3 +326,56 @@ def test_a_publisher_that_is_not_there_is_reported_by_start() -> None:
         assert events.stats().state == "connecting"
     finally:
         events.close()
+
+
+# -- the agent's knob: agent.vllm.kv_events --------------------------------------------------
+
+def _agent(tmp_path: Any, valkey: Any, endpoint: str, mode: str, replay: str = "") -> Any:
+    from kvprefetch.agents.agent import AgentConfig, PrefetchAgent, RemoteStoreConfig
+    from kvprefetch.agents.stores.local import LocalTierConfig
+    from kvprefetch.agents.vllm.kv_events import VLLMEventsConfig
+
+    return PrefetchAgent(AgentConfig(
+        node=0, remote=RemoteStoreConfig(valkey=valkey.store_config(key_prefix="ev:")),
+        dram=LocalTierConfig(path=str(tmp_path / "tier"), capacity_bytes=1 << 20),
+        vllm=VLLMEventsConfig(kv_events=mode, endpoint=endpoint, replay_endpoint=replay,
+                              connect_timeout_s=0.5),
+        status_interval_s=0))
+
+
+@pytest.mark.servers
+def test_kv_events_auto_reports_hbm_changes_through_the_agent(
+        tmp_path: Any, valkey_server: Any, publisher: Publisher) -> None:
+    with _agent(tmp_path, valkey_server, publisher.endpoint, "auto",
+                publisher.replay_endpoint) as agent:
+        time.sleep(0.3)
+        publisher.publish(_batch(_stored([1, 2])))
+        assert _until(lambda: agent.vllm_events().batches == 1), agent.vllm_events()
+        agent.take_evictions(0.5)  # wakes for HBM changes too
+        report = agent.take_hbm()
+        assert report is not None and report.node == 0 and not report.full
+        assert report.sessions == (("t/a", 2 * BS),) and report.incarnation == agent.incarnation
+        assert agent.take_hbm() is None
+
+
+@pytest.mark.servers
+def test_kv_events_required_refuses_to_start_without_the_publisher(
+        tmp_path: Any, valkey_server: Any) -> None:
+    from kvprefetch.controlplane.base.errors import ConfigError
+
+    agent = _agent(tmp_path, valkey_server, "tcp://127.0.0.1:9", "required")
+    with pytest.raises(ConfigError, match="--kv-events-config"):
+        agent.start()
+
+
+@pytest.mark.servers
+def test_kv_events_auto_starts_without_the_publisher_and_off_never_follows(
+        tmp_path: Any, valkey_server: Any, publisher: Publisher) -> None:
+    with _agent(tmp_path, valkey_server, "tcp://127.0.0.1:9", "auto") as agent:
+        stats = agent.vllm_events()
+        assert stats is not None and stats.state == "connecting"
+    with _agent(tmp_path, valkey_server, publisher.endpoint, "off") as agent:
+        time.sleep(0.3)
+        publisher.publish(_batch(_stored([1])))
+        time.sleep(0.3)
+        assert agent.vllm_events() is None and agent.take_hbm() is None
