@@ -141,6 +141,10 @@ class AgentConfig(BaseModel):
     sglang: SGLangWarmConfig | None = None
     #: The node's vLLM KV events (HBM stores and evictions); None: not followed.
     vllm: VLLMEventsConfig | None = None
+    #: The node's engine's OpenAI base URL as the gateway reaches it, announced in the
+    #: agent's hello: the gateway forwards the node's requests there ("" = the gateway's
+    #: configured upstream of the node).
+    engine_url: str = ""
     remote: RemoteStoreConfig
     transfer: TransferConfig = TransferConfig()
     #: Threads that wait on transfers and send their reports.
@@ -329,7 +333,7 @@ class PrefetchAgent:
 
     def hello(self) -> AgentHello:
         return AgentHello(self.node, self.incarnation, self.node_name, self.inventory(),
-                          os.getpid())
+                          os.getpid(), self.config.engine_url)
 
     # ------------------------------------------------------------------ orders
     def execute(self, order: TransferOrder) -> None:

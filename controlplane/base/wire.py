@@ -161,6 +161,9 @@ class AgentHello:
     #: Chunk keys already published in the node's local tier (it survives an agent restart).
     inventory: tuple[str, ...] = ()
     pid: int = 0
+    #: The node's engine's OpenAI base URL as the gateway reaches it ("" = not known): the
+    #: gateway forwards the node's requests there (the scheduler's node registry).
+    engine_url: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,6 +42,7 @@ import json
 import logging
 import os
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -52,6 +53,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvprefetch.controlplane.base.keys import tenant_cache_salt
 from kvprefetch.controlplane.base.types import DEFAULT_TENANT, SessionKey
 from kvprefetch.controlplane.base.vocabulary import stop_reason_or_none
+from kvprefetch.controlplane.live.node_registry import UpstreamDirectory
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +86,10 @@ class GatewayConfig(BaseModel):
     cache_salt: str = ""
     #: The ``deployment`` label of the gateway's latency histograms.
     deployment: str = "default"
+    #: Follow the scheduler's node registry, read this often (seconds): nodes that join
+    #: get traffic, lost ones none, a new engine address is used (:mod:`~kvprefetch.
+    #: controlplane.live.node_registry`). 0: the configured upstreams only.
+    nodes_refresh_s: float = Field(default=5.0, ge=0)
 
 
 @dataclass(frozen=True)
@@ -109,7 +115,9 @@ class Gateway:
         self._salt = tenant_cache_salt(config.tenant or DEFAULT_TENANT, config.cache_salt)
         self._scheduler = scheduler
         self._tokens = tokens
-        self._in_flight = [0] * len(config.upstreams)
+        #: Node -> engine URL, following the scheduler's node registry once started.
+        self.nodes = UpstreamDirectory(config.upstreams)
+        self._in_flight: Counter[int] = Counter()
         self._http: Any = None
         #: An httpx transport for the upstream calls (tests: an ASGI app); None = network.
         self._transport = transport
@@ -124,8 +132,13 @@ class Gateway:
         if self._http is None:
             self._http = httpx.AsyncClient(timeout=self.config.upstream_timeout_s,
                                            transport=self._transport)
+        scheduler: Any = self._scheduler
+        if self.config.nodes_refresh_s > 0 and hasattr(scheduler, "nodes"):
+            self.nodes.follow(lambda: scheduler.nodes(
+                timeout_s=self.config.scheduler_timeout_s), self.config.nodes_refresh_s)
 
     async def close(self) -> None:
+        self.nodes.close()
         if self._http is not None:
             await self._http.aclose()
             self._http = None
@@ -146,7 +159,12 @@ class Gateway:
         return f"prefix-{digest}"
 
     def least_loaded(self) -> int:
-        return min(range(len(self._in_flight)), key=lambda n: (self._in_flight[n], n))
+        nodes = self.nodes.routable() or tuple(range(len(self.config.upstreams)))
+        return min(nodes, key=lambda n: (self._in_flight[n], n))
+
+    def upstream(self, node: int) -> str:
+        """Node ``node``'s engine URL (its configured one when the registry has none)."""
+        return self.nodes.url(node) or self.config.upstreams[node]
 
     async def token_ids(self, endpoint: Endpoint, body: dict[str, Any]) -> list[int]:
         """The prompt's token ids as the engine sees them (its chat template included)."""
@@ -164,7 +182,7 @@ class Gateway:
         else:
             request["prompt"] = prompt
         response = await self._http.post(
-            f"{self.config.upstreams[self.least_loaded()]}/tokenize", json=request)
+            f"{self.upstream(self.least_loaded())}/tokenize", json=request)
         response.raise_for_status()
         return [int(t) for t in response.json()["tokens"]]
 
@@ -188,7 +206,7 @@ class Gateway:
                 answer = None
             node = getattr(answer, "node", None)
             routed = (Routed(node, "scheduler")
-                      if node is not None and 0 <= node < len(self.config.upstreams)
+                      if node is not None and self.nodes.url(node) is not None
                       else Routed(self.least_loaded(), "load"))
             self.metrics.route_time(time.perf_counter() - started, node=routed.node,
                                     tenant=self.metrics_tenant())
@@ -263,7 +281,7 @@ class Gateway:
         self._enter(node)
         try:
             response = await self._http.post(
-                f"{self.config.upstreams[node]}/v1/{endpoint}", json=self.salted(body))
+                f"{self.upstream(node)}/v1/{endpoint}", json=self.salted(body))
         finally:
             self._leave(node)
         return response.status_code, response.json()
@@ -280,7 +298,7 @@ class Gateway:
         self._enter(node)
         try:
             async with self._http.stream(
-                    "POST", f"{self.config.upstreams[node]}/v1/{endpoint}",
+                    "POST", f"{self.upstream(node)}/v1/{endpoint}",
                     json=upstream_body) as response:
                 outcome["status"] = response.status_code
                 if response.status_code != 200:
@@ -425,7 +443,7 @@ def build_app(gateway: Gateway) -> Any:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        response = await gateway._http.get(f"{gateway.config.upstreams[0]}/v1/models")
+        response = await gateway._http.get(f"{gateway.nodes.any_url()}/v1/models")
         return Response(response.content, response.status_code,
                         media_type="application/json")
 

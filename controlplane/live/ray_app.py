@@ -59,6 +59,7 @@ from kvprefetch.controlplane.base.wire import (
     TransferOrder,
     TransferReport,
 )
+from kvprefetch.controlplane.live.node_registry import NodeListing
 from kvprefetch.controlplane.live.packing import pack, unpack, unpack_event
 from kvprefetch.controlplane.live.protocol import SchedulerAPI
 from kvprefetch.controlplane.live.route_claims import ClaimHolder
@@ -248,6 +249,12 @@ class _SchedulerActor:
 
     def hbm_changed(self, report: HbmReport) -> None:
         self.svc.hbm_changed(report)
+
+    def nodes(self) -> NodeListing:
+        return self.svc.nodes()
+
+    def node_left(self, node: int) -> None:
+        self.svc.node_left(node)
 
     def summary(self) -> dict[str, Any]:
         return self.svc.summary()

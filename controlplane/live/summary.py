@@ -50,7 +50,7 @@ def driver_summary(driver: LiveDriver) -> dict[str, Any]:
                              for i, t in enumerate(core.dram)},
         "live_sessions_per_tenant": dict(driver.registry.per_tenant),
         "tenant_shares": _tenant_shares(driver),
-        "nodes_joined": members.nodes_joined,
+        "nodes_joined": members.nodes_joined, "nodes_lost": members.nodes_lost,
         "nodes_out": [driver.node_name(n) for n in sorted(members.out_nodes)],
         "sizes": {"sessions": len(driver.registry), "core_sessions": core.sessions(),
                   "timers": len(driver.timers), **driver.orders.sizes()},
