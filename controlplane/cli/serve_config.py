@@ -92,6 +92,11 @@ class AgentSettings(_Section):
     #: reaches the scheduler's books of the node. ``{node_ip}`` in ``endpoint`` and
     #: ``replay_endpoint`` becomes the node's address. Unset: not followed.
     vllm: VLLMEventsConfig | None = None
+    #: Each node's engine's OpenAI base URL as the gateway reaches it, ``{node_ip}`` the
+    #: node's address (e.g. ``http://{node_ip}:8000``): its agent announces it, and the
+    #: gateway forwards the node's requests there, following nodes that join, leave or
+    #: move. "" = the gateway's configured upstreams.
+    engine_url: str = ""
     transfer: TransferConfig = TransferConfig()
     #: Each agent reports its tier's capacity to the scheduler this often (seconds): every
     #: shard's quota of the node follows it (a tier smaller than ``fleet.node.

@@ -549,6 +549,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="environment variable holding the base of the tenants' cache "
                         "salts (the agents' lmcache.cache_salt)")
     parser.add_argument("--valkey", help="host:port of the token store's Valkey")
+    parser.add_argument("--nodes-refresh-s", type=float, default=5.0,
+                        help="follow the scheduler's node registry, read this often "
+                        "(seconds): joined nodes get requests, lost ones none; 0 = the "
+                        "--upstream list only")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080)
 
@@ -573,7 +577,7 @@ def run(args: argparse.Namespace) -> int:
         tokens = store_sink(store)
     salt = os.environ.get(args.cache_salt_env, "") if args.cache_salt_env else ""
     gateway = Gateway(GatewayConfig(upstreams=args.upstream, tenant=args.tenant,
-                                    cache_salt=salt),
+                                    cache_salt=salt, nodes_refresh_s=args.nodes_refresh_s),
                       scheduler=scheduler, tokens=tokens)
     uvicorn.run(build_app(gateway), host=args.host, port=args.port)
     return 0

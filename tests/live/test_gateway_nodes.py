@@ -154,3 +154,104 @@ def test_the_http_api_serves_the_registry(token: str | None) -> None:
                 (0, True, "http://10.0.0.1:8000"), (1, False, "")]
             if token:
                 assert http.get("/v1/nodes").status_code == 401
+
+
+# -- on Ray: raylets that join and go ------------------------------------------------------
+
+def _wait(pred: Callable[[], Any], timeout_s: float) -> bool:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            if pred():
+                return True
+        except Exception:  # an actor starting answers with an error for a while
+            pass
+        time.sleep(0.2)
+    return False
+
+
+@pytest.mark.slow
+@pytest.mark.servers
+def test_on_ray_a_raylet_that_joins_gets_requests_and_a_removed_one_none(
+        valkey_server: Any, s3_server: Any, tmp_path: Any) -> None:
+    ray = pytest.importorskip("ray")
+    from harness import remote_config
+    from ray.cluster_utils import Cluster
+
+    from kvprefetch.agents.agent import AgentConfig
+    from kvprefetch.agents.stores.local import LocalTierConfig
+    from kvprefetch.controlplane.live.ray_app import (
+        NodeCandidate,
+        Placement,
+        deploy,
+        ray_node_candidates,
+    )
+
+    MIB = 1 << 20
+    remote = remote_config(valkey_server, s3_server, f"gwn-{time.time_ns()}")
+
+    def agent(slot: int, candidate: NodeCandidate | None = None) -> AgentConfig:
+        return AgentConfig(node=slot, node_name=f"gpu-{slot}", remote=remote,
+                           dram=LocalTierConfig(path=str(tmp_path / f"tier-{slot}"),
+                                                capacity_bytes=16 * MIB),
+                           engine_url=f"http://node{slot}", status_interval_s=0)
+
+    seen: list[tuple[str, dict[str, Any]]] = []
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "object_store_memory": 80 * MIB, "include_dashboard": False})
+    try:
+        first = cluster.add_node(num_cpus=0, object_store_memory=80 * MIB,
+                                 resources={"gpu_node": 1})
+        ray.init(address=cluster.address, namespace="kvprefetch", log_to_driver=False)
+        svc = ServiceConfig(fleet=FLEET, initial_nodes=1, node_names=("gpu-0", "gpu-1"))
+        dep = deploy(svc, [agent(0)], [Placement(node_id=first.node_id)])
+        try:
+            dep.watch_nodes(lambda: ray_node_candidates(resource="gpu_node"), agent,
+                            interval_s=0.5)
+            gateway = Gateway(GatewayConfig(upstreams=["http://node0"], tenant="t",
+                                            nodes_refresh_s=0.2),
+                              scheduler=connect(cluster.address, timeout_s=10, tenant="t"),
+                              transport=httpx.ASGITransport(app=_fake_engine(seen)))
+            app = build_app(gateway)
+
+            async def scenario() -> None:
+                await gateway.start()
+                try:
+                    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                                 base_url="http://gateway") as client:
+                        async def ask(session: str) -> str:
+                            r = await client.post("/v1/completions",
+                                                  json={"model": "m", "prompt": [1, 2]},
+                                                  headers={"X-Session-ID": session})
+                            assert r.status_code == 200, r.text
+                            return seen[-1][0]
+
+                        assert await ask("a") == "node0"
+                        cluster.add_node(num_cpus=0, object_store_memory=80 * MIB,
+                                         resources={"gpu_node": 1})
+                        assert await asyncio.to_thread(
+                            _wait, lambda: gateway.nodes.routable() == (0, 1), 60), \
+                            ray.get(dep.scheduler.nodes.remote())
+                        # the joined node gets requests: new sessions spread over both
+                        hosts = {await ask(f"new-{i}") for i in range(8)}
+                        assert "node1" in hosts, hosts
+                        cluster.remove_node(first)
+                        assert await asyncio.to_thread(
+                            _wait, lambda: gateway.nodes.routable() == (1,), 60), \
+                            ray.get(dep.scheduler.nodes.remote())
+                        before = len(seen)
+                        hosts_after = [await ask(s) for s in ("a", "new-0", "b", "c")]
+                        assert hosts_after == ["node1"] * 4 and len(seen) == before + 4
+                finally:
+                    await gateway.close()
+
+            asyncio.run(scenario())
+            assert dep.watcher is not None and dep.watcher.lost == 1
+            summary = ray.get(dep.scheduler.summary.remote())
+            assert summary["nodes_joined"] == 1 and summary["nodes_lost"] == 1
+            assert gateway.metrics.routed.labels("load")._value.get() == 0
+        finally:
+            dep.shutdown()
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
