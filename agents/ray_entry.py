@@ -174,7 +174,11 @@ class _AgentActor:
     def _send_hbm(self) -> None:
         """The engine's HBM changes (its KV events), to the shards that own the sessions
         (a listing to every shard)."""
-        report = self.agent.take_hbm()
+        try:
+            report = self.agent.take_hbm()
+        except Exception:  # the agent is closing
+            log.warning("agent %d: HBM changes not read", self.agent.node, exc_info=True)
+            return
         if report is None:
             return
         for shard, part in split_hbm_report(report, self._shards.ring).items():

@@ -31,6 +31,10 @@ sessions whose HBM prefix changed to an :class:`HbmSink`. Continuity
 * the connection to the publisher drops (the engine stopped): every session is withdrawn
   at once; ZMQ reconnects on its own and the sequence check decides on the next batch.
 
+The first delivery after :meth:`VLLMEventSubscriber.start` (once the first batch and what
+replay could bring back are applied) is a full listing, so that the owner's readers drop
+whatever an earlier subscriber told them; every later one names the sessions that changed.
+
 Only the GPU medium (``medium`` ``GPU`` or none) of the first KV cache group counts. The
 subscriber never raises into its owner: decoding errors and sink errors are logged and
 counted, and the loop goes on. pyzmq and msgpack are imported in :meth:`start`; the
@@ -236,6 +240,8 @@ class VLLMEventSubscriber:
         self._context: Any = None
         self._state: SubscriptionState = "new"
         self._expected: int | None = None
+        #: Whether a full listing was delivered (the first delivery is one).
+        self._listed = False
         self._batches = self._stored = self._removed = self._replayed = 0
         self._disconnects = self._errors = 0
         self._last_error = ""
@@ -413,13 +419,17 @@ class VLLMEventSubscriber:
             if self._state == "connecting":
                 self._state = "subscribed"
         self._connected.set()
-        if changed:
+        if not self._listed:
+            self._listed = True
+            self._deliver(self._sink.hbm_changed, residency.listing(), True)
+        elif changed:
             self._deliver(self._sink.hbm_changed, changed, False)
 
     def _resync(self, reason: ResyncReason) -> None:
         self.residency.withdraw_all()
         with self._lock:
             self._resyncs[reason] += 1
+        self._listed = True
         self._deliver(self._sink.hbm_changed, {}, True)
 
     def _deliver(self, call: Callable[..., None], tokens: Mapping[str, int],

@@ -148,7 +148,7 @@ class ServiceStats:
     #: Books entries dropped because the node's tier evicted them by its own order.
     tier_evictions: int = 0
     #: Sessions the nodes' engines dropped from HBM (their KV events), and the HBM
-    #: listings that replaced a node's mirror after a gap in those events.
+    #: listings that replaced a node's mirror (an agent's first, or after a gap).
     hbm_evictions: int = 0
     hbm_resyncs: int = 0
     #: The latest :data:`SAMPLE_WINDOW` samples.
