@@ -120,6 +120,10 @@ class AgentSettings(_Section):
                              f"{self.backend}")
         return self
 
+    def engine_url_for(self, node_ip: str) -> str:
+        """``engine_url`` for the node at ``node_ip`` (``{node_ip}`` substituted)."""
+        return self.engine_url.replace("{node_ip}", node_ip)
+
     def vllm_for(self, node_ip: str) -> VLLMEventsConfig | None:
         """The ``vllm`` section for the node at ``node_ip`` (``{node_ip}`` substituted)."""
         if self.vllm is None:
@@ -316,6 +320,9 @@ class ServeConfig(_Section):
             raise ValueError(f"engine {self.engine}: its DRAM ranking and trims are carried "
                              "out by the agent's own tier; agent.backend lmcache-mp has none "
                              "(use backend local, or engine vllm-lmcache)")
+        if self.engine == "sglang-hicache" and self.agent.backend == "lmcache-mp":
+            raise ValueError("engine sglang-hicache: SGLang's nodes warm through "
+                             "agent.backend sglang, not lmcache-mp")
         if self.agent.tier_eviction == "predicted" and not ranking:
             raise ValueError(f"agent.tier_eviction: predicted ranks the tier by the "
                              f"scheduler's forecasts, which engine {self.engine} does not "

@@ -135,6 +135,26 @@ def test_a_node_that_joins_gets_requests_and_a_lost_one_none() -> None:
         assert gateway.metrics.routed.labels("load")._value.get() == 0
 
 
+def test_nodes_refresh_s_0_keeps_the_configured_upstreams() -> None:
+    cfg = ServiceConfig(fleet=FLEET, initial_nodes=1)
+    with SchedulerService(cfg).start() as svc:
+        svc.agent_hello(AgentHello(0, "agent-0", "gpu-0", engine_url="http://elsewhere"))
+        gateway = Gateway(GatewayConfig(upstreams=["http://node0", "http://node1"],
+                                        nodes_refresh_s=0),
+                          scheduler=connect(service=svc, tenant="t"))
+
+        async def started() -> tuple[tuple[int, ...], str | None]:
+            await gateway.start()
+            try:
+                await asyncio.sleep(0.2)
+                return gateway.nodes.routable(), gateway.nodes.url(0)
+            finally:
+                await gateway.close()
+
+        assert asyncio.run(started()) == ((0, 1), "http://node0")
+        assert gateway.nodes.listings == 0
+
+
 @pytest.mark.parametrize("token", [None, "secret"])
 def test_the_http_api_serves_the_registry(token: str | None) -> None:
     from fastapi.testclient import TestClient

@@ -45,6 +45,7 @@ def _load(tmp_path: Path, **over: Any) -> ServeConfig:
     ({"engine": "vllm"}, "engine: unknown engine profile 'vllm'; known: vllm-lmcache, "),
     ({"service": {"engine": "local"}}, "service.engine"),
     ({"engine": "local", "agent": LMCACHE}, "engine local"),
+    ({"engine": "sglang-hicache", "agent": LMCACHE}, "engine sglang-hicache"),
     ({"agent": {"tier_capacity_bytes": 1, "tier_eviction": "predicted"}},
      "agent.tier_eviction: predicted"),
     ({"agent": {"tier_capacity_bytes": 1, "vllm": {"kv_events": "sometimes"}}},
@@ -139,6 +140,9 @@ def test_agent_vllm_reaches_each_agent_with_its_node_address(tmp_path: Path) -> 
     assert (events.endpoint, events.replay_endpoint) == ("tcp://10.1.2.3:5557",
                                                          "tcp://10.1.2.3:5558")
     assert _load(tmp_path).agent.vllm_for("10.1.2.3") is None
+    moved = _load(tmp_path, agent={"tier_capacity_bytes": 1,
+                                   "engine_url": "http://{node_ip}:8000"})
+    assert moved.agent.engine_url_for("10.1.2.3") == "http://10.1.2.3:8000"
     # the deployment starts vLLM publishing where the agents listen
     assert cfg.vllm_kv_events() == {"enable_kv_cache_events": True, "publisher": "zmq",
                                     "endpoint": "tcp://*:5557", "topic": "",
