@@ -591,7 +591,9 @@ class PrefetchAgent:
             sessions = tuple(sorted(self._hbm_pending.items()))
             full, self._hbm_full = self._hbm_full, False
             self._hbm_pending.clear()
-        return HbmReport(self.node, self.incarnation, sessions, full)
+        events = self._hbm_events
+        block = events.residency.block_tokens if events is not None else 0
+        return HbmReport(self.node, self.incarnation, sessions, full, block)
 
     def vllm_events(self) -> VLLMEventStats | None:
         """The vLLM KV-event subscription's counters (None when not followed)."""

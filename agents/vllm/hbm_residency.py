@@ -70,6 +70,8 @@ class HbmResidency:
         self._holders: dict[BlockHash, dict[str, int]] = {}
         self._blocks = 0
         self._unplaced = self._dropped = 0
+        #: The engine's block size, as its latest store said (0 before one).
+        self.block_tokens = 0
 
     def __len__(self) -> int:
         with self._lock:
@@ -113,6 +115,7 @@ class HbmResidency:
             chain.extend(hashes)
             self._blocks += len(hashes)
             self._block_tokens[session] = block_size
+            self.block_tokens = block_size
             self._chains.move_to_end(session)
             changed = {}
             if self._tokens(session) != before:

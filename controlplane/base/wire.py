@@ -149,6 +149,10 @@ class HbmReport:
     incarnation: str
     sessions: tuple[tuple[str, int], ...]
     full: bool = False
+    #: The engine's block size (tokens): it caches whole blocks only, so a session whose
+    #: tokens here reach within a block of its context holds all of it the engine keeps.
+    #: 0 = unknown.
+    block_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

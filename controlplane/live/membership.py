@@ -182,6 +182,8 @@ class FleetMembership:
         if node.incarnation and report.incarnation != node.incarnation:
             return
         hbm = node.hbm
+        if report.block_tokens:
+            node.hbm_block_tokens = report.block_tokens
         named = dict(report.sessions)
         before = dict(hbm)
         if report.full:

@@ -144,12 +144,12 @@ def test_an_hbm_eviction_vllm_makes_on_its_own_reaches_the_books_within_a_second
         # its full blocks (7 of 128 tokens) are in HBM, and the books know it
         held = _until(lambda: fleet.hbm_tokens(0, first) > 0, 1.0)
         assert held is not None, (agent.vllm_events(), fleet.nodes[0].hbm)
-        assert fleet.hbm_tokens(0, first) == PROMPT_TOKENS // BLOCK * BLOCK
+        assert fleet.nodes[0].hbm[first] == PROMPT_TOKENS // BLOCK * BLOCK
         evicted_at: float | None = None
         for i in range(1, 6):  # each new session needs room: vLLM evicts the oldest
             _complete(url, f"s{i}", i)
-            evicted_at = _until(lambda: fleet.hbm_tokens(0, first) < PROMPT_TOKENS // BLOCK
-                                * BLOCK, 1.0)
+            evicted_at = _until(lambda: fleet.nodes[0].hbm.get(first, 0)
+                                < PROMPT_TOKENS // BLOCK * BLOCK, 1.0)
             if evicted_at is not None:
                 break
         stats = agent.vllm_events()
@@ -159,4 +159,5 @@ def test_an_hbm_eviction_vllm_makes_on_its_own_reaches_the_books_within_a_second
         assert stats is not None and stats.removed_events > 0
         assert stats.errors == 0 and sum(stats.resyncs.values()) == 0
         assert svc.summary()["hbm_evictions"] >= 1  # type: ignore[attr-defined]
+        assert fleet.nodes[0].hbm_block_tokens == BLOCK  # vLLM's, as its events say
         assert core.local_tokens(0, first) > 0  # the DRAM tier's copy stays in the books

@@ -62,6 +62,22 @@ def test_an_hbm_eviction_on_a_write_through_engine_only_moves_the_mirror() -> No
         assert core.dram_tokens(node, wire) == CTX
 
 
+def test_hbm_counted_in_whole_blocks_holds_the_context_up_to_its_partial_block() -> None:
+    """vLLM caches whole blocks only: 8 blocks of 128 (1,024 tokens) of an 1,100-token
+    context are all of it HBM keeps, so under lazy offload nothing is written at the
+    finish; 7 blocks are not."""
+    with _service(engine="vllm-lmcache-lazy") as svc:
+        c = connect(service=svc, tenant="acme")
+        core = svc.driver.core
+        for sid, blocks in (("whole", 8), ("short", 7)):
+            node = c.route(sid, input_tokens=1000, reused_tokens=0).node
+            assert node is not None
+            wire = SessionKey("acme", sid).wire
+            svc.hbm_changed(HbmReport(node, "", ((wire, blocks * 128),), block_tokens=128))
+            c.request_finished(sid, node=node, input_tokens=1000, output_tokens=100)
+            assert core.dram_tokens(node, wire) == (0 if blocks == 8 else CTX), sid
+
+
 def test_a_full_listing_replaces_the_mirror_and_another_incarnation_is_ignored() -> None:
     with _service() as svc:
         node = _finish_in_hbm(svc, "s1")
