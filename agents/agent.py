@@ -595,6 +595,13 @@ class PrefetchAgent:
         block = events.residency.block_tokens if events is not None else 0
         return HbmReport(self.node, self.incarnation, sessions, full, block)
 
+    def relist_hbm(self) -> None:
+        """Queue a full listing of the engine's HBM for :meth:`take_hbm` (a scheduler
+        that restarted has no mirror of it). Nothing without vLLM's events."""
+        events = self._hbm_events
+        if events is not None:
+            self.hbm_changed(events.residency.listing(), full=True)
+
     def vllm_events(self) -> VLLMEventStats | None:
         """The vLLM KV-event subscription's counters (None when not followed)."""
         events = self._hbm_events

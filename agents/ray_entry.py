@@ -234,6 +234,7 @@ class _AgentActor:
                 ok = False
         if self.agent.config.status_interval_s > 0:
             self._status_to(greeted)
+        self.agent.relist_hbm()  # the next HBM report is a listing: a new shard has none
         return ok
 
     def hello(self) -> AgentHello:

@@ -358,7 +358,11 @@ def test_kv_events_auto_reports_hbm_changes_through_the_agent(
         report = agent.take_hbm()
         assert report is not None and report.node == 0 and report.full  # the first: a listing
         assert report.sessions == (("t/a", 2 * BS),) and report.incarnation == agent.incarnation
+        assert report.block_tokens == BS
         assert agent.take_hbm() is None
+        agent.relist_hbm()  # a scheduler that restarted gets the whole listing again
+        again = agent.take_hbm()
+        assert again is not None and again.full and again.sessions == report.sessions
 
 
 @pytest.mark.servers
