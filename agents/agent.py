@@ -268,7 +268,7 @@ class PrefetchAgent:
         events = VLLMEventSubscriber(
             cfg.endpoint, self, replay_endpoint=cfg.replay_endpoint, topic=cfg.topic,
             timeout_s=cfg.connect_timeout_s, residency=HbmResidency(cfg.max_tracked_blocks),
-            name=f"agent{self.node}-vllm-events")
+            bind=cfg.bind, name=f"agent{self.node}-vllm-events")
         try:
             connected = events.start()
         except ImportError as exc:

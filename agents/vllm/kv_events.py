@@ -90,6 +90,10 @@ class VLLMEventsConfig(BaseModel):
     replay_endpoint: str = ""
     #: The publisher's ``topic``.
     topic: str = ""
+    #: The agent binds ``endpoint`` and vLLM's publisher connects to it (vLLM's
+    #: ``endpoint`` names this host's address: several nodes on one machine, each on its
+    #: own address). False: vLLM binds (``tcp://*:PORT``) and the agent connects.
+    bind: bool = False
     #: Longest wait for the publisher at start, and for one replay (seconds).
     connect_timeout_s: float = Field(5.0, gt=0)
     #: (session, block) entries kept to map vLLM's blocks to sessions; past it the
@@ -223,13 +227,14 @@ class VLLMEventSubscriber:
 
     def __init__(self, endpoint: str, sink: HbmSink, *, replay_endpoint: str = "",
                  topic: str = "", timeout_s: float = 5.0, residency: HbmResidency | None = None,
-                 name: str = "vllm-events") -> None:
+                 bind: bool = False, name: str = "vllm-events") -> None:
         if timeout_s <= 0:
             raise ValueError("timeout_s must be positive")
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.topic = topic
         self.timeout_s = timeout_s
+        self.bind = bind
         self.name = name
         self.residency = residency if residency is not None else HbmResidency()
         self._sink = sink
@@ -299,8 +304,12 @@ class VLLMEventSubscriber:
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
-        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        sub.connect(self.endpoint)
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED
+                                         | zmq.EVENT_DISCONNECTED)
+        if self.bind:  # vLLM's publisher connects to us
+            sub.bind(self.endpoint)
+        else:
+            sub.connect(self.endpoint)
         poller = zmq.Poller()
         poller.register(sub, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
@@ -326,7 +335,7 @@ class VLLMEventSubscriber:
         from zmq.utils.monitor import recv_monitor_message
 
         event = recv_monitor_message(monitor)["event"]
-        if event == zmq.EVENT_CONNECTED:
+        if event in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
             with self._lock:
                 if self._state == "connecting":
                     self._state = "subscribed"

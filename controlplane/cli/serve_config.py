@@ -363,22 +363,32 @@ class ServeConfig(_Section):
             lazy_offload=profile.offers(Mechanism.DEMOTE_ON_EVICT),
             eager_prefetch=profile.offers(Mechanism.QUEUED_LOAD))
 
-    def vllm_kv_events(self) -> dict[str, Any] | None:
+    def vllm_kv_events(self, node_ip: str = "") -> dict[str, Any] | None:
         """vLLM's ``--kv-events-config`` for a node of this deployment (None without
         ``agent.vllm``, or with its ``kv_events: off``): the ZMQ publisher bound on every
-        address at the port of ``agent.vllm.endpoint``, and the replay socket at the port of
-        its ``replay_endpoint``."""
-        events = self.agent.vllm
+        address at the port of ``agent.vllm.endpoint`` (with ``bind``: connecting to the
+        agent there), and the replay socket bound at the port of its ``replay_endpoint``
+        (with ``bind``: on that address). ``node_ip``: the node's address, for
+        ``{node_ip}`` in them."""
+        events = self.agent.vllm_for(node_ip)
         if events is None or events.kv_events == "off":
             return None
+        raw = self.agent.vllm
+        if events.bind and not node_ip and raw is not None and (
+                "{node_ip}" in raw.endpoint + raw.replay_endpoint):
+            raise ConfigError("agent.vllm.bind: vLLM connects to the node's own address; "
+                              "give the node's address (KVP_NODE_IP)")
 
         def bound(url: str) -> str:
             return f"tcp://*:{url.rsplit(':', 1)[1]}"
 
+        def at(url: str) -> str:
+            return url if events.bind else bound(url)
+
         config: dict[str, Any] = {"enable_kv_cache_events": True, "publisher": "zmq",
-                                  "endpoint": bound(events.endpoint), "topic": events.topic}
+                                  "endpoint": at(events.endpoint), "topic": events.topic}
         if events.replay_endpoint:
-            config["replay_endpoint"] = bound(events.replay_endpoint)
+            config["replay_endpoint"] = at(events.replay_endpoint)
         return config
 
     def auth(self) -> TenantAuth:

@@ -177,10 +177,10 @@ EOF
 # vLLM's --kv-events-config from the serve config's agent.vllm ("" without it): the agent
 # follows vLLM's HBM stores and evictions.
 vllm_kv_events_json() {
-  "$PY" - "$SERVE_CONFIG" <<'EOF'
+  "$PY" - "$SERVE_CONFIG" "${KVP_NODE_IP:-}" <<'EOF'
 import json, sys
 from kvprefetch.controlplane.cli.serve_config import load_serve_config
-events = load_serve_config(sys.argv[1]).vllm_kv_events()
+events = load_serve_config(sys.argv[1]).vllm_kv_events(sys.argv[2])
 print(json.dumps(events) if events else "")
 EOF
 }

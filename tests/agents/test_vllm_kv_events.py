@@ -322,6 +322,33 @@ def test_a_sink_that_fails_and_a_garbled_batch_do_not_end_the_stream(
         events.close()
 
 
+def test_bound_the_subscriber_takes_a_publisher_that_connects_to_it() -> None:
+    """``bind``: vLLM's endpoint names the agent's address and its PUB connects (several
+    nodes on one machine, each on its own address)."""
+    ctx = zmq.Context()
+    port = _free_port()
+    sink = Sink()
+    events = VLLMEventSubscriber(f"tcp://127.0.0.1:{port}", sink, bind=True, timeout_s=2.0)
+    pub = ctx.socket(zmq.PUB)
+    try:
+        assert events.start(wait_s=0.2) is False  # nobody connected yet
+        pub.connect(f"tcp://127.0.0.1:{port}")
+        assert _until(lambda: events.stats().state == "subscribed")
+        time.sleep(0.5)
+        pub.send_multipart((b"", (0).to_bytes(8, "big"), _batch(_stored([1]))))
+        assert _until(lambda: sink.calls == [({"t/a": BS}, True)]), sink.calls
+    finally:
+        pub.close(0)
+        events.close()
+        ctx.term()
+
+
+def _free_port() -> int:
+    from kvprefetch.agents.embedded import free_port
+
+    return free_port()
+
+
 def test_a_publisher_that_is_not_there_is_reported_by_start() -> None:
     events = VLLMEventSubscriber("tcp://127.0.0.1:9", Sink(), timeout_s=0.3)
     try:

@@ -135,6 +135,12 @@ class LocalCluster:
         doc["agent"]["lmcache"].update(http_url=f"http://{{node_ip}}:{self.lmcache_http_port}",
                                        model_name=str(self.model))
         doc["http"].update(host=HEAD_IP, port=self.api_port)
+        # each node's vLLM as the gateway reaches it (the agents announce it), and its KV
+        # events: several nodes on one machine, so each agent binds its own address
+        doc["agent"]["engine_url"] = f"http://{{node_ip}}:{self.vllm_port}"
+        doc["agent"]["vllm"] = {"kv_events": "auto", "bind": True,
+                                "endpoint": f"tcp://{{node_ip}}:{free_port()}",
+                                "replay_endpoint": f"tcp://{{node_ip}}:{free_port()}"}
         return doc
 
     def role_env(self, name: str, **settings: str) -> dict[str, str]:

@@ -150,3 +150,12 @@ def test_agent_vllm_reaches_each_agent_with_its_node_address(tmp_path: Path) -> 
     assert _load(tmp_path).vllm_kv_events() is None
     off = _load(tmp_path, agent={"tier_capacity_bytes": 1, "vllm": {"kv_events": "off"}})
     assert off.vllm_kv_events() is None
+    # several nodes on one machine: each agent binds its own address, vLLM connects there
+    bound = _load(tmp_path, agent={"tier_capacity_bytes": 1, "vllm": {
+        "endpoint": "tcp://{node_ip}:5557", "replay_endpoint": "tcp://{node_ip}:5558",
+        "bind": True}})
+    events = bound.vllm_kv_events("127.0.0.3")
+    assert events is not None and events["endpoint"] == "tcp://127.0.0.3:5557"
+    assert events["replay_endpoint"] == "tcp://127.0.0.3:5558"
+    with pytest.raises(ConfigError, match="KVP_NODE_IP"):
+        bound.vllm_kv_events("")
