@@ -509,11 +509,11 @@ class HttpTransport:
         return SessionState.model_validate(self._post("session_state", call))
 
     def nodes(self) -> NodeListing:
-        """``GET /v1/nodes``."""
+        """``GET /nodes``."""
         import httpx
 
         try:
-            resp = self._client.get("/v1/nodes", timeout=self.timeout_s)
+            resp = self._client.get("/nodes", timeout=self.timeout_s)
         except httpx.TimeoutException as exc:
             raise TimeoutError(f"nodes timed out after {self.timeout_s} s") from exc
         except httpx.HTTPError as exc:

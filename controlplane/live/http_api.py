@@ -553,7 +553,7 @@ def create_app(scheduler: GatewayAPI | Client, *, bearer_token: str | None = Non
                                     status_code=503)
         return Health(status="ok")
 
-    @app.get("/v1/nodes", response_model=NodeListing, tags=["ops"], responses=responses)
+    @app.get("/nodes", response_model=NodeListing, tags=["ops"], responses=responses)
     def nodes(principal: Principal = Depends(authenticate)) -> Any:  # noqa: B008
         """The scheduler's node registry: every node slot, whether requests are routed to
         it, and its engine's URL (the gateway follows it)."""

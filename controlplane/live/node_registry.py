@@ -6,7 +6,7 @@ FleetMembership`: a slot joins when its agent says hello (the agent names its en
 OpenAI base URL, ``AgentConfig.engine_url``), leaves when the deployment reports the node
 lost (:meth:`SchedulerService.node_left`), and a new agent of a slot may name a new
 address (a pod rescheduled with a new IP). :func:`node_listing` is that registry as one
-:class:`NodeListing` (``GET /v1/nodes``, ``Client.nodes``).
+:class:`NodeListing` (``GET /nodes``, ``Client.nodes``).
 
 :class:`UpstreamDirectory` is the gateway's side: the node -> engine URL map it forwards
 by, seeded from its configured upstreams (node ``i`` = the ``i``-th) and then following the
@@ -43,7 +43,7 @@ class NodeEntry(BaseModel):
 
 
 class NodeListing(BaseModel):
-    """Every node slot of the fleet (``GET /v1/nodes``)."""
+    """Every node slot of the fleet (``GET /nodes``)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 

@@ -167,13 +167,13 @@ def test_the_http_api_serves_the_registry(token: str | None) -> None:
         app = create_app(svc, bearer_token=token)
         with TestClient(app) as http:
             headers = {"Authorization": f"Bearer {token}"} if token else {}
-            r = http.get("/v1/nodes", headers=headers)
+            r = http.get("/nodes", headers=headers)
             assert r.status_code == 200, r.text
             nodes = NodeListing.model_validate(r.json()).nodes
             assert [(e.node, e.in_fleet, e.engine_url) for e in nodes] == [
                 (0, True, "http://10.0.0.1:8000"), (1, False, "")]
             if token:
-                assert http.get("/v1/nodes").status_code == 401
+                assert http.get("/nodes").status_code == 401
 
 
 # -- on Ray: raylets that join and go ------------------------------------------------------
