@@ -174,6 +174,12 @@ def test_the_http_api_serves_the_registry(token: str | None) -> None:
                 (0, True, "http://10.0.0.1:8000"), (1, False, "")]
             if token:
                 assert http.get("/nodes").status_code == 401
+        # the client over HTTP, as a gateway in front of `kvprefetch serve` reads it
+        from kvprefetch.controlplane.live.http_api import HttpServer
+
+        with HttpServer(create_app(svc, bearer_token=token)) as srv, \
+                connect(srv.url, token=token, tenant="t") as client:
+            assert client.nodes().nodes == nodes
 
 
 # -- on Ray: raylets that join and go ------------------------------------------------------
