@@ -282,6 +282,10 @@ def test_a_two_turn_session_is_warmed_on_its_node_and_read_from_lmcache_l1(
 
     # the engine's own cache forgets both: only LMCache's L1 can serve turn two
     httpx.post(f"{vllm[node]}/reset_prefix_cache", timeout=30).raise_for_status()
+    # vLLM publishes the reset in its KV events at its next step: a one-token request
+    # makes it step, and the scheduler's books learn that HBM holds neither session
+    httpx.post(f"{vllm[node]}/v1/completions", timeout=60, json={
+        "model": str(c.model), "prompt": [1], "max_tokens": 1}).raise_for_status()
     # the tool is about to finish: the scheduler orders the warm from L2 back into L1
     _hint(c, "deploy-s1", "tool_running", 2)
     _wait(lambda: warm[node].l1_usage().object_count == PROMPT_TOKENS // CHUNK,
