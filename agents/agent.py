@@ -42,7 +42,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal
@@ -69,12 +69,18 @@ from kvprefetch.agents.transfer import (
     TransferHandle,
     TransferResult,
 )
+from kvprefetch.agents.vllm.kv_events import (
+    VLLMEventsConfig,
+    VLLMEventStats,
+    VLLMEventSubscriber,
+)
 from kvprefetch.controlplane.base.errors import ConfigError
 from kvprefetch.controlplane.base.keys import parse_session_prefix, position_key_session
 from kvprefetch.controlplane.base.shards import MAX_SHARDS
 from kvprefetch.controlplane.base.wire import (
     AgentHello,
     AgentStatus,
+    HbmReport,
     TierEvictions,
     TransferOrder,
     TransferReport,
@@ -133,6 +139,12 @@ class AgentConfig(BaseModel):
     dram: LocalTierConfig | None = None
     lmcache: LMCacheBackendConfig | None = None
     sglang: SGLangWarmConfig | None = None
+    #: The node's vLLM KV events (HBM stores and evictions); None: not followed.
+    vllm: VLLMEventsConfig | None = None
+    #: The node's engine's OpenAI base URL as the gateway reaches it, announced in the
+    #: agent's hello: the gateway forwards the node's requests there ("" = the gateway's
+    #: configured upstream of the node).
+    engine_url: str = ""
     remote: RemoteStoreConfig
     transfer: TransferConfig = TransferConfig()
     #: Threads that wait on transfers and send their reports.
@@ -201,6 +213,11 @@ class PrefetchAgent:
         self._tier_evicted: deque[str] = deque()
         self._evictions = threading.Condition(threading.Lock())
         self.evictions_dropped = 0
+        #: The engine's HBM changes not yet taken (:meth:`take_hbm`), and whether they
+        #: are a full listing.
+        self._hbm_pending: dict[str, int] = {}
+        self._hbm_full = False
+        self._hbm_events: VLLMEventSubscriber | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> PrefetchAgent:
@@ -238,10 +255,47 @@ class PrefetchAgent:
                 where += f", SGLang pages of {cfg.sglang.model_name}"
         self._pool = ThreadPoolExecutor(cfg.report_threads,
                                         thread_name_prefix=f"agent{self.node}-report")
+        if cfg.vllm is not None and cfg.vllm.kv_events != "off":
+            self._follow_hbm(cfg.vllm)
         log.info("agent %d (%s) started: %s", self.node, self.node_name, where)
         return self
 
+    def _follow_hbm(self, cfg: VLLMEventsConfig) -> None:
+        """Subscribe to the node's vLLM KV events (``vllm.kv_events``): ``required``
+        refuses to start without the publisher, ``auto`` warns and keeps trying."""
+        from kvprefetch.agents.vllm.hbm_residency import HbmResidency
+
+        events = VLLMEventSubscriber(
+            cfg.endpoint, self, replay_endpoint=cfg.replay_endpoint, topic=cfg.topic,
+            timeout_s=cfg.connect_timeout_s, residency=HbmResidency(cfg.max_tracked_blocks),
+            bind=cfg.bind, name=f"agent{self.node}-vllm-events")
+        try:
+            connected = events.start()
+        except ImportError as exc:
+            connected = False
+            if cfg.kv_events == "required":
+                self.close()
+                raise ConfigError(f"agent {self.node}: vllm.kv_events required, but "
+                                  f"{exc.name} is not installed") from exc
+            log.warning("agent %d: vLLM's KV events not followed: %s", self.node, exc)
+            return
+        self._hbm_events = events
+        if connected:
+            return
+        if cfg.kv_events == "required":
+            self.close()
+            raise ConfigError(f"agent {self.node}: vllm.kv_events is required, but vLLM's "
+                              f"KV event publisher at {cfg.endpoint} did not answer within "
+                              f"{cfg.connect_timeout_s:g} s (start vLLM with "
+                              "--kv-events-config, or set vllm.kv_events: auto)")
+        log.warning("agent %d: vLLM's KV event publisher at %s is not reachable yet: the "
+                    "scheduler learns nothing of the node's HBM until it is (still trying)",
+                    self.node, cfg.endpoint)
+
     def close(self) -> None:
+        if self._hbm_events is not None:
+            self._hbm_events.close()
+            self._hbm_events = None
         if self._warmer is not None:  # before the engine: an SGLang warm waits on it
             self._warmer.close()
             self._warmer = None
@@ -279,7 +333,7 @@ class PrefetchAgent:
 
     def hello(self) -> AgentHello:
         return AgentHello(self.node, self.incarnation, self.node_name, self.inventory(),
-                          os.getpid())
+                          os.getpid(), self.config.engine_url)
 
     # ------------------------------------------------------------------ orders
     def execute(self, order: TransferOrder) -> None:
@@ -501,7 +555,7 @@ class PrefetchAgent:
         none. The scheduler's books of this node are stale for each session named (sent to
         its owner shard)."""
         with self._evictions:
-            if not self._tier_evicted:
+            if not (self._tier_evicted or self._hbm_pending or self._hbm_full):
                 self._evictions.wait(timeout_s)
             keys = list(dict.fromkeys(self._tier_evicted))
             self._tier_evicted.clear()
@@ -515,6 +569,43 @@ class PrefetchAgent:
             return None
         return TierEvictions(self.node, self.incarnation,
                              tuple(sorted(f"{t}/{sid}" for t, sid in sessions)))
+
+    def hbm_changed(self, tokens: Mapping[str, int], *, full: bool) -> None:
+        """The engine's HBM prefix cache changed (its KV events; called by the
+        subscriber's thread): kept for :meth:`take_hbm`, a full listing replacing what
+        was not taken yet."""
+        with self._evictions:
+            if full:
+                self._hbm_pending.clear()
+                self._hbm_full = True
+            self._hbm_pending.update(tokens)
+            self._evictions.notify_all()
+
+    def take_hbm(self) -> HbmReport | None:
+        """The engine's HBM changes since the last call (per session, its tokens in HBM
+        now; ``full``: a listing), or None if there are none. Sent by the same sender as
+        :meth:`take_evictions`, which wakes for them too."""
+        with self._evictions:
+            if not (self._hbm_pending or self._hbm_full):
+                return None
+            sessions = tuple(sorted(self._hbm_pending.items()))
+            full, self._hbm_full = self._hbm_full, False
+            self._hbm_pending.clear()
+        events = self._hbm_events
+        block = events.residency.block_tokens if events is not None else 0
+        return HbmReport(self.node, self.incarnation, sessions, full, block)
+
+    def relist_hbm(self) -> None:
+        """Queue a full listing of the engine's HBM for :meth:`take_hbm` (a scheduler
+        that restarted has no mirror of it). Nothing without vLLM's events."""
+        events = self._hbm_events
+        if events is not None:
+            self.hbm_changed(events.residency.listing(), full=True)
+
+    def vllm_events(self) -> VLLMEventStats | None:
+        """The vLLM KV-event subscription's counters (None when not followed)."""
+        events = self._hbm_events
+        return events.stats() if events is not None else None
 
     def write_local(self, items: Sequence[tuple[str, bytes]], drop: Sequence[str] = ()
                     ) -> int:

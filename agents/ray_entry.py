@@ -38,7 +38,12 @@ from kvprefetch.agents.engine_emulator import (
 )
 from kvprefetch.agents.lmcache.kv_events import KVEventStats
 from kvprefetch.controlplane.base.scheduler_api import NodeAPI
-from kvprefetch.controlplane.base.shards import ShardRing, split_engine_report, split_tier_evictions
+from kvprefetch.controlplane.base.shards import (
+    ShardRing,
+    split_engine_report,
+    split_hbm_report,
+    split_tier_evictions,
+)
 from kvprefetch.controlplane.base.wire import (
     AgentHello,
     AgentStatus,
@@ -154,6 +159,7 @@ class _AgentActor:
                 log.warning("agent %d: evictions not read", self.agent.node, exc_info=True)
                 self._closed.wait(EVICTIONS_WAIT_S)
                 continue
+            self._send_hbm()
             if evicted is None:
                 continue
             for shard, part in split_tier_evictions(evicted, self._shards.ring).items():
@@ -164,6 +170,25 @@ class _AgentActor:
                     ref.reset()
                     log.warning("agent %d: shard %d not told of %d evicted sessions: %s",
                                 self.agent.node, shard, len(part.sessions), exc)
+
+    def _send_hbm(self) -> None:
+        """The engine's HBM changes (its KV events), to the shards that own the sessions
+        (a listing to every shard)."""
+        try:
+            report = self.agent.take_hbm()
+        except Exception:  # the agent is closing
+            log.warning("agent %d: HBM changes not read", self.agent.node, exc_info=True)
+            return
+        if report is None:
+            return
+        for shard, part in split_hbm_report(report, self._shards.ring).items():
+            ref = self._shards.refs[shard]
+            try:
+                ref.send(NodeAPI.hbm_changed, part)
+            except Exception as exc:  # the next change, or the next listing, mends it
+                ref.reset()
+                log.warning("agent %d: shard %d not told of %d HBM changes: %s",
+                            self.agent.node, shard, len(part.sessions), exc)
 
     def _send_status(self, interval_s: float) -> None:
         """Every ``interval_s``: the tier's capacity and occupancy to every shard."""
@@ -209,6 +234,7 @@ class _AgentActor:
                 ok = False
         if self.agent.config.status_interval_s > 0:
             self._status_to(greeted)
+        self.agent.relist_hbm()  # the next HBM report is a listing: a new shard has none
         return ok
 
     def hello(self) -> AgentHello:

@@ -14,6 +14,8 @@
 # PORT [30000], SGLANG [python -m sglang.launch_server]; SGLANG=echo prints the command.
 # STORAGE_CONFIG: the backend's whole "kvprefetch" section as JSON (SGLangStorageConfig),
 # used instead of the one built from the variables above (examples/gpu_check.sh sets it).
+# write_back: the host pool gets a context when the device evicts it (the demote-on-evict
+# of the sglang-hicache engine profile, as `kvprefetch serve --engine` plans with).
 # Needs: SGLang (GPU build) and kvprefetch importable by the same Python.
 set -euo pipefail
 MODEL=${1:?usage: $0 MODEL [SGLang arguments]}
@@ -46,5 +48,5 @@ PYEOF
 read -r -a SGLANG_CMD <<< "${SGLANG:-$PY -m sglang.launch_server}"
 exec "${SGLANG_CMD[@]}" --model-path "$MODEL" --port "${PORT:-30000}" --tp "${TP:-1}" \
     --page-size "${PAGE_SIZE:-64}" --enable-hierarchical-cache \
-    --hicache-storage-prefetch-policy timeout \
+    --hicache-write-policy write_back --hicache-storage-prefetch-policy timeout \
     --hicache-storage-backend dynamic --hicache-storage-backend-extra-config "$EXTRA" "$@"

@@ -40,11 +40,19 @@ from kvprefetch.agents.stores.errors import StoreConnectionError
 VLLM_SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
 
 
-def lmcache_connector_config(host: str, port: int) -> dict[str, Any]:
-    """vLLM's ``--kv-transfer-config`` for an LMCache MP server at ``host:port`` (ZMQ)."""
+def lmcache_connector_config(host: str, port: int, *, lazy_offload: bool = False,
+                             eager_prefetch: bool = False) -> dict[str, Any]:
+    """vLLM's ``--kv-transfer-config`` for an LMCache MP server at ``host:port`` (ZMQ).
+    ``lazy_offload``: a context reaches LMCache when vLLM is about to evict its blocks, not
+    when it is stored; ``eager_prefetch``: the lookup and L2 prefetch start when the
+    request enters vLLM's waiting queue (the connector's ``lmcache.mp.*`` options)."""
+    extra: dict[str, Any] = {"lmcache.mp.host": f"tcp://{host}", "lmcache.mp.port": port}
+    if lazy_offload:
+        extra["lmcache.mp.lazy_offload"] = True
+    if eager_prefetch:
+        extra["lmcache.mp.eager_prefetch"] = True
     return {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"lmcache.mp.host": f"tcp://{host}",
-                                          "lmcache.mp.port": port}}
+            "kv_connector_extra_config": extra}
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from kvprefetch.controlplane.base.wire import (
     AgentStatus,
     EngineReport,
     GpuStartPlan,
+    HbmReport,
     TierEvictions,
     TransferReport,
 )
@@ -73,6 +74,12 @@ class NodeAPI(Protocol):
         """The prefetch agent of ``evictions.node``: its tier evicted chunks of these
         sessions by its own order, to fit a write; their books entries on the node go.
         To the shards that own the sessions; idempotent."""
+        ...
+
+    def hbm_changed(self, report: HbmReport) -> None:
+        """The prefetch agent of ``report.node``: its engine's HBM prefix cache changed (as
+        the engine's KV events tell): the node's HBM mirror follows. To the shards that own
+        the sessions (a ``full`` listing to every shard); idempotent."""
         ...
 
     def report_transfer(self, report: TransferReport) -> None:

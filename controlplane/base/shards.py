@@ -22,7 +22,7 @@ import dataclasses
 import hashlib
 
 from kvprefetch.controlplane.base.types import SessionKey
-from kvprefetch.controlplane.base.wire import EngineReport, TierEvictions
+from kvprefetch.controlplane.base.wire import EngineReport, HbmReport, TierEvictions
 
 #: Points on the ring per shard: enough that the largest shard of 4 owns at most 1.3 times
 #: its even share of the sessions (tests/base/test_shards.py checks the spread).
@@ -76,6 +76,18 @@ def split_tier_evictions(evictions: TierEvictions, ring: ShardRing
         parts.setdefault(ring.owner(key.tenant, key.session_id), []).append(sid)
     return {shard: dataclasses.replace(evictions, sessions=tuple(sids))
             for shard, sids in parts.items()}
+
+
+def split_hbm_report(report: HbmReport, ring: ShardRing) -> dict[int, HbmReport]:
+    """Each shard's part of an HBM report: the sessions it owns; a ``full`` listing goes
+    to every shard (each one's sessions not named hold nothing in HBM)."""
+    parts: dict[int, list[tuple[str, int]]] = (
+        {shard: [] for shard in range(ring.shards)} if report.full else {})
+    for sid, tokens in report.sessions:
+        key = SessionKey.parse(sid)
+        parts.setdefault(ring.owner(key.tenant, key.session_id), []).append((sid, tokens))
+    return {shard: dataclasses.replace(report, sessions=tuple(items))
+            for shard, items in parts.items()}
 
 
 def split_engine_report(report: EngineReport, ring: ShardRing) -> dict[int, EngineReport]:

@@ -9,7 +9,8 @@ Who sends what
 * scheduler -> agent: :class:`TransferOrder` (prefetch or demand load), cancel by session,
   evict advice (chunk keys);
 * agent -> scheduler: :class:`AgentHello` once per (re)start, :class:`TransferReport` once
-  per order, :class:`AgentStatus` periodically, :class:`TierEvictions` as the tier evicts;
+  per order, :class:`AgentStatus` periodically, :class:`TierEvictions` as the tier evicts,
+  :class:`HbmReport` as the engine's KV events change its HBM;
 * engine -> scheduler: ``gpu_start`` answered by :class:`GpuStartPlan`, then
   :class:`EngineReport` once per request.
 
@@ -138,6 +139,23 @@ class TierEvictions:
 
 
 @dataclass(frozen=True, slots=True)
+class HbmReport:
+    """What ``node``'s engine holds in its GPU prefix cache (HBM), as its KV events tell:
+    per session (wire name), the tokens of its prefix there now (0: none). ``full``: a
+    listing of every session the agent believes in HBM; a session it does not name holds
+    none (after a gap in the events it names none at all)."""
+
+    node: int
+    incarnation: str
+    sessions: tuple[tuple[str, int], ...]
+    full: bool = False
+    #: The engine's block size (tokens): it caches whole blocks only, so a session whose
+    #: tokens here reach within a block of its context holds all of it the engine keeps.
+    #: 0 = unknown.
+    block_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class AgentHello:
     """An agent (re)started on ``node``: orders sent to an older incarnation are lost."""
 
@@ -147,6 +165,9 @@ class AgentHello:
     #: Chunk keys already published in the node's local tier (it survives an agent restart).
     inventory: tuple[str, ...] = ()
     pid: int = 0
+    #: The node's engine's OpenAI base URL as the gateway reaches it ("" = not known): the
+    #: gateway forwards the node's requests there (the scheduler's node registry).
+    engine_url: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -234,14 +234,18 @@ class Serve:
         def agent_config(i: int, name: str, ip: str) -> AgentConfig:
             return AgentConfig(node=i, node_name=name, remote=cfg.stores, transfer=a.transfer,
                                backend=a.backend, lmcache=a.lmcache_for(ip), sglang=a.sglang,
-                               dram=a.dram(i), status_interval_s=a.status_interval_s)
+                               dram=a.dram(i), vllm=a.vllm_for(ip),
+                               engine_url=a.engine_url_for(ip),
+                               status_interval_s=a.status_interval_s)
 
         ips = [str(n.get("NodeManagerAddress") or "127.0.0.1") for n in nodes]
         agents = [agent_config(i, names[i], ips[i]) for i in range(len(nodes))]
         placements = [Placement(node_id=n["NodeID"]) for n in nodes]
         here = Placement(node_id=ray.get_runtime_context().get_node_id())
-        log.info("deploying the scheduler (policy %s) and %d agents in namespace %r",
-                 service.policy, len(agents), cfg.ray.namespace)
+        log.info("deploying the scheduler (policy %s on engine %s) and %d agents in "
+                 "namespace %r", service.policy, cfg.engine, len(agents), cfg.ray.namespace)
+        for mechanism, how in cfg.engine_mechanisms().items():
+            log.info("engine %s grants %s: %s", cfg.engine, mechanism, how)
         try:
             dep = deploy(service, agents, placements, namespace=cfg.ray.namespace,
                          scheduler_placement=here, shards=service.shards)

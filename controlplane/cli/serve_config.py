@@ -16,9 +16,11 @@ from kvprefetch.agents.lmcache.backend import Backend, LMCacheBackendConfig
 from kvprefetch.agents.sglang.warm import SGLangWarmConfig
 from kvprefetch.agents.stores.local import LocalTierConfig
 from kvprefetch.agents.transfer import TransferConfig
+from kvprefetch.agents.vllm.kv_events import VLLMEventsConfig
 from kvprefetch.controlplane.base.config import FleetConfig, fleet_from_dict
 from kvprefetch.controlplane.base.errors import ConfigError, KvPrefetchError
 from kvprefetch.controlplane.base.units import ByteSize
+from kvprefetch.controlplane.core.engines import DEFAULT_ENGINE, ENGINES, Mechanism
 from kvprefetch.controlplane.live.config import ServiceConfig
 from kvprefetch.controlplane.live.limits import RequestLimits, check_tenant_name
 from kvprefetch.controlplane.live.tenants import TenantAuth
@@ -83,8 +85,18 @@ class AgentSettings(_Section):
     tier_kind: str = Field("dram", pattern="^(dram|disk)$")
     #: How the tier chooses victims: ``lru``, or ``predicted``: furthest predicted next use
     #: first, as the scheduler advises through each order's deadline and its evict advice
-    #: (the DRAM ranking of the simulator's ``local`` engine profile).
-    tier_eviction: Literal["lru", "predicted"] = "lru"
+    #: (the DRAM ranking, which only the ``local`` engine profile grants). Unset: what the
+    #: engine profile grants (``predicted`` on ``local``, else ``lru``).
+    tier_eviction: Literal["lru", "predicted"] | None = None
+    #: The node's vLLM KV events (``--kv-events-config``): what its HBM stores and evicts
+    #: reaches the scheduler's books of the node. ``{node_ip}`` in ``endpoint`` and
+    #: ``replay_endpoint`` becomes the node's address. Unset: not followed.
+    vllm: VLLMEventsConfig | None = None
+    #: Each node's engine's OpenAI base URL as the gateway reaches it, ``{node_ip}`` the
+    #: node's address (e.g. ``http://{node_ip}:8000``): its agent announces it, and the
+    #: gateway forwards the node's requests there, following nodes that join, leave or
+    #: move. "" = the gateway's configured upstreams.
+    engine_url: str = ""
     transfer: TransferConfig = TransferConfig()
     #: Each agent reports its tier's capacity to the scheduler this often (seconds): every
     #: shard's quota of the node follows it (a tier smaller than ``fleet.node.
@@ -108,6 +120,19 @@ class AgentSettings(_Section):
                              f"{self.backend}")
         return self
 
+    def engine_url_for(self, node_ip: str) -> str:
+        """``engine_url`` for the node at ``node_ip`` (``{node_ip}`` substituted)."""
+        return self.engine_url.replace("{node_ip}", node_ip)
+
+    def vllm_for(self, node_ip: str) -> VLLMEventsConfig | None:
+        """The ``vllm`` section for the node at ``node_ip`` (``{node_ip}`` substituted)."""
+        if self.vllm is None:
+            return None
+        urls = {name: url.replace("{node_ip}", node_ip)
+                for name in ("endpoint", "replay_endpoint")
+                if "{node_ip}" in (url := getattr(self.vllm, name))}
+        return self.vllm.model_copy(update=urls) if urls else self.vllm
+
     def lmcache_for(self, node_ip: str) -> LMCacheBackendConfig | None:
         """The ``lmcache`` section for the node at ``node_ip``: ``{node_ip}`` in its
         ``http_url`` and ``request_url`` becomes the node's address (servers bound to their
@@ -125,7 +150,7 @@ class AgentSettings(_Section):
             return None
         return LocalTierConfig(path=self.tier_path.format(node=node), kind=self.tier_kind,
                                capacity_bytes=self.tier_capacity_bytes,
-                               eviction=self.tier_eviction)
+                               eviction=self.tier_eviction or "lru")
 
 
 class SecretSource(_Section):
@@ -228,6 +253,11 @@ class HttpSettings(_Section):
 class ServeConfig(_Section):
     """The whole ``kvprefetch serve`` config (see examples/serve.yaml)."""
 
+    #: The engine profile the nodes run, as ``kvprefetch sim --engine`` names it
+    #: (``vllm-lmcache``, ``vllm-lmcache-lazy``, ``sglang-hicache``, ``local``): the
+    #: scheduler's policy runs with the mechanisms it grants, and each of them is set up on
+    #: the nodes (:meth:`ServeConfig.engine_mechanisms`).
+    engine: str = DEFAULT_ENGINE
     ray: RaySettings = RaySettings()
     placement: PlacementSettings = PlacementSettings()
     #: The modelled fleet, as in ``kvprefetch sim --fleet`` (model preset, node profile,
@@ -247,6 +277,7 @@ class ServeConfig(_Section):
     def _check(self) -> ServeConfig:
         if self.stores.valkey is None and self.stores.s3 is None:
             raise ValueError("stores: configure valkey, s3 or both")
+        self._check_engine()
         for name in self.tenants:
             try:
                 check_tenant_name(name, "tenants")
@@ -273,6 +304,92 @@ class ServeConfig(_Section):
             if key in self.service:
                 raise ValueError(f"service.{key}: set by kvprefetch serve, not in the file")
         return self
+
+    def _check_engine(self) -> None:
+        """The engine profile against the agents' settings; resolves an unset
+        ``agent.tier_eviction`` to what the profile grants."""
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine: unknown engine profile {self.engine!r}; known: "
+                             f"{', '.join(ENGINES)}")
+        if "engine" in self.service:
+            raise ValueError("service.engine: set at the top level (engine)")
+        profile = ENGINES[self.engine]
+        ranking = profile.offers(Mechanism.DRAM_RANKING)
+        own_tier = (Mechanism.DRAM_RANKING, Mechanism.TRIMS)
+        if any(profile.offers(m) for m in own_tier) and self.agent.backend == "lmcache-mp":
+            raise ValueError(f"engine {self.engine}: its DRAM ranking and trims are carried "
+                             "out by the agent's own tier; agent.backend lmcache-mp has none "
+                             "(use backend local, or engine vllm-lmcache)")
+        if self.engine == "sglang-hicache" and self.agent.backend == "lmcache-mp":
+            raise ValueError("engine sglang-hicache: SGLang's nodes warm through "
+                             "agent.backend sglang, not lmcache-mp")
+        if self.agent.tier_eviction == "predicted" and not ranking:
+            raise ValueError(f"agent.tier_eviction: predicted ranks the tier by the "
+                             f"scheduler's forecasts, which engine {self.engine} does not "
+                             "grant (engine local does)")
+        if self.agent.tier_eviction is None:
+            agent = self.agent.model_copy(
+                update={"tier_eviction": "predicted" if ranking else "lru"})
+            object.__setattr__(self, "agent", agent)
+
+    def engine_mechanisms(self) -> dict[str, str]:
+        """What each mechanism the engine profile grants is carried out by on the
+        nodes of this deployment (mechanism -> the setting or API)."""
+        live = {
+            Mechanism.DEMOTE_ON_EVICT: "lmcache.mp.lazy_offload in vLLM's connector config "
+            "(vllm_connector)" if self.agent.backend == "lmcache-mp" else
+            "the engine's write-back of evicted KV (SGLang --hicache-write-policy write_back)",
+            Mechanism.ASYNC_LOAD: "the engine's connector loads asynchronously",
+            Mechanism.QUEUED_LOAD: "lmcache.mp.eager_prefetch in vLLM's connector config "
+            "(vllm_connector)" if self.agent.backend == "lmcache-mp" else
+            "the scheduler's demand order at routing",
+            Mechanism.EVICT_ADVICE: "the agent's evict advice to "
+            + ("LMCache's L1" if self.agent.backend == "lmcache-mp" else "its own tier"),
+            Mechanism.DRAM_RANKING: f"agent.tier_eviction: {self.agent.tier_eviction}",
+            Mechanism.TRIMS: "the agent's trim advice to its own tier",
+        }
+        return {m.value: live[m] for m in ENGINES[self.engine].mechanisms}
+
+    def vllm_connector(self, lmcache_host: str, lmcache_port: int) -> dict[str, Any]:
+        """vLLM's ``--kv-transfer-config`` for a node of this deployment: the LMCache MP
+        connector at ``lmcache_host:lmcache_port``, with the engine profile's LMCache
+        mechanisms on (``lazy_offload`` for demote-on-evict, ``eager_prefetch`` for loads
+        that start while the request is queued)."""
+        from kvprefetch.agents.vllm.server import lmcache_connector_config
+
+        profile = ENGINES[self.engine]
+        return lmcache_connector_config(
+            lmcache_host, lmcache_port,
+            lazy_offload=profile.offers(Mechanism.DEMOTE_ON_EVICT),
+            eager_prefetch=profile.offers(Mechanism.QUEUED_LOAD))
+
+    def vllm_kv_events(self, node_ip: str = "") -> dict[str, Any] | None:
+        """vLLM's ``--kv-events-config`` for a node of this deployment (None without
+        ``agent.vllm``, or with its ``kv_events: off``): the ZMQ publisher bound on every
+        address at the port of ``agent.vllm.endpoint`` (with ``bind``: connecting to the
+        agent there), and the replay socket bound at the port of its ``replay_endpoint``
+        (with ``bind``: on that address). ``node_ip``: the node's address, for
+        ``{node_ip}`` in them."""
+        events = self.agent.vllm_for(node_ip)
+        if events is None or events.kv_events == "off":
+            return None
+        raw = self.agent.vllm
+        if events.bind and not node_ip and raw is not None and (
+                "{node_ip}" in raw.endpoint + raw.replay_endpoint):
+            raise ConfigError("agent.vllm.bind: vLLM connects to the node's own address; "
+                              "give the node's address (KVP_NODE_IP)")
+
+        def bound(url: str) -> str:
+            return f"tcp://*:{url.rsplit(':', 1)[1]}"
+
+        def at(url: str) -> str:
+            return url if events.bind else bound(url)
+
+        config: dict[str, Any] = {"enable_kv_cache_events": True, "publisher": "zmq",
+                                  "endpoint": at(events.endpoint), "topic": events.topic}
+        if events.replay_endpoint:
+            config["replay_endpoint"] = at(events.replay_endpoint)
+        return config
 
     def auth(self) -> TenantAuth:
         """The credentials, their secrets read now (ConfigError naming the tenant and
@@ -303,7 +420,8 @@ class ServeConfig(_Section):
                                 if getattr(t, field) is not None}
         try:
             return ServiceConfig.model_validate(
-                {**self.service, **tenancy, "limits": self.http.limits, "fleet": fleet,
+                {**self.service, **tenancy, "engine": self.engine,
+                 "limits": self.http.limits, "fleet": fleet,
                  "node_names": tuple(node_names), "initial_nodes": initial_nodes})
         except ValidationError as exc:
             raise ConfigError(_describe(exc, "service")) from None

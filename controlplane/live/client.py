@@ -63,10 +63,12 @@ from kvprefetch.controlplane.base.wire import (
     AgentStatus,
     EngineReport,
     GpuStartPlan,
+    HbmReport,
     TierEvictions,
     TransferReport,
 )
 from kvprefetch.controlplane.live.batching import EventBatcher, EventBatching
+from kvprefetch.controlplane.live.node_registry import NodeListing, NodeRegistryAPI
 from kvprefetch.controlplane.live.packing import pack, unpack
 from kvprefetch.controlplane.live.protocol import GatewayAPI, RemoteAPI, SchedulerAPI
 from kvprefetch.controlplane.live.route_claims import ClaimHolder
@@ -300,6 +302,9 @@ class RayTransport:
     def tier_evicted(self, evictions: TierEvictions) -> None:
         self._get("tier_evicted", self._handle.tier_evicted.remote(evictions))
 
+    def hbm_changed(self, report: HbmReport) -> None:
+        self._get("hbm_changed", self._handle.hbm_changed.remote(report))
+
     # ------------------------------------------------------------------ introspection
     def shard_info(self) -> tuple[int, int]:
         """(the shard this transport calls, how many the deployment runs)."""
@@ -327,6 +332,10 @@ class RayTransport:
     def remembers_route(self, tenant: str, request_id: str, session_id: str) -> bool:
         return bool(self._get("remembers_route", self._handle.remembers_route.remote(
             tenant, request_id, session_id)))
+
+    def nodes(self) -> NodeListing:
+        listing: NodeListing = self._get("nodes", self._handle.nodes.remote())
+        return listing
 
     def session_state(self, call: SessionQuery) -> SessionState:
         state: SessionState = self._get("session_state",
@@ -405,6 +414,13 @@ class InProcessTransport:
         answer: api.Ack = self._wait("session_closed",
                                      lambda: self.scheduler.session_closed(call))
         return answer
+
+    def nodes(self) -> NodeListing:
+        scheduler = self.scheduler
+        if not isinstance(scheduler, NodeRegistryAPI):
+            raise ServiceUnavailableError("this scheduler keeps no node registry")
+        listing: NodeListing = self._wait("nodes", scheduler.nodes)
+        return listing
 
     def session_state(self, call: SessionQuery) -> SessionState:
         state: SessionState = self._wait("session_state",
@@ -491,6 +507,20 @@ class HttpTransport:
 
     def session_state(self, call: SessionQuery) -> SessionState:
         return SessionState.model_validate(self._post("session_state", call))
+
+    def nodes(self) -> NodeListing:
+        """``GET /nodes``."""
+        import httpx
+
+        try:
+            resp = self._client.get("/nodes", timeout=self.timeout_s)
+        except httpx.TimeoutException as exc:
+            raise TimeoutError(f"nodes timed out after {self.timeout_s} s") from exc
+        except httpx.HTTPError as exc:
+            raise ServiceUnavailableError(f"scheduler HTTP API unreachable: {exc}") from exc
+        if resp.status_code >= 400:
+            raise _http_error("nodes", resp.status_code, resp.text)
+        return NodeListing.model_validate(resp.json())
 
 
 def _http_error(path: str, status: int, text: str) -> ServiceError:
@@ -717,6 +747,14 @@ class Client:
         except ValueError as exc:
             raise InvalidRequestError(f"invalid SessionQuery: {exc}") from None
         return self._bounded(timeout_s).session_state(payload)
+
+    def nodes(self, *, timeout_s: float | None = None) -> NodeListing:
+        """The scheduler's node registry: every node slot, whether it is routed to and
+        its engine's URL (:mod:`~kvprefetch.controlplane.live.node_registry`)."""
+        remote = self._bounded(timeout_s)
+        if not isinstance(remote, NodeRegistryAPI):
+            raise ServiceUnavailableError("this transport has no node registry")
+        return remote.nodes()
 
 
 if TYPE_CHECKING:  # mypy checks the transports against the Protocols they implement

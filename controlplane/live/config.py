@@ -12,6 +12,7 @@ from kvprefetch.controlplane.base.config import FleetConfig, default_fleet
 from kvprefetch.controlplane.base.errors import InvalidRequestError
 from kvprefetch.controlplane.base.keys import DEFAULT_CHUNK_TOKENS
 from kvprefetch.controlplane.base.shards import MAX_SHARDS
+from kvprefetch.controlplane.core.engines import ENGINES, on_engine
 from kvprefetch.controlplane.core.policies import POLICIES, PolicySpec
 from kvprefetch.controlplane.core.quotas import TenantQuota
 from kvprefetch.controlplane.live.limits import RequestLimits, check_tenant_name
@@ -33,6 +34,11 @@ class ServiceConfig(BaseModel):
     initial_nodes: int | None = Field(None, ge=1)
     policy: str = "predictive"
     predictor: str = "default"
+    #: The engine profile the nodes run (:data:`~kvprefetch.controlplane.core.engines.
+    #: ENGINES`, as ``kvprefetch sim --engine``): the policy runs with the mechanisms it
+    #: grants (:func:`~kvprefetch.controlplane.core.engines.on_engine`). None: the policy
+    #: as declared.
+    engine: str | None = None
     #: Service seconds per wall second: 1 in production; >1 replays a trace faster (the
     #: demo). Every time the core sees is on this clock.
     time_compression: float = Field(1.0, gt=0, le=100_000)
@@ -94,6 +100,9 @@ class ServiceConfig(BaseModel):
         if POLICIES[self.policy].predictor == "oracle":
             raise ValueError(f"policy {self.policy!r} reads the future (the oracle "
                              "predictor): simulator only")
+        if self.engine is not None and self.engine not in ENGINES:
+            raise ValueError(f"unknown engine profile {self.engine!r}; known: "
+                             f"{', '.join(ENGINES)}")
         if self.initial_nodes is not None and self.initial_nodes > self.fleet.nodes:
             raise ValueError(f"initial_nodes={self.initial_nodes} is more than the fleet's "
                              f"{self.fleet.nodes} nodes")
@@ -125,7 +134,9 @@ class ServiceConfig(BaseModel):
 
     @property
     def policy_spec(self) -> PolicySpec:
-        return POLICIES[self.policy]
+        """The policy, on the engine profile when one is named."""
+        policy = POLICIES[self.policy]
+        return policy if self.engine is None else on_engine(policy, ENGINES[self.engine])
 
     def max_live_sessions(self, tenant: str) -> int:
         """The live-session quota of ``tenant``."""

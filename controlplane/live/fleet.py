@@ -16,6 +16,8 @@ class NodeState:
     running_end_s: float = 0.0
     #: Tokens of each session in the node's HBM (the engine's reports).
     hbm: dict[str, int] = field(default_factory=dict)
+    #: The engine's block size when its HBM reports count whole blocks (0: exact counts).
+    hbm_block_tokens: int = 0
     #: The current incarnation of the node's agent (orders to an earlier one are lost).
     incarnation: str = ""
 
@@ -40,7 +42,12 @@ class LiveFleet:
         return self._orders.pending_bytes(node) * self._s_per_byte
 
     def hbm_tokens(self, node: int, session_id: str) -> int:
-        return self.nodes[node].hbm.get(session_id, 0)
+        """The session's tokens in the node's HBM; where the engine reports whole blocks,
+        up to the end of the block after them (the engine never caches a trailing partial
+        block, so holding every whole block is holding what it keeps of the context)."""
+        n = self.nodes[node]
+        tokens = n.hbm.get(session_id, 0)
+        return tokens + n.hbm_block_tokens - 1 if tokens and n.hbm_block_tokens else tokens
 
     def remote_source(self, session_id: str) -> tuple[float, float]:
         return self._s_per_byte, self._latency_s

@@ -42,6 +42,7 @@ import json
 import logging
 import os
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -58,6 +59,7 @@ from kvprefetch.controlplane.live.gateway_options import (
     stores_of_serve_config,
     token_store,
 )
+from kvprefetch.controlplane.live.node_registry import UpstreamDirectory
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +92,10 @@ class GatewayConfig(BaseModel):
     cache_salt: str = ""
     #: The ``deployment`` label of the gateway's latency histograms.
     deployment: str = "default"
+    #: Follow the scheduler's node registry, read this often (seconds): nodes that join
+    #: get traffic, lost ones none, a new engine address is used (:mod:`~kvprefetch.
+    #: controlplane.live.node_registry`). 0: the configured upstreams only.
+    nodes_refresh_s: float = Field(default=5.0, ge=0)
 
 
 @dataclass(frozen=True)
@@ -115,7 +121,9 @@ class Gateway:
         self._salt = tenant_cache_salt(config.tenant or DEFAULT_TENANT, config.cache_salt)
         self._scheduler = scheduler
         self._tokens = tokens
-        self._in_flight = [0] * len(config.upstreams)
+        #: Node -> engine URL, following the scheduler's node registry once started.
+        self.nodes = UpstreamDirectory(config.upstreams)
+        self._in_flight: Counter[int] = Counter()
         self._http: Any = None
         #: An httpx transport for the upstream calls (tests: an ASGI app); None = network.
         self._transport = transport
@@ -130,8 +138,13 @@ class Gateway:
         if self._http is None:
             self._http = httpx.AsyncClient(timeout=self.config.upstream_timeout_s,
                                            transport=self._transport)
+        scheduler: Any = self._scheduler
+        if self.config.nodes_refresh_s > 0 and hasattr(scheduler, "nodes"):
+            self.nodes.follow(lambda: scheduler.nodes(
+                timeout_s=self.config.scheduler_timeout_s), self.config.nodes_refresh_s)
 
     async def close(self) -> None:
+        self.nodes.close()
         if self._http is not None:
             await self._http.aclose()
             self._http = None
@@ -152,7 +165,12 @@ class Gateway:
         return f"prefix-{digest}"
 
     def least_loaded(self) -> int:
-        return min(range(len(self._in_flight)), key=lambda n: (self._in_flight[n], n))
+        nodes = self.nodes.routable() or tuple(range(len(self.config.upstreams)))
+        return min(nodes, key=lambda n: (self._in_flight[n], n))
+
+    def upstream(self, node: int) -> str:
+        """Node ``node``'s engine URL (its configured one when the registry has none)."""
+        return self.nodes.url(node) or self.config.upstreams[node]
 
     async def token_ids(self, endpoint: Endpoint, body: dict[str, Any]) -> list[int]:
         """The prompt's token ids as the engine sees them (its chat template included)."""
@@ -170,7 +188,7 @@ class Gateway:
         else:
             request["prompt"] = prompt
         response = await self._http.post(
-            f"{self.config.upstreams[self.least_loaded()]}/tokenize", json=request)
+            f"{self.upstream(self.least_loaded())}/tokenize", json=request)
         response.raise_for_status()
         return [int(t) for t in response.json()["tokens"]]
 
@@ -194,7 +212,7 @@ class Gateway:
                 answer = None
             node = getattr(answer, "node", None)
             routed = (Routed(node, "scheduler")
-                      if node is not None and 0 <= node < len(self.config.upstreams)
+                      if node is not None and self.nodes.url(node) is not None
                       else Routed(self.least_loaded(), "load"))
             self.metrics.route_time(time.perf_counter() - started, node=routed.node,
                                     tenant=self.metrics_tenant())
@@ -269,7 +287,7 @@ class Gateway:
         self._enter(node)
         try:
             response = await self._http.post(
-                f"{self.config.upstreams[node]}/v1/{endpoint}", json=self.salted(body))
+                f"{self.upstream(node)}/v1/{endpoint}", json=self.salted(body))
         finally:
             self._leave(node)
         return response.status_code, response.json()
@@ -286,7 +304,7 @@ class Gateway:
         self._enter(node)
         try:
             async with self._http.stream(
-                    "POST", f"{self.config.upstreams[node]}/v1/{endpoint}",
+                    "POST", f"{self.upstream(node)}/v1/{endpoint}",
                     json=upstream_body) as response:
                 outcome["status"] = response.status_code
                 if response.status_code != 200:
@@ -300,6 +318,17 @@ class Gateway:
                         yield (line + "\n\n").encode()
         finally:
             self._leave(node)
+
+
+def engine_body(body: dict[str, Any], key: SessionKey) -> dict[str, Any]:
+    """The request as the engine gets it: vLLM's ``session_id`` is the session's wire
+    name, and ``kv_cache_report_mode: full`` makes its KV events name the session for the
+    prefix it reuses too, so that the node's agent maps HBM blocks to sessions
+    (:mod:`kvprefetch.agents.vllm.hbm_residency`). A caller's own values are replaced."""
+    xargs = body.get("vllm_xargs")
+    return {**body, "session_id": key.wire,
+            "vllm_xargs": {**(xargs if isinstance(xargs, dict) else {}),
+                           "kv_cache_report_mode": "full"}}
 
 
 def cached_tokens(usage: dict[str, Any]) -> int | None:
@@ -363,6 +392,7 @@ def build_app(gateway: Gateway) -> Any:
             gateway.metrics.requests.labels(endpoint, "upstream_unreachable").inc()
             return JSONResponse({"error": {"message": f"no engine answered: {exc}"}}, 502)
         returning = gateway.returning(session)
+        body = engine_body(body, SessionKey(gateway.metrics_tenant(), session))
 
         def first_token() -> None:
             gateway.metrics.ttft(time.perf_counter() - arrival, node=routed.node,
@@ -419,7 +449,7 @@ def build_app(gateway: Gateway) -> Any:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        response = await gateway._http.get(f"{gateway.config.upstreams[0]}/v1/models")
+        response = await gateway._http.get(f"{gateway.nodes.any_url()}/v1/models")
         return Response(response.content, response.status_code,
                         media_type="application/json")
 
@@ -526,7 +556,7 @@ def run(args: argparse.Namespace) -> int:
         tokens = store_sink(store)
     salt = os.environ.get(args.cache_salt_env, "") if args.cache_salt_env else ""
     gateway = Gateway(GatewayConfig(upstreams=args.upstream, tenant=args.tenant,
-                                    cache_salt=salt),
+                                    cache_salt=salt, nodes_refresh_s=args.nodes_refresh_s),
                       scheduler=scheduler, tokens=tokens)
     uvicorn.run(build_app(gateway), host=args.host, port=args.port)
     return 0

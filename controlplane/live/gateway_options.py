@@ -45,6 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "agents' Valkey, or S3 without one: address, password, TLS, "
                         "key_prefix), where the gateway puts each session's token ids")
     parser.add_argument("--valkey", nargs="?", action=_NoValkeyFlag, help=argparse.SUPPRESS)
+    parser.add_argument("--nodes-refresh-s", type=float, default=5.0,
+                        help="follow the scheduler's node registry, read this often "
+                        "(seconds): joined nodes get requests, lost ones none; 0 = the "
+                        "--upstream list only")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080)
 

@@ -118,6 +118,7 @@ from kvprefetch.controlplane.live.limits import (
     prehash,
 )
 from kvprefetch.controlplane.live.metrics import pseudonymize_tenants, tenant_pseudonyms
+from kvprefetch.controlplane.live.node_registry import NodeListing, NodeRegistryAPI
 from kvprefetch.controlplane.live.protocol import GatewayAPI, RemoteAPI
 from kvprefetch.controlplane.live.sessions import SessionQuery, SessionState
 from kvprefetch.controlplane.live.tenants import Principal, TenantAuth
@@ -551,6 +552,14 @@ def create_app(scheduler: GatewayAPI | Client, *, bearer_token: str | None = Non
                 return JSONResponse(Health(status="unavailable", detail=detail).model_dump(),
                                     status_code=503)
         return Health(status="ok")
+
+    @app.get("/nodes", response_model=NodeListing, tags=["ops"], responses=responses)
+    def nodes(principal: Principal = Depends(authenticate)) -> Any:  # noqa: B008
+        """The scheduler's node registry: every node slot, whether requests are routed to
+        it, and its engine's URL (the gateway follows it)."""
+        if not isinstance(backend, NodeRegistryAPI):
+            raise ServiceUnavailableError("this scheduler keeps no node registry")
+        return backend.nodes()
 
     def openapi() -> dict[str, Any]:
         # The operations read their bodies themselves (bounded, see http_body): the

@@ -14,10 +14,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-from kvprefetch.controlplane.base.wire import AgentHello, AgentStatus, TierEvictions
+from kvprefetch.controlplane.base.wire import AgentHello, AgentStatus, HbmReport, TierEvictions
 from kvprefetch.controlplane.core.scheduler import SchedulerCore
 from kvprefetch.controlplane.live.config import ServiceClock, ServiceConfig
 from kvprefetch.controlplane.live.fleet import LiveFleet
+from kvprefetch.controlplane.live.node_registry import NodeListing, node_listing
 from kvprefetch.controlplane.live.ports import Outbox, ServiceMetricsSink, ServiceStats
 from kvprefetch.controlplane.live.sessions import SessionRegistry
 from kvprefetch.controlplane.live.transfers import Carry, TransferOutcomes
@@ -28,7 +29,7 @@ log = logging.getLogger(__name__)
 class FleetMembership:
     """Node slots in and out of the fleet, and the agents' calls about their nodes: hello
     (a (re)started agent; a joining node), status (the tier's capacity) and the tier's
-    own evictions."""
+    own evictions, and what the node's engine holds in HBM."""
 
     def __init__(self, config: ServiceConfig, core: SchedulerCore, fleet: LiveFleet,
                  registry: SessionRegistry, transfers: TransferOutcomes, clock: ServiceClock,
@@ -48,6 +49,9 @@ class FleetMembership:
         names = config.node_names
         self._names = list(names) if names is not None else [
             f"node-{i}" for i in range(config.fleet.nodes)]
+        #: Each node's engine URL as its agent's latest hello named it ("" = none).
+        self._engine_urls = [""] * config.fleet.nodes
+        self.nodes_lost = 0
 
     def node_name(self, node: int) -> str:
         """The node's name: configured, else the one its agent gave when it joined, else
@@ -65,6 +69,22 @@ class FleetMembership:
         if self.out_nodes:
             log.info("nodes %s are out of the fleet until their agents say hello",
                      ", ".join(str(n) for n in sorted(self.out_nodes)))
+
+    def node_lost(self, node: int, box: Outbox) -> None:
+        """The deployment lost the node (its Ray node died, its pod went away): it is out
+        of the fleet (never routed to, its books dropped) until an agent of its slot says
+        hello again. Counted in ``nodes_lost``; a node already out changes nothing."""
+        if node in self.out_nodes:
+            return
+        self.nodes_lost += 1
+        self.metrics.event("node_lost")
+        log.warning("node %d (%s) was lost: out of the fleet until its agent says hello "
+                    "again", node, self.node_name(node))
+        self.mark_out([node], box)
+
+    def listing(self) -> NodeListing:
+        """The node registry (:mod:`~kvprefetch.controlplane.live.node_registry`)."""
+        return node_listing(self._names, self.out_nodes, self._engine_urls)
 
     def node_joined(self, node: int, now: float, box: Outbox, *, replayed: bool = False
                     ) -> None:
@@ -93,6 +113,8 @@ class FleetMembership:
         joining = hello.node in self.out_nodes
         if joining and hello.node_name:
             self._names[hello.node] = hello.node_name
+        if hello.engine_url:
+            self._engine_urls[hello.node] = hello.engine_url
         self.fleet.nodes[hello.node].incarnation = hello.incarnation
         self.transfers.lost_with_agent(hello.node, hello.incarnation, now, box)
         if hello.inventory is not None:
@@ -147,3 +169,33 @@ class FleetMembership:
         self._carry(self.core.forget_local(evictions.node, set(evictions.sessions),
                                            self.clock.now_s()), box)
         self.stats.tier_evictions += before - len(self.core.dram[evictions.node])
+
+    def hbm_changed(self, report: HbmReport, box: Outbox) -> None:
+        """The node's engine's HBM prefix cache changed (its KV events, through the
+        node's agent): the node's HBM mirror (what routing and the books count as local
+        in HBM) takes the reported tokens, a ``full`` listing replaces it. A session whose
+        HBM prefix shrank is handed to the core as an HBM eviction
+        (:meth:`SchedulerCore.hbm_evicted`: under demote-on-evict its context is booked
+        into the node's DRAM tier, where the engine writes it on eviction). A report of
+        another incarnation than the node's current one changes nothing."""
+        node = self.fleet.nodes[report.node]
+        if node.incarnation and report.incarnation != node.incarnation:
+            return
+        hbm = node.hbm
+        if report.block_tokens:
+            node.hbm_block_tokens = report.block_tokens
+        named = dict(report.sessions)
+        before = dict(hbm)
+        if report.full:
+            hbm.clear()
+            self.stats.hbm_resyncs += 1
+        for sid, tokens in named.items():
+            if tokens > 0:
+                hbm[sid] = tokens
+            else:
+                hbm.pop(sid, None)
+        now = self.clock.now_s()
+        for sid, old in sorted(before.items()):
+            if hbm.get(sid, 0) < old:
+                self.stats.hbm_evictions += 1
+                self._carry(self.core.hbm_evicted(sid, report.node, old, now), box)

@@ -147,6 +147,10 @@ class ServiceStats:
     quota_changes: int = 0
     #: Books entries dropped because the node's tier evicted them by its own order.
     tier_evictions: int = 0
+    #: Sessions the nodes' engines dropped from HBM (their KV events), and the HBM
+    #: listings that replaced a node's mirror (an agent's first, or after a gap).
+    hbm_evictions: int = 0
+    hbm_resyncs: int = 0
     #: The latest :data:`SAMPLE_WINDOW` samples.
     ttlb_s: deque[float] = field(default_factory=_window)
     lateness_s: deque[float] = field(default_factory=_window)

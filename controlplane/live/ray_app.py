@@ -54,10 +54,12 @@ from kvprefetch.controlplane.base.wire import (
     AgentStatus,
     EngineReport,
     GpuStartPlan,
+    HbmReport,
     TierEvictions,
     TransferOrder,
     TransferReport,
 )
+from kvprefetch.controlplane.live.node_registry import NodeListing
 from kvprefetch.controlplane.live.packing import pack, unpack, unpack_event
 from kvprefetch.controlplane.live.protocol import SchedulerAPI
 from kvprefetch.controlplane.live.route_claims import ClaimHolder
@@ -245,6 +247,15 @@ class _SchedulerActor:
     def tier_evicted(self, evictions: TierEvictions) -> None:
         self.svc.tier_evicted(evictions)
 
+    def hbm_changed(self, report: HbmReport) -> None:
+        self.svc.hbm_changed(report)
+
+    def nodes(self) -> NodeListing:
+        return self.svc.nodes()
+
+    def node_left(self, node: int) -> None:
+        self.svc.node_left(node)
+
     def summary(self) -> dict[str, Any]:
         return self.svc.summary()
 
@@ -368,9 +379,19 @@ class Deployment:
                 log.info("placed agent %d on Ray node %s at %s: tier %s", node, w["node_id"],
                          w["ip"], w["tier_path"] or f"LMCache L1 at {w['lmcache_url']}")
 
+        def lost(node: int) -> None:
+            # Every shard takes the node out; the slot's agent actor goes (its name would
+            # pin the slot's next start).
+            ray.get([s.node_left.remote(node) for s in self.schedulers or [self.scheduler]],
+                    timeout=self.ready_timeout_s)
+            for name in (agent_name(node), engine_name(node)):
+                with contextlib.suppress(ValueError):
+                    ray.kill(ray.get_actor(name, namespace=self.namespace), no_restart=True)
+            self.placements.pop(node, None)
+
         placed = {p.key: i for i, p in self.placements.items()}
         self.watcher = NodeWatcher(discover, start, capacity=self.capacity, placed=placed,
-                                   interval_s=interval_s).start()
+                                   interval_s=interval_s, lost=lost).start()
         return self.watcher
 
     def shutdown(self) -> None:
@@ -538,15 +559,27 @@ class NodeWatcher:
     ``start(slot, candidate)`` starts its agent (and engine): the agent's hello makes the
     scheduler take the node in and warm it. A start that fails is logged and counted, and
     retried on the next poll; once the fleet is full, refused nodes are logged once and
-    ignored. The loop never dies. :meth:`poll` runs one pass (tests call it directly)."""
+    ignored. A placed node that ``discover()`` no longer lists in ``LOST_AFTER_POLLS``
+    polls in a row (its Ray node died or no longer matches) is lost: ``lost(slot)`` takes
+    it out of the fleet and its slot is free for a node that joins later. The loop never
+    dies. :meth:`poll` runs one pass (tests call it directly)."""
+
+    #: Polls in a row a placed node must be missing from to count as lost (one poll may
+    #: see a raylet that is re-registering).
+    LOST_AFTER_POLLS = 2
 
     def __init__(self, discover: Callable[[], Sequence[NodeCandidate]],
                  start: Callable[[int, NodeCandidate], None], *, capacity: int,
-                 placed: Mapping[str, int], interval_s: float = 5.0) -> None:
+                 placed: Mapping[str, int], interval_s: float = 5.0,
+                 lost: Callable[[int], None] | None = None) -> None:
         if interval_s <= 0:
             raise ValueError("interval_s must be positive")
         self._discover = discover
         self._start = start
+        self._lost = lost
+        #: Placed nodes missing from the last polls, by key: polls missed in a row.
+        self._missing: dict[str, int] = {}
+        self.lost = 0
         self.capacity = capacity
         #: Slot of every node placed so far, by :attr:`Placement.key`.
         self.placed: dict[str, int] = dict(placed)
@@ -586,9 +619,35 @@ class NodeWatcher:
                 self.poll_errors += 1
                 log.exception("node watcher: poll failed")
 
+    def _forget_lost(self, listed: set[str]) -> None:
+        """Placed nodes missing ``LOST_AFTER_POLLS`` polls in a row: ``lost(slot)``,
+        then the slot is free. A ``lost`` that fails is retried on the next poll."""
+        if self._lost is None:
+            return
+        for key in [k for k in self._missing if k in listed]:
+            del self._missing[key]
+        for key, slot in sorted(self.placed.items(), key=lambda kv: kv[1]):
+            if key in listed:
+                continue
+            self._missing[key] = misses = self._missing.get(key, 0) + 1
+            if misses < self.LOST_AFTER_POLLS:
+                continue
+            log.warning("Ray node %s (node %d) is gone: taking the node out of the fleet",
+                        key, slot)
+            try:
+                self._lost(slot)
+            except Exception as exc:  # retried on the next poll
+                log.warning("node %d: could not report it lost: %s", slot, exc)
+                continue
+            del self.placed[key]
+            del self._missing[key]
+            self.lost += 1
+
     def poll(self) -> list[int]:
         """One pass; returns the slots whose actors were started."""
-        joins, refused = assign_slots(self._discover(), self.placed, self.capacity)
+        candidates = self._discover()
+        self._forget_lost({c.placement.key for c in candidates})
+        joins, refused = assign_slots(candidates, self.placed, self.capacity)
         started = []
         for slot, candidate in joins:
             if self._stop.is_set():

@@ -71,6 +71,7 @@ from kvprefetch.controlplane.base.wire import (
     AgentStatus,
     EngineReport,
     GpuStartPlan,
+    HbmReport,
     TierEvictions,
     TransferOrder,
     TransferReport,
@@ -81,6 +82,7 @@ from kvprefetch.controlplane.live.config import ServiceClock, ServiceConfig
 from kvprefetch.controlplane.live.driver import LiveDriver, check_node
 from kvprefetch.controlplane.live.fleet import LiveFleet
 from kvprefetch.controlplane.live.limits import check_call, prehash
+from kvprefetch.controlplane.live.node_registry import NodeListing
 from kvprefetch.controlplane.live.orders import OrderBook
 from kvprefetch.controlplane.live.ports import (
     AgentFanout,
@@ -446,6 +448,25 @@ class SchedulerService:
         check_node(evictions.node, self.config.fleet.nodes)
         with self._step() as box:
             self.driver.members.tier_evicted(evictions, box)
+
+    def hbm_changed(self, report: HbmReport) -> None:
+        """The node's engine's HBM prefix cache changed: the node's HBM mirror follows
+        (:meth:`FleetMembership.hbm_changed`)."""
+        check_node(report.node, self.config.fleet.nodes)
+        with self._step() as box:
+            self.driver.members.hbm_changed(report, box)
+
+    def nodes(self) -> NodeListing:
+        """The node registry: each slot, whether it is routed to, its engine's URL."""
+        with self._lock:
+            return self.driver.members.listing()
+
+    def node_left(self, node: int) -> None:
+        """The deployment lost ``node`` (its Ray node died): out of the fleet until an
+        agent of its slot says hello again (:meth:`FleetMembership.node_lost`)."""
+        check_node(node, self.config.fleet.nodes)
+        with self._step() as box:
+            self.driver.members.node_lost(node, box)
 
     def report_transfer(self, report: TransferReport) -> None:
         """An agent finished (or gave up) an order. Idempotent per order id."""

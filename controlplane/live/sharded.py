@@ -28,18 +28,25 @@ from kvprefetch.controlplane.base.errors import (
     ServiceError,
     ServiceUnavailableError,
 )
-from kvprefetch.controlplane.base.shards import ShardRing, split_engine_report, split_tier_evictions
+from kvprefetch.controlplane.base.shards import (
+    ShardRing,
+    split_engine_report,
+    split_hbm_report,
+    split_tier_evictions,
+)
 from kvprefetch.controlplane.base.wire import (
     AgentHello,
     AgentStatus,
     EngineReport,
     GpuStartPlan,
+    HbmReport,
     TierEvictions,
     TransferReport,
     order_epoch,
 )
 from kvprefetch.controlplane.live.batching import EventBatcher, EventBatching
 from kvprefetch.controlplane.live.client import RayTransport, with_timeout
+from kvprefetch.controlplane.live.node_registry import NodeListing
 from kvprefetch.controlplane.live.protocol import RemoteAPI, SchedulerAPI
 from kvprefetch.controlplane.live.route_claims import request_id_shard
 from kvprefetch.controlplane.live.sessions import SessionQuery, SessionState
@@ -216,6 +223,14 @@ class ShardedTransport:
     def tier_evicted(self, evictions: TierEvictions) -> None:
         for shard, part in split_tier_evictions(evictions, self.ring).items():
             self.transports[shard].tier_evicted(part)
+
+    def nodes(self) -> NodeListing:
+        """The node registry (every shard keeps the same: each gets every hello)."""
+        return self.transports[0].nodes()
+
+    def hbm_changed(self, report: HbmReport) -> None:
+        for shard, part in split_hbm_report(report, self.ring).items():
+            self.transports[shard].hbm_changed(part)
 
     def report_transfer(self, report: TransferReport) -> None:
         shard = order_epoch(report.order_id) % len(self.transports)

@@ -45,11 +45,12 @@ def driver_summary(driver: LiveDriver) -> dict[str, Any]:
         "finishes_without_node": s.finishes_without_node,
         "quota_changes": s.quota_changes,
         "tier_evictions": s.tier_evictions,
+        "hbm_evictions": s.hbm_evictions, "hbm_resyncs": s.hbm_resyncs,
         "tier_quota_bytes": {driver.node_name(i): t.capacity_bytes
                              for i, t in enumerate(core.dram)},
         "live_sessions_per_tenant": dict(driver.registry.per_tenant),
         "tenant_shares": _tenant_shares(driver),
-        "nodes_joined": members.nodes_joined,
+        "nodes_joined": members.nodes_joined, "nodes_lost": members.nodes_lost,
         "nodes_out": [driver.node_name(n) for n in sorted(members.out_nodes)],
         "sizes": {"sessions": len(driver.registry), "core_sessions": core.sessions(),
                   "timers": len(driver.timers), **driver.orders.sizes()},

@@ -162,6 +162,27 @@ EOF
 }
 
 # LMCache's --l2-adapter JSON: our plugin over the serve config's Valkey and S3.
+# vLLM's --kv-transfer-config from the serve config: the engine profile's LMCache mechanisms
+# (lazy_offload for vllm-lmcache-lazy, eager_prefetch for queued loads) on the connector.
+vllm_connector_json() {
+  "$PY" - "$SERVE_CONFIG" "$LMCACHE_HOST" "$LMCACHE_PORT" <<'EOF'
+import json, sys
+from kvprefetch.controlplane.cli.serve_config import load_serve_config
+print(json.dumps(load_serve_config(sys.argv[1]).vllm_connector(sys.argv[2], int(sys.argv[3]))))
+EOF
+}
+
+# vLLM's --kv-events-config from the serve config's agent.vllm ("" without it): the agent
+# follows vLLM's HBM stores and evictions.
+vllm_kv_events_json() {
+  "$PY" - "$SERVE_CONFIG" "${KVP_NODE_IP:-}" <<'EOF'
+import json, sys
+from kvprefetch.controlplane.cli.serve_config import load_serve_config
+events = load_serve_config(sys.argv[1]).vllm_kv_events(sys.argv[2])
+print(json.dumps(events) if events else "")
+EOF
+}
+
 l2_adapter_json() {
   "$PY" - "$SERVE_CONFIG" <<'EOF'
 import json, sys, yaml
@@ -189,14 +210,17 @@ role_gpu() {
   [[ ${KVP_START_VLLM:-1} == 1 ]] || return 0
   [[ -n ${KVP_VLLM_MODEL:-} ]] || die "KVP_VLLM_MODEL: the model vLLM serves"
   local connector
-  connector=$(printf '{"kv_connector":"LMCacheMPConnector","kv_role":"kv_both","kv_connector_extra_config":{"lmcache.mp.host":"tcp://%s","lmcache.mp.port":%s}}' \
-    "$LMCACHE_HOST" "$LMCACHE_PORT")
+  connector=$(vllm_connector_json) || die "cannot build vLLM's connector config from $SERVE_CONFIG"
+  local events=() kv_events
+  kv_events=$(vllm_kv_events_json) || die "cannot build vLLM's KV events config from $SERVE_CONFIG"
+  [[ -n $kv_events ]] && events=(--kv-events-config "$kv_events")
   local engine=("$BIN/vllm" serve "$KVP_VLLM_MODEL")
   [[ ${KVP_VLLM_ENTRY:-cli} == module ]] && \
     engine=("$PY" -m vllm.entrypoints.launchers.api_server.entry --model "$KVP_VLLM_MODEL")
   # shellcheck disable=SC2086  # KVP_VLLM_ARGS: several flags
   supervise vllm "${engine[@]}" --host "${KVP_VLLM_HOST:-0.0.0.0}" --port "$VLLM_PORT" \
-    --kv-transfer-config "$connector" --enable-prompt-tokens-details ${KVP_VLLM_ARGS:-}
+    --kv-transfer-config "$connector" ${events[@]+"${events[@]}"} --enable-prompt-tokens-details \
+    ${KVP_VLLM_ARGS:-}
 }
 
 role_stop() {

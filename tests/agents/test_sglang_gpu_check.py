@@ -166,6 +166,7 @@ def test_sglang_reads_the_launch_command_as_the_check_means_it(
     assert parsed.enable_hierarchical_cache and parsed.hicache_size == 16
     assert parsed.hicache_storage_backend == "dynamic"
     assert parsed.hicache_storage_prefetch_policy == "timeout"
+    assert parsed.hicache_write_policy == "write_back"  # the profile's demote-on-evict
     extra = json.loads(parsed.hicache_storage_backend_extra_config)
     assert extra["module_path"] == "kvprefetch.agents.sglang.backend" and extra["interface_v1"] == 1
     assert SGLangStorageConfig.model_validate(extra["kvprefetch"]) == storage

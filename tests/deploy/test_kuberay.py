@@ -120,6 +120,9 @@ def test_the_gpu_group_has_the_agents_resource_lmcache_and_vllm() -> None:
     assert connector["kv_connector"] == "LMCacheMPConnector"
     port = re.search(r"--port (\d+)", script)
     assert port and connector["kv_connector_extra_config"]["lmcache.mp.port"] == int(port.group(1))
+    # the engine profile's LMCache mechanisms, as the serve config's engine grants them
+    want = cfg.vllm_connector("127.0.0.1", int(port.group(1)))["kv_connector_extra_config"]
+    assert want.items() <= connector["kv_connector_extra_config"].items()
 
 
 def test_the_configmap_serve_config_loads_and_matches_the_example(

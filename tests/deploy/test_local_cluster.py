@@ -135,6 +135,12 @@ class LocalCluster:
         doc["agent"]["lmcache"].update(http_url=f"http://{{node_ip}}:{self.lmcache_http_port}",
                                        model_name=str(self.model))
         doc["http"].update(host=HEAD_IP, port=self.api_port)
+        # each node's vLLM as the gateway reaches it (the agents announce it), and its KV
+        # events: several nodes on one machine, so each agent binds its own address
+        doc["agent"]["engine_url"] = f"http://{{node_ip}}:{self.vllm_port}"
+        doc["agent"]["vllm"] = {"kv_events": "auto", "bind": True,
+                                "endpoint": f"tcp://{{node_ip}}:{free_port()}",
+                                "replay_endpoint": f"tcp://{{node_ip}}:{free_port()}"}
         return doc
 
     def role_env(self, name: str, **settings: str) -> dict[str, str]:
@@ -276,6 +282,10 @@ def test_a_two_turn_session_is_warmed_on_its_node_and_read_from_lmcache_l1(
 
     # the engine's own cache forgets both: only LMCache's L1 can serve turn two
     httpx.post(f"{vllm[node]}/reset_prefix_cache", timeout=30).raise_for_status()
+    # vLLM publishes the reset in its KV events at its next step: a one-token request
+    # makes it step, and the scheduler's books learn that HBM holds neither session
+    httpx.post(f"{vllm[node]}/v1/completions", timeout=60, json={
+        "model": str(c.model), "prompt": [1], "max_tokens": 1}).raise_for_status()
     # the tool is about to finish: the scheduler orders the warm from L2 back into L1
     _hint(c, "deploy-s1", "tool_running", 2)
     _wait(lambda: warm[node].l1_usage().object_count == PROMPT_TOKENS // CHUNK,

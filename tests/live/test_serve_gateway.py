@@ -80,8 +80,10 @@ def test_the_gateway_serves_a_request_as_a_ray_serve_application() -> None:
             assert response.headers["x-session-id"] == "s1"
             assert response.headers["x-kvp-node"] == "0"
             # forwarded unchanged but for tenant t's cache salt (tenants never share KV)
+            # and the session vLLM's KV events name
             assert seen == [{"model": "m", "prompt": [1, 2, 3], "max_tokens": 1,
-                             "cache_salt": tenant_cache_salt("t")}]
+                             "cache_salt": tenant_cache_salt("t"), "session_id": "t/s1",
+                             "vllm_xargs": {"kv_cache_report_mode": "full"}}]
             metrics = httpx.get(f"{url}/metrics", timeout=30.0).text
             assert 'kvprefetch_gateway_requests_total{endpoint="completions",outcome="ok"} 1.0' \
                 in metrics

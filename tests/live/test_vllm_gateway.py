@@ -151,8 +151,11 @@ def test_a_completion_goes_to_the_scheduler_s_node_and_is_reported() -> None:
     response = h.run(calls)
     assert response.status_code == 200 and response.json()["choices"][0]["text"] == "ok"
     assert response.headers["x-kvp-node"] == "1" and response.headers["x-session-id"] == "s1"
-    # forwarded unchanged but for the tenant's cache salt, to node 1
-    assert h.seen == [("node1", {**body, "cache_salt": tenant_cache_salt("acme")})]
+    # forwarded unchanged but for the tenant's cache salt and the session vLLM's KV events
+    # name (the agent maps HBM blocks to sessions by it), to node 1
+    assert h.seen == [("node1", {**body, "cache_salt": tenant_cache_salt("acme"),
+                                 "session_id": "acme/s1",
+                                 "vllm_xargs": {"kv_cache_report_mode": "full"}})]
     ids = list(b"hello")
     assert h.stored == [("acme", "s1", ids)]
     kinds = [(c[0], c[1]) for c in h.scheduler.calls] if h.scheduler else []

@@ -1,0 +1,283 @@
+"""Live nodes reach the gateway: it follows the scheduler's node registry
+(:mod:`kvprefetch.controlplane.live.node_registry`) without a restart.
+
+In process: the scheduler service with a node slot out of the fleet at start, a gateway
+in front of stand-in engines (one ASGI app; the host header tells which node's engine was
+called) whose only configured upstream is node 0's. Node 1's agent says hello naming its
+engine's URL: the gateway routes to it; node 0 is lost: it receives nothing more, its
+sessions included; node 1's agent comes back with a new address: the gateway forwards
+there. On Ray (``ray.cluster_utils.Cluster``, as tests/live/test_node_join.py): a raylet
+that joins gets an agent, which names its engine, and the gateway sends it requests; a
+raylet removed is reported lost by the node watcher and gets none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+from test_vllm_gateway import _fake_engine
+
+from kvprefetch.controlplane.base.config import fleet_from_dict
+from kvprefetch.controlplane.base.wire import AgentHello
+from kvprefetch.controlplane.live.config import ServiceConfig
+from kvprefetch.controlplane.live.connect import connect
+from kvprefetch.controlplane.live.gateway import Gateway, GatewayConfig, build_app
+from kvprefetch.controlplane.live.node_registry import (
+    NodeEntry,
+    NodeListing,
+    UpstreamDirectory,
+)
+from kvprefetch.controlplane.live.service import SchedulerService
+
+GIB = 1 << 30
+FLEET = fleet_from_dict({"nodes": 2, "node": {"hbm_kv_bytes": 4 * GIB,
+                                              "dram_tier_bytes": 16 * GIB}})
+
+
+def _until(check: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if check():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+# -- the directory (pure) ----------------------------------------------------------------
+
+def test_the_directory_follows_joins_losses_and_new_addresses() -> None:
+    d = UpstreamDirectory(["http://a:8000"])
+    assert d.routable() == (0,) and d.url(0) == "http://a:8000" and d.url(1) is None
+
+    def listing(*entries: tuple[int, bool, str]) -> NodeListing:
+        return NodeListing(nodes=[NodeEntry(node=n, name=f"n{n}", in_fleet=up, engine_url=u)
+                                  for n, up, u in entries])
+
+    d.apply(listing((0, True, ""), (1, False, "")))  # node 0 keeps its configured URL
+    assert d.routable() == (0,)
+    d.apply(listing((0, True, ""), (1, True, "http://b:8000")))  # node 1 joined
+    assert d.routable() == (0, 1) and d.url(1) == "http://b:8000"
+    d.apply(listing((0, False, ""), (1, True, "http://c:8000")))  # 0 lost, 1 moved
+    assert d.routable() == (1,) and d.url(0) is None and d.url(1) == "http://c:8000"
+    d.apply(listing((0, True, ""), (1, True, "http://c:8000"), (2, True, "")))
+    assert d.routable() == (0, 1)  # node 2 is in the fleet, but nobody says where
+
+
+def test_a_listing_that_fails_leaves_the_last_one() -> None:
+    d = UpstreamDirectory(["http://a", "http://b"])
+    d.apply(NodeListing(nodes=[NodeEntry(node=0, name="a", in_fleet=False),
+                               NodeEntry(node=1, name="b", in_fleet=True)]))
+
+    def down() -> NodeListing:
+        raise ConnectionError("scheduler down")
+
+    assert d.refresh(down) is False and d.failures == 1 and d.routable() == (1,)
+
+
+# -- the gateway in front of the scheduler's registry ---------------------------------------
+
+def test_a_node_that_joins_gets_requests_and_a_lost_one_none() -> None:
+    seen: list[tuple[str, dict[str, Any]]] = []
+    cfg = ServiceConfig(fleet=FLEET, initial_nodes=1, node_names=("gpu-0", "gpu-1"))
+    with SchedulerService(cfg).start() as svc:
+        svc.agent_hello(AgentHello(0, "agent-0", "gpu-0", engine_url="http://node0"))
+        gateway = Gateway(GatewayConfig(upstreams=["http://node0"], tenant="t",
+                                        nodes_refresh_s=0.05),
+                          scheduler=connect(service=svc, tenant="t"),
+                          transport=httpx.ASGITransport(app=_fake_engine(seen)))
+        app = build_app(gateway)
+
+        async def scenario() -> None:
+            await gateway.start()
+            try:
+                async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                             base_url="http://gateway") as client:
+                    async def ask(session: str) -> str:
+                        r = await client.post("/v1/completions",
+                                              json={"model": "m", "prompt": [1, 2, 3]},
+                                              headers={"X-Session-ID": session})
+                        assert r.status_code == 200, r.text
+                        return seen[-1][0]
+
+                    assert await ask("a") == "node0"
+                    # node 1's agent says hello: it joins, and names its engine
+                    svc.agent_hello(AgentHello(1, "agent-1", "gpu-1",
+                                               engine_url="http://node1"))
+                    assert await asyncio.to_thread(
+                        _until, lambda: gateway.nodes.routable() == (0, 1))
+                    # node 0 is lost: nothing more goes there, session a included
+                    svc.node_left(0)
+                    assert await asyncio.to_thread(
+                        _until, lambda: gateway.nodes.routable() == (1,))
+                    before = len(seen)
+                    hosts = [await ask(s) for s in ("a", "b", "c", "d")]
+                    assert hosts == ["node1"] * 4 and len(seen) == before + 4
+                    # node 1's agent comes back elsewhere (a rescheduled pod)
+                    svc.agent_hello(AgentHello(1, "agent-1b", "gpu-1",
+                                               engine_url="http://node1b"))
+                    assert await asyncio.to_thread(
+                        _until, lambda: gateway.nodes.url(1) == "http://node1b")
+                    assert await ask("e") == "node1b"
+            finally:
+                await gateway.close()
+
+        asyncio.run(scenario())
+        listing = svc.nodes()
+        assert [(e.name, e.in_fleet, e.engine_url) for e in listing.nodes] == [
+            ("gpu-0", False, "http://node0"), ("gpu-1", True, "http://node1b")]
+        assert svc.summary()["nodes_lost"] == 1
+        # routed by the scheduler, never by load: the registry and the routes agree
+        assert gateway.metrics.routed.labels("load")._value.get() == 0
+
+
+def test_nodes_refresh_s_0_keeps_the_configured_upstreams() -> None:
+    cfg = ServiceConfig(fleet=FLEET, initial_nodes=1)
+    with SchedulerService(cfg).start() as svc:
+        svc.agent_hello(AgentHello(0, "agent-0", "gpu-0", engine_url="http://elsewhere"))
+        gateway = Gateway(GatewayConfig(upstreams=["http://node0", "http://node1"],
+                                        nodes_refresh_s=0),
+                          scheduler=connect(service=svc, tenant="t"))
+
+        async def started() -> tuple[tuple[int, ...], str | None]:
+            await gateway.start()
+            try:
+                await asyncio.sleep(0.2)
+                return gateway.nodes.routable(), gateway.nodes.url(0)
+            finally:
+                await gateway.close()
+
+        assert asyncio.run(started()) == ((0, 1), "http://node0")
+        assert gateway.nodes.listings == 0
+
+
+@pytest.mark.parametrize("token", [None, "secret"])
+def test_the_http_api_serves_the_registry(token: str | None) -> None:
+    from fastapi.testclient import TestClient
+
+    from kvprefetch.controlplane.live.http_api import create_app
+
+    cfg = ServiceConfig(fleet=FLEET, initial_nodes=1)
+    with SchedulerService(cfg).start() as svc:
+        svc.agent_hello(AgentHello(0, "agent-0", "gpu-0", engine_url="http://10.0.0.1:8000"))
+        app = create_app(svc, bearer_token=token)
+        with TestClient(app) as http:
+            headers = {"Authorization": f"Bearer {token}"} if token else {}
+            r = http.get("/nodes", headers=headers)
+            assert r.status_code == 200, r.text
+            nodes = NodeListing.model_validate(r.json()).nodes
+            assert [(e.node, e.in_fleet, e.engine_url) for e in nodes] == [
+                (0, True, "http://10.0.0.1:8000"), (1, False, "")]
+            if token:
+                assert http.get("/nodes").status_code == 401
+        # the client over HTTP, as a gateway in front of `kvprefetch serve` reads it
+        from kvprefetch.controlplane.live.http_api import HttpServer
+
+        with HttpServer(create_app(svc, bearer_token=token)) as srv, \
+                connect(srv.url, token=token, tenant="t") as client:
+            assert client.nodes().nodes == nodes
+
+
+# -- on Ray: raylets that join and go ------------------------------------------------------
+
+def _wait(pred: Callable[[], Any], timeout_s: float) -> bool:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            if pred():
+                return True
+        except Exception:  # an actor starting answers with an error for a while
+            pass
+        time.sleep(0.2)
+    return False
+
+
+@pytest.mark.slow
+@pytest.mark.servers
+def test_on_ray_a_raylet_that_joins_gets_requests_and_a_removed_one_none(
+        valkey_server: Any, s3_server: Any, tmp_path: Any) -> None:
+    ray = pytest.importorskip("ray")
+    from harness import remote_config
+    from ray.cluster_utils import Cluster
+
+    from kvprefetch.agents.agent import AgentConfig
+    from kvprefetch.agents.stores.local import LocalTierConfig
+    from kvprefetch.controlplane.live.ray_app import (
+        NodeCandidate,
+        Placement,
+        deploy,
+        ray_node_candidates,
+    )
+
+    MIB = 1 << 20
+    remote = remote_config(valkey_server, s3_server, f"gwn-{time.time_ns()}")
+
+    def agent(slot: int, candidate: NodeCandidate | None = None) -> AgentConfig:
+        return AgentConfig(node=slot, node_name=f"gpu-{slot}", remote=remote,
+                           dram=LocalTierConfig(path=str(tmp_path / f"tier-{slot}"),
+                                                capacity_bytes=16 * MIB),
+                           engine_url=f"http://node{slot}", status_interval_s=0)
+
+    seen: list[tuple[str, dict[str, Any]]] = []
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "object_store_memory": 80 * MIB, "include_dashboard": False})
+    try:
+        first = cluster.add_node(num_cpus=0, object_store_memory=80 * MIB,
+                                 resources={"gpu_node": 1})
+        ray.init(address=cluster.address, namespace="kvprefetch", log_to_driver=False)
+        svc = ServiceConfig(fleet=FLEET, initial_nodes=1, node_names=("gpu-0", "gpu-1"))
+        dep = deploy(svc, [agent(0)], [Placement(node_id=first.node_id)])
+        try:
+            dep.watch_nodes(lambda: ray_node_candidates(resource="gpu_node"), agent,
+                            interval_s=0.5)
+            gateway = Gateway(GatewayConfig(upstreams=["http://node0"], tenant="t",
+                                            nodes_refresh_s=0.2),
+                              scheduler=connect(cluster.address, timeout_s=10, tenant="t"),
+                              transport=httpx.ASGITransport(app=_fake_engine(seen)))
+            app = build_app(gateway)
+
+            async def scenario() -> None:
+                await gateway.start()
+                try:
+                    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                                 base_url="http://gateway") as client:
+                        async def ask(session: str) -> str:
+                            r = await client.post("/v1/completions",
+                                                  json={"model": "m", "prompt": [1, 2]},
+                                                  headers={"X-Session-ID": session})
+                            assert r.status_code == 200, r.text
+                            return seen[-1][0]
+
+                        assert await ask("a") == "node0"
+                        cluster.add_node(num_cpus=0, object_store_memory=80 * MIB,
+                                         resources={"gpu_node": 1})
+                        assert await asyncio.to_thread(
+                            _wait, lambda: gateway.nodes.routable() == (0, 1), 60), \
+                            ray.get(dep.scheduler.nodes.remote())
+                        # the joined node gets requests: new sessions spread over both
+                        hosts = {await ask(f"new-{i}") for i in range(8)}
+                        assert "node1" in hosts, hosts
+                        cluster.remove_node(first)
+                        assert await asyncio.to_thread(
+                            _wait, lambda: gateway.nodes.routable() == (1,), 60), \
+                            ray.get(dep.scheduler.nodes.remote())
+                        before = len(seen)
+                        hosts_after = [await ask(s) for s in ("a", "new-0", "b", "c")]
+                        assert hosts_after == ["node1"] * 4 and len(seen) == before + 4
+                finally:
+                    await gateway.close()
+
+            asyncio.run(scenario())
+            assert dep.watcher is not None and dep.watcher.lost == 1
+            summary = ray.get(dep.scheduler.summary.remote())
+            assert summary["nodes_joined"] == 1 and summary["nodes_lost"] == 1
+            assert gateway.metrics.routed.labels("load")._value.get() == 0
+        finally:
+            dep.shutdown()
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
