@@ -33,13 +33,14 @@ too), a :class:`RayTransport` for a Ray address (``"auto"``, ``"ray://host:10001
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import itertools
 import json
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -161,13 +162,64 @@ class RayTransport:
             return ray.get(ref, timeout=self.timeout_s)
         except GetTimeoutError as exc:
             raise TimeoutError(f"{op} timed out after {self.timeout_s} s") from exc
-        except RayTaskError as exc:
-            cause = exc.cause if isinstance(exc.cause, KvPrefetchError) else None
-            if cause is not None:
-                raise cause from None
-            raise ServiceError(f"{op} failed in the scheduler: {exc}") from exc
-        except (RayActorError, ActorUnavailableError) as exc:
-            raise ServiceUnavailableError(f"scheduler unavailable: {exc}") from exc
+        except (RayTaskError, RayActorError, ActorUnavailableError) as exc:
+            raise _ray_error(op, exc) from exc
+
+    async def _aget(self, op: str, ref: Any) -> Any:
+        """:meth:`_get` without blocking the event loop: the reference is awaited."""
+        from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
+
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.timeout_s)
+        except TimeoutError as exc:
+            raise TimeoutError(f"{op} timed out after {self.timeout_s} s") from exc
+        except (RayTaskError, RayActorError, ActorUnavailableError) as exc:
+            raise _ray_error(op, exc) from exc
+
+    async def acall(self, op: str, call: Any) -> Any:
+        """The gateway call ``op`` (a :class:`~kvprefetch.controlplane.live.protocol.GatewayAPI`
+        method name) as a coroutine: the same answers and errors as the method, the actor's
+        answer awaited (the event loop is free meanwhile). A queued event answers at once;
+        a route carries the queued events ahead of it in its actor call."""
+        if op in _EVENTS and self._queued(op, call):
+            return api.ACCEPTED
+        if op == "route":
+            return await self._aretried(op, lambda: self._aroute_once(call))
+        if op == "cancel_route":
+            if self.batcher is not None:
+                self.batcher.flush()
+            return await self._aretried(op, lambda: self._aget(
+                op, self._handle.cancel_route.remote(call)))
+        if op not in _GATEWAY_OPS:
+            raise ValueError(f"not a gateway call: {op!r}")
+        return await self._aget(op, getattr(self._handle, op).remote(call))
+
+    async def _aroute_once(self, call: api.RouteQuery) -> api.RouteAnswer:
+        if self.batcher is None:
+            answer: api.RouteAnswer = await self._aget("route", self._handle.route.remote(call))
+            return answer
+        packed = pack(call)
+        ref, events = self.batcher.send_with(
+            lambda queued: self._handle.route_after.remote(queued, packed))
+        try:
+            refused, packed_answer = await self._aget("route", ref)
+        except ServiceUnavailableError:
+            self.batcher.put_back(events)
+            raise
+        self.batcher.settle_refusals(refused)
+        return unpack(api.RouteAnswer, packed_answer)
+
+    async def _aretried(self, op: str, call: Callable[[], Awaitable[_T]]) -> _T:
+        """:meth:`_retried` as a coroutine (the pauses do not block the event loop)."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                return await call()
+            except ServiceUnavailableError:
+                if time.monotonic() + RETRY_PAUSE_S >= deadline:
+                    raise
+                log.info("%s: scheduler shard %d unavailable; retrying", op, self.shard)
+                await asyncio.sleep(RETRY_PAUSE_S)
 
     # ------------------------------------------------------------------ gateway calls
     def request_started(self, call: api.RequestStarted) -> api.Ack:
@@ -356,6 +408,31 @@ def route_each(route: Callable[[api.RouteQuery], api.RouteAnswer],
     return answers
 
 
+#: The fire-and-forget gateway calls (queued by a batching transport).
+_EVENTS = frozenset({"request_started", "request_finished", "hint", "session_closed"})
+#: Every gateway call, the name of its method on each transport.
+_GATEWAY_OPS = _EVENTS | {"route", "cancel_route", "session_state"}
+#: Gateway call -> the model of its answer.
+_ANSWERS: dict[str, type[BaseModel]] = {
+    "route": api.RouteAnswer, "cancel_route": api.RouteCancelled,
+    "request_started": api.Ack, "request_finished": api.Ack, "hint": api.Ack,
+    "session_closed": api.Ack, "session_state": SessionState,
+}
+
+
+def _ray_error(op: str, exc: Exception) -> Exception:
+    """What a Ray error of the actor call ``op`` is raised as: the scheduler's own typed
+    error, a ServiceError, or ServiceUnavailableError when the actor is gone."""
+    from ray.exceptions import RayTaskError
+
+    if isinstance(exc, RayTaskError):
+        cause = exc.cause if isinstance(exc.cause, KvPrefetchError) else None
+        if cause is not None:
+            return cause
+        return ServiceError(f"{op} failed in the scheduler: {exc}")
+    return ServiceUnavailableError(f"scheduler unavailable: {exc}")
+
+
 class InProcessTransport:
     """:class:`~kvprefetch.controlplane.live.protocol.RemoteAPI` over a scheduler in this process:
     each call runs on a small shared thread pool and is waited for at most ``timeout_s``
@@ -380,6 +457,17 @@ class InProcessTransport:
         try:
             return future.result(timeout=self.timeout_s)
         except FutureTimeout:
+            future.cancel()
+            raise TimeoutError(f"{op} timed out after {self.timeout_s} s") from None
+
+    async def acall(self, op: str, call: Any) -> Any:
+        """The gateway call ``op`` as a coroutine, on the same pool and timeout."""
+        if op not in _GATEWAY_OPS:
+            raise ValueError(f"not a gateway call: {op!r}")
+        future: Future[Any] = self._pool.submit(getattr(self.scheduler, op), call)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), self.timeout_s)
+        except TimeoutError:
             future.cancel()
             raise TimeoutError(f"{op} timed out after {self.timeout_s} s") from None
 
@@ -455,7 +543,11 @@ class HttpTransport:
         import httpx
 
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._client = httpx.Client(base_url=base_url.rstrip("/"), headers=headers)
+        self._base_url = base_url.rstrip("/")
+        self._headers = {**headers, "Content-Type": "application/json"}
+        self._client = httpx.Client(base_url=self._base_url, headers=headers)
+        #: The connections of :meth:`acall`, made on its first call (one event loop).
+        self._async: list[Any] = []
         self.timeout_s = timeout_s
 
     def with_timeout(self, timeout_s: float) -> HttpTransport:
@@ -463,6 +555,35 @@ class HttpTransport:
 
     def close(self) -> None:
         self._client.close()
+
+    async def aclose(self) -> None:
+        """Close the connections of :meth:`acall` (from the event loop that used them)."""
+        while self._async:
+            await self._async.pop().aclose()
+
+    async def acall(self, op: str, call: Any) -> Any:
+        """The gateway call ``op`` as a coroutine over persistent connections of their
+        own (an ``httpx.AsyncClient``, bound to the event loop of the first call): the
+        same answers and errors as the method."""
+        import httpx
+
+        if op not in _GATEWAY_OPS:
+            raise ValueError(f"not a gateway call: {op!r}")
+        if not self._async:
+            self._async.append(httpx.AsyncClient(base_url=self._base_url,
+                                                 headers=self._headers))
+        try:
+            resp = await self._async[0].post(
+                f"/v1/{op}", content=call.model_dump_json(exclude_none=True,
+                                                          exclude_unset=True),
+                timeout=self.timeout_s)
+        except httpx.TimeoutException as exc:
+            raise TimeoutError(f"{op} timed out after {self.timeout_s} s") from exc
+        except httpx.HTTPError as exc:
+            raise ServiceUnavailableError(f"scheduler HTTP API unreachable: {exc}") from exc
+        if resp.status_code >= 400:
+            raise _http_error(op, resp.status_code, resp.text)
+        return _ANSWERS[op].model_validate(resp.json())
 
     def _post(self, path: str, payload: BaseModel) -> Any:
         """POST ``payload`` to ``/v1/<path>``; the answer's JSON. Fields the caller did not

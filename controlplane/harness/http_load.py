@@ -1,0 +1,188 @@
+"""The HTTP API under load from a separate process (``kvprefetch bench control-plane
+--modes http``).
+
+:func:`drive` runs this module as a child process (``python -m``) that plays sessions
+against the HTTP API at ``base_url``: at each caller count in turn, that many asyncio
+callers share one ``httpx.AsyncClient`` (persistent connections, one per caller), each
+looping over its own sessions (caller ``c`` of ``n`` plays sessions ``c, c + n, ...``):
+``POST /v1/route`` then ``POST /v1/request_finished`` on the node it answered, closed
+loop (the next call leaves when the previous one answered). Before the first count every
+session plays its first turn (not measured). A session replays a trace session's turns
+(``plays``: input, reused, output tokens and stop reason per turn), cycling.
+
+Per caller count it reports events per second (a route and a finish are an event each),
+route latency p50/p99 as the caller sees it, lost events (an error status, a route with
+no node, a finish not accepted) and the child's CPU seconds while measuring (with the
+server on the same cores, a generator near one core busy is the bound, not the server).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from kvprefetch.controlplane.base.errors import ConfigError
+
+#: A turn as the child plays it: input, reused and output tokens, stop reason.
+Play = tuple[int, int, int, str | None]
+#: Callers of the populate pass (not measured).
+POPULATE_CALLERS = 32
+
+
+@dataclass(frozen=True, slots=True)
+class LevelResult:
+    """One caller count's measurement."""
+
+    callers: int
+    events: int
+    seconds: float
+    events_per_s: float
+    route_p50_ms: float
+    route_p99_ms: float
+    lost_events: int
+    #: CPU seconds of the load generator's process while measuring, per wall second.
+    generator_cores: float
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (nearest rank; 0 when empty)."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, int(q * len(ordered))))]
+
+
+def drive(base_url: str, *, callers: Sequence[int], events: int, sessions: int,
+          plays: Sequence[Sequence[Play]], seed: int = 0, timeout_s: float = 30.0,
+          token: str | None = None) -> list[LevelResult]:
+    """Run the load generator in a child process against ``base_url`` (see the module
+    docstring); one result per caller count, in order. Raises :class:`ConfigError` for
+    bad arguments and RuntimeError when the child fails."""
+    if not callers or min(callers) < 1 or max(callers) > sessions:
+        raise ConfigError(f"callers must be 1..{sessions} (the sessions), got {list(callers)}")
+    if events < 2 or not plays or not all(plays):
+        raise ConfigError("events must be >= 2 and every trace session needs a turn")
+    spec = {"base_url": base_url, "callers": list(callers), "events": events,
+            "sessions": sessions, "plays": [list(map(list, p)) for p in plays],
+            "seed": seed, "timeout_s": timeout_s, "token": token}
+    budget_s = 600.0 + events * len(callers) * 0.05
+    proc = subprocess.run([sys.executable, "-m", __name__], input=json.dumps(spec),
+                          capture_output=True, text=True, timeout=budget_s, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the HTTP load generator failed (exit {proc.returncode}): "
+                           f"{proc.stderr.strip()[-2000:]}")
+    return [LevelResult(**r) for r in json.loads(proc.stdout)]
+
+
+class _Sessions:
+    """The sessions' turns (cycling over the trace sessions' plays)."""
+
+    def __init__(self, plays: Sequence[Sequence[Sequence[Any]]], sessions: int) -> None:
+        self._plays = [[(int(a), int(b), int(c), d) for a, b, c, d in p] for p in plays]
+        self._turn = [0] * sessions
+
+    def next(self, i: int) -> Play:
+        plays = self._plays[i % len(self._plays)]
+        k = self._turn[i]
+        self._turn[i] = k + 1
+        inp, reused, out, stop = plays[k % len(plays)]
+        return inp, (reused if k % len(plays) else 0), out, stop
+
+
+async def _turn(http: Any, sid: str, play: Play, routes: list[float] | None) -> int:
+    """One turn: route, then finish on the node it answered. Returns the events lost."""
+    inp, reused, out, stop = play
+    body = {"session_id": sid, "input_tokens": inp, "reused_tokens": reused}
+    began = time.perf_counter()
+    resp = await http.post("/v1/route", content=json.dumps(body))
+    if routes is not None:
+        routes.append(time.perf_counter() - began)
+    node = resp.json().get("node") if resp.status_code == 200 else None
+    if node is None:
+        return 2
+    finish: dict[str, Any] = {"session_id": sid, "node": node, "input_tokens": inp,
+                              "output_tokens": out}
+    if stop is not None:
+        finish["stop_reason"] = stop
+    resp = await http.post("/v1/request_finished", content=json.dumps(finish))
+    return 0 if resp.status_code == 200 and resp.json().get("accepted") else 1
+
+
+async def _level(http: Any, turns: _Sessions, n: int, total_turns: int, sessions: int,
+                 seed: int, routes: list[float] | None) -> int:
+    """``total_turns`` turns over ``n`` callers; the events lost."""
+    left = [total_turns]
+    lost = [0]
+
+    async def caller(c: int) -> None:
+        mine = list(range(c, sessions, n))
+        rng = random.Random(seed + 7919 * c)
+        while left[0] > 0:
+            left[0] -= 1
+            i = mine[rng.randrange(len(mine))]
+            lost[0] += await _turn(http, f"bench-{i}", turns.next(i), routes)
+
+    await asyncio.gather(*(caller(c) for c in range(n)))
+    return lost[0]
+
+
+async def _populate(http: Any, turns: _Sessions, sessions: int) -> None:
+    queue = list(range(sessions))
+
+    async def caller() -> None:
+        while queue:
+            i = queue.pop()
+            await _turn(http, f"bench-{i}", turns.next(i), None)
+
+    await asyncio.gather(*(caller() for _ in range(min(POPULATE_CALLERS, sessions))))
+
+
+async def _run(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    import httpx
+
+    callers: list[int] = spec["callers"]
+    sessions: int = spec["sessions"]
+    turns = _Sessions(spec["plays"], sessions)
+    headers = {"Content-Type": "application/json"}
+    if spec.get("token"):
+        headers["Authorization"] = f"Bearer {spec['token']}"
+    most = max(max(callers), POPULATE_CALLERS)
+    limits = httpx.Limits(max_connections=most, max_keepalive_connections=most)
+    out = []
+    async with httpx.AsyncClient(base_url=spec["base_url"], headers=headers, limits=limits,
+                                 timeout=spec["timeout_s"]) as http:
+        await _populate(http, turns, sessions)
+        for n in callers:
+            routes: list[float] = []
+            total_turns = spec["events"] // 2
+            cpu = time.process_time()
+            began = time.perf_counter()
+            lost = await _level(http, turns, n, total_turns, sessions, spec["seed"], routes)
+            seconds = time.perf_counter() - began
+            cpu = time.process_time() - cpu
+            result = LevelResult(
+                callers=n, events=2 * total_turns, seconds=round(seconds, 3),
+                events_per_s=round(2 * total_turns / seconds, 1) if seconds > 0 else 0.0,
+                route_p50_ms=round(quantile(routes, 0.5) * 1e3, 3),
+                route_p99_ms=round(quantile(routes, 0.99) * 1e3, 3), lost_events=lost,
+                generator_cores=round(cpu / seconds, 2) if seconds > 0 else 0.0)
+            out.append(asdict(result))
+    return out
+
+
+def main() -> int:
+    """The child: the spec as JSON on stdin, the results as JSON on stdout."""
+    spec = json.loads(sys.stdin.read())
+    print(json.dumps(asyncio.run(_run(spec))))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
