@@ -111,7 +111,13 @@ def run(args: argparse.Namespace) -> int:
     """Run the benchmark; print a table; write ``--json``. Returns the exit code."""
     from kvprefetch.controlplane.base.errors import ConfigError
     from kvprefetch.controlplane.cli.benchrun import run_bench
-    from kvprefetch.controlplane.harness.loadgen import MODES, LoadSpec, format_table, run_mode
+    from kvprefetch.controlplane.harness.loadgen import (
+        HTTP_MODES,
+        MODES,
+        LoadSpec,
+        format_table,
+        run_mode,
+    )
     from kvprefetch.controlplane.traces import bundled_trace_path, load_trace
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -131,6 +137,8 @@ def run(args: argparse.Namespace) -> int:
                         time_compression=args.speedup, seed=args.seed,
                         concurrency=args.concurrency, lanes=args.lanes,
                         kill_shard=args.kill_shard, callers=callers)
+        if any(m in HTTP_MODES for m in modes):
+            spec.check_http()
     except ConfigError as exc:
         print(f"bench control-plane: {exc}", file=sys.stderr)
         return 2

@@ -3,7 +3,8 @@
 
 :func:`drive` runs this module as a child process (``python -m``) that plays sessions
 against the HTTP API at ``base_url``: at each caller count in turn, that many asyncio
-callers share one ``httpx.AsyncClient`` (persistent connections, one per caller), each
+callers, each on its own persistent HTTP/1.1 connection (a lean client of asyncio
+streams, so that the generator takes as little of the shared cores as it can), each
 looping over its own sessions (caller ``c`` of ``n`` plays sessions ``c, c + n, ...``):
 ``POST /v1/route`` then ``POST /v1/request_finished`` on the node it answered, closed
 loop (the next call leaves when the previous one answered). Before the first count every
@@ -96,27 +97,79 @@ class _Sessions:
         return inp, (reused if k % len(plays) else 0), out, stop
 
 
-async def _turn(http: Any, sid: str, play: Play, routes: list[float] | None) -> int:
+class _Connection:
+    """One persistent HTTP/1.1 connection (a caller's): a JSON POST at a time, its answer
+    read by ``Content-Length``. Lean on purpose: the generator shares the machine's cores
+    with the server, and every CPU cycle it spends is one the server does not get."""
+
+    def __init__(self, host: str, port: int, headers: dict[str, str]) -> None:
+        self._host, self._port = host, port
+        self._head = "".join(f"{k}: {v}\r\n" for k, v in
+                             {"Host": f"{host}:{port}", **headers}.items()).encode()
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+
+    async def post(self, path: str, payload: dict[str, Any]) -> tuple[int, Any]:
+        """(status, the answer's JSON); reconnects once when the server closed it."""
+        body = json.dumps(payload).encode()
+        request = (f"POST {path} HTTP/1.1\r\nContent-Length: {len(body)}\r\n".encode()
+                   + self._head + b"\r\n" + body)
+        for attempt in (0, 1):
+            if self._writer is None:
+                self._reader, self._writer = await asyncio.open_connection(self._host,
+                                                                           self._port)
+            assert self._reader is not None
+            try:
+                self._writer.write(request)
+                status_line = await self._reader.readline()
+                if not status_line:
+                    raise ConnectionResetError("closed by the server")
+                length, close = 0, False
+                while (line := await self._reader.readline()) not in (b"\r\n", b""):
+                    name, _, value = line.partition(b":")
+                    name = name.strip().lower()
+                    if name == b"content-length":
+                        length = int(value)
+                    elif name == b"connection" and value.strip().lower() == b"close":
+                        close = True
+                data = await self._reader.readexactly(length)
+            except (ConnectionError, asyncio.IncompleteReadError):
+                self.close()
+                if attempt:
+                    raise
+                continue
+            if close:
+                self.close()
+            return int(status_line.split()[1]), json.loads(data) if data else None
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        self._reader = self._writer = None
+
+
+async def _turn(http: _Connection, sid: str, play: Play, routes: list[float] | None) -> int:
     """One turn: route, then finish on the node it answered. Returns the events lost."""
     inp, reused, out, stop = play
     body = {"session_id": sid, "input_tokens": inp, "reused_tokens": reused}
     began = time.perf_counter()
-    resp = await http.post("/v1/route", content=json.dumps(body))
+    status, answer = await http.post("/v1/route", body)
     if routes is not None:
         routes.append(time.perf_counter() - began)
-    node = resp.json().get("node") if resp.status_code == 200 else None
+    node = answer.get("node") if status == 200 and isinstance(answer, dict) else None
     if node is None:
         return 2
     finish: dict[str, Any] = {"session_id": sid, "node": node, "input_tokens": inp,
                               "output_tokens": out}
     if stop is not None:
         finish["stop_reason"] = stop
-    resp = await http.post("/v1/request_finished", content=json.dumps(finish))
-    return 0 if resp.status_code == 200 and resp.json().get("accepted") else 1
+    status, answer = await http.post("/v1/request_finished", finish)
+    return 0 if status == 200 and isinstance(answer, dict) and answer.get("accepted") else 1
 
 
-async def _level(http: Any, turns: _Sessions, n: int, total_turns: int, sessions: int,
-                 seed: int, routes: list[float] | None) -> int:
+async def _level(conns: list[_Connection], turns: _Sessions, n: int, total_turns: int,
+                 sessions: int, seed: int, routes: list[float] | None) -> int:
     """``total_turns`` turns over ``n`` callers; the events lost."""
     left = [total_turns]
     lost = [0]
@@ -127,25 +180,25 @@ async def _level(http: Any, turns: _Sessions, n: int, total_turns: int, sessions
         while left[0] > 0:
             left[0] -= 1
             i = mine[rng.randrange(len(mine))]
-            lost[0] += await _turn(http, f"bench-{i}", turns.next(i), routes)
+            lost[0] += await _turn(conns[c], f"bench-{i}", turns.next(i), routes)
 
     await asyncio.gather(*(caller(c) for c in range(n)))
     return lost[0]
 
 
-async def _populate(http: Any, turns: _Sessions, sessions: int) -> None:
+async def _populate(conns: list[_Connection], turns: _Sessions, sessions: int) -> None:
     queue = list(range(sessions))
 
-    async def caller() -> None:
+    async def caller(c: int) -> None:
         while queue:
             i = queue.pop()
-            await _turn(http, f"bench-{i}", turns.next(i), None)
+            await _turn(conns[c], f"bench-{i}", turns.next(i), None)
 
-    await asyncio.gather(*(caller() for _ in range(min(POPULATE_CALLERS, sessions))))
+    await asyncio.gather(*(caller(c) for c in range(min(POPULATE_CALLERS, sessions))))
 
 
 async def _run(spec: dict[str, Any]) -> list[dict[str, Any]]:
-    import httpx
+    from urllib.parse import urlsplit
 
     callers: list[int] = spec["callers"]
     sessions: int = spec["sessions"]
@@ -153,18 +206,19 @@ async def _run(spec: dict[str, Any]) -> list[dict[str, Any]]:
     headers = {"Content-Type": "application/json"}
     if spec.get("token"):
         headers["Authorization"] = f"Bearer {spec['token']}"
-    most = max(max(callers), POPULATE_CALLERS)
-    limits = httpx.Limits(max_connections=most, max_keepalive_connections=most)
+    url = urlsplit(spec["base_url"])
+    host, port = url.hostname or "127.0.0.1", url.port or 80
+    conns = [_Connection(host, port, headers)
+             for _ in range(max(max(callers), POPULATE_CALLERS))]
     out = []
-    async with httpx.AsyncClient(base_url=spec["base_url"], headers=headers, limits=limits,
-                                 timeout=spec["timeout_s"]) as http:
-        await _populate(http, turns, sessions)
+    try:
+        await asyncio.wait_for(_populate(conns, turns, sessions), spec["timeout_s"] * sessions)
         for n in callers:
             routes: list[float] = []
             total_turns = spec["events"] // 2
             cpu = time.process_time()
             began = time.perf_counter()
-            lost = await _level(http, turns, n, total_turns, sessions, spec["seed"], routes)
+            lost = await _level(conns, turns, n, total_turns, sessions, spec["seed"], routes)
             seconds = time.perf_counter() - began
             cpu = time.process_time() - cpu
             result = LevelResult(
@@ -174,6 +228,9 @@ async def _run(spec: dict[str, Any]) -> list[dict[str, Any]]:
                 route_p99_ms=round(quantile(routes, 0.99) * 1e3, 3), lost_events=lost,
                 generator_cores=round(cpu / seconds, 2) if seconds > 0 else 0.0)
             out.append(asdict(result))
+    finally:
+        for conn in conns:
+            conn.close()
     return out
 
 

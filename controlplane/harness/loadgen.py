@@ -63,10 +63,10 @@ from kvprefetch.controlplane.base.types import EventKind, SessionEvent, Trace
 #: Seconds after a killed shard answers again before its routes count as "settled".
 SETTLE_S = 2.0
 #: Modes this generator knows, in the order a table lists them.
-MODES: tuple[str, ...] = ("inproc", "service", "http", "ray-1", "ray-1-sync", "ray-2",
-                          "ray-4")
+MODES: tuple[str, ...] = ("inproc", "service", "http", "http-threaded", "ray-1",
+                          "ray-1-sync", "ray-2", "ray-4")
 #: Modes whose load comes from a separate process over HTTP (:mod:`.http_load`).
-HTTP_MODES: tuple[str, ...] = ("http",)
+HTTP_MODES: tuple[str, ...] = ("http", "http-threaded")
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +116,13 @@ class LoadSpec:
             raise ConfigError("kill_shard must be >= 0")
         if self.time_compression <= 0:
             raise ConfigError("time_compression must be > 0")
-        if not self.callers or not 1 <= min(self.callers) <= max(self.callers) <= self.sessions:
+        if not self.callers or min(self.callers) < 1:
+            raise ConfigError("callers must be >= 1")
+
+    def check_http(self) -> None:
+        """Raise :class:`ConfigError` unless the ``http`` modes can run this spec: each
+        caller needs a session of its own."""
+        if max(self.callers) > self.sessions:
             raise ConfigError(f"callers must be 1-{self.sessions} (the sessions)")
 
 
@@ -563,6 +569,8 @@ def _run_http(mode: str, trace: Trace, fleet: FleetConfig, spec: LoadSpec) -> Mo
     the load from a child process at each of ``spec.callers`` (:mod:`.http_load`)."""
     from kvprefetch.controlplane.harness.http_load import drive
 
+    spec.check_http()
+
     window = fleet.model.max_context_tokens
     plays = []
     for session in trace.sessions:
@@ -573,7 +581,7 @@ def _run_http(mode: str, trace: Trace, fleet: FleetConfig, spec: LoadSpec) -> Mo
                           max(0, min(r.output_tokens, window - inp)), r.stop_reason))
         if turns:
             plays.append(turns)
-    target = HttpTarget(_service_config(fleet, spec), spec)
+    target = HttpTarget(_service_config(fleet, spec), spec, threaded=mode == "http-threaded")
     try:
         began = time.perf_counter()
         target.mark()
@@ -743,17 +751,36 @@ class RayTarget(ClientTarget):
             self._tmp.cleanup()
 
 
+class _Blocking:
+    """A transport's blocking calls only (no ``acall``): the HTTP API then calls it on
+    its thread pool (``http-threaded``)."""
+
+    def __init__(self, transport: Any) -> None:
+        self._transport = transport
+
+    def with_timeout(self, timeout_s: float) -> _Blocking:
+        return _Blocking(self._transport.with_timeout(timeout_s))
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "acall":
+            raise AttributeError(name)
+        return getattr(self._transport, name)
+
+
 class HttpTarget(RayTarget):
     """``http``: one scheduler actor on a local Ray runtime started here and the HTTP API
     in front of it in this process, as ``kvprefetch serve`` runs them (the app on uvicorn
     on a thread, its client of the actor, no auth); the load comes from another process
     (:func:`_run_http`)."""
 
-    def __init__(self, cfg: Any, spec: LoadSpec) -> None:
+    def __init__(self, cfg: Any, spec: LoadSpec, *, threaded: bool = False) -> None:
         from kvprefetch.controlplane.live.http_api import HttpServer, create_app
 
-        super().__init__(cfg, spec, shards=1, batched=False)
-        self._server = HttpServer(create_app(self.client, chunk_tokens=cfg.chunk_tokens))
+        super().__init__(cfg, spec, shards=1, batched=not threaded)
+        scheduler: Any = self.client
+        if threaded:
+            scheduler = _Blocking(self.client.scheduler)
+        self._server = HttpServer(create_app(scheduler, chunk_tokens=cfg.chunk_tokens))
         self._server.start()
         self.url = self._server.url
 
