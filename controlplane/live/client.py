@@ -417,6 +417,9 @@ class RayTransport:
 
 #: Routes of one event loop in one actor call at most.
 MAX_COALESCED_ROUTES = 256
+#: Actor calls of one event loop's routes unanswered at once: the next batch is on its
+#: way while the actor works on one (the actor still runs them in order).
+ROUTE_CALLS_IN_FLIGHT = 2
 
 
 @dataclass(slots=True)
@@ -430,21 +433,23 @@ class Coalesced:
 
 class _RouteCoalescer:
     """The async routes of one event loop to one scheduler actor: a route leaves at once
-    when none of this loop's is unanswered; otherwise it waits for that answer and leaves
-    with every route that arrived meanwhile, in one ``route_many_after`` call (the
-    queued events ahead of them). A lone route pays one actor call, and many callers
-    share one call instead of queueing one each behind the actor. Routes keep the order
-    they were submitted in; each answer is the packed answer or its typed error."""
+    while fewer than :data:`ROUTE_CALLS_IN_FLIGHT` of this loop's actor calls are
+    unanswered; otherwise it waits for one to answer and leaves with every route that
+    arrived meanwhile, in one ``route_many_after`` call (the queued events ahead of
+    them). A lone route pays one actor call, and many callers share one call instead of
+    queueing one each behind the actor. Routes keep the order they were submitted in (Ray
+    runs one caller's calls in order); each answer is the packed answer or its typed
+    error."""
 
     def __init__(self, transport: RayTransport) -> None:
         self._transport = transport
         self._pending: list[tuple[Any, asyncio.Future[Any]]] = []
-        self._busy = False
+        self._in_flight = 0
 
     def submit(self, packed: Any) -> asyncio.Future[Any]:
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending.append((packed, future))
-        if not self._busy:
+        if self._in_flight < ROUTE_CALLS_IN_FLIGHT:
             self._launch()
         return future
 
@@ -454,11 +459,11 @@ class _RouteCoalescer:
         batch = [(p, f) for p, f in batch if not f.done()]  # gone: timed out, cancelled
         if not batch:
             return
-        self._busy = True
+        self._in_flight += 1
         try:
             sent = self._transport.send_routes_packed([p for p, _ in batch])
         except Exception as exc:
-            self._busy = False
+            self._in_flight -= 1
             for _, future in batch:
                 future.set_exception(exc)
             return
@@ -468,7 +473,7 @@ class _RouteCoalescer:
         task.add_done_callback(self._next)
 
     def _next(self, _: asyncio.Future[Any]) -> None:
-        self._busy = False
+        self._in_flight -= 1
         if self._pending:
             self._launch()
 
