@@ -62,8 +62,10 @@ with ``call_timeout_s``. Endpoints validate on the event loop (in slices, see
 :mod:`~kvprefetch.controlplane.live.http_body`) and await the scheduler's answer there
 when the transport has coroutine calls (``acall``: a Ray transport awaits the actor's
 answer, no thread per call; with event batching, as :func:`ray_client` sets up, the
-fire-and-forget events answer ``accepted`` at once and go in batches, ahead of the next
-route); any other scheduler is called on Starlette's thread pool, as its calls may block.
+fire-and-forget events answer ``accepted`` once queued and go in batches, ahead of the
+next route, a refusal counted in the batcher's stats and logged, as with the Python client;
+a finish without ``node`` answers ``accepted: false`` and is not queued); any other
+scheduler is called on Starlette's thread pool, as its calls may block.
 
 Needs the ``serve`` extra (fastapi, uvicorn, prometheus_client).
 """
@@ -415,6 +417,8 @@ def create_app(scheduler: GatewayAPI | Client, *, bearer_token: str | None = Non
         responses[401] = {"model": ErrorBody, "description": "no or wrong bearer token"}
 
     acall = getattr(backend, "acall", None)
+    #: Events are queued and answered `accepted` at once (a batching Ray transport).
+    queued = acall is not None and getattr(backend, "batcher", None) is not None
 
     async def call(op: str, payload: Any) -> Any:
         """The scheduler's answer to ``op``, awaited on the event loop where the transport
@@ -522,6 +526,10 @@ def create_app(scheduler: GatewayAPI | Client, *, bearer_token: str | None = Non
         answered `accepted: false` and not recorded (no node's books take a context no
         node is known to hold); the request stays in flight until the session's next
         finish on a node."""
+        if queued and payload.node is None:
+            # The scheduler records nothing for it: a queue that answers `accepted` at
+            # once must not say otherwise.
+            return api.Ack(accepted=False)
         return await event("request_finished", payload)
 
     async def hint(payload: Any) -> api.Ack:

@@ -80,3 +80,15 @@ def test_events_answer_at_once_and_reach_the_scheduler_before_the_next_route(
     # The finish went ahead of the second route: the context grew, a second turn runs.
     assert state["turns"] == 2 and state["in_flight"] is True
     assert state["context_tokens"] == 1000
+
+
+def test_a_finish_on_no_node_is_not_accepted_although_events_are_queued(
+        api: tuple[str, Any]) -> None:
+    url, transport = api
+    queued = transport.batcher.stats.queued
+    with httpx.Client(base_url=url, timeout=30) as http:
+        http.post("/v1/route", json={"session_id": "n", "input_tokens": 100})
+        ack = http.post("/v1/request_finished",
+                        json={"session_id": "n", "node": None, "input_tokens": 100}).json()
+    assert ack["accepted"] is False
+    assert transport.batcher.stats.queued == queued  # nothing queued for it
