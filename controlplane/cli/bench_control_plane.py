@@ -14,9 +14,11 @@ modes:
            planning step (due prefetch orders, the sweep) runs inline every
            planner.sweep_interval_s of service time
   service  SchedulerService in this process through the Python client
-  http     the same behind the HTTP API (kvprefetch serve's app, uvicorn on loopback,
-           started here) through the client's HTTP transport: one HTTP call per event;
-           server and generator share this process
+  http     the HTTP API as kvprefetch serve runs it (one scheduler actor on a local
+           Ray runtime, the app on uvicorn in this process), driven from a separate
+           process: at each --callers count that many async callers (persistent
+           connections) loop route then request_finished on their own sessions; a row
+           per count (the mode's own figures are the last count's)
   ray-1    one scheduler actor on a local Ray runtime (started here) through the
            Python client, fire-and-forget events batched: each request_finished is
            queued and rides with the next route's actor call (or the 5 ms flush
@@ -97,6 +99,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the measurement (Ray restarts it from its journal segment) "
                              "and report lost events, its restart time and each shard's "
                              "route p99 before and after")
+    parser.add_argument("--callers", default="1,8,32,128", metavar="N,N,...",
+                        help="http modes: concurrent callers of the load process, one "
+                             "measurement of --events events per count (default "
+                             "1,8,32,128)")
     parser.add_argument("--json", metavar="OUT", help="write the result as JSON (atomically)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -105,7 +111,13 @@ def run(args: argparse.Namespace) -> int:
     """Run the benchmark; print a table; write ``--json``. Returns the exit code."""
     from kvprefetch.controlplane.base.errors import ConfigError
     from kvprefetch.controlplane.cli.benchrun import run_bench
-    from kvprefetch.controlplane.harness.loadgen import MODES, LoadSpec, format_table, run_mode
+    from kvprefetch.controlplane.harness.loadgen import (
+        HTTP_MODES,
+        MODES,
+        LoadSpec,
+        format_table,
+        run_mode,
+    )
     from kvprefetch.controlplane.traces import bundled_trace_path, load_trace
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -115,11 +127,18 @@ def run(args: argparse.Namespace) -> int:
               f"{', '.join(MODES)}", file=sys.stderr)
         return 2
     try:
+        try:
+            callers = tuple(int(c) for c in args.callers.split(",") if c.strip())
+        except ValueError:
+            raise ConfigError(f"--callers: expected counts like 1,8,32, got "
+                              f"{args.callers!r}") from None
         spec = LoadSpec(sessions=args.sessions, events=args.events, nodes=args.nodes,
                         policy=args.policy, predictor=args.predictor,
                         time_compression=args.speedup, seed=args.seed,
                         concurrency=args.concurrency, lanes=args.lanes,
-                        kill_shard=args.kill_shard)
+                        kill_shard=args.kill_shard, callers=callers)
+        if any(m in HTTP_MODES for m in modes):
+            spec.check_http()
     except ConfigError as exc:
         print(f"bench control-plane: {exc}", file=sys.stderr)
         return 2
@@ -135,7 +154,8 @@ def run(args: argparse.Namespace) -> int:
         result: dict[str, object] = {
             "sessions": spec.sessions, "events": spec.events, "trace": trace.name,
             "nodes": spec.nodes, "policy": spec.policy, "speedup": spec.time_compression,
-            "concurrency": spec.concurrency, "lanes": spec.lanes, "modes": {},
+            "concurrency": spec.concurrency, "lanes": spec.lanes,
+            "callers": list(spec.callers), "modes": {},
         }
         modes_out: dict[str, object] = {}
         bar = tqdm(total=steps_per_mode * len(modes), unit="k events", file=sys.stderr,

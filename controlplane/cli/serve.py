@@ -200,8 +200,7 @@ class Serve:
 
         from kvprefetch.agents.agent import AgentConfig
         from kvprefetch.agents.ray_entry import SCHEDULER_NAME
-        from kvprefetch.controlplane.live.connect import connect
-        from kvprefetch.controlplane.live.http_api import HttpServer
+        from kvprefetch.controlplane.live.http_api import HttpServer, ray_client
         from kvprefetch.controlplane.live.metrics import merge_shard_metrics
         from kvprefetch.controlplane.live.ray_app import (
             NodeCandidate,
@@ -270,8 +269,8 @@ class Serve:
                             joined_agent, interval_s=p.watch_interval_s)
             log.info("%d of %d node slots taken; matching nodes that join later get the "
                      "others (checked every %g s)", len(nodes), capacity, p.watch_interval_s)
-        client = connect(self.address, namespace=cfg.ray.namespace,
-                         timeout_s=cfg.http.call_timeout_s)
+        client = ray_client(self.address, cfg.ray.namespace,
+                            timeout_s=cfg.http.call_timeout_s)
         stack.callback(client.close)
         shards = dep.schedulers
 

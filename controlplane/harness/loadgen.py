@@ -63,8 +63,10 @@ from kvprefetch.controlplane.base.types import EventKind, SessionEvent, Trace
 #: Seconds after a killed shard answers again before its routes count as "settled".
 SETTLE_S = 2.0
 #: Modes this generator knows, in the order a table lists them.
-MODES: tuple[str, ...] = ("inproc", "service", "http", "ray-1", "ray-1-sync", "ray-2",
-                          "ray-4")
+MODES: tuple[str, ...] = ("inproc", "service", "http", "http-threaded", "ray-1",
+                          "ray-1-sync", "ray-2", "ray-4")
+#: Modes whose load comes from a separate process over HTTP (:mod:`.http_load`).
+HTTP_MODES: tuple[str, ...] = ("http", "http-threaded")
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +98,9 @@ class LoadSpec:
     #: it; it resumes from its journal segment, so those shards journal in a temporary
     #: folder). Other modes run as without it.
     kill_shard: int | None = None
+    #: ``http`` modes: the concurrent callers of the load generator's process, one
+    #: measurement of ``events`` events per count, in order.
+    callers: tuple[int, ...] = (1, 8, 32, 128)
 
     def __post_init__(self) -> None:
         if self.sessions < 1 or self.events < 2 or self.nodes < 1:
@@ -111,6 +116,14 @@ class LoadSpec:
             raise ConfigError("kill_shard must be >= 0")
         if self.time_compression <= 0:
             raise ConfigError("time_compression must be > 0")
+        if not self.callers or min(self.callers) < 1:
+            raise ConfigError("callers must be >= 1")
+
+    def check_http(self) -> None:
+        """Raise :class:`ConfigError` unless the ``http`` modes can run this spec: each
+        caller needs a session of its own."""
+        if max(self.callers) > self.sessions:
+            raise ConfigError(f"callers must be 1-{self.sessions} (the sessions)")
 
 
 @dataclass(slots=True)
@@ -141,6 +154,10 @@ class ModeResult:
     #: Ray modes: CPU seconds used while measuring by each shard actor's process (None for
     #: one restarted meanwhile) and by this process (the generator and its Ray driver).
     cpu_s: dict[str, float | None] = field(default_factory=dict)
+    #: ``http`` modes: each caller count's figures (see
+    #: :class:`~kvprefetch.controlplane.harness.http_load.LevelResult`); the mode's own
+    #: figures are the last count's.
+    callers: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def events_per_shard_cpu_s(self) -> float | None:
@@ -396,6 +413,8 @@ def run_mode(mode: str, trace: Trace, spec: LoadSpec,
     if not trace.sessions:
         raise ConfigError(f"trace {trace.name!r} has no sessions")
     fleet = default_fleet("8b", spec.nodes)
+    if mode in HTTP_MODES:
+        return _run_http(mode, trace, fleet, spec)
     player = _Player(trace, fleet.model.max_context_tokens, [0] * spec.sessions)
     sids = [f"bench-{i}" for i in range(spec.sessions)]
     lost = 0
@@ -537,32 +556,67 @@ def _turns(target: Target, player: _Player, idx: Sequence[int], sids: Sequence[s
     return lost
 
 
+def _service_config(fleet: FleetConfig, spec: LoadSpec) -> Any:
+    from kvprefetch.controlplane.live.config import ServiceConfig
+
+    return ServiceConfig(fleet=fleet, policy=spec.policy, predictor=spec.predictor,
+                         time_compression=spec.time_compression,
+                         max_live_sessions_per_tenant=max(100_000, 2 * spec.sessions))
+
+
+def _run_http(mode: str, trace: Trace, fleet: FleetConfig, spec: LoadSpec) -> ModeResult:
+    """An ``http`` mode: the server as ``kvprefetch serve`` runs it (:class:`HttpTarget`),
+    the load from a child process at each of ``spec.callers`` (:mod:`.http_load`)."""
+    from kvprefetch.controlplane.harness.http_load import drive
+
+    spec.check_http()
+
+    window = fleet.model.max_context_tokens
+    plays = []
+    for session in trace.sessions:
+        turns = []
+        for r in session.requests:
+            inp = min(r.input_tokens, window)
+            turns.append((inp, min(r.reused_tokens, inp),
+                          max(0, min(r.output_tokens, window - inp)), r.stop_reason))
+        if turns:
+            plays.append(turns)
+    target = HttpTarget(_service_config(fleet, spec), spec, threaded=mode == "http-threaded")
+    try:
+        began = time.perf_counter()
+        target.mark()
+        levels = drive(target.url, callers=spec.callers, events=spec.events,
+                       sessions=spec.sessions, plays=plays, seed=spec.seed,
+                       timeout_s=spec.timeout_s)
+        lost = sum(level.lost_events for level in levels) + target.settle()
+        wall_s = time.perf_counter() - began
+        plans = target.plan_steps_s()
+        batching = target.batch_stats()
+    finally:
+        target.close()
+    last = levels[-1]
+    return ModeResult(
+        mode, last.events_per_s, last.route_p50_ms, last.route_p99_ms,
+        quantile(plans, 0.99) * 1e3 if plans else None, None, lost,
+        events=sum(level.events for level in levels),
+        populate_s=round(wall_s - sum(level.seconds for level in levels), 3),
+        batching=batching, callers={str(level.callers): asdict(level) for level in levels})
+
+
 def _target(mode: str, fleet: FleetConfig, spec: LoadSpec) -> Target:
     if mode == "inproc":
         return CoreTarget(fleet, spec)
-    from kvprefetch.controlplane.live.config import ServiceConfig
     from kvprefetch.controlplane.live.connect import connect
 
-    cfg = ServiceConfig(fleet=fleet, policy=spec.policy, predictor=spec.predictor,
-                        time_compression=spec.time_compression,
-                        max_live_sessions_per_tenant=max(100_000, 2 * spec.sessions))
-    if mode in ("service", "http"):
+    cfg = _service_config(fleet, spec)
+    if mode == "service":
         from kvprefetch.controlplane.live.service import SchedulerService
 
         svc = SchedulerService(cfg).start()
-        server: Any = None
-        if mode == "http":
-            from kvprefetch.controlplane.live.http_api import HttpServer, create_app
-
-            server = HttpServer(create_app(svc)).start()
-            client = connect(server.url, timeout_s=spec.timeout_s)
-        else:
-            client = connect(service=svc, timeout_s=spec.timeout_s)
+        client = connect(service=svc, timeout_s=spec.timeout_s)
 
         def close_service() -> None:
             client.close()
-            if server is not None:
-                server.close()
             svc.close()
 
         return ClientTarget(client, svc.summary, close_service)
@@ -697,6 +751,44 @@ class RayTarget(ClientTarget):
             self._tmp.cleanup()
 
 
+class _Blocking:
+    """A transport's blocking calls only (no ``acall``): the HTTP API then calls it on
+    its thread pool (``http-threaded``)."""
+
+    def __init__(self, transport: Any) -> None:
+        self._transport = transport
+
+    def with_timeout(self, timeout_s: float) -> _Blocking:
+        return _Blocking(self._transport.with_timeout(timeout_s))
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "acall":
+            raise AttributeError(name)
+        return getattr(self._transport, name)
+
+
+class HttpTarget(RayTarget):
+    """``http``: one scheduler actor on a local Ray runtime started here and the HTTP API
+    in front of it in this process, as ``kvprefetch serve`` runs them (the app on uvicorn
+    on a thread, its client of the actor, no auth); the load comes from another process
+    (:func:`_run_http`)."""
+
+    def __init__(self, cfg: Any, spec: LoadSpec, *, threaded: bool = False) -> None:
+        from kvprefetch.controlplane.live.http_api import HttpServer, create_app
+
+        super().__init__(cfg, spec, shards=1, batched=not threaded)
+        scheduler: Any = self.client
+        if threaded:
+            scheduler = _Blocking(self.client.scheduler)
+        self._server = HttpServer(create_app(scheduler, chunk_tokens=cfg.chunk_tokens))
+        self._server.start()
+        self.url = self._server.url
+
+    def _close_ray(self) -> None:
+        self._server.close()
+        super()._close_ray()
+
+
 def format_table(result: dict[str, Any]) -> str:
     """The terminal table of a run's JSON."""
 
@@ -715,9 +807,19 @@ def format_table(result: dict[str, Any]) -> str:
              f"{'plan p99':>9} {'B/session':>10} {'lost':>6}",
              "-" * 70]
     for mode, m in result["modes"].items():
-        lines.append(f"{mode:<9} {m['events_per_s']:>10,.0f} {ms(m['route_p50_ms'], 10, 3)} "
-                     f"{ms(m['route_p99_ms'], 10, 3)} {ms(m['plan_p99_ms'], 9, 2)} "
-                     f"{num(m['bytes_per_session'], '>10,.0f'):>10} {m['lost_events']:>6}")
+        # An http mode: a row per caller count (its own figures are the last count's).
+        rows = [(f"{mode} x{n}", level) for n, level in (m.get("callers") or {}).items()]
+        for name, r in rows or [(mode, m)]:
+            lines.append(f"{name:<9} {r['events_per_s']:>10,.0f} "
+                         f"{ms(r['route_p50_ms'], 10, 3)} {ms(r['route_p99_ms'], 10, 3)} "
+                         f"{ms(m['plan_p99_ms'], 9, 2)} "
+                         f"{num(m.get('bytes_per_session'), '>10,.0f'):>10} "
+                         f"{r['lost_events']:>6}")
+        if rows:
+            lines.append(f"{mode}: load from a separate process; its CPU per wall second "
+                         "by callers: " + ", ".join(
+                             f"x{n} {level['generator_cores']:.2f}"
+                             for n, level in m["callers"].items()))
     ray1 = result["modes"].get("ray-1", {})
     base, base_cpu = ray1.get("events_per_s"), ray1.get("events_per_shard_cpu_s")
     for mode, m in result["modes"].items():

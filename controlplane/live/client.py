@@ -33,15 +33,18 @@ too), a :class:`RayTransport` for a Ray address (``"auto"``, ``"ray://host:10001
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import itertools
 import json
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from pydantic import BaseModel
@@ -133,6 +136,13 @@ class RayTransport:
         self.timeout_s = timeout_s
         self.batcher: EventBatcher | None = (
             None if batching is None else EventBatcher(self._handle, batching, self._get))
+        #: The route coalescer of each event loop that routes through this transport
+        #: (shared by its timeout views; a loop's entry goes with the loop).
+        self._coalescers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop,
+                                                    _RouteCoalescer] = (
+            weakref.WeakKeyDictionary())
+        #: What the coalescers sent: ``calls`` actor calls carrying ``routes`` routes.
+        self.coalesced = Coalesced()
 
     def with_timeout(self, timeout_s: float) -> RayTransport:
         return with_timeout(self, timeout_s)
@@ -161,13 +171,75 @@ class RayTransport:
             return ray.get(ref, timeout=self.timeout_s)
         except GetTimeoutError as exc:
             raise TimeoutError(f"{op} timed out after {self.timeout_s} s") from exc
-        except RayTaskError as exc:
-            cause = exc.cause if isinstance(exc.cause, KvPrefetchError) else None
-            if cause is not None:
-                raise cause from None
-            raise ServiceError(f"{op} failed in the scheduler: {exc}") from exc
-        except (RayActorError, ActorUnavailableError) as exc:
-            raise ServiceUnavailableError(f"scheduler unavailable: {exc}") from exc
+        except (RayTaskError, RayActorError, ActorUnavailableError) as exc:
+            raise _ray_error(op, exc) from exc
+
+    async def _aget(self, op: str, ref: Any) -> Any:
+        """:meth:`_get` without blocking the event loop: the reference is awaited."""
+        from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
+
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.timeout_s)
+        except TimeoutError as exc:
+            raise TimeoutError(f"{op} timed out after {self.timeout_s} s") from exc
+        except (RayTaskError, RayActorError, ActorUnavailableError) as exc:
+            raise _ray_error(op, exc) from exc
+
+    async def acall(self, op: str, call: Any) -> Any:
+        """The gateway call ``op`` (a :class:`~kvprefetch.controlplane.live.protocol.GatewayAPI`
+        method name) as a coroutine: the same answers and errors as the method, the actor's
+        answer awaited (the event loop is free meanwhile). A queued event answers at once;
+        a route carries the queued events ahead of it in its actor call."""
+        if op in _EVENTS and self._queued(op, call):
+            return api.ACCEPTED
+        if op == "route":
+            return await self._aretried(op, lambda: self._aroute_once(call))
+        if op == "cancel_route":
+            if self.batcher is not None:
+                self.batcher.flush()
+            return await self._aretried(op, lambda: self._aget(
+                op, self._handle.cancel_route.remote(call)))
+        if op not in _GATEWAY_OPS:
+            raise ValueError(f"not a gateway call: {op!r}")
+        return await self._aget(op, getattr(self._handle, op).remote(call))
+
+    async def _aroute_once(self, call: api.RouteQuery) -> api.RouteAnswer:
+        """The route through this event loop's :class:`_RouteCoalescer`: alone when no
+        route of this loop is unanswered, else in one actor call with the routes that
+        arrived meanwhile."""
+        loop = asyncio.get_running_loop()
+        coalescer = self._coalescers.get(loop)
+        if coalescer is None:
+            coalescer = self._coalescers[loop] = _RouteCoalescer(self)
+        future = coalescer.submit(pack(call))
+        try:
+            # On a timeout (or a cancel) the future is cancelled: its answer is dropped.
+            answer = await asyncio.wait_for(future, self.timeout_s)
+        except TimeoutError as exc:
+            raise TimeoutError(f"route timed out after {self.timeout_s} s") from exc
+        if isinstance(answer, ServiceError):
+            raise answer
+        return unpack(api.RouteAnswer, answer)
+
+    def send_routes_packed(self, packed: list[Any]) -> tuple[Any, list[tuple[str, Any]]]:
+        """Packed routes (and the queued events, ahead of them) in one actor call: the
+        reference and the events it carried."""
+        if self.batcher is None:
+            return self._handle.route_many_after.remote([], packed), []
+        return self.batcher.send_with(
+            lambda events: self._handle.route_many_after.remote(events, packed))
+
+    async def _aretried(self, op: str, call: Callable[[], Awaitable[_T]]) -> _T:
+        """:meth:`_retried` as a coroutine (the pauses do not block the event loop)."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                return await call()
+            except ServiceUnavailableError:
+                if time.monotonic() + RETRY_PAUSE_S >= deadline:
+                    raise
+                log.info("%s: scheduler shard %d unavailable; retrying", op, self.shard)
+                await asyncio.sleep(RETRY_PAUSE_S)
 
     # ------------------------------------------------------------------ gateway calls
     def request_started(self, call: api.RequestStarted) -> api.Ack:
@@ -343,6 +415,88 @@ class RayTransport:
         return state
 
 
+#: Routes of one event loop in one actor call at most.
+MAX_COALESCED_ROUTES = 256
+#: Actor calls of one event loop's routes unanswered at once: the next batch is on its
+#: way while the actor works on one (the actor still runs them in order).
+ROUTE_CALLS_IN_FLIGHT = 2
+
+
+@dataclass(slots=True)
+class Coalesced:
+    """Async routes sent by a :class:`RayTransport` (cumulative): ``calls`` actor calls
+    carried ``routes`` routes."""
+
+    calls: int = 0
+    routes: int = 0
+
+
+class _RouteCoalescer:
+    """The async routes of one event loop to one scheduler actor: a route leaves at once
+    while fewer than :data:`ROUTE_CALLS_IN_FLIGHT` of this loop's actor calls are
+    unanswered; otherwise it waits for one to answer and leaves with every route that
+    arrived meanwhile, in one ``route_many_after`` call (the queued events ahead of
+    them). A lone route pays one actor call, and many callers share one call instead of
+    queueing one each behind the actor. Routes keep the order they were submitted in (Ray
+    runs one caller's calls in order); each answer is the packed answer or its typed
+    error."""
+
+    def __init__(self, transport: RayTransport) -> None:
+        self._transport = transport
+        self._pending: list[tuple[Any, asyncio.Future[Any]]] = []
+        self._in_flight = 0
+
+    def submit(self, packed: Any) -> asyncio.Future[Any]:
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._pending.append((packed, future))
+        if self._in_flight < ROUTE_CALLS_IN_FLIGHT:
+            self._launch()
+        return future
+
+    def _launch(self) -> None:
+        batch = self._pending[:MAX_COALESCED_ROUTES]
+        del self._pending[:MAX_COALESCED_ROUTES]
+        batch = [(p, f) for p, f in batch if not f.done()]  # gone: timed out, cancelled
+        if not batch:
+            return
+        self._in_flight += 1
+        try:
+            sent = self._transport.send_routes_packed([p for p, _ in batch])
+        except Exception as exc:
+            self._in_flight -= 1
+            for _, future in batch:
+                future.set_exception(exc)
+            return
+        self._transport.coalesced.calls += 1
+        self._transport.coalesced.routes += len(batch)
+        task = asyncio.ensure_future(self._settle(sent, batch))
+        task.add_done_callback(self._next)
+
+    def _next(self, _: asyncio.Future[Any]) -> None:
+        self._in_flight -= 1
+        if self._pending:
+            self._launch()
+
+    async def _settle(self, sent: tuple[Any, list[tuple[str, Any]]],
+                      batch: list[tuple[Any, asyncio.Future[Any]]]) -> None:
+        transport = self._transport
+        ref, events = sent
+        try:
+            refused, answers = await transport._aget("route", ref)
+        except Exception as exc:
+            if isinstance(exc, ServiceUnavailableError) and transport.batcher is not None:
+                transport.batcher.put_back(events)  # the actor died: they go again, first
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        if transport.batcher is not None:
+            transport.batcher.settle_refusals(refused)
+        for (_, future), answer in zip(batch, answers, strict=True):
+            if not future.done():
+                future.set_result(answer)
+
+
 def route_each(route: Callable[[api.RouteQuery], api.RouteAnswer],
                calls: Sequence[api.RouteQuery]) -> list[api.RouteAnswer | ServiceError]:
     """``route_many`` of a transport without a batched call: one call each, in order (a
@@ -354,6 +508,31 @@ def route_each(route: Callable[[api.RouteQuery], api.RouteAnswer],
         except ServiceError as exc:
             answers.append(exc)
     return answers
+
+
+#: The fire-and-forget gateway calls (queued by a batching transport).
+_EVENTS = frozenset({"request_started", "request_finished", "hint", "session_closed"})
+#: Every gateway call, the name of its method on each transport.
+_GATEWAY_OPS = _EVENTS | {"route", "cancel_route", "session_state"}
+#: Gateway call -> the model of its answer.
+_ANSWERS: dict[str, type[BaseModel]] = {
+    "route": api.RouteAnswer, "cancel_route": api.RouteCancelled,
+    "request_started": api.Ack, "request_finished": api.Ack, "hint": api.Ack,
+    "session_closed": api.Ack, "session_state": SessionState,
+}
+
+
+def _ray_error(op: str, exc: Exception) -> Exception:
+    """What a Ray error of the actor call ``op`` is raised as: the scheduler's own typed
+    error, a ServiceError, or ServiceUnavailableError when the actor is gone."""
+    from ray.exceptions import RayTaskError
+
+    if isinstance(exc, RayTaskError):
+        cause = exc.cause if isinstance(exc.cause, KvPrefetchError) else None
+        if cause is not None:
+            return cause
+        return ServiceError(f"{op} failed in the scheduler: {exc}")
+    return ServiceUnavailableError(f"scheduler unavailable: {exc}")
 
 
 class InProcessTransport:
@@ -380,6 +559,17 @@ class InProcessTransport:
         try:
             return future.result(timeout=self.timeout_s)
         except FutureTimeout:
+            future.cancel()
+            raise TimeoutError(f"{op} timed out after {self.timeout_s} s") from None
+
+    async def acall(self, op: str, call: Any) -> Any:
+        """The gateway call ``op`` as a coroutine, on the same pool and timeout."""
+        if op not in _GATEWAY_OPS:
+            raise ValueError(f"not a gateway call: {op!r}")
+        future: Future[Any] = self._pool.submit(getattr(self.scheduler, op), call)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), self.timeout_s)
+        except TimeoutError:
             future.cancel()
             raise TimeoutError(f"{op} timed out after {self.timeout_s} s") from None
 
@@ -455,7 +645,11 @@ class HttpTransport:
         import httpx
 
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._client = httpx.Client(base_url=base_url.rstrip("/"), headers=headers)
+        self._base_url = base_url.rstrip("/")
+        self._headers = {**headers, "Content-Type": "application/json"}
+        self._client = httpx.Client(base_url=self._base_url, headers=headers)
+        #: The connections of :meth:`acall`, made on its first call (one event loop).
+        self._async: list[Any] = []
         self.timeout_s = timeout_s
 
     def with_timeout(self, timeout_s: float) -> HttpTransport:
@@ -463,6 +657,35 @@ class HttpTransport:
 
     def close(self) -> None:
         self._client.close()
+
+    async def aclose(self) -> None:
+        """Close the connections of :meth:`acall` (from the event loop that used them)."""
+        while self._async:
+            await self._async.pop().aclose()
+
+    async def acall(self, op: str, call: Any) -> Any:
+        """The gateway call ``op`` as a coroutine over persistent connections of their
+        own (an ``httpx.AsyncClient``, bound to the event loop of the first call): the
+        same answers and errors as the method."""
+        import httpx
+
+        if op not in _GATEWAY_OPS:
+            raise ValueError(f"not a gateway call: {op!r}")
+        if not self._async:
+            self._async.append(httpx.AsyncClient(base_url=self._base_url,
+                                                 headers=self._headers))
+        try:
+            resp = await self._async[0].post(
+                f"/v1/{op}", content=call.model_dump_json(exclude_none=True,
+                                                          exclude_unset=True),
+                timeout=self.timeout_s)
+        except httpx.TimeoutException as exc:
+            raise TimeoutError(f"{op} timed out after {self.timeout_s} s") from exc
+        except httpx.HTTPError as exc:
+            raise ServiceUnavailableError(f"scheduler HTTP API unreachable: {exc}") from exc
+        if resp.status_code >= 400:
+            raise _http_error(op, resp.status_code, resp.text)
+        return _ANSWERS[op].model_validate(resp.json())
 
     def _post(self, path: str, payload: BaseModel) -> Any:
         """POST ``payload`` to ``/v1/<path>``; the answer's JSON. Fields the caller did not
@@ -590,6 +813,14 @@ class Client:
         """Close the transport (a service in this process is left running)."""
         self._remote.close()
 
+    async def aclose(self) -> None:
+        """:meth:`close`, and the async connections of the coroutine calls (from the event
+        loop that made them)."""
+        aclose = getattr(self._remote, "aclose", None)
+        if aclose is not None:
+            await aclose()
+        self.close()
+
     def __enter__(self) -> Client:
         return self
 
@@ -621,6 +852,35 @@ class Client:
             log.warning("%s: %s; the event is dropped", op, exc)
             return api.Ack(accepted=False)
 
+    async def _acall(self, op: str, payload: BaseModel, timeout_s: float | None) -> Any:
+        """The call ``op`` awaited: the transport's own coroutine where it has one (Ray:
+        the actor's answer awaited; HTTP: async connections), else the blocking call on a
+        worker thread."""
+        remote = self._bounded(timeout_s)
+        acall = getattr(remote, "acall", None)
+        if acall is not None:
+            return await acall(op, payload)
+        return await asyncio.to_thread(getattr(remote, op), payload)
+
+    async def _aack(self, op: str, payload: BaseModel, timeout_s: float | None) -> api.Ack:
+        """:meth:`_ack` awaited."""
+        try:
+            answer: api.Ack = await self._acall(op, payload, timeout_s)
+            return answer
+        except TimeoutError:
+            self.timeouts += 1
+            log.warning("%s timed out; the event is dropped", op)
+            return api.Ack(accepted=False, timed_out=True)
+        except ServiceUnavailableError as exc:
+            log.warning("%s: %s; the event is dropped", op, exc)
+            return api.Ack(accepted=False)
+
+    def _no_prefetch(self, payload: api.RouteQuery, exc: Exception) -> api.RouteAnswer:
+        self.timeouts += isinstance(exc, TimeoutError)
+        log.warning("route %s: %s; running without prefetch", payload.request_id, exc)
+        return api.RouteAnswer.no_prefetch(timed_out=isinstance(exc, TimeoutError),
+                                           request_id=payload.request_id)
+
     # ------------------------------------------------------------------ the API
     def route(self, session_id: str, *, input_tokens: int | None = None,
               token_ids: Sequence[int] | None = None,
@@ -633,19 +893,41 @@ class Client:
         repeats it, also when it is ``no_prefetch`` (timed out, or the scheduler
         unreachable): send the route again with it, or cancel it
         (:meth:`cancel_route`)."""
-        payload = api.parse(api.RouteQuery, self._fields(
+        payload = self._route_payload(session_id, input_tokens, token_ids, chunk_hashes,
+                                      reused_tokens, parent_id, tenant, request_id)
+        try:
+            return self._bounded(timeout_s).route(payload)
+        except (TimeoutError, ServiceUnavailableError) as exc:
+            return self._no_prefetch(payload, exc)
+
+    async def route_async(self, session_id: str, *, input_tokens: int | None = None,
+                          token_ids: Sequence[int] | None = None,
+                          chunk_hashes: Sequence[str] | None = None,
+                          reused_tokens: int | None = None, parent_id: str | None = None,
+                          tenant: str | None = None, request_id: str | None = None,
+                          timeout_s: float | None = None) -> api.RouteAnswer:
+        """:meth:`route` as a coroutine, for event loops (a gateway): the same answers,
+        the scheduler's answer awaited without a thread per call where the transport
+        allows (Ray, HTTP). Cancelling it abandons the answer, not the route: the
+        scheduler may still apply it (its ``request_id`` names it)."""
+        payload = self._route_payload(session_id, input_tokens, token_ids, chunk_hashes,
+                                      reused_tokens, parent_id, tenant, request_id)
+        try:
+            answer: api.RouteAnswer = await self._acall("route", payload, timeout_s)
+            return answer
+        except (TimeoutError, ServiceUnavailableError) as exc:
+            return self._no_prefetch(payload, exc)
+
+    def _route_payload(self, session_id: str, input_tokens: int | None,
+                       token_ids: Sequence[int] | None, chunk_hashes: Sequence[str] | None,
+                       reused_tokens: int | None, parent_id: str | None, tenant: str | None,
+                       request_id: str | None) -> api.RouteQuery:
+        return api.parse(api.RouteQuery, self._fields(
             session_id, tenant, input_tokens=input_tokens,
             token_ids=list(token_ids) if token_ids is not None else None,
             chunk_hashes=list(chunk_hashes) if chunk_hashes is not None else None,
             reused_tokens=reused_tokens, parent_id=parent_id,
             request_id=request_id or self._request_ids()))
-        try:
-            return self._bounded(timeout_s).route(payload)
-        except (TimeoutError, ServiceUnavailableError) as exc:
-            self.timeouts += isinstance(exc, TimeoutError)
-            log.warning("route %s: %s; running without prefetch", payload.request_id, exc)
-            return api.RouteAnswer.no_prefetch(timed_out=isinstance(exc, TimeoutError),
-                                               request_id=payload.request_id)
 
     def cancel_route(self, session_id: str, request_id: str, *, tenant: str | None = None,
                      timeout_s: float | None = None) -> api.RouteCancelled:
@@ -712,26 +994,58 @@ class Client:
         route gave no advice) is a finish on no known node, which the scheduler
         acknowledges without recording it (``accepted`` False; see
         :class:`~kvprefetch.controlplane.base.api.RequestFinished`)."""
-        payload = api.parse(api.RequestFinished, self._fields(
+        payload = self._finished_payload(session_id, node, input_tokens, output_tokens,
+                                         context_tokens, stop_reason, chunk_hashes, tenant,
+                                         local_tokens_read)
+        return self._ack("request_finished", self._bounded(timeout_s).request_finished,
+                         payload)
+
+    async def request_finished_async(
+            self, session_id: str, *, node: int | None, input_tokens: int,
+            output_tokens: int = 0, context_tokens: int | None = None,
+            stop_reason: str | None = None, chunk_hashes: Sequence[str] | None = None,
+            tenant: str | None = None, local_tokens_read: int | None = None,
+            timeout_s: float | None = None) -> api.Ack:
+        """:meth:`request_finished` as a coroutine (see :meth:`route_async`)."""
+        payload = self._finished_payload(session_id, node, input_tokens, output_tokens,
+                                         context_tokens, stop_reason, chunk_hashes, tenant,
+                                         local_tokens_read)
+        return await self._aack("request_finished", payload, timeout_s)
+
+    def _finished_payload(self, session_id: str, node: int | None, input_tokens: int,
+                          output_tokens: int, context_tokens: int | None,
+                          stop_reason: str | None, chunk_hashes: Sequence[str] | None,
+                          tenant: str | None, local_tokens_read: int | None
+                          ) -> api.RequestFinished:
+        return api.parse(api.RequestFinished, self._fields(
             session_id, tenant, node=node, input_tokens=input_tokens,
             output_tokens=output_tokens, context_tokens=context_tokens,
             stop_reason=stop_reason, local_tokens_read=local_tokens_read,
             chunk_hashes=list(chunk_hashes) if chunk_hashes is not None else None))
-        return self._ack("request_finished", self._bounded(timeout_s).request_finished,
-                         payload)
 
     def hint(self, session_id: str, hint: api.Hint | dict[str, Any] | str, *,
              eta_s: float | None = None, tenant: str | None = None,
              timeout_s: float | None = None) -> api.Ack:
         """A typed hint: ``api.Hint(kind="tool_running", eta_s=2.0)``, the same as a dict,
         or a kind name with ``eta_s``."""
+        return self._ack("hint", self._bounded(timeout_s).hint,
+                         self._hint_payload(session_id, hint, eta_s, tenant))
+
+    async def hint_async(self, session_id: str, hint: api.Hint | dict[str, Any] | str, *,
+                         eta_s: float | None = None, tenant: str | None = None,
+                         timeout_s: float | None = None) -> api.Ack:
+        """:meth:`hint` as a coroutine (see :meth:`route_async`)."""
+        return await self._aack("hint", self._hint_payload(session_id, hint, eta_s, tenant),
+                                timeout_s)
+
+    def _hint_payload(self, session_id: str, hint: api.Hint | dict[str, Any] | str,
+                      eta_s: float | None, tenant: str | None) -> api.HintCall:
         raw: Any = hint
         if isinstance(hint, str):
             raw = {"kind": hint, "eta_s": eta_s} if eta_s is not None else {"kind": hint}
         elif isinstance(hint, api.Hint):
             raw = hint.model_dump()
-        payload = api.parse(api.HintCall, self._fields(session_id, tenant, hint=raw))
-        return self._ack("hint", self._bounded(timeout_s).hint, payload)
+        return api.parse(api.HintCall, self._fields(session_id, tenant, hint=raw))
 
     def session_closed(self, session_id: str, *, tenant: str | None = None,
                        timeout_s: float | None = None) -> api.Ack:

@@ -87,6 +87,10 @@ class GatewayConfig(BaseModel):
     identity_prefix_tokens: int = Field(default=256, ge=1)
     upstream_timeout_s: float = Field(default=600.0, gt=0)
     scheduler_timeout_s: float = Field(default=2.0, gt=0)
+    #: The longest a request waits for the scheduler's route answer: past it the request
+    #: runs on the least-loaded node without prefetch (counted in
+    #: ``kvprefetch_gateway_route_deadline_total``) and the late answer is dropped.
+    route_deadline_s: float = Field(default=0.005, gt=0, le=60)
     #: The base of the tenants' cache salts: the agents' ``lmcache.cache_salt`` (a secret
     #: makes the salts unguessable). "" and the default tenant: requests carry none.
     cache_salt: str = ""
@@ -200,26 +204,50 @@ class Gateway:
         """Whether the session had an earlier turn at this gateway (remembers this one)."""
         return self.metrics.returning(SessionKey(self.metrics_tenant(), session))
 
+    async def _call(self, name: str, *args: Any, **kw: Any) -> Any:
+        """The scheduler's ``name`` awaited: its coroutine form (``<name>_async`` of a
+        :class:`~kvprefetch.controlplane.live.client.Client`: the actor handle with
+        batching in a Ray cluster, persistent async connections over HTTP), else the
+        blocking call on a worker thread."""
+        call = getattr(self._scheduler, f"{name}_async", None)
+        if call is not None:
+            return await call(*args, **kw)
+        return await asyncio.to_thread(getattr(self._scheduler, name), *args, **kw)
+
     async def route(self, session: str, token_ids: Sequence[int]) -> Routed:
-        if self._scheduler is not None:
-            started = time.perf_counter()
-            try:
-                answer = await asyncio.to_thread(
-                    self._scheduler.route, session, token_ids=list(token_ids),
-                    tenant=self.config.tenant, timeout_s=self.config.scheduler_timeout_s)
-            except Exception as exc:  # any failure of the scheduler: serve anyway
-                log.warning("route %s: scheduler failed (%s); routing by load", session, exc)
-                answer = None
-            node = getattr(answer, "node", None)
-            routed = (Routed(node, "scheduler")
-                      if node is not None and self.nodes.url(node) is not None
-                      else Routed(self.least_loaded(), "load"))
-            self.metrics.route_time(time.perf_counter() - started, node=routed.node,
-                                    tenant=self.metrics_tenant())
-            if routed.by == "load":
-                self.metrics.scheduler_unavailable.inc()
-            return routed
-        return Routed(self.least_loaded(), "load")
+        """The scheduler's node, waited for at most ``route_deadline_s``. Past the
+        deadline the request runs on the least-loaded node without prefetch and the call
+        is cancelled: its answer is never applied here, and the route is never sent
+        again (the scheduler applies it at most once; the request's finish names the
+        node it ran on)."""
+        if self._scheduler is None:
+            return Routed(self.least_loaded(), "load")
+        started = time.perf_counter()
+        ask = asyncio.ensure_future(self._call(
+            "route", session, token_ids=list(token_ids), tenant=self.config.tenant,
+            timeout_s=self.config.scheduler_timeout_s))
+        done, _ = await asyncio.wait({ask}, timeout=self.config.route_deadline_s)
+        answer: Any = None
+        if not done:
+            ask.cancel()
+            self.metrics.route_deadline.inc()
+            log.debug("route %s: no answer within %.3g s; routing by load", session,
+                      self.config.route_deadline_s)
+        elif ask.exception() is not None:  # any failure of the scheduler: serve anyway
+            log.warning("route %s: scheduler failed (%s); routing by load", session,
+                        ask.exception())
+            self.metrics.scheduler_unavailable.inc()
+        else:
+            answer = ask.result()
+        node = getattr(answer, "node", None)
+        routed = (Routed(node, "scheduler")
+                  if node is not None and self.nodes.url(node) is not None
+                  else Routed(self.least_loaded(), "load"))
+        self.metrics.route_time(time.perf_counter() - started, node=routed.node,
+                                tenant=self.metrics_tenant())
+        if done and answer is not None and routed.by == "load":
+            self.metrics.scheduler_unavailable.inc()  # answered without a node
+        return routed
 
     async def finished(self, session: str, node: int, token_ids: Sequence[int],
                        output_tokens: int, stop_reason: str | None,
@@ -243,15 +271,13 @@ class Gateway:
         # the vocabulary does not know is sent as none.
         stop = stop_reason_or_none(stop_reason)
         try:
-            await asyncio.to_thread(
-                self._scheduler.request_finished, session, node=node,
-                input_tokens=len(token_ids), output_tokens=output_tokens,
-                stop_reason=stop, tenant=self.config.tenant,
+            await self._call(
+                "request_finished", session, node=node, input_tokens=len(token_ids),
+                output_tokens=output_tokens, stop_reason=stop, tenant=self.config.tenant,
                 local_tokens_read=cached_tokens, timeout_s=self.config.scheduler_timeout_s)
             if stop == "tool_use":
-                await asyncio.to_thread(self._scheduler.hint, session, "tool_running",
-                                        tenant=self.config.tenant,
-                                        timeout_s=self.config.scheduler_timeout_s)
+                await self._call("hint", session, "tool_running", tenant=self.config.tenant,
+                                 timeout_s=self.config.scheduler_timeout_s)
         except Exception as exc:
             self.metrics.scheduler_unavailable.inc()
             log.warning("request_finished %s: scheduler failed (%s)", session, exc)
@@ -546,9 +572,13 @@ def run(args: argparse.Namespace) -> int:
     token = scheduler_token(args.token_file)
     scheduler = None
     if args.scheduler:
+        from kvprefetch.controlplane.live.batching import EventBatching
         from kvprefetch.controlplane.live.connect import connect
 
-        scheduler = connect(args.scheduler, tenant=args.tenant, token=token)
+        # In a Ray cluster the actor handle, events batched; over HTTP, persistent
+        # connections (batching applies to Ray only).
+        scheduler = connect(args.scheduler, tenant=args.tenant, token=token,
+                            batching=EventBatching())
     tokens = None
     if args.config:
         store = token_store(stores_of_serve_config(args.config))
@@ -556,7 +586,8 @@ def run(args: argparse.Namespace) -> int:
         tokens = store_sink(store)
     salt = os.environ.get(args.cache_salt_env, "") if args.cache_salt_env else ""
     gateway = Gateway(GatewayConfig(upstreams=args.upstream, tenant=args.tenant,
-                                    cache_salt=salt, nodes_refresh_s=args.nodes_refresh_s),
+                                    cache_salt=salt, nodes_refresh_s=args.nodes_refresh_s,
+                                    route_deadline_s=args.route_deadline_s),
                       scheduler=scheduler, tokens=tokens)
     uvicorn.run(build_app(gateway), host=args.host, port=args.port)
     return 0

@@ -66,6 +66,10 @@ class GatewayMetrics:
         self.scheduler_unavailable = Counter(
             "kvprefetch_gateway_scheduler_unavailable",
             "Scheduler calls that failed or timed out (the request still ran)", registry=r)
+        self.route_deadline = Counter(
+            "kvprefetch_gateway_route_deadline",
+            "Requests routed by load because the scheduler's route did not answer within "
+            "route_deadline_s (the late answer dropped)", registry=r)
         self.token_store_errors = Counter("kvprefetch_gateway_token_store_errors",
                                           "Token ids that could not be stored", registry=r)
         self.in_flight = Gauge("kvprefetch_gateway_in_flight", "Requests in flight per node",

@@ -49,6 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="follow the scheduler's node registry, read this often "
                         "(seconds): joined nodes get requests, lost ones none; 0 = the "
                         "--upstream list only")
+    parser.add_argument("--route-deadline-s", type=float, default=0.005, metavar="S",
+                        help="longest wait for the scheduler's route; past it the request "
+                        "runs on the least-loaded node without prefetch (default "
+                        "%(default)g)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080)
 

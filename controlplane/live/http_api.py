@@ -59,8 +59,13 @@ The app fronts any :class:`~kvprefetch.controlplane.live.protocol.GatewayAPI`: a
 :class:`~kvprefetch.controlplane.live.client.InProcessTransport`, so ``call_timeout_s`` holds there
 too), or a transport to the scheduler (the Ray actor's, in ``kvprefetch serve``), called
 with ``call_timeout_s``. Endpoints validate on the event loop (in slices, see
-:mod:`~kvprefetch.controlplane.live.http_body`) and call the scheduler on Starlette's
-thread pool, because every call may block (a lock, ``ray.get``).
+:mod:`~kvprefetch.controlplane.live.http_body`) and await the scheduler's answer there
+when the transport has coroutine calls (``acall``: a Ray transport awaits the actor's
+answer, no thread per call; with event batching, as :func:`ray_client` sets up, the
+fire-and-forget events answer ``accepted`` once queued and go in batches, ahead of the
+next route, a refusal counted in the batcher's stats and logged, as with the Python client;
+a finish without ``node`` answers ``accepted: false`` and is not queued); any other
+scheduler is called on Starlette's thread pool, as its calls may block.
 
 Needs the ``serve`` extra (fastapi, uvicorn, prometheus_client).
 """
@@ -101,6 +106,7 @@ from kvprefetch.controlplane.base.errors import (
     ServiceError,
     ServiceUnavailableError,
 )
+from kvprefetch.controlplane.live.batching import EventBatching
 from kvprefetch.controlplane.live.client import Client, InProcessTransport
 from kvprefetch.controlplane.live.http_body import BigList, BodyValidator, Invalid
 from kvprefetch.controlplane.live.http_conn import (
@@ -261,6 +267,17 @@ def _as_call(op: str, body: BaseModel, tenant: str) -> Any:
                                           **values)
 
 
+def ray_client(address: str, namespace: str, *, timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
+               batching: EventBatching | None = None) -> Client:
+    """The client the HTTP API fronts a Ray scheduler with (``kvprefetch serve``'s): the
+    fire-and-forget events batched as the Python client batches them (``batching``,
+    default :class:`EventBatching`'s defaults), each call bounded by ``timeout_s``."""
+    from kvprefetch.controlplane.live.connect import connect
+
+    return connect(address, namespace=namespace, timeout_s=timeout_s,
+                   batching=batching or EventBatching())
+
+
 def _gateway(target: GatewayAPI | Client, call_timeout_s: float) -> RemoteAPI:
     """The API the endpoints call, bounded by ``call_timeout_s``: a transport (the one a
     client holds), or one over a scheduler in this process."""
@@ -324,6 +341,30 @@ class _HttpMetrics:
         self.latency.labels(op).observe(seconds)
 
 
+class _Measured:
+    """ASGI middleware: each call's status and latency (to its answer's start) into the
+    API's metrics; plain ASGI, so a call costs no task or stream of its own."""
+
+    def __init__(self, app: Any, metrics: _HttpMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = [500]
+
+        async def sending(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+                self.metrics.observe(scope["path"], status[0], time.perf_counter() - started)
+            await send(message)
+
+        await self.app(scope, receive, sending)
+
+
 def create_app(scheduler: GatewayAPI | Client, *, bearer_token: str | None = None,
                auth: TenantAuth | None = None, limits: RequestLimits | None = None,
                chunk_tokens: int | None = None,
@@ -375,9 +416,29 @@ def create_app(scheduler: GatewayAPI | Client, *, bearer_token: str | None = Non
     if auth.required:
         responses[401] = {"model": ErrorBody, "description": "no or wrong bearer token"}
 
-    def event(op: str, send: Callable[[], api.Ack]) -> api.Ack:
+    acall = getattr(backend, "acall", None)
+    #: Events are queued and answered `accepted` at once (a batching Ray transport).
+    queued = acall is not None and getattr(backend, "batcher", None) is not None
+
+    async def call(op: str, payload: Any) -> Any:
+        """The scheduler's answer to ``op``, awaited on the event loop where the transport
+        has coroutine calls (a Ray transport: the actor's answer is awaited, its events
+        queued and batched), else the blocking call on Starlette's thread pool."""
+        if acall is not None:
+            return await acall(op, payload)
+        return await run_in_threadpool(getattr(backend, op), payload)
+
+    async def hashed(payload: Any) -> Any:
+        """Token ids as chunk hashes, computed off the event loop (a long prompt's hashes
+        would hold every other call up)."""
+        if chunk_tokens is None or getattr(payload, "token_ids", None) is None:
+            return payload
+        return await run_in_threadpool(prehash, payload, chunk_tokens)
+
+    async def event(op: str, payload: Any) -> api.Ack:
         try:
-            return send()
+            answer: api.Ack = await call(op, payload)
+            return answer
         except TimeoutError:
             log.warning("%s: the scheduler did not answer in %.3g s", op, call_timeout_s)
             return api.Ack(accepted=False, timed_out=True)
@@ -420,31 +481,25 @@ def create_app(scheduler: GatewayAPI | Client, *, bearer_token: str | None = Non
                        operations=[f"/v1/{op}" for op in OPERATIONS])
     app.state.limits = limits  # HttpServer reads max_connections here
 
-    @app.middleware("http")
-    async def _measure(request: Request,
-                       call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        started = time.perf_counter()
-        response = await call_next(request)
-        http_metrics.observe(request.url.path, response.status_code,
-                             time.perf_counter() - started)
-        return response
+    app.add_middleware(_Measured, metrics=http_metrics)
 
     # ------------------------------------------------------------------ operations
-    def route(call: Any) -> api.RouteAnswer:
+    async def route(payload: Any) -> api.RouteAnswer:
         """Where to run this request (records `request_started` too unless it was sent for
         this request). `node: null` means: no advice, run it anywhere without prefetch.
         With `request_id` the call is idempotent: the same call again (a retry after a
         timeout or a 503) answers the first answer and applies nothing twice, also after
         the scheduler restarted; the id with another session or body is refused (409)."""
-        if chunk_tokens is not None:
-            call = prehash(call, chunk_tokens)
+        payload = await hashed(payload)
         try:
-            return backend.route(call)
+            answer: api.RouteAnswer = await call("route", payload)
+            return answer
         except TimeoutError:
             log.warning("route: the scheduler did not answer in %.3g s", call_timeout_s)
-            return api.RouteAnswer.no_prefetch(timed_out=True, request_id=call.request_id)
+            return api.RouteAnswer.no_prefetch(timed_out=True,
+                                               request_id=payload.request_id)
 
-    def cancel_route(call: Any) -> api.RouteCancelled:
+    async def cancel_route(payload: Any) -> api.RouteCancelled:
         """Undo the route `request_id` of this session, whose request will not run (its
         answer never came, or the caller gave up). While that request is in flight it
         ends: the session's first request closes the session (its tenant's live-session
@@ -454,47 +509,51 @@ def create_app(scheduler: GatewayAPI | Client, *, bearer_token: str | None = Non
         `finished` (the request already ended: nothing undone). 503 when the scheduler
         does not answer in time (send it again)."""
         try:
-            return backend.cancel_route(call)
+            answer: api.RouteCancelled = await call("cancel_route", payload)
+            return answer
         except TimeoutError:
             raise ServiceUnavailableError(
                 f"cancel_route: the scheduler did not answer in {call_timeout_s:.3g} s"
             ) from None
 
-    def request_started(call: Any) -> api.Ack:
+    async def request_started(payload: Any) -> api.Ack:
         """A request of the session arrived at the gateway."""
-        if chunk_tokens is not None:
-            call = prehash(call, chunk_tokens)
-        return event("request_started", lambda: backend.request_started(call))
+        return await event("request_started", await hashed(payload))
 
-    def request_finished(call: Any) -> api.Ack:
+    async def request_finished(payload: Any) -> api.Ack:
         """The response ended on `node`; the session's context grew. Without `node` (or
         `node: null`, when the route gave no advice) the finish is on no known node: it is
         answered `accepted: false` and not recorded (no node's books take a context no
         node is known to hold); the request stays in flight until the session's next
         finish on a node."""
-        return event("request_finished", lambda: backend.request_finished(call))
+        if queued and payload.node is None:
+            # The scheduler records nothing for it: a queue that answers `accepted` at
+            # once must not say otherwise.
+            return api.Ack(accepted=False)
+        return await event("request_finished", payload)
 
-    def hint(call: Any) -> api.Ack:
+    async def hint(payload: Any) -> api.Ack:
         """A typed hint: `user_typing` (optional `eta_s`), `tool_running` (`eta_s` = the
         expected duration) or `session_closed` (closes the session, as
         `/v1/session_closed` does)."""
-        return event("hint", lambda: backend.hint(call))
+        return await event("hint", payload)
 
-    def session_closed(call: Any) -> api.Ack:
+    async def session_closed(payload: Any) -> api.Ack:
         """The session will not return: its prefetches stop and its state is freed."""
-        return event("session_closed", lambda: backend.session_closed(call))
+        return await event("session_closed", payload)
 
-    def session_state(call: Any) -> SessionState:
+    async def session_state(payload: Any) -> SessionState:
         """What the scheduler holds for one live session of the caller's tenant (404 when
         the tenant has none by this id). Read-only."""
         try:
-            return backend.session_state(call)
+            state: SessionState = await call("session_state", payload)
+            return state
         except TimeoutError:
             raise ServiceUnavailableError(
                 f"session_state: the scheduler did not answer in {call_timeout_s:.3g} s"
             ) from None
 
-    handlers: dict[str, Callable[[Any], Any]] = {
+    handlers: dict[str, Callable[[Any], Awaitable[Any]]] = {
         "route": route, "cancel_route": cancel_route, "request_started": request_started,
         "request_finished": request_finished, "hint": hint,
         "session_closed": session_closed, "session_state": session_state,
@@ -577,13 +636,12 @@ def create_app(scheduler: GatewayAPI | Client, *, bearer_token: str | None = Non
     return app
 
 
-def _endpoint(op: str, validator: BodyValidator, handle: Callable[[Any], Any],
+def _endpoint(op: str, validator: BodyValidator, handle: Callable[[Any], Awaitable[Any]],
               auth: TenantAuth) -> Callable[..., Any]:
     """The endpoint of ``op``: the caller (authenticated by the edge guard before the body
     was read), its body validated in bounded time (422 listing the first errors), the
     tenant taken from the token (or the body where the caller may name it, within
-    ``auth.max_named_tenants``), then ``handle`` called on the thread pool with the
-    scheduler's record."""
+    ``auth.max_named_tenants``), then ``handle`` awaited with the scheduler's record."""
 
     async def endpoint(request: Request) -> Any:
         principal: Principal = getattr(request.state, PRINCIPAL_STATE)
@@ -592,7 +650,7 @@ def _endpoint(op: str, validator: BodyValidator, handle: Callable[[Any], Any],
         if isinstance(checked, Invalid):
             return _invalid_body(op, checked)
         tenant = auth.tenant_for(principal, getattr(checked, "tenant", None))
-        return await run_in_threadpool(handle, _as_call(op, checked, tenant))
+        return await handle(_as_call(op, checked, tenant))
 
     endpoint.__name__ = op
     return endpoint

@@ -47,10 +47,13 @@ def gateway_application(config: GatewayConfig, *, scheduler: str | None = None,
 
             client = None
             if self._scheduler:
+                from kvprefetch.controlplane.live.batching import EventBatching
                 from kvprefetch.controlplane.live.connect import connect
 
+                # Inside the cluster: the actor handle, events batched (HTTP: persistent
+                # connections; batching applies to Ray only).
                 client = connect(self._scheduler, tenant=self._config.tenant,
-                                 token=self._token)
+                                 token=self._token, batching=EventBatching())
             tokens = None
             if self._valkey:
                 from kvprefetch.agents.stores.valkey.store import ValkeyStore, ValkeyStoreConfig

@@ -172,9 +172,18 @@ def control_plane_table(name: str) -> list[str]:
     modes = report["modes"]
     inproc = modes.get("inproc", {}).get("events_per_s")
     rows = []
+    http_rows = []
     for mode, result in modes.items():
-        rate = result.get("events_per_s")
         bps = result.get("bytes_per_session")
+        # An http mode: a row per caller count of its separate load process.
+        levels = result.get("callers") or {}
+        for n, r in levels.items():
+            http_rows.append([f"`{mode}`", str(n), _num(r.get("events_per_s"), 0),
+                              _num(r.get("route_p50_ms")), _num(r.get("route_p99_ms")),
+                              _num(r.get("lost_events")), _num(r.get("generator_cores"), 2)])
+        if levels:
+            continue
+        rate = result.get("events_per_s")
         rows.append([
             f"`{mode}`", _num(rate, 0), _num(rate / inproc if rate and inproc else None, 3),
             _num(result.get("route_p50_ms")), _num(result.get("route_p99_ms")),
@@ -183,12 +192,18 @@ def control_plane_table(name: str) -> list[str]:
         ])
     extra = {k: v for k, v in report.items() if k != "modes" and not isinstance(v, dict | list)}
     setting = ", ".join(f"{k} {v}" for k, v in sorted(extra.items()))
-    return [
+    out = [
         f"Setting: {setting}." if setting else "",
         "",
         *_table(["mode", "events/s", "events/s vs inproc", "route p50 ms", "route p99 ms",
                  "planning step p99 ms", "bytes per idle session", "lost events"], rows),
     ]
+    if http_rows:
+        out += ["", "The HTTP API from a separate load process, by concurrent callers "
+                "(each on its own connection, route then request_finished, closed loop):", "",
+                *_table(["mode", "callers", "events/s", "route p50 ms", "route p99 ms",
+                         "lost events", "load process cores"], http_rows)]
+    return out
 
 
 def store_table(name: str) -> list[str]:
@@ -259,7 +274,16 @@ def _headline(name: str) -> str:
                 f"{total['cells_without_closure']} cells without one")
     if name == "bench-control-plane":
         modes = report["modes"]
-        parts = [f"{mode} {_num(r.get('events_per_s'), 0)} events/s" for mode, r in modes.items()]
+        parts = []
+        for mode, r in modes.items():
+            levels = r.get("callers") or {}
+            if levels:  # an http mode: its 32-caller figures (else its last count's)
+                n, r = next(((n, v) for n, v in levels.items() if n == "32"),
+                            list(levels.items())[-1])
+                parts.append(f"{mode} x{n} {_num(r.get('events_per_s'), 0)} events/s, route "
+                             f"p50 {_num(r.get('route_p50_ms'), 1)} ms")
+            else:
+                parts.append(f"{mode} {_num(r.get('events_per_s'), 0)} events/s")
         return "; ".join(parts)
     if name == "bench-store":
         stores = report["conditions"].get("loopback", {})

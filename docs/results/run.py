@@ -65,8 +65,9 @@ RUNS: dict[str, list[str]] = {
        for engine in ("vllm-lmcache", "vllm-lmcache-lazy")},
     "yardstick-vllm-lmcache-hints": _yardstick("vllm-lmcache", hints=True),
     "bench-control-plane": [
-        "kvprefetch", "bench", "control-plane", "--modes", "inproc,service,http,ray-1",
-        "--sessions", "1000", "--events", "3000", "--no-progress",
+        "kvprefetch", "bench", "control-plane", "--modes",
+        "inproc,service,ray-1,http,http-threaded", "--sessions", "1000", "--events", "4000",
+        "--callers", "1,8,32,128", "--no-progress",
         "--json", "docs/results/data/bench-control-plane.json",
     ],
     "bench-store": [

@@ -40,18 +40,25 @@ def test_bench_control_plane_inproc_tiny(tmp_path: Path, capsys: pytest.CaptureF
     assert result["modes"]["inproc"]["plan_p99_ms"] is not None
 
 
-@pytest.mark.servers  # the HTTP app on loopback
-def test_bench_control_plane_service_and_http_tiny(tmp_path: Path,
-                                                   capsys: pytest.CaptureFixture[str]) -> None:
-    """The same figures through the service's client and over HTTP (the service behind the
-    app on loopback), with fewer events: each is a round trip in this process."""
+def test_bench_control_plane_service_tiny(tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """The same figures through the service's client, with fewer events."""
     out = tmp_path / "cp.json"
-    rc = main(["bench", "control-plane", "--modes", "service,http", "--sessions", "100",
+    rc = main(["bench", "control-plane", "--modes", "service", "--sessions", "100",
                "--events", "300", "--speedup", "5000", "--json", str(out), "--no-progress"])
     assert rc == 0
     table = capsys.readouterr().out
-    assert "service" in table and "http" in table and "events/s" in table
-    _check_modes(json.loads(out.read_text()), {"service", "http"}, 100, 300)
+    assert "service" in table and "events/s" in table
+    _check_modes(json.loads(out.read_text()), {"service"}, 100, 300)
+
+
+def test_bench_control_plane_refuses_bad_callers(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "control-plane", "--modes", "http", "--sessions", "10",
+                 "--callers", "1,32", "--no-progress"]) == 2
+    assert "callers must be 1-10" in capsys.readouterr().err
+    assert main(["bench", "control-plane", "--modes", "http", "--callers", "x",
+                 "--no-progress"]) == 2
+    assert "--callers" in capsys.readouterr().err
 
 
 def test_bench_control_plane_refuses_an_unknown_mode(capsys: pytest.CaptureFixture[str]

@@ -45,6 +45,32 @@ def test_bench_control_plane_ray_1_tiny(tmp_path: Path, capsys: pytest.CaptureFi
     assert modes["ray-1-sync"]["batching"] == {}
 
 
+def test_bench_control_plane_http_from_a_separate_process(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--modes http,http-threaded``: the API as serve runs it, the load from a child
+    process at each caller count; every event arrives and each count has its row."""
+    out = tmp_path / "cp.json"
+    assert main(["bench", "control-plane", "--modes", "http,http-threaded", "--sessions",
+                 "40", "--events", "200", "--callers", "1,8", "--json", str(out),
+                 "--no-progress"]) == 0
+    table = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["callers"] == [1, 8]
+    for name in ("http", "http-threaded"):
+        m = result["modes"][name]
+        assert set(m["callers"]) == {"1", "8"}
+        assert m["events"] == 400 and m["lost_events"] == 0
+        for level in m["callers"].values():
+            assert level["events"] == 200 and level["lost_events"] == 0
+            assert 0 < level["route_p50_ms"] <= level["route_p99_ms"]
+            assert level["events_per_s"] > 0 and level["generator_cores"] >= 0
+        assert m["events_per_s"] == m["callers"]["8"]["events_per_s"]  # the last count's
+        assert f"{name} x8 " in table
+    # Only the async path queues events and coalesces routes.
+    assert result["modes"]["http"]["batching"]["queued"] > 0
+    assert result["modes"]["http-threaded"]["batching"] == {}
+
+
 @contextmanager
 def _batching_client(namespace: str, max_events: int, flush_interval_s: float
                      ) -> Iterator[Any]:

@@ -257,7 +257,7 @@ def test_a_session_s_second_turn_is_a_returning_one_in_the_ttft_histogram() -> N
         with HttpServer(create_app(svc, bearer_token=None)) as scheduler, \
                 HttpServer(_engine()) as engine:
             config = GatewayConfig(upstreams=[engine.url, engine.url], tenant="acme",
-                                   deployment="chat-a")
+                                   deployment="chat-a", route_deadline_s=2.0)
             gateway = Gateway(config, scheduler=connect(scheduler.url, tenant="acme"))
             with serve_in_thread(gateway) as url:
                 first = httpx.post(f"{url}/v1/completions", timeout=10,

@@ -116,8 +116,10 @@ class Harness:
         def sink(tenant: str, session: str, ids: Sequence[int]) -> None:
             self.stored.append((tenant, session, list(ids)))
 
+        # A generous route deadline: these tests check what a route answer does, on a
+        # shared machine where a thread hop can take more than the default.
         self.gateway = Gateway(GatewayConfig(upstreams=UPSTREAMS, tenant=tenant,
-                                             cache_salt=cache_salt),
+                                             cache_salt=cache_salt, route_deadline_s=2.0),
                                scheduler=scheduler, tokens=sink,
                                transport=httpx.ASGITransport(app=_fake_engine(self.seen,
                                                                               finish)))
