@@ -40,6 +40,7 @@
 #   KVP_RAY_ADDRESS     serve's --address (auto)
 #   KVP_API_URL         the scheduler's HTTP API for the gateway (http://127.0.0.1:8000)
 #   KVP_START_GATEWAY   1: the head role also starts the gateway
+#   KVP_ROUTE_DEADLINE_S  the gateway's wait for a route (seconds; default: the gateway's)
 #   KVP_GATEWAY_HOST    0.0.0.0                    KVP_GATEWAY_PORT  8080
 #   KVP_WAIT_NODES_S    how long the gateway waits for serve's node order (900)
 #   KVP_LMCACHE_HOST    where the LMCache server listens, ZMQ and HTTP (127.0.0.1)
@@ -158,7 +159,8 @@ EOF
   # --config: the token store is serve's stores section, as the agents read it
   exec "$PY" -m kvprefetch gateway --scheduler "${KVP_API_URL:-http://127.0.0.1:8000}" \
     --token-file "$TOKEN_FILE" --host "${KVP_GATEWAY_HOST:-0.0.0.0}" \
-    --port "${KVP_GATEWAY_PORT:-8080}" --config "$SERVE_CONFIG" "${args[@]}"
+    --port "${KVP_GATEWAY_PORT:-8080}" --config "$SERVE_CONFIG" \
+    ${KVP_ROUTE_DEADLINE_S:+--route-deadline-s "$KVP_ROUTE_DEADLINE_S"} "${args[@]}"
 }
 
 # LMCache's --l2-adapter JSON: our plugin over the serve config's Valkey and S3.

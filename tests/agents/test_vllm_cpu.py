@@ -106,7 +106,7 @@ def _gateway(vllm_url: str, store: object, scheduler: RecordingScheduler) -> Ite
         store_sink,
     )
 
-    gateway = Gateway(GatewayConfig(upstreams=[vllm_url], tenant=TENANT),
+    gateway = Gateway(GatewayConfig(upstreams=[vllm_url], tenant=TENANT, route_deadline_s=2.0),
                       scheduler=scheduler, tokens=store_sink(store))
     with serve_in_thread(gateway) as url:
         yield url

@@ -108,7 +108,8 @@ def _node(tmp_path: Path, valkey: EmbeddedValkey) -> Iterator[tuple[object, obje
         pump.start()
         stack.callback(pump.join, 5)
         stack.callback(stop.set)
-        gateway = Gateway(GatewayConfig(upstreams=[vllm.url], tenant=TENANT),
+        gateway = Gateway(GatewayConfig(upstreams=[vllm.url], tenant=TENANT,
+                                        route_deadline_s=2.0),
                           scheduler=connect(service=svc, tenant=TENANT))
         url = stack.enter_context(serve_in_thread(gateway))
         yield svc, agent, url

@@ -160,7 +160,9 @@ class LocalCluster:
             "head", KVP_NODE_IP=HEAD_IP, KVP_RAY_ADDRESS=f"{HEAD_IP}:{self.ray_port}",
             KVP_RAY_ARGS=f"{common} --include-dashboard=false --temp-dir={self.ray_temp}",
             KVP_API_URL=f"http://{HEAD_IP}:{self.api_port}", KVP_GATEWAY_HOST="127.0.0.1",
-            KVP_GATEWAY_PORT=str(self.gateway_port), KVP_VLLM_PORT=str(self.vllm_port)))
+            KVP_GATEWAY_PORT=str(self.gateway_port), KVP_VLLM_PORT=str(self.vllm_port),
+            # routes must reach the scheduler on a machine also running vLLM's CPU engine
+            KVP_ROUTE_DEADLINE_S="2"))
         for i, ip in enumerate(WORKER_IPS):
             self.run("gpu", self.role_env(
                 f"gpu{i}", KVP_NODE_IP=ip, KVP_HEAD_IP=HEAD_IP, KVP_RAY_ARGS=common,

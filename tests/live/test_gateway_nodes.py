@@ -87,7 +87,7 @@ def test_a_node_that_joins_gets_requests_and_a_lost_one_none() -> None:
     with SchedulerService(cfg).start() as svc:
         svc.agent_hello(AgentHello(0, "agent-0", "gpu-0", engine_url="http://node0"))
         gateway = Gateway(GatewayConfig(upstreams=["http://node0"], tenant="t",
-                                        nodes_refresh_s=0.05),
+                                        nodes_refresh_s=0.05, route_deadline_s=2.0),
                           scheduler=connect(service=svc, tenant="t"),
                           transport=httpx.ASGITransport(app=_fake_engine(seen)))
         app = build_app(gateway)
@@ -235,7 +235,7 @@ def test_on_ray_a_raylet_that_joins_gets_requests_and_a_removed_one_none(
             dep.watch_nodes(lambda: ray_node_candidates(resource="gpu_node"), agent,
                             interval_s=0.5)
             gateway = Gateway(GatewayConfig(upstreams=["http://node0"], tenant="t",
-                                            nodes_refresh_s=0.2),
+                                            nodes_refresh_s=0.2, route_deadline_s=2.0),
                               scheduler=connect(cluster.address, timeout_s=10, tenant="t"),
                               transport=httpx.ASGITransport(app=_fake_engine(seen)))
             app = build_app(gateway)
