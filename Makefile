@@ -147,10 +147,12 @@ lint: setup
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -p no:cacheprovider tests/test_layers.py
 
-# The shared Claude Code set (../shared/traces), all six policies.
+# The public Claude Code set, all six policies: CLAUDE_CODE_TRACES names a folder of its files
+# (the traces/ folder of github.com/callanjfox/kv-cache-tester; controlplane/data/traces/ATTRIBUTION.md).
+CLAUDE_CODE_TRACES ?= kv-cache-tester/traces
 sim-full: setup
 	mkdir -p out
-	$(VENV)/bin/kvprefetch sim --trace ../shared/traces/claude-code --json out/sim-full.json --plot out/sim-full.png
+	$(VENV)/bin/kvprefetch sim --trace $(CLAUDE_CODE_TRACES) --json out/sim-full.json --plot out/sim-full.png
 
 # A policy judged on traffic no predictor here was trained on: four synthetic profiles x
 # 2/4/8 nodes x load 0.5/1/2 x 2 seeds (72 sims, ~7 min on 2 cores; README, "Prefetch: where

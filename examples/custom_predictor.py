@@ -3,7 +3,7 @@
 Run from the repository root (so ``examples`` is importable), or put this folder on
 ``PYTHONPATH``::
 
-    kvprefetch eval-predictor --trace shared/traces/claude-code \\
+    kvprefetch eval-predictor --trace controlplane/data/traces/claude-code \\
         --predictor examples.custom_predictor:StopAwarePredictor
 
 It implements the :class:`kvprefetch.predictors.base.Predictor` protocol with plain Python: a tool

@@ -17,8 +17,8 @@ from kvprefetch.controlplane.base.types import (
     SessionEvent,
 )
 
-#: Gap assumed for a session with no history yet (seconds). The Claude Code traces' median
-#: gap between consecutive turns is 18 s (shared/traces/README.md).
+#: Gap assumed for a session with no history yet (seconds): the median gap between
+#: consecutive turns of the public Claude Code set (controlplane/data/traces/ATTRIBUTION.md).
 DEFAULT_FIRST_GAP_S = 18.0
 #: Forecasts cover this horizon; sessions silent for longer are treated as gone.
 DEFAULT_HORIZON_S = 3600.0

@@ -57,7 +57,7 @@ cores, what ray-N would give with a core per shard at the CPU cost per event mea
 examples:
   kvprefetch bench control-plane                       # ~1 min: inproc, service, ray-1
   kvprefetch bench control-plane --modes inproc --sessions 100000 --events 100000
-  kvprefetch bench control-plane --trace ../shared/traces/claude-code --json out/cp.json
+  kvprefetch bench control-plane --trace kv-cache-tester/traces --json out/cp.json
   kvprefetch bench control-plane --modes ray-1,ray-2,ray-4 --concurrency 256 --speedup 1
   kvprefetch bench control-plane --modes ray-1,ray-2 --concurrency 128 --lanes 2 --speedup 1
   kvprefetch bench control-plane --modes ray-2 --concurrency 64 --kill-shard 1

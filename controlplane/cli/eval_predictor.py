@@ -12,9 +12,12 @@ is printed when an artifact's training sessions overlap the test side).
 
 Example (one command, trains and compares)::
 
-    kvprefetch eval-predictor --trace shared/traces/claude-code \\
+    kvprefetch eval-predictor --trace kv-cache-tester/traces \\
         --predictors survival,gbm,torch-seq --json out/predictors.json \\
         --calibration-plot out/calibration.png
+
+``kv-cache-tester/traces`` is the full public Claude Code set, the ``traces/`` folder of
+github.com/callanjfox/kv-cache-tester (the bundled slice holds 24 of its files).
 """
 
 from __future__ import annotations

@@ -34,10 +34,13 @@ DEFAULT_SIM_SESSION_RATE_PER_S = 1.0 / 75.0
 
 EPILOG = """examples:
   kvprefetch sim                                   # bundled Claude Code slice, all policies
-  kvprefetch sim --trace ../shared/traces/claude-code --json out/sim.json --plot out/sim.png
+  kvprefetch sim --trace kv-cache-tester/traces --json out/sim.json --plot out/sim.png
   kvprefetch sim --policies ondemand,predictive --predictor ewma --load 1.5
   kvprefetch sim --scenario cold-start --nodes 2 --model 70b
-  kvprefetch sim --trace ../shared/traces/claude-code --scenario scale-out --nodes 3
+  kvprefetch sim --trace kv-cache-tester/traces --scenario scale-out --nodes 3
+
+The full public Claude Code set (kv-cache-tester/traces above) is the traces/ folder of
+github.com/callanjfox/kv-cache-tester; the bundled slice is 24 of its files.
   kvprefetch sim --nodes 1 --hints user_typing,tool_running --hint-coverage 0.5  # half hint
   kvprefetch sim --nodes 2 --engine local --ablation   # what each forecast decision is worth
 """
@@ -66,7 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                          help="the one predictor of the 'predictive' policy: a name, "
                          "NAME:ARTIFACT or module:Class (default: 'default', the shipped "
                          "model: empirical gap survival per stop reason, trained on half of "
-                         "the shared Claude Code set, adapting online to the replayed "
+                         "the public Claude Code set, adapting online to the replayed "
                          "traffic)")
     p.add_argument("--fleet", help="fleet YAML (model, node, remote, router, planner)")
     p.add_argument("--nodes", type=positive_int, help="number of GPU nodes (default 4)")

@@ -57,12 +57,15 @@ EPILOG = """\
 examples:
   kvprefetch sim-grid --traces synthetic:agentic,synthetic:chat,synthetic:research \\
       --nodes 2,4,8 --loads 0.5,1,2 --seeds 0,1 --json out/grid.json --plot out/grid.png
-  kvprefetch sim-grid --traces ../shared/traces/claude-code --nodes 2,4 --loads 1 \\
+  kvprefetch sim-grid --traces kv-cache-tester/traces --nodes 2,4 --loads 1 \\
       --seeds 0,1,2 --policies ondemand,queue,predictive --subject queue
   kvprefetch sim-grid --traces synthetic:research --hints user_typing,tool_running \
       --hint-coverage 1
-  kvprefetch sim-grid --traces ../shared/traces/claude-code,synthetic:agentic --nodes 4,8 \\
+  kvprefetch sim-grid --traces kv-cache-tester/traces,synthetic:agentic --nodes 4,8 \\
       --loads 1,2 --seeds 0 --policies ondemand,predictive --shards 2 --shared-tier
+
+kv-cache-tester/traces is the full public Claude Code set, the traces/ folder of
+github.com/callanjfox/kv-cache-tester.
 """
 
 #: A ratio above 1 + this counts as worse (rounding of the reported TTFTs aside).
