@@ -34,8 +34,8 @@ class LinkProfile(BaseModel):
 
 
 #: Scaled from a datacenter Valkey link (0.5 ms, 200 MB/s per connection) and S3 (15 ms
-#: first byte, 50 MB/s per connection): bandwidths halved so that a 2-core machine's CPU,
-#: which runs servers, proxy and client at once, is not what limits the parallel case.
+#: first byte, 50 MB/s per connection): bandwidths halved so that the CPU of the one machine
+#: that runs servers, proxy and client at once is not what limits the parallel case.
 VALKEY_LINK = LinkProfile(latency_s=0.0005, bandwidth_mib_s=100.0)
 S3_LINK = LinkProfile(latency_s=0.015, bandwidth_mib_s=25.0)
 

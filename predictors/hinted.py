@@ -44,12 +44,13 @@ from kvprefetch.predictors.base import Predictor
 
 #: Arrival after a "user is typing" hint with no ETA: q10, q50, q90 seconds after the hint.
 #: What a typing indicator implies: the message's length over the person's typing speed.
-#: Claude Code prompts typed at the speeds of Dhakal et al. (CHI 2018; 51.6 +- 20.2 wpm)
-#: take q10/q50/q90 = 8 / 71 / 453 s (the simulator's hint model, kvprefetch.controlplane.sim.hints,
-#: on the shared Claude Code set); short chat messages would be faster.
+#: The quantiles of Claude Code prompts typed at the speeds of Dhakal et al. (CHI 2018), as
+#: the simulator's hint model (kvprefetch.controlplane.sim.hints) draws them on the public
+#: Claude Code set, rounded (the figures: docs/results/constants.md); short chat messages
+#: would be faster.
 TYPING_QUANTILES_S = (8.0, 70.0, 450.0)
-#: Those quantiles as a log-normal law: its median, and the sigma that puts q90 / q50 at
-#: 450 / 70 s (z(0.9) = 1.2816).
+#: Those quantiles as a log-normal law: its median, and the sigma that puts its q90 / q50
+#: at theirs (z(0.9) = 1.2816).
 TYPING_MEDIAN_S = TYPING_QUANTILES_S[1]
 TYPING_SIGMA = math.log(TYPING_QUANTILES_S[2] / TYPING_QUANTILES_S[1]) / 1.2816
 #: Sigma of the log-normal error of a client's ETA (the true gap over the ETA): how

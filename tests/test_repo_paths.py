@@ -58,3 +58,31 @@ def test_outside_path_check_flags_what_it_should(tmp_path: Path, line: str, flag
     path = tmp_path / "x.py"
     path.write_text(f"# one line\n{line}\n")
     assert bool(_outside_paths(path, tmp_path)) is flagged
+
+
+#: A page of the repository named in code: ``docs/...md`` or ``controlplane/data/...md``.
+CITED_PAGE = re.compile(r"\b((?:docs|controlplane/data)/[\w./-]+\.md)\b")
+CONSTANTS_PAGE = ROOT / "docs" / "results" / "constants.md"
+
+
+def test_every_page_the_code_cites_exists() -> None:
+    cited = {(path, match) for package in ("controlplane", "predictors", "agents")
+             for path in sorted((ROOT / package).rglob("*.py"))
+             for match in CITED_PAGE.findall(path.read_text())}
+    assert any(page == "docs/results/constants.md" for _, page in cited)
+    missing = [f"{path.relative_to(ROOT)}: {page}" for path, page in sorted(cited)
+               if not (ROOT / page).is_file()]
+    assert not missing, "pages cited that do not exist:\n" + "\n".join(missing)
+
+
+def test_each_constant_on_the_constants_page_exists_and_cites_it() -> None:
+    import importlib
+    import inspect
+
+    names = re.findall(r"^\| `(kvprefetch\.[\w.]+)` \|", CONSTANTS_PAGE.read_text(), re.M)
+    assert len(names) >= 4
+    for dotted in names:
+        module_name, _, attr = dotted.rpartition(".")
+        module = importlib.import_module(module_name)
+        assert hasattr(module, attr), dotted
+        assert "docs/results/constants.md" in inspect.getsource(module), module_name

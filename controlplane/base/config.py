@@ -58,15 +58,17 @@ class NodeProfile(_Frozen):
     gpus: int = Field(1, gt=0)
     #: Dense bf16 peak per GPU. H100 SXM: 989 TFLOP/s (NVIDIA H100 datasheet).
     peak_flops_per_gpu: float = Field(989e12, gt=0)
-    #: Prefill model-FLOPs utilisation; 0.4-0.6 is typical (docs/architecture.md, cost model).
+    #: Prefill model-FLOPs utilisation; 0.4-0.6 is typical (docs/architecture.md, Cost model).
     prefill_mfu: float = Field(0.5, gt=0, le=1)
     hbm_kv_bytes: ByteSize = Field(gt=0, description="HBM left for KV after weights/activations "
                                    "(bytes, or a size such as 48GiB)")
     dram_tier_bytes: ByteSize = Field(ge=0, description="node-local CPU DRAM tier (LMCache L1; "
                                       "bytes, or a size such as 64GiB)")
-    #: NIC bandwidth per node: 100-400 Gb/s is common for GPU nodes (docs/architecture.md).
+    #: NIC bandwidth per node: 100-400 Gb/s is common for GPU nodes (docs/architecture.md,
+    #: Cost model).
     nic_gbps: float = Field(100.0, gt=0)
-    #: Host-to-GPU copy bandwidth; PCIe 5 x16 gives ~25-50 GB/s in practice (docs/architecture.md).
+    #: Host-to-GPU copy bandwidth; PCIe 5 x16 gives ~25-50 GB/s in practice
+    #: (docs/architecture.md, Cost model).
     h2d_gbyte_s: float = Field(25.0, gt=0)
 
     @property
@@ -81,7 +83,8 @@ class NodeProfile(_Frozen):
 class RemoteStoreProfile(_Frozen):
     """The remote token store: Valkey (hot, in front of) S3 (cold, durable)."""
 
-    #: Valkey per-request latency: sub-millisecond on a local network (docs/architecture.md).
+    #: Valkey per-request latency: sub-millisecond on a local network (docs/architecture.md,
+    #: Cost model).
     valkey_latency_s: float = Field(0.0005, ge=0)
     #: Valkey throughput one node can pull with several connections and striped values
     #: (one connection alone reads a fraction of it; ``kvprefetch bench store`` measures a

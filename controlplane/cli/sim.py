@@ -27,9 +27,10 @@ if TYPE_CHECKING:
     from kvprefetch.controlplane.core.policies import PolicySpec
     from kvprefetch.controlplane.sim.hints import HintConfig
 
-#: Default Poisson rate of session starts for the simulator: one every 75 s. On the shared
+#: Default Poisson rate of session starts for the simulator: one every 75 s. On the public
 #: Claude Code set with the default 4-node 8B fleet this puts the peak working set of live
-#: sessions at ~3.2x the fleet's HBM + DRAM tiers, the pressure seen in production.
+#: sessions at the pressure seen in production, >= 3x the fleet's HBM + DRAM tiers (the
+#: figures: docs/results/constants.md).
 DEFAULT_SIM_SESSION_RATE_PER_S = 1.0 / 75.0
 
 EPILOG = """examples:

