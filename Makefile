@@ -140,12 +140,15 @@ test-fast: setup
 	$(PYTEST_PAR) -q -m "not servers and not slow and not live"
 
 # Style, types, the package layers (pyproject.toml [tool.importlinter]), no import cycles
-# and no private name imported across modules (tests/test_layers.py).
+# and no private name imported across modules (tests/test_layers.py), the architecture page
+# and README against the layers (tests/test_architecture.py), no path outside the repository
+# and no cited page missing (tests/test_repo_paths.py).
 lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q -p no:cacheprovider tests/test_layers.py
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_layers.py tests/test_architecture.py \
+		tests/test_repo_paths.py
 
 # The public Claude Code set, all six policies: CLAUDE_CODE_TRACES names a folder of its files
 # (the traces/ folder of github.com/callanjfox/kv-cache-tester; controlplane/data/traces/ATTRIBUTION.md).
