@@ -132,7 +132,7 @@ setup-vllm-venv:
 test-vllm: setup-vllm-venv setup-aiperf
 	AIPERF=$(AIPERF_VENV)/bin/aiperf $(VLLM_VENV)/bin/python -m pytest \
 		-n 2 --dist loadgroup -q -m vllm \
-		tests/agents/test_vllm_cpu.py tests/live/test_demo_vllm.py tests/agents/test_aiperf_bench.py \
+		tests/agents/test_vllm_cpu.py tests/harness/test_demo_vllm.py tests/harness/test_aiperf_bench.py \
 		tests/deploy/test_local_cluster.py
 
 # The pure tests (no servers, no Ray, no shared traces): under a minute on 2 cores.
@@ -194,7 +194,7 @@ fuzz: setup
 
 # Soak: steady traffic (sessions open, turn and close) against the scheduler service in
 # process with its journal compacting, for 30 minutes; samples RSS and collection sizes and
-# writes out/soak.json. Not part of `make test` (tests/live/test_soak.py runs 16 s there).
+# writes out/soak.json. Not part of `make test` (tests/harness/test_soak.py runs 16 s there).
 .PHONY: soak
 soak: setup
 	@mkdir -p out

@@ -15,11 +15,12 @@ from markselect import deselects_whole, module_marks
 #: contend for Ray's fixed default ports (Serve's HTTP port, the dashboard agent's, the
 #: head's client server).
 RAY_MODULES = (
-    "tests/agents/test_aiperf_bench.py",
     "tests/deploy/test_local_cluster.py",
     "tests/docs/test_getting_started.py",
+    *(f"tests/harness/{name}" for name in (
+        "test_aiperf_bench.py", "test_bench_ray.py", "test_demo.py", "test_demo_lmcache.py",
+        "test_demo_vllm.py")),
     *(f"tests/live/{name}" for name in (
-        "test_bench_ray.py", "test_demo.py", "test_demo_lmcache.py", "test_demo_vllm.py",
         "test_node_join.py", "test_ray.py", "test_readme_http.py", "test_serve.py",
         "test_serve_gateway.py", "test_shards_ray.py")),
 )

@@ -143,3 +143,45 @@ def test_the_old_chain_in_the_readme_is_caught() -> None:
     old = ("The layers are a contract (`lint-imports`, run by `make lint`): base types < "
            "predictors,\ntraces < core, agents < simulator < live service < CLI.\n")
     assert readme_layers(old) != _contract_layers()
+
+
+# --------------------------------------------------------------- test helpers
+def product_module_names() -> set[str]:
+    """The last name of every module and package of the product."""
+    names = set()
+    for package in ("controlplane", "predictors", "agents"):
+        for path in (ROOT / package).rglob("*.py"):
+            names.add(path.parent.name if path.stem == "__init__" else path.stem)
+    return names
+
+
+def bare_helpers(tests: Path = ROOT / "tests") -> dict[str, Path]:
+    """Helper modules a test imports by bare name: a module beside the tests in a folder
+    without ``__init__.py`` (pytest puts such folders on the path) that is no test module
+    and no conftest. Packages (folders with ``__init__.py``) are what tests import by name
+    instead."""
+    found = {}
+    for folder in [tests, *sorted(p for p in tests.iterdir() if p.is_dir())]:
+        if (folder / "__init__.py").exists():
+            continue
+        for path in sorted(folder.glob("*.py")):
+            if not path.name.startswith("test_") and path.name != "conftest.py":
+                found[path.stem] = path
+    for package in sorted(p for p in tests.iterdir() if (p / "__init__.py").exists()):
+        found[package.name] = package
+    return found
+
+
+def test_no_test_helper_takes_the_name_of_a_product_module() -> None:
+    clashes = {name: str(path.relative_to(ROOT)) for name, path in bare_helpers().items()
+               if name in product_module_names()}
+    assert not clashes, f"test helpers named like product modules: {clashes}"
+
+
+def test_a_helper_named_like_a_product_module_is_caught(tmp_path: Path) -> None:
+    (tmp_path / "live").mkdir()
+    (tmp_path / "live" / "harness.py").write_text("")
+    (tmp_path / "live" / "test_x.py").write_text("")
+    assert "harness" in bare_helpers(tmp_path)
+    assert "harness" in product_module_names()
+

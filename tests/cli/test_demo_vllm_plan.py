@@ -1,7 +1,7 @@
 """The parts of ``kvprefetch demo --engine vllm`` and ``kvprefetch bench aiperf`` that run
 before any server: option defaults per engine, bad input, the scaled trace, the prompts
 both clients send, the emulated link and the fleet model of the CPU nodes. No vLLM, no
-servers (the runs themselves: tests/live/test_demo_vllm.py, marked ``vllm``)."""
+servers (the runs themselves: tests/harness/test_demo_vllm.py, marked ``vllm``)."""
 
 from __future__ import annotations
 

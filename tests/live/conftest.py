@@ -1,7 +1,7 @@
 """Fixtures of the live control-plane tests: real Valkey and S3 on loopback (one each per
-session), in-process fleets (tests/live/harness.py) and, for the Ray tests, Ray runtimes that
-are always shut down. Tests here import harness.py and raycluster.py by name: pytest's
-default import mode puts this folder on the path. Every test that needs Ray or a real server
+session), in-process fleets (``kvptest.live_fleet``) and, for the Ray tests, Ray runtimes
+that are always shut down. Tests here import raycluster.py by name: pytest's default import
+mode puts this folder on the path. Every test that needs Ray or a real server
 is marked ``live`` here, so that ``make test-fast`` runs only the in-process ones."""
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from harness import InProcessPort, RecordingPort, started_agents
+from kvptest.live_fleet import InProcessPort, RecordingPort, started_agents
 
 from kvprefetch.agents.agent import PrefetchAgent
 from kvprefetch.agents.embedded import EmbeddedValkey

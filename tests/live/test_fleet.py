@@ -9,7 +9,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from harness import build_local_fleet, remote_config
+from kvptest.live_fleet import build_local_fleet, remote_config
 
 from kvprefetch.agents.agent import AgentConfig, PrefetchAgent
 from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey

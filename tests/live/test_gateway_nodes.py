@@ -201,7 +201,7 @@ def _wait(pred: Callable[[], Any], timeout_s: float) -> bool:
 def test_on_ray_a_raylet_that_joins_gets_requests_and_a_removed_one_none(
         valkey_server: Any, s3_server: Any, tmp_path: Any) -> None:
     ray = pytest.importorskip("ray")
-    from harness import remote_config
+    from kvptest.live_fleet import remote_config
     from ray.cluster_utils import Cluster
 
     from kvprefetch.agents.agent import AgentConfig

@@ -15,7 +15,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from harness import build_local_fleet  # noqa: E402
+from kvptest.live_fleet import build_local_fleet  # noqa: E402
 
 from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey  # noqa: E402
 from kvprefetch.agents.engine_emulator import ServeRequest  # noqa: E402

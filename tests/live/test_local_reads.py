@@ -5,7 +5,7 @@ the gateway): the cached prompt tokens they report after the fact (``local_token
 from __future__ import annotations
 
 import pytest
-from harness import RecordingPort
+from kvptest.live_fleet import RecordingPort
 
 from kvprefetch.controlplane.base.config import fleet_from_dict
 from kvprefetch.controlplane.base.tiers import TierEntry

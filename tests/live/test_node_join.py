@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import RecordingPort
+from kvptest.live_fleet import RecordingPort
 
 from kvprefetch.controlplane.base.config import fleet_from_dict
 from kvprefetch.controlplane.base.wire import AgentHello
@@ -211,7 +211,7 @@ def _wait(pred: Any, timeout_s: float) -> bool:
 def test_a_raylet_that_joins_gets_an_agent_and_is_warmed(
         valkey_server: Any, s3_server: Any, tiers: list[Path]) -> None:
     ray = pytest.importorskip("ray")
-    from harness import remote_config
+    from kvptest.live_fleet import remote_config
     from ray.cluster_utils import Cluster
 
     from kvprefetch.agents.agent import AgentConfig

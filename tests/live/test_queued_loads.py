@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from harness import RecordingPort
+from kvptest.live_fleet import RecordingPort
 
 from kvprefetch.controlplane.base.config import fleet_from_dict
 from kvprefetch.controlplane.base.wire import AgentHello, TransferOrder

@@ -14,7 +14,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from harness import remote_config  # noqa: E402
+from kvptest.live_fleet import remote_config  # noqa: E402
 from raycluster import two_raylets  # noqa: E402
 
 from kvprefetch.agents.agent import AgentConfig  # noqa: E402

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from harness import session_home, started_agents
+from kvptest.live_fleet import session_home, started_agents
 
 from kvprefetch.agents.agent import PrefetchAgent
 from kvprefetch.agents.embedded import EmbeddedValkey

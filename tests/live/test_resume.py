@@ -7,7 +7,7 @@ import os
 import time
 from pathlib import Path
 
-from harness import session_home
+from kvptest.live_fleet import session_home
 
 from kvprefetch.controlplane.base.config import fleet_from_dict
 from kvprefetch.controlplane.base.types import EventKind, HintKind, SessionEvent

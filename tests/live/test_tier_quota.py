@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from harness import remote_config
+from kvptest.live_fleet import remote_config
 
 from kvprefetch.agents.agent import AgentConfig, PrefetchAgent
 from kvprefetch.agents.embedded import EmbeddedValkey
