@@ -16,8 +16,9 @@ Their calls on the scheduler's shards are the methods of
 :class:`~kvprefetch.controlplane.base.scheduler_api.NodeAPI`, which name and type them.
 
 Placement is chosen by the caller (:mod:`kvprefetch.controlplane.live.ray_app`): node
-affinity on a real cluster, a per-node custom resource (:func:`node_resource`) on one
-machine.
+affinity on a real cluster, a per-node custom resource
+(:func:`~kvprefetch.controlplane.base.actors.node_resource`) on one machine. The actors'
+names are those of :mod:`kvprefetch.controlplane.base.actors`.
 """
 
 from __future__ import annotations
@@ -37,6 +38,12 @@ from kvprefetch.agents.engine_emulator import (
     ServeResult,
 )
 from kvprefetch.agents.lmcache.kv_events import KVEventStats
+from kvprefetch.controlplane.base.actors import (
+    NAMESPACE,
+    SCHEDULER_NAME,
+    agent_name,
+    scheduler_name,
+)
 from kvprefetch.controlplane.base.scheduler_api import NodeAPI
 from kvprefetch.controlplane.base.shards import (
     ShardRing,
@@ -59,30 +66,10 @@ log = logging.getLogger(__name__)
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
-NAMESPACE = "kvprefetch"
-SCHEDULER_NAME = "kvprefetch-scheduler"
 #: Seconds an engine waits for the scheduler before serving without its advice.
 ENGINE_CALL_TIMEOUT_S = 10.0
 #: Longest wait of the agent's eviction sender for the tier's next evictions (seconds).
 EVICTIONS_WAIT_S = 0.5
-
-
-def scheduler_name(shard: int = 0, base: str = SCHEDULER_NAME) -> str:
-    """The named actor of scheduler shard ``shard`` (shard 0 keeps the unsharded name)."""
-    return base if shard == 0 else f"{base}-{shard}"
-
-
-def agent_name(node: int) -> str:
-    return f"kvprefetch-agent-{node}"
-
-
-def engine_name(node: int) -> str:
-    return f"kvprefetch-engine-{node}"
-
-
-def node_resource(node: int) -> str:
-    """The custom resource that marks logical node ``node`` (one machine, many nodes)."""
-    return f"kvprefetch_node_{node}"
 
 
 class _SchedulerRef:

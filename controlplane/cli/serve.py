@@ -199,7 +199,7 @@ class Serve:
         import ray
 
         from kvprefetch.agents.agent import AgentConfig
-        from kvprefetch.agents.ray_entry import SCHEDULER_NAME
+        from kvprefetch.controlplane.base.actors import SCHEDULER_NAME
         from kvprefetch.controlplane.live.http_api import HttpServer, ray_client
         from kvprefetch.controlplane.live.metrics import merge_shard_metrics
         from kvprefetch.controlplane.live.ray_app import (

@@ -17,6 +17,7 @@ from kvprefetch.agents.sglang.warm import SGLangWarmConfig
 from kvprefetch.agents.stores.local import LocalTierConfig
 from kvprefetch.agents.transfer import TransferConfig
 from kvprefetch.agents.vllm.kv_events import VLLMEventsConfig
+from kvprefetch.controlplane.base.actors import NAMESPACE
 from kvprefetch.controlplane.base.config import FleetConfig, fleet_from_dict
 from kvprefetch.controlplane.base.errors import ConfigError, KvPrefetchError
 from kvprefetch.controlplane.base.units import ByteSize
@@ -26,7 +27,6 @@ from kvprefetch.controlplane.live.limits import RequestLimits, check_tenant_name
 from kvprefetch.controlplane.live.tenants import TenantAuth
 
 MIB = 1 << 20
-NAMESPACE = "kvprefetch"  # = kvprefetch.agents.ray_entry.NAMESPACE (not imported: it imports ray)
 
 
 class _Section(BaseModel):

@@ -153,7 +153,7 @@ def _run(args: argparse.Namespace, fleet: Any, policies: list[str], seeds: list[
     import ray
 
     from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey
-    from kvprefetch.agents.ray_entry import NAMESPACE, node_resource
+    from kvprefetch.controlplane.base.actors import NAMESPACE, node_resource
 
     runs: dict[str, list[Run]] = {p: [] for p in policies}
     with contextlib.ExitStack() as stack:

@@ -303,8 +303,8 @@ def started_stack(args: argparse.Namespace, plan: Plan) -> Iterator[Stack]:
 
     from kvprefetch.agents.agent import RemoteStoreConfig
     from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey
-    from kvprefetch.agents.ray_entry import NAMESPACE, node_resource
     from kvprefetch.agents.vllm.tiny_model import generate
+    from kvprefetch.controlplane.base.actors import NAMESPACE, node_resource
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per warm poll otherwise
     with contextlib.ExitStack() as stack:

@@ -122,7 +122,7 @@ class RayTransport:
                  batching: EventBatching | None = None, shard: int = 0) -> None:
         import ray
 
-        from kvprefetch.agents.ray_entry import scheduler_name
+        from kvprefetch.controlplane.base.actors import scheduler_name
 
         if not ray.is_initialized():
             ray.init(address=address, namespace=namespace, log_to_driver=False)

@@ -37,17 +37,16 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kvprefetch.agents.agent import AgentConfig, RemoteStoreConfig
 from kvprefetch.agents.engine_emulator import EngineConfig
-from kvprefetch.agents.ray_entry import (
+from kvprefetch.agents.ray_entry import AgentActor, EngineActor
+from kvprefetch.controlplane.base import api
+from kvprefetch.controlplane.base.actors import (
     NAMESPACE,
     SCHEDULER_NAME,
-    AgentActor,
-    EngineActor,
     agent_name,
     engine_name,
     node_resource,
     scheduler_name,
 )
-from kvprefetch.controlplane.base import api
 from kvprefetch.controlplane.base.errors import ServiceError, ServiceUnavailableError
 from kvprefetch.controlplane.base.wire import (
     AgentHello,

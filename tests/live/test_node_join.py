@@ -142,7 +142,7 @@ def test_watcher_gives_new_nodes_the_free_slots_and_ignores_them_once_full(
 def _local_node_candidates(nodes: list[dict[str, Any]], capacity: int) -> list[Any]:
     """One machine, many logical nodes: slot ``i`` is there when an alive Ray node has its
     custom resource (``node_resource(i)``), and must get that slot."""
-    from kvprefetch.agents.ray_entry import node_resource
+    from kvprefetch.controlplane.base.actors import node_resource
     from kvprefetch.controlplane.live.ray_app import NodeCandidate, Placement, matching_nodes
 
     found = []
@@ -155,7 +155,7 @@ def _local_node_candidates(nodes: list[dict[str, Any]], capacity: int) -> list[A
 
 def test_local_variant_takes_the_slot_its_resource_names() -> None:
     pytest.importorskip("ray")
-    from kvprefetch.agents.ray_entry import node_resource
+    from kvprefetch.controlplane.base.actors import node_resource
     from kvprefetch.controlplane.live.ray_app import assign_slots
 
     nodes = [_ray_node("n1", {node_resource(0): 1, node_resource(2): 1}),
@@ -215,9 +215,9 @@ def test_a_raylet_that_joins_gets_an_agent_and_is_warmed(
     from ray.cluster_utils import Cluster
 
     from kvprefetch.agents.agent import AgentConfig
-    from kvprefetch.agents.ray_entry import agent_name
     from kvprefetch.agents.stores.local import LocalTierConfig
     from kvprefetch.agents.transfer import TransferConfig
+    from kvprefetch.controlplane.base.actors import agent_name
     from kvprefetch.controlplane.base.keys import payload, position_keys
     from kvprefetch.controlplane.live.connect import connect
     from kvprefetch.controlplane.live.ray_app import (

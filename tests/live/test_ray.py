@@ -19,9 +19,9 @@ from raycluster import two_raylets  # noqa: E402
 
 from kvprefetch.agents.agent import AgentConfig  # noqa: E402
 from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey  # noqa: E402
-from kvprefetch.agents.ray_entry import NAMESPACE, node_resource  # noqa: E402
 from kvprefetch.agents.stores.local import LocalTierConfig  # noqa: E402
 from kvprefetch.agents.transfer import TransferConfig  # noqa: E402
+from kvprefetch.controlplane.base.actors import NAMESPACE, node_resource  # noqa: E402
 from kvprefetch.controlplane.base.config import fleet_from_dict  # noqa: E402
 from kvprefetch.controlplane.base.keys import payload, position_keys  # noqa: E402
 from kvprefetch.controlplane.live.config import ServiceConfig  # noqa: E402
