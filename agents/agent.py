@@ -10,11 +10,12 @@ the agent is killed mid-transfer) and reports one
 chunks on evict advice and takes the engine's write-through of new KV. It also passes the
 scheduler's advice to the tier's eviction policy (used by ``eviction: predicted``): each
 order's ``deadline_s`` is the predicted next use of its keys, and keys that evict advice
-names but a running transfer keeps are never needed again. With the ``lmcache-mp`` backend
-the node-local tier is the node's LMCache MP server's L1 instead: orders run as LMCache warm
-prefetches (:mod:`kvprefetch.agents.lmcache.backend`), evict advice deletes from L1, the
-engine stores through LMCache itself, and what L1 drops on its own reaches the scheduler
-from LMCache's KV events (``lmcache.kv_events``), as the local tier's evictions do.
+names but a running transfer keeps are never needed again. Where orders land is the node
+backend's (``backend``, :mod:`kvprefetch.agents.backends`): with ``lmcache-mp`` the
+node-local tier is the node's LMCache MP server's L1 instead: orders run as LMCache warm
+prefetches, evict advice deletes from L1, the engine stores through LMCache itself, and
+what L1 drops on its own reaches the scheduler from LMCache's KV events, as the local
+tier's evictions do.
 
 Who calls what: the scheduler sends ``execute`` (a few per second per node), ``cancel`` and
 ``evict``; the node's engine calls ``wait`` (blocks until an order ends) and
@@ -35,47 +36,37 @@ handed an old report), and it refuses orders of an epoch older than the newest i
 from __future__ import annotations
 
 import logging
-import math
 import os
 import socket
 import threading
 import time
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kvprefetch.agents.lmcache.backend import (
-    Backend,
-    LMCacheBackendConfig,
-    LMCacheWarmer,
-    WarmHandle,
-    require_backend_settings,
-)
+from kvprefetch.agents.backends.base import BackendContext, NodeBackend, WarmHandleLike
+from kvprefetch.agents.backends.registry import BackendName, backend_spec, require_settings
+from kvprefetch.agents.lmcache.backend import LMCacheBackendConfig
 from kvprefetch.agents.lmcache.kv_events import KVEventStats
-from kvprefetch.agents.sglang.warm import SGLangWarmConfig, SGLangWarmer
+from kvprefetch.agents.sglang.warm import SGLangWarmConfig
 from kvprefetch.agents.stores.base import ObjectStore
 from kvprefetch.agents.stores.local import LocalTier, LocalTierConfig
 from kvprefetch.agents.stores.s3.store import S3Store, S3StoreConfig
 from kvprefetch.agents.stores.tiered import TieredStore, TieredStoreConfig
 from kvprefetch.agents.stores.valkey.store import ValkeyStore, ValkeyStoreConfig
-from kvprefetch.agents.transfer import (
-    TransferConfig,
-    TransferEngine,
-    TransferHandle,
-    TransferResult,
-)
+from kvprefetch.agents.transfer import TransferConfig, TransferResult
 from kvprefetch.agents.vllm.kv_events import (
     VLLMEventsConfig,
     VLLMEventStats,
     VLLMEventSubscriber,
 )
 from kvprefetch.controlplane.base.errors import ConfigError
-from kvprefetch.controlplane.base.keys import parse_session_prefix, position_key_session
+from kvprefetch.controlplane.base.keys import position_key_session
 from kvprefetch.controlplane.base.shards import MAX_SHARDS
 from kvprefetch.controlplane.base.wire import (
     AgentHello,
@@ -135,7 +126,7 @@ class AgentConfig(BaseModel):
 
     node: int = Field(ge=0)
     node_name: str = ""
-    backend: Backend | Literal["sglang"] = "local"
+    backend: BackendName = "local"
     dram: LocalTierConfig | None = None
     lmcache: LMCacheBackendConfig | None = None
     sglang: SGLangWarmConfig | None = None
@@ -162,22 +153,16 @@ class AgentConfig(BaseModel):
 
     @model_validator(mode="after")
     def _backend_settings(self) -> AgentConfig:
-        if self.backend == "sglang":
-            if self.dram is None or self.sglang is None:
-                raise ValueError("backend 'sglang' needs 'dram' (the tier SGLang's "
-                                 "kvprefetch backend reads first) and 'sglang' (model_name, "
-                                 "page_size ...)")
-            return self
-        require_backend_settings(self.backend, dram=self.dram, lmcache=self.lmcache,
-                                 dram_is="the node's local tier",
-                                 lmcache_is="the node's LMCache server: http_url, model_name ...")
+        require_settings(self.backend, {"dram": self.dram, "lmcache": self.lmcache,
+                                        "sglang": self.sglang},
+                         {"lmcache": "the node's LMCache server: http_url, model_name ..."})
         return self
 
 
 @dataclass(slots=True)
 class _Running:
     order: TransferOrder
-    handle: TransferHandle | WarmHandle
+    handle: WarmHandleLike
     done: threading.Event
 
 
@@ -191,9 +176,7 @@ class PrefetchAgent:
         self.node_name = config.node_name or socket.gethostname()
         self._reporter = reporter
         self._store = store
-        self._tier: LocalTier | None = None
-        self._engine: TransferEngine | None = None
-        self._warmer: LMCacheWarmer | SGLangWarmer | None = None
+        self._backend: NodeBackend | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._appeared = threading.Condition(self._lock)
@@ -221,43 +204,31 @@ class PrefetchAgent:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> PrefetchAgent:
-        """Connect to the remote store, then, for the ``local`` backend, open the local tier
-        (dropping partial writes of a killed predecessor) and start the transfer engine; for
-        ``lmcache-mp``, check the node's LMCache server's settings against ours."""
+        """Connect to the remote store, then build and start the node backend the config
+        names (:mod:`kvprefetch.agents.backends`): for ``local`` it opens the local tier
+        (dropping partial writes of a killed predecessor) and starts the transfer engine;
+        for ``lmcache-mp`` it checks the node's LMCache server's settings against ours."""
         if self._pool is not None:
             return self
         cfg = self.config
         if self._store is None:
             self._store = cfg.remote.build()
         self._store.start()
-        if cfg.lmcache is not None and cfg.backend == "lmcache-mp":
-            self._warmer = LMCacheWarmer(cfg.lmcache, self._store, name=f"agent{self.node}",
-                                         on_evict=self._on_tier_evict)
-            try:
-                self._warmer.start()  # refuses a server whose keys cannot match ours
-            except BaseException:
-                self.close()
-                raise
-            where = f"LMCache L1 at {cfg.lmcache.http_url}"
-        else:
-            assert cfg.dram is not None  # the validator's rule
-            self._tier = LocalTier(cfg.dram, name=f"dram{self.node}",
-                                   on_evict=self._on_tier_evict)
-            self._tier.start()
-            self._engine = TransferEngine(self._store, self._tier, cfg.transfer,
-                                          name=f"agent{self.node}")
-            self._engine.start()
-            where = f"tier {cfg.dram.path}, {cfg.dram.capacity_bytes} bytes"
-            if cfg.backend == "sglang" and cfg.sglang is not None:
-                self._warmer = SGLangWarmer(cfg.sglang, self._store, self._tier,
-                                            self._engine, name=f"agent{self.node}-sglang")
-                self._warmer.start()
-                where += f", SGLang pages of {cfg.sglang.model_name}"
+        spec = backend_spec(cfg.backend)
+        self._backend = spec.build(BackendContext(
+            node=self.node, store=self._store, on_evict=self._on_tier_evict, dram=cfg.dram,
+            transfer=cfg.transfer, settings=spec.settings_of(cfg)))
+        try:
+            self._backend.start()  # refuses an engine whose keys cannot match ours
+        except BaseException:
+            self.close()
+            raise
         self._pool = ThreadPoolExecutor(cfg.report_threads,
                                         thread_name_prefix=f"agent{self.node}-report")
         if cfg.vllm is not None and cfg.vllm.kv_events != "off":
             self._follow_hbm(cfg.vllm)
-        log.info("agent %d (%s) started: %s", self.node, self.node_name, where)
+        log.info("agent %d (%s) started: %s", self.node, self.node_name,
+                 self._backend.describe())
         return self
 
     def _follow_hbm(self, cfg: VLLMEventsConfig) -> None:
@@ -296,17 +267,11 @@ class PrefetchAgent:
         if self._hbm_events is not None:
             self._hbm_events.close()
             self._hbm_events = None
-        if self._warmer is not None:  # before the engine: an SGLang warm waits on it
-            self._warmer.close()
-            self._warmer = None
-        if self._engine is not None:
-            self._engine.close()
-            self._engine = None
+        if self._backend is not None:
+            self._backend.close()
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
-        if self._tier is not None:
-            self._tier.close()
         if self._store is not None:
             self._store.close()
 
@@ -321,9 +286,24 @@ class PrefetchAgent:
 
     @property
     def tier(self) -> LocalTier:
-        if self._tier is None:
+        """The node's local tier (``local`` and ``sglang`` backends, once started)."""
+        tier = self._backend.tier if self._backend is not None else None
+        if tier is None:
             raise ConfigError(f"agent {self.node} is not started")
-        return self._tier
+        return tier
+
+    @property
+    def backend(self) -> NodeBackend:
+        if self._backend is None:
+            raise ConfigError(f"agent {self.node} is not started")
+        return self._backend
+
+    @contextmanager
+    def _order_guard(self) -> Iterator[set[str]]:
+        """The backend's guard around choosing and deleting keys: under the lock, the keys
+        of every order starting or running."""
+        with self._lock:
+            yield self._busy_keys()
 
     @property
     def store(self) -> ObjectStore:
@@ -338,8 +318,8 @@ class PrefetchAgent:
     # ------------------------------------------------------------------ orders
     def execute(self, order: TransferOrder) -> None:
         """Start moving the order's chunks (returns at once). Idempotent per order id."""
-        engine, warmer, pool = self._engine, self._warmer, self._pool
-        if pool is None:
+        backend, pool = self._backend, self._pool
+        if pool is None or backend is None:
             raise ConfigError(f"agent {self.node} is not started")
         if order.node != self.node:
             log.warning("agent %d: order %d is for node %d; refused", self.node,
@@ -350,18 +330,12 @@ class PrefetchAgent:
             if not self._admit(order):
                 return
             self._starting[order.order_id] = order.keys
-        handle: TransferHandle | WarmHandle
-        if warmer is not None:
-            handle = warmer.submit(order)
-        else:
-            assert engine is not None
-            self._advise(order)
-            try:
-                handle = engine.submit(order.keys, priority=order.priority)
-            except BaseException:
-                with self._lock:
-                    self._starting.pop(order.order_id, None)
-                raise
+        try:
+            handle = backend.warm(order)
+        except BaseException:
+            with self._lock:
+                self._starting.pop(order.order_id, None)
+            raise
         running = _Running(order, handle, threading.Event())
         with self._lock:
             self._running[order.order_id] = running
@@ -407,13 +381,6 @@ class PrefetchAgent:
         while len(self._seen) > SEEN_MEMORY:
             self._seen.popitem(last=False)
         return True
-
-    def _advise(self, order: TransferOrder) -> None:
-        """The order's deadline is when the scheduler predicts its keys will be read. A
-        demand load is needed at once: its deadline is the scheduler's present, so advice
-        older than it is spent."""
-        self.tier.advise(dict.fromkeys(order.keys, order.deadline_s),
-                         now_s=None if order.prefetch else order.deadline_s)
 
     def _finish(self, running: _Running) -> None:
         order = running.order
@@ -511,26 +478,8 @@ class PrefetchAgent:
         go under ``eviction: predicted`` once they land). Returns how many were deleted.
         With the ``lmcache-mp`` backend, the sessions under ``prefixes`` leave LMCache's
         L1."""
-        if self._warmer is not None:
-            gone = self._warmer.evict_sessions([parse_session_prefix(p) for p in prefixes])
-            with self._lock:
-                self._evicted += gone
-            return gone
-        tier = self.tier
-        pre = tuple(prefixes)
-        # Under the lock from choosing to deleting: an order admitted meanwhile either
-        # claims its keys first (kept) or starts after they are gone (loads them again).
+        gone = self.backend.evict(prefixes, keys, self._order_guard)
         with self._lock:
-            busy = self._busy_keys()
-            victims = set(keys)
-            if pre:
-                held = tier.keys()
-                victims.update(k for k in held if k.startswith(pre))
-            kept = {k for k in busy if k in victims or (pre and k.startswith(pre))}
-            if kept:
-                tier.advise(dict.fromkeys(kept, math.inf))
-            victims -= busy
-            gone = sum(1 for r in tier.delete(sorted(victims)) if r.ok) if victims else 0
             self._evicted += gone
         return gone
 
@@ -561,8 +510,7 @@ class PrefetchAgent:
             self._tier_evicted.clear()
         if not keys:
             return None
-        back = (self._warmer.holds(keys) if isinstance(self._warmer, LMCacheWarmer)
-                else [r.ok for r in self.tier.exists(keys)])
+        back = self.backend.holds(keys)
         sessions = {s for k, held in zip(keys, back, strict=True) if not held
                     and (s := position_key_session(k)) is not None}
         if not sessions:
@@ -614,41 +562,26 @@ class PrefetchAgent:
         ``drop``: chunks the new context superseded (the previous turn's last, partial
         chunk), deleted so that they do not crowd out live ones. With the ``lmcache-mp``
         backend the engine stores through LMCache itself: nothing to do here."""
-        if self._warmer is not None:
-            return 0
-        stored = sum(1 for r in self.tier.put(list(items)) if r.ok)
+        backend = self.backend
+        stored = backend.write(items)
         if drop:
-            with self._lock:  # as in evict: no order starts between choosing and deleting
-                victims = sorted(set(drop) - self._busy_keys())
-                if victims:
-                    self.tier.delete(victims)
+            backend.trim(drop, self._order_guard)
         return stored
 
     def inventory(self) -> tuple[str, ...]:
-        if self._warmer is not None:
-            return self._warmer.warm_keys()
-        return tuple(self.tier.keys())
+        return self.backend.listing()
 
     def has(self, keys: Sequence[str]) -> list[bool]:
-        if self._warmer is not None:
-            warm = set(self._warmer.warm_keys())
-            return [k in warm for k in keys]
-        return [r.ok for r in self.tier.exists(list(keys))]
+        return self.backend.has(keys)
 
     def kv_events(self) -> KVEventStats | None:
         """The ``lmcache-mp`` backend's KV-event subscription counters (None on other
         backends, or when it does not follow the server's events)."""
-        if isinstance(self._warmer, LMCacheWarmer):
-            return self._warmer.event_stats()
-        return None
+        stats = self.backend.events()
+        return stats if isinstance(stats, KVEventStats) else None
 
     def status(self) -> AgentStatus:
-        if self._warmer is not None:
-            used, capacity = self._warmer.usage()
-            held = len(self._warmer.warm_keys())
-        else:
-            tier = self.tier
-            used, capacity, held = tier.used_bytes, tier.capacity_bytes, len(tier.keys())
+        used, capacity, held = self.backend.stats()
         with self._lock:
             return AgentStatus(self.node, self.node_name, self.incarnation, os.getpid(),
                                used, capacity, held, len(self._running), self._done,

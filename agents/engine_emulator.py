@@ -34,7 +34,11 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kvprefetch.agents.lmcache.backend import Backend, require_backend_settings
+from kvprefetch.agents.backends.registry import (
+    EngineBackendName,
+    backend_spec,
+    require_settings,
+)
 from kvprefetch.agents.lmcache.engine_kv import LMCacheEngineConfig, LMCacheEngineKV
 from kvprefetch.agents.stores.base import ObjectStore
 from kvprefetch.agents.stores.errors import StoreError
@@ -57,7 +61,7 @@ class EngineConfig(BaseModel):
     #: Where reusable KV is read from and new KV written: ``local`` = the agent's tier
     #: files and the remote store; ``lmcache-mp`` = the node's LMCache MP server, as a real
     #: engine-driven client (see :mod:`kvprefetch.agents.lmcache.engine_kv`).
-    backend: Backend = "local"
+    backend: EngineBackendName = "local"
     #: The agent's tier on this node (read-only here: the engine maps published files).
     dram: LocalTierConfig | None = None
     lmcache: LMCacheEngineConfig | None = None
@@ -72,9 +76,8 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _backend_settings(self) -> EngineConfig:
-        require_backend_settings(self.backend, dram=self.dram, lmcache=self.lmcache,
-                                 dram_is="the agent's tier on this node",
-                                 lmcache_is="the node's LMCache server")
+        require_settings(self.backend, {"dram": self.dram, "lmcache": self.lmcache},
+                         {"dram": "the agent's tier on this node"})
         return self
 
 
@@ -157,8 +160,9 @@ class EngineEmulator:
         self._store = store
         # Only for path_of(): never started here.
         self._tier_paths = LocalTier(config.dram) if config.dram is not None else None
+        through_server = backend_spec(config.backend).engine_stores_through_server
         self._lmcache = (LMCacheEngineKV(config.lmcache, store)
-                         if config.backend == "lmcache-mp" and config.lmcache else None)
+                         if through_server and config.lmcache else None)
         fleet = config.fleet
         self._bpt = fleet.model.kv_bytes_per_token
         self._hbm = Tier(f"hbm{self.node}", fleet.node.hbm_kv_bytes, LruEviction())

@@ -32,7 +32,7 @@ def publish_session_tokens(remote: RemoteStoreConfig, tenant: str, session: str,
                            token_ids: Sequence[int]) -> None:
     """The gateway glue's part: the session's token ids next to its KV, which the
     ``lmcache-mp`` and ``sglang`` agent backends name the session's objects from."""
-    from kvprefetch.agents.lmcache.tokens import put_session_tokens
+    from kvprefetch.agents.backends.tokens import put_session_tokens
 
     store = remote.build()
     store.start()

@@ -72,8 +72,16 @@ def contract_packages() -> set[str]:
     for contract in _contracts():
         for line in contract.get("layers", []):
             names |= {n.strip() for n in line.split("|")}
-        names |= set(contract.get("modules", []))
+        for key in ("modules", "source_modules", "forbidden_modules"):
+            names |= set(contract.get(key, []))
     return names
+
+
+def backend_folders() -> set[str]:
+    """``kvprefetch.agents.backends.X`` for each backend folder (a package)."""
+    root = ROOT / "agents" / "backends"
+    return {f"kvprefetch.agents.backends.{p.name}" for p in sorted(root.iterdir())
+            if (p / "__init__.py").is_file()}
 
 
 def product_packages() -> set[str]:
@@ -97,6 +105,13 @@ def test_the_readme_sentence_states_the_contract_layers_in_order() -> None:
 def test_every_package_a_contract_names_is_in_the_page_table() -> None:
     missing = contract_packages() - page_packages(PAGE.read_text())
     assert not missing, f"docs/architecture.md's package table lacks: {sorted(missing)}"
+
+
+def test_every_backend_folder_is_in_the_independence_contract() -> None:
+    (independent,) = [set(c["modules"]) for c in _contracts() if c["type"] == "independence"
+                      and any(".backends." in m for m in c["modules"])]
+    assert len(backend_folders()) >= 3
+    assert backend_folders() == independent
 
 
 def test_every_product_package_is_in_the_layers_contract() -> None:

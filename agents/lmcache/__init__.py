@@ -23,11 +23,6 @@ from kvprefetch.agents.lmcache.kv_events import KVEventStats, KVEventSubscriber
 from kvprefetch.agents.lmcache.l1_residency import L1Residency
 from kvprefetch.agents.lmcache.mp_client import KVLayout, LMCacheMPClient
 from kvprefetch.agents.lmcache.server import LMCacheServer, find_lmcache
-from kvprefetch.agents.lmcache.tokens import (
-    get_session_tokens,
-    put_session_tokens,
-    synthetic_tokens,
-)
 from kvprefetch.agents.lmcache.warm import LMCacheWarmClient, WarmResult, object_keys
 
 __all__ = [
@@ -51,8 +46,5 @@ __all__ = [
     "LMCacheWarmer",
     "WarmResult",
     "find_lmcache",
-    "get_session_tokens",
     "object_keys",
-    "put_session_tokens",
-    "synthetic_tokens",
 ]

@@ -3,7 +3,7 @@ LMCache MP server (L2 -> L1), instead of copies into the project's own local tie
 
 An order names a session's chunks by position; LMCache names content by token ids. So per
 order the backend reads the session's token ids from the remote store (written there by
-whoever stored its KV: :mod:`kvprefetch.agents.lmcache.tokens`), cuts them to the order's token
+whoever stored its KV: :mod:`kvprefetch.agents.backends.tokens`), cuts them to the order's token
 count, and submits ``POST /cache/prefetches`` through
 :class:`~kvprefetch.agents.lmcache.warm.LMCacheWarmClient`.
 The result comes back as a :class:`~kvprefetch.agents.transfer.TransferResult` (one key per chunk:
@@ -36,13 +36,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from itertools import count
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvprefetch.agents.backends.common import OrderPool
+from kvprefetch.agents.backends.tokens import get_session_tokens, tokens_key
 from kvprefetch.agents.lmcache.errors import (
     LMCacheConfigMismatchError,
     LMCacheError,
@@ -56,7 +56,6 @@ from kvprefetch.agents.lmcache.kv_events import (
     request_url,
 )
 from kvprefetch.agents.lmcache.l1_residency import MAX_CHUNKS, L1Residency, ResidencyStats
-from kvprefetch.agents.lmcache.tokens import get_session_tokens, tokens_key
 from kvprefetch.agents.lmcache.warm import LMCacheWarmClient, ServerSettings, object_keys
 from kvprefetch.agents.stores.base import ObjectStore
 from kvprefetch.agents.stores.errors import StoreError
@@ -67,23 +66,10 @@ from kvprefetch.controlplane.base.wire import TransferOrder
 
 log = logging.getLogger(__name__)
 
-#: Where a node's agent lands orders and its engine finds KV: the project's own DRAM/disk
-#: tier, or the node's LMCache MP server.
-Backend = Literal["local", "lmcache-mp"]
 #: Whether the backend follows the server's KV events: see ``LMCacheBackendConfig.kv_events``.
 KVEventsMode = Literal["auto", "required", "off"]
 #: Called with chunk keys that left L1 by LMCache's own doing (the agent's eviction path).
 EvictionCallback = Callable[[list[str]], None]
-
-
-def require_backend_settings(backend: Backend, *, dram: object | None, lmcache: object | None,
-                             dram_is: str, lmcache_is: str) -> None:
-    """A config's cross-field rule: each backend needs its own section (pydantic
-    validators call it; ``ValueError`` names the missing section)."""
-    if backend == "local" and dram is None:
-        raise ValueError(f"backend 'local' needs 'dram' ({dram_is})")
-    if backend == "lmcache-mp" and lmcache is None:
-        raise ValueError(f"backend 'lmcache-mp' needs 'lmcache' ({lmcache_is})")
 
 
 class LMCacheBackendConfig(BaseModel):
@@ -127,60 +113,6 @@ class LMCacheBackendConfig(BaseModel):
     #: (session, chunk) entries kept to tell which sessions a removed chunk belonged to;
     #: past it the sessions warmed longest ago are reported evicted.
     max_tracked_chunks: int = Field(MAX_CHUNKS, ge=1)
-
-
-@dataclass
-class WarmHandle:
-    """A submitted warm: the agent waits on it like on a transfer handle."""
-
-    transfer_id: int
-    future: Future[TransferResult]
-    cancelled: threading.Event = field(default_factory=threading.Event)
-
-    def cancel(self, reason: str = "cancelled") -> None:
-        """LMCache cannot stop a submitted warm; a cancelled one is reported cancelled
-        (what it loaded stays in L1 for LMCache's eviction to judge)."""
-        self.cancelled.set()
-
-    def done(self) -> bool:
-        return self.future.done()
-
-    def result(self, timeout_s: float | None = None) -> TransferResult:
-        return self.future.result(timeout_s)
-
-
-class OrderPool:
-    """What the warmers (LMCache's L1 here, SGLang's pages in :mod:`kvprefetch.agents.sglang.warm`)
-    share: orders run on a pool of threads, one :class:`WarmHandle` each; a subclass
-    implements :meth:`_run`."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._pool: ThreadPoolExecutor | None = None
-        self._ids = count(1)
-
-    def _open_pool(self, workers: int) -> None:
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix=self.name)
-
-    def _close_pool(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
-
-    def _not_started(self) -> Exception:
-        return StoreError(f"{self.name} is not started")
-
-    def submit(self, order: TransferOrder) -> WarmHandle:
-        if self._pool is None:
-            raise self._not_started()
-        tid = next(self._ids)
-        handle = WarmHandle(tid, Future())
-        handle.future = self._pool.submit(self._run, tid, order, handle.cancelled)
-        return handle
-
-    def _run(self, tid: int, order: TransferOrder, cancelled: threading.Event
-             ) -> TransferResult:
-        raise NotImplementedError
 
 
 @dataclass(frozen=True)

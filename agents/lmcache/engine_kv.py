@@ -7,10 +7,10 @@ session's cached prefix (LMCache's lookup loads from L2 whatever L1 lacks: LMCac
 on-demand path, which a warm prefetch makes unnecessary); after the response it stores the
 context's whole chunks (LMCache writes them through to L2, our adapter) and writes the
 session's token ids to the remote store, where the node's agent reads them to warm the
-session wherever it returns (:mod:`kvprefetch.agents.lmcache.tokens`).
+session wherever it returns (:mod:`kvprefetch.agents.backends.tokens`).
 
 Token ids: the traces carry token counts only, so a session's ids are
-:func:`~kvprefetch.agents.lmcache.tokens.synthetic_tokens` (a turn's ids extend the previous
+:func:`~kvprefetch.agents.backends.tokens.synthetic_tokens` (a turn's ids extend the previous
 turn's). The KV of token ``t`` holds ``t mod 127`` in every element, so a retrieve checks that it
 got the right session's KV back.
 """
@@ -23,9 +23,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvprefetch.agents.backends.tokens import put_session_tokens, synthetic_tokens
 from kvprefetch.agents.lmcache.errors import LMCacheError
 from kvprefetch.agents.lmcache.mp_client import KVLayout, LMCacheMPClient
-from kvprefetch.agents.lmcache.tokens import put_session_tokens, synthetic_tokens
 from kvprefetch.agents.stores.base import ObjectStore
 from kvprefetch.agents.stores.errors import StoreError
 from kvprefetch.controlplane.base.keys import tenant_cache_salt

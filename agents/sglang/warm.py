@@ -4,7 +4,7 @@ objects.
 
 An order names a session's chunks by position; SGLang names pages by a hash chain over
 token ids. So per order the warmer reads the session's token ids from the remote store
-(written by whoever stores the session's KV: :mod:`kvprefetch.agents.lmcache.tokens`), cuts them to
+(written by whoever stores the session's KV: :mod:`kvprefetch.agents.backends.tokens`), cuts them to
 the order's token count, computes the object names of every full page for every TP rank
 (:class:`~kvprefetch.agents.sglang.keys.PageKeyScheme`), and copies those objects from the remote
 store into the tier with the agent's transfer engine (checksummed, atomic publish). The
@@ -26,8 +26,8 @@ from collections import OrderedDict
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvprefetch.agents.lmcache.backend import OrderPool
-from kvprefetch.agents.lmcache.tokens import get_session_tokens, tokens_key
+from kvprefetch.agents.backends.common import OrderPool
+from kvprefetch.agents.backends.tokens import get_session_tokens, tokens_key
 from kvprefetch.agents.sglang.keys import PageKeyScheme
 from kvprefetch.agents.stores.base import ObjectStore
 from kvprefetch.agents.stores.errors import StoreError

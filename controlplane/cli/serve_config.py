@@ -12,7 +12,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 from kvprefetch.agents.agent import RemoteStoreConfig
-from kvprefetch.agents.lmcache.backend import Backend, LMCacheBackendConfig
+from kvprefetch.agents.backends.registry import BackendName, backend_spec
+from kvprefetch.agents.lmcache.backend import LMCacheBackendConfig
 from kvprefetch.agents.sglang.warm import SGLangWarmConfig
 from kvprefetch.agents.stores.local import LocalTierConfig
 from kvprefetch.agents.transfer import TransferConfig
@@ -75,7 +76,7 @@ class AgentSettings(_Section):
     #: node's LMCache MP server's L1 (``lmcache``: the server as every node runs it);
     #: ``sglang`` = the tier below, filled with SGLang's page objects, which the node's
     #: SGLang reads first through our HiCache backend (``sglang``: how it names pages).
-    backend: Backend | Literal["sglang"] = "local"
+    backend: BackendName = "local"
     lmcache: LMCacheBackendConfig | None = None
     sglang: SGLangWarmConfig | None = None
     #: The node-local DRAM tier of each agent (``{node}``: the node's number, so that
@@ -109,13 +110,12 @@ class AgentSettings(_Section):
             self.tier_path.format(node=0)
         except (KeyError, IndexError, ValueError) as exc:
             raise ValueError(f"tier_path: only {{node}} may be substituted ({exc})") from None
-        if self.backend == "lmcache-mp" and self.lmcache is None:
-            raise ValueError("backend lmcache-mp needs an agent.lmcache section (http_url, "
-                             "model_name ...)")
-        if self.backend == "sglang" and self.sglang is None:
-            raise ValueError("backend sglang needs an agent.sglang section (model_name, "
-                             "page_size, tp_size as the node's SGLang runs)")
-        if self.backend in ("local", "sglang") and self.tier_capacity_bytes is None:
+        spec = backend_spec(self.backend)
+        if spec.section is not None and spec.settings_of(self) is None:
+            what = dict(spec.needs)[spec.section]
+            raise ValueError(f"backend {self.backend} needs an agent.{spec.section} section "
+                             f"({what})")
+        if spec.needs_tier and self.tier_capacity_bytes is None:
             raise ValueError("agent.tier_capacity_bytes is required with backend "
                              f"{self.backend}")
         return self
@@ -146,7 +146,7 @@ class AgentSettings(_Section):
 
     def dram(self, node: int) -> LocalTierConfig | None:
         """Node ``node``'s local tier (None with the ``lmcache-mp`` backend)."""
-        if self.backend == "lmcache-mp" or self.tier_capacity_bytes is None:
+        if not backend_spec(self.backend).needs_tier or self.tier_capacity_bytes is None:
             return None
         return LocalTierConfig(path=self.tier_path.format(node=node), kind=self.tier_kind,
                                capacity_bytes=self.tier_capacity_bytes,

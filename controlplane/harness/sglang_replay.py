@@ -46,9 +46,9 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import STORAGE_BATCH_SIZE, HiCacheStorageConfig
 
 from kvprefetch.agents.agent import AgentConfig, PrefetchAgent, RemoteStoreConfig
+from kvprefetch.agents.backends.tokens import put_session_tokens, synthetic_tokens
 from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey
 from kvprefetch.agents.linkemu import S3_LINK, VALKEY_LINK, LinkEmulator, LinkProfile
-from kvprefetch.agents.lmcache.tokens import put_session_tokens, synthetic_tokens
 from kvprefetch.agents.sglang.backend import KvPrefetchHiCacheStorage, SGLangStorageConfig
 from kvprefetch.agents.sglang.host_pool import PageFirstHostPool
 from kvprefetch.agents.sglang.keys import PageKeyScheme, page_hashes

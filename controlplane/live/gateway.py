@@ -522,8 +522,8 @@ def serve_in_thread(gateway: Gateway, host: str = "127.0.0.1", port: int = 0,
 
 
 def store_sink(store: Any) -> TokenSink:
-    """A :class:`TokenSink` over an object store (``kvprefetch.agents.lmcache.tokens``' format)."""
-    from kvprefetch.agents.lmcache.tokens import put_session_tokens
+    """A :class:`TokenSink` over an object store (``kvprefetch.agents.backends.tokens``' format)."""
+    from kvprefetch.agents.backends.tokens import put_session_tokens
 
     def put(tenant: str, session_id: str, token_ids: Sequence[int]) -> None:
         put_session_tokens(store, tenant, session_id, token_ids)

@@ -249,19 +249,18 @@ def test_evict_advice_that_arrives_while_an_order_starts_keeps_the_keys_it_found
         assert all(r.ok for r in agent.store.put([(key, payload(key, 16 * KIB))]))
         _run(agent, 1, key, 100.0)
         assert agent.inventory() == (key,)
-        engine = agent._engine
-        assert engine is not None
-        real_submit = engine.submit
+        backend = agent.backend
+        real_warm = backend.warm
         deleted: list[int] = []
 
-        def submit_then_evict(keys: Sequence[str], **kw: object) -> object:
-            handle = real_submit(keys, **kw)  # type: ignore[arg-type]
+        def warm_then_evict(order: TransferOrder) -> object:
+            handle = real_warm(order)
             racer = threading.Thread(target=lambda: deleted.append(agent.evict(keys=[key])))
             racer.start()
             racer.join(5)
             return handle
 
-        monkeypatch.setattr(engine, "submit", submit_then_evict)
+        monkeypatch.setattr(backend, "warm", warm_then_evict)
         agent.execute(TransferOrder(2, "t/a", 0, (key,), 1, 1, True, 200.0))
         report = agent.wait(2, timeout_s=10)
         assert report is not None and report.complete

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvprefetch.agents.agent import AgentConfig, PrefetchAgent, RemoteStoreConfig
+from kvprefetch.agents.backends.tokens import synthetic_tokens
 from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey
 from kvprefetch.agents.lmcache.backend import LMCacheBackendConfig
 from kvprefetch.agents.lmcache.engine_kv import LMCacheEngineConfig, LMCacheEngineKV
@@ -25,7 +26,6 @@ from kvprefetch.agents.lmcache.errors import LMCacheConfigMismatchError
 from kvprefetch.agents.lmcache.keys import LMCacheKeySettings, chunk_hashes
 from kvprefetch.agents.lmcache.l2_adapter import plugin_adapter_json
 from kvprefetch.agents.lmcache.server import LMCacheServer
-from kvprefetch.agents.lmcache.tokens import synthetic_tokens
 from kvprefetch.agents.lmcache.warm import LMCacheWarmClient, LookupHits
 from kvprefetch.controlplane.base.keys import position_keys, session_prefix, tenant_cache_salt
 from kvprefetch.controlplane.base.wire import TransferOrder

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 import pytest
 
 from kvprefetch.agents.agent import AgentConfig, PrefetchAgent, RemoteStoreConfig
+from kvprefetch.agents.backends.tokens import synthetic_tokens
 from kvprefetch.agents.embedded import EmbeddedValkey
 from kvprefetch.agents.lmcache.backend import KVEventsMode, LMCacheBackendConfig
 from kvprefetch.agents.lmcache.engine_kv import LMCacheEngineConfig, LMCacheEngineKV
@@ -30,7 +31,6 @@ from kvprefetch.agents.lmcache.keys import LMCacheKeySettings, chunk_hashes
 from kvprefetch.agents.lmcache.kv_events import KVEventSubscriber, ResyncReason
 from kvprefetch.agents.lmcache.mp_client import KVLayout, LMCacheMPClient
 from kvprefetch.agents.lmcache.server import LMCacheServer
-from kvprefetch.agents.lmcache.tokens import synthetic_tokens
 from kvprefetch.agents.lmcache.warm import LMCacheWarmClient, object_keys
 from kvprefetch.controlplane.base.keys import position_keys, session_prefix, tenant_cache_salt
 from kvprefetch.controlplane.base.wire import TransferOrder

@@ -22,7 +22,7 @@ except ImportError as exc:  # pragma: no cover - the environment decides
     sglang_missing(exc)
 
 from kvprefetch.agents.agent import AgentConfig, PrefetchAgent, RemoteStoreConfig
-from kvprefetch.agents.lmcache.tokens import put_session_tokens, synthetic_tokens
+from kvprefetch.agents.backends.tokens import put_session_tokens, synthetic_tokens
 from kvprefetch.agents.sglang.keys import PageKeyScheme, page_hashes
 from kvprefetch.agents.sglang.warm import SGLangWarmConfig
 from kvprefetch.agents.stores.local import LocalTierConfig

@@ -215,7 +215,7 @@ def _first_turn(node: Node, session: str, prompt: list[int]) -> None:
     """The session's first request: computed, stored by LMCache into L1 and written through
     to L2; its token ids stored by the gateway where agents read them. Then the node
     forgets it locally: vLLM's prefix cache reset, LMCache's L1 cleared."""
-    from kvprefetch.agents.lmcache.tokens import get_session_tokens
+    from kvprefetch.agents.backends.tokens import get_session_tokens
     from kvprefetch.agents.lmcache.warm import LMCacheWarmClient
     from kvprefetch.agents.stores.base import ObjectStore
     from kvprefetch.agents.vllm.server import VLLMServer
@@ -277,7 +277,7 @@ def test_a_streamed_chat_through_the_gateway_stores_the_engine_s_token_ids(node:
     of the conversation (what LMCache keyed the KV by)."""
     import httpx
 
-    from kvprefetch.agents.lmcache.tokens import get_session_tokens
+    from kvprefetch.agents.backends.tokens import get_session_tokens
     from kvprefetch.agents.vllm.server import VLLMServer
 
     assert isinstance(node.vllm, VLLMServer)

@@ -12,8 +12,8 @@ import yaml
 
 pytest.importorskip("fastapi")
 
+from kvprefetch.agents.backends.tokens import get_session_tokens
 from kvprefetch.agents.embedded import EmbeddedValkey
-from kvprefetch.agents.lmcache.tokens import get_session_tokens
 from kvprefetch.agents.stores.valkey.store import ValkeyStore
 from kvprefetch.controlplane.base.errors import ConfigError
 from kvprefetch.controlplane.cli import build_parser, main

@@ -1,0 +1,1 @@
+"""The ``local`` node backend: the project's own DRAM/disk tier."""
