@@ -50,10 +50,10 @@ from dataclasses import dataclass
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvprefetch.agents.backends.base import BackendContext, NodeBackend, WarmHandleLike
+from kvprefetch.agents.backends.lmcache.warmer import LMCacheBackendConfig
 from kvprefetch.agents.backends.registry import BackendName, backend_spec, require_settings
-from kvprefetch.agents.lmcache.backend import LMCacheBackendConfig
+from kvprefetch.agents.backends.sglang.warmer import SGLangWarmConfig
 from kvprefetch.agents.lmcache.kv_events import KVEventStats
-from kvprefetch.agents.sglang.warm import SGLangWarmConfig
 from kvprefetch.agents.stores.base import ObjectStore
 from kvprefetch.agents.stores.local import LocalTier, LocalTierConfig
 from kvprefetch.agents.stores.s3.store import S3Store, S3StoreConfig

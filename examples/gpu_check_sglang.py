@@ -54,10 +54,10 @@ from gpu_check_common import (  # after the path above
 )
 
 from kvprefetch.agents.agent import AgentConfig, RemoteStoreConfig
+from kvprefetch.agents.backends.sglang.warmer import SGLangWarmConfig
 from kvprefetch.agents.sglang.backend import SGLangStorageConfig, dynamic_extra_config
 from kvprefetch.agents.sglang.keys import PageKeyScheme
 from kvprefetch.agents.sglang.stats import BackendStats, read_stats
-from kvprefetch.agents.sglang.warm import SGLangWarmConfig
 from kvprefetch.agents.stores.local import LocalTierConfig
 from kvprefetch.controlplane.base.keys import tenant_cache_salt
 

@@ -1,6 +1,7 @@
-"""LMCache integration: the ``lmcache server`` launcher, our L2 adapter plugin, the
-``lmcache-mp`` agent backend (with its subscriber to the server's KV events) and the engine
-emulator's LMCache client.
+"""LMCache integration: the ``lmcache server`` launcher, our L2 adapter plugin, the warm
+client and the subscriber to the server's KV events that the ``lmcache-mp`` node backend
+(:mod:`kvprefetch.agents.backends.lmcache`) drives, and the engine emulator's LMCache
+client.
 
 Importing this package does not import LMCache (nor torch): the clients import it when
 they connect. The L2 adapter (:mod:`kvprefetch.agents.lmcache.l2_adapter`, loaded by
@@ -8,7 +9,6 @@ they connect. The L2 adapter (:mod:`kvprefetch.agents.lmcache.l2_adapter`, loade
 benchmark that drives it, :mod:`kvprefetch.controlplane.harness.lmcache_bench`).
 """
 
-from kvprefetch.agents.lmcache.backend import LMCacheBackendConfig, LMCacheWarmer
 from kvprefetch.agents.lmcache.engine_kv import LMCacheEngineConfig, LMCacheEngineKV
 from kvprefetch.agents.lmcache.errors import (
     LMCacheConfigMismatchError,
@@ -30,7 +30,6 @@ __all__ = [
     "KVEventSubscriber",
     "KVLayout",
     "L1Residency",
-    "LMCacheBackendConfig",
     "LMCacheConfigMismatchError",
     "LMCacheEngineConfig",
     "LMCacheEngineKV",
@@ -43,7 +42,6 @@ __all__ = [
     "LMCacheTransferError",
     "LMCacheUnavailableError",
     "LMCacheWarmClient",
-    "LMCacheWarmer",
     "WarmResult",
     "find_lmcache",
     "object_keys",

@@ -118,7 +118,7 @@ class KVEventSubscriber:
     docstring). ``url`` is the server's request endpoint (``tcp://host:port``);
     ``timeout_s`` bounds each ping and the wait for a new stream's first batch.
 
-    Who calls what: its owner (:class:`~kvprefetch.agents.lmcache.backend.LMCacheWarmer`)
+    Who calls what: its owner (:class:`~kvprefetch.agents.backends.lmcache.warmer.LMCacheWarmer`)
     calls :meth:`start` once and :meth:`close` once; monitoring calls :meth:`stats` (any
     thread). Its own threads call the sink.
     """

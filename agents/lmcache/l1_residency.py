@@ -4,7 +4,7 @@ The scheduler names a session's chunks by position (chunk keys such as
 ``tenant/session/000003``); LMCache names them by content (the chained chunk hash of
 :mod:`kvprefetch.agents.lmcache.keys`). :class:`L1Residency` keeps both for each session
 whose last warm completed: its chunk keys, and the chunk hash each keyed chunk has in L1.
-:class:`~kvprefetch.agents.lmcache.backend.LMCacheWarmer` adds a session when a warm
+:class:`~kvprefetch.agents.backends.lmcache.warmer.LMCacheWarmer` adds a session when a warm
 completes and forgets it on evict advice; when LMCache reports chunk hashes gone from L1
 (:mod:`kvprefetch.agents.lmcache.kv_events`), :meth:`L1Residency.removed` turns them back
 into the chunk keys that left, which the agent reports to the scheduler as the tier's own

@@ -1,5 +1,6 @@
-"""SGLang integration: HiCache's page keys, an L3 storage backend over our store, and the
-agent backend that warms the node-local tier that backend reads first.
+"""SGLang integration: HiCache's page keys and an L3 storage backend over our store (the
+``sglang`` node backend, :mod:`kvprefetch.agents.backends.sglang`, warms the node-local tier
+that storage backend reads first).
 
 Importing this package does not import SGLang (nor torch): :mod:`kvprefetch.agents.sglang.backend`
 subclasses SGLang's ``HiCacheStorage`` and is imported by name only (by SGLang's storage

@@ -12,9 +12,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 from kvprefetch.agents.agent import RemoteStoreConfig
+from kvprefetch.agents.backends.lmcache.warmer import LMCacheBackendConfig
 from kvprefetch.agents.backends.registry import BackendName, backend_spec
-from kvprefetch.agents.lmcache.backend import LMCacheBackendConfig
-from kvprefetch.agents.sglang.warm import SGLangWarmConfig
+from kvprefetch.agents.backends.sglang.warmer import SGLangWarmConfig
 from kvprefetch.agents.stores.local import LocalTierConfig
 from kvprefetch.agents.transfer import TransferConfig
 from kvprefetch.agents.vllm.kv_events import VLLMEventsConfig

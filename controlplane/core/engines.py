@@ -88,7 +88,7 @@ _LMCACHE_LOADS: dict[Mechanism, str] = {
     Mechanism.QUEUED_LOAD: "lmcache.mp.eager_prefetch: the lookup and L2 prefetch start "
     "when the request enters vLLM's waiting queue",
     Mechanism.EVICT_ADVICE: "DELETE /cache/objects, tier l1 (LMCache MP server; "
-    "kvprefetch.agents.lmcache.backend evict_sessions)",
+    "kvprefetch.agents.backends.lmcache.warmer evict_sessions)",
 }
 
 ENGINES: Mapping[str, EngineProfile] = MappingProxyType({

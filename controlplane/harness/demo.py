@@ -292,7 +292,7 @@ def _start_lmcache(args: argparse.Namespace, fleet: Any, remote: Any, tier_bytes
 def _lmcache_configs(args: argparse.Namespace, fleet: Any, server: Any
                      ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The agent's and the engine's settings for one node's LMCache server."""
-    from kvprefetch.agents.lmcache.backend import LMCacheBackendConfig
+    from kvprefetch.agents.backends.lmcache.warmer import LMCacheBackendConfig
     from kvprefetch.agents.lmcache.engine_kv import LMCacheEngineConfig
 
     engine = LMCacheEngineConfig(

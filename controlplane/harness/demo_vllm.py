@@ -355,7 +355,7 @@ def deployed(stack: Stack, policy: str, predictor: str) -> Iterator[Deployed]:
     """A fresh scheduler (``policy``) and one ``lmcache-mp`` agent per node, the gateway in
     front of the nodes' vLLM; the nodes' L1 and vLLM's prefix caches emptied first."""
     from kvprefetch.agents.agent import AgentConfig
-    from kvprefetch.agents.lmcache.backend import LMCacheBackendConfig
+    from kvprefetch.agents.backends.lmcache.warmer import LMCacheBackendConfig
     from kvprefetch.controlplane.live.connect import connect
     from kvprefetch.controlplane.live.gateway import (
         Gateway,

@@ -46,13 +46,13 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import STORAGE_BATCH_SIZE, HiCacheStorageConfig
 
 from kvprefetch.agents.agent import AgentConfig, PrefetchAgent, RemoteStoreConfig
+from kvprefetch.agents.backends.sglang.warmer import SGLangWarmConfig
 from kvprefetch.agents.backends.tokens import put_session_tokens, synthetic_tokens
 from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey
 from kvprefetch.agents.linkemu import S3_LINK, VALKEY_LINK, LinkEmulator, LinkProfile
 from kvprefetch.agents.sglang.backend import KvPrefetchHiCacheStorage, SGLangStorageConfig
 from kvprefetch.agents.sglang.host_pool import PageFirstHostPool
 from kvprefetch.agents.sglang.keys import PageKeyScheme, page_hashes
-from kvprefetch.agents.sglang.warm import SGLangWarmConfig
 from kvprefetch.agents.stores.local import LocalTierConfig
 from kvprefetch.agents.stores.s3.store import S3Store, S3StoreConfig
 from kvprefetch.agents.stores.valkey.store import ValkeyStoreConfig

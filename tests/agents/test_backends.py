@@ -25,10 +25,10 @@ from kvprefetch.agents.backends import (
     require_settings,
 )
 from kvprefetch.agents.backends.base import NodeBackend
+from kvprefetch.agents.backends.sglang.warmer import SGLangWarmConfig
 from kvprefetch.agents.backends.tokens import put_session_tokens, synthetic_tokens
 from kvprefetch.agents.embedded import EmbeddedValkey
 from kvprefetch.agents.sglang.keys import PageKeyScheme, page_hashes
-from kvprefetch.agents.sglang.warm import SGLangWarmConfig
 from kvprefetch.agents.stores.local import LocalTierConfig
 from kvprefetch.agents.stores.valkey import ValkeyStoreConfig
 from kvprefetch.agents.transfer import TransferConfig

@@ -18,9 +18,9 @@ from collections.abc import Iterator
 import pytest
 
 from kvprefetch.agents.agent import AgentConfig, PrefetchAgent, RemoteStoreConfig
+from kvprefetch.agents.backends.lmcache.warmer import LMCacheBackendConfig
 from kvprefetch.agents.backends.tokens import synthetic_tokens
 from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey
-from kvprefetch.agents.lmcache.backend import LMCacheBackendConfig
 from kvprefetch.agents.lmcache.engine_kv import LMCacheEngineConfig, LMCacheEngineKV
 from kvprefetch.agents.lmcache.errors import LMCacheConfigMismatchError
 from kvprefetch.agents.lmcache.keys import LMCacheKeySettings, chunk_hashes

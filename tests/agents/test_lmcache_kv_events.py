@@ -22,9 +22,9 @@ from collections.abc import Callable, Iterator, Sequence
 import pytest
 
 from kvprefetch.agents.agent import AgentConfig, PrefetchAgent, RemoteStoreConfig
+from kvprefetch.agents.backends.lmcache.warmer import KVEventsMode, LMCacheBackendConfig
 from kvprefetch.agents.backends.tokens import synthetic_tokens
 from kvprefetch.agents.embedded import EmbeddedValkey
-from kvprefetch.agents.lmcache.backend import KVEventsMode, LMCacheBackendConfig
 from kvprefetch.agents.lmcache.engine_kv import LMCacheEngineConfig, LMCacheEngineKV
 from kvprefetch.agents.lmcache.errors import LMCacheConfigMismatchError
 from kvprefetch.agents.lmcache.keys import LMCacheKeySettings, chunk_hashes

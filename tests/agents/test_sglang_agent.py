@@ -22,9 +22,9 @@ except ImportError as exc:  # pragma: no cover - the environment decides
     sglang_missing(exc)
 
 from kvprefetch.agents.agent import AgentConfig, PrefetchAgent, RemoteStoreConfig
+from kvprefetch.agents.backends.sglang.warmer import SGLangWarmConfig
 from kvprefetch.agents.backends.tokens import put_session_tokens, synthetic_tokens
 from kvprefetch.agents.sglang.keys import PageKeyScheme, page_hashes
-from kvprefetch.agents.sglang.warm import SGLangWarmConfig
 from kvprefetch.agents.stores.local import LocalTierConfig
 from kvprefetch.controlplane.base.keys import position_keys, tenant_cache_salt
 from kvprefetch.controlplane.base.wire import TransferOrder

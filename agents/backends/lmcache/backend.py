@@ -1,5 +1,5 @@
 """The ``lmcache-mp`` node backend: orders run as warm prefetches of the node's LMCache MP
-server (L2 -> L1) by :class:`~kvprefetch.agents.lmcache.backend.LMCacheWarmer`; evict
+server (L2 -> L1) by :class:`~kvprefetch.agents.backends.lmcache.warmer.LMCacheWarmer`; evict
 advice deletes the sessions' objects from L1 (L2 keeps them); the engine stores through
 LMCache itself, so the agent's write-through and trim have nothing to do; what L1 drops on
 its own reaches the agent's eviction report from the server's KV events."""
@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvprefetch.agents.backends.base import BackendContext, OrderGuard, WarmHandleLike
-from kvprefetch.agents.lmcache.backend import LMCacheBackendConfig, LMCacheWarmer
+from kvprefetch.agents.backends.lmcache.warmer import LMCacheBackendConfig, LMCacheWarmer
 from kvprefetch.agents.lmcache.kv_events import KVEventStats
 from kvprefetch.controlplane.base.errors import ConfigError
 from kvprefetch.controlplane.base.keys import parse_session_prefix

@@ -1,8 +1,9 @@
 """The ``sglang`` node backend: the node's local tier (as the ``local`` backend keeps it)
-filled with SGLang's page objects by :class:`~kvprefetch.agents.sglang.warm.SGLangWarmer`,
-which kvprefetch's SGLang HiCache backend reads first. Evict advice deletes the sessions'
-pages; SGLang writes its own pages through its HiCache backend, so the agent's
-write-through and trim have nothing to do."""
+filled with SGLang's page objects by the warmer
+(:class:`~kvprefetch.agents.backends.sglang.warmer.SGLangWarmer`), which kvprefetch's SGLang
+HiCache backend reads first. Evict advice deletes the sessions' pages; SGLang writes its own
+pages through its HiCache backend, so the agent's write-through and trim have nothing to
+do."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections.abc import Sequence
 
 from kvprefetch.agents.backends.base import BackendContext, OrderGuard, WarmHandleLike
 from kvprefetch.agents.backends.common import TierCopier
-from kvprefetch.agents.sglang.warm import SGLangWarmConfig, SGLangWarmer
+from kvprefetch.agents.backends.sglang.warmer import SGLangWarmConfig, SGLangWarmer
 from kvprefetch.agents.stores.local import LocalTier
 from kvprefetch.controlplane.base.errors import ConfigError
 from kvprefetch.controlplane.base.keys import parse_session_prefix

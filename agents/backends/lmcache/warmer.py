@@ -1,10 +1,10 @@
-"""The prefetch agent's ``lmcache-mp`` backend: orders run as warm prefetches of the node's
-LMCache MP server (L2 -> L1), instead of copies into the project's own local tier.
+"""The ``lmcache-mp`` backend's warmer: orders run as warm prefetches of the node's LMCache
+MP server (L2 -> L1), instead of copies into the project's own local tier.
 
 An order names a session's chunks by position; LMCache names content by token ids. So per
-order the backend reads the session's token ids from the remote store (written there by
-whoever stored its KV: :mod:`kvprefetch.agents.backends.tokens`), cuts them to the order's token
-count, and submits ``POST /cache/prefetches`` through
+order the warmer reads the session's token ids from the remote store (written there by
+whoever stored its KV: :mod:`kvprefetch.agents.backends.tokens`), cuts them to the order's
+token count, and submits ``POST /cache/prefetches`` through
 :class:`~kvprefetch.agents.lmcache.warm.LMCacheWarmClient`.
 The result comes back as a :class:`~kvprefetch.agents.transfer.TransferResult` (one key per chunk:
 found chunks moved, missing ones missed, a trailing partial chunk counted present because

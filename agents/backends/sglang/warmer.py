@@ -1,6 +1,6 @@
-"""The prefetch agent's ``sglang`` backend: orders warm the node-local DRAM tier that the
-SGLang HiCache backend (:mod:`kvprefetch.agents.sglang.backend`) reads first, with SGLang's own page
-objects.
+"""The ``sglang`` backend's warmer: orders warm the node-local DRAM tier that kvprefetch's
+SGLang HiCache storage backend (:mod:`kvprefetch.agents.sglang.backend`) reads first, with
+SGLang's own page objects.
 
 An order names a session's chunks by position; SGLang names pages by a hash chain over
 token ids. So per order the warmer reads the session's token ids from the remote store
