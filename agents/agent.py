@@ -1,17 +1,17 @@
 """The prefetch agent: one per GPU node, carrying out the scheduler's transfer orders.
 
-It owns the node's local DRAM tier (:class:`~kvprefetch.agents.stores.LocalTier`), a
-connection to the remote token store (Valkey in front of S3,
-:class:`~kvprefetch.agents.stores.TieredStore`) and a
-:class:`~kvprefetch.agents.transfer.TransferEngine` between them. Per order it moves the
-chunk keys into the tier (atomic publish: a chunk is visible whole or not at all, also when
-the agent is killed mid-transfer) and reports one
-:class:`~kvprefetch.controlplane.base.wire.TransferReport` to the scheduler. It deletes
-chunks on evict advice and takes the engine's write-through of new KV. It also passes the
-scheduler's advice to the tier's eviction policy (used by ``eviction: predicted``): each
-order's ``deadline_s`` is the predicted next use of its keys, and keys that evict advice
-names but a running transfer keeps are never needed again. Where orders land is the node
-backend's (``backend``, :mod:`kvprefetch.agents.backends`): with ``lmcache-mp`` the
+It holds a connection to the remote token store (Valkey in front of S3,
+:class:`~kvprefetch.agents.stores.TieredStore`) and the node backend the config names
+(``backend``: a :class:`~kvprefetch.agents.backends.base.NodeBackend` from the registry,
+:mod:`kvprefetch.agents.backends`), which lands each order's chunks where the node's engine
+reads them. Per order the agent hands the order to the backend and reports one
+:class:`~kvprefetch.controlplane.base.wire.TransferReport` to the scheduler; it passes evict
+advice and the engine's write-through of new KV to the backend, and keeps the order
+bookkeeping (which keys a starting or running order claims, so that no delete takes them).
+With ``local`` the backend copies chunks into the node's own DRAM/disk tier (atomic
+publish: a chunk is visible whole or not at all, also when the agent is killed
+mid-transfer) and passes each order's ``deadline_s`` to the tier's eviction policy as the
+predicted next use of its keys (``eviction: predicted``). With ``lmcache-mp`` the
 node-local tier is the node's LMCache MP server's L1 instead: orders run as LMCache warm
 prefetches, evict advice deletes from L1, the engine stores through LMCache itself, and
 what L1 drops on its own reaches the scheduler from LMCache's KV events, as the local
