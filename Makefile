@@ -126,13 +126,15 @@ setup-vllm-venv:
 	$(MAKE) setup-vllm VENV=$(VLLM_VENV)
 
 # The real-engine tests: vLLM + LMCache + agent + gateway by the engines' own counters
-# (~2 min), the vLLM demo short, aiperf through the gateway and the deployment script on a
-# local cluster (~2-3 min each). Two workers: the three that start Ray run one after another
-# on one (tests/conftest.py), the engine test without Ray beside them on the other.
+# (~2 min), vLLM's own HBM evictions reaching the scheduler's books (~3 min), the vLLM demo
+# short, aiperf through the gateway and the deployment script on a local cluster (~2-3 min
+# each). Two workers: the three that start Ray run one after another on one
+# (tests/conftest.py), the engine tests without Ray beside them on the other.
 test-vllm: setup-vllm-venv setup-aiperf
 	AIPERF=$(AIPERF_VENV)/bin/aiperf $(VLLM_VENV)/bin/python -m pytest \
 		-n 2 --dist loadgroup -q -m vllm \
-		tests/agents/test_vllm_cpu.py tests/harness/test_demo_vllm.py tests/harness/test_aiperf_bench.py \
+		tests/agents/test_vllm_cpu.py tests/agents/test_vllm_hbm_events.py \
+		tests/harness/test_demo_vllm.py tests/harness/test_aiperf_bench.py \
 		tests/deploy/test_local_cluster.py
 
 # The pure tests (no servers, no Ray, no shared traces): under a minute on 2 cores.

@@ -69,7 +69,7 @@ class Prefetcher:
             IdleIndex(fleet.planner.sweep_interval_s)
             if indexed_sweep and policy.prefetch and isinstance(predictor, GatedPredictor)
             else None)
-        #: The forecast's record against recency: where it may displace residents.
+        #: The forecasts' record against recency: where a prefetch may start.
         self.bets = DisplacementBets(fleet.planner.prefetch_min_win_share,
                                      fleet.planner.max_lead_s, stats)
         #: Sessions whose due state may have changed in the call under way.
