@@ -4,11 +4,16 @@ expression lets pytest skip without importing them."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 from markselect import deselects_whole, module_marks
+
+# Token auth (two raylets on one machine need it); Ray reads the mode when it is imported,
+# so it is set here, before any test module of any folder imports ray.
+os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 #: Modules with tests that start a Ray runtime (ray.init, ``ray start``, ``kvprefetch serve``,
 #: the demos): one group, run one test at a time on one worker. Two runtimes at once would
@@ -21,7 +26,8 @@ RAY_MODULES = (
         "test_aiperf_bench.py", "test_bench_ray.py", "test_demo.py", "test_demo_lmcache.py",
         "test_demo_vllm.py")),
     *(f"tests/live/{name}" for name in (
-        "test_node_join.py", "test_ray.py", "test_readme_http.py", "test_serve.py",
+        "test_gateway_nodes.py", "test_http_ray.py", "test_node_join.py", "test_ray.py",
+        "test_readme_http.py", "test_route_ids_sharded.py", "test_serve.py",
         "test_serve_gateway.py", "test_shards_ray.py")),
 )
 #: Modules whose module-scoped fixtures are expensive (a wheel built and installed, the docs

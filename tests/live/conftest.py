@@ -6,17 +6,12 @@ is marked ``live`` here, so that ``make test-fast`` runs only the in-process one
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey
-
-# Token auth (two raylets on one machine need it); Ray reads the mode when
-# it is imported, so it is set before any test module imports ray.
-os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 HERE = Path(__file__).parent
 # Modules whose every test starts a real server but that carry no marker of their own:
