@@ -126,12 +126,18 @@ class ShardedTransport:
     def claim(self, call: api.RouteQuery) -> None:
         """Claim ``call.request_id`` for its session at the id's shard; raises
         RequestIdConflictError (409, nothing applied) while another session's route holds
-        it (:mod:`~kvprefetch.controlplane.live.route_claims`)."""
+        it (:mod:`~kvprefetch.controlplane.live.route_claims`). While the id's shard is
+        down the route goes on unclaimed (its claims went with it, as in a restart)."""
         rid = call.request_id
         if rid is None:
             return
         claims = self.transports[request_id_shard(call.tenant, rid, len(self.transports))]
-        holder = claims.claim_request_id(call.tenant, rid, call.session_id)
+        try:
+            holder = claims.claim_request_id(call.tenant, rid, call.session_id)
+        except (ServiceUnavailableError, TimeoutError):
+            # The id's shard is down or restarting: it has lost its claims as a restart
+            # loses them; the route goes on, checked by its own shard's ledger only.
+            return
         if holder is None:
             return
         # The holder's request ended and its shard forgot the id: the id passes over.
