@@ -231,9 +231,16 @@ def _hint(c: LocalCluster, session: str, kind: str, eta_s: float | None = None) 
     import httpx
 
     hint: dict[str, Any] = {"kind": kind} if eta_s is None else {"kind": kind, "eta_s": eta_s}
-    response = httpx.post(f"http://{HEAD_IP}:{c.api_port}/v1/hint", timeout=10,
-                          headers={"Authorization": f"Bearer {TOKEN}"},
-                          json={"session_id": session, "hint": hint})
+    for attempt in range(3):  # a client re-sends a hint whose connection was reset
+        try:
+            response = httpx.post(f"http://{HEAD_IP}:{c.api_port}/v1/hint", timeout=10,
+                                  headers={"Authorization": f"Bearer {TOKEN}"},
+                                  json={"session_id": session, "hint": hint})
+            break
+        except httpx.TransportError:
+            if attempt == 2:
+                raise
+            time.sleep(1.0)
     assert response.status_code == 200, response.text
 
 
