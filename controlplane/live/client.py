@@ -34,6 +34,7 @@ too), a :class:`RayTransport` for a Ray address (``"auto"``, ``"ray://host:10001
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import itertools
 import json
@@ -41,7 +42,7 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -522,6 +523,27 @@ _ANSWERS: dict[str, type[BaseModel]] = {
 }
 
 
+@contextlib.contextmanager
+def _http_errors(op: str, timeout_s: float) -> Iterator[None]:
+    """httpx's errors of the call ``op`` as the client's: TimeoutError past ``timeout_s``,
+    ServiceUnavailableError when the API cannot be reached."""
+    import httpx
+
+    try:
+        yield
+    except httpx.TimeoutException as exc:
+        raise TimeoutError(f"{op} timed out after {timeout_s} s") from exc
+    except httpx.HTTPError as exc:
+        raise ServiceUnavailableError(f"scheduler HTTP API unreachable: {exc}") from exc
+
+
+def _answer_json(op: str, resp: Any) -> Any:
+    """The answer's JSON, or the typed error of its status."""
+    if resp.status_code >= 400:
+        raise _http_error(op, resp.status_code, resp.text)
+    return resp.json()
+
+
 def _ray_error(op: str, exc: Exception) -> Exception:
     """What a Ray error of the actor call ``op`` is raised as: the scheduler's own typed
     error, a ServiceError, or ServiceUnavailableError when the actor is gone."""
@@ -674,37 +696,23 @@ class HttpTransport:
         if not self._async:
             self._async.append(httpx.AsyncClient(base_url=self._base_url,
                                                  headers=self._headers))
-        try:
+        with _http_errors(op, self.timeout_s):
             resp = await self._async[0].post(
                 f"/v1/{op}", content=call.model_dump_json(exclude_none=True,
                                                           exclude_unset=True),
                 timeout=self.timeout_s)
-        except httpx.TimeoutException as exc:
-            raise TimeoutError(f"{op} timed out after {self.timeout_s} s") from exc
-        except httpx.HTTPError as exc:
-            raise ServiceUnavailableError(f"scheduler HTTP API unreachable: {exc}") from exc
-        if resp.status_code >= 400:
-            raise _http_error(op, resp.status_code, resp.text)
-        return _ANSWERS[op].model_validate(resp.json())
+        return _ANSWERS[op].model_validate(_answer_json(op, resp))
 
     def _post(self, path: str, payload: BaseModel) -> Any:
         """POST ``payload`` to ``/v1/<path>``; the answer's JSON. Fields the caller did not
         set stay out (a tenant left out is the token's)."""
-        import httpx
-
-        try:
+        with _http_errors(path, self.timeout_s):
             resp = self._client.post(f"/v1/{path}",
                                      content=payload.model_dump_json(exclude_none=True,
                                                                      exclude_unset=True),
                                      headers={"Content-Type": "application/json"},
                                      timeout=self.timeout_s)
-        except httpx.TimeoutException as exc:
-            raise TimeoutError(f"{path} timed out after {self.timeout_s} s") from exc
-        except httpx.HTTPError as exc:
-            raise ServiceUnavailableError(f"scheduler HTTP API unreachable: {exc}") from exc
-        if resp.status_code >= 400:
-            raise _http_error(path, resp.status_code, resp.text)
-        return resp.json()
+        return _answer_json(path, resp)
 
     def request_started(self, call: api.RequestStarted) -> api.Ack:
         return api.Ack.model_validate(self._post("request_started", call))
