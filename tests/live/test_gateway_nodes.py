@@ -230,7 +230,10 @@ def test_on_ray_a_raylet_that_joins_gets_requests_and_a_removed_one_none(
                                  resources={"gpu_node": 1})
         ray.init(address=cluster.address, namespace="kvprefetch", log_to_driver=False)
         svc = ServiceConfig(fleet=FLEET, initial_nodes=1, node_names=("gpu-0", "gpu-1"))
-        dep = deploy(svc, [agent(0)], [Placement(node_id=first.node_id)])
+        # the scheduler stays on the head, as `kvprefetch serve` places it: removing a
+        # GPU node must not take the scheduler with it
+        dep = deploy(svc, [agent(0)], [Placement(node_id=first.node_id)],
+                     scheduler_placement=Placement(node_id=cluster.head_node.node_id))
         try:
             dep.watch_nodes(lambda: ray_node_candidates(resource="gpu_node"), agent,
                             interval_s=0.5)
