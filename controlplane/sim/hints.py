@@ -272,8 +272,13 @@ def typing_tokens_per_s(config: HintConfig, rng: random.Random) -> float:
 
 
 def typed_tokens(prev: TraceRequest, req: TraceRequest) -> int:
-    """Tokens the user typed for ``req``: its new input less the previous response."""
-    return max(0, req.new_tokens - prev.output_tokens)
+    """Tokens the user typed for ``req``: its new input less the part of the previous
+    response that its reused prefix does not already cover (a trace whose reused prefix
+    is the previous *input*, as Claude Code's block hashes are, carries the whole
+    response in the new input; one whose prefix runs through the response, none of it)."""
+    uncovered = min(prev.output_tokens,
+                    max(0, prev.input_tokens + prev.output_tokens - req.reused_tokens))
+    return max(0, req.new_tokens - uncovered)
 
 
 def _typing_hints(

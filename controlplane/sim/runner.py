@@ -24,7 +24,7 @@ from kvprefetch.controlplane.base.types import Trace
 from kvprefetch.controlplane.core.engines import DEFAULT_ENGINE, EngineProfile
 from kvprefetch.controlplane.core.policies import PolicySpec
 from kvprefetch.predictors.base import Predictor
-from kvprefetch.predictors.hinted import with_hints
+from kvprefetch.predictors.hinted import HintedPredictor, with_hints
 from kvprefetch.predictors.registry import load as load_predictor
 
 from .hints import HintConfig, HintCounts, PlannedHint, hint_kind_names, plan_hints
@@ -58,10 +58,13 @@ class SimOptions:
 def hinted_predictor(policy: PolicySpec, predictor: Predictor) -> Predictor:
     """``predictor`` as a policy uses it when clients send hints: the user's predictor reads
     them through :class:`~kvprefetch.predictors.hinted.HintedPredictor` (unless it is one
-    already); a policy's own predictor (the oracle's), and that of a policy that reads no
-    forecast or no hint, is left alone."""
-    if policy.predictor is not None or not (policy.forecasts and policy.reads_hints):
+    already); a policy that reads no hint gets the model under that layer (the ``default``
+    predictor has it built in); a policy's own predictor (the oracle's), and that of a
+    policy that reads no forecast, is left alone."""
+    if policy.predictor is not None or not policy.forecasts:
         return predictor
+    if not policy.reads_hints:
+        return predictor.inner if isinstance(predictor, HintedPredictor) else predictor
     return with_hints(predictor)
 
 

@@ -14,7 +14,10 @@ from kvprefetch.controlplane.core.engines import ENGINES, on_engine
 from kvprefetch.controlplane.core.policies import POLICIES, parse_policies
 from kvprefetch.controlplane.sim import Simulation
 from kvprefetch.controlplane.sim.ablation import DECISIONS, ablations
+from kvprefetch.controlplane.sim.hints import HintConfig, HintKind, plan_hints
+from kvprefetch.controlplane.sim.runner import hinted_predictor, run_policy
 from kvprefetch.controlplane.traces.synthetic import load_synthetic
+from kvprefetch.predictors.hinted import HintedPredictor
 from kvprefetch.predictors.registry import load as load_predictor
 
 PREDICTIVE = POLICIES["predictive"]
@@ -61,3 +64,24 @@ def test_the_flag_puts_the_variants_after_predictive_and_needs_it() -> None:
                                           "predictive-no-prefetch", "perfect"]
     with pytest.raises(ConfigError, match="--ablation needs predictive"):
         with_ablations(parse_policies("ondemand"), "local", hints=False)
+
+
+def test_without_hints_the_default_predictor_reads_none_of_them() -> None:
+    """The ``default`` predictor has the hint layer built in: the no-hints variant gets
+    the model under it, so typing hints move predictive and not its no-hints variant."""
+    trace = load_synthetic("synthetic:chat:60", seed=1)
+    fleet = fleet_from_dict({"nodes": 2, "node": {"hbm_kv_bytes": 2 * GIB,
+                                                  "dram_tier_bytes": 4 * GIB}})
+    hints = plan_hints(trace, HintConfig(kinds=frozenset({HintKind.USER_TYPING})))
+    assert hints
+    (no_hints,) = [v for v in ablations(PREDICTIVE, ENGINES["vllm-lmcache"], hints=True)
+                   if v.name == "predictive-no-hints"]
+
+    def ttfts(policy: object, planned: object) -> list[float]:
+        run = run_policy(trace, fleet, policy, "default", hints=planned)  # type: ignore[arg-type]
+        return [r.first_token_s for r in run.records]
+
+    assert not isinstance(hinted_predictor(no_hints, load_predictor("default")),
+                          HintedPredictor)
+    assert ttfts(no_hints, hints) == ttfts(PREDICTIVE, ())
+    assert ttfts(PREDICTIVE, hints) != ttfts(no_hints, hints)

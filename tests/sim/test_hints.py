@@ -45,9 +45,11 @@ BOTH = frozenset({TYPING, TOOL})
 def _session(sid: str, stops: list[str | None], gaps: list[float], *, parent: str | None = None,
              new_tokens: int = 130, output_tokens: int = 50) -> TraceSession:
     """A closed-loop session: request k >= 1 comes gaps[k-1] after response k-1 ends."""
-    reqs = []
+    reqs: list[TraceRequest] = []
     for k, stop in enumerate(stops):
-        reused = 0 if k == 0 else 1000 * k
+        # the reused prefix is the previous input (Claude Code's shape): the new input
+        # carries the previous response and the typed text
+        reused = reqs[-1].input_tokens if reqs else 0
         reqs.append(TraceRequest(sid, k, 0.0, reused + new_tokens + (output_tokens if k else 0),
                                  output_tokens, reused_tokens=reused,
                                  gap_s=None if k == 0 else gaps[k - 1], stop_reason=stop,
@@ -188,6 +190,20 @@ def test_typing_hint_leads_the_request_by_the_typing_time() -> None:
     hints = plan_hints(trace, cfg)
     assert [(h.turn, h.after_finish_s) for h in hints] == [(1, 70.0), (2, 0.0)]
     assert typed_tokens(trace.sessions[0].requests[0], trace.sessions[0].requests[1]) == 130
+
+
+def test_typed_text_excludes_only_the_part_of_the_response_the_prefix_misses() -> None:
+    # A reused prefix that runs through the previous response (as the synthetic traces
+    # write it): the new input is all typed text; one that stops at the previous input
+    # (Claude Code's block hashes): the response is part of the new input.
+    prev = TraceRequest("a", 0, 0.0, 1000, 400, stop_reason="end_turn")
+    through = TraceRequest("a", 1, 0.0, 1700, 10, reused_tokens=1400, gap_s=5.0)
+    at_input = TraceRequest("a", 1, 0.0, 1700, 10, reused_tokens=1000, gap_s=5.0)
+    halfway = TraceRequest("a", 1, 0.0, 1700, 10, reused_tokens=1200, gap_s=5.0)
+    assert typed_tokens(prev, through) == 300
+    assert typed_tokens(prev, at_input) == 300
+    assert typed_tokens(prev, halfway) == 300
+    assert typed_tokens(prev, TraceRequest("a", 1, 0.0, 1100, 10, reused_tokens=1000)) == 0
 
 
 def test_first_turn_and_open_loop_requests_get_no_hints() -> None:
