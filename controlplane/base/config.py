@@ -144,6 +144,10 @@ class PlannerConfig(_Frozen):
     #: ... and wasted bytes may reach this multiple of the bytes requests read (1: a
     #: prefetch never wastes more than it brings, beyond the allowance).
     waste_per_used_byte: float = Field(1.0, ge=0)
+    #: The allowance refills by its size every this many seconds (0: it never refills, and
+    #: a budget spent with nothing prefetched left unread stays spent until the scheduler
+    #: restarts).
+    waste_window_s: float = Field(3600.0, ge=0)
     #: How often idle sessions whose KV left their node are re-planned (seconds).
     sweep_interval_s: float = Field(10.0, gt=0)
     #: ``predictive`` loads a missing context at the request's arrival when the node's

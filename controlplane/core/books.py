@@ -237,7 +237,7 @@ class TierBooks:
         if warm_up:
             assert prefetch and free_only
             self._stats.warmup_bytes += delta * self.bpt
-        elif prefetch and not self._budgets.within_waste_budget(delta * self.bpt):
+        elif prefetch and not self._budgets.within_waste_budget(delta * self.bpt, now_s):
             return None
         if self._budgets.shares is not None and not self._share_room(
                 sid, node, nbytes - old_bytes, now_s, min_key=min_key, prefetch=prefetch,

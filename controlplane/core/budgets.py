@@ -9,8 +9,12 @@ tenant's own sessions must go for the room, and the books evict them.
   read (used), evicted or cut unread, or cancelled (wasted), or is still unread, so keeping
   ``exposed + nbytes <= (1 + r) x used + allowance`` at every start keeps
   ``wasted <= r x used + allowance`` at all times, whatever the forecasts
-  (``r`` = ``planner.waste_per_used_byte``). Warm-ups of empty nodes are outside it (they
-  fill free room only) and widen the credit by their bytes.
+  (``r`` = ``planner.waste_per_used_byte``). The allowance refills: it grows by its own
+  size every ``planner.waste_window_s`` from the first prefetch the budget weighs, so a
+  credit spent on forecasts that were wrong comes back, and prefetch resumes once the
+  traffic changes, instead of staying off for good (the bound is then
+  ``wasted <= r x used + allowance x (1 + t / window)``). Warm-ups of empty nodes are
+  outside it (they fill free room only) and widen the credit by their bytes.
 * **Tenant shares** (:mod:`kvprefetch.controlplane.core.quotas`): a tenant's bytes in one
   node's books, and its prefetch rate on that node, stay within its quota.
 
@@ -37,19 +41,26 @@ class Budgets:
         self._planner = planner
         self._stats = stats
         self.shares = shares
+        #: When the budget first weighed a prefetch (the allowance refills from then).
+        self._since_s: float | None = None
 
-    def within_waste_budget(self, nbytes: int) -> bool:
-        """Whether a prefetch of ``nbytes`` more may start (module docstring): forecasts
-        that are right earn the budget they need; on traffic where they are wrong, prefetch
-        stops once the credit is spent and resumes only as prefetches already started are
-        read: a budget spent with none of them left unread stays spent until the scheduler
-        restarts. A refusal is counted (``prefetches_over_budget``)."""
+    def within_waste_budget(self, nbytes: int, now_s: float) -> bool:
+        """Whether a prefetch of ``nbytes`` more may start at ``now_s`` (module
+        docstring): forecasts that are right earn the budget they need; on traffic where
+        they are wrong, prefetch stops once the credit is spent and resumes as prefetches
+        already started are read, or as the allowance refills. A refusal is counted
+        (``prefetches_over_budget``)."""
         if not self._policy.waste_budget:
             return True
         st = self._stats
         planner = self._planner
+        if self._since_s is None:
+            self._since_s = now_s
+        windows = 1.0
+        if planner.waste_window_s > 0:
+            windows += max(0.0, now_s - self._since_s) / planner.waste_window_s
         credit = ((1.0 + planner.waste_per_used_byte) * st.prefetch_used_bytes
-                  + planner.waste_allowance_gib * GIB + st.warmup_bytes)
+                  + planner.waste_allowance_gib * GIB * windows + st.warmup_bytes)
         if st.prefetch_exposed_bytes + nbytes <= credit:
             return True
         st.prefetches_over_budget += 1

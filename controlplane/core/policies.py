@@ -77,8 +77,9 @@ class PolicySpec:
     #: Prefetch only within a waste budget: a prefetch starts only if, were all its bytes
     #: and those of every unread prefetch wasted, the wasted bytes would still not exceed
     #: the bytes prefetches brought that requests read, plus ``planner.waste_allowance_gib``
-    #: (see :mod:`kvprefetch.controlplane.core.budgets`). Off for ``perfect``, whose
-    #: forecasts are not guesses.
+    #: refilled every ``planner.waste_window_s`` (see
+    #: :mod:`kvprefetch.controlplane.core.budgets`). Off for ``perfect``, whose forecasts
+    #: are not guesses.
     waste_budget: bool = False
     #: The policy's own change to how the engine's HBM prefix cache keeps a finished
     #: session's KV, by name (:mod:`~kvprefetch.controlplane.sim.peers.hbm_retention`); None =

@@ -27,7 +27,7 @@ from kvprefetch.controlplane.core.books import TierBooks
 from kvprefetch.controlplane.core.draft import StepDraft
 from kvprefetch.controlplane.core.forecasts import ForecastCache
 from kvprefetch.controlplane.core.planner import PrefetchOrder, TransferEstimate, plan_prefetch
-from kvprefetch.controlplane.core.policies import PolicySpec
+from kvprefetch.controlplane.core.policies import LoadStart, PolicySpec
 from kvprefetch.controlplane.core.sessions import Sessions, SessionState
 from kvprefetch.controlplane.core.stats import CoreStats
 from kvprefetch.controlplane.core.step import LoadTicket
@@ -137,6 +137,9 @@ class Prefetcher:
         s.pending = None
         if self._books.local_tokens(order.node, sid) >= order.tokens:
             return
+        if self._queue_hides(sid, order, now_s):
+            self._stats.prefetches_hidden_by_queue += 1
+            return
         use = max(now_s, forecast.arrival_at(0.5) if forecast else order.predicted_use_s)
         admission = self._admission(sid, order, forecast, use, now_s)
         if admission is None:
@@ -153,6 +156,18 @@ class Prefetcher:
         if bucket is not None:
             self.bets.took(sid, bucket)
         self.start_load(s, ticket, use)
+
+    def _queue_hides(self, sid: str, order: PrefetchOrder, now_s: float) -> bool:
+        """Whether the node's queue would hide the load the prefetch saves: where a
+        request's load starts while it waits (``LoadStart.ADAPTIVE``) and the node's
+        queue wait now is at least the load's time to last byte, the request would find
+        its KV loaded when the GPU picks it up without a prefetch, and a prefetch would
+        only take room from the residents."""
+        if self._policy.load_start is not LoadStart.ADAPTIVE:
+            return False
+        s_per_byte, latency = self._view.remote_source(sid)
+        ttlb_s = latency + order.nbytes * s_per_byte
+        return self._view.queue_wait_s(order.node, now_s) >= ttlb_s
 
     def _admission(self, sid: str, order: PrefetchOrder, forecast: ArrivalForecast | None,
                    use_s: float, now_s: float) -> tuple[bool, float, Bucket | None] | None:

@@ -20,6 +20,8 @@ __all__ = ["CoreStats", "summed"]
 class CoreStats:
     prefetches: int = 0
     prefetches_dropped: int = 0
+    #: Prefetches not started because the node's queue would hide the load they save.
+    prefetches_hidden_by_queue: int = 0
     #: Prefetched bytes evicted or overwritten before any request read them.
     wasted_bytes: int = 0
     #: Prefetched bytes a request read.

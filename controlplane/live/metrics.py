@@ -207,8 +207,9 @@ class PrometheusMetrics:
                                   value=g.useful_bytes)
         yield CounterMetricFamily(
             "kvprefetch_prefetches_over_budget",
-            "Prefetches the waste budget refused (planner.waste_allowance_gib): once it "
-            "grows with nothing prefetched left unread, prefetch is off until a restart",
+            "Prefetches the waste budget refused (planner.waste_allowance_gib): prefetch "
+            "resumes as prefetched bytes are read or the allowance refills "
+            "(planner.waste_window_s)",
             value=g.over_budget)
         bets = CounterMetricFamily(
             "kvprefetch_displacement_bets",

@@ -26,6 +26,7 @@ def driver_summary(driver: LiveDriver) -> dict[str, Any]:
         "demand_model_bytes": s.demand_model_bytes,
         "prefetches": core.stats.prefetches,
         "prefetches_dropped": core.stats.prefetches_dropped,
+        "prefetches_hidden_by_queue": core.stats.prefetches_hidden_by_queue,
         "wasted_bytes_modelled": core.stats.wasted_bytes,
         "prefetch_used_bytes_modelled": core.stats.prefetch_used_bytes,
         "prefetches_over_budget": core.stats.prefetches_over_budget,

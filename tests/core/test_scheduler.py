@@ -169,7 +169,8 @@ def test_a_node_that_restarts_empty_is_warmed_with_its_sessions_within_its_free_
     warmed = sum(ticket.nbytes for ticket in out.loads)
     assert core.stats.warmup_bytes == warmed and core.stats.prefetches_over_budget == 0
     # The credit grows by what was warmed, not more: a prefetch beyond it is refused.
-    assert core._budgets.within_waste_budget(0) and not core._budgets.within_waste_budget(1)
+    budgets = core._budgets
+    assert budgets.within_waste_budget(0, 0.0) and not budgets.within_waste_budget(1, 0.0)
 
 
 def test_behind_a_long_queue_predictive_loads_a_few_ttlbs_before_the_gpu_start() -> None:
@@ -288,19 +289,20 @@ class _SetForecasts:
 
 
 def _hinted_prefetch_over(b_gap_s: float, confidence: float, *,
-                          waste_allowance_gib: float = 32.0, record: BetRecord | None = None
-                          ) -> tuple[StepOutput, SchedulerCore]:
+                          waste_allowance_gib: float = 32.0, record: BetRecord | None = None,
+                          view: FakeFleet | None = None) -> tuple[StepOutput, SchedulerCore]:
     """c is evicted from node 0 (full with a and b), then a hint makes its forecast
     (arrival q10 / q50 / q90 at 26 / 31 / 61 s; q75 at 49.75 s, linear between the knots)
     with ``confidence``; a is next used at 40 s, b ``b_gap_s`` after its finish at 21 s.
-    Every bucket of the forecasts' bets starts with ``record`` (default: 20 won, 0 lost).
-    The output of starting c's prefetch."""
+    Every bucket of the forecasts' bets starts with ``record`` (default: 20 won, 0 lost);
+    ``view``: the fleet's queues and links (default idle). The output of starting c's
+    prefetch."""
     pred = _SetForecasts()
     policy = replace(POLICIES["predictive"], suffix_eviction=False)
     fleet = two_node_fleet()
     fleet = fleet.model_copy(update={"planner": fleet.planner.model_copy(  # type: ignore[attr-defined]
         update={"waste_allowance_gib": waste_allowance_gib})})
-    core = SchedulerCore(fleet, policy, pred, FakeFleet())  # type: ignore[arg-type]
+    core = SchedulerCore(fleet, policy, pred, view or FakeFleet())  # type: ignore[arg-type]
     pred.laws["c"] = ((1e4, 2e4, 3e4), 0.5)
     pred.laws["a"] = ((29.0, 29.0, 29.0), 0.5)
     pred.laws["b"] = ((b_gap_s,) * 3, 0.5)
@@ -334,6 +336,17 @@ def test_a_sharp_prefetch_displaces_only_residents_due_after_a_late_quantile_of_
     # room, whatever the residents' keys.
     out, core = _hinted_prefetch_over(500.0, 0.9, record=BetRecord(wins=20, losses=20))
     assert out.loads == () and out.evictions == () and core.dram[0].get("b") is not None
+
+
+def test_no_prefetch_starts_where_the_queue_would_hide_the_load_it_saves() -> None:
+    # c's 4.88 GiB come from a 5 GB/s store in about 1.05 s: behind a 2 s queue its
+    # request's own load would be done when the GPU picks it up; behind 0.5 s it would not.
+    out, core = _hinted_prefetch_over(500.0, 0.9, view=_QueuedFleet(2.0))
+    assert out.loads == () and out.evictions == ()
+    assert core.stats.prefetches_hidden_by_queue == 1 and core.dram[0].get("b") is not None
+    out, core = _hinted_prefetch_over(500.0, 0.9, view=_QueuedFleet(0.5))
+    assert [t.session_id for t in out.loads] == ["c"]
+    assert core.stats.prefetches_hidden_by_queue == 0
 
 
 def test_a_prefetch_that_would_displace_places_a_bet_that_the_first_arrival_settles() -> None:

@@ -34,7 +34,9 @@ ALLOWANCE_GIB = PlannerConfig().waste_allowance_gib
 
 def _fleet(nodes: int, dram_gib: int, allowance_gib: float = ALLOWANCE_GIB) -> FleetConfig:
     return fleet_from_dict({"nodes": nodes, "node": {"dram_tier_bytes": dram_gib * GIB},
-                            "planner": {"waste_allowance_gib": allowance_gib}})
+                            "planner": {"waste_allowance_gib": allowance_gib,
+                                        # the fixed credit: no refill over the replay
+                                        "waste_window_s": 0.0}})
 
 
 def _bytes(policy: PolicySpec, fleet: FleetConfig, load: float, seed: int, sigma: float,
