@@ -123,7 +123,7 @@ def validate(args: argparse.Namespace) -> None:
         raise ConfigError("--load-cost-ratio must be > 0")
     if args.link_mib_s is not None and args.link_mib_s <= 0:
         raise ConfigError("--link-mib-s must be > 0")
-    if args.backend != "local":
+    if "backend" in (getattr(args, "explicit", None) or ()):
         raise ConfigError("--backend is the emulated engine's; --engine vllm always runs "
                           "LMCache (lmcache-mp)")
     from kvprefetch.agents.vllm.check_install import problems
