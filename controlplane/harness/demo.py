@@ -277,7 +277,7 @@ def _start_lmcache(args: argparse.Namespace, fleet: Any, remote: Any, tier_bytes
                    link_mib_s: float | None, stack: contextlib.ExitStack) -> list[Any]:
     """One real ``lmcache server`` per node: L1 the size of the agents' own tier, L2 our
     adapter over the run's Valkey + S3 (its loads at the node's link rate)."""
-    from kvprefetch.agents.lmcache.l2_adapter import plugin_adapter_json
+    from kvprefetch.agents.lmcache.l2.adapter import plugin_adapter_json
     from kvprefetch.agents.lmcache.server import LMCacheServer
 
     adapter = plugin_adapter_json(valkey=remote.valkey, s3=remote.s3, tiered=remote.tiered,

@@ -422,7 +422,7 @@ def _start_nodes(args: argparse.Namespace, stack: contextlib.ExitStack, remote: 
                  model: Path, nodes: CpuNodes, rate_mib_s: float) -> list[EngineNode]:
     """Per node an LMCache server (L2: our adapter, loads at the link rate), then the vLLM
     servers side by side (their start-up, torch compile included, is most of the wait)."""
-    from kvprefetch.agents.lmcache.l2_adapter import plugin_adapter_json
+    from kvprefetch.agents.lmcache.l2.adapter import plugin_adapter_json
     from kvprefetch.agents.lmcache.server import LMCacheServer
     from kvprefetch.agents.lmcache.warm import LMCacheWarmClient
     from kvprefetch.agents.vllm.server import VLLMServer
