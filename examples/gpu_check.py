@@ -109,7 +109,7 @@ def run_vllm(args: argparse.Namespace) -> int:
     from kvprefetch.agents.agent import AgentConfig, PrefetchAgent, RemoteStoreConfig
     from kvprefetch.agents.backends.lmcache.warmer import LMCacheBackendConfig
     from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey
-    from kvprefetch.agents.lmcache.l2_adapter import plugin_adapter_json
+    from kvprefetch.agents.lmcache.l2.adapter import plugin_adapter_json
     from kvprefetch.agents.lmcache.server import LMCacheServer
     from kvprefetch.agents.lmcache.warm import LMCacheWarmClient
 

@@ -20,7 +20,7 @@ LMCACHE_HTTP_PORT=${LMCACHE_HTTP_PORT:-6556}
 PY=${PYTHON:-python3}
 ADAPTER=$("$PY" - <<'PYEOF'
 import json, os
-from kvprefetch.agents.lmcache.l2_adapter import plugin_adapter_json
+from kvprefetch.agents.lmcache.l2.adapter import plugin_adapter_json
 s3 = {"bucket": os.environ["S3_BUCKET"], "region": os.environ.get("S3_REGION", "us-east-1")}
 if os.environ.get("S3_ENDPOINT"):
     s3["endpoint_url"] = os.environ["S3_ENDPOINT"]

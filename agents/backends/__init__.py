@@ -18,18 +18,22 @@ contract). Importing this package imports no backend: the registry loads one by 
 from kvprefetch.agents.backends.base import BackendContext, NodeBackend, OrderGuard
 from kvprefetch.agents.backends.registry import (
     BACKENDS,
+    DEFAULT_BACKEND,
     BackendName,
     BackendSpec,
+    NodeServer,
     backend_spec,
     require_settings,
 )
 
 __all__ = [
     "BACKENDS",
+    "DEFAULT_BACKEND",
     "BackendContext",
     "BackendName",
     "BackendSpec",
     "NodeBackend",
+    "NodeServer",
     "OrderGuard",
     "backend_spec",
     "require_settings",

@@ -4,7 +4,7 @@ client and the subscriber to the server's KV events that the ``lmcache-mp`` node
 client.
 
 Importing this package does not import LMCache (nor torch): the clients import it when
-they connect. The L2 adapter (:mod:`kvprefetch.agents.lmcache.l2_adapter`, loaded by
+they connect. The L2 adapter (:mod:`kvprefetch.agents.lmcache.l2.adapter`, loaded by
 ``lmcache server`` itself) subclasses LMCache and is imported by name only (as is the
 benchmark that drives it, :mod:`kvprefetch.controlplane.harness.lmcache_bench`).
 """

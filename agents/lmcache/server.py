@@ -7,7 +7,7 @@ benchmark and ``kvprefetch demo --backend lmcache-mp`` use; on a GPU node the sa
 line is started by ``examples/gpu_check.sh`` next to vLLM.
 
 The L2 adapter is given as LMCache's own JSON (``{"type": "valkey", ...}`` or our plugin,
-see :func:`kvprefetch.agents.lmcache.l2_adapter.plugin_adapter_json`). Constructors do no I/O.
+see :func:`kvprefetch.agents.lmcache.l2.adapter.plugin_adapter_json`). Constructors do no I/O.
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "OpenAI-compatible gateway (needs make setup-vllm; see below)")
     p.add_argument("--nodes", type=int, default=2, help="emulated GPU nodes (default 2)")
     p.add_argument("--backend", choices=("local", "lmcache-mp"), default="local",
+                   action=ExplicitStore,
                    help="node-local KV tier: 'local' = the agents' own DRAM tier; "
                         "'lmcache-mp' = a real LMCache MP server per node (L2: our adapter "
                         "over the same Valkey + S3), the engine emulators its engine-driven "

@@ -9,9 +9,10 @@ names, each with a short timeout:
 - S3: ``HeadBucket`` on the bucket, at the configured endpoint (AWS when none);
 - Ray: a TCP connect to a ``host:port`` or ``ray://host:port`` address (``auto`` and
   ``local`` name no address to probe and are skipped);
-- LMCache (``agent.backend: lmcache-mp``) on a local runtime, where this machine is the
-  node: a TCP connect to ``agent.lmcache.http_url`` (on a cluster each node's agent
-  checks its own server at start);
+- the node server of a backend that needs one (LMCache's, ``agent.backend: lmcache-mp``;
+  :attr:`~kvprefetch.agents.backends.registry.BackendSpec.server`) on a local runtime,
+  where this machine is the node: a TCP connect to its URL (``agent.lmcache.http_url``; on
+  a cluster each node's agent checks its own server at start);
 - the journal: ``service.journal_path``'s directory exists and is writable, or can be
   created (the scheduler runs on this machine).
 
@@ -33,9 +34,12 @@ import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvprefetch.controlplane.base.errors import KvPrefetchError
+
+if TYPE_CHECKING:
+    from kvprefetch.agents.backends.registry import BackendSpec
 
 #: The marker the example configs put where a deployment's own value goes.
 PLACEHOLDER = "REPLACE_ME"
@@ -137,6 +141,7 @@ def check_config(path: str | Path, address: str | None = None, *,
     ``ray.address``; ``embedded``: its one-machine profile, see :func:`~kvprefetch.
     controlplane.cli.serve_config.embedded_profile`). The config's own validation and its
     secrets come first; the probes run only on a config that validates."""
+    from kvprefetch.agents.backends.registry import backend_spec
     from kvprefetch.controlplane.cli.serve_config import (
         describe_auth,
         load_serve_config,
@@ -168,8 +173,11 @@ def check_config(path: str | Path, address: str | None = None, *,
                 findings.append(_probe("valkey", probe_valkey, cfg.stores.valkey))
             if cfg.stores.s3 is not None:
                 findings.append(_probe("s3", probe_s3, cfg.stores.s3))
-        if cfg.agent.backend == "lmcache-mp" and cfg.agent.lmcache is not None:
-            findings.append(_lmcache_finding(cfg.agent.lmcache.http_url, ray_address))
+        backend = backend_spec(cfg.agent.backend)
+        settings = backend.settings_of(cfg.agent)
+        if backend.server is not None and settings is not None:
+            findings.append(_server_finding(backend, backend.server.url_of(settings),
+                                            ray_address))
         journal = cfg.service.get("journal_path")
         if journal:
             findings.append(_journal_finding(Path(str(journal))))
@@ -205,25 +213,30 @@ def _embedded_programs() -> list[Finding]:
             if f.ok else f for f in found]
 
 
-def _lmcache_finding(http_url: str, ray_address: str) -> Finding:
-    """The node's LMCache server, probed where this machine is the node (``local``)."""
+def _server_finding(backend: BackendSpec, http_url: str, ray_address: str) -> Finding:
+    """The node server ``backend`` talks to (LMCache's), probed where this machine is the
+    node (``local``); the finding is named by the backend's config section."""
     from urllib.parse import urlsplit
 
+    from kvprefetch.agents.backends.registry import DEFAULT_BACKEND
+
+    assert backend.server is not None
+    server, what = backend.server, backend.section or backend.name
     if ray_address != "local" or "{node_ip}" in http_url:
-        return Finding(True, "lmcache", f"{http_url}: each node's agent checks its own "
-                                        "server at start")
+        return Finding(True, what, f"{http_url}: each node's agent checks its own "
+                                   "server at start")
     url = urlsplit(http_url)
     if url.hostname is None:
-        return Finding(False, "lmcache", f"agent.lmcache.http_url {http_url!r}: no host")
+        return Finding(False, what, f"agent.{what}.{server.url_field} {http_url!r}: no host")
     port = url.port or (443 if url.scheme == "https" else 80)
     try:
         probe_tcp(url.hostname, port)
     except OSError as exc:
         reason = exc.strerror or type(exc).__name__
-        return Finding(False, "lmcache", f"no LMCache server at {http_url} ({reason}): start "
-                                         "it (lmcache server --http-port ...), or use "
-                                         "agent.backend: local (serve --embedded does)")
-    return Finding(True, "lmcache", f"{http_url} accepts a connection")
+        return Finding(False, what, f"no {server.what} server at {http_url} ({reason}): "
+                                    f"start it ({server.start}), or use agent.backend: "
+                                    f"{DEFAULT_BACKEND} (serve --embedded does)")
+    return Finding(True, what, f"{http_url} accepts a connection")
 
 
 def _journal_finding(path: Path) -> Finding:

@@ -13,7 +13,12 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, m
 
 from kvprefetch.agents.agent import RemoteStoreConfig
 from kvprefetch.agents.backends.lmcache.warmer import LMCacheBackendConfig
-from kvprefetch.agents.backends.registry import BackendName, backend_spec
+from kvprefetch.agents.backends.registry import (
+    BACKENDS,
+    DEFAULT_BACKEND,
+    BackendName,
+    backend_spec,
+)
 from kvprefetch.agents.backends.sglang.warmer import SGLangWarmConfig
 from kvprefetch.agents.stores.local import LocalTierConfig
 from kvprefetch.agents.transfer import TransferConfig
@@ -76,7 +81,7 @@ class AgentSettings(_Section):
     #: node's LMCache MP server's L1 (``lmcache``: the server as every node runs it);
     #: ``sglang`` = the tier below, filled with SGLang's page objects, which the node's
     #: SGLang reads first through our HiCache backend (``sglang``: how it names pages).
-    backend: BackendName = "local"
+    backend: BackendName = DEFAULT_BACKEND
     lmcache: LMCacheBackendConfig | None = None
     sglang: SGLangWarmConfig | None = None
     #: The node-local DRAM tier of each agent (``{node}``: the node's number, so that
@@ -316,13 +321,14 @@ class ServeConfig(_Section):
         profile = ENGINES[self.engine]
         ranking = profile.offers(Mechanism.DRAM_RANKING)
         own_tier = (Mechanism.DRAM_RANKING, Mechanism.TRIMS)
-        if any(profile.offers(m) for m in own_tier) and self.agent.backend == "lmcache-mp":
+        backend = backend_spec(self.agent.backend)
+        if any(profile.offers(m) for m in own_tier) and not backend.needs_tier:
             raise ValueError(f"engine {self.engine}: its DRAM ranking and trims are carried "
-                             "out by the agent's own tier; agent.backend lmcache-mp has none "
-                             "(use backend local, or engine vllm-lmcache)")
-        if self.engine == "sglang-hicache" and self.agent.backend == "lmcache-mp":
-            raise ValueError("engine sglang-hicache: SGLang's nodes warm through "
-                             "agent.backend sglang, not lmcache-mp")
+                             f"out by the agent's own tier; agent.backend {backend.name} has "
+                             "none (use backend local, or engine vllm-lmcache)")
+        refused = backend.refused_engines.get(self.engine)
+        if refused is not None:
+            raise ValueError(f"engine {self.engine}: {refused}")
         if self.agent.tier_eviction == "predicted" and not ranking:
             raise ValueError(f"agent.tier_eviction: predicted ranks the tier by the "
                              f"scheduler's forecasts, which engine {self.engine} does not "
@@ -336,19 +342,15 @@ class ServeConfig(_Section):
         """What each mechanism the engine profile grants is carried out by on the
         nodes of this deployment (mechanism -> the setting or API)."""
         live = {
-            Mechanism.DEMOTE_ON_EVICT: "lmcache.mp.lazy_offload in vLLM's connector config "
-            "(vllm_connector)" if self.agent.backend == "lmcache-mp" else
+            Mechanism.DEMOTE_ON_EVICT.value:
             "the engine's write-back of evicted KV (SGLang --hicache-write-policy write_back)",
-            Mechanism.ASYNC_LOAD: "the engine's connector loads asynchronously",
-            Mechanism.QUEUED_LOAD: "lmcache.mp.eager_prefetch in vLLM's connector config "
-            "(vllm_connector)" if self.agent.backend == "lmcache-mp" else
-            "the scheduler's demand order at routing",
-            Mechanism.EVICT_ADVICE: "the agent's evict advice to "
-            + ("LMCache's L1" if self.agent.backend == "lmcache-mp" else "its own tier"),
-            Mechanism.DRAM_RANKING: f"agent.tier_eviction: {self.agent.tier_eviction}",
-            Mechanism.TRIMS: "the agent's trim advice to its own tier",
-        }
-        return {m.value: live[m] for m in ENGINES[self.engine].mechanisms}
+            Mechanism.ASYNC_LOAD.value: "the engine's connector loads asynchronously",
+            Mechanism.QUEUED_LOAD.value: "the scheduler's demand order at routing",
+            Mechanism.EVICT_ADVICE.value: "the agent's evict advice to its own tier",
+            Mechanism.DRAM_RANKING.value: f"agent.tier_eviction: {self.agent.tier_eviction}",
+            Mechanism.TRIMS.value: "the agent's trim advice to its own tier",
+        } | dict(backend_spec(self.agent.backend).carried_by)
+        return {m.value: live[m.value] for m in ENGINES[self.engine].mechanisms}
 
     def vllm_connector(self, lmcache_host: str, lmcache_port: int) -> dict[str, Any]:
         """vLLM's ``--kv-transfer-config`` for a node of this deployment: the LMCache MP
@@ -449,8 +451,9 @@ def embedded_profile(raw: dict[str, Any], config_dir: Path) -> dict[str, Any]:
     """The one-machine profile of a config document (``kvprefetch serve --embedded``):
     the stores are the Valkey and S3 servers serve starts here (the file's ``stores``
     section is ignored but for ``tiered``), Ray is a local one-node runtime, an agent
-    with the ``lmcache-mp`` backend gets its own local tier instead (``agent.
-    tier_capacity_bytes``, default :data:`EMBEDDED_TIER_BYTES`), and the journal, when
+    whose backend needs a node server (``lmcache-mp``: serve starts none) gets the default
+    backend's local tier instead (``agent.tier_capacity_bytes``, default
+    :data:`EMBEDDED_TIER_BYTES`), and the journal, when
     the file names one, is ``journal.jsonl`` in ``config_dir``. Everything else (tokens,
     tenants, policy, fleet, http) is the file's."""
     doc = dict(raw)
@@ -461,9 +464,11 @@ def embedded_profile(raw: dict[str, Any], config_dir: Path) -> dict[str, Any]:
     ray = dict(doc["ray"]) if isinstance(doc.get("ray"), dict) else {}
     doc["ray"] = {**ray, "address": "local"}
     agent = dict(doc["agent"]) if isinstance(doc.get("agent"), dict) else {}
-    if agent.get("backend", "local") == "lmcache-mp":
-        agent["backend"] = "local"
-        agent.pop("lmcache", None)
+    spec = BACKENDS.get(str(agent.get("backend", DEFAULT_BACKEND)))
+    if spec is not None and spec.server is not None:
+        agent["backend"] = DEFAULT_BACKEND
+        if spec.section is not None:
+            agent.pop(spec.section, None)
     agent.setdefault("tier_capacity_bytes", EMBEDDED_TIER_BYTES)
     doc["agent"] = agent
     service = doc.get("service")

@@ -193,6 +193,7 @@ def _run_policy(args: argparse.Namespace, fleet: Any, policy: str, st: SeedTrace
     from tqdm import tqdm
 
     from kvprefetch.agents.agent import AgentConfig, RemoteStoreConfig
+    from kvprefetch.agents.backends.registry import backend_spec
     from kvprefetch.agents.engine_emulator import EngineConfig, ServeRequest, ServeResult
     from kvprefetch.agents.stores.local import LocalTierConfig
     from kvprefetch.agents.stores.tiered import TieredStoreConfig
@@ -218,10 +219,11 @@ def _run_policy(args: argparse.Namespace, fleet: Any, policy: str, st: SeedTrace
     # without it the loopback moves a scaled KV object in a fraction of the modelled time.
     transfer = (TransferConfig(bandwidth_limit_mib_s=link_mib_s, burst_bytes=16 * 1024)
                 if link_mib_s is not None else TransferConfig())
-    # Fresh LMCache servers per run (their L1 must not carry over from the last run).
+    # Fresh node servers (LMCache's) per run, for a backend that needs one: their L1 must
+    # not carry over from the last run.
     stack = contextlib.ExitStack()
     servers = (_start_lmcache(args, fleet, remote, tier_bytes, link_mib_s, stack)
-               if args.backend == "lmcache-mp" else [])
+               if backend_spec(args.backend).server is not None else [])
     agents, engines = [], []
     for i, d in enumerate(dirs):
         kv = {"dram": LocalTierConfig(path=str(d), capacity_bytes=tier_bytes)}
@@ -275,7 +277,7 @@ def _start_lmcache(args: argparse.Namespace, fleet: Any, remote: Any, tier_bytes
                    link_mib_s: float | None, stack: contextlib.ExitStack) -> list[Any]:
     """One real ``lmcache server`` per node: L1 the size of the agents' own tier, L2 our
     adapter over the run's Valkey + S3 (its loads at the node's link rate)."""
-    from kvprefetch.agents.lmcache.l2_adapter import plugin_adapter_json
+    from kvprefetch.agents.lmcache.l2.adapter import plugin_adapter_json
     from kvprefetch.agents.lmcache.server import LMCacheServer
 
     adapter = plugin_adapter_json(valkey=remote.valkey, s3=remote.s3, tiered=remote.tiered,

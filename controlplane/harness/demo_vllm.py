@@ -123,7 +123,7 @@ def validate(args: argparse.Namespace) -> None:
         raise ConfigError("--load-cost-ratio must be > 0")
     if args.link_mib_s is not None and args.link_mib_s <= 0:
         raise ConfigError("--link-mib-s must be > 0")
-    if args.backend != "local":
+    if "backend" in (getattr(args, "explicit", None) or ()):
         raise ConfigError("--backend is the emulated engine's; --engine vllm always runs "
                           "LMCache (lmcache-mp)")
     from kvprefetch.agents.vllm.check_install import problems
@@ -422,7 +422,7 @@ def _start_nodes(args: argparse.Namespace, stack: contextlib.ExitStack, remote: 
                  model: Path, nodes: CpuNodes, rate_mib_s: float) -> list[EngineNode]:
     """Per node an LMCache server (L2: our adapter, loads at the link rate), then the vLLM
     servers side by side (their start-up, torch compile included, is most of the wait)."""
-    from kvprefetch.agents.lmcache.l2_adapter import plugin_adapter_json
+    from kvprefetch.agents.lmcache.l2.adapter import plugin_adapter_json
     from kvprefetch.agents.lmcache.server import LMCacheServer
     from kvprefetch.agents.lmcache.warm import LMCacheWarmClient
     from kvprefetch.agents.vllm.server import VLLMServer

@@ -2,7 +2,7 @@
 adapters, each measured by LMCache's benchmark (``lmcache bench l2 --no-skip-verify``) with
 the same sizes, against the same real servers on loopback.
 
-* ``kvprefetch``: :class:`~kvprefetch.agents.lmcache.l2_adapter.KvPrefetchL2Adapter` over Valkey in
+* ``kvprefetch``: :class:`~kvprefetch.agents.lmcache.l2.adapter.KvPrefetchL2Adapter` over Valkey in
   front of S3 (write-back by default: a store returns once Valkey holds the chunk and the
   upload journal names it, S3 follows in the background; ``--write-mode write-through``
   waits for S3 too; loads come from Valkey, received straight into LMCache's memory
@@ -124,7 +124,7 @@ def adapter_specs(adapter: AdapterName, valkey: EmbeddedValkey, s3: _VirtualHost
                   write_mode: str = "write-back") -> dict[str, Any]:
     """The ``--l2-adapter`` JSON of one adapter against the bench's servers."""
     if adapter == "kvprefetch":
-        from kvprefetch.agents.lmcache.l2_adapter import plugin_adapter_json
+        from kvprefetch.agents.lmcache.l2.adapter import plugin_adapter_json
 
         return plugin_adapter_json(
             valkey=valkey.store_config(key_prefix=OUR_VALKEY_PREFIX),
@@ -134,7 +134,7 @@ def adapter_specs(adapter: AdapterName, valkey: EmbeddedValkey, s3: _VirtualHost
             write_back={"close_drain_s": 0},
         )
     if adapter == "kvprefetch-valkey":
-        from kvprefetch.agents.lmcache.l2_adapter import plugin_adapter_json
+        from kvprefetch.agents.lmcache.l2.adapter import plugin_adapter_json
 
         return plugin_adapter_json(valkey=valkey.store_config(key_prefix="kvpv:"))
     if adapter == "lmcache-valkey":
@@ -222,7 +222,7 @@ def drain_and_verify_from_s3(spec: dict[str, Any], valkey: EmbeddedValkey,
     import valkey as valkey_py
     from lmcache.cli.commands.bench.l2_adapter_bench.data import make_object_keys
 
-    from kvprefetch.agents.lmcache.l2_adapter import KvPrefetchL2Adapter, object_key_name
+    from kvprefetch.agents.lmcache.l2.adapter import KvPrefetchL2Adapter, object_key_name
     from kvprefetch.agents.stores.s3.store import S3Store
     from kvprefetch.agents.stores.write_back import journal_backlog
 

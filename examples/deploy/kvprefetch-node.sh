@@ -188,7 +188,7 @@ EOF
 l2_adapter_json() {
   "$PY" - "$SERVE_CONFIG" <<'EOF'
 import json, sys, yaml
-from kvprefetch.agents.lmcache.l2_adapter import plugin_adapter_json
+from kvprefetch.agents.lmcache.l2.adapter import plugin_adapter_json
 stores = yaml.safe_load(open(sys.argv[1]))["stores"]
 for tier, secret in (("valkey", "password"), ("s3", "secret_access_key")):
     if (stores.get(tier) or {}).get(secret):

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from kvprefetch.agents.agent import AgentConfig, PrefetchAgent, RemoteStoreConfig
 from kvprefetch.agents.backends import (
     BACKENDS,
+    DEFAULT_BACKEND,
     BackendContext,
     BackendName,
     backend_spec,
@@ -84,6 +85,19 @@ def test_the_registry_entries_say_what_callers_branch_on() -> None:
     assert not backend_spec("lmcache-mp").needs_tier
     assert backend_spec("lmcache-mp").engine_stores_through_server
     assert not backend_spec("local").engine_stores_through_server
+    assert [n for n, spec in BACKENDS.items() if spec.server is not None] == ["lmcache-mp"]
+    assert backend_spec(DEFAULT_BACKEND).needs_tier and backend_spec(DEFAULT_BACKEND).server is None
+    assert "sglang-hicache" in backend_spec("lmcache-mp").refused_engines
+    assert not backend_spec("sglang").refused_engines
+
+
+def test_a_node_server_reads_its_url_from_the_backend_settings() -> None:
+    from kvprefetch.agents.backends.lmcache.warmer import LMCacheBackendConfig
+
+    server = backend_spec("lmcache-mp").server
+    assert server is not None
+    settings = LMCacheBackendConfig(http_url="http://10.0.0.9:6556", model_name="m")
+    assert server.url_of(settings) == "http://10.0.0.9:6556"
 
 
 # ------------------------------------------------------------------ no name branches
@@ -106,11 +120,16 @@ def _name_branches(path: Path, root: Path = ROOT) -> list[str]:
     return found
 
 
-#: Where no code may branch on a backend's name: the agents and the service's layers. The
-#: command line's deployment config and the harnesses, which pick what to start and what to
-#: print per backend, are not checked here.
-NO_NAME_BRANCHES = ("agents", "controlplane/base", "controlplane/core", "controlplane/live",
-                    "controlplane/sim", "controlplane/traces")
+#: Where no code may branch on a backend's name: every package of the product, the command
+#: line's deployment config and check and the harnesses included (they ask the registry's
+#: entry what to start, probe and print).
+NO_NAME_BRANCHES = ("agents", "controlplane", "predictors")
+
+
+def test_the_scanned_folders_cover_every_layer() -> None:
+    layers = {p.name for p in (ROOT / "controlplane").iterdir() if (p / "__init__.py").is_file()}
+    assert {"cli", "harness", "live", "core"} <= layers
+    assert all((ROOT / folder).is_dir() for folder in NO_NAME_BRANCHES)
 
 
 def test_nothing_outside_the_registry_branches_on_a_backend_name() -> None:

@@ -11,6 +11,8 @@ import contextlib
 import json
 import os
 import select
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -27,7 +29,7 @@ from lmcache.v1.memory_management import (
 )
 
 from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey, free_port
-from kvprefetch.agents.lmcache.l2_adapter import (
+from kvprefetch.agents.lmcache.l2.adapter import (
     KvPrefetchL2Adapter,
     load_params,
     object_key_name,
@@ -404,6 +406,21 @@ def test_unreachable_single_tier_fails_at_construction() -> None:
         KvPrefetchL2Adapter({"valkey": {"port": free_port(), "connect_timeout_s": 0.3}})
 
 
+def test_the_l2_package_builds_the_plugin_json_without_importing_lmcache() -> None:
+    """The harness and the deployment tools build the plugin JSON from the package; only
+    the adapter that LMCache loads by its ``module_path`` imports LMCache."""
+    code = ("import sys\n"
+            "from kvprefetch.agents.lmcache.l2 import MODULE_PATH, plugin_adapter_json\n"
+            "spec = plugin_adapter_json(valkey={'host': '127.0.0.1', 'port': 6379})\n"
+            "assert spec['module_path'] == MODULE_PATH == 'kvprefetch.agents.lmcache.l2.adapter'\n"
+            "assert 'lmcache' not in sys.modules, 'lmcache imported'\n"
+            "import kvprefetch.agents.lmcache.l2.adapter as adapter\n"
+            "assert adapter.KvPrefetchL2Adapter.__name__ == spec['class_name']\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
 def test_plugin_json_loads_through_lmcaches_own_factory(
         valkey_server: EmbeddedValkey, s3_server: EmbeddedS3, key_prefix: str) -> None:
     from lmcache.v1.distributed.l2_adapters import create_l2_adapter
@@ -412,7 +429,7 @@ def test_plugin_json_loads_through_lmcaches_own_factory(
     spec = plugin_adapter_json(valkey=valkey_server.store_config(key_prefix="kvp:"),
                                s3=s3_server.store_config(key_prefix="kvp/"),
                                key_prefix=key_prefix, workers=2)
-    assert spec["module_path"] == "kvprefetch.agents.lmcache.l2_adapter"
+    assert spec["module_path"] == "kvprefetch.agents.lmcache.l2.adapter"
     assert spec["adapter_params"]["s3"]["secret_access_key"] == s3_server.secret_access_key
     assert spec["adapter_params"]["valkey"]["part_bytes"] == 1 * MIB  # the adapter's default
     text = json.dumps(spec)  # what users paste after --l2-adapter

@@ -24,7 +24,7 @@ from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey
 from kvprefetch.agents.lmcache.engine_kv import LMCacheEngineConfig, LMCacheEngineKV
 from kvprefetch.agents.lmcache.errors import LMCacheConfigMismatchError
 from kvprefetch.agents.lmcache.keys import LMCacheKeySettings, chunk_hashes
-from kvprefetch.agents.lmcache.l2_adapter import plugin_adapter_json
+from kvprefetch.agents.lmcache.l2.adapter import plugin_adapter_json
 from kvprefetch.agents.lmcache.server import LMCacheServer
 from kvprefetch.agents.lmcache.warm import LMCacheWarmClient, LookupHits
 from kvprefetch.controlplane.base.keys import position_keys, session_prefix, tenant_cache_salt

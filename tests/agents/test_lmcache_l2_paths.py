@@ -24,7 +24,7 @@ from test_lmcache_adapter import (
 )
 
 from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey
-from kvprefetch.agents.lmcache.l2_adapter import KvPrefetchL2Adapter
+from kvprefetch.agents.lmcache.l2.adapter import KvPrefetchL2Adapter
 from kvprefetch.agents.stores.write_back import journal_backlog
 
 pytestmark = pytest.mark.servers
@@ -316,7 +316,7 @@ def test_a_restart_requeues_pending_uploads_and_counts_the_lost(
 
 
 def _name_tail(key: Any) -> str:
-    from kvprefetch.agents.lmcache.l2_adapter import object_key_name
+    from kvprefetch.agents.lmcache.l2.adapter import object_key_name
 
     return object_key_name(key)
 

@@ -26,7 +26,7 @@ from kvprefetch.agents.lmcache.errors import (
     LMCacheNoLayoutError,
     LMCacheTimeoutError,
 )
-from kvprefetch.agents.lmcache.l2_adapter import plugin_adapter_json
+from kvprefetch.agents.lmcache.l2.adapter import plugin_adapter_json
 from kvprefetch.agents.lmcache.mp_client import KVLayout, LMCacheMPClient
 from kvprefetch.agents.lmcache.server import LMCacheServer
 from kvprefetch.agents.lmcache.warm import LMCacheWarmClient, LookupHits, object_keys

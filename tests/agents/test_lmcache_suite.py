@@ -31,7 +31,7 @@ from types import ModuleType
 import pytest
 
 from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey
-from kvprefetch.agents.lmcache.l2_adapter import plugin_adapter_json
+from kvprefetch.agents.lmcache.l2.adapter import plugin_adapter_json
 
 pytestmark = [pytest.mark.servers, pytest.mark.slow]
 

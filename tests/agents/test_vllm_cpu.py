@@ -129,7 +129,7 @@ def node(tmp_path_factory: pytest.TempPathFactory, valkey_server: EmbeddedValkey
     _require_vllm()
     from kvprefetch.agents.agent import AgentConfig, PrefetchAgent, RemoteStoreConfig
     from kvprefetch.agents.backends.lmcache.warmer import LMCacheBackendConfig
-    from kvprefetch.agents.lmcache.l2_adapter import plugin_adapter_json
+    from kvprefetch.agents.lmcache.l2.adapter import plugin_adapter_json
     from kvprefetch.agents.lmcache.server import LMCacheServer
     from kvprefetch.agents.lmcache.warm import LMCacheWarmClient
     from kvprefetch.agents.vllm.server import VLLMServer

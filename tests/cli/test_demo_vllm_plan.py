@@ -55,6 +55,7 @@ def test_without_vllm_the_demo_fails_at_once_and_says_what_to_run(
     (("--vllm-blocks", "8"), "--vllm-blocks must hold one full context"),
     (("--nodes", "9"), "--nodes must be 1..4"),
     (("--backend", "lmcache-mp"), "always runs LMCache"),
+    (("--backend", "local"), "always runs LMCache"),
 ])
 def test_bad_options_are_refused_before_anything_starts(
         flags: tuple[str, ...], message: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -15,11 +15,12 @@ from typing import Any
 import pytest
 import yaml
 
+from kvprefetch.agents.backends.registry import BACKENDS
 from kvprefetch.controlplane.base.errors import ConfigError
 from kvprefetch.controlplane.base.types import SessionKey
 from kvprefetch.controlplane.base.wire import HbmReport
 from kvprefetch.controlplane.cli.serve_config import ServeConfig, load_serve_config
-from kvprefetch.controlplane.core.engines import DEFAULT_ENGINE
+from kvprefetch.controlplane.core.engines import DEFAULT_ENGINE, ENGINES, Mechanism
 from kvprefetch.controlplane.core.policies import EvictionKind
 from kvprefetch.controlplane.live.connect import connect
 from kvprefetch.controlplane.live.service import SchedulerService
@@ -128,6 +129,20 @@ def test_the_mechanisms_each_engine_grants_are_named_with_what_carries_them_out(
     assert "lazy_offload" in lazy["demote-on-evict"] and "L1" in lazy["evict-advice"]
     local = _load(tmp_path, engine="local").engine_mechanisms()
     assert local["dram-ranking"] == "agent.tier_eviction: predicted" and "trims" in local
+    own_tier = _load(tmp_path).engine_mechanisms()
+    assert own_tier["evict-advice"] == "the agent's evict advice to its own tier"
+    assert own_tier["queued-load"] == "the scheduler's demand order at routing"
+    lmcache = _load(tmp_path, agent=LMCACHE).engine_mechanisms()
+    assert "eager_prefetch" in lmcache["queued-load"] and "L1" in lmcache["evict-advice"]
+
+
+def test_the_backend_registry_names_only_known_mechanisms_and_engines() -> None:
+    """What serve's config reads from a backend's registry entry (the mechanisms it carries
+    out its own way, the engine profiles it refuses) names real mechanisms and profiles."""
+    known = {m.value for m in Mechanism}
+    for name, spec in BACKENDS.items():
+        assert set(spec.carried_by) <= known, name
+        assert set(spec.refused_engines) <= set(ENGINES), name
 
 
 def test_agent_vllm_reaches_each_agent_with_its_node_address(tmp_path: Path) -> None:

@@ -44,7 +44,7 @@ from lmcache.v1.distributed.l2_adapters.mock_l2_adapter import MockL2AdapterConf
 from lmcache.v1.distributed.l2_adapters.plugin_l2_adapter import PluginL2AdapterConfig
 from lmcache.v1.distributed.l2_adapters.valkey_l2_adapter import ValkeyL2AdapterConfig
 
-from kvprefetch.agents.lmcache.l2_adapter import KvPrefetchL2Adapter
+from kvprefetch.agents.lmcache.l2.adapter import KvPrefetchL2Adapter
 
 PARAMS_ENV = "KVP_SUITE_ADAPTER_PARAMS"
 

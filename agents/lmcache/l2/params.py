@@ -26,7 +26,7 @@ from kvprefetch.agents.stores.write_back import WriteBackConfig
 
 MIB: Final = 1 << 20
 GIB: Final = 1 << 30
-MODULE_PATH: Final = "kvprefetch.agents.lmcache.l2_adapter"
+MODULE_PATH: Final = "kvprefetch.agents.lmcache.l2.adapter"
 CLASS_NAME: Final = "KvPrefetchL2Adapter"
 #: Valkey stripe size for LMCache chunks unless the ``valkey`` section sets ``part_bytes``.
 #: A chunk larger than one stripe is fetched straight into the memory object, stripes in

@@ -1,7 +1,7 @@
 """The tiers behind the L2 adapter and what each LMCache operation does to them: stores
 (write-back or through), lookups (the in-memory index, then Valkey), loads (batched gets
 straight into LMCache's memory objects), deletes, and the index's reconciliation with full
-listings of the tiers. Knows nothing of LMCache's task protocol (:mod:`.l2_tasks`)."""
+listings of the tiers. Knows nothing of LMCache's task protocol (:mod:`.tasks`)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from dataclasses import asdict
 from typing import Any, Literal
 
 from kvprefetch.agents.lmcache.key_index import KeyIndex
-from kvprefetch.agents.lmcache.l2_listing import listed_names
-from kvprefetch.agents.lmcache.l2_params import MIB, KvPrefetchL2Params
+from kvprefetch.agents.lmcache.l2.listing import listed_names
+from kvprefetch.agents.lmcache.l2.params import MIB, KvPrefetchL2Params
 from kvprefetch.agents.stores.base import Buffer, GetResult, ObjectStore, OpResult, PayloadWriter
 from kvprefetch.agents.stores.errors import StoreError, TierFullError
 from kvprefetch.agents.stores.format import ObjectHeader

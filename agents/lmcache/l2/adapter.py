@@ -2,7 +2,7 @@
 
 LMCache's multiprocess server (and ``lmcache bench l2``) loads it from JSON::
 
-    {"type": "plugin", "module_path": "kvprefetch.agents.lmcache.l2_adapter",
+    {"type": "plugin", "module_path": "kvprefetch.agents.lmcache.l2.adapter",
      "class_name": "KvPrefetchL2Adapter",
      "adapter_params": {"valkey": {"host": "10.0.0.5", "port": 6379},
                         "s3": {"bucket": "kv", "endpoint_url": "http://10.0.0.6:8333",
@@ -21,9 +21,9 @@ distinct fds, polled by the controllers); ``pop_completed_store_tasks`` answers 
 ``query_*_result`` answers once per task with a bitmap (bit i = key i hit / loaded).
 
 Here every submitted task runs on one of ``workers`` threads (lookups on their own thread,
-so they never queue behind loads and stores: :mod:`~kvprefetch.agents.lmcache.l2_tasks`)
+so they never queue behind loads and stores: :mod:`~kvprefetch.agents.lmcache.l2.tasks`)
 and calls the batched store once for all of its keys; the store answers per key
-(:mod:`~kvprefetch.agents.lmcache.l2_stores`).
+(:mod:`~kvprefetch.agents.lmcache.l2.stores`).
 
 Lookups (before every request's prefill) are answered from memory: a :class:`KeyIndex` of
 what the tiers hold, kept on store, load and delete and reconciled with full listings of
@@ -48,9 +48,9 @@ Object names: an :class:`ObjectKey` becomes ``<key_prefix><model>@<kv_rank:08x>@
 <chunk hash hex>[@<cache salt>]`` -- the field layout LMCache's own remote adapters use, so
 names read the same everywhere -- stored in Valkey under the Valkey section's prefix and in
 S3 under the S3 section's. The prefix keeps our objects listable (``GET /cache/objects``,
-:meth:`KvPrefetchL2Adapter.list_l2_keys`, :mod:`~kvprefetch.agents.lmcache.l2_listing`) and
+:meth:`KvPrefetchL2Adapter.list_l2_keys`, :mod:`~kvprefetch.agents.lmcache.l2.listing`) and
 deletable apart from anything else in the bucket or database. The parameters and the plugin
-JSON live in :mod:`~kvprefetch.agents.lmcache.l2_params` (re-exported here).
+JSON live in :mod:`~kvprefetch.agents.lmcache.l2.params` (re-exported here).
 
 This module imports LMCache (it is the edge that needs it); importing
 :mod:`kvprefetch.agents.lmcache` does not.
@@ -69,14 +69,14 @@ from lmcache.v1.distributed.api import KeyListPage, ObjectKey
 from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
 
-from kvprefetch.agents.lmcache.l2_listing import (
+from kvprefetch.agents.lmcache.l2.listing import (
     SEP,
     key_page,
     list_entries,
     object_key_name,
     parse_object_key_name,
 )
-from kvprefetch.agents.lmcache.l2_params import (
+from kvprefetch.agents.lmcache.l2.params import (
     CLASS_NAME,
     DEFAULT_VALKEY_PART_BYTES,
     GIB,
@@ -86,8 +86,8 @@ from kvprefetch.agents.lmcache.l2_params import (
     load_params,
     plugin_adapter_json,
 )
-from kvprefetch.agents.lmcache.l2_stores import L2Stores, ObjectSink, bytes_of, check_lengths
-from kvprefetch.agents.lmcache.l2_tasks import L2Tasks
+from kvprefetch.agents.lmcache.l2.stores import L2Stores, ObjectSink, bytes_of, check_lengths
+from kvprefetch.agents.lmcache.l2.tasks import L2Tasks
 from kvprefetch.agents.stores.base import Buffer, ObjectStore
 from kvprefetch.agents.stores.errors import StoreError
 
