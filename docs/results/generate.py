@@ -346,8 +346,64 @@ def readme_table(_name: str) -> list[str]:
     return _table(["run", "result", "page"], rows)
 
 
+#: The grids the yardstick page compares, with how each is described in its row.
+YARDSTICK_GRIDS = {
+    "yardstick-vllm-lmcache": "`vllm-lmcache`",
+    "yardstick-vllm-lmcache-hints": "`vllm-lmcache`, every client hinting",
+    "yardstick-vllm-lmcache-lazy": "`vllm-lmcache-lazy`",
+}
+
+
+def _geomean(values: list[float]) -> float | None:
+    return math.exp(sum(map(math.log, values)) / len(values)) if values else None
+
+
+def _tib(nbytes: float) -> str:
+    return f"{nbytes / (GIB * 1024):,.1f} TiB"
+
+
+def grids_table(_name: str) -> list[str]:
+    """One row per yardstick grid, computed from its cells: predictive against the best
+    baseline (every cell, and the cells at pressure >= 2), against ``reactive``, the cells
+    a baseline leads by more than 1%, the forecast gap closure and the bytes moved."""
+    rows = []
+    for name, label in YARDSTICK_GRIDS.items():
+        if not (DATA / f"{name}.json").exists():
+            continue
+        cells = _load(name)["cells"]
+
+        def mean(cell: dict[str, Any], policy: str) -> float:
+            return float(cell["policies"][policy]["ttft_mean_s"])
+
+        def total(policy: str, field: str) -> float:
+            return float(sum(c["policies"][policy][field] for c in cells))
+
+        busy = [c for c in cells if c["pressure_ratio"] >= 2]
+        vs_reactive = [mean(c, "predictive") / mean(c, "reactive") for c in cells]
+        closures = sorted(c["forecast_gap_closure"] for c in cells
+                          if c["forecast_gap_closure"] is not None)
+        closure = closures[len(closures) // 2] if closures else None
+        rows.append([
+            label,
+            f"{_num(_geomean([c['ratio_mean_best'] for c in cells]))}, "
+            f"{_num(_geomean([c['ratio_p90_best'] for c in cells]))}",
+            f"{_num(_geomean([c['ratio_mean_best'] for c in busy]))} ({len(busy)} cells)",
+            f"{_num(_geomean(vs_reactive))}, {_num(max(vs_reactive))}",
+            str(sum(1 for c in cells if c["ratio_mean_best"] > 1.01)),
+            _num(closure, 2),
+            f"{_tib(total('predictive', 'prefetched_bytes'))} "
+            f"({_tib(total('predictive', 'wasted_bytes'))})",
+            _tib(total("perfect", "prefetched_bytes")),
+        ])
+    return _table(["grid", "predictive / best baseline (mean, p90)", "at pressure >= 2",
+                   "predictive / reactive (geomean, worst cell)",
+                   "cells a baseline leads by > 1%", "closure median",
+                   "predictive prefetched (wasted)", "perfect prefetched"], rows)
+
+
 RENDERERS: dict[str, Callable[[str], list[str]]] = {
     "summary": summary_table,
+    "yardstick-grids": grids_table,
     "readme": readme_table,
     "sim-bundled-n1": sim_table,
     "sim-bundled-n2": sim_table,
@@ -362,7 +418,7 @@ RENDERERS: dict[str, Callable[[str], list[str]]] = {
 
 def render(name: str) -> str:
     """The Markdown of one result block: provenance, then the tables."""
-    if name in ("summary", "readme"):
+    if name in ("summary", "readme", "yardstick-grids"):
         return "\n".join([*RENDERERS[name](name), ""])
     if not (DATA / f"{name}.json").exists():
         return f"*(not measured: data/{name}.json is missing)*\n"
