@@ -362,6 +362,14 @@ def _tib(nbytes: float) -> str:
     return f"{nbytes / (GIB * 1024):,.1f} TiB"
 
 
+def _mean_s(cell: dict[str, Any], policy: str) -> float:
+    return float(cell["policies"][policy]["ttft_mean_s"])
+
+
+def _total(cells: list[dict[str, Any]], policy: str, field: str) -> float:
+    return float(sum(c["policies"][policy][field] for c in cells))
+
+
 def grids_table(_name: str) -> list[str]:
     """One row per yardstick grid, computed from its cells: predictive against the best
     baseline (every cell, and the cells at pressure >= 2), against ``reactive``, the cells
@@ -372,14 +380,8 @@ def grids_table(_name: str) -> list[str]:
             continue
         cells = _load(name)["cells"]
 
-        def mean(cell: dict[str, Any], policy: str) -> float:
-            return float(cell["policies"][policy]["ttft_mean_s"])
-
-        def total(policy: str, field: str) -> float:
-            return float(sum(c["policies"][policy][field] for c in cells))
-
         busy = [c for c in cells if c["pressure_ratio"] >= 2]
-        vs_reactive = [mean(c, "predictive") / mean(c, "reactive") for c in cells]
+        vs_reactive = [_mean_s(c, "predictive") / _mean_s(c, "reactive") for c in cells]
         closures = sorted(c["forecast_gap_closure"] for c in cells
                           if c["forecast_gap_closure"] is not None)
         closure = closures[len(closures) // 2] if closures else None
@@ -391,9 +393,9 @@ def grids_table(_name: str) -> list[str]:
             f"{_num(_geomean(vs_reactive))}, {_num(max(vs_reactive))}",
             str(sum(1 for c in cells if c["ratio_mean_best"] > 1.01)),
             _num(closure, 2),
-            f"{_tib(total('predictive', 'prefetched_bytes'))} "
-            f"({_tib(total('predictive', 'wasted_bytes'))})",
-            _tib(total("perfect", "prefetched_bytes")),
+            f"{_tib(_total(cells, 'predictive', 'prefetched_bytes'))} "
+            f"({_tib(_total(cells, 'predictive', 'wasted_bytes'))})",
+            _tib(_total(cells, "perfect", "prefetched_bytes")),
         ])
     return _table(["grid", "predictive / best baseline (mean, p90)", "at pressure >= 2",
                    "predictive / reactive (geomean, worst cell)",
