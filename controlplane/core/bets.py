@@ -11,7 +11,9 @@ them settles within ``horizon_s`` is dropped. The prefetches taken keep a second
 read by a request (won) or evicted unread (lost).
 
 A prefetch starts in a bucket only while the bucket's bets show the forecast winning (the
-one-sided 95% Wilson lower bound of their win share above ``min_win_share``) and its
+one-sided 95% Wilson lower bound of their win share above ``min_win_share``, for its own
+bets or for those pooled with the bets of the same sharpness at smaller leads, which are
+harder to win: a bucket with few bets of its own borrows their record) and its
 prefetches taken have not been shown to lose (the upper bound of their read share not
 below it; such a bucket still takes one decision in :data:`EXPLORE_EVERY`, so that its
 record can recover). Elsewhere nothing is prefetched and the tier keeps what recency
@@ -139,8 +141,7 @@ class DisplacementBets:
         share = self.min_win_share
         if share <= 0.0:
             return True
-        rec = self.records.get(bucket)
-        if rec is None or wilson_lower(rec.wins, rec.settled) <= share:
+        if not self._record_wins(bucket):
             return False
         took = self.taken.get(bucket)
         if took is None or wilson_upper(took.wins, took.settled) >= share:
@@ -148,6 +149,23 @@ class DisplacementBets:
         n = self._explore.get(bucket, 0) + 1
         self._explore[bucket] = n
         return n % EXPLORE_EVERY == 0
+
+    def _record_wins(self, bucket: Bucket) -> bool:
+        """Whether the bucket's bets show the forecast winning: its own record, or the
+        record of its bets pooled with those of the same sharpness at smaller leads
+        (harder bets: the candidate forecast less far ahead of the residents), which a
+        bucket with few bets of its own borrows."""
+        share = self.min_win_share
+        rec = self.records.get(bucket)
+        if rec is not None and wilson_lower(rec.wins, rec.settled) > share:
+            return True
+        sharp, lead = bucket
+        wins = settled = 0
+        for k in range(lead + 1):
+            r = self.records.get((sharp, k))
+            if r is not None:
+                wins, settled = wins + r.wins, settled + r.settled
+        return settled > 0 and wilson_lower(wins, settled) > share
 
     def place(self, candidate: str, victims: Sequence[str], bucket: Bucket,
               now_s: float) -> None:

@@ -57,6 +57,25 @@ def test_the_first_arrival_settles_a_bet_and_a_won_record_allows_displacement() 
     assert bets.records[b] == BetRecord(wins=3, losses=3) and not bets.allows(b)
 
 
+def test_a_bucket_with_few_bets_borrows_the_record_of_harder_ones() -> None:
+    bets = _bets()
+    # Sharp bets at leads 0 and 1 (the candidate due at most 4x sooner) won 3 of 3 each;
+    # none at lead 2 yet: lead 2 borrows their 6 of 6, lead 1 its own and lead 0's.
+    for lead in (0, 1):
+        bets.records[(True, lead)] = BetRecord(wins=3)
+    assert bets.allows((True, 2)) and bets.allows((True, 1))
+    # Not from the other sharpness, and never from easier bets: lead 0 with one loss in
+    # 3 does not pass, whatever lead 5 won.
+    assert not bets.allows((False, 2))
+    bets.records[(True, 0)] = BetRecord(wins=2, losses=1)
+    bets.records[(True, 5)] = BetRecord(wins=50)
+    assert not bets.allows((True, 0))
+    # Pooled: 2 + 3 wins of 6 bets (lower bound about 0.42) do not clear one half either.
+    assert not bets.allows((True, 2))
+    bets.records[(True, 1)] = BetRecord(wins=12)
+    assert bets.allows((True, 2))  # 14 of 15
+
+
 def test_a_prefetch_evicted_unread_loses_its_bets_and_a_close_drops_them() -> None:
     bets = _bets()
     bets.place("c", ["v"], (True, 1), 0.0)
