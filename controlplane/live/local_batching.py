@@ -5,16 +5,17 @@ process (:mod:`~kvprefetch.controlplane.live.scheduler_http`) calls.
 The calls of one event loop gather while it runs: the fire-and-forget events
 (``request_started``, ``request_finished``, ``hint``, ``session_closed``) answer
 ``accepted`` once queued, as with a batching Ray transport; the calls that answer
-(``route``, ``cancel_route``, ``session_state``) wait. At the loop's next turn everything
-gathered is applied as one :meth:`~kvprefetch.controlplane.live.service.SchedulerService.batch`
-(one lock hold, one wake-up of the control loop): the events first, in the order they
-came, then the calls. While the service is free the batch runs on the event loop itself
-(no thread hop); while another thread holds it (the control loop's planning step, a Ray
-call), it runs on a worker thread, one batch at a time, and what arrives meanwhile goes
-in the next. A call waits at most ``timeout_s`` for its answer (then TimeoutError; a
-batch already running still applies it, as a remote call that timed out may). An event
-the service refuses is counted (:attr:`LocalBatchStats.refused`) and logged, never fatal
-to the rest.
+(``route``, ``cancel_route``, ``session_state``) wait, as does an event past
+:data:`MAX_QUEUED_EVENTS` queued (back-pressure while the service is stuck). At the
+loop's next turn everything gathered is applied as one
+:meth:`~kvprefetch.controlplane.live.service.SchedulerService.batch` (one lock hold, one
+wake-up of the control loop): the events first, in the order they came, then the calls.
+While the service is free the batch runs on the event loop itself (no thread hop); while
+another thread holds it (the control loop's planning step, a Ray call), it runs on a
+worker thread, one batch at a time, and what arrives meanwhile goes in the next. A call
+waits at most ``timeout_s`` for its answer (then TimeoutError; a batch already running
+still applies it, as a remote call that timed out may). An event the service refuses is
+counted (:attr:`LocalBatchStats.refused`) and logged, never fatal to the rest.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ __all__ = ["LocalBatchStats", "LocalBatchingTransport"]
 EVENTS = frozenset({"request_started", "request_finished", "hint", "session_closed"})
 #: The calls that wait for the service's answer.
 ANSWERED = frozenset({"route", "cancel_route", "session_state"})
+#: Events queued at most (as :class:`~kvprefetch.controlplane.live.batching.EventBatching`
+#: queues for a Ray scheduler); past it an event waits for its batch like a call.
+MAX_QUEUED_EVENTS = 10_000
 
 
 @dataclass(slots=True)
@@ -52,6 +56,8 @@ class LocalBatchStats:
     calls: int = 0
     #: Events the service refused or failed (logged).
     refused: int = 0
+    #: Events that waited for their batch: the queue held ``MAX_QUEUED_EVENTS``.
+    backpressure_waits: int = 0
 
 
 class _Gathered:
@@ -92,10 +98,12 @@ class LocalBatchingTransport(InProcessTransport):
         elif gathered.loop is not loop:
             raise RuntimeError("a LocalBatchingTransport serves one event loop")
         if op in EVENTS:
-            gathered.events.append((op, call))
-            self._kick()
-            return api.ACCEPTED
-        if op not in ANSWERED:
+            if len(gathered.events) < MAX_QUEUED_EVENTS:
+                gathered.events.append((op, call))
+                self._kick()
+                return api.ACCEPTED
+            gathered.stats.backpressure_waits += 1  # the service is stuck: wait, bounded
+        elif op not in ANSWERED:
             raise ValueError(f"not a gateway call: {op!r}")
         future: asyncio.Future[Any] = loop.create_future()
         gathered.calls.append((op, call, future))

@@ -132,3 +132,52 @@ def test_a_refused_event_is_counted_and_the_rest_of_the_batch_applies(
     assert transport.stats.refused == 1
     assert service.has_session(TENANT, "after")
     transport.close()
+
+
+def test_events_past_the_queue_cap_wait_for_their_batch(
+        service: SchedulerService, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the service is stuck, at most MAX_QUEUED_EVENTS events are taken at once;
+    one more waits like a call (bounded memory) and answers TimeoutError past its
+    timeout."""
+    from kvprefetch.controlplane.live import local_batching
+
+    monkeypatch.setattr(local_batching, "MAX_QUEUED_EVENTS", 3)
+    transport = LocalBatchingTransport(service, timeout_s=0.2)
+    held, release = threading.Event(), threading.Event()
+
+    def stall() -> None:
+        with service._lock:
+            held.set()
+            release.wait(5)
+
+    staller = threading.Thread(target=stall)
+    staller.start()
+    assert held.wait(5)
+
+    def started(sid: str) -> api.RequestStarted:
+        return api.RequestStarted(tenant=TENANT, session_id=sid, input_tokens=100)
+
+    async def play() -> tuple[list[bool], str]:
+        acks = [(await transport.acall("request_started", started(f"e-{i}"))).accepted
+                for i in range(3)]
+        try:
+            await transport.acall("request_started", started("e-3"))
+            outcome = "answered"
+        except TimeoutError:
+            outcome = "timed out"
+        release.set()
+        await asyncio.sleep(0.3)  # the worker's batch lands
+        return acks, outcome
+
+    try:
+        acks, outcome = asyncio.run(play())
+    finally:
+        release.set()
+        staller.join()
+    assert acks == [True, True, True] and outcome == "timed out"
+    assert transport.stats.backpressure_waits == 1
+    time.sleep(0.2)
+    # The queued ones are applied once the service is free (the one that timed out may be
+    # too, as a remote call that timed out may: it left with their batch).
+    assert all(service.has_session(TENANT, f"e-{i}") for i in range(3))
+    transport.close()
