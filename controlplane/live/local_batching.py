@@ -133,9 +133,14 @@ class LocalBatchingTransport(InProcessTransport):
         if not events and not calls:
             return
         answers: list[Any] = []
-        with self._service.try_batch() as free:
-            if free:
-                answers = self._apply(events, calls)
+        try:
+            with self._service.try_batch() as free:
+                if free:
+                    answers = self._apply(events, calls)
+        except Exception as exc:  # the batch itself failed: every call of it fails
+            log.exception("a batch of %d events and %d calls failed", len(events), len(calls))
+            _settle(calls, [exc] * len(calls))
+            return
         if free:
             gathered.stats.in_place += 1
             _settle(calls, answers)

@@ -181,3 +181,31 @@ def test_events_past_the_queue_cap_wait_for_their_batch(
     # too, as a remote call that timed out may: it left with their batch).
     assert all(service.has_session(TENANT, f"e-{i}") for i in range(3))
     transport.close()
+
+
+def test_a_batch_that_fails_fails_its_calls_at_once(
+        service: SchedulerService, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failure of the batch itself (here: sending its messages) is every call's answer,
+    not a wait until the timeout; the next batch runs."""
+    transport = LocalBatchingTransport(service, timeout_s=5)
+    sent = service.fanout.send
+
+    def broken(box: object) -> None:
+        raise RuntimeError("the fanout is down")
+
+    async def play() -> tuple[str, float, api.RouteAnswer]:
+        monkeypatch.setattr(service.fanout, "send", broken)
+        began = time.perf_counter()
+        try:
+            await transport.acall("route", _route("f"))
+            outcome = "answered"
+        except RuntimeError as exc:
+            outcome = str(exc)
+        waited = time.perf_counter() - began
+        monkeypatch.setattr(service.fanout, "send", sent)
+        return outcome, waited, await transport.acall("route", _route("g"))
+
+    outcome, waited, after = asyncio.run(play())
+    assert outcome == "the fanout is down" and waited < 1.0
+    assert after.node in (0, 1)
+    transport.close()
