@@ -18,7 +18,11 @@ modes:
            Ray runtime, the app on uvicorn in this process), driven from a separate
            process: at each --callers count that many async callers (persistent
            connections) loop route then request_finished on their own sessions; a row
-           per count (the mode's own figures are the last count's)
+           per count (the mode's own figures are the last count's); the server
+           side's CPU per event (the actor's process and this one) is printed below
+  http-actor  the same with the API served in the scheduler actor's own process
+           (serve's http.front_end: scheduler): no Ray hop per call
+  http-threaded  the http server calling the actor from its thread pool
   ray-1    one scheduler actor on a local Ray runtime (started here) through the
            Python client, fire-and-forget events batched: each request_finished is
            queued and rides with the next route's actor call (or the 5 ms flush
@@ -69,8 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = EPILOG
     parser.add_argument("--modes", default="inproc,service,ray-1",
-                        help="comma-separated: inproc, service, http, ray-1, ray-1-sync, "
-                        "ray-2, ray-4 (default: inproc, service, ray-1)")
+                        help="comma-separated: inproc, service, http, http-actor, "
+                        "http-threaded, ray-1, ray-1-sync, ray-2, ray-4 (default: inproc, "
+                        "service, ray-1)")
     parser.add_argument("--sessions", type=int, default=2_000,
                         help="live sessions held while measuring (default 2,000)")
     parser.add_argument("--events", type=int, default=10_000,

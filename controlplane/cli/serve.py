@@ -245,9 +245,10 @@ class Serve:
                  "namespace %r", service.policy, cfg.engine, len(agents), cfg.ray.namespace)
         for mechanism, how in cfg.engine_mechanisms().items():
             log.info("engine %s grants %s: %s", cfg.engine, mechanism, how)
+        front = self._front_end() if cfg.http.front_end == "scheduler" else None
         try:
             dep = deploy(service, agents, placements, namespace=cfg.ray.namespace,
-                         scheduler_placement=here, shards=service.shards)
+                         scheduler_placement=here, shards=service.shards, http=front)
         except ray.exceptions.RayActorError as exc:
             raise ServiceUnavailableError(actor_failure(exc)) from None
         stack.callback(dep.shutdown)
@@ -269,31 +270,47 @@ class Serve:
                             joined_agent, interval_s=p.watch_interval_s)
             log.info("%d of %d node slots taken; matching nodes that join later get the "
                      "others (checked every %g s)", len(nodes), capacity, p.watch_interval_s)
-        client = ray_client(self.address, cfg.ray.namespace,
-                            timeout_s=cfg.http.call_timeout_s)
-        stack.callback(client.close)
-        shards = dep.schedulers
+        if front is not None:
+            url = str(ray.get(dep.scheduler.http_url.remote(), timeout=60))
+            where = "in the scheduler actor's process"
+        else:
+            client = ray_client(self.address, cfg.ray.namespace,
+                                timeout_s=cfg.http.call_timeout_s)
+            stack.callback(client.close)
+            shards = dep.schedulers
 
-        def metrics_text() -> bytes:
-            texts = ray.get([h.metrics_text.remote() for h in shards], timeout=5)
-            return texts[0] if len(texts) == 1 else merge_shard_metrics(texts)
+            def metrics_text() -> bytes:
+                texts = ray.get([h.metrics_text.remote() for h in shards], timeout=5)
+                return texts[0] if len(texts) == 1 else merge_shard_metrics(texts)
 
-        def health() -> None:
-            ray.get([h.ping.remote() for h in shards], timeout=2)
+            def health() -> None:
+                ray.get([h.ping.remote() for h in shards], timeout=2)
 
-        app = http_app(cfg, client, self.auth, chunk_tokens=service.chunk_tokens,
-                       metrics=metrics_text, health=health)
-        server = stack.enter_context(HttpServer(app, cfg.http.host, cfg.http.port,
-                                                access_log=cfg.http.access_log, log_level="info"))
+            app = http_app(cfg, client, self.auth, chunk_tokens=service.chunk_tokens,
+                           metrics=metrics_text, health=health)
+            server = stack.enter_context(HttpServer(app, cfg.http.host, cfg.http.port,
+                                                    access_log=cfg.http.access_log,
+                                                    log_level="info"))
+            url, where = server.url, "in this process"
         from kvprefetch.controlplane.cli.serve_config import describe_auth
 
-        log.info("HTTP API on %s (%s): POST /v1/route ..., GET /metrics, GET /healthz, "
-                 "OpenAPI at /openapi.json", server.url, describe_auth(self.auth))
+        log.info("HTTP API on %s (%s, %s): POST /v1/route ..., GET /metrics, GET /healthz, "
+                 "OpenAPI at /openapi.json", url, where, describe_auth(self.auth))
         if self.nodes_file is not None:
             write_nodes_file(self.nodes_file, names, ips)
             log.info("node order written to %s", self.nodes_file)
-        print(f"kvprefetch serve: ready, {len(agents)} agents, HTTP API on {server.url}",
-              flush=True)
+        print(f"kvprefetch serve: ready, {len(agents)} agents, HTTP API on {url}", flush=True)
+
+    def _front_end(self) -> Any:
+        """The HTTP API as the scheduler actor serves it (``http.front_end: scheduler``):
+        this config's address, credentials (their digests), limits and timeout."""
+        from kvprefetch.controlplane.live.scheduler_http import HttpFrontEnd
+
+        h = self.cfg.http
+        return HttpFrontEnd(host=h.host, port=h.port, auth=self.auth, limits=h.limits,
+                            call_timeout_s=h.call_timeout_s,
+                            metrics_tenant_names=h.metrics_tenant_names,
+                            access_log=h.access_log, log_level="info")
 
     def _init_ray(self) -> None:
         import ray

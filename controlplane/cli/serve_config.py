@@ -227,6 +227,10 @@ class HttpSettings(_Section):
     #: Seconds the API waits for the scheduler per call before answering "no prefetch".
     call_timeout_s: float = Field(2.0, gt=0, le=60)
     access_log: bool = False
+    #: Which process serves the API: ``serve`` (this one, calling the scheduler actor over
+    #: Ray) or ``scheduler`` (the scheduler actor's own, no Ray hop per call; one
+    #: scheduler shard; Ray restarts it with the actor).
+    front_end: Literal["serve", "scheduler"] = "serve"
     #: Per-call limits: body bytes (413), token ids and chunk hashes (422), token-id range.
     limits: RequestLimits = RequestLimits()
 
@@ -297,6 +301,11 @@ class ServeConfig(_Section):
                              "token may name any tenant)")
         if "limits" in self.service:
             raise ValueError("service.limits: set in http.limits")
+        shards = self.service.get("shards", 1)
+        if self.http.front_end == "scheduler" and shards != 1:
+            raise ValueError(f"http.front_end: scheduler serves the API in the one "
+                             f"scheduler's process; service.shards is {shards} (set "
+                             "http.front_end: serve, or one shard)")
         if self.tenants:
             for key in ("tenants", "tenant_max_live_sessions", "tenant_local_tier_share",
                         "tenant_prefetch_bandwidth_share"):

@@ -24,7 +24,10 @@ through
   Python client's :class:`~kvprefetch.controlplane.live.client.HttpTransport`: JSON, validation and
   one HTTP round trip per event. Server and generator share this process (and its GIL),
   so its figures are the whole path's cost on one interpreter, a floor for a server of
-  its own.
+  its own;
+* ``http-actor``: the HTTP API served in the scheduler actor's own process
+  (:mod:`~kvprefetch.controlplane.live.scheduler_http`), the load from a separate process
+  as for ``http``.
 
 Sessions: ``sessions`` live sessions, session ``i`` playing the trace's session
 ``i mod len(trace)`` turn after turn (cycling). First every session plays its first turn
@@ -63,10 +66,10 @@ from kvprefetch.controlplane.base.types import EventKind, SessionEvent, Trace
 #: Seconds after a killed shard answers again before its routes count as "settled".
 SETTLE_S = 2.0
 #: Modes this generator knows, in the order a table lists them.
-MODES: tuple[str, ...] = ("inproc", "service", "http", "http-threaded", "ray-1",
-                          "ray-1-sync", "ray-2", "ray-4")
+MODES: tuple[str, ...] = ("inproc", "service", "http", "http-actor", "http-threaded",
+                          "ray-1", "ray-1-sync", "ray-2", "ray-4")
 #: Modes whose load comes from a separate process over HTTP (:mod:`.http_load`).
-HTTP_MODES: tuple[str, ...] = ("http", "http-threaded")
+HTTP_MODES: tuple[str, ...] = ("http", "http-actor", "http-threaded")
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,13 +161,27 @@ class ModeResult:
     #: :class:`~kvprefetch.controlplane.harness.http_load.LevelResult`); the mode's own
     #: figures are the last count's.
     callers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: ``http`` modes: the events the server took over the drive (populating included),
+    #: over which ``cpu_s`` was measured.
+    server_events: int = 0
+
+    @property
+    def server_cpu_ms_per_event(self) -> float | None:
+        """``http`` modes: CPU milliseconds the server side (the actor's process and the
+        serve process together) spent per event it took; None elsewhere."""
+        if not self.server_events or not self.cpu_s:
+            return None
+        if any(v is None for v in self.cpu_s.values()):
+            return None
+        total = sum(v for v in self.cpu_s.values() if v is not None)
+        return round(1e3 * total / self.server_events, 4)
 
     @property
     def events_per_shard_cpu_s(self) -> float | None:
         """Events per CPU second of the shards together: what they would sustain with a
         core each at the CPU cost per event measured (Ray modes; None without it)."""
         shard_cpu = [v for k, v in self.cpu_s.items() if k != "generator"]
-        if not shard_cpu or any(v is None for v in shard_cpu):
+        if self.callers or not shard_cpu or any(v is None for v in shard_cpu):
             return None
         total = sum(v for v in shard_cpu if v is not None)
         return self.events / total if total > 0 else None
@@ -172,6 +189,7 @@ class ModeResult:
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["events_per_shard_cpu_s"] = self.events_per_shard_cpu_s
+        out["server_cpu_ms_per_event"] = self.server_cpu_ms_per_event
         return out
 
 
@@ -581,14 +599,22 @@ def _run_http(mode: str, trace: Trace, fleet: FleetConfig, spec: LoadSpec) -> Mo
                           max(0, min(r.output_tokens, window - inp)), r.stop_reason))
         if turns:
             plays.append(turns)
-    target = HttpTarget(_service_config(fleet, spec), spec, threaded=mode == "http-threaded")
+    target = HttpTarget(_service_config(fleet, spec), spec, threaded=mode == "http-threaded",
+                        in_actor=mode == "http-actor")
     try:
         began = time.perf_counter()
         target.mark()
+        actor_cpu, own_cpu = target.cpu_s()[0], time.process_time()
         levels = drive(target.url, callers=spec.callers, events=spec.events,
                        sessions=spec.sessions, plays=plays, seed=spec.seed,
                        timeout_s=spec.timeout_s)
         lost = sum(level.lost_events for level in levels) + target.settle()
+        # The server side's CPU over the whole drive (populating included): the actor's
+        # process, and this one (the HTTP API's in http and http-threaded; idle in
+        # http-actor, whose API is in the actor's process).
+        cpu: dict[str, float | None] = {
+            "shard-0": round(target.cpu_s()[0] - actor_cpu, 3),
+            "serve-process": round(time.process_time() - own_cpu, 3)}
         wall_s = time.perf_counter() - began
         plans = target.plan_steps_s()
         batching = target.batch_stats()
@@ -600,7 +626,8 @@ def _run_http(mode: str, trace: Trace, fleet: FleetConfig, spec: LoadSpec) -> Mo
         quantile(plans, 0.99) * 1e3 if plans else None, None, lost,
         events=sum(level.events for level in levels),
         populate_s=round(wall_s - sum(level.seconds for level in levels), 3),
-        batching=batching, callers={str(level.callers): asdict(level) for level in levels})
+        batching=batching, callers={str(level.callers): asdict(level) for level in levels},
+        cpu_s=cpu, server_events=2 * spec.sessions + sum(level.events for level in levels))
 
 
 def _target(mode: str, fleet: FleetConfig, spec: LoadSpec) -> Target:
@@ -629,7 +656,8 @@ class RayTarget(ClientTarget):
     through the Python client (sharded when ``N`` > 1). :meth:`kill` kills one shard the
     way a crash would; Ray restarts it and it resumes from its journal segment."""
 
-    def __init__(self, cfg: Any, spec: LoadSpec, *, shards: int, batched: bool) -> None:
+    def __init__(self, cfg: Any, spec: LoadSpec, *, shards: int, batched: bool,
+                 http: Any = None) -> None:
         import tempfile
         import uuid
 
@@ -651,7 +679,8 @@ class RayTarget(ClientTarget):
         if self._started:
             ray.init(namespace=namespace, include_dashboard=False, log_to_driver=False,
                      configure_logging=False)
-        self._handles = start_shards(cfg, shards, namespace=namespace, with_agents=False)
+        self._handles = start_shards(cfg, shards, namespace=namespace, with_agents=False,
+                                     http=http)
         client = connect("auto", namespace=namespace, timeout_s=spec.timeout_s,
                          batching=EventBatching() if batched else None)
         transport: Any = client.scheduler
@@ -770,13 +799,23 @@ class _Blocking:
 class HttpTarget(RayTarget):
     """``http``: one scheduler actor on a local Ray runtime started here and the HTTP API
     in front of it in this process, as ``kvprefetch serve`` runs them (the app on uvicorn
-    on a thread, its client of the actor, no auth); the load comes from another process
-    (:func:`_run_http`)."""
+    on a thread, its client of the actor, no auth); ``http-actor``: the API served in the
+    actor's own process instead (``http.front_end: scheduler``); the load comes from
+    another process (:func:`_run_http`)."""
 
-    def __init__(self, cfg: Any, spec: LoadSpec, *, threaded: bool = False) -> None:
+    def __init__(self, cfg: Any, spec: LoadSpec, *, threaded: bool = False,
+                 in_actor: bool = False) -> None:
         from kvprefetch.controlplane.live.http_api import HttpServer, create_app
+        from kvprefetch.controlplane.live.scheduler_http import HttpFrontEnd
 
-        super().__init__(cfg, spec, shards=1, batched=not threaded)
+        super().__init__(cfg, spec, shards=1, batched=not threaded,
+                         http=HttpFrontEnd() if in_actor else None)
+        self._server: HttpServer | None = None
+        if in_actor:
+            import ray
+
+            self.url = str(ray.get(self._handles[0].http_url.remote(), timeout=30))
+            return
         scheduler: Any = self.client
         if threaded:
             scheduler = _Blocking(self.client.scheduler)
@@ -785,7 +824,8 @@ class HttpTarget(RayTarget):
         self.url = self._server.url
 
     def _close_ray(self) -> None:
-        self._server.close()
+        if self._server is not None:
+            self._server.close()
         super()._close_ray()
 
 
@@ -820,9 +860,17 @@ def format_table(result: dict[str, Any]) -> str:
                          "by callers: " + ", ".join(
                              f"x{n} {level['generator_cores']:.2f}"
                              for n, level in m["callers"].items()))
+            if m.get("server_cpu_ms_per_event") is not None:
+                cpu = m["cpu_s"]
+                lines.append(f"{mode}: server CPU per event {m['server_cpu_ms_per_event']:.3f} "
+                             f"ms over {m['server_events']:,} events (actor "
+                             f"{cpu['shard-0']:.1f} s, serve process "
+                             f"{cpu['serve-process']:.1f} s)")
     ray1 = result["modes"].get("ray-1", {})
     base, base_cpu = ray1.get("events_per_s"), ray1.get("events_per_shard_cpu_s")
     for mode, m in result["modes"].items():
+        if m.get("callers"):
+            continue  # an http mode: its CPU is per event, above
         if m.get("shards", 1) > 1 and base:
             lines.append(f"{mode}: {m['events_per_s'] / base:.2f}x ray-1's events/s")
         cpu, per_cpu = m.get("cpu_s") or {}, m.get("events_per_shard_cpu_s")

@@ -128,6 +128,8 @@ class Gateway:
         #: Node -> engine URL, following the scheduler's node registry once started.
         self.nodes = UpstreamDirectory(config.upstreams)
         self._in_flight: Counter[int] = Counter()
+        #: The turn of the next tie among idle nodes for a call without a session.
+        self._turn = -1
         self._http: Any = None
         #: An httpx transport for the upstream calls (tests: an ASGI app); None = network.
         self._transport = transport
@@ -168,9 +170,18 @@ class Gateway:
         digest = hashlib.blake2b(json.dumps(list(head)).encode(), digest_size=12).hexdigest()
         return f"prefix-{digest}"
 
-    def least_loaded(self) -> int:
+    def least_loaded(self, session: str | None = None) -> int:
+        """The routable node with the fewest requests in flight at this gateway. Ties
+        spread: a session's tie goes to the node its name hashes to among the tied ones
+        (an idle fleet sends a session's turns to one node, where its prefix is cached);
+        a call without a session takes the tied nodes in turn."""
         nodes = self.nodes.routable() or tuple(range(len(self.config.upstreams)))
-        return min(nodes, key=lambda n: (self._in_flight[n], n))
+        fewest = min(self._in_flight[n] for n in nodes)
+        tied = sorted(n for n in nodes if self._in_flight[n] == fewest)
+        if session is None:
+            self._turn += 1
+            return tied[self._turn % len(tied)]
+        return tied[_stable_hash(session) % len(tied)]
 
     def upstream(self, node: int) -> str:
         """Node ``node``'s engine URL (its configured one when the registry has none)."""
@@ -221,7 +232,7 @@ class Gateway:
         again (the scheduler applies it at most once; the request's finish names the
         node it ran on)."""
         if self._scheduler is None:
-            return Routed(self.least_loaded(), "load")
+            return Routed(self.least_loaded(session), "load")
         started = time.perf_counter()
         ask = asyncio.ensure_future(self._call(
             "route", session, token_ids=list(token_ids), tenant=self.config.tenant,
@@ -242,7 +253,7 @@ class Gateway:
         node = getattr(answer, "node", None)
         routed = (Routed(node, "scheduler")
                   if node is not None and self.nodes.url(node) is not None
-                  else Routed(self.least_loaded(), "load"))
+                  else Routed(self.least_loaded(session), "load"))
         self.metrics.route_time(time.perf_counter() - started, node=routed.node,
                                 tenant=self.metrics_tenant())
         if done and answer is not None and routed.by == "load":
@@ -344,6 +355,11 @@ class Gateway:
                         yield (line + "\n\n").encode()
         finally:
             self._leave(node)
+
+
+def _stable_hash(text: str) -> int:
+    """A hash of ``text`` that every process and run agrees on (``hash`` is salted)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
 
 
 def engine_body(body: dict[str, Any], key: SessionKey) -> dict[str, Any]:

@@ -62,8 +62,12 @@ from kvprefetch.controlplane.live.node_registry import NodeListing
 from kvprefetch.controlplane.live.packing import pack, unpack, unpack_event
 from kvprefetch.controlplane.live.protocol import SchedulerAPI
 from kvprefetch.controlplane.live.route_claims import ClaimHolder
+from kvprefetch.controlplane.live.scheduler_http import HttpFrontEnd, serve_scheduler
 from kvprefetch.controlplane.live.service import SchedulerService, ServiceConfig
 from kvprefetch.controlplane.live.sessions import SessionQuery, SessionState
+
+if TYPE_CHECKING:
+    from kvprefetch.controlplane.live.http_api import HttpServer
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +108,7 @@ class _SchedulerActor:
     engines' actors); ``ping``, ``metrics_text`` and ``close`` serve the deployment."""
 
     def __init__(self, config: ServiceConfig, namespace: str = NAMESPACE, *,
-                 with_agents: bool = True) -> None:
+                 with_agents: bool = True, http: HttpFrontEnd | None = None) -> None:
         logging.basicConfig(level=logging.INFO)
         # Without agents (the control-plane benchmark) orders go nowhere and are re-planned
         # by the service, as for a node whose agent is down.
@@ -125,6 +129,19 @@ class _SchedulerActor:
                 port.ask_greeting()
             except Exception:
                 log.debug("agent not up yet", exc_info=True)
+        #: The HTTP API served in this process (``http``), else None.
+        self.http: HttpServer | None = None
+        if http is not None:
+            try:
+                self.http = serve_scheduler(self.svc, http, self.metrics_text)
+            except BaseException:
+                self.svc.close()
+                raise
+            log.info("HTTP API in the scheduler's process on %s", self.http.url)
+
+    def http_url(self) -> str | None:
+        """The URL of the HTTP API this actor serves (None: it serves none)."""
+        return self.http.url if self.http is not None else None
 
     def ping(self) -> bool:
         """True while the scheduler answers and its journal takes records
@@ -275,6 +292,8 @@ class _SchedulerActor:
         return self.metrics.render() if self.metrics is not None else b""
 
     def close(self) -> None:
+        if self.http is not None:  # the API's calls in progress end before the service
+            self.http.close()
         self.svc.close()
 
 
@@ -462,16 +481,21 @@ def _start_engine(cfg: EngineConfig, remote: RemoteStoreConfig | None, where: Pl
 
 def start_shards(service: ServiceConfig, shards: int, *, namespace: str = NAMESPACE,
                  detached: bool = False, ready_timeout_s: float = 120.0,
-                 placement: Placement | None = None, with_agents: bool = True) -> list[Any]:
+                 placement: Placement | None = None, with_agents: bool = True,
+                 http: HttpFrontEnd | None = None) -> list[Any]:
     """Start ``shards`` scheduler shards (named ``scheduler_name(i)``; each with
     ``service.for_shard(i, shards)``: its quota of every node, its journal segment) or get
     those running, and wait until each answers. Ray restarts a shard that dies; it resumes
-    from its own journal segment while the others keep serving."""
+    from its own journal segment while the others keep serving. ``http``: the one shard
+    serves the HTTP API in its process (:mod:`~kvprefetch.controlplane.live.scheduler_http`;
+    ConfigError for ``shards`` > 1)."""
+    if http is not None:
+        http.check(shards)
     where = placement.options() if placement is not None else {}
     handles = [SchedulerActor.options(name=scheduler_name(i), namespace=namespace,
                                       get_if_exists=True, **_lifetime(detached),
                                       **where).remote(service.for_shard(i, shards), namespace,
-                                                      with_agents=with_agents)
+                                                      with_agents=with_agents, http=http)
                for i in range(shards)]
     ray.get([h.ping.remote() for h in handles], timeout=ready_timeout_s)
     return handles
@@ -481,18 +505,21 @@ def deploy(service: ServiceConfig, agents: Sequence[AgentConfig],
            placements: Sequence[Placement], *, engines: Sequence[EngineConfig] = (),
            engine_remote: RemoteStoreConfig | None = None, namespace: str = NAMESPACE,
            detached: bool = False, ready_timeout_s: float = 120.0,
-           scheduler_placement: Placement | None = None, shards: int = 1) -> Deployment:
+           scheduler_placement: Placement | None = None, shards: int = 1,
+           http: HttpFrontEnd | None = None) -> Deployment:
     """Start the scheduler's ``shards`` shards (at ``scheduler_placement``, e.g. the head
     node that holds their journals; anywhere when None), then agent ``i`` (and engine
     ``i``) at ``placements[i]`` for the nodes present at start (``service.initial_nodes``,
     default all), each talking to every shard. Waits until every actor answers. Nodes that
-    join later: :meth:`Deployment.watch_nodes`."""
+    join later: :meth:`Deployment.watch_nodes`. ``http``: the scheduler serves the HTTP
+    API in its own process (see :func:`start_shards`)."""
     if len(agents) != len(placements) or len(agents) != service.nodes_at_start:
         raise ValueError(f"one agent config and one placement per node present at start "
                          f"({service.nodes_at_start}); got {len(agents)} and "
                          f"{len(placements)}")
     schedulers = start_shards(service, shards, namespace=namespace, detached=detached,
-                              ready_timeout_s=ready_timeout_s, placement=scheduler_placement)
+                              ready_timeout_s=ready_timeout_s, placement=scheduler_placement,
+                              http=http)
     handles = [_start_agent(cfg, p, namespace, detached, shards)
                for cfg, p in zip(agents, placements, strict=True)]
     ray.get([h.status.remote() for h in handles], timeout=ready_timeout_s)

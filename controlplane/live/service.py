@@ -319,6 +319,21 @@ class SchedulerService:
         for box in boxes:
             self.fanout.send(box)
 
+    @contextmanager
+    def try_batch(self) -> Iterator[bool]:
+        """A :meth:`batch` if no other thread holds the lock now: True inside it; else
+        False at once, nothing held (the caller runs its batch where it may wait). Lets
+        an event loop apply calls in place while the service is free, and never block
+        on the control loop's step."""
+        if not self._lock.acquire(blocking=False):
+            yield False
+            return
+        try:
+            with self.batch():
+                yield True
+        finally:
+            self._lock.release()
+
     # ------------------------------------------------------------------ gateway calls
     def _check_owner(self, tenant: str, session_id: str) -> None:
         """Refuse a session another shard owns (a client that hashes to the wrong shard

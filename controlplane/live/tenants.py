@@ -139,6 +139,17 @@ class TenantAuth:
                               "token must map to exactly one tenant")
         self._by_digest[digest] = who
 
+    def __getstate__(self) -> dict[str, object]:
+        """Pickled (to the scheduler actor that serves the API) as the tokens' digests
+        and the tenants named so far; never a token, never the lock."""
+        state = dict(self.__dict__)
+        del state["_named_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self._named_lock = threading.Lock()
+
     @property
     def required(self) -> bool:
         """Whether calls must carry a token."""

@@ -47,17 +47,23 @@ def test_bench_control_plane_ray_1_tiny(tmp_path: Path, capsys: pytest.CaptureFi
 
 def test_bench_control_plane_http_from_a_separate_process(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """``--modes http,http-threaded``: the API as serve runs it, the load from a child
-    process at each caller count; every event arrives and each count has its row."""
+    """``--modes http,http-actor,http-threaded``: the API as serve runs it (in its own
+    process or the scheduler actor's), the load from a child process at each caller
+    count; every event arrives, each count has its row, and the server side's CPU per
+    event is reported."""
     out = tmp_path / "cp.json"
-    assert main(["bench", "control-plane", "--modes", "http,http-threaded", "--sessions",
+    assert main(["bench", "control-plane", "--modes", "http,http-actor,http-threaded",
+                 "--sessions",
                  "40", "--events", "200", "--callers", "1,8", "--json", str(out),
                  "--no-progress"]) == 0
     table = capsys.readouterr().out
     result = json.loads(out.read_text())
     assert result["callers"] == [1, 8]
-    for name in ("http", "http-threaded"):
+    for name in ("http", "http-actor", "http-threaded"):
         m = result["modes"][name]
+        assert set(m["cpu_s"]) == {"shard-0", "serve-process"}
+        assert m["server_events"] == 80 + 400 and m["server_cpu_ms_per_event"] > 0
+        assert f"{name}: server CPU per event " in table
         assert set(m["callers"]) == {"1", "8"}
         assert m["events"] == 400 and m["lost_events"] == 0
         for level in m["callers"].values():

@@ -88,3 +88,52 @@ def test_the_deadline_is_a_validated_knob() -> None:
     assert GatewayConfig(upstreams=UPSTREAMS).route_deadline_s == 0.005
     with pytest.raises(ValidationError, match="route_deadline_s"):
         GatewayConfig(upstreams=UPSTREAMS, route_deadline_s=0)
+
+
+def test_routes_past_the_deadline_spread_over_idle_nodes() -> None:
+    """A stalled scheduler's requests are not all sent to node 0: among idle nodes each
+    session goes to the node its name hashes to, so distinct sessions spread over the
+    fleet while a session's turns keep to one node (its prefix cached there)."""
+    import asyncio
+
+    upstreams = [f"http://node{i}" for i in range(4)]
+    fleet = fleet_from_dict({"nodes": 4, "node": {"hbm_kv_bytes": 4 * GIB,
+                                                  "dram_tier_bytes": 16 * GIB}})
+    with SchedulerService(ServiceConfig(fleet=fleet)).start() as svc:
+        client = connect(service=svc)
+        gateway = Gateway(GatewayConfig(upstreams=upstreams, route_deadline_s=0.01,
+                                        nodes_refresh_s=0), scheduler=client)
+        sessions = [f"stalled-{i}" for i in range(16)]
+
+        async def route_all() -> list[tuple[str, int, str]]:
+            routed = []
+            for session in sessions + sessions:  # every session twice, the fleet idle
+                r = await gateway.route(session, [1, 2, 3])
+                routed.append((session, r.node, r.by))
+            return routed
+
+        with svc._lock:  # the scheduler busy: every route misses its deadline
+            routed = asyncio.run(route_all())
+        client.close()
+    assert {by for _, _, by in routed} == {"load"}
+    nodes = [node for _, node, _ in routed]
+    # 16 sessions over 4 idle nodes: every node gets some, none gets most.
+    assert set(nodes) == {0, 1, 2, 3}, nodes
+    assert max(nodes.count(n) for n in range(4)) <= len(nodes) // 2, nodes
+    # A session's second turn goes where its first went.
+    first = dict((s, n) for s, n, _ in routed[:len(sessions)])
+    assert all(first[s] == n for s, n, _ in routed[len(sessions):]), routed
+    assert gateway.registry.get_sample_value(
+        "kvprefetch_gateway_route_deadline_total") == 2 * len(sessions)
+
+
+def test_ties_without_a_session_take_the_idle_nodes_in_turn() -> None:
+    """The tokenize call, which has no session yet, spreads over idle nodes in turn; a
+    node with a request in flight is passed over while others are idle."""
+    gateway = Gateway(GatewayConfig(upstreams=[f"http://node{i}" for i in range(3)],
+                                    nodes_refresh_s=0))
+    assert [gateway.least_loaded() for _ in range(6)] == [0, 1, 2, 0, 1, 2]
+    gateway._enter(1)
+    picks = {gateway.least_loaded() for _ in range(4)}
+    picks |= {gateway.least_loaded(f"s{i}") for i in range(16)}
+    assert picks == {0, 2}

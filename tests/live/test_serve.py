@@ -78,6 +78,8 @@ def test_the_example_config_is_valid(monkeypatch: pytest.MonkeyPatch,
     (_minimal(service={"loop_interval_s": 0}), "service.loop_interval_s"),
     (_minimal(service={"fleet": {}}), "service.fleet"),
     (_minimal(colour="red"), "colour"),
+    (_minimal(http={"front_end": "scheduler"}, service={"shards": 2}), "http.front_end"),
+    (_minimal(http={"front_end": "actor"}), "http.front_end"),
     (_minimal(agent={"tier_capacity_bytes": 1, "tier_eviction": "mru"}),
      "agent.tier_eviction"),
     (_minimal(agent={"tier_capacity_bytes": 1, "backend": "sglang"}), "agent.sglang section"),
@@ -154,9 +156,11 @@ def test_placement_matches_gpu_resource_custom_resource_and_labels() -> None:
 
 
 @pytest.mark.servers
-@pytest.mark.parametrize("shards", [1, 2])
+@pytest.mark.parametrize(("shards", "front_end"),
+                         [(1, "serve"), (2, "serve"), (1, "scheduler")])
 def test_serve_on_a_local_ray_runtime(tmp_path: Path, valkey_server: EmbeddedValkey,
-                                      s3_server: EmbeddedS3, shards: int) -> None:
+                                      s3_server: EmbeddedS3, shards: int,
+                                      front_end: str) -> None:
     port = free_port()
     ray_tmp = tempfile.mkdtemp(prefix="kvps", dir="/tmp")  # short: Ray's socket paths
     tier = f"/dev/shm/kvp-serve-{os.getpid()}-{{node}}"
@@ -171,7 +175,8 @@ def test_serve_on_a_local_ray_runtime(tmp_path: Path, valkey_server: EmbeddedVal
         "stores": {"valkey": valkey_server.store_config(key_prefix="serve-test:")
                    .model_dump(mode="json"), "s3": s3},
         "agent": {"tier_path": tier, "tier_capacity_bytes": 64 * MIB},
-        "http": {"host": "127.0.0.1", "port": port, "bearer_token": "tok"},
+        "http": {"host": "127.0.0.1", "port": port, "bearer_token": "tok",
+                 "front_end": front_end},
     }
     path = _write(tmp_path, cfg)
     log_path = tmp_path / "serve.log"
@@ -184,6 +189,8 @@ def test_serve_on_a_local_ray_runtime(tmp_path: Path, valkey_server: EmbeddedVal
     url = f"http://127.0.0.1:{port}"
     try:
         assert _wait_healthy(url, proc, 90), log_path.read_text()[-4000:]
+        # The API in the scheduler's process answers before serve has placed every agent.
+        assert _wait_ready(log_path, proc, 90), log_path.read_text()[-4000:]
         ready_s = time.monotonic() - started
         with connect(url, token="tok", tenant="acme", timeout_s=5) as c:
             ans = c.route("s1", input_tokens=4096)
@@ -216,12 +223,26 @@ def test_serve_on_a_local_ray_runtime(tmp_path: Path, valkey_server: EmbeddedVal
             subprocess.run(["rm", "-rf", str(d)], check=False)
     out = log_path.read_text()
     assert "placed agent 0" in out and "HTTP API on" in out, out[-4000:]
+    where = "in the scheduler actor's process" if front_end == "scheduler" else "in this process"
+    assert f"HTTP API on {url} ({where}" in out, out[-4000:]
     assert "kvprefetch serve stopped" in out, out[-4000:]
     assert not leftovers, f"Ray processes left running after SIGTERM: {leftovers}"
     journals = ([tmp_path / "journal.jsonl"] if shards == 1 else
                 [tmp_path / f"journal.jsonl.shard{i}of{shards}" for i in range(shards)])
     assert all(j.stat().st_size > 0 for j in journals)  # every shard journals (its epoch)
     print(f"serve ready after {ready_s:.1f} s")
+
+
+def _wait_ready(log_path: Path, proc: subprocess.Popen[bytes], timeout_s: float) -> bool:
+    """Whether serve printed its ready line within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if "kvprefetch serve: ready" in log_path.read_text(errors="replace"):
+            return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(0.2)
+    return False
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> bool:
