@@ -66,8 +66,8 @@ RUNS: dict[str, list[str]] = {
     "yardstick-vllm-lmcache-hints": _yardstick("vllm-lmcache", hints=True),
     "bench-control-plane": [
         "kvprefetch", "bench", "control-plane", "--modes",
-        "inproc,service,ray-1,http,http-threaded", "--sessions", "1000", "--events", "4000",
-        "--callers", "1,8,32,128", "--no-progress",
+        "inproc,service,ray-1,http,http-actor,http-threaded", "--sessions", "1000",
+        "--events", "4000", "--callers", "1,8,32,128", "--no-progress",
         "--json", "docs/results/data/bench-control-plane.json",
     ],
     "bench-store": [
