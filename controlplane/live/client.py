@@ -6,16 +6,20 @@ the process, carries a tenant, and waits at most ``timeout_s``: a ``route`` that
 cannot reach the scheduler answers :meth:`RouteAnswer.no_prefetch` (``node`` None: run the
 request anywhere, without prefetch), and an event (``request_started``,
 ``request_finished``, ``hint``, ``session_closed``) answers ``Ack(accepted=False)``
-(``timed_out`` True when it timed out); none of them raises then, so the inference path is
-never held up for long nor broken. ``request_finished`` takes the route answer's ``node``
+(``timed_out`` True when it timed out), counted in :attr:`Client.dropped`; none of them
+raises then, so the inference path is never held up for long nor broken. "Cannot reach"
+includes a 5xx answer (the scheduler failed the call, or a proxy before it found none) and
+an answer that is not the scheduler's (not its JSON); an event of a session the scheduler
+does not hold (the route that opens it did not reach it, or a restart lost it) is dropped
+the same way. ``request_finished`` takes the route answer's ``node``
 as it is, None included (see :class:`~kvprefetch.controlplane.base.api.RequestFinished`).
 
 Every route carries a request id (one the caller gives, else a fresh one,
 :class:`RequestIds`), which its answer repeats, a timed-out one too: with it the caller
 sends the route again (``route(..., request_id=...)``: the scheduler answers the first
 answer and applies nothing twice, also across its restarts) or cancels it
-(:meth:`Client.cancel_route`). The service's refusals come back as typed errors
-(:class:`~kvprefetch.controlplane.base.errors.UnknownSessionError`,
+(:meth:`Client.cancel_route`). The service's other refusals come back as typed errors
+(:class:`~kvprefetch.controlplane.base.errors.UnknownSessionError` from ``session_state``,
 :class:`~kvprefetch.controlplane.base.errors.WrongTenantError`,
 :class:`~kvprefetch.controlplane.base.errors.MalformedHintError`, ...).
 
@@ -88,6 +92,7 @@ RETRY_PAUSE_S = 0.05
 INPROC_WORKERS = 8
 
 _Call = TypeVar("_Call", bound=BaseModel)
+_Model = TypeVar("_Model", bound=BaseModel)
 _T = TypeVar("_T")
 
 
@@ -511,6 +516,8 @@ def route_each(route: Callable[[api.RouteQuery], api.RouteAnswer],
     return answers
 
 
+#: What an event call answers ``accepted=False`` instead of raising (:meth:`Client._ack`).
+_DROPPED = (TimeoutError, ServiceUnavailableError, UnknownSessionError)
 #: The fire-and-forget gateway calls (queued by a batching transport).
 _EVENTS = frozenset({"request_started", "request_finished", "hint", "session_closed"})
 #: Every gateway call, the name of its method on each transport.
@@ -537,11 +544,18 @@ def _http_errors(op: str, timeout_s: float) -> Iterator[None]:
         raise ServiceUnavailableError(f"scheduler HTTP API unreachable: {exc}") from exc
 
 
-def _answer_json(op: str, resp: Any) -> Any:
-    """The answer's JSON, or the typed error of its status."""
+def _answer(op: str, resp: Any, model: type[_Model]) -> _Model:
+    """The answer as ``model``, or the typed error of its status. An answer that is not
+    the scheduler's (not JSON, or not ``model``: a proxy's page, another service on the
+    port) is ServiceUnavailableError, as the scheduler is not what answered."""
     if resp.status_code >= 400:
         raise _http_error(op, resp.status_code, resp.text)
-    return resp.json()
+    try:
+        return model.model_validate_json(resp.content)
+    except ValueError:  # pydantic's ValidationError is one
+        raise ServiceUnavailableError(
+            f"{op}: the HTTP {resp.status_code} answer is not the scheduler's: "
+            f"{resp.text[:120]!r}") from None
 
 
 def _ray_error(op: str, exc: Exception) -> Exception:
@@ -688,7 +702,8 @@ class HttpTransport:
     async def acall(self, op: str, call: Any) -> Any:
         """The gateway call ``op`` as a coroutine over persistent connections of their
         own (an ``httpx.AsyncClient``, bound to the event loop of the first call): the
-        same answers and errors as the method."""
+        same answers and errors as the method. The whole call is bounded by ``timeout_s``
+        (httpx bounds each phase, connect, write and every read, separately)."""
         import httpx
 
         if op not in _GATEWAY_OPS:
@@ -697,66 +712,65 @@ class HttpTransport:
             self._async.append(httpx.AsyncClient(base_url=self._base_url,
                                                  headers=self._headers))
         with _http_errors(op, self.timeout_s):
-            resp = await self._async[0].post(
-                f"/v1/{op}", content=call.model_dump_json(exclude_none=True,
-                                                          exclude_unset=True),
-                timeout=self.timeout_s)
-        return _ANSWERS[op].model_validate(_answer_json(op, resp))
+            try:
+                resp = await asyncio.wait_for(self._async[0].post(
+                    f"/v1/{op}", content=call.model_dump_json(exclude_none=True,
+                                                              exclude_unset=True),
+                    timeout=self.timeout_s), self.timeout_s)
+            except TimeoutError as exc:
+                raise TimeoutError(f"{op} timed out after {self.timeout_s} s") from exc
+        return _answer(op, resp, _ANSWERS[op])
 
-    def _post(self, path: str, payload: BaseModel) -> Any:
-        """POST ``payload`` to ``/v1/<path>``; the answer's JSON. Fields the caller did not
-        set stay out (a tenant left out is the token's)."""
+    def _post(self, path: str, payload: BaseModel, model: type[_Model]) -> _Model:
+        """POST ``payload`` to ``/v1/<path>``; the answer as ``model``. Fields the caller did
+        not set stay out (a tenant left out is the token's)."""
         with _http_errors(path, self.timeout_s):
             resp = self._client.post(f"/v1/{path}",
                                      content=payload.model_dump_json(exclude_none=True,
                                                                      exclude_unset=True),
                                      headers={"Content-Type": "application/json"},
                                      timeout=self.timeout_s)
-        return _answer_json(path, resp)
+        return _answer(path, resp, model)
 
     def request_started(self, call: api.RequestStarted) -> api.Ack:
-        return api.Ack.model_validate(self._post("request_started", call))
+        return self._post("request_started", call, api.Ack)
 
     def route(self, call: api.RouteQuery) -> api.RouteAnswer:
-        return api.RouteAnswer.model_validate(self._post("route", call))
+        return self._post("route", call, api.RouteAnswer)
 
     def route_many(self, calls: Sequence[api.RouteQuery]
                    ) -> list[api.RouteAnswer | ServiceError]:
         return route_each(self.route, calls)
 
     def cancel_route(self, call: api.RouteCancel) -> api.RouteCancelled:
-        return api.RouteCancelled.model_validate(self._post("cancel_route", call))
+        return self._post("cancel_route", call, api.RouteCancelled)
 
     def request_finished(self, call: api.RequestFinished) -> api.Ack:
-        return api.Ack.model_validate(self._post("request_finished", call))
+        return self._post("request_finished", call, api.Ack)
 
     def hint(self, call: api.HintCall) -> api.Ack:
-        return api.Ack.model_validate(self._post("hint", call))
+        return self._post("hint", call, api.Ack)
 
     def session_closed(self, call: api.SessionClosed) -> api.Ack:
-        return api.Ack.model_validate(self._post("session_closed", call))
+        return self._post("session_closed", call, api.Ack)
 
     def session_state(self, call: SessionQuery) -> SessionState:
-        return SessionState.model_validate(self._post("session_state", call))
+        return self._post("session_state", call, SessionState)
 
     def nodes(self) -> NodeListing:
         """``GET /nodes``."""
-        import httpx
-
-        try:
+        with _http_errors("nodes", self.timeout_s):
             resp = self._client.get("/nodes", timeout=self.timeout_s)
-        except httpx.TimeoutException as exc:
-            raise TimeoutError(f"nodes timed out after {self.timeout_s} s") from exc
-        except httpx.HTTPError as exc:
-            raise ServiceUnavailableError(f"scheduler HTTP API unreachable: {exc}") from exc
-        if resp.status_code >= 400:
-            raise _http_error("nodes", resp.status_code, resp.text)
-        return NodeListing.model_validate(resp.json())
+        return _answer("nodes", resp, NodeListing)
 
 
 def _http_error(path: str, status: int, text: str) -> ServiceError:
+    """The typed error of an error answer: the one its ``error`` field names, else its
+    status's. Any 5xx (the scheduler failed the call, or a proxy before it found no
+    scheduler: 502, 504) is ServiceUnavailableError: a route answers without prefetch and
+    an event is dropped, as when the scheduler cannot be reached."""
     name = None
-    detail: Any = text
+    detail: Any = text[:200]
     try:
         body = json.loads(text)
     except ValueError:
@@ -765,7 +779,9 @@ def _http_error(path: str, status: int, text: str) -> ServiceError:
         name = body.get("error")
         detail = body.get("detail", text)
     cls = _NAMED_ERRORS.get(name) if isinstance(name, str) else None
-    if cls is None:
+    if status >= 500:
+        cls = ServiceUnavailableError
+    elif cls is None:
         cls = (MalformedHintError if path == "hint" and status == 422
                else _STATUS_ERRORS.get(status, ServiceError))
     return cls(f"HTTP {status}: {detail}")
@@ -808,7 +824,12 @@ class Client:
         #: The tenant named in each call (None: the token's over HTTP, else "default").
         self.tenant = tenant
         self.timeout_s = timeout_s
+        #: Calls that waited out their timeout (routes answered without prefetch, events
+        #: dropped).
         self.timeouts = 0
+        #: Events the scheduler did not take (timed out, unreachable): answered
+        #: ``accepted=False`` and not sent again.
+        self.dropped = 0
         self._request_ids = RequestIds()
 
     @property
@@ -848,17 +869,21 @@ class Client:
         return out
 
     def _ack(self, op: str, send: Callable[[_Call], api.Ack], payload: _Call) -> api.Ack:
-        """Send an event; one the scheduler does not take in time, or cannot take as it is
-        unreachable, is dropped (logged and answered ``accepted=False``), never raised."""
+        """Send an event; one the scheduler does not take in time, cannot take as it is
+        unreachable, or does not know the session of (its first route did not reach it,
+        or it lost the session in a restart) is dropped: logged, counted in
+        :attr:`dropped` and answered ``accepted=False``, never raised."""
         try:
             return send(payload)
-        except TimeoutError:
-            self.timeouts += 1
-            log.warning("%s timed out; the event is dropped", op)
-            return api.Ack(accepted=False, timed_out=True)
-        except ServiceUnavailableError as exc:
-            log.warning("%s: %s; the event is dropped", op, exc)
-            return api.Ack(accepted=False)
+        except _DROPPED as exc:
+            return self._dropped(op, exc)
+
+    def _dropped(self, op: str, exc: Exception) -> api.Ack:
+        timed_out = isinstance(exc, TimeoutError)
+        self.timeouts += timed_out
+        self.dropped += 1
+        log.warning("%s: %s; the event is dropped", op, exc)
+        return api.Ack(accepted=False, timed_out=timed_out)
 
     async def _acall(self, op: str, payload: BaseModel, timeout_s: float | None) -> Any:
         """The call ``op`` awaited: the transport's own coroutine where it has one (Ray:
@@ -875,13 +900,8 @@ class Client:
         try:
             answer: api.Ack = await self._acall(op, payload, timeout_s)
             return answer
-        except TimeoutError:
-            self.timeouts += 1
-            log.warning("%s timed out; the event is dropped", op)
-            return api.Ack(accepted=False, timed_out=True)
-        except ServiceUnavailableError as exc:
-            log.warning("%s: %s; the event is dropped", op, exc)
-            return api.Ack(accepted=False)
+        except _DROPPED as exc:
+            return self._dropped(op, exc)
 
     def _no_prefetch(self, payload: api.RouteQuery, exc: Exception) -> api.RouteAnswer:
         self.timeouts += isinstance(exc, TimeoutError)
