@@ -131,11 +131,16 @@ def _check(path: str, address: str | None, *, embedded: bool = False) -> int:
 
 
 def _preflight(path: str, address: str | None, *, embedded: bool) -> int:
-    """``--check``'s checks before a start: the failures only, one line each on stderr;
-    2 if any failed, else 0."""
-    from kvprefetch.controlplane.cli.serve_check import check_config
+    """``--check``'s checks before a start, and whether the HTTP API's port is free: the
+    failures only, one line each on stderr; 2 if any failed, else 0."""
+    from kvprefetch.controlplane.cli.serve_check import check_config, http_listen_finding
+    from kvprefetch.controlplane.cli.serve_config import load_serve_config
 
-    failed = [f for f in check_config(path, address, embedded=embedded) if not f.ok]
+    findings = check_config(path, address, embedded=embedded)
+    if all(f.ok or f.what != "config" for f in findings):  # a config that loads
+        http = load_serve_config(path, embedded=embedded).http
+        findings.append(http_listen_finding(http.host, http.port))
+    failed = [f for f in findings if not f.ok]
     for f in failed:
         print(f"kvprefetch serve: {f.line()}", file=sys.stderr, flush=True)
     return 2 if failed else 0

@@ -114,15 +114,15 @@ def probe_s3(config: Any, timeout_s: float = PROBE_TIMEOUT_S) -> str:
     return f"bucket {config.bucket!r} at {config.endpoint_url or 'AWS'}"
 
 
-def _probe(what: str, fn: Any, *args: Any) -> Finding:
+def _probe(what: str, fn: Any, *args: Any, field: str = "") -> Finding:
+    """``fn(*args)`` as a finding; a failure names ``field``, the config field to fix."""
+    where = f"{field}: " if field else ""
     try:
         return Finding(True, what, f"{fn(*args)} answers")
-    except KvPrefetchError as exc:
-        return Finding(False, what, str(exc))
-    except ConnectionError as exc:
-        return Finding(False, what, str(exc))
+    except (KvPrefetchError, ConnectionError) as exc:
+        return Finding(False, what, f"{where}{exc}")
     except Exception as exc:  # a dependency's error, translated here: one line each
-        return Finding(False, what, f"{type(exc).__name__}: {exc}")
+        return Finding(False, what, f"{where}{type(exc).__name__}: {exc}")
 
 
 @contextlib.contextmanager
@@ -170,9 +170,10 @@ def check_config(path: str | Path, address: str | None = None, *,
             findings += _embedded_programs()
         else:
             if cfg.stores.valkey is not None:
-                findings.append(_probe("valkey", probe_valkey, cfg.stores.valkey))
+                findings.append(_probe("valkey", probe_valkey, cfg.stores.valkey,
+                                       field="stores.valkey"))
             if cfg.stores.s3 is not None:
-                findings.append(_probe("s3", probe_s3, cfg.stores.s3))
+                findings.append(_probe("s3", probe_s3, cfg.stores.s3, field="stores.s3"))
         backend = backend_spec(cfg.agent.backend)
         settings = backend.settings_of(cfg.agent)
         if backend.server is not None and settings is not None:
@@ -181,16 +182,33 @@ def check_config(path: str | Path, address: str | None = None, *,
         journal = cfg.service.get("journal_path")
         if journal:
             findings.append(_journal_finding(Path(str(journal))))
+    ray_field = "--address" if address and not embedded else "ray.address"
     try:
         endpoint = ray_endpoint(ray_address)
     except ValueError as exc:
-        findings.append(Finding(False, "ray", str(exc)))
+        findings.append(Finding(False, "ray", f"{ray_field}: {exc}"))
     else:
         if endpoint is None:
             findings.append(Finding(True, "ray", f"address {ray_address!r}: nothing to probe"))
         else:
-            findings.append(_probe("ray", _probe_ray, *endpoint))
+            findings.append(_probe("ray", _probe_ray, *endpoint, field=ray_field))
     return findings
+
+
+def http_listen_finding(host: str, port: int) -> Finding:
+    """Whether ``serve`` can listen on ``http.host``:``http.port`` here (bound and let go at
+    once; port 0, any free port, always can). Run before a start, not by ``--check``,
+    which may run beside the service it checks."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        return Finding(False, "http", f"http.host/http.port: cannot listen on {host}:{port} "
+                                      f"({reason}): stop what holds the port, or set another")
+    return Finding(True, "http", f"{host}:{port} is free")
 
 
 def _embedded_programs() -> list[Finding]:
@@ -233,8 +251,9 @@ def _server_finding(backend: BackendSpec, http_url: str, ray_address: str) -> Fi
         probe_tcp(url.hostname, port)
     except OSError as exc:
         reason = exc.strerror or type(exc).__name__
-        return Finding(False, what, f"no {server.what} server at {http_url} ({reason}): "
-                                    f"start it ({server.start}), or use agent.backend: "
+        return Finding(False, what, f"agent.{what}.{server.url_field}: no {server.what} "
+                                    f"server at {http_url} ({reason}): start it "
+                                    f"({server.start}), or use agent.backend: "
                                     f"{DEFAULT_BACKEND} (serve --embedded does)")
     return Finding(True, what, f"{http_url} accepts a connection")
 

@@ -197,6 +197,11 @@ def test_serve_refuses_a_config_that_fails_the_check_before_ray_starts(tmp_path:
     assert report and all(line.startswith("kvprefetch serve: FAIL ") for line in report), report
     fields = [line.split(" FAIL ", 1)[1].split(":", 1)[0] for line in report]
     assert {"stores.valkey.host", "stores.s3.bucket", "valkey", "s3", "lmcache"} <= set(fields)
+    # each probe's line names the config field that points at what did not answer
+    named = {line.split(" FAIL ", 1)[1].split(": ", 2)[1] for line in report
+             if line.split(" FAIL ", 1)[1].split(":", 1)[0] in ("valkey", "s3", "lmcache")}
+    assert named == {"stores.valkey", "stores.s3", "agent.lmcache.http_url"}, report
+    assert "Traceback" not in done.stderr
     assert not any(line.endswith(" ray") for line in done.stderr.splitlines()
                    if line.startswith("import time:"))
     assert done.stdout == "" and time.monotonic() - started < 60
@@ -244,3 +249,28 @@ def test_the_embedded_profile_keeps_the_file_but_its_stores_backend_and_journal(
     assert main(["serve", "--config", str(ROOT / "examples" / "serve.yaml"), "--embedded",
                  "--address", "auto"]) == 2
     assert "--embedded runs on a local Ray runtime" in capsys.readouterr().err
+
+
+def test_serve_refuses_a_taken_http_port_in_one_line_before_ray_starts(tmp_path: Path) -> None:
+    """The shipped example's embedded profile with its HTTP port held by another socket:
+    one line naming the fields and the cause, exit 2, and Ray never imported."""
+    doc = yaml.safe_load((ROOT / "examples" / "serve.yaml").read_text())
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen(1)
+        port = held.getsockname()[1]
+        doc["http"].update(host="127.0.0.1", port=port)
+        config = tmp_path / "serve.yaml"
+        config.write_text(yaml.safe_dump(doc))
+        done = subprocess.run(
+            [sys.executable, "-X", "importtime", "-m", "kvprefetch", "serve", "--config",
+             str(config), "--embedded"], cwd=ROOT, capture_output=True, text=True,
+            timeout=120, env={**os.environ, **OFFLINE})
+    assert done.returncode == 2
+    report = [line for line in done.stderr.splitlines() if not line.startswith("import time:")]
+    assert report == [f"kvprefetch serve: FAIL http: http.host/http.port: cannot listen on "
+                      f"127.0.0.1:{port} (Address already in use): stop what holds the port, "
+                      "or set another"], report
+    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert "ray" not in imported and "uvicorn" not in imported
