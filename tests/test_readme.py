@@ -61,3 +61,40 @@ def test_the_install_section_says_how_to_install_without_a_package_index() -> No
     assert "pip install -e '.[serve,stores]'" in install and "make wheel" in install
     assert re.search(r"^wheel:\n\t\$\(PYTHON\) -m pip wheel .* -w dist \.$",
                      (ROOT / "Makefile").read_text(), re.M)
+
+
+def _site_url() -> str:
+    import yaml
+
+    url = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["site_url"]
+    assert isinstance(url, str) and url.startswith("https://") and url.endswith("/")
+    return url
+
+
+def _anchors(page: Path) -> set[str]:
+    """The ids mkdocs gives the page's headings (its toc extension's default slugs)."""
+    heads = re.findall(r"^#{1,6} +(.+?) *$", page.read_text(), re.M)
+    return {re.sub(r"[-\s]+", "-", re.sub(r"[^\w\s-]", "", h).strip().lower()) for h in heads}
+
+
+def test_the_readmes_links_are_absolute_into_the_documentation_site() -> None:
+    """On a package index page a relative link is dead: every link of the README outside
+    the generated results table is absolute, into the site (``site_url``, the package's
+    Documentation URL), and lands on a page of docs/ and a heading of it."""
+    import tomllib
+
+    text = README.read_text()
+    table = text[text.index("<!-- results:readme -->"):text.index("<!-- /results:readme -->")]
+    links = re.findall(r"\]\(([^)\s]+)\)", text.replace(table, ""))
+    assert links
+    url = _site_url()
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["urls"]["Documentation"] == url
+    for link in links:
+        assert link.startswith(url), link
+        path, _, anchor = link.removeprefix(url).partition("#")
+        page = ROOT / "docs" / (path.rstrip("/") + ".md" if path else "index.md")
+        if not page.exists():
+            page = ROOT / "docs" / path / "index.md"
+        assert page.exists(), link
+        assert not anchor or anchor in _anchors(page), link
