@@ -51,10 +51,16 @@ scheduler compacts its own journal).
 """
 
 
+def _plain(text: str) -> str:
+    """A docstring as help text: reST's double backquotes as the single ones the other
+    commands' help uses."""
+    return text.replace("``", "`")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="journal_command", metavar="ACTION", required=True)
     check = sub.add_parser("check", help="check a journal; --repair sets damaged lines aside",
-                           description=__doc__,
+                           description=_plain(__doc__ or ""),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     check.add_argument("path", type=Path, metavar="PATH", help="the journal (JSONL)")
     check.add_argument("--repair", action="store_true",
@@ -66,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     check.add_argument("--show", type=non_negative_int, default=20, metavar="N",
                        help="damaged lines listed in the text report (default 20)")
     compact = sub.add_parser("compact", help="drop closed sessions' records (atomically)",
-                             description=COMPACT_HELP,
+                             description=_plain(COMPACT_HELP),
                              formatter_class=argparse.RawDescriptionHelpFormatter)
     compact.add_argument("path", type=Path, metavar="PATH", help="the journal (JSONL)")
     compact.add_argument("--json", action="store_true", help="print the report as JSON")

@@ -133,6 +133,20 @@ def test_every_subcommand_help_needs_no_extra(command: list[str]) -> None:
     assert res.stdout.startswith(f"usage: kvprefetch {' '.join(command)}"), res.stdout[:200]
 
 
+def test_no_help_shows_rest_markup(capsys: pytest.CaptureFixture[str]) -> None:
+    """Help is read in a terminal: no reST roles or double backquotes from docstrings."""
+    from kvprefetch.controlplane.cli import BENCHES, COMMANDS
+
+    commands = [[name] for name in COMMANDS] + [["bench", name] for name in BENCHES]
+    commands += [["journal", "check"], ["journal", "compact"]]
+    for command in commands:
+        with pytest.raises(SystemExit):
+            main([*command, "--help"])
+        text = capsys.readouterr().out
+        assert text.startswith(f"usage: kvprefetch {' '.join(command)}"), command
+        assert "``" not in text and not re.search(r":(class|func|meth|mod):`", text), command
+
+
 @pytest.mark.parametrize(("argv", "extras"), [
     (["serve", "--config", "x.yaml"], ("serve", "stores")),
     (["serve", "--config", "x.yaml", "--address", "auto"], ("serve", "stores")),
