@@ -98,3 +98,17 @@ def test_the_readmes_links_are_absolute_into_the_documentation_site() -> None:
             page = ROOT / "docs" / path / "index.md"
         assert page.exists(), link
         assert not anchor or anchor in _anchors(page), link
+
+
+def test_every_bucket_the_readme_and_docs_name_is_a_valid_s3_bucket_name() -> None:
+    """A user pastes these: 3 to 63 lowercase letters, digits, dots and hyphens, starting
+    and ending with a letter or digit (S3's rules); the deploy placeholder counts once
+    filled in."""
+    pages = [README, *sorted((ROOT / "docs").rglob("*.md")),
+             *sorted((ROOT / "examples").rglob("*.y*ml"))]
+    named = re.compile(r'"bucket": ?"([^"]*)"|\bbucket: ([^\s,#}]+)')
+    names = [name for page in pages for name in named.findall(page.read_text())]
+    buckets = {(a or b).replace("REPLACE_ME", "acme") for a, b in names}
+    assert buckets
+    valid = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+    assert {b for b in buckets if not valid.match(b)} == set()

@@ -304,7 +304,8 @@ class Serve:
         if self.nodes_file is not None:
             write_nodes_file(self.nodes_file, names, ips)
             log.info("node order written to %s", self.nodes_file)
-        print(f"kvprefetch serve: ready, {len(agents)} agents, HTTP API on {url}", flush=True)
+        print(f"kvprefetch serve: ready, {len(agents)} agents, "
+              f"{listening_on(cfg.http.host, url)}", flush=True)
 
     def _front_end(self) -> Any:
         """The HTTP API as the scheduler actor serves it (``http.front_end: scheduler``):
@@ -363,6 +364,16 @@ class Serve:
             nodes = nodes[: p.max_nodes]
         log.info("%d nodes with %s get an agent", len(nodes), what)
         return nodes
+
+
+def listening_on(host: str, url: str) -> str:
+    """Where the HTTP API listens, as the ready line says it: the address it is bound to
+    (``http.host``), and the URL to reach it from this machine where that differs (all
+    interfaces)."""
+    port = url.rstrip("/").rsplit(":", 1)[-1]
+    if url.rstrip("/") == f"http://{host}:{port}":
+        return f"HTTP API on {url}"
+    return f"HTTP API on {host}:{port} (all interfaces; {url} from this machine)"
 
 
 #: The actor classes' names as Ray reports them -> the component they are.

@@ -303,9 +303,11 @@ def run(args: argparse.Namespace) -> int:
         report = run_policies(trace, fleet, policies, options, progress=bar.update)
     print(format_table(report))
     if report.meta.pressure_ratio < 3:
+        remedy = ("replay a larger trace" if fleet.nodes <= 1
+                  else "lower --nodes or replay a larger trace")
         print(f"note: pressure {report.meta.pressure_ratio:.2f}x is below the >= 3x of "
               "production fleets, so local tiers hold much of the working set and prefetch "
-              "matters less; lower --nodes or replay a larger trace")
+              f"matters less; {remedy}")
     if args.json_out:
         write_atomic(args.json_out, [report.to_json().encode()])
         print(f"wrote {args.json_out}")

@@ -430,3 +430,13 @@ def test_the_prefetch_panel_says_when_nothing_was_prefetched(
     else:
         assert texts == ["no prefetches"] and not panel.patches
         assert list(panel.get_yticks()) == []
+
+
+@pytest.mark.parametrize(("nodes", "remedy"), [
+    ("1", "replay a larger trace"), ("4", "lower --nodes or replay a larger trace")])
+def test_the_low_pressure_note_says_lower_nodes_only_where_there_are_some_to_lower(
+        nodes: str, remedy: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sim", "--nodes", nodes, "--policies", "ondemand", "--no-progress"]) == 0
+    (note,) = [line for line in capsys.readouterr().out.splitlines()
+               if line.startswith("note: pressure")]
+    assert note.endswith(f"prefetch matters less; {remedy}"), note

@@ -288,3 +288,12 @@ def test_an_actor_that_fails_at_start_is_one_line_naming_it_and_the_cause(
     assert "StoreConfigError" in errors[0] and "a-file/kvp-0: " in errors[0]
     assert "Not a directory" in errors[0]
     assert "Traceback" not in done.stderr, done.stderr[-4000:]
+
+
+def test_the_ready_line_names_the_address_listened_on_and_the_local_url() -> None:
+    from kvprefetch.controlplane.cli.serve import listening_on
+
+    assert listening_on("0.0.0.0", "http://127.0.0.1:8000") == (
+        "HTTP API on 0.0.0.0:8000 (all interfaces; http://127.0.0.1:8000 from this machine)")
+    assert listening_on("127.0.0.1", "http://127.0.0.1:8000") == (
+        "HTTP API on http://127.0.0.1:8000")
