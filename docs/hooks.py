@@ -451,6 +451,7 @@ def _registry_metrics(registry: Any) -> list[tuple[str, str, str, str]]:
 
 def metrics_page() -> str:
     from kvprefetch.controlplane.live.gateway_metrics import GatewayMetrics
+    from kvprefetch.controlplane.live.http_api import _HttpMetrics
     from kvprefetch.controlplane.live.metrics import PrometheusMetrics
 
     lines = [
@@ -458,6 +459,7 @@ def metrics_page() -> str:
         "",
         "Generated at build time from the Prometheus registries of the scheduler service and "
         "the gateway (`kvprefetch.controlplane.live.metrics`, "
+        "`kvprefetch.controlplane.live.http_api`, "
         "`kvprefetch.controlplane.live.gateway_metrics`). Counters are exposed with the "
         "`_total` suffix, histograms as `_bucket`, `_sum` and `_count`.",
         "",
@@ -466,6 +468,9 @@ def metrics_page() -> str:
         ("Scheduler service", "the service's `/metrics` (the HTTP API of `kvprefetch serve`)",
          PrometheusMetrics().registry,
          str(ROOT / "controlplane" / "live" / "metrics.py")),
+        ("HTTP API", "the service's `/metrics` too, per call of its HTTP API",
+         _HttpMetrics().registry,
+         str(ROOT / "controlplane" / "live" / "http_api.py")),
         ("Gateway", "the gateway's `/metrics` (`kvprefetch gateway`)",
          GatewayMetrics("reference").registry,
          str(ROOT / "controlplane" / "live" / "gateway_metrics.py")),

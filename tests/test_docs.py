@@ -71,3 +71,12 @@ def test_http_reference_lists_every_path(site: Path) -> None:
     for path in ("/v1/route", "/v1/request_finished", "/v1/hint", "/v1/session_closed",
                  "/healthz", "/metrics"):
         assert path in text
+
+
+def test_metrics_reference_lists_every_registry_with_type_labels_and_meaning(
+        site: Path) -> None:
+    text = _text(site / "reference" / "metrics" / "index.html")
+    for name, kind, labels in (("kvprefetch_http_requests_total", "counter", "op, status"),
+                               ("kvprefetch_http_request_seconds", "histogram", "op")):
+        row = re.search(rf"{name}\s+{kind}\s+{re.escape(labels)}\s+\S", text)
+        assert row, name
