@@ -15,17 +15,31 @@ from pathlib import Path
 from typing import Any
 
 
+def created_mode() -> int:
+    """The permission bits ``open()`` gives a new file here: 0666 less the process's umask
+    (read from ``/proc`` where there is one; else set and restored at once)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def write_atomic(path: str | Path, chunks: Iterable[bytes], *, mode: int | None = None) -> Path:
     """Write ``chunks`` to ``path`` atomically (a temporary file beside it, fsynced, renamed
-    over it); ``mode``: the file's permission bits (default: the temporary file's, 0600).
+    over it); ``mode``: the file's permission bits (default: a new file's under the umask,
+    :func:`created_mode`, as any other program's output; not the temporary file's 0600).
     Returns the path."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            if mode is not None:
-                os.fchmod(f.fileno(), mode)
+            os.fchmod(f.fileno(), created_mode() if mode is None else mode)
             for chunk in chunks:
                 f.write(chunk)
             f.flush()

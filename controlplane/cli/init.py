@@ -12,7 +12,7 @@ from importlib import resources
 from importlib.resources.abc import Traversable
 from pathlib import Path
 
-from kvprefetch.controlplane.base.atomic import write_atomic
+from kvprefetch.controlplane.base.atomic import created_mode, write_atomic
 from kvprefetch.controlplane.base.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -59,9 +59,10 @@ def run(args: argparse.Namespace) -> int:
             kept += 1
             continue
         dest.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(dest, [entry.read_bytes()])
-        if rel.suffix == ".sh":
-            dest.chmod(0o755)
+        mode = created_mode()
+        if rel.suffix == ".sh":  # executable by whoever may read it
+            mode |= (mode & 0o444) >> 2
+        write_atomic(dest, [entry.read_bytes()], mode=mode)
         print(f"wrote    {dest}")
         written += 1
     print(f"{written} files written, {kept} kept, in {target}")

@@ -73,3 +73,23 @@ def test_sglang_node_reads_the_tier_serve_warms_by_default(init_dir: Path) -> No
     for node in (0, 3):
         assert default.group(1) + str(node) == served.format(node=node)
     assert default.group(2) == "0"
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_the_files_init_and_json_write_follow_the_umask(
+        umask: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """As any program's output: a dashboard a non-root Grafana reads under umask 022, and
+    private under 077."""
+    old = os.umask(umask)
+    try:
+        assert main(["init", str(tmp_path / "kvp")]) == 0
+        assert main(["sim", "--nodes", "1", "--policies", "ondemand", "--no-progress",
+                     "--json", str(tmp_path / "sim.json")]) == 0
+    finally:
+        os.umask(old)
+    capsys.readouterr()
+    files = [p for p in (tmp_path / "kvp").rglob("*") if p.is_file()]
+    assert files
+    for path in [*files, tmp_path / "sim.json"]:
+        want = (0o777 if path.suffix == ".sh" else 0o666) & ~umask
+        assert path.stat().st_mode & 0o777 == want, (path, oct(path.stat().st_mode))
