@@ -394,9 +394,19 @@ def actor_failure(exc: BaseException) -> str:
     cause = lines[-1] if lines else type(exc).__name__
     # the error's class without its module: kvprefetch.x.StoreConfigError -> StoreConfigError
     cause = re.sub(r"^(?:\w+\.)+(\w+(?:Error|Exception)\b)", r"\1", cause)
+    field = next((f for prefix, f in _ERROR_FIELDS if cause.startswith(prefix)), None)
+    if field is not None:
+        cause += f" (check {field})"
     if "creation task" in text:
         return f"the {component} failed to start: {cause}"
     return f"the {component} died while starting: {cause}"
+
+
+#: An actor's start-up error (by its class's name) -> the serve config field it points at.
+_ERROR_FIELDS = (
+    ("LMCacheConfigMismatchError", "agent.lmcache"),
+    ("LMCache", "agent.lmcache.http_url"),
+)
 
 
 def write_nodes_file(path: str | Path, names: list[str], ips: list[str]) -> None:

@@ -297,3 +297,54 @@ def test_the_ready_line_names_the_address_listened_on_and_the_local_url() -> Non
         "HTTP API on 0.0.0.0:8000 (all interfaces; http://127.0.0.1:8000 from this machine)")
     assert listening_on("127.0.0.1", "http://127.0.0.1:8000") == (
         "HTTP API on http://127.0.0.1:8000")
+
+
+@pytest.mark.servers
+def test_an_lmcache_url_that_is_not_an_lmcache_server_is_one_line_naming_the_field(
+        tmp_path: Path, valkey_server: EmbeddedValkey) -> None:
+    """Something else listens at ``agent.lmcache.http_url`` (it passes the check's TCP
+    probe, and answers a request with another protocol's banner): the agent fails at start,
+    and serve exits 2 with one
+    line naming the agent, the cause and the field to check, not Ray's traceback."""
+    import socket
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def answer_nonsense() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = listener.accept()
+                with conn:
+                    conn.recv(4096)
+                    conn.sendall(b"SSH-2.0-OpenSSH_9.6\r\n")
+
+    threading.Thread(target=answer_nonsense, daemon=True).start()
+    ray_tmp = tempfile.mkdtemp(prefix="kvpl", dir="/tmp")  # short: Ray's socket paths
+    cfg = {
+        "ray": {"local_temp_dir": ray_tmp, "log_to_driver": True},
+        "stores": {"valkey": valkey_server.store_config(key_prefix="serve-lmc:")
+                   .model_dump(mode="json")},
+        "agent": {"backend": "lmcache-mp",
+                  "lmcache": {"http_url": f"http://127.0.0.1:{port}",
+                              "model_name": "meta-llama/Llama-3.1-8B-Instruct"}},
+        "http": {"host": "127.0.0.1", "port": free_port(), "bearer_token": "tok"},
+    }
+    path = _write(tmp_path, cfg)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "kvprefetch", "serve", "--config", str(path), "--address",
+             "local"], cwd=ROOT, capture_output=True, text=True, timeout=180,
+            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+    finally:
+        listener.close()
+        _end(_pids_under(ray_tmp))
+        subprocess.run(["rm", "-rf", ray_tmp], check=False)
+    assert done.returncode == 2, done.stderr[-4000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("kvprefetch: ")]
+    assert len(errors) == 1, done.stderr[-4000:]
+    assert errors[0].startswith("kvprefetch: error: the agent failed to start: LMCache"), errors
+    assert f"127.0.0.1:{port}" in errors[0], errors
+    assert errors[0].endswith("(check agent.lmcache.http_url)"), errors
+    assert "Traceback" not in done.stderr, done.stderr[-4000:]
