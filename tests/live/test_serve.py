@@ -304,8 +304,8 @@ def test_an_lmcache_url_that_is_not_an_lmcache_server_is_one_line_naming_the_fie
         tmp_path: Path, valkey_server: EmbeddedValkey) -> None:
     """Something else listens at ``agent.lmcache.http_url`` (it passes the check's TCP
     probe, and answers a request with another protocol's banner): the agent fails at start,
-    and serve exits 2 with one
-    line naming the agent, the cause and the field to check, not Ray's traceback."""
+    and serve exits 2 with one line naming the agent, the cause and the field to check, not
+    Ray's traceback."""
     import socket
     import threading
 
