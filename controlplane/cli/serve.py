@@ -255,7 +255,7 @@ class Serve:
             dep = deploy(service, agents, placements, namespace=cfg.ray.namespace,
                          scheduler_placement=here, shards=service.shards, http=front)
         except ray.exceptions.RayActorError as exc:
-            raise ServiceUnavailableError(actor_failure(exc)) from None
+            raise ServiceUnavailableError(actor_failure(exc, self._server_field())) from None
         stack.callback(dep.shutdown)
         for w in ray.get([a.where.remote() for a in dep.agents], timeout=60):
             log.info("placed agent %d (%s) on Ray node %s at %s: tier %s", w["node"],
@@ -343,6 +343,18 @@ class Serve:
                  object_store_memory=cfg.local_object_store_bytes, include_dashboard=False,
                  **kw, **common)
 
+    def _server_field(self) -> tuple[str, str] | None:
+        """The agents' node server: (its URL as configured, the config field that sets
+        it); None for a backend without one."""
+        from kvprefetch.agents.backends.registry import backend_spec
+
+        backend = backend_spec(self.cfg.agent.backend)
+        settings = backend.settings_of(self.cfg.agent)
+        if backend.server is None or settings is None:
+            return None
+        section = backend.section or backend.name
+        return backend.server.url_of(settings), f"agent.{section}.{backend.server.url_field}"
+
     def _wait_for_nodes(self, matching_nodes: Any) -> list[dict[str, Any]]:
         p = self.cfg.placement
         deadline = time.monotonic() + p.wait_for_nodes_s
@@ -381,9 +393,11 @@ _COMPONENTS = {"_AgentActor": "agent", "_EngineActor": "engine",
                "SchedulerActor": "scheduler", "_SchedulerActor": "scheduler"}
 
 
-def actor_failure(exc: BaseException) -> str:
+def actor_failure(exc: BaseException, server: tuple[str, str] | None = None) -> str:
     """One line for an actor that died while starting: the component (agent, scheduler)
-    and the cause, the last line of the error Ray carries (``PermissionError: ...``)."""
+    and the cause, the last line of the error Ray carries (``PermissionError: ...``).
+    ``server``: the agents' node server as (its URL, the config field that sets it); a
+    cause that names the URL ends by naming the field."""
     import re
 
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(getattr(exc, "error_msg", "") or exc))
@@ -394,19 +408,12 @@ def actor_failure(exc: BaseException) -> str:
     cause = lines[-1] if lines else type(exc).__name__
     # the error's class without its module: kvprefetch.x.StoreConfigError -> StoreConfigError
     cause = re.sub(r"^(?:\w+\.)+(\w+(?:Error|Exception)\b)", r"\1", cause)
-    field = next((f for prefix, f in _ERROR_FIELDS if cause.startswith(prefix)), None)
-    if field is not None:
-        cause += f" (check {field})"
+    if server is not None and server[0].rstrip("/") in cause:
+        cause += f" (check {server[1]})"
     if "creation task" in text:
         return f"the {component} failed to start: {cause}"
     return f"the {component} died while starting: {cause}"
 
-
-#: An actor's start-up error (by its class's name) -> the serve config field it points at.
-_ERROR_FIELDS = (
-    ("LMCacheConfigMismatchError", "agent.lmcache"),
-    ("LMCache", "agent.lmcache.http_url"),
-)
 
 
 def write_nodes_file(path: str | Path, names: list[str], ips: list[str]) -> None:
