@@ -46,9 +46,12 @@ _CANNED: dict[str, bytes] = {
 
 
 def _reset(sock: socket.socket) -> None:
-    """Close with a TCP reset (linger 0), as a crashed process's socket goes."""
+    """Close with a TCP reset (linger 0), as a crashed process's socket goes. The shutdown
+    first: a close alone would wait for another thread's blocked ``recv`` on the socket."""
     with contextlib.suppress(OSError):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
     with contextlib.suppress(OSError):
         sock.close()
 
