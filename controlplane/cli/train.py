@@ -27,8 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_trace_format_option(parser)
     add_predictor_option(
         parser, several=False, required=True,
-        help="the one trainable predictor: empirical, survival, gbm, torch-seq, hinted (wraps "
-        "ewma), or module:Class with fit/save",
+        help="the one trainable predictor: empirical, survival, gbm, torch-seq, "
+        "hinted:SPEC (the hint layer over a trainable SPEC, e.g. hinted:gbm), or "
+        "module:Class with fit/save",
     )
     parser.add_argument("--out", required=True, help="artifact file to write")
     parser.add_argument("--split", choices=("session", "time"), default="session",
@@ -57,6 +58,11 @@ def run(args: argparse.Namespace) -> int:
     save = getattr(model, "save", None)
     if fit is None or save is None:
         raise PredictorError(f"predictor {args.predictor!r} cannot be trained (no fit/save)")
+    unsaved = _unsavable_inner(model)
+    if unsaved is not None:  # refused before the fit, not after it
+        raise PredictorError(f"predictor {args.predictor!r} cannot be trained: it wraps "
+                             f"{unsaved!r}, which has no artifact (no save); wrap a "
+                             "trainable one, e.g. hinted:gbm")
     fit(split.train, seed=args.seed, progress=progress)
     path = save(args.out)
     summary: dict[str, object] = {"artifact": str(path), "predictor": model.name,
@@ -69,3 +75,14 @@ def run(args: argparse.Namespace) -> int:
         }
     print(json.dumps(summary, indent=2, default=float))
     return 0
+
+
+def _unsavable_inner(model: object) -> str | None:
+    """The name of the innermost model a wrapper (its ``inner``) holds that cannot be
+    saved; None when every model down the chain can."""
+    inner = getattr(model, "inner", None)
+    while inner is not None:
+        if getattr(inner, "save", None) is None:
+            return str(getattr(inner, "name", type(inner).__name__))
+        inner = getattr(inner, "inner", None)
+    return None

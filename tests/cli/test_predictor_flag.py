@@ -1,11 +1,16 @@
 """``--predictor`` and ``--predictors`` parsing of the sub-commands that have them (no trace
-is loaded)."""
+is loaded), and ``train``'s refusal of a predictor it could fit and not save (on the
+bundled slice)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 from kvprefetch.controlplane.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[2]
 
 BASE = {
     "eval-predictor": ["eval-predictor", "--trace", "t"],
@@ -73,3 +78,26 @@ def test_train_still_requires_a_predictor(capsys: pytest.CaptureFixture[str]) ->
     with pytest.raises(SystemExit):
         _parse(BASE["train"])
     assert "--predictor" in capsys.readouterr().err
+
+
+def test_train_refuses_a_wrapper_of_an_unsavable_model_before_it_trains(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``hinted`` alone wraps ``ewma``, which has no artifact: one line saying so before the
+    fit; the hint layer over a trainable model trains and writes its artifact."""
+    from kvprefetch.controlplane.cli import main
+
+    trace = str(ROOT / "controlplane" / "data" / "traces" / "claude-code")
+    out = tmp_path / "hinted.bin"
+    argv = ["train", "--trace", trace, "--out", str(out), "--no-progress"]
+    assert main([*argv, "--predictor", "hinted"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvprefetch: error: predictor 'hinted' cannot be trained: it wraps "
+                          "'ewma'"), err
+    assert not out.exists()
+    assert main([*argv, "--predictor", "hinted:empirical"]) == 0
+    assert out.stat().st_size > 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "hinted:SPEC (the hint layer over a trainable SPEC" in text and "ewma" not in text
