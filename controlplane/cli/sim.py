@@ -166,7 +166,9 @@ def add_hint_arguments(p: argparse.ArgumentParser) -> None:
                        "drawn per session from Dhakal et al., CHI 2018) and/or 'tool_running' "
                        "(a tool call runs, with an ETA of its duration). The policies that "
                        "run --predictor "
-                       "read them through the 'hinted' wrapper; 'perfect' does not need them")
+                       "read them through the 'hinted' wrapper; 'perfect' does not need them. "
+                       "'session_closed' is the live service's: a trace ends its sessions "
+                       "itself")
     hints.add_argument("--hint-coverage", type=float, metavar="F",
                        help="share of session groups (a client with its sub-agents) that send "
                        "hints, in [0, 1] (default 1.0); raising it with the same --hint-seed "
@@ -223,6 +225,10 @@ def hint_config(args: argparse.Namespace, *, seed: int | None = None) -> HintCon
             raise ConfigError(f"{given[0]} needs --hints (e.g. --hints "
                               "user_typing,tool_running)")
         return None
+    if "session_closed" in (name.strip() for name in args.hints.split(",")):
+        raise ConfigError("--hints: session_closed is a hint the live service takes; a "
+                          "replayed trace ends its sessions itself, so the simulated clients "
+                          "send only user_typing and tool_running")
     try:
         kinds = parse_hint_kinds(args.hints)
     except ConfigError as exc:

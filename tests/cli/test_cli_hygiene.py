@@ -330,6 +330,16 @@ def test_hint_kinds_take_the_api_names_and_the_short_ones(
     assert "'typing'" not in text and "'tool'" not in text
 
 
+def test_a_session_closed_hint_in_sim_says_why_the_simulator_sends_none(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The docs list ``session_closed`` with the hints; the simulator's clients cannot send
+    it (a trace ends its sessions), and the refusal says so, naming the flag."""
+    assert main(["sim", "--nodes", "1", "--hints", "user_typing,session_closed"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvprefetch: error: --hints: session_closed is a hint the live "
+                          "service takes; a replayed trace ends its sessions itself"), err
+
+
 def test_sim_grid_reports_the_api_hint_names(tmp_path: Path) -> None:
     out = tmp_path / "grid.json"
     assert main(["sim-grid", "--traces", "synthetic:agentic:6", "--nodes", "1", "--loads",
