@@ -79,7 +79,7 @@ import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Request, Response
 from fastapi.concurrency import run_in_threadpool
@@ -694,12 +694,15 @@ class HttpServer:
     the OS picks a free port (see :attr:`port`). Connections are admitted, timed and
     closed by :mod:`~kvprefetch.controlplane.live.http_conn` under ``limits`` (default:
     the app's ``limits`` for an app of :func:`create_app`, else :class:`RequestLimits`);
-    ``max_connections``, when given, replaces theirs. :attr:`gate` keeps the books."""
+    ``max_connections``, when given, replaces theirs. :attr:`gate` keeps the books.
+    ``loop``: uvicorn's event loop, ``auto`` (uvloop where it is installed, else asyncio's),
+    ``asyncio`` or ``uvloop``."""
 
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, *,
                  log_level: str = "warning", access_log: bool = False,
                  max_connections: int | None = None,
-                 limits: RequestLimits | None = None) -> None:
+                 limits: RequestLimits | None = None,
+                 loop: Literal["auto", "asyncio", "uvloop"] = "auto") -> None:
         self.app = app
         if limits is None:
             limits = getattr(getattr(app, "state", None), "limits", None)
@@ -714,6 +717,7 @@ class HttpServer:
         self._port = port
         self.log_level = log_level
         self.access_log = access_log
+        self.loop = loop
         self._server: Any = None
         self._thread: threading.Thread | None = None
         self._socket: socket.socket | None = None
@@ -739,7 +743,7 @@ class HttpServer:
             raise ConfigError(f"http: cannot listen on {self.host}:{self._port}: {exc}") from exc
         config = uvicorn.Config(ConnectionTracker(self.app), host=self.host, port=self._port,
                                 log_level=self.log_level, access_log=self.access_log,
-                                log_config=None, lifespan="off",
+                                log_config=None, lifespan="off", loop=self.loop,
                                 http=guarded_protocol(self.gate),  # type: ignore[arg-type]
                                 timeout_keep_alive=math.ceil(self.limits.idle_timeout_s))
         server = uvicorn.Server(config)

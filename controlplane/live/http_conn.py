@@ -33,7 +33,7 @@ import asyncio
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from kvprefetch.controlplane.live.limits import RequestLimits
 
@@ -160,9 +160,10 @@ class GuardedProtocol(asyncio.Protocol):
 
     # ------------------------------------------------------------------ asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
-        peer = transport.get_extra_info("peername")
+        # Not an isinstance check: uvloop's transports (uvicorn's choice wherever uvloop is
+        # installed) have asyncio.Transport's methods without subclassing it.
+        self.transport = real = cast(asyncio.Transport, transport)
+        peer = real.get_extra_info("peername")
         host = str(peer[0]) if isinstance(peer, tuple | list) and peer else "?"
         conn = Connection(host, self)
         if not self.gate.admit(conn):
@@ -170,7 +171,7 @@ class GuardedProtocol(asyncio.Protocol):
             return
         self.conn = conn
         self.inner = self._make_inner({**self._app_state, CONNECTION_STATE: conn})
-        self.inner.connection_made(_LingeringTransport(transport, self))
+        self.inner.connection_made(_LingeringTransport(real, self))
         self._arm(self.limits.header_read_timeout_s)
 
     def data_received(self, data: bytes) -> None:
