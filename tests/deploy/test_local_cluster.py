@@ -231,21 +231,17 @@ def _hint(c: LocalCluster, session: str, kind: str, eta_s: float | None = None) 
     import httpx
 
     hint: dict[str, Any] = {"kind": kind} if eta_s is None else {"kind": kind, "eta_s": eta_s}
-    for attempt in range(3):  # a client re-sends a hint whose connection was reset
-        try:
-            response = httpx.post(f"http://{HEAD_IP}:{c.api_port}/v1/hint", timeout=10,
-                                  headers={"Authorization": f"Bearer {TOKEN}"},
-                                  json={"session_id": session, "hint": hint})
-            break
-        except httpx.TransportError:
-            if attempt == 2:
-                raise
-            time.sleep(1.0)
+    response = httpx.post(f"http://{HEAD_IP}:{c.api_port}/v1/hint", timeout=10,
+                          headers={"Authorization": f"Bearer {TOKEN}"},
+                          json={"session_id": session, "hint": hint})
     assert response.status_code == 200, response.text
 
 
-@pytest.mark.xfail(reason="known defect: on this deployment serve's HTTP API resets the "
-                   "connection of the test's POST /v1/hint (every retry); open", strict=False)
+@pytest.mark.xfail(reason="known defect: every hint is answered 200 and the evict advice "
+                   "takes deploy-s1 out of L1, but after the tool_running hint with a 2 s "
+                   "ETA the scheduler orders no warm back into its node's L1 (no order in "
+                   "flight, no displacement bet, no prefetch in LMCache's log within 90 s); "
+                   "open", strict=False)
 def test_a_two_turn_session_is_warmed_on_its_node_and_read_from_lmcache_l1(
         cluster: LocalCluster) -> None:
     import httpx
