@@ -314,6 +314,11 @@ class LiveDriver:
             call.input_tokens, call.output_tokens, 0, call.stop_reason, node=call.node,
             tenant=call.tenant, context_tokens=call.context_tokens)
         keys = self.record(event, hashes)  # first: a failed write changes nothing
+        if info.node is not None:
+            # an engine that reports no GPU start (vLLM, SGLang) leaves its route's
+            # estimate in the node's queue until the request ends
+            self.fleet.dequeue(info.node, info.est_service_s)
+            info.node, info.est_service_s = None, 0.0
         if call.local_tokens_read:
             self.core.mark_read(info.sid, call.node, call.local_tokens_read, info.arrival_s)
         self.applied(event, keys, box)
