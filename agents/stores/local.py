@@ -112,6 +112,17 @@ class LocalTierConfig(BaseModel):
     #: to reuse, as an LMCache L1 preallocates its buffer. 0 = none.
     prewarm_bytes: int = Field(0, ge=0)
     prewarm_file_bytes: int = Field(32 * MIB + 64 * 1024, gt=0)
+    #: Delete the tier's files when it is closed (a clean stop: the agent's ``close``, the
+    #: deployment's shutdown), so a DRAM tier gives its memory back; a process that dies
+    #: leaves them, and an agent restarted in its place indexes them again. None = on for
+    #: DRAM, off for disk.
+    remove_on_close: bool | None = None
+
+    @property
+    def removes_on_close(self) -> bool:
+        if self.remove_on_close is not None:
+            return self.remove_on_close
+        return self.kind == "dram"
 
     @property
     def recycle(self) -> bool:
@@ -327,6 +338,8 @@ class LocalTier(StoreLifecycle):
     def close(self) -> None:
         self._started = False
         self.files.close()
+        if self.config.removes_on_close:
+            self.files.remove_all()
 
     @property
     def _used_bytes(self) -> int:

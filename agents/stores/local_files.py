@@ -5,6 +5,7 @@ or create spares take the bytes the tier has in use."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -173,6 +174,17 @@ class TierFiles:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+    def remove_all(self) -> None:
+        """Delete every file of the tier's naming (objects, spares, partial writes) and
+        the folder if nothing else is left in it. After :meth:`close`."""
+        if not self.root.is_dir():
+            return
+        for path in list(self.root.iterdir()):
+            if path.name.endswith(SUFFIX) or path.name.startswith((TMP_PREFIX, SPARE_PREFIX)):
+                path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # something else lives there: keep the folder
+            self.root.rmdir()
 
     def close(self) -> None:
         """Close every kept mapping (the files stay)."""

@@ -62,8 +62,23 @@ def test_predicted_next_use_evicts_furthest(tmp_path: Path) -> None:
     assert sorted(t.keys()) == ["a", "c", "d"]
 
 
+def test_a_clean_close_gives_a_dram_tiers_memory_back(tmp_path: Path) -> None:
+    t = tier(tmp_path / "t", 100 * KIB)
+    t.put([(k, os.urandom(10 * KIB)) for k in "abcd"])
+    assert len(list((tmp_path / "t").iterdir())) >= 4
+    t.close()
+    assert not (tmp_path / "t").exists()
+    # A folder that holds files of others keeps them, and itself.
+    t = tier(tmp_path / "shared", 100 * KIB)
+    t.put([("a", os.urandom(10 * KIB))])
+    (tmp_path / "shared" / "notes.txt").write_text("not the tier's")
+    t.close()
+    assert [p.name for p in (tmp_path / "shared").iterdir()] == ["notes.txt"]
+
+
 def test_restart_with_a_smaller_capacity_keeps_what_fits(tmp_path: Path) -> None:
-    t = tier(tmp_path, 100 * KIB)
+    # The process that held the tier died (its files stay): closed without removing.
+    t = tier(tmp_path, 100 * KIB, remove_on_close=False)
     payloads = {k: os.urandom(10 * KIB) for k in "abcd"}
     t.put(list(payloads.items()))
     t.close()

@@ -18,7 +18,9 @@ PART = 4096
 
 @pytest.fixture
 def config(dram_dir: Path) -> LocalTierConfig:
-    return LocalTierConfig(path=str(dram_dir), capacity_bytes=64 << 20, part_bytes=PART)
+    # The writer closes before the reader reads: its files stay, as a running agent's do.
+    return LocalTierConfig(path=str(dram_dir), capacity_bytes=64 << 20, part_bytes=PART,
+                           remove_on_close=False)
 
 
 def payloads(n: int, size: int) -> dict[str, bytes]:

@@ -71,10 +71,17 @@ def test_an_out_node_joins_on_its_agents_hello_and_is_warmed() -> None:
         assert warmed == {"t/a", "t/b", "t/c"}
         assert all(o.prefetch and o.node == 1 for o in ports[1].orders)
         assert summary["orders_in_flight"] == {"node-0": 0, "gpu-1": 3}  # named by its agent
-        # its sessions moved home there: their next turn goes to node 1
-        assert svc.route({"tenant": "t", "session_id": "b", "input_tokens": 4 * CHUNK}).node == 1
         svc.agent_hello(AgentHello(1, "agent-1", "gpu-1"))  # a second hello is no new join
         assert svc.summary()["nodes_joined"] == 1
+    # A session warmed there moved home: its next turn goes to node 1 (alone on node 1's
+    # link, its KV lands as soon as node 0 could load it from the store; behind other
+    # warms, node 0 may answer sooner)
+    ports = {0: RecordingPort(), 1: RecordingPort()}
+    with _service(ports) as svc:
+        _served_then_lost(svc, ["a"])
+        svc.agent_hello(AgentHello(1, "agent-1", "gpu-1"))
+        assert [o.session_id for o in ports[1].orders] == ["t/a"]
+        assert svc.route({"tenant": "t", "session_id": "a", "input_tokens": 4 * CHUNK}).node == 1
 
 
 def test_resume_brings_back_the_joins_its_events_prove(tmp_path: Path) -> None:
