@@ -79,7 +79,7 @@ from kvprefetch.controlplane.live.batching import EventBatcher, EventBatching
 from kvprefetch.controlplane.live.node_registry import NodeListing, NodeRegistryAPI
 from kvprefetch.controlplane.live.packing import pack, unpack
 from kvprefetch.controlplane.live.protocol import GatewayAPI, RemoteAPI, SchedulerAPI
-from kvprefetch.controlplane.live.route_claims import ClaimHolder
+from kvprefetch.controlplane.live.routes.claims import ClaimHolder
 from kvprefetch.controlplane.live.sessions import SessionQuery, SessionState
 from kvprefetch.controlplane.live.tenants import TenantQuotaError
 

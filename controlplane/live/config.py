@@ -61,7 +61,7 @@ class ServiceConfig(BaseModel):
     tenant_max_live_sessions: dict[str, int] = Field(default_factory=dict)
     #: Route request ids each tenant's routes are remembered by (journalled, so across
     #: restarts): a retry with one answers the first call's answer; past this many the
-    #: least recently used is forgotten (:mod:`kvprefetch.controlplane.live.routes`).
+    #: least recently used is forgotten (:mod:`kvprefetch.controlplane.live.routes.ledger`).
     route_memory_per_tenant: int = Field(10_000, ge=1, le=10_000_000)
     #: Per-tenant share (0, 1] of each node's local tier: a tenant at its share has its own
     #: sessions evicted first to fit a new one, never another tenant's, and KV that its own

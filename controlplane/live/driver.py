@@ -14,8 +14,9 @@ released.
 
 Every session event takes one path, :meth:`LiveDriver.apply`, for a live call and for a
 journal replayed on restart alike, so a resumed session has the context, turns and chunk
-names it had. Routes with a request id are remembered (:mod:`~kvprefetch.controlplane.live.routes`)
-and journalled beside the events, so a retry after a restart answers as the first call did.
+names it had. Routes with a request id are remembered
+(:mod:`~kvprefetch.controlplane.live.routes.ledger`) and journalled beside the events, so a
+retry after a restart answers as the first call did.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from kvprefetch.controlplane.live.journal import KeysChange, LiveJournalScanner,
 from kvprefetch.controlplane.live.membership import FleetMembership
 from kvprefetch.controlplane.live.orders import OrderBook
 from kvprefetch.controlplane.live.ports import Outbox, ServiceMetricsSink, ServiceStats
-from kvprefetch.controlplane.live.routes import RouteLedger
+from kvprefetch.controlplane.live.routes.ledger import RouteLedger
 from kvprefetch.controlplane.live.sessions import (
     SessionInfo,
     SessionQuery,

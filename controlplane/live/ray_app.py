@@ -61,7 +61,7 @@ from kvprefetch.controlplane.base.wire import (
 from kvprefetch.controlplane.live.node_registry import NodeListing
 from kvprefetch.controlplane.live.packing import pack, unpack, unpack_event
 from kvprefetch.controlplane.live.protocol import SchedulerAPI
-from kvprefetch.controlplane.live.route_claims import ClaimHolder
+from kvprefetch.controlplane.live.routes.claims import ClaimHolder
 from kvprefetch.controlplane.live.scheduler_http import HttpFrontEnd, serve_scheduler
 from kvprefetch.controlplane.live.service import SchedulerService, ServiceConfig
 from kvprefetch.controlplane.live.sessions import SessionQuery, SessionState

@@ -32,7 +32,7 @@ nowhere), counted in the summary's ``nodes_joined``.
 Idempotent routes: a route with a ``request_id`` is applied once; a retry with the id
 answers the first answer, also after a restart (the answer is journalled), and
 :meth:`SchedulerService.cancel_route` undoes a route whose answer the caller never used
-(:mod:`kvprefetch.controlplane.live.routes`).
+(:mod:`kvprefetch.controlplane.live.routes.ledger`).
 
 Limits and tenancy: every gateway call is checked against ``config.limits`` (names,
 list lengths, token-id range) before it touches any state, and token ids are hashed into
@@ -94,8 +94,8 @@ from kvprefetch.controlplane.live.ports import (
     ServiceStats,
 )
 from kvprefetch.controlplane.live.protocol import SchedulerAPI
-from kvprefetch.controlplane.live.route_calls import cancel_route, route_once
-from kvprefetch.controlplane.live.route_claims import ClaimHolder, RequestIdClaims
+from kvprefetch.controlplane.live.routes.calls import cancel_route, route_once
+from kvprefetch.controlplane.live.routes.claims import ClaimHolder, RequestIdClaims
 from kvprefetch.controlplane.live.service_journal import ServiceJournal
 from kvprefetch.controlplane.live.sessions import SessionQuery, SessionRegistry, SessionState
 from kvprefetch.controlplane.live.summary import driver_summary
@@ -372,12 +372,12 @@ class SchedulerService:
         """Pick the node for a request; records ``request_started`` when the gateway has
         not sent it for this request. Idempotent per ``request_id`` (a call again with the
         id answers the first answer, RequestIdConflictError for another body):
-        :func:`~kvprefetch.controlplane.live.route_calls.route_once`."""
+        :func:`~kvprefetch.controlplane.live.routes.calls.route_once`."""
         return self._gateway_call(api.RouteQuery, call, route_once)
 
     def cancel_route(self, call: api.RouteCancel | dict[str, Any]) -> api.RouteCancelled:
         """Undo the route of ``call.request_id``, whose request the caller abandoned;
-        idempotent (:func:`~kvprefetch.controlplane.live.route_calls.cancel_route` says what undo
+        idempotent (:func:`~kvprefetch.controlplane.live.routes.calls.cancel_route` says what undo
         means)."""
         parsed: api.RouteCancel = (api.parse(api.RouteCancel, call) if isinstance(call, dict)
                                    else call)
@@ -541,7 +541,7 @@ class SchedulerService:
     def claim_request_id(self, tenant: str, request_id: str, session_id: str,
                          replacing: str | None = None) -> ClaimHolder | None:
         """Claim a route's request id that hashes to this shard for ``session_id``
-        (:mod:`~kvprefetch.controlplane.live.route_claims`): None when claimed, else the
+        (:mod:`~kvprefetch.controlplane.live.routes.claims`): None when claimed, else the
         other session that holds it."""
         with self._lock:
             return self._claims.claim(tenant, request_id, session_id, time.monotonic(),

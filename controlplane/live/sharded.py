@@ -6,7 +6,7 @@ that owns it (:class:`~kvprefetch.controlplane.base.shards.ShardRing`, computed 
 engine's report goes to the served session's shard, and a drop notice to each other shard
 whose sessions its HBM dropped (:func:`~kvprefetch.controlplane.base.shards.split_engine_report`);
 a route with a ``request_id`` first claims the id at the shard the id hashes to, so that one
-id names one session's route across all shards (:mod:`~kvprefetch.controlplane.live.route_claims`);
+id names one session's route across all shards (:mod:`~kvprefetch.controlplane.live.routes.claims`);
 an agent's hello goes to every shard (each keeps its own books of the node). A transfer
 report goes to the shard that issued the order: each shard's epochs are congruent to its
 number modulo the shard count, and every order id carries its epoch.
@@ -48,7 +48,7 @@ from kvprefetch.controlplane.live.batching import EventBatcher, EventBatching
 from kvprefetch.controlplane.live.client import RayTransport, with_timeout
 from kvprefetch.controlplane.live.node_registry import NodeListing
 from kvprefetch.controlplane.live.protocol import RemoteAPI, SchedulerAPI
-from kvprefetch.controlplane.live.route_claims import request_id_shard
+from kvprefetch.controlplane.live.routes.claims import request_id_shard
 from kvprefetch.controlplane.live.sessions import SessionQuery, SessionState
 
 
@@ -126,7 +126,7 @@ class ShardedTransport:
     def claim(self, call: api.RouteQuery) -> None:
         """Claim ``call.request_id`` for its session at the id's shard; raises
         RequestIdConflictError (409, nothing applied) while another session's route holds
-        it (:mod:`~kvprefetch.controlplane.live.route_claims`). While the id's shard is
+        it (:mod:`~kvprefetch.controlplane.live.routes.claims`). While the id's shard is
         down the route goes on unclaimed (its claims went with it, as in a restart)."""
         rid = call.request_id
         if rid is None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvprefetch.controlplane.base.errors import RequestIdConflictError
-from kvprefetch.controlplane.live.route_claims import (
+from kvprefetch.controlplane.live.routes.claims import (
     CLAIM_HOLD_S,
     ClaimHolder,
     RequestIdClaims,

@@ -10,7 +10,7 @@ import pytest
 from kvprefetch.controlplane.base import api
 from kvprefetch.controlplane.base.errors import InvalidRequestError, RequestIdConflictError
 from kvprefetch.controlplane.live.client import RequestIds
-from kvprefetch.controlplane.live.routes import RouteLedger, RouteMemo, route_digest
+from kvprefetch.controlplane.live.routes.ledger import RouteLedger, RouteMemo, route_digest
 
 
 def _memo(sid: str = "t/s", digest: str = "d", turn: int = 0) -> RouteMemo:

@@ -1,7 +1,7 @@
 """The live service's idempotent route calls, over its driver and under its lock: a route
 with a ``request_id`` routed once and remembered (:func:`route_once`), and the undoing of
 a route whose request the caller abandoned (:func:`cancel_route`). What is remembered,
-for how long and how it is journalled is :mod:`kvprefetch.controlplane.live.routes`'s
+for how long and how it is journalled is :mod:`kvprefetch.controlplane.live.routes.ledger`'s
 (the ledger); this module applies it to the driver's sessions. Called by
 :class:`~kvprefetch.controlplane.live.service.SchedulerService`, once per call.
 """
@@ -14,7 +14,7 @@ from kvprefetch.controlplane.base import api
 from kvprefetch.controlplane.base.errors import RequestIdConflictError
 from kvprefetch.controlplane.base.types import SessionKey
 from kvprefetch.controlplane.live.ports import Outbox
-from kvprefetch.controlplane.live.routes import RouteMemo, route_digest
+from kvprefetch.controlplane.live.routes.ledger import RouteMemo, route_digest
 from kvprefetch.controlplane.live.sessions import SessionInfo
 
 if TYPE_CHECKING:
@@ -27,7 +27,7 @@ def route_once(driver: LiveDriver, call: api.RouteQuery, box: Outbox) -> api.Rou
     """:meth:`LiveDriver.route`, once per request id: a query without one is routed; one
     whose id is remembered, with the same session and body, answers the remembered answer
     and applies nothing; a new id is routed, then remembered (until its request ends) and
-    journalled (:mod:`~kvprefetch.controlplane.live.routes`). RequestIdConflictError (nothing
+    journalled (:mod:`~kvprefetch.controlplane.live.routes.ledger`). RequestIdConflictError (nothing
     applied) for an id of another session or body, or of a cancelled route."""
     request_id = call.request_id
     if request_id is None:

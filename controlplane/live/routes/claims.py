@@ -1,7 +1,7 @@
 """Request ids across scheduler shards: each id is claimed at the one shard it hashes to.
 
 A route's ``request_id`` names one route of one session
-(:mod:`~kvprefetch.controlplane.live.routes`).
+(:mod:`~kvprefetch.controlplane.live.routes.ledger`).
 With several shards, a session's routes are remembered by the shard that owns the session,
 so the same id sent for two sessions owned by two shards would meet no common ledger.
 :class:`~kvprefetch.controlplane.live.sharded.ShardedTransport` therefore claims the id first
