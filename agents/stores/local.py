@@ -114,15 +114,10 @@ class LocalTierConfig(BaseModel):
     prewarm_file_bytes: int = Field(32 * MIB + 64 * 1024, gt=0)
     #: Delete the tier's files when it is closed (a clean stop: the agent's ``close``, the
     #: deployment's shutdown), so a DRAM tier gives its memory back; a process that dies
-    #: leaves them, and an agent restarted in its place indexes them again. None = on for
-    #: DRAM, off for disk.
-    remove_on_close: bool | None = None
-
-    @property
-    def removes_on_close(self) -> bool:
-        if self.remove_on_close is not None:
-            return self.remove_on_close
-        return self.kind == "dram"
+    #: leaves them, and an agent restarted in its place indexes them again. Only for the
+    #: tier's owner (``kvprefetch serve`` sets it on its agents' DRAM tiers): a reader of
+    #: the same folder (SGLang's backend) never removes what the agent wrote.
+    remove_on_close: bool = False
 
     @property
     def recycle(self) -> bool:
@@ -338,7 +333,7 @@ class LocalTier(StoreLifecycle):
     def close(self) -> None:
         self._started = False
         self.files.close()
-        if self.config.removes_on_close:
+        if self.config.remove_on_close:
             self.files.remove_all()
 
     @property

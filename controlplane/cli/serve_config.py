@@ -155,7 +155,8 @@ class AgentSettings(_Section):
             return None
         return LocalTierConfig(path=self.tier_path.format(node=node), kind=self.tier_kind,
                                capacity_bytes=self.tier_capacity_bytes,
-                               eviction=self.tier_eviction or "lru")
+                               eviction=self.tier_eviction or "lru",
+                               remove_on_close=self.tier_kind == "dram")
 
 
 class SecretSource(_Section):

@@ -63,13 +63,13 @@ def test_predicted_next_use_evicts_furthest(tmp_path: Path) -> None:
 
 
 def test_a_clean_close_gives_a_dram_tiers_memory_back(tmp_path: Path) -> None:
-    t = tier(tmp_path / "t", 100 * KIB)
+    t = tier(tmp_path / "t", 100 * KIB, remove_on_close=True)
     t.put([(k, os.urandom(10 * KIB)) for k in "abcd"])
     assert len(list((tmp_path / "t").iterdir())) >= 4
     t.close()
     assert not (tmp_path / "t").exists()
     # A folder that holds files of others keeps them, and itself.
-    t = tier(tmp_path / "shared", 100 * KIB)
+    t = tier(tmp_path / "shared", 100 * KIB, remove_on_close=True)
     t.put([("a", os.urandom(10 * KIB))])
     (tmp_path / "shared" / "notes.txt").write_text("not the tier's")
     t.close()
@@ -77,8 +77,8 @@ def test_a_clean_close_gives_a_dram_tiers_memory_back(tmp_path: Path) -> None:
 
 
 def test_restart_with_a_smaller_capacity_keeps_what_fits(tmp_path: Path) -> None:
-    # The process that held the tier died (its files stay): closed without removing.
-    t = tier(tmp_path, 100 * KIB, remove_on_close=False)
+    # The process that held the tier died, or a tier that keeps its files closed.
+    t = tier(tmp_path, 100 * KIB)
     payloads = {k: os.urandom(10 * KIB) for k in "abcd"}
     t.put(list(payloads.items()))
     t.close()

@@ -18,9 +18,7 @@ PART = 4096
 
 @pytest.fixture
 def config(dram_dir: Path) -> LocalTierConfig:
-    # The writer closes before the reader reads: its files stay, as a running agent's do.
-    return LocalTierConfig(path=str(dram_dir), capacity_bytes=64 << 20, part_bytes=PART,
-                           remove_on_close=False)
+    return LocalTierConfig(path=str(dram_dir), capacity_bytes=64 << 20, part_bytes=PART)
 
 
 def payloads(n: int, size: int) -> dict[str, bytes]:

@@ -261,8 +261,12 @@ def test_on_ray_a_raylet_that_joins_gets_requests_and_a_removed_one_none(
                         assert await asyncio.to_thread(
                             _wait, lambda: gateway.nodes.routable() == (0, 1), 60), \
                             ray.get(dep.scheduler.nodes.remote())
-                        # the joined node gets requests: new sessions spread over both
-                        hosts = {await ask(f"new-{i}") for i in range(8)}
+                        # the joined node gets requests: new sessions that arrive
+                        # together spread over both (each one routed adds to its node's
+                        # queue until it finishes)
+                        before = len(seen)
+                        await asyncio.gather(*(ask(f"new-{i}") for i in range(8)))
+                        hosts = {host for host, _ in seen[before:]}
                         assert "node1" in hosts, hosts
                         cluster.remove_node(first)
                         assert await asyncio.to_thread(

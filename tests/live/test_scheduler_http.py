@@ -94,6 +94,13 @@ def test_the_api_comes_back_on_its_port_when_ray_restarts_the_actor(
     epoch = ray.get(handle.epoch.remote(), timeout=30)
     ray.kill(handle, no_restart=False)
     deadline = time.monotonic() + 60
+    new_epoch = epoch
+    while new_epoch == epoch and time.monotonic() < deadline:  # a new incarnation
+        try:
+            new_epoch = ray.get(handle.epoch.remote(), timeout=30)
+        except ray.exceptions.RayActorError:  # dead or restarting: not yet
+            time.sleep(0.2)
+    assert new_epoch != epoch
     answer = None
     with _http(url) as http:
         while time.monotonic() < deadline:
@@ -106,7 +113,6 @@ def test_the_api_comes_back_on_its_port_when_ray_restarts_the_actor(
                 pass
             time.sleep(0.2)
     assert answer is not None and answer.status_code == 200, answer
-    assert ray.get(handle.epoch.remote(), timeout=30) != epoch  # a new incarnation
     assert ray.get(handle.http_url.remote(), timeout=30) == url
 
 

@@ -103,6 +103,8 @@ def test_the_tier_eviction_knob_reaches_every_agent_tier(tmp_path: Path) -> None
 
     default = load_serve_config(_write(tmp_path, _minimal())).agent.dram(0)
     assert default is not None and isinstance(make_policy(default.eviction), LruPolicy)
+    # the agent owns its DRAM tier: a clean stop gives the memory back
+    assert default.kind == "dram" and default.remove_on_close
     ranked = load_serve_config(_write(tmp_path, _minimal(engine="local", agent={
         "tier_capacity_bytes": 64 * MIB, "tier_eviction": "predicted"}))).agent.dram(2)
     assert ranked is not None
