@@ -202,7 +202,11 @@ def test_another_tenants_route_latency_holds_while_bad_bodies_arrive() -> None:
     assert small.status_code == 200, small.text
     assert large.status_code == 429 and int(large.headers["retry-after"]) >= 1, large.text
     assert {422, 429} <= statuses <= {422, 429, 0} and sent >= 20, (sent, statuses)
-    assert under <= 2 * base + 0.002, (quiet_p99, attacked_p99)
+    # Within 2x, or 10 ms: a quiet route takes about 2 ms here, and on a 2-core host the
+    # attackers' processes share the cores with the server, so the p99 moves by a few
+    # scheduler time slices whatever the server does (an unprotected server's p99 grows
+    # tens of times).
+    assert under <= max(2 * base, base + 0.010), (quiet_p99, attacked_p99)
 
 
 ROUNDS, SAMPLES = 5, 200
