@@ -26,6 +26,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from edge_server import TOKENS  # noqa: E402
+from kvptest.sockets import answer_head  # noqa: E402
 
 from kvprefetch.controlplane.live.http_edge import RefusalBudget  # noqa: E402
 
@@ -256,7 +257,7 @@ def test_without_a_token_the_body_is_not_read(served: Served) -> None:
         sock.sendall(b"POST /v1/route HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
                      b"\r\nContent-Length: " + str(16 * MIB).encode() + b"\r\n\r\n")
         t0 = time.perf_counter()
-        answer = _read_answer(sock)
+        answer = answer_head(sock)
         took = time.perf_counter() - t0
     assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
     assert took < 0.5
@@ -273,15 +274,6 @@ def test_without_a_token_the_body_is_not_read(served: Served) -> None:
           f"{before:.0f} -> {after:.0f} MiB")
     assert status == 401 and took < 1.0 and after - before < 16
 
-
-def _read_answer(sock: socket.socket) -> bytes:
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        if not chunk:
-            break
-        data += chunk
-    return data
 
 
 @pytest.mark.servers

@@ -22,6 +22,8 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
+from kvptest.sockets import answer_head  # noqa: E402
+
 from kvprefetch.controlplane.base.config import fleet_from_dict  # noqa: E402
 from kvprefetch.controlplane.live.http_api import HttpServer, create_app  # noqa: E402
 from kvprefetch.controlplane.live.limits import RequestLimits  # noqa: E402
@@ -51,16 +53,6 @@ def server(request: pytest.FixtureRequest) -> Iterator[HttpServer]:
     finally:
         svc.close()
 
-
-def _answer(sock: socket.socket) -> bytes:
-    """The answer's head (and what came with it), or what came before the server closed."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        if not chunk:
-            break
-        data += chunk
-    return data
 
 
 def _closed_within(sock: socket.socket, limit_s: float) -> float | None:
@@ -102,11 +94,11 @@ def test_the_gate_refuses_times_out_and_lingers_on_this_loop(server: HttpServer)
     for _ in range(LIMITS.max_connections_per_client):
         sock = socket.create_connection(address, timeout=5)
         sock.sendall(_post_head("/v1/route", len(body)) + body)
-        assert _answer(sock).startswith(b"HTTP/1.1 200"), "a call with a token"
+        assert answer_head(sock).startswith(b"HTTP/1.1 200"), "a call with a token"
         proven.append(sock)
     # the client's cap is held by connections with a token: a newcomer gets 503 at the door
     with socket.create_connection(address, timeout=5) as door:
-        answer = _answer(door)
+        answer = answer_head(door)
         assert answer.startswith(b"HTTP/1.1 503") and b"connection: close" in answer, answer
     assert server.gate.refused == 1
     for sock in proven:
@@ -129,7 +121,7 @@ def test_the_gate_refuses_times_out_and_lingers_on_this_loop(server: HttpServer)
                 sent += 65536
         except OSError:
             pass  # the server stopped reading once its answer and FIN were out
-        answer = _answer(sending)
+        answer = answer_head(sending)
         assert answer.startswith(b"HTTP/1.1 401"), answer
     with httpx.Client(base_url=server.url, headers=AUTH, timeout=5) as client:
         assert client.get("/healthz").status_code == 200  # the server still serves

@@ -259,6 +259,19 @@ def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> 
     return False
 
 
+def _serve_local(path: Path, ray_tmp: str) -> subprocess.CompletedProcess[str]:
+    """``kvprefetch serve --config PATH --address local`` run to its end (a start that
+    fails), then every process of its Ray session ended and ``ray_tmp`` removed."""
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "kvprefetch", "serve", "--config", str(path), "--address",
+             "local"], cwd=ROOT, capture_output=True, text=True, timeout=180,
+            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+    finally:
+        _end(_pids_under(ray_tmp))
+        subprocess.run(["rm", "-rf", ray_tmp], check=False)
+
+
 @pytest.mark.servers
 def test_an_actor_that_fails_at_start_is_one_line_naming_it_and_the_cause(
         tmp_path: Path, valkey_server: EmbeddedValkey) -> None:
@@ -274,15 +287,7 @@ def test_an_actor_that_fails_at_start_is_one_line_naming_it_and_the_cause(
                   "tier_capacity_bytes": 64 * MIB},
         "http": {"host": "127.0.0.1", "port": free_port(), "bearer_token": "tok"},
     }
-    path = _write(tmp_path, cfg)
-    try:
-        done = subprocess.run(
-            [sys.executable, "-m", "kvprefetch", "serve", "--config", str(path), "--address",
-             "local"], cwd=ROOT, capture_output=True, text=True, timeout=180,
-            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
-    finally:
-        _end(_pids_under(ray_tmp))
-        subprocess.run(["rm", "-rf", ray_tmp], check=False)
+    done = _serve_local(_write(tmp_path, cfg), ray_tmp)
     assert done.returncode == 2, done.stderr[-4000:]
     errors = [line for line in done.stderr.splitlines() if line.startswith("kvprefetch: ")]
     assert len(errors) == 1, done.stderr[-4000:]
@@ -333,16 +338,10 @@ def test_an_lmcache_url_that_is_not_an_lmcache_server_is_one_line_naming_the_fie
                               "model_name": "meta-llama/Llama-3.1-8B-Instruct"}},
         "http": {"host": "127.0.0.1", "port": free_port(), "bearer_token": "tok"},
     }
-    path = _write(tmp_path, cfg)
     try:
-        done = subprocess.run(
-            [sys.executable, "-m", "kvprefetch", "serve", "--config", str(path), "--address",
-             "local"], cwd=ROOT, capture_output=True, text=True, timeout=180,
-            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+        done = _serve_local(_write(tmp_path, cfg), ray_tmp)
     finally:
         listener.close()
-        _end(_pids_under(ray_tmp))
-        subprocess.run(["rm", "-rf", ray_tmp], check=False)
     assert done.returncode == 2, done.stderr[-4000:]
     errors = [line for line in done.stderr.splitlines() if line.startswith("kvprefetch: ")]
     assert len(errors) == 1, done.stderr[-4000:]
