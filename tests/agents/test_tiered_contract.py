@@ -14,7 +14,6 @@ import contextlib
 import os
 import random
 import socket
-import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -24,6 +23,7 @@ from typing import Any
 
 import pytest
 import valkey
+from kvptest.sockets import reset
 
 from kvprefetch.agents.embedded import EmbeddedS3, EmbeddedValkey
 from kvprefetch.agents.stores.errors import (
@@ -64,13 +64,13 @@ class DropProxy:
             except OSError:
                 return
             if not self.up:
-                _reset(conn)
+                reset(conn)
                 continue
             try:
                 back = socket.create_connection(("127.0.0.1", self.upstream), timeout=1.0)
                 back.settimeout(None)
             except OSError:
-                _reset(conn)
+                reset(conn)
                 continue
             with self._lock:
                 self._socks |= {conn, back}
@@ -84,7 +84,7 @@ class DropProxy:
         except OSError:
             pass
         for s in (src, dst):
-            _reset(s)
+            reset(s)
         with self._lock:
             self._socks -= {src, dst}
 
@@ -93,7 +93,7 @@ class DropProxy:
         with self._lock:
             socks = list(self._socks)
         for s in socks:
-            _reset(s)
+            reset(s)
 
     def heal(self) -> None:
         self.up = True
@@ -103,15 +103,6 @@ class DropProxy:
         self.cut()
         self._listener.close()
 
-
-def _reset(s: socket.socket) -> None:
-    """Close with a reset (linger 0): the peer's call fails at once, no TIME_WAIT stays."""
-    with contextlib.suppress(OSError):
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    with contextlib.suppress(OSError):
-        s.shutdown(socket.SHUT_RDWR)
-    with contextlib.suppress(OSError):
-        s.close()
 
 
 def make(valkey_port: int, s3: EmbeddedS3, prefix: str, *, s3_port: int | None = None,

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import socket
-import struct
 import threading
 import time
 from typing import Literal
+
+from kvptest.sockets import reset
 
 Mode = Literal["up", "dead", "slow", "reset", "bad_gateway", "gateway_timeout", "not_json"]
 MODES: tuple[Mode, ...] = ("up", "dead", "slow", "reset", "bad_gateway", "gateway_timeout",
@@ -44,16 +45,6 @@ _CANNED: dict[str, bytes] = {
     "not_json": _http_answer(b"200 OK"),
 }
 
-
-def _reset(sock: socket.socket) -> None:
-    """Close with a TCP reset (linger 0), as a crashed process's socket goes. The shutdown
-    first: a close alone would wait for another thread's blocked ``recv`` on the socket."""
-    with contextlib.suppress(OSError):
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_RDWR)
-    with contextlib.suppress(OSError):
-        sock.close()
 
 
 class FaultyLink:
@@ -115,7 +106,7 @@ class FaultyLink:
         with self._lock:
             conns, self._conns = self._conns, set()
         for conn in conns:
-            _reset(conn)
+            reset(conn)
 
     def _track(self, sock: socket.socket) -> None:
         with self._lock:
@@ -142,7 +133,7 @@ class FaultyLink:
                     return
                 mode = self.mode
                 if mode in ("reset", "dead"):
-                    _reset(conn)
+                    reset(conn)
                     return
                 if mode in _CANNED:
                     conn.sendall(_CANNED[mode])
@@ -172,7 +163,7 @@ class FaultyLink:
                 if self.mode == "slow":
                     time.sleep(self.delay_s)
                 if self.mode == "dead":
-                    _reset(conn)
+                    reset(conn)
                     return
                 conn.sendall(data)
         except OSError:

@@ -2,7 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import struct
+
+
+def reset(sock: socket.socket) -> None:
+    """Close with a TCP reset (linger 0), as a crashed process's socket goes: the peer's
+    call fails at once and no TIME_WAIT stays. The shutdown first: a close alone would
+    wait for another thread's blocked ``recv`` on the socket."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    with contextlib.suppress(OSError):
+        sock.close()
 
 
 def answer_head(sock: socket.socket) -> bytes:
