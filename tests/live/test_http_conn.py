@@ -21,7 +21,8 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from edge_server import TOKENS  # noqa: E402
-from test_http_edge import ACME, GLOBEX, MIB, Served, _p99, _read_answer, _route, serve  # noqa: E402
+from kvptest.sockets import answer_head  # noqa: E402
+from test_http_edge import ACME, GLOBEX, MIB, Served, _p99, _route, serve  # noqa: E402
 
 pytestmark = pytest.mark.servers
 
@@ -157,7 +158,7 @@ def test_silent_slow_header_and_idle_kept_alive_sockets_are_closed_in_time() -> 
         def kept() -> float | None:
             with socket.create_connection(srv.address, timeout=5) as s:
                 s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-                assert _read_answer(s).startswith(b"HTTP/1.1 200")
+                assert answer_head(s).startswith(b"HTTP/1.1 200")
                 return _closed_within(s, 8)
 
         with ThreadPoolExecutor(3) as pool:
@@ -216,7 +217,7 @@ def _send_whole_body(srv: Served, head: bytes, body_bytes: int) -> bytes:
         while sent < body_bytes:
             sock.sendall(chunk)
             sent += len(chunk)
-        return _read_answer(sock)
+        return answer_head(sock)
 
 
 def test_refusals_sent_before_the_body_is_read_reach_a_client_still_sending() -> None:
@@ -253,7 +254,7 @@ def test_the_drain_is_bounded_by_its_bytes_and_its_time() -> None:
         with socket.create_connection(srv.address, timeout=5) as sock:
             t0 = time.perf_counter()
             sock.sendall(head + b"1," * 1024)
-            answer = _read_answer(sock)  # then FIN: the server sends nothing more
+            answer = answer_head(sock)  # then FIN: the server sends nothing more
             closed = None
             while time.perf_counter() - t0 < 5:  # a byte now and then, until it is refused
                 try:
