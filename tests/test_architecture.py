@@ -18,6 +18,7 @@ README = ROOT / "README.md"
 #: The README's words for the layers' packages.
 README_NAMES = {
     "base types": "kvprefetch.controlplane.base",
+    "journal": "kvprefetch.controlplane.journal",
     "predictors": "kvprefetch.predictors",
     "traces": "kvprefetch.controlplane.traces",
     "core": "kvprefetch.controlplane.core",

@@ -26,10 +26,11 @@ from kvprefetch.agents.vllm.kv_events import VLLMEventsConfig
 from kvprefetch.controlplane.base.actors import NAMESPACE
 from kvprefetch.controlplane.base.config import FleetConfig, fleet_from_dict
 from kvprefetch.controlplane.base.errors import ConfigError, KvPrefetchError
+from kvprefetch.controlplane.base.names import check_tenant_name
 from kvprefetch.controlplane.base.units import ByteSize
 from kvprefetch.controlplane.core.engines import DEFAULT_ENGINE, ENGINES, Mechanism
 from kvprefetch.controlplane.live.config import ServiceConfig
-from kvprefetch.controlplane.live.limits import RequestLimits, check_tenant_name
+from kvprefetch.controlplane.live.limits import RequestLimits
 from kvprefetch.controlplane.live.tenants import TenantAuth
 
 MIB = 1 << 20

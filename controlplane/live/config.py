@@ -11,11 +11,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from kvprefetch.controlplane.base.config import FleetConfig, default_fleet
 from kvprefetch.controlplane.base.errors import InvalidRequestError
 from kvprefetch.controlplane.base.keys import DEFAULT_CHUNK_TOKENS
+from kvprefetch.controlplane.base.names import check_tenant_name
 from kvprefetch.controlplane.base.shards import MAX_SHARDS
 from kvprefetch.controlplane.core.engines import ENGINES, on_engine
 from kvprefetch.controlplane.core.policies import POLICIES, PolicySpec
 from kvprefetch.controlplane.core.quotas import TenantQuota
-from kvprefetch.controlplane.live.limits import RequestLimits, check_tenant_name
+from kvprefetch.controlplane.live.limits import RequestLimits
 
 #: Live sessions a tenant may hold when its quota is not given.
 DEFAULT_MAX_LIVE_SESSIONS = 100_000

@@ -36,9 +36,10 @@ from kvprefetch.controlplane.base.wire import EngineReport, GpuStartPlan
 from kvprefetch.controlplane.core.planner import PrefetchOrder
 from kvprefetch.controlplane.core.scheduler import SchedulerCore
 from kvprefetch.controlplane.core.step import StepOutput
+from kvprefetch.controlplane.journal.format import DamagedRecord, TimeLimits
+from kvprefetch.controlplane.journal.live import KeysChange, LiveJournalScanner, LiveJournalWriter
 from kvprefetch.controlplane.live.config import ServiceClock, ServiceConfig
 from kvprefetch.controlplane.live.fleet import LiveFleet
-from kvprefetch.controlplane.live.journal import KeysChange, LiveJournalScanner, LiveJournalWriter
 from kvprefetch.controlplane.live.membership import FleetMembership
 from kvprefetch.controlplane.live.orders import OrderBook
 from kvprefetch.controlplane.live.ports import Outbox, ServiceMetricsSink, ServiceStats
@@ -51,7 +52,6 @@ from kvprefetch.controlplane.live.sessions import (
 )
 from kvprefetch.controlplane.live.tenants import TenantQuotaError
 from kvprefetch.controlplane.live.transfers import TransferOutcomes
-from kvprefetch.controlplane.traces.journal import DamagedRecord, TimeLimits
 
 log = logging.getLogger(__name__)
 

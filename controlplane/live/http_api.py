@@ -106,6 +106,12 @@ from kvprefetch.controlplane.base.errors import (
     ServiceError,
     ServiceUnavailableError,
 )
+from kvprefetch.controlplane.base.names import (
+    SESSION_ID_MAX_CHARS,
+    SESSION_ID_PATTERN,
+    TENANT_MAX_CHARS,
+    TENANT_PATTERN,
+)
 from kvprefetch.controlplane.live.batching import EventBatching
 from kvprefetch.controlplane.live.client import Client, InProcessTransport
 from kvprefetch.controlplane.live.http_body import BigList, BodyValidator, Invalid
@@ -115,14 +121,7 @@ from kvprefetch.controlplane.live.http_conn import (
     guarded_protocol,
 )
 from kvprefetch.controlplane.live.http_edge import PRINCIPAL_STATE, EdgeGuard
-from kvprefetch.controlplane.live.limits import (
-    SESSION_ID_MAX_CHARS,
-    SESSION_ID_PATTERN,
-    TENANT_MAX_CHARS,
-    TENANT_PATTERN,
-    RequestLimits,
-    prehash,
-)
+from kvprefetch.controlplane.live.limits import RequestLimits, prehash
 from kvprefetch.controlplane.live.metrics import pseudonymize_tenants, tenant_pseudonyms
 from kvprefetch.controlplane.live.node_registry import NodeListing, NodeRegistryAPI
 from kvprefetch.controlplane.live.protocol import GatewayAPI, RemoteAPI

@@ -1,17 +1,12 @@
 """What one gateway call may carry: request-body size, list lengths, token-id range, and
-the rules for tenant names and session ids. Checked at every edge (the HTTP API before
+the names it gives (the rules for session ids and tenant names:
+:mod:`kvprefetch.controlplane.base.names`). Checked at every edge (the HTTP API before
 parsing, the scheduler service before it touches any state), so that a call over a limit
 is refused whole (422 naming the field, or 413 for the body) and never half-applied.
-
-Session ids: 1-256 characters of ``A-Z a-z 0-9 . _ : @ + = - /``; ``/`` separates parts
-(Claude Code sub-agents: ``parent/agent_002``), and no part may be empty, ``.`` or ``..``
-(such ids would name no object in S3, or another session's). Tenant names follow the same
-rules without ``/`` and at most 64 characters.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -19,20 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from kvprefetch.controlplane.base import api
 from kvprefetch.controlplane.base.errors import InvalidRequestError
 from kvprefetch.controlplane.base.keys import chunk_hashes
+from kvprefetch.controlplane.base.names import check_session_id, check_tenant_name, is_tenant_name
 
 MIB = 1 << 20
-
-_PLAIN = "A-Za-z0-9_:@+="  # the allowed characters other than '.', '-' and '/'
-#: One part of a name: any allowed characters, but not "." or "..".
-_PART = rf"(?:[{_PLAIN}-][{_PLAIN}.-]*|\.[{_PLAIN}-][{_PLAIN}.-]*|\.\.[{_PLAIN}.-]+)"
-#: A session id (JSON-schema / Rust-regex compatible: no look-arounds).
-SESSION_ID_PATTERN = rf"^{_PART}(?:/{_PART})*$"
-SESSION_ID_MAX_CHARS = 256
-#: A tenant name.
-TENANT_PATTERN = rf"^{_PART}$"
-TENANT_MAX_CHARS = 64
-_SESSION_ID = re.compile(SESSION_ID_PATTERN)
-_TENANT = re.compile(TENANT_PATTERN)
 
 
 class RequestLimits(BaseModel):
@@ -112,7 +96,7 @@ class RequestLimits(BaseModel):
                              f"{self.max_token_id} ({need} bytes of JSON): raise it or "
                              "lower the others")
         for tenant, rate in self.tenant_rate_limits_calls_per_s.items():
-            if len(tenant) > TENANT_MAX_CHARS or not _TENANT.match(tenant):
+            if not is_tenant_name(tenant):
                 raise ValueError(f"tenant_rate_limits_calls_per_s: {tenant[:80]!r} is not a "
                                  "valid tenant name")
             if not 0 < rate <= 1_000_000:
@@ -128,22 +112,6 @@ class RequestLimits(BaseModel):
         if rate is None:
             return None
         return rate, self.rate_limit_burst_calls or max(1, int(rate))
-
-
-def check_session_id(session_id: str, field: str = "session_id") -> None:
-    """InvalidRequestError naming ``field`` unless ``session_id`` follows the rules."""
-    if len(session_id) > SESSION_ID_MAX_CHARS or not _SESSION_ID.match(session_id):
-        raise InvalidRequestError(
-            f"{field}: {session_id[:80]!r} is not a valid session id (1-{SESSION_ID_MAX_CHARS} "
-            "characters of A-Z a-z 0-9 . _ : @ + = - and '/' between parts; no part empty, "
-            "'.' or '..')")
-
-
-def check_tenant_name(tenant: str, field: str = "tenant") -> None:
-    if len(tenant) > TENANT_MAX_CHARS or not _TENANT.match(tenant):
-        raise InvalidRequestError(
-            f"{field}: {tenant[:80]!r} is not a valid tenant name (1-{TENANT_MAX_CHARS} "
-            "characters of A-Z a-z 0-9 . _ : @ + = -; not '.' or '..')")
 
 
 def max_hashes(limits: RequestLimits, chunk_tokens: int) -> int:

@@ -10,7 +10,7 @@ of the core, in rooms:
   (sessions, orders, the fleet's members, transfer outcomes): every session event is
   journalled, then applied by ``LiveDriver.apply``, the one path that live calls and
   resume share;
-* :class:`~kvprefetch.controlplane.live.service_journal.ServiceJournal`: the journal over
+* :class:`~kvprefetch.controlplane.journal.lifecycle.ServiceJournal`: the journal over
   the service's life (replay and quarantine at start, fail-closed writes, fsync on the
   loop's interval, compaction, the stop record);
 * :class:`~kvprefetch.controlplane.live.ports.AgentFanout`: the core's decisions
@@ -78,6 +78,8 @@ from kvprefetch.controlplane.base.wire import (
 )
 from kvprefetch.controlplane.core.quotas import TenantQuotaStats
 from kvprefetch.controlplane.core.scheduler import SchedulerCore
+from kvprefetch.controlplane.journal.lifecycle import ServiceJournal
+from kvprefetch.controlplane.journal.writer import JournalOpener, open_journal_file
 from kvprefetch.controlplane.live.config import ServiceClock, ServiceConfig
 from kvprefetch.controlplane.live.driver import LiveDriver, check_node
 from kvprefetch.controlplane.live.fleet import LiveFleet
@@ -96,10 +98,8 @@ from kvprefetch.controlplane.live.ports import (
 from kvprefetch.controlplane.live.protocol import SchedulerAPI
 from kvprefetch.controlplane.live.routes.calls import cancel_route, route_once
 from kvprefetch.controlplane.live.routes.claims import ClaimHolder, RequestIdClaims
-from kvprefetch.controlplane.live.service_journal import ServiceJournal
 from kvprefetch.controlplane.live.sessions import SessionQuery, SessionRegistry, SessionState
 from kvprefetch.controlplane.live.summary import driver_summary
-from kvprefetch.controlplane.traces.journal_writer import JournalOpener, open_journal_file
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from kvprefetch.controlplane.base.errors import TraceFormatError
+from kvprefetch.controlplane.base.fields import FieldReader, check_exists, open_text
 from kvprefetch.controlplane.base.types import Trace, TraceRequest, TraceSession
-from kvprefetch.controlplane.traces._fields import FieldReader, check_exists, open_text
 
 FORMAT_NAME = "azure"
 COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")

@@ -34,9 +34,9 @@ import pydantic_core
 from tqdm import tqdm
 
 from kvprefetch.controlplane.base.errors import TraceFormatError
+from kvprefetch.controlplane.base.fields import FieldReader, check_exists, read_bytes
 from kvprefetch.controlplane.base.types import Trace, TraceRequest, TraceSession
 from kvprefetch.controlplane.base.vocabulary import stop_reason_or_none
-from kvprefetch.controlplane.traces._fields import FieldReader, check_exists, read_bytes
 from kvprefetch.controlplane.traces.arrivals import ArrivalOptions, assign_start_times
 
 FORMAT_NAME = "claude-code"

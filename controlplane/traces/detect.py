@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 from kvprefetch.controlplane.base.errors import UnknownFormatError
-from kvprefetch.controlplane.traces._fields import check_exists, numbered_lines, open_text
+from kvprefetch.controlplane.base.fields import check_exists, numbered_lines, open_text
 
 #: Every format :func:`kvprefetch.controlplane.traces.load_trace` reads, by name.
 FORMATS: tuple[str, ...] = ("claude-code", "mooncake", "azure", "journal")

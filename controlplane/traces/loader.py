@@ -7,11 +7,11 @@ from pathlib import Path
 
 from kvprefetch.controlplane.base.errors import UnknownFormatError
 from kvprefetch.controlplane.base.types import Trace
+from kvprefetch.controlplane.journal.trace import load_journal
 from kvprefetch.controlplane.traces.arrivals import ArrivalOptions, scale_clock
 from kvprefetch.controlplane.traces.azure import load_azure
 from kvprefetch.controlplane.traces.claude_code import load_claude_code
 from kvprefetch.controlplane.traces.detect import FORMATS, detect_format, known_formats_text
-from kvprefetch.controlplane.traces.journal import load_journal
 from kvprefetch.controlplane.traces.mooncake import load_mooncake
 from kvprefetch.controlplane.traces.synthetic import is_synthetic, load_synthetic
 

@@ -44,13 +44,13 @@ import pydantic_core
 from tqdm import tqdm
 
 from kvprefetch.controlplane.base.errors import TraceFormatError
-from kvprefetch.controlplane.base.types import Trace, TraceRequest, TraceSession
-from kvprefetch.controlplane.traces._fields import (
+from kvprefetch.controlplane.base.fields import (
     FieldReader,
     check_exists,
     numbered_lines,
     open_text,
 )
+from kvprefetch.controlplane.base.types import Trace, TraceRequest, TraceSession
 
 FORMAT_NAME = "mooncake"
 BLOCK_TOKENS = 512

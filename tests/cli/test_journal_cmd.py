@@ -12,10 +12,10 @@ import pytest
 from kvprefetch.controlplane.base.config import fleet_from_dict
 from kvprefetch.controlplane.base.types import SessionKey
 from kvprefetch.controlplane.cli import main
+from kvprefetch.controlplane.journal.format import HEADER_KEY
 from kvprefetch.controlplane.live.config import ServiceConfig
 from kvprefetch.controlplane.live.connect import connect
 from kvprefetch.controlplane.live.service import SchedulerService
-from kvprefetch.controlplane.traces.journal import HEADER_KEY
 
 GIB = 1 << 30
 FLEET = fleet_from_dict({"nodes": 2, "node": {"hbm_kv_bytes": 4 * GIB,

@@ -13,11 +13,11 @@ import pytest
 
 from kvprefetch.controlplane.base.config import fleet_from_dict
 from kvprefetch.controlplane.cli import main
+from kvprefetch.controlplane.journal.format import quarantine_path
+from kvprefetch.controlplane.journal.live import compact_journal
 from kvprefetch.controlplane.live.config import ServiceConfig
 from kvprefetch.controlplane.live.connect import connect
-from kvprefetch.controlplane.live.journal import compact_journal
 from kvprefetch.controlplane.live.service import SchedulerService
-from kvprefetch.controlplane.traces.journal import quarantine_path
 
 GIB = 1 << 30
 FLEET = fleet_from_dict({"nodes": 2, "node": {"hbm_kv_bytes": 4 * GIB,

@@ -21,16 +21,16 @@ import pytest
 from kvprefetch.controlplane.base.config import fleet_from_dict
 from kvprefetch.controlplane.base.types import SessionEvent
 from kvprefetch.controlplane.cli import main
-from kvprefetch.controlplane.live.config import ServiceConfig
-from kvprefetch.controlplane.live.connect import connect
-from kvprefetch.controlplane.live.service import SchedulerService
-from kvprefetch.controlplane.traces.journal import (
+from kvprefetch.controlplane.journal.format import (
     JournalScanner,
     TimeLimits,
     encode_checked,
     quarantine_path,
-    read_journal_events,
 )
+from kvprefetch.controlplane.journal.trace import read_journal_events
+from kvprefetch.controlplane.live.config import ServiceConfig
+from kvprefetch.controlplane.live.connect import connect
+from kvprefetch.controlplane.live.service import SchedulerService
 
 GIB = 1 << 30
 FLEET = fleet_from_dict({"nodes": 2, "node": {"hbm_kv_bytes": 4 * GIB,

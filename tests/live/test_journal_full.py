@@ -23,11 +23,11 @@ import pytest
 
 from kvprefetch.controlplane.base.config import fleet_from_dict
 from kvprefetch.controlplane.base.errors import JournalUnavailableError
+from kvprefetch.controlplane.journal.live import LiveJournalScanner
+from kvprefetch.controlplane.journal.writer import JournalFile, open_journal_file
 from kvprefetch.controlplane.live.config import ServiceConfig
 from kvprefetch.controlplane.live.connect import connect
-from kvprefetch.controlplane.live.journal import LiveJournalScanner
 from kvprefetch.controlplane.live.service import SchedulerService
-from kvprefetch.controlplane.traces.journal_writer import JournalFile, open_journal_file
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")

@@ -24,10 +24,10 @@ from pathlib import Path
 import pytest
 
 from kvprefetch.controlplane.base.config import fleet_from_dict
+from kvprefetch.controlplane.journal.format import encode_checked, quarantine_path
 from kvprefetch.controlplane.live.config import ServiceConfig
 from kvprefetch.controlplane.live.connect import connect
 from kvprefetch.controlplane.live.service import SchedulerService
-from kvprefetch.controlplane.traces.journal import encode_checked, quarantine_path
 
 GIB = 1 << 30
 FLEET = fleet_from_dict({"nodes": 2, "node": {"hbm_kv_bytes": 4 * GIB,

@@ -19,10 +19,11 @@ pytest.importorskip("fastapi")
 from kvprefetch.controlplane.base import api  # noqa: E402
 from kvprefetch.controlplane.base.config import fleet_from_dict  # noqa: E402
 from kvprefetch.controlplane.base.errors import InvalidRequestError  # noqa: E402
+from kvprefetch.controlplane.base.names import check_session_id  # noqa: E402
 from kvprefetch.controlplane.live import limits as limits_module  # noqa: E402
 from kvprefetch.controlplane.live.connect import connect  # noqa: E402
 from kvprefetch.controlplane.live.http_api import HttpServer, create_app  # noqa: E402
-from kvprefetch.controlplane.live.limits import RequestLimits, check_session_id  # noqa: E402
+from kvprefetch.controlplane.live.limits import RequestLimits  # noqa: E402
 from kvprefetch.controlplane.live.service import SchedulerService, ServiceConfig  # noqa: E402
 
 GIB = 1 << 30

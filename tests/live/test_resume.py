@@ -11,11 +11,11 @@ from kvptest.live_fleet import session_home
 
 from kvprefetch.controlplane.base.config import fleet_from_dict
 from kvprefetch.controlplane.base.types import EventKind, HintKind, SessionEvent
+from kvprefetch.controlplane.journal.format import EpochRecord, encode_checked
+from kvprefetch.controlplane.journal.live import KeysChange, LiveJournalWriter, compact_journal
 from kvprefetch.controlplane.live.config import ServiceConfig
 from kvprefetch.controlplane.live.connect import connect
-from kvprefetch.controlplane.live.journal import KeysChange, LiveJournalWriter, compact_journal
 from kvprefetch.controlplane.live.service import SchedulerService
-from kvprefetch.controlplane.traces.journal import EpochRecord, encode_checked
 
 GIB = 1 << 30
 FLEET = fleet_from_dict({"nodes": 2, "node": {"hbm_kv_bytes": 4 * GIB,

@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 
 from kvprefetch.controlplane.base.types import EventKind, SessionEvent
-from kvprefetch.controlplane.live.journal import LiveJournalScanner, LiveJournalWriter
-from kvprefetch.controlplane.traces.journal import (
+from kvprefetch.controlplane.journal.format import (
     JournalScanner,
     RouteRecord,
     TimeLimits,
     encode_checked,
-    read_journal_events,
 )
+from kvprefetch.controlplane.journal.live import LiveJournalScanner, LiveJournalWriter
+from kvprefetch.controlplane.journal.trace import read_journal_events
 
 ROUTE = RouteRecord("r-1", "acme", "acme/s1", "0f" * 16, 0, 1.5, 1, arrival_s=1.25,
                     node_name="node-1", estimated_ttft_s=0.04, local_ready=True)

@@ -1,5 +1,5 @@
 """The live scheduler's journal: the trace journal
-(:mod:`kvprefetch.controlplane.traces.journal`) with what an exact resume needs beyond a
+(:mod:`kvprefetch.controlplane.journal.format`) with what an exact resume needs beyond a
 :class:`~kvprefetch.controlplane.base.types.SessionEvent`, and its compaction.
 
 Chunk names: a session whose client sent token ids or chunk hashes names its chunks by
@@ -23,7 +23,7 @@ records, the missing numbers are records lost (:class:`LostRecords`): exactly so
 journal never compacted, at most so in a compacted one (there, gaps are normal).
 
 Failing closed: a record whose write fails (a full disk) is cut away again
-(:mod:`kvprefetch.controlplane.traces.journal_writer`) and :class:`LiveJournalWriter` raises
+(:mod:`kvprefetch.controlplane.journal.writer`) and :class:`LiveJournalWriter` raises
 :class:`~kvprefetch.controlplane.base.errors.JournalUnavailableError` (503, a short
 message; the path and the OS error go to the log); its sequence number is used again by
 the next record, so a failed write leaves no gap.
@@ -32,7 +32,7 @@ Compaction (:func:`compact_journal`): the journal is rewritten atomically as its
 last scheduler-start record and the records of the sessions still live, each from after its
 last close: the events of closed sessions are dropped, so resuming costs the live sessions'
 events, not the history. A route record
-(:class:`~kvprefetch.controlplane.traces.journal.RouteRecord`) stays while the scheduler
+(:class:`~kvprefetch.controlplane.journal.format.RouteRecord`) stays while the scheduler
 remembers its request id (where it names the ids it remembers) and its session is kept, or
 it records a cancel (a retry of a cancelled route is refused after a restart too, also when
 the cancel closed the session). Records written while it ran are copied over as they are
@@ -57,9 +57,9 @@ from typing import Any
 import pydantic_core
 
 from kvprefetch.controlplane.base.errors import InvalidRequestError, JournalUnavailableError
+from kvprefetch.controlplane.base.names import check_session_id, check_tenant_name
 from kvprefetch.controlplane.base.types import EventKind, SessionEvent, SessionKey
-from kvprefetch.controlplane.live.limits import check_session_id, check_tenant_name
-from kvprefetch.controlplane.traces.journal import (
+from kvprefetch.controlplane.journal.format import (
     HEADER_KEY,
     JOURNAL_VERSION,
     EpochRecord,
@@ -70,9 +70,9 @@ from kvprefetch.controlplane.traces.journal import (
     event_to_dict,
     file_mode,
 )
-from kvprefetch.controlplane.traces.journal import UntrustedLine as _Damaged
-from kvprefetch.controlplane.traces.journal import encode_checked as _encode_checked
-from kvprefetch.controlplane.traces.journal_writer import (
+from kvprefetch.controlplane.journal.format import UntrustedLine as _Damaged
+from kvprefetch.controlplane.journal.format import encode_checked as _encode_checked
+from kvprefetch.controlplane.journal.writer import (
     JournalOpener,
     JournalWriter,
     open_journal_file,

@@ -3,9 +3,9 @@ with the incarnation's epoch record, flushed by the control loop, compacted, end
 stop record.
 
 :class:`ServiceJournal` is the service's room for it; the records themselves and their
-checks live in :mod:`kvprefetch.controlplane.live.journal`.
+checks live in :mod:`kvprefetch.controlplane.journal.live`.
 
-* Replay (:meth:`ServiceJournal.replay`): through ``LiveDriver.resume``; damaged records
+* Replay (:meth:`ServiceJournal.replay`): through the driver's ``resume``; damaged records
   are quarantined to a side file and counted, never a failed start-up (Ray would restart
   the scheduler into the same record forever).
 * Fails closed: a call whose event cannot be journalled (a full disk) raises
@@ -14,7 +14,7 @@ checks live in :mod:`kvprefetch.controlplane.live.journal`.
   it takes records again.
 * Durability: every record is handed to the OS when written (a killed service loses no
   acknowledged event); the control loop fsyncs every ``journal_sync_interval_s``.
-* Compaction (:func:`~kvprefetch.controlplane.live.journal.compact_journal`): at start-up
+* Compaction (:func:`~kvprefetch.controlplane.journal.live.compact_journal`): at start-up
   after a long replay, and in a background thread once ``journal_compact_records``
   records were written since the last one (and as many as that one kept). The journal is
   rewritten atomically without closed sessions' records, so a resume costs the live
@@ -24,20 +24,29 @@ checks live in :mod:`kvprefetch.controlplane.live.journal`.
 Threading: :meth:`~ServiceJournal.compact` runs on its own thread and takes the service's
 lock only to note where the journal ends and to swap the files; every other method runs
 under the service's lock or before the control loop starts.
+
+What it needs of the service is stated as protocols (:class:`JournalSettings`,
+:class:`JournalledDriver`, :class:`ServiceTime`), which the service's config, driver and
+clock (:mod:`kvprefetch.controlplane.live`) meet: the journal sits below the live service
+in the layers and imports none of it.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from kvprefetch.controlplane.base.errors import JournalUnavailableError
-from kvprefetch.controlplane.live.config import ServiceClock, ServiceConfig
-from kvprefetch.controlplane.live.driver import LiveDriver
-from kvprefetch.controlplane.live.journal import (
+from kvprefetch.controlplane.journal.format import (
+    EpochRecord,
+    StopRecord,
+    TimeLimits,
+    quarantine,
+)
+from kvprefetch.controlplane.journal.live import (
     LiveJournalScanner,
     LiveJournalWriter,
     compact_journal,
@@ -45,15 +54,73 @@ from kvprefetch.controlplane.live.journal import (
     publish_compacted,
     write_compacted,
 )
-from kvprefetch.controlplane.traces.journal import (
-    EpochRecord,
-    StopRecord,
-    TimeLimits,
-    quarantine,
-)
-from kvprefetch.controlplane.traces.journal_writer import JournalOpener
+from kvprefetch.controlplane.journal.writer import JournalOpener
 
 log = logging.getLogger(__name__)
+
+
+class _Named(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
+class JournalSettings(Protocol):
+    """What the journal reads of the service's config (``ServiceConfig``)."""
+
+    @property
+    def journal_path(self) -> str | None: ...
+
+    @property
+    def journal_sync_interval_s(self) -> float: ...
+
+    @property
+    def journal_compact_records(self) -> int: ...
+
+    @property
+    def time_compression(self) -> float: ...
+
+    @property
+    def policy_spec(self) -> _Named: ...
+
+
+class ServiceTime(Protocol):
+    """The service's clock: service seconds now."""
+
+    def now_s(self) -> float: ...
+
+
+class JournalCounters(Protocol):
+    """The service's counters the journal keeps."""
+
+    journal_quarantined: int
+    journal_compactions: int
+    journal_records_dropped: int
+    loop_errors: int
+
+
+class _Session(Protocol):
+    @property
+    def sid(self) -> str: ...
+
+
+class JournalledDriver(Protocol):
+    """What the journal needs of the service's driver (``LiveDriver``): its replay, the
+    writer it journals through, the records written since the last compaction, the live
+    sessions and remembered route ids a compaction keeps, and its counters."""
+
+    journal: LiveJournalWriter | None
+    journal_records: int
+
+    @property
+    def stats(self) -> JournalCounters: ...
+
+    @property
+    def registry(self) -> Iterable[_Session]: ...
+
+    @property
+    def routes(self) -> Iterable[tuple[str, str]]: ...
+
+    def resume(self, path: Path, limits: TimeLimits) -> LiveJournalScanner: ...
 
 
 class ServiceJournal:
@@ -62,7 +129,7 @@ class ServiceJournal:
     (seconds), ``calendar`` Unix seconds (the journal's time checks), ``stopping`` says
     whether the service is closing (a compaction under way then gives up)."""
 
-    def __init__(self, config: ServiceConfig, clock: ServiceClock, lock: threading.RLock, *,
+    def __init__(self, config: JournalSettings, clock: ServiceTime, lock: threading.RLock, *,
                  wall: Callable[[], float], calendar: Callable[[], float],
                  opener: JournalOpener, stopping: Callable[[], bool]) -> None:
         self.config = config
@@ -76,7 +143,7 @@ class ServiceJournal:
         self._stopping = stopping
         #: The open writer (None: no journal, or not open yet, or closed).
         self.writer: LiveJournalWriter | None = None
-        self._driver: LiveDriver | None = None
+        self._driver: JournalledDriver | None = None
         #: The background compaction under way, if any.
         self._compactor: threading.Thread | None = None
         #: Records the journal kept at its last compaction (the next waits for as many).
@@ -89,7 +156,7 @@ class ServiceJournal:
                 "time_compression": self.config.time_compression}
 
     # ------------------------------------------------------------------ start
-    def replay(self, driver: LiveDriver) -> tuple[int, int]:
+    def replay(self, driver: JournalledDriver) -> tuple[int, int]:
         """Replay an existing, non-empty journal into ``driver`` (and compact it when it
         held ``journal_compact_records`` records or more). Returns (the last epoch it
         records, the next sequence number); (0, 1) without one."""
@@ -102,7 +169,7 @@ class ServiceJournal:
             self._compact_at_start(driver, path)
         return scan.last_epoch, scan.last_seq + 1
 
-    def open(self, driver: LiveDriver, next_seq: int, epoch: int) -> None:
+    def open(self, driver: JournalledDriver, next_seq: int, epoch: int) -> None:
         """Open the journal for appending (numbers from ``next_seq`` on) and record this
         incarnation's start, fsynced, before any call is taken."""
         self._driver = driver
@@ -115,7 +182,7 @@ class ServiceJournal:
                                             self.config.time_compression))
         self.writer.flush(sync=True)
 
-    def _resume(self, driver: LiveDriver, path: Path) -> LiveJournalScanner:
+    def _resume(self, driver: JournalledDriver, path: Path) -> LiveJournalScanner:
         """Replay the journal; quarantine its damaged records. Returns the scan (last
         epoch, last sequence number, records read)."""
         scan = driver.resume(path, TimeLimits(now_wall_s=self._calendar()))
@@ -134,7 +201,7 @@ class ServiceJournal:
                             " ..." if len(damaged) > 10 else "")
         return scan
 
-    def _compact_at_start(self, driver: LiveDriver, path: Path) -> None:
+    def _compact_at_start(self, driver: JournalledDriver, path: Path) -> None:
         """Before the writer opens it: the journal without closed sessions' records (a
         failure is logged; the journal stays as it was)."""
         t0 = self._wall()
