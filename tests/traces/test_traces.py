@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import logging
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -15,9 +14,6 @@ from pydantic import ValidationError
 
 from kvprefetch.controlplane.base.errors import TraceFormatError, UnknownFormatError
 from kvprefetch.controlplane.base.types import (
-    EventKind,
-    HintKind,
-    SessionEvent,
     Trace,
     TraceSession,
 )
@@ -29,11 +25,8 @@ from kvprefetch.controlplane.traces import (
     JournalWriter,
     bundled_trace_path,
     detect_format,
-    event_from_dict,
-    event_to_dict,
     load_mooncake,
     load_trace,
-    read_journal_events,
 )
 from kvprefetch.controlplane.traces.arrivals import assign_start_times, scale_clock
 from kvprefetch.controlplane.traces.claude_code import common_prefix_length
@@ -175,115 +168,6 @@ def test_azure_rows_are_single_request_sessions() -> None:
     first = trace.sessions[0].requests
     assert len(first) == 1
     assert (first[0].input_tokens, first[0].output_tokens, first[0].reused_tokens) == (374, 44, 0)
-
-
-# ---------------------------------------------------------------------------------------------
-# journal
-# ---------------------------------------------------------------------------------------------
-
-
-def _events() -> list[SessionEvent]:
-    started, finished = EventKind.REQUEST_STARTED, EventKind.REQUEST_FINISHED
-    return [
-        SessionEvent(started, "a", 100.0, turn=0, input_tokens=1000, tenant="t1", node=0),
-        SessionEvent(finished, "a", 102.5, turn=0, input_tokens=1000, output_tokens=50,
-                     stop_reason="tool_use", tenant="t1"),
-        SessionEvent(EventKind.HINT, "a", 102.6, turn=0, hint=HintKind.TOOL_RUNNING, eta_s=4.0),
-        SessionEvent(started, "b", 103.0, turn=0, input_tokens=10, parent_id="a"),
-        SessionEvent(started, "a", 110.5, turn=1, input_tokens=1200, reused_tokens=1050,
-                     tenant="t1"),
-        SessionEvent(finished, "b", 104.0, turn=0, output_tokens=3),
-        SessionEvent(finished, "a", 112.0, turn=1, output_tokens=20, stop_reason="end_turn"),
-        SessionEvent(EventKind.SESSION_CLOSED, "a", 113.0, turn=1),
-    ]  # fmt: skip
-
-
-def test_event_dict_round_trip_and_omits_none() -> None:
-    for event in _events():
-        as_dict = event_to_dict(event)
-        assert None not in as_dict.values()
-        assert event_from_dict(json.loads(json.dumps(as_dict))) == event
-    hint = event_to_dict(_events()[2])
-    assert hint["kind"] == "hint" and hint["hint"] == "tool_running" and hint["eta_s"] == 4.0
-    assert "stop" not in hint and "parent" not in hint
-
-
-def test_journal_round_trip_to_trace(tmp_path: Path) -> None:
-    path = tmp_path / "run.jsonl"
-    with JournalWriter(path, metadata={"service": "test"}) as writer:
-        for event in _events():
-            writer.write(event)
-        writer.flush()
-    header = json.loads(path.read_text().splitlines()[0])
-    assert header == {"kvprefetch_journal": 1, "service": "test"}
-    assert list(read_journal_events(path)) == _events()
-    assert detect_format(path) == "journal"
-
-    trace = load_trace(path)
-    assert trace.source_format == "journal"
-    assert_sorted(trace)
-    sessions = by_id(trace)
-    a, b = sessions["a"], sessions["b"]
-    assert (a.start_s, b.start_s) == (0.0, 3.0)
-    assert (a.tenant, a.parent_id, b.parent_id) == ("t1", None, "a")
-    first, second = a.requests
-    assert (first.turn, first.offset_s, first.gap_s) == (0, 0.0, None)
-    assert (first.input_tokens, first.output_tokens, first.stop_reason) == (1000, 50, "tool_use")
-    assert first.api_time_s == pytest.approx(2.5)
-    assert (second.turn, second.offset_s) == (1, 10.5)
-    assert second.gap_s == pytest.approx(8.0)  # 110.5 - 102.5, closed-loop
-    assert (second.reused_tokens, second.output_tokens) == (1050, 20)
-    assert second.api_time_s == pytest.approx(1.5)
-    assert b.requests[0].output_tokens == 3
-
-
-def test_journal_torn_last_line_is_ignored_and_cut_on_reopen(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    path = tmp_path / "crash.jsonl"
-    events = _events()
-    with JournalWriter(path) as writer:
-        for event in events[:3]:
-            writer.write(event)
-    with path.open("ab") as f:  # a crash in the middle of a write
-        f.write(b'{"kind":"request_started","session":"a","t":1')
-    with caplog.at_level(logging.WARNING):
-        assert list(read_journal_events(path)) == events[:3]
-    assert "torn" in caplog.text
-
-    with JournalWriter(path) as writer:  # appending after the crash
-        for event in events[3:]:
-            writer.write(event)
-    assert list(read_journal_events(path)) == events
-
-
-def test_journal_bad_middle_line_is_an_error(tmp_path: Path) -> None:
-    path = tmp_path / "bad.jsonl"
-    path.write_text(
-        '{"kvprefetch_journal": 1}\n'
-        '{"kind": "request_started", "session": "a", "t": 1.0}\n'
-        '{"kind": "request_exploded", "session": "a", "t": 2.0}\n'
-        '{"kind": "request_started", "session": "b", "t": 3.0}\n'
-    )
-    with pytest.raises(TraceFormatError) as caught:
-        load_trace(path)
-    message = str(caught.value)
-    assert "bad.jsonl:3" in message and "'kind'" in message and "request_finished" in message
-
-
-def test_journal_writer_refuses_foreign_file(tmp_path: Path) -> None:
-    path = tmp_path / "other.jsonl"
-    path.write_text('{"timestamp": 0}\n')
-    with pytest.raises(TraceFormatError, match="not a kvprefetch journal"):
-        JournalWriter(path).open()
-
-
-def test_journal_writer_constructor_does_no_io(tmp_path: Path) -> None:
-    path = tmp_path / "later" / "j.jsonl"
-    writer = JournalWriter(path)
-    assert not path.exists()
-    with pytest.raises(RuntimeError):
-        writer.write(_events()[0])
 
 
 # ---------------------------------------------------------------------------------------------
