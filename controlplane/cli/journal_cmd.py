@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
 def _header_metadata(path: Path) -> dict[str, Any]:
     """The journal header's metadata (without the version and the ``compacted`` mark), to
     carry over into the compacted copy; empty when the header does not parse."""
-    from kvprefetch.controlplane.journal.format import HEADER_KEY
+    from kvprefetch.controlplane.journal.file import HEADER_KEY
 
     with path.open("rb") as f:
         first = f.readline()
@@ -130,7 +130,7 @@ def _header_state(path: Path, size: int | None, damaged_lines: set[int]) -> str:
     """``ok``, ``missing`` (line 1 is no header: the scheduler refuses to append),
     ``damaged`` (line 1 is a damaged line: a repair puts a fresh header in its place) or
     ``none`` (an empty file)."""
-    from kvprefetch.controlplane.journal.format import is_header_line
+    from kvprefetch.controlplane.journal.file import is_header_line
 
     if not size:
         return "none"
@@ -144,7 +144,7 @@ def _repair(path: Path, damaged: list[Any], header: str) -> tuple[Path | None, s
     """Set the damaged lines aside and give a journal without its header a fresh one.
     Returns the quarantine side file (None: no damaged line) and why the repair could not
     be done (None: it was)."""
-    from kvprefetch.controlplane.journal.format import (
+    from kvprefetch.controlplane.journal.file import (
         header_line,
         is_header_line,
         quarantine,
@@ -167,7 +167,7 @@ def _repair(path: Path, damaged: list[Any], header: str) -> tuple[Path | None, s
 
 
 def _check(args: argparse.Namespace) -> int:
-    from kvprefetch.controlplane.journal.format import TimeLimits
+    from kvprefetch.controlplane.journal.file import TimeLimits
     from kvprefetch.controlplane.journal.live import LiveJournalScanner
 
     path: Path = args.path

@@ -1,7 +1,8 @@
-"""The event journal: the scheduler's record of every API event, replayed on restart, and a
-trace that ``sim --trace``, ``train --trace`` and ``kvprefetch journal check`` read.
+"""The event journal: the scheduler's record of every API event, replayed on restart and
+checked by ``kvprefetch journal check``, and a trace that ``sim --trace`` and ``train
+--trace`` read.
 
-* :mod:`.format`: the file format (header, event, epoch, stop and route records, their
+* :mod:`.file`: the file format (header, event, epoch, stop and route records, their
   checksums), the scanner that sets damaged records aside, quarantine and repair;
 * :mod:`.trace`: the journal as a trace (its events, the sessions they record);
 * :mod:`.writer`: appending records crash-safely;

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kvprefetch.controlplane.base.errors import JournalUnavailableError
-from kvprefetch.controlplane.journal.format import (
+from kvprefetch.controlplane.journal.file import (
     EpochRecord,
     StopRecord,
     TimeLimits,

@@ -1,5 +1,5 @@
 """The live scheduler's journal: the trace journal
-(:mod:`kvprefetch.controlplane.journal.format`) with what an exact resume needs beyond a
+(:mod:`kvprefetch.controlplane.journal.file`) with what an exact resume needs beyond a
 :class:`~kvprefetch.controlplane.base.types.SessionEvent`, and its compaction.
 
 Chunk names: a session whose client sent token ids or chunk hashes names its chunks by
@@ -32,7 +32,7 @@ Compaction (:func:`compact_journal`): the journal is rewritten atomically as its
 last scheduler-start record and the records of the sessions still live, each from after its
 last close: the events of closed sessions are dropped, so resuming costs the live sessions'
 events, not the history. A route record
-(:class:`~kvprefetch.controlplane.journal.format.RouteRecord`) stays while the scheduler
+(:class:`~kvprefetch.controlplane.journal.file.RouteRecord`) stays while the scheduler
 remembers its request id (where it names the ids it remembers) and its session is kept, or
 it records a cancel (a retry of a cancelled route is refused after a restart too, also when
 the cancel closed the session). Records written while it ran are copied over as they are
@@ -59,7 +59,7 @@ import pydantic_core
 from kvprefetch.controlplane.base.errors import InvalidRequestError, JournalUnavailableError
 from kvprefetch.controlplane.base.names import check_session_id, check_tenant_name
 from kvprefetch.controlplane.base.types import EventKind, SessionEvent, SessionKey
-from kvprefetch.controlplane.journal.format import (
+from kvprefetch.controlplane.journal.file import (
     HEADER_KEY,
     JOURNAL_VERSION,
     EpochRecord,
@@ -70,8 +70,8 @@ from kvprefetch.controlplane.journal.format import (
     event_to_dict,
     file_mode,
 )
-from kvprefetch.controlplane.journal.format import UntrustedLine as _Damaged
-from kvprefetch.controlplane.journal.format import encode_checked as _encode_checked
+from kvprefetch.controlplane.journal.file import UntrustedLine as _Damaged
+from kvprefetch.controlplane.journal.file import encode_checked as _encode_checked
 from kvprefetch.controlplane.journal.writer import (
     JournalOpener,
     JournalWriter,

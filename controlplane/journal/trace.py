@@ -2,7 +2,7 @@
 and the sessions they record (:func:`load_journal`), for ``sim --trace``, ``train --trace``
 and the other trace readers. Both are strict: a damaged line raises
 :class:`~kvprefetch.controlplane.base.errors.TraceFormatError` naming file, line and field
-(the format, torn last lines and damage: :mod:`kvprefetch.controlplane.journal.format`).
+(the format, torn last lines and damage: :mod:`kvprefetch.controlplane.journal.file`).
 
 As a trace, the journal is replayed closed-loop: ``request_started`` gives the arrival,
 ``in`` and ``reused``; ``request_finished`` gives ``out``, ``stop`` and ``api_time_s`` =
@@ -28,14 +28,14 @@ from kvprefetch.controlplane.base.types import (
     TraceRequest,
     TraceSession,
 )
-from kvprefetch.controlplane.journal.format import JournalScanner
+from kvprefetch.controlplane.journal.file import JournalScanner
 
 FORMAT_NAME = "journal"
 
 
 def read_journal_events(path: str | Path) -> Iterator[SessionEvent]:
     """The events of a journal, in file order (a torn last line is ignored, see
-    :mod:`kvprefetch.controlplane.journal.format`). Strict: a damaged line raises
+    :mod:`kvprefetch.controlplane.journal.file`). Strict: a damaged line raises
     :class:`TraceFormatError` (``kvprefetch journal check --repair`` sets damaged lines
     aside)."""
     for _line, event in JournalScanner(path, strict=True):

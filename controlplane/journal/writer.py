@@ -1,4 +1,4 @@
-"""Appending to the event journal (the format: :mod:`kvprefetch.controlplane.journal.format`).
+"""Appending to the event journal (the format: :mod:`kvprefetch.controlplane.journal.file`).
 
 Crash safety: the writer appends each record as one unbuffered ``write`` of one complete
 line, so a crash can only tear the *last* line. Every reader ignores a torn last line (one
@@ -29,7 +29,7 @@ import pydantic_core
 
 from kvprefetch.controlplane.base.errors import TraceFormatError
 from kvprefetch.controlplane.base.types import SessionEvent
-from kvprefetch.controlplane.journal.format import (
+from kvprefetch.controlplane.journal.file import (
     CRC_KEY,
     HEADER_KEY,
     JOURNAL_MODE,

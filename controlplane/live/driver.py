@@ -36,7 +36,7 @@ from kvprefetch.controlplane.base.wire import EngineReport, GpuStartPlan
 from kvprefetch.controlplane.core.planner import PrefetchOrder
 from kvprefetch.controlplane.core.scheduler import SchedulerCore
 from kvprefetch.controlplane.core.step import StepOutput
-from kvprefetch.controlplane.journal.format import DamagedRecord, TimeLimits
+from kvprefetch.controlplane.journal.file import DamagedRecord, TimeLimits
 from kvprefetch.controlplane.journal.live import KeysChange, LiveJournalScanner, LiveJournalWriter
 from kvprefetch.controlplane.live.config import ServiceClock, ServiceConfig
 from kvprefetch.controlplane.live.fleet import LiveFleet

@@ -17,7 +17,7 @@ parametric model with laws of its own (:mod:`.synthetic`), for traffic no predic
 trained on; :func:`load_trace` takes it in place of a path.
 """
 
-from kvprefetch.controlplane.journal.format import event_from_dict, event_to_dict
+from kvprefetch.controlplane.journal.file import event_from_dict, event_to_dict
 from kvprefetch.controlplane.journal.trace import load_journal, read_journal_events
 from kvprefetch.controlplane.journal.writer import JournalWriter
 from kvprefetch.controlplane.traces.arrivals import DEFAULT_SESSION_RATE_PER_S, ArrivalOptions

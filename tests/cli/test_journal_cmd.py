@@ -12,7 +12,7 @@ import pytest
 from kvprefetch.controlplane.base.config import fleet_from_dict
 from kvprefetch.controlplane.base.types import SessionKey
 from kvprefetch.controlplane.cli import main
-from kvprefetch.controlplane.journal.format import HEADER_KEY
+from kvprefetch.controlplane.journal.file import HEADER_KEY
 from kvprefetch.controlplane.live.config import ServiceConfig
 from kvprefetch.controlplane.live.connect import connect
 from kvprefetch.controlplane.live.service import SchedulerService

@@ -12,7 +12,7 @@ import pytest
 
 from kvprefetch.controlplane.base.errors import TraceFormatError
 from kvprefetch.controlplane.base.types import EventKind, HintKind, SessionEvent
-from kvprefetch.controlplane.journal.format import event_from_dict, event_to_dict
+from kvprefetch.controlplane.journal.file import event_from_dict, event_to_dict
 from kvprefetch.controlplane.journal.trace import read_journal_events
 from kvprefetch.controlplane.journal.writer import JournalWriter
 from kvprefetch.controlplane.traces import detect_format, load_trace
@@ -127,7 +127,7 @@ def test_the_trace_loaders_export_the_journal_readers() -> None:
     """``kvprefetch.controlplane.traces`` lists the journal with the other formats: its
     names are the journal package's own objects."""
     from kvprefetch.controlplane import traces
-    from kvprefetch.controlplane.journal import format as records
+    from kvprefetch.controlplane.journal import file as records
     from kvprefetch.controlplane.journal import trace, writer
 
     assert traces.load_journal is trace.load_journal

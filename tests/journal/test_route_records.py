@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvprefetch.controlplane.base.types import EventKind, SessionEvent
-from kvprefetch.controlplane.journal.format import (
+from kvprefetch.controlplane.journal.file import (
     JournalScanner,
     RouteRecord,
     TimeLimits,

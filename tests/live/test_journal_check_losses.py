@@ -13,7 +13,7 @@ import pytest
 
 from kvprefetch.controlplane.base.config import fleet_from_dict
 from kvprefetch.controlplane.cli import main
-from kvprefetch.controlplane.journal.format import quarantine_path
+from kvprefetch.controlplane.journal.file import quarantine_path
 from kvprefetch.controlplane.journal.live import compact_journal
 from kvprefetch.controlplane.live.config import ServiceConfig
 from kvprefetch.controlplane.live.connect import connect

@@ -21,7 +21,7 @@ import pytest
 from kvprefetch.controlplane.base.config import fleet_from_dict
 from kvprefetch.controlplane.base.types import SessionEvent
 from kvprefetch.controlplane.cli import main
-from kvprefetch.controlplane.journal.format import (
+from kvprefetch.controlplane.journal.file import (
     JournalScanner,
     TimeLimits,
     encode_checked,

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from kvprefetch.controlplane.base.config import fleet_from_dict
-from kvprefetch.controlplane.journal.format import encode_checked, quarantine_path
+from kvprefetch.controlplane.journal.file import encode_checked, quarantine_path
 from kvprefetch.controlplane.live.config import ServiceConfig
 from kvprefetch.controlplane.live.connect import connect
 from kvprefetch.controlplane.live.service import SchedulerService

@@ -11,7 +11,7 @@ from kvptest.live_fleet import session_home
 
 from kvprefetch.controlplane.base.config import fleet_from_dict
 from kvprefetch.controlplane.base.types import EventKind, HintKind, SessionEvent
-from kvprefetch.controlplane.journal.format import EpochRecord, encode_checked
+from kvprefetch.controlplane.journal.file import EpochRecord, encode_checked
 from kvprefetch.controlplane.journal.live import KeysChange, LiveJournalWriter, compact_journal
 from kvprefetch.controlplane.live.config import ServiceConfig
 from kvprefetch.controlplane.live.connect import connect

@@ -7,7 +7,7 @@ again, with the same session and body, answers what the first call did and appli
 body, or an id whose route was cancelled, is refused with
 :class:`~kvprefetch.controlplane.base.errors.RequestIdConflictError` (409).
 
-Each memo is journalled as a :class:`~kvprefetch.controlplane.journal.format.RouteRecord`
+Each memo is journalled as a :class:`~kvprefetch.controlplane.journal.file.RouteRecord`
 right after the route's event, under the service's lock, so a restart replays it and a
 caller whose answer was lost (a 503 or a timeout while the scheduler restarted) gets it on
 retry. A crash between the two records leaves the route applied but not remembered: a retry
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from kvprefetch.controlplane.base import api
 from kvprefetch.controlplane.base.errors import RequestIdConflictError
-from kvprefetch.controlplane.journal.format import RouteRecord
+from kvprefetch.controlplane.journal.file import RouteRecord
 
 #: A session's list of ids is swept of forgotten ones past this length (bounds it by what
 #: the ledger remembers).
