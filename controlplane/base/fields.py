@@ -1,4 +1,5 @@
-"""Field readers shared by the trace loaders: each check names the file, line and field.
+"""Field readers shared by the trace loaders and the journal: each check names the file, line
+and field.
 
 The loaders parse untrusted files; every malformed value becomes a
 :class:`~kvprefetch.controlplane.base.errors.TraceFormatError` that says *where* (file, 1-based line
