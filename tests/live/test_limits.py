@@ -253,3 +253,10 @@ def test_the_in_process_client_honours_its_timeout() -> None:
         assert c.route("u", input_tokens=100).node is not None  # serving again
         c.close()
         assert svc.has_session("acme", "u")  # the service outlives the client
+
+
+def test_a_rate_limit_for_a_bad_tenant_name_is_refused() -> None:
+    assert RequestLimits(tenant_rate_limits_calls_per_s={"acme": 5.0}).rate_limit_for(
+        "acme") == (5.0, 5)
+    with pytest.raises(ValidationError, match=r"tenant_rate_limits_calls_per_s: '\.\.' is not"):
+        RequestLimits(tenant_rate_limits_calls_per_s={"..": 5.0})
