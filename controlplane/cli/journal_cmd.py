@@ -102,7 +102,7 @@ def _header_metadata(path: Path) -> dict[str, Any]:
 
 def _compact(args: argparse.Namespace) -> int:
     from kvprefetch.controlplane.base.errors import ConfigError
-    from kvprefetch.controlplane.journal.live import compact_journal
+    from kvprefetch.controlplane.journal.compaction import compact_journal
 
     path: Path = args.path
     if not path.is_file():

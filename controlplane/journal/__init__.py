@@ -7,7 +7,8 @@ checked by ``kvprefetch journal check``, and a trace that ``sim --trace`` and ``
 * :mod:`.trace`: the journal as a trace (its events, the sessions they record);
 * :mod:`.writer`: appending records crash-safely;
 * :mod:`.live`: what the scheduler writes beyond a trace (sequence numbers, chunk-name
-  changes, the checks of its values, lost records) and compaction;
+  changes, the checks of its values, lost records);
+* :mod:`.compaction`: the journal rewritten without closed sessions' records;
 * :mod:`.lifecycle`: the journal over the service's life (replay, flushes, background
   compaction, the stop record).
 

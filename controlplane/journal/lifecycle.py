@@ -14,7 +14,7 @@ checks live in :mod:`kvprefetch.controlplane.journal.live`.
   it takes records again.
 * Durability: every record is handed to the OS when written (a killed service loses no
   acknowledged event); the control loop fsyncs every ``journal_sync_interval_s``.
-* Compaction (:func:`~kvprefetch.controlplane.journal.live.compact_journal`): at start-up
+* Compaction (:func:`~kvprefetch.controlplane.journal.compaction.compact_journal`): at start-up
   after a long replay, and in a background thread once ``journal_compact_records``
   records were written since the last one (and as many as that one kept). The journal is
   rewritten atomically without closed sessions' records, so a resume costs the live
@@ -40,20 +40,19 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kvprefetch.controlplane.base.errors import JournalUnavailableError
+from kvprefetch.controlplane.journal.compaction import (
+    compact_journal,
+    live_records,
+    publish_compacted,
+    write_compacted,
+)
 from kvprefetch.controlplane.journal.file import (
     EpochRecord,
     StopRecord,
     TimeLimits,
     quarantine,
 )
-from kvprefetch.controlplane.journal.live import (
-    LiveJournalScanner,
-    LiveJournalWriter,
-    compact_journal,
-    live_records,
-    publish_compacted,
-    write_compacted,
-)
+from kvprefetch.controlplane.journal.live import LiveJournalScanner, LiveJournalWriter
 from kvprefetch.controlplane.journal.writer import JournalOpener
 
 log = logging.getLogger(__name__)

@@ -13,8 +13,8 @@ import pytest
 
 from kvprefetch.controlplane.base.config import fleet_from_dict
 from kvprefetch.controlplane.cli import main
+from kvprefetch.controlplane.journal.compaction import compact_journal
 from kvprefetch.controlplane.journal.file import quarantine_path
-from kvprefetch.controlplane.journal.live import compact_journal
 from kvprefetch.controlplane.live.config import ServiceConfig
 from kvprefetch.controlplane.live.connect import connect
 from kvprefetch.controlplane.live.service import SchedulerService

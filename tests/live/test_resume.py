@@ -11,8 +11,9 @@ from kvptest.live_fleet import session_home
 
 from kvprefetch.controlplane.base.config import fleet_from_dict
 from kvprefetch.controlplane.base.types import EventKind, HintKind, SessionEvent
+from kvprefetch.controlplane.journal.compaction import compact_journal
 from kvprefetch.controlplane.journal.file import EpochRecord, encode_checked
-from kvprefetch.controlplane.journal.live import KeysChange, LiveJournalWriter, compact_journal
+from kvprefetch.controlplane.journal.live import KeysChange, LiveJournalWriter
 from kvprefetch.controlplane.live.config import ServiceConfig
 from kvprefetch.controlplane.live.connect import connect
 from kvprefetch.controlplane.live.service import SchedulerService
