@@ -14,8 +14,8 @@ checks live in :mod:`kvprefetch.controlplane.journal.live`.
   it takes records again.
 * Durability: every record is handed to the OS when written (a killed service loses no
   acknowledged event); the control loop fsyncs every ``journal_sync_interval_s``.
-* Compaction (:func:`~kvprefetch.controlplane.journal.compaction.compact_journal`): at start-up
-  after a long replay, and in a background thread once ``journal_compact_records``
+* Compaction (:func:`~kvprefetch.controlplane.journal.compaction.compact_journal`): at
+  start-up after a long replay, and in a background thread once ``journal_compact_records``
   records were written since the last one (and as many as that one kept). The journal is
   rewritten atomically without closed sessions' records, so a resume costs the live
   sessions' events, not the history; of the route records, those of live sessions and of
