@@ -9,7 +9,12 @@ name sees a whole, checksummed object or nothing. ``exists`` is one ``stat`` per
 Reads land straight in the caller's memory (SGLang's host pages): the payload is read with
 ``preadv`` into the destination in chunks of :data:`CHUNK_BYTES`, and each chunk is hashed
 while it is still in the CPU's cache, into the running digest of its checksummed part, so
-the bytes are copied once and hashed once, from cache. A part whose digest differs (a
+the bytes are copied once from the tier and hashed once, from cache. The kernel copies
+fastest when the file offset and the memory address agree modulo a cache line, which an
+object's payload (after a header of any length) and a host page seldom do: where a short
+move by less than a line is fast (:func:`short_moves_fast`), a chunk is read
+:data:`LINE_BYTES`-aligned a few bytes past its place, hashed there, and moved into place
+while it is still in cache. A part whose digest differs (a
 damaged file, or a file the tier recycled under the reader: the tier reuses evicted files
 for new objects) fails the whole object, and the caller reads it elsewhere: a damaged page
 is never reported as served. A batch is spread over ``read_threads`` threads (the calling
@@ -19,10 +24,12 @@ verified on several cores at once.
 
 from __future__ import annotations
 
+import ctypes
 import enum
+import functools
 import itertools
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -38,13 +45,54 @@ from kvprefetch.agents.stores.format import (
 )
 from kvprefetch.agents.stores.local import LocalTier, LocalTierConfig, tier_file_name
 
-#: Bytes read (and hashed) per ``preadv``: small enough to be hashed from the L2 cache.
-CHUNK_BYTES = 256 * 1024
+#: Bytes read (and hashed) per ``preadv``: few system calls and GIL hand-overs per page
+#: (the threads of a batch take turns at the GIL after each call), still hashed from cache.
+CHUNK_BYTES = 1024 * 1024
+#: The alignment (bytes) at which the kernel's copy from the page cache runs at full speed.
+LINE_BYTES = 64
+#: Chunks shorter than this are read in place (a move would cost more than it saves).
+_REALIGN_MIN_BYTES = 1024
 #: First read of an object: its header (prefix, key, part digests) in one system call.
 _HEAD_BYTES = 4096
 
 _HASHERS: dict[int, Callable[[], xxhash.xxh3_64 | xxhash.xxh64]] = {
     ALGO_XXH3_64: xxhash.xxh3_64, ALGO_XXH64: xxhash.xxh64}
+
+
+def short_moves_fast(libc_version: str | None, cpu_flags: Iterable[str]) -> bool:
+    """Whether ``memmove`` by fewer than :data:`LINE_BYTES` bytes runs as a vector loop:
+    glibc 2.33 and later avoid ``rep movsb`` for such short distances on CPUs with FSRM,
+    where that instruction is slow for them. ``libc_version`` is
+    ``os.confstr("CS_GNU_LIBC_VERSION")`` (``"glibc 2.36"``; None or another C library:
+    False), ``cpu_flags`` the flags of ``/proc/cpuinfo``."""
+    if not libc_version:
+        return False
+    name, _, version = libc_version.partition(" ")
+    try:
+        major, minor = (int(x) for x in version.split(".")[:2])
+    except ValueError:
+        return False
+    return name == "glibc" and (major, minor) >= (2, 33) and "fsrm" in set(cpu_flags)
+
+
+@functools.cache
+def _platform_moves_fast() -> bool:
+    try:
+        libc = os.confstr("CS_GNU_LIBC_VERSION")
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f
+                          if line.startswith("flags")), [])
+    except (OSError, ValueError):
+        return False
+    return short_moves_fast(libc, flags)
+
+
+def _address(view: memoryview) -> int | None:
+    """The address of a writable, non-empty byte view; None for any other."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))
+    except (TypeError, ValueError):
+        return None
 
 
 class TierRead(enum.Enum):
@@ -65,12 +113,15 @@ class NodeTierReader:
     stops its reader threads."""
 
     def __init__(self, config: LocalTierConfig, *, read_threads: int = 1,
-                 chunk_bytes: int = CHUNK_BYTES) -> None:
+                 chunk_bytes: int = CHUNK_BYTES, realign: bool | None = None) -> None:
+        """``realign``: read chunks line-aligned and move them into place (see the module
+        docstring); None: where :func:`short_moves_fast` holds for this machine."""
         if read_threads < 1 or chunk_bytes < 4096:
             raise StoreError("read_threads >= 1 and chunk_bytes >= 4096")
         self.config = config
         self.read_threads = read_threads
         self._chunk = chunk_bytes
+        self.realign = _platform_moves_fast() if realign is None else realign
         self._names = LocalTier(config, name="sglang-view")  # no I/O: only path_of
         self._root = os.fspath(config.path)
         # The calling thread reads one share of a batch itself: the pool has the rest.
@@ -152,6 +203,8 @@ class NodeTierReader:
         new_hasher = _HASHERS.get(header.algo)
         if new_hasher is None:
             raise CorruptObjectError(f"{header.key!r}: unknown checksum algorithm")
+        addresses = ([_address(view) for view in destination] if self.realign
+                     else [None] * len(destination))
         offset = header.header_bytes  # in the file
         seg, at = 0, 0  # destination segment and offset in it
         for part in range(header.parts):
@@ -164,14 +217,25 @@ class NodeTierReader:
                     seg, at = seg + 1, 0
                     continue
                 n = min(need, len(view) - at, self._chunk)
-                chunk = view[at : at + n]
-                got = os.preadv(fd, [chunk], offset)
-                while got < n:  # a short read: the rest, or the file ended early
-                    more = os.preadv(fd, [chunk[got:]], offset + got)
-                    if more <= 0:
-                        raise CorruptObjectError(f"{header.key!r}: truncated in part {part}")
-                    got += more
-                hasher.update(chunk)
+                address = addresses[seg]
+                skew = (offset - address - at) % LINE_BYTES if address is not None else 0
+                if address is not None and skew and n >= _REALIGN_MIN_BYTES:
+                    # Land the chunk ``skew`` bytes late, where its file offset and address
+                    # agree modulo a line; the last chunk of a segment leaves its final
+                    # ``skew`` bytes to a small read in place, as the segment ends there.
+                    moved = n if at + n + skew <= len(view) else n - skew
+                    landed = view[at + skew : at + skew + moved]
+                    _read_exact(fd, landed, offset, header.key, part)
+                    hasher.update(landed)
+                    ctypes.memmove(address + at, address + at + skew, moved)
+                    if moved < n:
+                        rest = view[at + moved : at + n]
+                        _read_exact(fd, rest, offset + moved, header.key, part)
+                        hasher.update(rest)
+                else:
+                    chunk = view[at : at + n]
+                    _read_exact(fd, chunk, offset, header.key, part)
+                    hasher.update(chunk)
                 offset += n
                 need -= n
                 at += n
@@ -179,3 +243,13 @@ class NodeTierReader:
                     seg, at = seg + 1, 0
             if hasher.intdigest() != header.digests[part]:
                 raise CorruptObjectError(f"{header.key!r}: checksum mismatch in part {part}")
+
+
+def _read_exact(fd: int, into: memoryview, offset: int, key: str, part: int) -> None:
+    """Fill ``into`` from ``offset`` of the file; a file that ends early is corrupt."""
+    got = os.preadv(fd, [into], offset)
+    while got < len(into):  # a short read: the rest, or the file ended early
+        more = os.preadv(fd, [into[got:]], offset + got)
+        if more <= 0:
+            raise CorruptObjectError(f"{key!r}: truncated in part {part}")
+        got += more

@@ -1,16 +1,25 @@
 """The node-local tier reader that SGLang's HiCache backend reads first (no SGLang needed):
 objects the agent's tier published are read straight into the caller's memory, in pieces
 that need not line up with the object's checksummed parts, on several threads, byte for
-byte; a damaged, truncated or foreign file is never reported as served."""
+byte, one read per chunk that the kernel copies line-aligned whatever the header's length
+and the destination's address; a damaged, truncated or foreign file is never reported as
+served."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 from pathlib import Path
 
 import pytest
 
-from kvprefetch.agents.sglang.node_tier import NodeTierReader, TierRead
+from kvprefetch.agents.sglang import node_tier
+from kvprefetch.agents.sglang.node_tier import (
+    LINE_BYTES,
+    NodeTierReader,
+    TierRead,
+    short_moves_fast,
+)
 from kvprefetch.agents.stores.local import LocalTier, LocalTierConfig
 
 PART = 4096
@@ -106,3 +115,85 @@ def test_the_reader_names_files_as_the_tier_does(config: LocalTierConfig) -> Non
     with LocalTier(config) as tier:
         for key in ("a", "sglang/x_model_0_1", "k" * 300):
             assert Path(reader._path(key)) == tier.path_of(key) == reader.path_of(key)
+
+
+def at_offset(size: int, skew: int, cuts: list[int]) -> list[memoryview]:
+    """Destination segments of one buffer that starts ``skew`` bytes past a line."""
+    backing = (ctypes.c_char * (size + 2 * LINE_BYTES))()
+    start = (-ctypes.addressof(backing)) % LINE_BYTES + skew
+    whole = memoryview(backing).cast("B")[start : start + size]
+    out, last = [], 0
+    for c in [*cuts, size]:
+        out.append(whole[last:c])
+        last = c
+    return out
+
+
+def test_chunks_are_read_line_aligned_once_each_whatever_the_header_and_address(
+        config: LocalTierConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    size = 5 * PART + 123
+    # Keys of 64 lengths: headers whose lengths take every value modulo a line.
+    objects = {"k" * n: os.urandom(size) for n in range(1, LINE_BYTES + 1)}
+    store(config, objects)
+    reads: list[tuple[int, int]] = []  # (bytes, file offset - address modulo a line)
+    preadv = os.preadv
+
+    def recording(fd: int, buffers: list[memoryview], offset: int) -> int:
+        [buffer] = buffers
+        address = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+        reads.append((len(buffer), (offset - address) % LINE_BYTES))
+        return preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(node_tier.os, "preadv", recording)
+    reader = NodeTierReader(config, chunk_bytes=4096, realign=True)
+    cuts = [PART + 7, 3 * PART + 1]  # three segments, two borders inside parts
+    chunks = 8  # 4096-byte chunks cut at the part and segment borders
+    for i, (key, data) in enumerate(objects.items()):
+        dest = at_offset(size, i % LINE_BYTES, cuts)
+        reads.clear()
+        assert reader.read_into(key, dest) is TierRead.HIT, key
+        assert b"".join(bytes(d) for d in dest) == data
+        # Every chunk but the pieces under two lines (7, 1 and 123 bytes) is read aligned;
+        # at most one short read ends each segment.
+        assert all(skew == 0 for n, skew in reads if n > 2 * LINE_BYTES), reads
+        assert len(reads) <= chunks + len(dest)
+        assert sum(n for n, _ in reads) == size
+    # The same bytes without the move: every chunk read in place, once.
+    plain = NodeTierReader(config, chunk_bytes=4096, realign=False)
+    key, data = next(iter(objects.items()))
+    reads.clear()
+    dest = at_offset(size, 5, cuts)
+    assert plain.read_into(key, dest) is TierRead.HIT
+    assert b"".join(bytes(d) for d in dest) == data and len(reads) == chunks
+
+
+def test_a_flipped_byte_in_a_moved_chunk_or_its_tail_is_never_served(
+        config: LocalTierConfig) -> None:
+    size = 3 * PART
+    objects = payloads(3, size)
+    store(config, objects)
+    reader = NodeTierReader(config, chunk_bytes=4096, realign=True)
+    # A byte in the middle of a moved chunk, and the last byte of the payload (a tail read).
+    for key, at in (("page-0", PART + 17), ("page-1", size - 1)):
+        path = reader.path_of(key)
+        raw = bytearray(path.read_bytes())
+        raw[len(raw) - size + at] ^= 0x01
+        path.write_bytes(bytes(raw))
+        assert reader.read_into(key, at_offset(size, 3, [])) is TierRead.BAD, key
+    dest = at_offset(size, 3, [])
+    assert reader.read_into("page-2", dest) is TierRead.HIT
+    assert bytes(dest[0]) == objects["page-2"]
+
+
+@pytest.mark.parametrize(("libc", "flags", "fast"), [
+    ("glibc 2.36", ["fpu", "erms", "fsrm"], True),
+    ("glibc 2.33", ["fsrm"], True),
+    ("glibc 2.32", ["fsrm"], False),  # before glibc avoids rep movsb for short moves
+    ("glibc 2.39", ["erms"], False),  # no FSRM: rep movsb for them
+    ("musl 1.2.4", ["fsrm"], False),
+    ("glibc x.y", ["fsrm"], False),
+    (None, ["fsrm"], False),
+])
+def test_moves_into_place_only_where_a_short_move_is_a_vector_loop(
+        libc: str | None, flags: list[str], fast: bool) -> None:
+    assert short_moves_fast(libc, flags) is fast
