@@ -9,11 +9,14 @@
 
 Either way the session returns at all with :data:`HINT_P_RETURN`, and the forecast carries
 the law as a survival curve conditioned on the silence so far (``conditioned=True``): a
-session whose ETA has passed is due soon, then less and less so the longer it stays
-silent, and past the law's last knot (:data:`LAW_Z_SPAN` sigmas beyond its median) it is
-taken not to return (the hint said when; a session silent far past it is not coming). A
-law, rather than fixed quantiles floored at "silent as long again", keeps a hinted
-prefetch from being re-planned ever later while the session stays silent.
+session whose ETA has passed is due soon, then less and less so the longer it stays silent,
+and past the law's last knot (:data:`LAW_Z_SPAN` sigmas beyond its median) it is taken not
+to return (the hint said when; a session silent far past it is not coming). Its ``p_return``
+is the chance of a return within what is left of the law (at least the wrapped model's
+horizon), not within the model's fixed horizon: a far ETA or a long typing spell is still
+planned, timed by the law's early quantile. A law, rather than fixed quantiles floored at
+"silent as long again", keeps a hinted prefetch from being re-planned ever later while the
+session stays silent.
 
 A hint holds until the session's next request starts. Without hints the wrapped model's
 forecast is returned unchanged. ``hinted`` alone wraps ``ewma``; ``hinted:SPEC`` wraps any
@@ -178,9 +181,12 @@ class HintedPredictor:
             hint.law = (base.last_finish_s, lognormal_law(centre, sigma, after_s=since_hint))
         curve = hint.law[1]
         q = tuple(min(NEVER_S, curve.quantile_after(elapsed, level)) for level in FORECAST_LEVELS)
+        # The hint bounds when the session returns: the horizon spans what is left of its
+        # law (at least the model's), so a far ETA or a long typing spell still plans.
+        window = max(RETURN_HORIZON_S, curve.gaps_s[-1] - elapsed)
         return ArrivalForecast(sid, base.last_finish_s, q,
-                               curve.p_within(elapsed, RETURN_HORIZON_S),
-                               elapsed + RETURN_HORIZON_S, confidence, conditioned=True,
+                               curve.p_within(elapsed, window),
+                               elapsed + window, confidence, conditioned=True,
                                survival=curve)
 
     # -- training and artifacts delegate to the wrapped model --------------------------------

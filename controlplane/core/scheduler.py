@@ -270,11 +270,14 @@ class SchedulerCore:
     def hbm_evicted(self, sid: str, node: int, tokens: int, now_s: float) -> StepOutput:
         """The node's HBM dropped the session's ``tokens`` (or did not take them): under
         demote-on-evict they are written to its DRAM tier, which keeps them if its
-        ranking makes room (the write-through's rule)."""
+        ranking makes room (the write-through's rule). An idle session of a prefetching
+        policy is planned again: its KV may have left its home node with them."""
         s = self._sessions.get(sid)
         if (self.demote_on_evict and s is not None and node not in s.inflight_nodes
                 and self.dram_tokens(node, sid) < tokens):
             self._books.write_through(sid, node, tokens, now_s)
+        if self.policy.prefetch and s is not None and not s.in_flight and s.home == node:
+            self._prefetcher.plan(sid, now_s)  # its KV may have left the node with it
         return self._output()
 
     # ------------------------------------------------------------------ transfers

@@ -2,13 +2,14 @@
 
 Each node's HBM is a :class:`~kvprefetch.controlplane.core.tiers.Tier`: LRU (the engine's
 own), or ranked by the policy's HBM retention
-(:mod:`kvprefetch.controlplane.sim.peers.hbm_retention`, a peer's own). Under demote-on-evict
-(``PolicySpec.demote_on_evict``: lazy offload, write-back) whatever leaves HBM, or a
-finished context HBM does not take, is demoted: handed to the scheduling core for the
-node's DRAM tier (``SchedulerCore.hbm_evicted``). The copy over the host link is not charged, as the
-write-through's copy at a response end is not: a demotion moves at most the bytes a
-write-through would, and an engine that demotes ahead of need (a free-block watermark)
-does it off the requests' path.
+(:mod:`kvprefetch.controlplane.sim.peers.hbm_retention`, a peer's own). Whatever leaves HBM,
+or a finished context HBM does not take, is reported to the scheduling core
+(``SchedulerCore.hbm_evicted``), as the engine's KV events report it live: under
+demote-on-evict (``PolicySpec.demote_on_evict``: lazy offload, write-back) it is demoted to
+the node's DRAM tier, and an idle session whose KV left the node is planned again. The copy
+over the host link is not charged, as the write-through's copy at a response end is not: a
+demotion moves at most the bytes a write-through would, and an engine that demotes ahead of
+need (a free-block watermark) does it off the requests' path.
 """
 
 from __future__ import annotations
@@ -96,8 +97,7 @@ class EngineHbm:
                  min_key=retention.admit_key(session_id, now_s))
 
     def _demote(self, node: int, session_id: str, tokens: int, now_s: float) -> None:
-        if self._policy.demote_on_evict:
-            self._carry(self._core.hbm_evicted(session_id, node, tokens, now_s))
+        self._carry(self._core.hbm_evicted(session_id, node, tokens, now_s))
 
     def _reload_s(self, node: int, sid: str, ctx: int) -> float:
         """What the session's next request would wait to bring ``ctx`` tokens back were

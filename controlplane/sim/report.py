@@ -150,14 +150,19 @@ class Yardstick:
         out = []
         if self.best_baseline is not None:
             out.append(f"predictive / best baseline ({self.best_baseline}), returning mean: "
-                       f"{self.vs_best_baseline:.3f}; p90 / the lowest baseline p90: "
-                       f"{self.vs_best_baseline_p90:.3f}")
+                       f"{_ratio_text(self.vs_best_baseline)}; p90 / the lowest baseline "
+                       f"p90: {_ratio_text(self.vs_best_baseline_p90)}")
         if self.forecast_gap_closure is not None:
             out.append(f"forecast gap closure (reactive -> perfect, returning mean): "
                        f"{self.forecast_gap_closure:.3f}")
         else:
             out.append(f"forecast gap closure: none ({self.no_closure})")
         return out
+
+
+def _ratio_text(ratio: float | None) -> str:
+    """A ratio to 3 decimals, or why there is none (no returning request took time)."""
+    return "n/a (no returning request took time)" if ratio is None else f"{ratio:.3f}"
 
 
 @dataclass(frozen=True, slots=True)

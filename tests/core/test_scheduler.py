@@ -332,10 +332,15 @@ def test_a_sharp_prefetch_displaces_only_residents_due_after_a_late_quantile_of_
     # b due at 45 s: after c's median but not after its q75: nothing is displaced.
     out, core = _hinted_prefetch_over(24.0, 0.9)
     assert out.loads == () and out.evictions == () and core.stats.prefetches_dropped == 1
-    # A forecast whose bets against recency were lost as often as won only fills free
-    # room, whatever the residents' keys.
-    out, core = _hinted_prefetch_over(500.0, 0.9, record=BetRecord(wins=20, losses=20))
+    # A forecast from history whose bets against recency were lost as often as won only
+    # fills free room, whatever the residents' keys ...
+    out, core = _hinted_prefetch_over(500.0, 0.5, record=BetRecord(wins=20, losses=20))
     assert out.loads == () and out.evictions == () and core.dram[0].get("b") is not None
+    # ... while a sharp one (a client's ETA) starts whatever the record, its bet recorded.
+    out, core = _hinted_prefetch_over(500.0, 0.9, record=BetRecord(wins=20, losses=20))
+    assert [t.session_id for t in out.loads] == ["c"]
+    assert [e.session_id for e in out.evictions] == ["b"]
+    assert core._prefetcher.bets.open_bets == 1
 
 
 def test_no_prefetch_starts_where_the_queue_would_hide_the_load_it_saves() -> None:
@@ -350,20 +355,20 @@ def test_no_prefetch_starts_where_the_queue_would_hide_the_load_it_saves() -> No
 
 
 def test_a_prefetch_that_would_displace_places_a_bet_that_the_first_arrival_settles() -> None:
-    # No record yet: c's prefetch fills free room only (there is none), and its bet that
-    # c comes back before b is open.
-    out, core = _hinted_prefetch_over(500.0, 0.9, record=BetRecord())
+    # No record yet: c's prefetch on a forecast from history fills free room only (there
+    # is none), and its bet that c comes back before b is open.
+    out, core = _hinted_prefetch_over(500.0, 0.5, record=BetRecord())
     bets = core._prefetcher.bets
     assert out.loads == () and bets.open_bets == 1
-    # c arrives first: the bet is won, in the bucket of a sharp forecast due far sooner
-    # than b.
+    # c arrives first: the bet is won, in the bucket of a forecast that is not sharp, due
+    # far sooner than b.
     core.request_started(SessionEvent(EventKind.REQUEST_STARTED, "c", 31.0,
                                       input_tokens=40_000))
     assert bets.open_bets == 0
     assert {k: (r.wins, r.losses) for k, r in bets.records.items() if r.settled} == {
-        (True, LEAD_BINS): (1, 0)}
+        (False, LEAD_BINS): (1, 0)}
     # b arriving first loses the bet instead.
-    out, core = _hinted_prefetch_over(500.0, 0.9, record=BetRecord())
+    out, core = _hinted_prefetch_over(500.0, 0.5, record=BetRecord())
     core.request_started(SessionEvent(EventKind.REQUEST_STARTED, "b", 30.0,
                                       input_tokens=40_000))
     records = core._prefetcher.bets.records
@@ -413,3 +418,37 @@ def test_a_warmed_session_the_tier_evicts_before_its_request_counts_as_wasted() 
     s0 = next(t for t in warm if t.session_id == "s0")
     assert core.stats.wasted_bytes - before == s0.nbytes
     assert core.dram_tokens(0, "s0") == core.dram_tokens(0, "s1") == 0
+
+
+class _HbmFleet(FakeFleet):  # type: ignore[misc,valid-type]
+    """Idle nodes whose HBM holds what :attr:`hbm` says."""
+
+    def __init__(self) -> None:
+        self.hbm: dict[tuple[int, str], int] = {}
+
+    def hbm_tokens(self, node: int, session_id: str) -> int:
+        return self.hbm.get((node, session_id), 0)
+
+
+def test_an_idle_session_whose_kv_leaves_hbm_is_planned_again() -> None:
+    # c's context is in node 0's HBM only (its DRAM books dropped it); while HBM holds it
+    # nothing is planned; once the engine reports it evicted, a prefetch is.
+    pred = _SetForecasts()
+    view = _HbmFleet()
+    core = SchedulerCore(two_node_fleet(), POLICIES["predictive"], pred, view)  # type: ignore[arg-type]
+    pred.laws["c"] = ((30.0, 40.0, 60.0), 0.5)
+    view.hbm[(0, "c")] = 40_000
+    out = finish_turn(core, "c", 0.0, node=0, ctx=40_000)
+    if core.dram[0].get("c") is not None:
+        core._books.drop(0, "c")
+    assert core.local_tokens(0, "c") == 40_000 and not out.orders
+    del view.hbm[(0, "c")]
+    (order,) = core.hbm_evicted("c", 0, 40_000, 5.0).orders
+    assert order.session_id == "c" and order.node == 0 and order.tokens == 40_000
+    # Under reactive (no prefetch) the same report plans nothing.
+    view.hbm[(0, "d")] = 40_000
+    react = SchedulerCore(two_node_fleet(), POLICIES["reactive"], pred, view)  # type: ignore[arg-type]
+    pred.laws["d"] = ((30.0, 40.0, 60.0), 0.5)
+    finish_turn(react, "d", 0.0, node=0, ctx=40_000)
+    del view.hbm[(0, "d")]
+    assert not react.hbm_evicted("d", 0, 40_000, 5.0).orders

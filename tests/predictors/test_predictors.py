@@ -349,6 +349,14 @@ def test_hinted_folds_in_hints(trained, trace):
                for f, a in zip(due, silences, strict=True)]
     assert 0 < medians[0] < medians[1] < medians[2]
     assert due[0].p_return > due[2].p_return  # type: ignore[union-attr]
+    # A far ETA still says the session comes back: p_return spans what is left of the
+    # hint's law, not the wrapped model's 60 s horizon (a return within 60 s of a 600 s
+    # ETA is unlikely; within the law, as likely as any hinted return).
+    model.observe(SessionEvent(EventKind.HINT, sid, t + 1, hint=HintKind.TOOL_RUNNING,
+                               eta_s=600))
+    far = model.forecast(sid, t + 1)
+    assert far is not None and far.p_return > 0.9 and far.horizon_s > 600.0
+    assert far.arrival_at(0.1) - (t + 1) > 200.0  # and it is timed by the law's q10
     model.observe(SessionEvent(EventKind.HINT, sid, t + 2, hint=HintKind.USER_TYPING))
     fc = model.forecast(sid, t + 2)
     # Typing time is the message over the typing speed: minutes for a Claude Code prompt;

@@ -569,3 +569,18 @@ def test_predictive_beats_ondemand_on_traffic_its_predictor_never_saw(spec: str,
     od, pr = rep.policies["ondemand"].returning, rep.policies["predictive"].returning
     assert pr.ttft_mean_s < od.ttft_mean_s
     assert pr.ttft_p90_s < od.ttft_p90_s
+
+
+def test_the_yardstick_lines_say_why_a_ratio_is_missing() -> None:
+    # A replay whose returning requests all take no time (a two-session journal) has a
+    # best baseline but no ratio to it: the table says so instead of failing to format.
+    from kvprefetch.controlplane.sim.report import Yardstick
+
+    lines = Yardstick(best_baseline="reactive", vs_best_baseline=None,
+                      vs_best_baseline_p90=None, forecast_gap_closure=None,
+                      no_closure="reactive is no slower than perfect").lines()
+    assert lines[0] == ("predictive / best baseline (reactive), returning mean: n/a (no "
+                        "returning request took time); p90 / the lowest baseline p90: n/a "
+                        "(no returning request took time)")
+    assert Yardstick("ondemand", 0.5, 0.25, 0.4, None).lines()[0].endswith(
+        "returning mean: 0.500; p90 / the lowest baseline p90: 0.250")
