@@ -128,6 +128,16 @@ class ServeResult:
     #: How far the real process ran behind the GPU timeline at the first token (>0 when
     #: round trips are longer than the emulated work they surround).
     lag_s: float = 0.0
+    #: Wall seconds the GPU waited for its transfer (0 = none), and the real bytes the agent
+    #: moved for it when this request's own demand load was dispatched at ``gpu_start``
+    #: (0 for a wait on a transfer already under way): what a twin calibrates the link from.
+    transfer_wall_s: float = 0.0
+    demand_bytes_moved: int = 0
+    #: Wall seconds of the node-local tier's lookup that the GPU waited for (LMCache's
+    #: retrieve; 0 = no lookup), and the tokens it found.
+    lookup_wall_s: float = 0.0
+    lookup_tokens: int = 0
+    looked_up: bool = False
 
     def ttft_s(self, compression: float) -> float:
         """TTFT on the service clock."""
@@ -264,7 +274,8 @@ class EngineEmulator:
             stored = max(reuse, req.stored_context_tokens or reuse)
             dram = read_bytes = 0
             read_s = 0.0  # LMCache loading from L2 on lookup: KV the GPU waits for
-            if hbm < reuse and self._lmcache is not None:
+            looked_up = hbm < reuse and self._lmcache is not None
+            if looked_up and self._lmcache is not None:
                 dram, read_bytes, read_s = self._lmcache.read(req.tenant, req.session_id,
                                                               stored, reuse)
                 kv_ready += read_s
@@ -277,7 +288,8 @@ class EngineEmulator:
             copy_s = max(0, dram - hbm) * self._bpt / (fleet.node.h2d_gbyte_s * 1e9)
             stall_wall = (kv_ready - start) + copy_s / c
             prefill_s = fleet.prefill_s(req.input_tokens - local, local)
-            first_token = kv_ready + (copy_s + prefill_s + fleet.model.decode_s_per_token) / c
+            first_token = kv_ready + (copy_s + prefill_s + fleet.model.decode_s_per_token
+                                      + fleet.node.request_overhead_s) / c
             self._sleep_until(first_token)
             lag = max(0.0, time.time() - first_token)
             self._leave_gpu(first_token)
@@ -298,7 +310,12 @@ class EngineEmulator:
                                kv_ready, first_token, finish, reuse, local, hbm, read_bytes,
                                written, stall_wall,
                                route_overhead_s=max(0.0, received - req.arrival_wall_s),
-                               gpu_overhead_s=gpu_overhead, lag_s=lag)
+                               gpu_overhead_s=gpu_overhead, lag_s=lag,
+                               transfer_wall_s=transfer_s,
+                               demand_bytes_moved=done.bytes_moved
+                               if plan.dispatched and done is not None else 0,
+                               lookup_wall_s=read_s, lookup_tokens=dram if looked_up else 0,
+                               looked_up=looked_up)
         except Exception as exc:
             self.failed += 1
             log.exception("engine %d: request %s/%d failed", self.node, sid, req.turn)

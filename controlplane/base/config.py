@@ -70,6 +70,11 @@ class NodeProfile(_Frozen):
     #: Host-to-GPU copy bandwidth; PCIe 5 x16 gives ~25-50 GB/s in practice
     #: (docs/architecture.md, Cost model).
     h2d_gbyte_s: float = Field(25.0, gt=0)
+    #: Fixed seconds per request between the engine taking it and its first token, beyond
+    #: the copy, the prefill and one decode step (an engine's HTTP and scheduling path). 0
+    #: in the reference fleet, whose cost model has no such term; a calibrated twin of a
+    #: measured engine sets it.
+    request_overhead_s: float = Field(0.0, ge=0)
 
     @property
     def prefill_flops_per_s(self) -> float:

@@ -59,6 +59,7 @@ from kvprefetch.controlplane.harness.demo_report import (
     run_from_books,
     write_outputs,
 )
+from kvprefetch.controlplane.harness.demo_twin import print_twin, twin_section
 
 log = logging.getLogger(__name__)
 GIB = 1 << 30
@@ -142,9 +143,25 @@ def run_demo(args: argparse.Namespace) -> int:
         return 130
     report = build_report(args, fleet, seeds, runs, service_predictor,
                      time.perf_counter() - started)
+    report["twin"] = emulated_twin(args, fleet, seeds, report)
     print_report(report)
+    print_twin(report)
     write_outputs(args, report)
     return 0
+
+
+def emulated_twin(args: argparse.Namespace, fleet: Any, seeds: list[SeedTrace],
+                  report: dict[str, Any]) -> dict[str, Any]:
+    """The report's calibrated twin (:mod:`.demo_twin`): the remote link and the node
+    tier's lookup fitted from this run's per-request rows, all policies together."""
+    from kvprefetch.controlplane.harness.twin_calibration import calibrate_emulated
+
+    rows = [r for p in report["policies"].values() for r in p["per_request"]]
+    cal, fits = calibrate_emulated(rows, compression=args.compression, kv_scale=args.kv_scale,
+                                   kv_bytes_per_token=fleet.model.kv_bytes_per_token,
+                                   h2d_bytes_per_s=fleet.node.h2d_gbyte_s * 1e9)
+    return twin_section(report, seeds, fleet, cal, predictor=args.predictor,
+                        hints=bool(args.hints), fits=fits)
 
 
 def _run(args: argparse.Namespace, fleet: Any, policies: list[str], seeds: list[SeedTrace],

@@ -225,7 +225,26 @@ def _policy_block(policy: str, runs: list[Run]) -> tuple[dict[str, Any], list[Se
     seeds = seed_summary(per_seed)
     block["returning"]["ttft_mean_ci95_s"] = seeds["ttft_mean_ci95_s"]
     block["per_seed"] = seeds["per_seed"]
+    block["per_request"] = [row for one in runs for row in request_rows(one)]
     return block, per_seed
+
+
+def request_rows(one: Run) -> list[dict[str, Any]]:
+    """One row per request of a run, in the report's TTFT unit: what the replayer saw
+    (``ttft_s``) and what the engine measured on its way (transfer and lookup waits, wall
+    seconds), for pairing by (session, turn) and for calibrating a twin."""
+    rows = []
+    for rec, res in zip(one.replay.records, one.replay.results, strict=True):
+        rows.append({
+            "seed": one.seed, "session": rec.session_id, "turn": rec.turn, "node": rec.node,
+            "returning": rec.returning, "ttft_s": round(rec.ttft_s, 6),
+            "reused_tokens": rec.reused_tokens, "local_tokens": res.local_tokens,
+            "hbm_tokens": res.hbm_tokens, "error": res.error,
+            "transfer_wall_s": round(res.transfer_wall_s, 6),
+            "demand_bytes_moved": res.demand_bytes_moved,
+            "looked_up": res.looked_up, "lookup_wall_s": round(res.lookup_wall_s, 6),
+            "lookup_tokens": res.lookup_tokens})
+    return rows
 
 
 def _simulated(args: argparse.Namespace, fleet: Any, seeds: list[SeedTrace],

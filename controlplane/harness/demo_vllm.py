@@ -64,6 +64,7 @@ from kvprefetch.controlplane.harness.demo_report import (
     run_from_books,
     write_outputs,
 )
+from kvprefetch.controlplane.harness.demo_twin import print_twin, twin_section
 from kvprefetch.controlplane.harness.vllm_nodes import (
     L2_LOAD_S_PER_TOKEN,
     MAX_MODEL_LEN,
@@ -201,10 +202,27 @@ def run_demo_vllm(args: argparse.Namespace) -> int:
     report = build_report(args, extra.fleet, seeds, runs, plan.service_predictor,
                           time.perf_counter() - started)
     _extend_report(report, args, extra, plan)
+    report["twin"] = vllm_twin(args, extra, seeds, report, plan.service_predictor)
     print_report(report)
+    print_twin(report, unit="ms", scale=1e3)
     write_outputs(args, report)
     return 0
 
+
+
+def vllm_twin(args: argparse.Namespace, extra: _Extra, seeds: list[Any],
+              report: dict[str, Any], predictor: str) -> dict[str, Any]:
+    """The report's calibrated twin (:mod:`.demo_twin`): the fleet model of these CPU nodes
+    with every cost the calibration pass measured (prefill, L1 and L2 loads, the fixed cost
+    of a request), TTFT in wall seconds as the report's."""
+    from kvprefetch.controlplane.harness.twin_calibration import calibrate_vllm
+
+    fleet = extra.fleet
+    cal = calibrate_vllm(extra.calibration, compression=args.compression,
+                         kv_bytes_per_token=fleet.model.kv_bytes_per_token,
+                         decode_s_per_token=fleet.model.decode_s_per_token)
+    return twin_section(report, seeds, fleet, cal, predictor=args.predictor,
+                        hints=bool(args.hints), time_unit_s=1.0 / args.compression)
 
 
 def _scaled_trace(args: argparse.Namespace, window: int, seed: int) -> Any:

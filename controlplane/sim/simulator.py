@@ -476,7 +476,8 @@ class Simulation:
         r.stall_s = (now - r.start_s) + copy_s
         r.reused_local_tokens = local
         prefill_s = self.fleet.prefill_s(r.req.input_tokens - local, local)
-        r.first_token_s = now + copy_s + prefill_s + self.fleet.model.decode_s_per_token
+        r.first_token_s = (now + copy_s + prefill_s + self.fleet.model.decode_s_per_token
+                           + self.fleet.node.request_overhead_s)
         self.hbm.put(node.idx, sid, r.req.input_tokens, 1, now)
         self._push(r.first_token_s, _PREFILL_DONE, r)
 
