@@ -403,7 +403,99 @@ def grids_table(_name: str) -> list[str]:
                    "predictive prefetched (wasted)", "perfect prefetched"], rows)
 
 
+#: The demos the "simulated vs live" page shows, with how each is described.
+SIM_VS_LIVE = {
+    "lmcache-mp": "emulated GPU nodes, a real LMCache MP server per node "
+                  "(`--backend lmcache-mp`); TTFT in service seconds",
+    "vllm": "vLLM's CPU build + LMCache per node behind the gateway (`--engine vllm`); "
+            "TTFT in wall seconds at the client",
+}
+
+
+def _interval(ci: list[float] | None, scale: float = 1.0, signed: bool = True) -> str:
+    if not ci:
+        return "n/a"
+    fmt = "+.3f" if signed else ".3f"
+    return f"[{ci[0] * scale:{fmt}}, {ci[1] * scale:{fmt}}]"
+
+
+def sim_vs_live_table(_name: str) -> list[str]:
+    """Per demo: its provenance, then live against the calibrated twin (returning means,
+    paired per request) and predictive against ondemand (live and twin), as a terminal
+    table, the calibration and whether the targets are met."""
+    path = DATA / "sim-vs-live.json"
+    if not path.exists():
+        return ["*(not measured: data/sim-vs-live.json is missing)*"]
+    data = json.loads(path.read_text())
+    lines: list[str] = []
+    for demo, label in SIM_VS_LIVE.items():
+        entry = data.get(demo)
+        lines += [f"### `{demo}`: {label}", ""]
+        if entry is None:
+            lines += ["*(not measured)*", ""]
+            continue
+        report, machine = entry["report"], entry["machine"]
+        meta, twin = report["meta"], report["twin"]
+        lines += [
+            f"- **Run**: {entry['date']}, commit `{entry['commit']}`, "
+            f"{machine.get('cores', '?')} CPU cores, GPU: {machine.get('gpu', 'none')}; wall "
+            f"time {_num(entry.get('wall_s'), 1)} s",
+            f"- **Command**: `{entry['command']}`",
+            f"- **Replay**: {meta['requests']} requests of {meta['sessions']} sessions per "
+            f"policy over {meta['repeats']} arrival seeds from {meta['seed']}, "
+            f"{meta['nodes']} nodes, {_num(float(meta['time_compression']), 0)}x "
+            f"compression, pressure up to {_num(meta['pressure_ratio'], 2)}x",
+            "- **Data**: [`data/sim-vs-live.json`](data/sim-vs-live.json) "
+            f"(key `{demo}`)", ""]
+        tol = twin["targets"]
+        boot = twin["bootstrap"]
+        head = (f"{'policy':<11} {'live':>8} {'twin':>8} {'uncal.':>8} {'live/twin':>9} "
+                f"{'<=20%':>6} {'pairs':>6} {'twin-live':>10} {'95% CI':>18}")
+        rows = [head, "-" * len(head)]
+        for policy, p in twin["policies"].items():
+            d = p["paired_twin_minus_live"] or {}
+            unc = report["simulated"].get(policy, {}).get("returning", {}).get("ttft_mean_s")
+            rows.append(
+                f"{policy:<11} {p['live_returning_mean_s']:>8.3f} "
+                f"{p['twin_returning_mean_s']:>8.3f} {_num(unc):>8} "
+                f"{_num(p['live_over_twin']):>9} {'yes' if p['within_tolerance'] else 'NO':>6} "
+                f"{d.get('pairs', 0):>6} {d.get('diff_s', 0.0):>+10.3f} "
+                f"{_interval(d.get('diff_ci95_s')):>18}")
+        cmp = twin.get("predictive_vs_ondemand") or {}
+        if cmp.get("live") and cmp.get("twin"):
+            rows.append("")
+            rows.append(f"{'predictive / ondemand':<22} {'ratio':>6} {'95% CI':>16} "
+                        f"{'pred - ond':>10} {'95% CI':>18} {'pairs':>6}")
+            for side in ("live", "twin"):
+                c = cmp[side]
+                rows.append(f"{side:<22} {c['ratio']:>6.3f} "
+                            f"{_interval(c['ratio_ci95'], signed=False):>16} "
+                            f"{c['diff_s']:>+10.3f} {_interval(c['diff_ci95_s']):>18} "
+                            f"{c['pairs']:>6}")
+        lines += ["```text", *rows, "```", ""]
+        means_ok = all(p["within_tolerance"] for p in twin["policies"].values())
+        verdict = [f"returning means within {tol['mean_tolerance']:.0%} of the twin's: "
+                   + ("**met**" if means_ok else "**not met**")]
+        if "ratio_gap" in cmp:
+            verdict.append(f"predictive / ondemand within {tol['ratio_tolerance']} of the "
+                           f"twin's: {'**met**' if cmp['within_tolerance'] else '**not met**'}"
+                           f" (gap {cmp['ratio_gap']:.3f})")
+        lines += ["Targets: " + "; ".join(verdict) + f". Intervals: bootstrap, "
+                  f"{boot['resamples']} resamples, seed {boot['seed']}, {boot['method']}; "
+                  "`uncal.` is the simulator on the fleet model before calibration.", ""]
+        cal = twin["calibration"]
+        before, after = twin["fleet_before"], twin["fleet_after"]
+        cal_rows = [[f"`{k}`", _num(float(before[k]), 6), _num(float(after[k]), 6)]
+                    for k in before if before[k] != after[k]]
+        lines += ["Calibrated figures of the twin's fleet model (service clock):", "",
+                  *_table(["figure", "fleet model", "calibrated"], cal_rows), "",
+                  "From: " + "; ".join(f"{k}: {v}" for k, v in
+                                       sorted(cal["sources"].items())) + ".", ""]
+    return lines
+
+
 RENDERERS: dict[str, Callable[[str], list[str]]] = {
+    "sim-vs-live": sim_vs_live_table,
     "summary": summary_table,
     "yardstick-grids": grids_table,
     "readme": readme_table,
@@ -420,7 +512,7 @@ RENDERERS: dict[str, Callable[[str], list[str]]] = {
 
 def render(name: str) -> str:
     """The Markdown of one result block: provenance, then the tables."""
-    if name in ("summary", "readme", "yardstick-grids"):
+    if name in ("summary", "readme", "yardstick-grids", "sim-vs-live"):
         return "\n".join([*RENDERERS[name](name), ""])
     if not (DATA / f"{name}.json").exists():
         return f"*(not measured: data/{name}.json is missing)*\n"

@@ -41,3 +41,18 @@ def test_demo_runs_on_real_lmcache_servers(tmp_path: Path) -> None:
     assert sum(a["orders_done"] for a in run["agents"]) > 0
     assert all(a["used_bytes"] > 0 for a in run["agents"])  # L1 usage from LMCache's /status
     assert "lmcache server" in done.stderr
+    # Per-request rows carry what the engine measured; the twin is calibrated from them
+    # (LMCache's lookups) and paired with the live requests by (seed, session, turn).
+    rows = run["per_request"]
+    assert len(rows) == report["meta"]["requests"]
+    assert sum(r["returning"] for r in rows) == run["returning"]["requests"]
+    assert any(r["looked_up"] and r["lookup_wall_s"] > 0 for r in rows)
+    twin = report["twin"]
+    assert "local" in twin["calibration"]["sources"]
+    assert twin["fleet_after"]["h2d_gbyte_s"] < twin["fleet_before"]["h2d_gbyte_s"]
+    paired = twin["policies"]["predictive"]["paired_twin_minus_live"]
+    assert paired["pairs"] == run["returning"]["requests"] and paired["resamples"] == 2000
+    lo, hi = paired["diff_ci95_s"]
+    assert lo <= paired["diff_s"] <= hi
+    assert paired["mean_a_s"] == pytest.approx(run["returning"]["ttft_mean_s"], rel=1e-4)
+    assert "calibrated twin" in done.stdout
