@@ -483,6 +483,21 @@ def sim_vs_live_table(_name: str) -> list[str]:
         lines += ["Targets: " + "; ".join(verdict) + f". Intervals: bootstrap, "
                   f"{boot['resamples']} resamples, seed {boot['seed']}, {boot['method']}; "
                   "`uncal.` is the simulator on the fleet model before calibration.", ""]
+        firsts = []
+        for policy, p in report["policies"].items():
+            n, ret = p["requests"], p["returning"]["requests"]
+            if n > ret:
+                mean = (p["ttft_mean_s"] * n - p["returning"]["ttft_mean_s"] * ret) / (n - ret)
+                firsts.append(f"{policy} {mean:.3f}")
+        check = report.get("machine")
+        if check:
+            lines += [f"Machine: the demo's own check, control-plane lag p90 "
+                      f"{check['control_plane_lag_p90_ms']:.1f} ms = "
+                      f"{check['lag_share']:.0%} of the median compressed gap (at most "
+                      f"{check['limit_share']:.0%}): "
+                      + ("carried" if check["carried"] else "**not carried**")
+                      + "; first turns (nothing to load), live mean: "
+                      + ", ".join(firsts) + ".", ""]
         cal = twin["calibration"]
         before, after = twin["fleet_before"], twin["fleet_after"]
         cal_rows = [[f"`{k}`", _num(float(before[k]), 6), _num(float(after[k]), 6)]
