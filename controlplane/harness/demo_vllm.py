@@ -202,7 +202,7 @@ def run_demo_vllm(args: argparse.Namespace) -> int:
     report = build_report(args, extra.fleet, seeds, runs, plan.service_predictor,
                           time.perf_counter() - started)
     _extend_report(report, args, extra, plan)
-    report["twin"] = vllm_twin(args, extra, seeds, report, plan.service_predictor)
+    report["twin"] = vllm_twin(args, extra, seeds, report)
     print_report(report)
     print_twin(report, unit="ms", scale=1e3)
     write_outputs(args, report)
@@ -211,7 +211,7 @@ def run_demo_vllm(args: argparse.Namespace) -> int:
 
 
 def vllm_twin(args: argparse.Namespace, extra: _Extra, seeds: list[Any],
-              report: dict[str, Any], predictor: str) -> dict[str, Any]:
+              report: dict[str, Any]) -> dict[str, Any]:
     """The report's calibrated twin (:mod:`.demo_twin`): the fleet model of these CPU nodes
     with every cost the calibration pass measured (prefill, L1 and L2 loads, the fixed cost
     of a request), TTFT in wall seconds as the report's."""
