@@ -134,8 +134,7 @@ class PlannerConfig(_Frozen):
     #: forecasts; 0 starts every one, record or not.
     prefetch_min_win_share: float = Field(0.6, ge=0, le=1)
     #: Forecasts at least this confident (a client's hint with an ETA, 0.9,
-    #: ``kvprefetch.predictors.hinted``) start their prefetches without the forecasts'
-    #: record (their bets are recorded apart).
+    #: ``kvprefetch.predictors.hinted``) keep a record of their own.
     displace_min_confidence: float = Field(0.85, ge=0, le=1)
     #: ... and only residents predicted to be used after this quantile of its arrival (a
     #: late one: the candidate must come first with some certainty, not only on median).

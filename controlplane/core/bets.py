@@ -20,8 +20,7 @@ record can recover). Elsewhere nothing is prefetched and the tier keeps what rec
 keeps, as under ``reactive``. So a forecast that does not beat recency on the traffic at
 hand stops after a few bets, and one that does earns the right, per bucket; nothing here
 is fitted offline. A certain forecast (confidence 1, the perfect-forecast bound) is not
-gated, nor is a sharp one (a client's ETA: evidence about its own session that a record
-pooled over sessions cannot weigh); its bets are still recorded, in buckets of their own.
+gated.
 
 Buckets (:meth:`DisplacementBets.bucket`): whether the forecast is sharp (a client's hint
 with an ETA: ``confidence >= planner.displace_min_confidence``) and how much sooner it says

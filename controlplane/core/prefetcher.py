@@ -178,16 +178,12 @@ class Prefetcher:
         taken have been read (:mod:`kvprefetch.controlplane.core.bets`); elsewhere the
         tier keeps what ``reactive`` keeps. With evict advice it may displace residents
         predicted to be used after a late quantile of its arrival. A certain forecast is
-        not gated (it displaces those used after its arrival: Belady), nor is a sharp one
-        (``confidence >= planner.displace_min_confidence``: a client's ETA, evidence about
-        this session that a record pooled over sessions cannot weigh); a sharp bet is
-        still recorded."""
+        not gated (it displaces those used after its arrival: Belady)."""
         if forecast is None:
             return True, use_s, None
         cfg = self._planner
         advice = self._policy.evict_advice
         min_key = max(use_s, forecast.arrival_at(cfg.displace_quantile)) if advice else use_s
-        sharp = forecast.confidence >= cfg.displace_min_confidence
         if forecast.confidence >= 1.0:
             return not advice, min_key, None
         books = self._books
@@ -202,10 +198,10 @@ class Prefetcher:
         if not pushed:
             return free_only, min_key, None
         pushed_ids = [v.key for v in pushed]
-        bucket = self.bets.bucket(sharp, now_s, use_s,
-                                  self._forecasts.next_uses(pushed_ids, now_s))
+        bucket = self.bets.bucket(forecast.confidence >= cfg.displace_min_confidence, now_s,
+                                  use_s, self._forecasts.next_uses(pushed_ids, now_s))
         self.bets.place(sid, pushed_ids, bucket, now_s)
-        if not sharp and not self.bets.allows(bucket):
+        if not self.bets.allows(bucket):
             return None
         return free_only, min_key, bucket
 
