@@ -277,7 +277,7 @@ class SchedulerCore:
                 and self.dram_tokens(node, sid) < tokens):
             self._books.write_through(sid, node, tokens, now_s)
         if self.policy.prefetch and s is not None and not s.in_flight and s.home == node:
-            self._prefetcher.plan(sid, now_s)  # its KV may have left the node with it
+            self._prefetcher.plan(sid, now_s)
         return self._output()
 
     # ------------------------------------------------------------------ transfers
