@@ -11,10 +11,13 @@ from __future__ import annotations
 import gzip
 import io
 from collections.abc import Iterator, Mapping
+from enum import Enum
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
 
 from kvprefetch.controlplane.base.errors import TraceFormatError
+
+_E = TypeVar("_E", bound=Enum)
 
 
 class FieldReader:
@@ -96,6 +99,15 @@ class FieldReader:
 
     def optional_text(self, obj: Mapping[str, Any], key: str) -> str | None:
         return None if obj.get(key) is None else self.text(obj, key)
+
+    def member(self, key: str, text: str, kind: type[_E], what: str) -> _E:
+        """``text`` (read from ``key``) as a value of the enum ``kind``; an error names
+        ``what`` it is and lists the known values."""
+        try:
+            return kind(text)
+        except ValueError:
+            known = ", ".join(m.value for m in kind)
+            raise self.error(key, f"unknown {what} {text!r} (known: {known})") from None
 
     def int_list(self, obj: Mapping[str, Any], key: str) -> list[int]:
         value = self.required(obj, key)

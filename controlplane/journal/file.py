@@ -103,20 +103,9 @@ def event_from_dict(
     """Parse one journal object; errors name ``path``, ``line`` and the field."""
     reader = FieldReader(Path(path) if path is not None else Path("<event>"), line)
     row = reader.mapping(obj, "event")
-    kind_text = reader.text(row, "kind")
-    try:
-        kind = EventKind(kind_text)
-    except ValueError:
-        known = ", ".join(k.value for k in EventKind)
-        raise reader.error("kind", f"unknown event kind {kind_text!r} (known: {known})") from None
+    kind = reader.member("kind", reader.text(row, "kind"), EventKind, "event kind")
     hint_text = reader.optional_text(row, "hint")
-    hint: HintKind | None = None
-    if hint_text is not None:
-        try:
-            hint = HintKind(hint_text)
-        except ValueError:
-            known = ", ".join(h.value for h in HintKind)
-            raise reader.error("hint", f"unknown hint {hint_text!r} (known: {known})") from None
+    hint = None if hint_text is None else reader.member("hint", hint_text, HintKind, "hint")
     session_id = reader.text(row, "session")
     return SessionEvent(
         kind=kind,

@@ -74,13 +74,13 @@ class EngineHbm:
         victims = tier.victims_for(nbytes, now_s, exclude=session_id, min_key=min_key)
         if victims is None:  # does not fit beside pinned contexts: it is not cached here
             if not pinned:
-                self._demote(node, session_id, tokens, now_s)
+                self._report_evicted(node, session_id, tokens, now_s)
             return
         for v in victims:
             tier.remove(v.session_id)
         tier.put(TierEntry(session_id, tokens, nbytes, now_s, pinned=pinned))
         for v in victims:
-            self._demote(node, v.session_id, v.tokens, now_s)
+            self._report_evicted(node, v.session_id, v.tokens, now_s)
 
     def keep_finished(self, node: int, session_id: str, ctx: int, stop_reason: str | None,
                       now_s: float) -> None:
@@ -96,7 +96,7 @@ class EngineHbm:
         self.put(node, session_id, ctx, 0, now_s,
                  min_key=retention.admit_key(session_id, now_s))
 
-    def _demote(self, node: int, session_id: str, tokens: int, now_s: float) -> None:
+    def _report_evicted(self, node: int, session_id: str, tokens: int, now_s: float) -> None:
         self._carry(self._core.hbm_evicted(session_id, node, tokens, now_s))
 
     def _reload_s(self, node: int, sid: str, ctx: int) -> float:

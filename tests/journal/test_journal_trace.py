@@ -135,3 +135,16 @@ def test_the_trace_loaders_export_the_journal_readers() -> None:
     assert traces.event_to_dict is records.event_to_dict
     assert traces.event_from_dict is records.event_from_dict
     assert traces.JournalWriter is writer.JournalWriter
+
+
+@pytest.mark.parametrize(("obj", "field", "listed"), [
+    ({"kind": "bogus", "session": "s", "time_s": 1}, "kind", "request_started, request_finished"),
+    ({"kind": "hint", "hint": "nah", "session": "s", "time_s": 1}, "hint", "user_typing"),
+])
+def test_an_unknown_kind_or_hint_names_the_place_and_the_known_values(
+        obj: dict[str, object], field: str, listed: str) -> None:
+    with pytest.raises(TraceFormatError) as err:
+        event_from_dict(obj, path="j.jsonl", line=3)
+    assert err.value.field == field and err.value.line == 3
+    assert f"unknown {'event kind' if field == 'kind' else 'hint'} {obj[field]!r}" in str(err.value)
+    assert listed in str(err.value)
