@@ -110,6 +110,12 @@ class RouterConfig(_Frozen):
 
     #: A node other than the session's home must be better by this much to win (seconds).
     affinity_margin_s: float = Field(0.25, ge=0)
+    #: Nodes whose estimates are within this share of the lowest are tied, and a tie goes
+    #: to the first of them in the session's own order of the nodes (a rendezvous hash of
+    #: session and node): sessions that no node holds spread over a fleet of equal nodes
+    #: instead of all going to the lowest-numbered one, and a session tied again goes
+    #: where it went before. 0: exact ties only.
+    tie_share: float = Field(0.01, ge=0, lt=1)
 
 
 class PlannerConfig(_Frozen):

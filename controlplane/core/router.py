@@ -4,11 +4,15 @@ For every node the router estimates the request's TTFT there: the queue wait, pl
 to bring the reusable KV that is not yet in HBM (from the DRAM tier over the host link,
 or from the remote store over the NIC, if the policy may), plus the prefill of the rest.
 The session's home node (where its KV was last written) wins unless another node is better
-by more than ``affinity_margin_s``. Pure: no clock, no I/O; ties break on the node index.
+by more than ``affinity_margin_s``. Nodes within ``tie_share`` of the best estimate are
+tied; a tie goes to the first tied node in the session's own order of the nodes (a
+rendezvous hash of session id and node), so that sessions no node holds spread over equal
+nodes and a session tied again lands where it landed before. Pure: no clock, no I/O.
 """
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -72,7 +76,7 @@ class Router:
     the scheduler per event). The same float operations in the same order as the formula
     in the module doc, so the same estimates bit for bit."""
 
-    __slots__ = ("_bpt", "_decode_s", "_fleet", "_h2d", "_margin")
+    __slots__ = ("_bpt", "_decode_s", "_fleet", "_h2d", "_margin", "_tie")
 
     def __init__(self, fleet: FleetConfig) -> None:
         self._fleet = fleet
@@ -80,6 +84,7 @@ class Router:
         self._h2d = fleet.node.h2d_gbyte_s * 1e9
         self._decode_s = fleet.model.decode_s_per_token
         self._margin = fleet.router.affinity_margin_s
+        self._tie = 1.0 + fleet.router.tie_share
 
     def estimates(self, req: RouteRequest, nodes: Sequence[NodeNumbers]) -> list[float]:
         """Estimated TTFT of ``req`` on each node."""
@@ -106,12 +111,20 @@ class Router:
         return out
 
     def decide(self, req: RouteRequest, nodes: Sequence[NodeNumbers]) -> RouteDecision:
-        """The node with the lowest estimated TTFT (ties: the lower node number), unless
-        the session's home node is within the affinity margin of it."""
+        """The node with the lowest estimated TTFT (ties: the session's own order of the
+        nodes, :func:`session_rank`), unless the session's home node is within the
+        affinity margin of it."""
         estimates = self.estimates(req, nodes)
         if not nodes:
             raise ValueError("no node to route to")
-        best = min(range(len(nodes)), key=lambda i: (estimates[i], nodes[i][0]))
+        low = min(estimates)
+        bound = low * self._tie
+        tied = [i for i, e in enumerate(estimates) if e <= bound]
+        if len(tied) == 1:
+            best = tied[0]
+        else:
+            sid = req.session_id
+            best = max(tied, key=lambda i: (session_rank(sid, nodes[i][0]), -nodes[i][0]))
         if req.home_node is not None:
             for i, numbers in enumerate(nodes):
                 if numbers[0] == req.home_node:
@@ -119,3 +132,9 @@ class Router:
                         best = i
                     break
         return RouteDecision(nodes[best][0], estimates[best], tuple(estimates))
+
+
+def session_rank(session_id: str, node: int) -> int:
+    """The session's preference for ``node`` among tied nodes (higher first): a 32-bit
+    hash of both, the same in every process (unlike :func:`hash` of a string)."""
+    return zlib.crc32(f"{node}:{session_id}".encode())

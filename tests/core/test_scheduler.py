@@ -195,34 +195,36 @@ def test_behind_a_long_queue_predictive_loads_a_few_ttlbs_before_the_gpu_start()
 
 def _queued_behind(wait_a_s: float, start_a_s: float
                    ) -> tuple[SchedulerCore, StepOutput, StepOutput]:
-    """Request "a" is routed to node 0 at 9 s with ``wait_a_s`` of queue ahead, then s0
-    (its KV gone from node 0) at 10 s with 7 s (expected on the GPU at 17 s, its load armed
-    3 TTLBs before: 13.85 s); "a" reaches the GPU at ``start_a_s``. The core, s0's routing
-    and a's GPU start."""
+    """Request "ahead" (a new session whose own order of the nodes puts node 0 first) is
+    routed to node 0 at 9 s with ``wait_a_s`` of queue ahead, then s0 (its KV gone from
+    node 0) at 10 s with 7 s (expected on the GPU at 17 s, its load armed 3 TTLBs before:
+    13.85 s); "ahead" reaches the GPU at ``start_a_s``. The core, s0's routing and the GPU
+    start of "ahead"."""
     fleet = _QueuedFleet(wait_a_s)
     core = SchedulerCore(two_node_fleet(), POLICIES["predictive"], load("last-gap"), fleet)
     finish_turn(core, "s0", 0.0, 0, 40_000)
     core.reconcile(0, lambda sid, tokens: sid != "s0", 5.0)
-    core.request_started(SessionEvent(EventKind.REQUEST_STARTED, "a", 9.0, input_tokens=500))
-    assert core.route_request("a", 500, 0, 9.0).node == 0
+    core.request_started(SessionEvent(EventKind.REQUEST_STARTED, "ahead", 9.0,
+                                      input_tokens=500))
+    assert core.route_request("ahead", 500, 0, 9.0).node == 0
     fleet.wait_s = 7.0
     core.request_started(SessionEvent(EventKind.REQUEST_STARTED, "s0", 10.0,
                                       input_tokens=41_000, reused_tokens=40_000))
     routed = core.route_request("s0", 41_000, 40_000, 10.0)
     (order,) = routed.orders
     assert order.queued and order.start_at_s == pytest.approx(17.0 - 3 * 1.0491, abs=1e-3)
-    return core, routed, core.gpu_start("a", 0, 0, start_a_s)
+    return core, routed, core.gpu_start("ahead", 0, 0, start_a_s)
 
 
 def test_a_queue_that_runs_ahead_of_its_estimates_starts_the_timed_loads_behind_sooner(
 ) -> None:
-    # "a" starts 3 s before its estimate (15 s): s0 is now expected at 14 s, its load due
+    # "ahead" starts 3 s before its estimate (15 s): s0 is now expected at 14 s, its load due
     # at 10.85 s: started at once.
     _, _, started = _queued_behind(6.0, 12.0)
-    assert started.demand_load("a") is None
+    assert started.demand_load("ahead") is None
     ticket = started.demand_load("s0")
     assert ticket is not None and ticket.deadline_s == pytest.approx(14.0)
-    # "a" starts 1 s before its estimate (13.5 s): s0's load moves 1 s earlier, to 12.85 s
+    # "ahead" starts 1 s before its estimate (13.5 s): s0's load moves 1 s earlier, to 12.85 s
     # (more than a tenth of its 3.1 s lead): re-armed.
     _, routed, started = _queued_behind(4.5, 12.5)
     (moved,) = started.orders
@@ -232,7 +234,7 @@ def test_a_queue_that_runs_ahead_of_its_estimates_starts_the_timed_loads_behind_
 
 
 def test_a_queue_that_falls_behind_its_estimates_starts_the_timed_loads_behind_later() -> None:
-    # "a" starts 1 s after its estimate (11 s): when s0's timer fires, its load is re-armed
+    # "ahead" starts 1 s after its estimate (11 s): when s0's timer fires, its load is re-armed
     # 1 s later.
     core, routed, started = _queued_behind(2.0, 12.0)
     assert started.orders == () and started.loads == ()
