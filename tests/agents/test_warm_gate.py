@@ -7,6 +7,7 @@ idle."""
 
 from __future__ import annotations
 
+import dataclasses
 import http.server
 import threading
 import time
@@ -257,12 +258,12 @@ def engine() -> Iterator[FakeEngine]:
 
 
 def _agent(tmp_path: Path, valkey: EmbeddedValkey, reports: list[TransferReport], *,
-           engine_url: str = "", **warming: object) -> PrefetchAgent:
+           engine_url: str = "", node: int = 0, **warming: object) -> PrefetchAgent:
     remote = RemoteStoreConfig(valkey=valkey.store_config(
         key_prefix=f"gate-{uuid.uuid4().hex[:8]}:", connect_timeout_s=0.5,
         socket_timeout_s=2.0))
     return PrefetchAgent(AgentConfig(
-        node=0, remote=remote, engine_url=engine_url,
+        node=node, remote=remote, engine_url=engine_url,
         warming=WarmingConfig(engine_poll_interval_ms=20, **warming),  # type: ignore[arg-type]
         dram=LocalTierConfig(path=str(tmp_path / f"dram-{uuid.uuid4().hex[:6]}"),
                              capacity_bytes=8 << 20)), reporter=reports.append)
@@ -373,3 +374,50 @@ def test_an_order_past_its_deadline_and_grace_is_dropped_counted_and_reported_no
         assert report is not None and report.complete
         assert agent.status().orders_dropped_late == 0
         agent.store.delete(["t/a/0"])
+
+
+# -- the scheduler's books of a dropped order -------------------------------------------------
+
+
+@pytest.mark.servers
+def test_the_scheduler_books_a_dropped_prefetch_as_not_done_and_nothing_local(
+        tmp_path: Path, valkey_server: EmbeddedValkey) -> None:
+    """The service sends each order its deadline as wall seconds from now (its clock's
+    seconds divided by the time compression); the agent's report of a late order it dropped
+    matches the order (not rejected), closes it as failed, books nothing local on the node
+    and no prefetch bytes, and lets the session be planned again."""
+    from kvptest.live_fleet import RecordingPort
+
+    from kvprefetch.controlplane.base.config import fleet_from_dict
+    from kvprefetch.controlplane.base.wire import AgentHello
+    from kvprefetch.controlplane.live.config import ServiceConfig
+    from kvprefetch.controlplane.live.service import SchedulerService
+
+    fleet = fleet_from_dict({"nodes": 2, "node": {"hbm_kv_bytes": 4 << 30,
+                                                  "dram_tier_bytes": 16 << 30}})
+    ports = {0: RecordingPort(), 1: RecordingPort()}
+    cfg = ServiceConfig(fleet=fleet, predictor="hinted", time_compression=100.0,
+                        chunk_tokens=4096, initial_nodes=1)
+    reports: list[TransferReport] = []
+    with SchedulerService(cfg, agents=ports).start() as svc, \
+            _agent(tmp_path, valkey_server, reports, node=1) as agent:
+        svc.route({"tenant": "t", "session_id": "a", "input_tokens": 3 * 4096})
+        svc.request_finished({"tenant": "t", "session_id": "a", "node": 0,
+                              "input_tokens": 3 * 4096})
+        svc.agent_hello(AgentHello(0, "agent-0", "gpu-0"))  # node 0's tier is empty
+        svc.agent_hello(agent.hello())  # node 1's agent greets: the node joins, warmed
+        (order,) = ports[1].orders
+        assert order.prefetch and order.due_in_wall_s is not None
+        now = svc.clock.now_s()
+        assert order.due_in_wall_s == pytest.approx((order.deadline_s - now) / 100.0, abs=0.05)
+        # The agent of node 1 gets it too late: past its deadline and the grace.
+        agent.execute(dataclasses.replace(order, due_in_wall_s=-5.0))
+        (dropped,) = reports
+        assert dropped.cancelled and not dropped.complete
+        svc.report_transfer(dropped)
+        summary = svc.summary()
+        assert svc.orders.by_id(order.order_id) is None  # closed
+        assert svc.stats.orders_failed == 1 and svc.stats.orders_done == 0
+        assert not svc.stats.reports_rejected and svc.stats.prefetch_bytes == 0
+        assert svc.core.local_tokens(1, "t/a") == 0
+        assert sum(summary["orders_in_flight"].values()) <= 1  # at most a fresh plan of it
