@@ -421,3 +421,29 @@ def test_the_scheduler_books_a_dropped_prefetch_as_not_done_and_nothing_local(
         assert not svc.stats.reports_rejected and svc.stats.prefetch_bytes == 0
         assert svc.core.local_tokens(1, "t/a") == 0
         assert sum(summary["orders_in_flight"].values()) <= 1  # at most a fresh plan of it
+
+
+def test_the_serve_configs_agent_warming_section_is_read_and_checked(tmp_path: Path) -> None:
+    """``agent.warming`` in a serve config: the example's values are read; a bad value is a
+    config error naming the file and the field."""
+    import yaml
+
+    from kvprefetch.controlplane.base.errors import ConfigError
+    from kvprefetch.controlplane.cli.serve_config import load_serve_config
+
+    root = Path(__file__).resolve().parents[2]
+    example = load_serve_config(root / "examples" / "serve.yaml").agent.warming
+    assert example.defer_while_waiting_requests == 1 and example.late_grace_s == 0.5
+    path = tmp_path / "serve.yaml"
+    base = {"stores": {"valkey": {"host": "127.0.0.1", "port": 6379}},
+            "agent": {"tier_capacity_bytes": 1 << 26}}
+    path.write_text(yaml.safe_dump({**base, "agent": {
+        **base["agent"], "warming": {"late_grace_s": None, "defer_while_running_requests": 1}}}))
+    read = load_serve_config(path).agent.warming
+    assert read.late_grace_s is None and read.defer_while_running_requests == 1
+    path.write_text(yaml.safe_dump({**base, "agent": {
+        **base["agent"], "warming": {"engine_poll_interval_ms": 0}}}))
+    with pytest.raises(ConfigError) as err:
+        load_serve_config(path)
+    assert str(path) in str(err.value)
+    assert "agent.warming.engine_poll_interval_ms" in str(err.value)
