@@ -385,12 +385,14 @@ def test_the_scheduler_books_a_dropped_prefetch_as_not_done_and_nothing_local(
     """The service sends each order its deadline as wall seconds from now (its clock's
     seconds divided by the time compression); the agent's report of a late order it dropped
     matches the order (not rejected), closes it as failed, books nothing local on the node
-    and no prefetch bytes, and lets the session be planned again."""
+    and no prefetch bytes, and lets the session be planned again; the agent's status
+    reaches the scheduler's metrics."""
     from kvptest.live_fleet import RecordingPort
 
     from kvprefetch.controlplane.base.config import fleet_from_dict
     from kvprefetch.controlplane.base.wire import AgentHello
     from kvprefetch.controlplane.live.config import ServiceConfig
+    from kvprefetch.controlplane.live.metrics import PrometheusMetrics
     from kvprefetch.controlplane.live.service import SchedulerService
 
     fleet = fleet_from_dict({"nodes": 2, "node": {"hbm_kv_bytes": 4 << 30,
@@ -399,7 +401,8 @@ def test_the_scheduler_books_a_dropped_prefetch_as_not_done_and_nothing_local(
     cfg = ServiceConfig(fleet=fleet, predictor="hinted", time_compression=100.0,
                         chunk_tokens=4096, initial_nodes=1)
     reports: list[TransferReport] = []
-    with SchedulerService(cfg, agents=ports).start() as svc, \
+    metrics = PrometheusMetrics()
+    with SchedulerService(cfg, agents=ports, metrics=metrics).start() as svc, \
             _agent(tmp_path, valkey_server, reports, node=1) as agent:
         svc.route({"tenant": "t", "session_id": "a", "input_tokens": 3 * 4096})
         svc.request_finished({"tenant": "t", "session_id": "a", "node": 0,
@@ -421,6 +424,11 @@ def test_the_scheduler_books_a_dropped_prefetch_as_not_done_and_nothing_local(
         assert not svc.stats.reports_rejected and svc.stats.prefetch_bytes == 0
         assert svc.core.local_tokens(1, "t/a") == 0
         assert sum(summary["orders_in_flight"].values()) <= 1  # at most a fresh plan of it
+        svc.node_status(agent.status())
+        name = agent.node_name.encode()
+        page = metrics.render()
+        assert b'kvprefetch_agent_orders_dropped_late_total{node="' + name + b'"} 1.0' in page
+        assert b'kvprefetch_agent_orders_deferred_total{node="' + name + b'"} 0.0' in page
 
 
 def test_the_serve_configs_agent_warming_section_is_read_and_checked(tmp_path: Path) -> None:
