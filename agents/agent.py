@@ -31,6 +31,12 @@ de-duplication state and reports (their ids are never reused, but an engine must
 handed an old report), and it refuses orders of an epoch older than the newest it has seen
 (a stale message from a scheduler that has been replaced), counting them in
 ``stale_orders``.
+
+Warming yields to the engine (``warming``, :mod:`kvprefetch.agents.warm_gate`): while the
+node's engine is busy (its load read from ``engine_url``'s Prometheus page) a new prefetch
+is held until the engine is idle, its deadline comes near, or the engine waits on it; a
+prefetch not started by its deadline plus ``warming.late_grace_s`` is dropped, reported not
+done (``cancelled``, nothing moved) and counted in the status's ``orders_dropped_late``.
 """
 
 from __future__ import annotations
@@ -60,11 +66,13 @@ from kvprefetch.agents.stores.s3.store import S3Store, S3StoreConfig
 from kvprefetch.agents.stores.tiered import TieredStore, TieredStoreConfig
 from kvprefetch.agents.stores.valkey.store import ValkeyStore, ValkeyStoreConfig
 from kvprefetch.agents.transfer import TransferConfig, TransferResult
+from kvprefetch.agents.vllm.engine_load import EngineLoadProbe, metrics_url_of
 from kvprefetch.agents.vllm.kv_events import (
     VLLMEventsConfig,
     VLLMEventStats,
     VLLMEventSubscriber,
 )
+from kvprefetch.agents.warm_gate import Verdict, WarmGate, WarmGateStats, WarmingConfig
 from kvprefetch.controlplane.base.errors import ConfigError
 from kvprefetch.controlplane.base.keys import position_key_session
 from kvprefetch.controlplane.base.shards import MAX_SHARDS
@@ -136,6 +144,9 @@ class AgentConfig(BaseModel):
     #: agent's hello: the gateway forwards the node's requests there ("" = the gateway's
     #: configured upstream of the node).
     engine_url: str = ""
+    #: How prefetch warms yield to the engine and when a late one is dropped
+    #: (:class:`~kvprefetch.agents.warm_gate.WarmingConfig`).
+    warming: WarmingConfig = WarmingConfig()
     remote: RemoteStoreConfig
     transfer: TransferConfig = TransferConfig()
     #: Threads that wait on transfers and send their reports.
@@ -201,6 +212,7 @@ class PrefetchAgent:
         self._hbm_pending: dict[str, int] = {}
         self._hbm_full = False
         self._hbm_events: VLLMEventSubscriber | None = None
+        self._gate: WarmGate | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> PrefetchAgent:
@@ -225,11 +237,22 @@ class PrefetchAgent:
             raise
         self._pool = ThreadPoolExecutor(cfg.report_threads,
                                         thread_name_prefix=f"agent{self.node}-report")
+        self._gate = self._warm_gate(cfg)
+        self._gate.start()
         if cfg.vllm is not None and cfg.vllm.kv_events != "off":
             self._follow_hbm(cfg.vllm)
         log.info("agent %d (%s) started: %s", self.node, self.node_name,
                  self._backend.describe())
         return self
+
+    def _warm_gate(self, cfg: AgentConfig) -> WarmGate:
+        """The gate of new prefetches: held while the engine at ``engine_url`` (or
+        ``warming.engine_metrics_url``) is busy; none held without either."""
+        url = cfg.warming.engine_metrics_url or metrics_url_of(cfg.engine_url)
+        probe = (EngineLoadProbe(url, cfg.warming.engine_poll_interval_ms / 1000)
+                 if url else None)
+        return WarmGate(cfg.warming, probe.load if probe is not None else None,
+                        self._start_held, self._drop_late, name=f"agent{self.node}-warm-gate")
 
     def _follow_hbm(self, cfg: VLLMEventsConfig) -> None:
         """Subscribe to the node's vLLM KV events (``vllm.kv_events``): ``required``
@@ -264,6 +287,11 @@ class PrefetchAgent:
                     self.node, cfg.endpoint)
 
     def close(self) -> None:
+        if self._gate is not None:
+            for order in self._gate.close():
+                self._end_unstarted(order, self._empty_report(order, error="agent closed",
+                                                              cancelled=True))
+            self._gate = None
         if self._hbm_events is not None:
             self._hbm_events.close()
             self._hbm_events = None
@@ -329,6 +357,19 @@ class PrefetchAgent:
         with self._lock:
             if not self._admit(order):
                 return
+        verdict = self._gate.offer(order) if self._gate is not None else Verdict.START
+        if verdict is Verdict.LATE:
+            self._drop_late(order)
+        elif verdict is Verdict.START:
+            self._start(order)
+
+    def _start(self, order: TransferOrder) -> None:
+        """Hand an admitted order to the backend and wait for its end on the report
+        pool."""
+        backend, pool = self._backend, self._pool
+        if pool is None or backend is None:
+            raise ConfigError(f"agent {self.node} is not started")
+        with self._lock:
             self._starting[order.order_id] = order.keys
         try:
             handle = backend.warm(order)
@@ -342,6 +383,35 @@ class PrefetchAgent:
             self._starting.pop(order.order_id, None)
             self._appeared.notify_all()
         pool.submit(self._finish, running)
+
+    def _start_held(self, order: TransferOrder) -> None:
+        """The gate releases a held order: start it; a failure to start is its report."""
+        try:
+            self._start(order)
+        except Exception as exc:
+            log.exception("agent %d: held order %d did not start", self.node, order.order_id)
+            self._end_unstarted(order, self._empty_report(
+                order, error=f"{type(exc).__name__}: {exc}"))
+
+    def _drop_late(self, order: TransferOrder) -> None:
+        """A prefetch not started by its deadline plus the grace: reported not done,
+        nothing moved (the scheduler drops what it reserved and re-plans the session)."""
+        log.info("agent %d: order %s (%s) not started by its deadline; dropped", self.node,
+                 format_order_id(order.order_id), order.session_id)
+        self._end_unstarted(order, self._empty_report(
+            order, error="dropped: not started by its deadline", cancelled=True))
+
+    def _end_unstarted(self, order: TransferOrder, report: TransferReport) -> None:
+        """Book and send the report of an order that never reached the backend."""
+        with self._lock:
+            if self._current(order.order_id):
+                self._reports[order.order_id] = report
+                while len(self._reports) > REPORT_MEMORY:
+                    self._reports.popitem(last=False)
+            if not report.cancelled:
+                self._failed += 1
+            self._appeared.notify_all()
+        self._report(report)
 
     def _busy_keys(self) -> set[str]:
         """Under the lock: the keys of every order starting or running."""
@@ -418,9 +488,12 @@ class PrefetchAgent:
             incarnation=self.incarnation, error=error, done_wall_s=time.time(),
             keys_digest=keys_digest(order.keys))
 
-    def _empty_report(self, order: TransferOrder, *, error: str) -> TransferReport:
+    def _empty_report(self, order: TransferOrder, *, error: str, cancelled: bool = False
+                      ) -> TransferReport:
+        """Nothing moved: every key failed, or none was tried (``cancelled``)."""
+        failed = 0 if cancelled else len(order.keys)
         return TransferReport(order.order_id, order.session_id, order.node, order.prefetch,
-                              False, False, 0, 0, 0, 0, len(order.keys), 0.0,
+                              False, cancelled, 0, 0, 0, 0, failed, 0.0,
                               self.incarnation, error, time.time(), keys_digest(order.keys))
 
     def _report(self, report: TransferReport) -> None:
@@ -436,6 +509,10 @@ class PrefetchAgent:
         """Block until the order ends (its report), or None after ``timeout_s`` or when
         this agent has not seen the order within ``UNSEEN_ORDER_GRACE_S`` (the order
         and the wait come from different callers, so the wait may arrive first)."""
+        gate = self._gate
+        held = gate.release(order_id) if gate is not None else None
+        if held is not None:  # the engine waits on it: it yields no longer
+            self._start_held(held)
         with self._lock:
             done = self._reports.get(order_id)
             running = self._running.get(order_id)
@@ -462,14 +539,19 @@ class PrefetchAgent:
             return self._reports.get(order_id)
 
     def cancel(self, session_id: str, order_id: int | None = None) -> int:
-        """Cancel the session's running orders (or one of them); returns how many."""
+        """Cancel the session's running or held orders (or one of them); returns how
+        many."""
+        held = self._gate.withdraw(session_id, order_id) if self._gate is not None else []
+        for order in held:
+            self._end_unstarted(order, self._empty_report(
+                order, error="cancelled by the scheduler", cancelled=True))
         with self._lock:
             targets = [r for r in self._running.values()
                        if r.order.session_id == session_id
                        and (order_id is None or r.order.order_id == order_id)]
         for r in targets:
             r.handle.cancel("cancelled by the scheduler")
-        return len(targets)
+        return len(targets) + len(held)
 
     # ------------------------------------------------------------------ the tier
     def evict(self, prefixes: Sequence[str] = (), keys: Sequence[str] = ()) -> int:
@@ -581,9 +663,13 @@ class PrefetchAgent:
         return stats if isinstance(stats, KVEventStats) else None
 
     def status(self) -> AgentStatus:
+        """Occupancy and counters; ``orders_in_flight`` counts held orders too."""
         used, capacity, held = self.backend.stats()
+        gate = self._gate.stats() if self._gate is not None else WarmGateStats()
         with self._lock:
             return AgentStatus(self.node, self.node_name, self.incarnation, os.getpid(),
-                               used, capacity, held, len(self._running), self._done,
-                               self._failed, self._bytes, self._evicted, self.stale_orders,
-                               self.config.kv_scale)
+                               used, capacity, held, len(self._running) + gate.held,
+                               self._done, self._failed, self._bytes, self._evicted,
+                               self.stale_orders, self.config.kv_scale,
+                               orders_deferred=gate.deferred,
+                               orders_dropped_late=gate.dropped_late)

@@ -87,6 +87,10 @@ class TransferOrder:
     deadline_s: float
     #: Higher runs first on the node's transfer engine (demand loads outrank prefetches).
     priority: float = 0.0
+    #: Wall seconds from when the scheduler sent the order to ``deadline_s`` (negative: past
+    #: it). Relative, so that the agent's clock need not agree with the scheduler's: the
+    #: agent counts it from the order's arrival. None: no deadline on the node's clock.
+    due_in_wall_s: float | None = None
 
     @property
     def epoch(self) -> int:
@@ -190,6 +194,11 @@ class AgentStatus:
     stale_orders: int = 0
     #: Real bytes per byte the scheduler books (``AgentConfig.kv_scale``; 1 on a real node).
     kv_scale: float = 1.0
+    #: Prefetch orders held at least once while the engine was busy (``AgentConfig.warming``).
+    orders_deferred: int = 0
+    #: Prefetch orders dropped, never started, past their deadline plus the grace: reported
+    #: not done (cancelled), so that the scheduler books nothing of them.
+    orders_dropped_late: int = 0
 
     @property
     def booked_capacity_bytes(self) -> int:

@@ -29,6 +29,9 @@ engine_counters (vLLM's and LMCache's own counters).
   .venv-vllm/bin/kvprefetch demo --engine vllm --sessions 6 --turns 4   # ~4 min
 """
 
+#: ``--warming``: when the agents hold a new prefetch (``agent.warming``).
+WARMING = ("waiting", "busy", "off")
+
 #: Defaults of the shared demo options when the engine is vLLM (the emulated demo's own
 #: defaults are in kvprefetch.controlplane.cli.demo).
 DEFAULTS = {"repeats": 2, "compression": 10.0, "sessions": 10, "turns": 6,
@@ -55,6 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--load-cost-ratio", type=float, default=None,
                    help="instead of --link-mib-s: pace loads so that the link alone costs "
                         "this times the prefill of the same tokens (at 16 us/token)")
+    g.add_argument("--warming", choices=WARMING, default="waiting",
+                   help="how the agents' warms yield to the node's vLLM (its /metrics): "
+                        "waiting = held while requests wait (the agent's default), busy = "
+                        "also while one runs, off = never held (default waiting)")
     g.add_argument("--vllm-start-timeout-s", type=float, default=420.0,
                    help="longest wait for vLLM to answer /health (default 420)")
 

@@ -239,7 +239,7 @@ class Serve:
             return AgentConfig(node=i, node_name=name, remote=cfg.stores, transfer=a.transfer,
                                backend=a.backend, lmcache=a.lmcache_for(ip), sglang=a.sglang,
                                dram=a.dram(i), vllm=a.vllm_for(ip),
-                               engine_url=a.engine_url_for(ip),
+                               engine_url=a.engine_url_for(ip), warming=a.warming,
                                status_interval_s=a.status_interval_s)
 
         ips = [str(n.get("NodeManagerAddress") or "127.0.0.1") for n in nodes]

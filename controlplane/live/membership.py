@@ -138,10 +138,14 @@ class FleetMembership:
         configured quota. Every shard receives the same report and takes the same share, so
         the quotas never add up to more than the tier; a quota that shrinks evicts what
         no longer fits (:meth:`SchedulerCore.set_tier_capacity`). A report of another
-        incarnation than the node's current one, or of no capacity, changes nothing."""
+        incarnation than the node's current one changes nothing; one of no capacity
+        changes only the agent's warming counters kept for the metrics."""
         node = self.fleet.nodes[status.node]
-        if status.capacity_bytes <= 0 or (node.incarnation
-                                          and status.incarnation != node.incarnation):
+        if node.incarnation and status.incarnation != node.incarnation:
+            return
+        self.stats.agent_warming[status.node] = (status.orders_deferred,
+                                                 status.orders_dropped_late)
+        if status.capacity_bytes <= 0:
             return
         share = 1 if self.config.shard_tier == "shared" else self.config.shards
         quota = min(self.config.fleet.node.dram_tier_bytes,

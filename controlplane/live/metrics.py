@@ -244,6 +244,21 @@ class PrometheusMetrics:
         for node, nbytes in g.tier_quota_bytes.items():
             quota.add_metric([node], nbytes)
         yield quota
+        deferred = CounterMetricFamily(
+            "kvprefetch_agent_orders_deferred",
+            "Prefetch orders the node's agent held while its engine was busy (agent."
+            "warming), as its latest status says", labels=["node"])
+        for node, n in g.agent_orders_deferred.items():
+            deferred.add_metric([node], n)
+        yield deferred
+        late = CounterMetricFamily(
+            "kvprefetch_agent_orders_dropped_late",
+            "Prefetch orders the node's agent dropped, never started, past their deadline "
+            "plus agent.warming.late_grace_s (each also counts as a failed order)",
+            labels=["node"])
+        for node, n in g.agent_orders_dropped_late.items():
+            late.add_metric([node], n)
+        yield late
 
     def _share_families(self) -> Iterator[Metric]:
         """The tenants' shares, read from the scheduler's books at scrape time (counting a

@@ -52,12 +52,13 @@ class OrderBook:
         self._seq = itertools.count(1)
 
     def open(self, ticket: LoadTicket, keys: tuple[str, ...], *, wall_s: float,
-             incarnation: str) -> TransferOrder:
-        """Book a new order carrying out ``ticket`` (its priority included)."""
+             incarnation: str, due_in_wall_s: float | None = None) -> TransferOrder:
+        """Book a new order carrying out ``ticket`` (its priority included);
+        ``due_in_wall_s``: wall seconds from now to its deadline."""
         oid = make_order_id(self.epoch, next(self._seq))
         order = TransferOrder(oid, ticket.session_id, ticket.node, keys, ticket.tokens,
                               ticket.nbytes, ticket.prefetch, ticket.deadline_s,
-                              ticket.priority)
+                              ticket.priority, due_in_wall_s)
         inflight = InflightOrder(order, wall_s, incarnation)
         self._nodes[ticket.node][oid] = self._by_id[oid] = inflight
         self._by_session[(ticket.session_id, ticket.node)] = oid

@@ -39,6 +39,10 @@ class SchedulerGauges:
     loop_errors: int = 0
     bets_won: int = 0
     bets_lost: int = 0
+    #: Per node name, the node's agent's prefetches held while its engine was busy and
+    #: those dropped past their deadline, as its latest status says (since its start).
+    agent_orders_deferred: Mapping[str, int] = field(default_factory=dict)
+    agent_orders_dropped_late: Mapping[str, int] = field(default_factory=dict)
 
 
 #: TTLB and lateness samples kept for the summary (a rolling window; Prometheus histograms
@@ -151,6 +155,9 @@ class ServiceStats:
     #: listings that replaced a node's mirror (an agent's first, or after a gap).
     hbm_evictions: int = 0
     hbm_resyncs: int = 0
+    #: Per node, its agent's (orders deferred, orders dropped late) as of its latest
+    #: status (``AgentStatus``; since the agent started).
+    agent_warming: dict[int, tuple[int, int]] = field(default_factory=dict)
     #: The latest :data:`SAMPLE_WINDOW` samples.
     ttlb_s: deque[float] = field(default_factory=_window)
     lateness_s: deque[float] = field(default_factory=_window)

@@ -259,7 +259,11 @@ class SchedulerService:
                 {self.node_name(n): t.capacity_bytes for n, t in enumerate(self.core.dram)},
                 orders_failed=self.stats.orders_failed, orders_lost=self.stats.orders_lost,
                 loop_errors=self.stats.loop_errors, bets_won=st.bets_won,
-                bets_lost=st.bets_lost)
+                bets_lost=st.bets_lost,
+                agent_orders_deferred={self.node_name(n): w[0]
+                                       for n, w in self.stats.agent_warming.items()},
+                agent_orders_dropped_late={self.node_name(n): w[1]
+                                           for n, w in self.stats.agent_warming.items()})
 
     def _share_books(self) -> tuple[dict[tuple[str, str], int],
                                     dict[str, TenantQuotaStats]]:

@@ -300,6 +300,40 @@ def test_a_streamed_chat_through_the_gateway_stores_the_engine_s_token_ids(node:
     assert 1 <= int(str(finished[-1][2]["output_tokens"])) <= 4
 
 
+def test_the_agent_reads_vllms_load_from_its_prometheus_page(node: Node) -> None:
+    """The warm gate's probe on the real engine: vLLM's ``/metrics`` at the agent's
+    ``engine_url`` publishes both gauges; idle it reads no request, and while a long
+    request decodes it reads one running."""
+    import threading
+
+    import httpx
+
+    from kvprefetch.agents.vllm.engine_load import EngineLoadProbe, metrics_url_of
+    from kvprefetch.agents.vllm.server import VLLMServer
+
+    assert isinstance(node.vllm, VLLMServer)
+    probe = EngineLoadProbe(metrics_url_of(f"{node.vllm.url}/v1"), 0.0)
+    idle = probe.load()
+    assert idle.known and idle.waiting == idle.running == 0, idle
+    busy = []
+
+    def long_request() -> None:
+        httpx.post(f"{node.vllm.url}/v1/completions", timeout=300.0, json={
+            "model": node.vllm.served_model_name, "prompt": _prompt(9), "max_tokens": 256,
+            "min_tokens": 256, "temperature": 0.0}).raise_for_status()
+
+    sender = threading.Thread(target=long_request)
+    sender.start()
+    while sender.is_alive() and not busy:
+        load = probe.load()
+        if load.running + load.waiting > 0:
+            busy.append(load)
+        time.sleep(0.02)
+    sender.join()
+    assert busy and busy[0].running + busy[0].waiting >= 1, "no load seen while it decoded"
+    assert probe.failed_reads == 0
+
+
 def test_the_tiny_model_is_generated_the_same_twice(tmp_path: Path) -> None:
     """No download, a fixed seed: two generations write identical weights and tokenizer,
     and the tokenizer applies the chat template offline."""

@@ -132,3 +132,18 @@ def test_aiperf_rows_carry_sessions_delays_and_our_prompts() -> None:
         assert payload["stream"] is True and payload["max_tokens"] == req.output_tokens
 
 
+
+
+def test_the_warming_option_sets_when_the_agents_hold_a_warm() -> None:
+    from kvprefetch.agents.vllm.engine_load import EngineLoad
+    from kvprefetch.controlplane.harness.demo_vllm import warming_config
+
+    assert _args("--engine", "vllm").warming == "waiting"
+    running, waiting = EngineLoad(0, 1, known=True), EngineLoad(1, 0, known=True)
+    default = warming_config("waiting")
+    assert default.busy(waiting)
+    assert not default.busy(running)
+    assert warming_config("busy").busy(running) and warming_config("busy").busy(waiting)
+    assert not warming_config("off").busy(waiting) and not warming_config("off").defers
+    with pytest.raises(SystemExit):
+        _args("--engine", "vllm", "--warming", "sometimes")
