@@ -12,7 +12,7 @@ nodes and a session tied again lands where it landed before. Pure: no clock, no 
 
 from __future__ import annotations
 
-import zlib
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -135,6 +135,8 @@ class Router:
 
 
 def session_rank(session_id: str, node: int) -> int:
-    """The session's preference for ``node`` among tied nodes (higher first): a 32-bit
-    hash of both, the same in every process (unlike :func:`hash` of a string)."""
-    return zlib.crc32(f"{node}:{session_id}".encode())
+    """The session's preference for ``node`` among tied nodes (higher first): a 64-bit
+    BLAKE2b hash of both, the same in every process (unlike :func:`hash` of a
+    string) and, unlike a CRC, with no linear relation between two nodes' ranks."""
+    digest = hashlib.blake2b(f"{node}:{session_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
