@@ -836,9 +836,9 @@ def _batch_model(models: dict[str, type[BaseModel]], limits: RequestLimits
     the event operations' bodies told apart by ``op``."""
     items = []
     for op, model in models.items():
+        tag: Any = (Literal[op], Field(description="the operation"))
         items.append(create_model(f"{model.__name__}Item", __base__=model,
-                                  __doc__=model.__doc__,
-                                  op=(Literal[op], Field(description="the operation"))))  # type: ignore[valid-type]
+                                  __doc__=model.__doc__, op=tag))
     item: Any = Annotated[Union[tuple(items)], Field(discriminator="op")]  # noqa: UP007
     batch: type[BaseModel] = create_model(
         "EventBatch", __doc__="Fire-and-forget events, applied in order.",
