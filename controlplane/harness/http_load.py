@@ -55,6 +55,8 @@ class LevelResult:
     lost_events: int
     #: CPU seconds of the load generator's process while measuring, per wall second.
     generator_cores: float
+    #: ``POST /v1/events`` calls that carried the finishes (0: each finish a call).
+    event_batches: int = 0
 
 
 def quantile(values: Sequence[float], q: float) -> float:
@@ -287,6 +289,7 @@ async def _run(spec: dict[str, Any]) -> list[dict[str, Any]]:
         for n in callers:
             routes: list[float] = []
             total_turns = spec["events"] // 2
+            sent = batches.batches if batches is not None else 0
             cpu = time.process_time()
             began = time.perf_counter()
             lost = await _level(conns, turns, n, total_turns, sessions, spec["seed"], routes,
@@ -298,7 +301,8 @@ async def _run(spec: dict[str, Any]) -> list[dict[str, Any]]:
                 events_per_s=round(2 * total_turns / seconds, 1) if seconds > 0 else 0.0,
                 route_p50_ms=round(quantile(routes, 0.5) * 1e3, 3),
                 route_p99_ms=round(quantile(routes, 0.99) * 1e3, 3), lost_events=lost,
-                generator_cores=round(cpu / seconds, 2) if seconds > 0 else 0.0)
+                generator_cores=round(cpu / seconds, 2) if seconds > 0 else 0.0,
+                event_batches=(batches.batches if batches is not None else 0) - sent)
             out.append(asdict(result))
     finally:
         for conn in conns:

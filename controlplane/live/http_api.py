@@ -13,9 +13,22 @@ POST /v1/request_finished  :class:`~api.RequestFinished`  :class:`~api.Ack`
 POST /v1/hint              :class:`~api.HintCall`         :class:`~api.Ack`
 POST /v1/session_closed    :class:`~api.SessionClosed`    :class:`~api.Ack`
 POST /v1/session_state     ``SessionQuery``               ``SessionState``
+POST /v1/events            ``{"events": [...]}``          :class:`EventsAnswer`
 GET  /metrics              Prometheus text exposition format
 GET  /healthz              ``{"status": "ok"}`` (503 when the scheduler is unreachable)
 =====================  =========================  ==================================
+
+``/v1/events`` carries up to ``max_batch_events`` fire-and-forget events in a body of at
+most ``large_body_bytes``, each ``{"op": <request_started | request_finished | hint |
+session_closed>, ...that endpoint's body}``, applied in order: a batch with an invalid
+item is refused whole (422, each error's ``loc`` naming the item, ``events.3.node``), as is
+one naming a tenant the token may not act for (403); otherwise each item is answered in
+``acks`` as its own call would be, or with the typed error it met.
+
+The operations are answered by a plain ASGI layer inside the edge guard
+(:class:`_Operations`): no router, dependency or response-model pass of FastAPI per call,
+the answer serialized once by pydantic; FastAPI serves the rest (``/metrics``,
+``/healthz``, ``/nodes``, the OpenAPI document, 404 and 405).
 
 Who calls (:mod:`kvprefetch.controlplane.live.tenants`): with tenant tokens configured, the bearer
 token says whose call it is; ``tenant`` may be left out of the body, and a body naming

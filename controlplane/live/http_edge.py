@@ -6,7 +6,8 @@
    passes it is proven (:mod:`~kvprefetch.controlplane.live.http_conn`).
 2. The caller's rate (``rate_limit_calls_per_s``, a token bucket per caller; see
    :class:`CallRate`): a call past it is answered 429 with ``Retry-After``, unread.
-3. The body's declared length against ``max_body_bytes`` (413).
+3. The body's declared length against ``max_body_bytes`` (413); a batch of calls
+   (``/v1/events``) against ``large_body_bytes``, so that a batch is never large.
 4. A large body of a caller whose refused bodies have spent its budget is answered 429
    (with ``Retry-After``) from its headers, unread; see :class:`RefusalBudget`.
 5. A large body (over ``large_body_bytes``, or of unknown length) waits for one of its
@@ -17,7 +18,8 @@
    ``min_body_rate_bytes_per_s`` or faster (408 otherwise), never past
    ``max_body_bytes`` (413), and while it arrives its commas, brackets and braces are
    counted: a body with more list items or nested values than any valid call carries is
-   refused (422) without reading the rest; so is a body with a run of more than
+   refused (422) without reading the rest (a batch may nest :data:`BATCH_ITEM_NESTING`
+   values per item, for ``max_batch_events`` items); so is a body with a run of more than
    :data:`MAX_NUMBER_DIGITS` digits (a number no field takes, and one whose decoding alone
    would cost time quadratic in its length), naming the field.
 
