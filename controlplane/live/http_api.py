@@ -662,8 +662,18 @@ def create_app(scheduler: GatewayAPI | Client, *, bearer_token: str | None = Non
                            max_items=limits.max_batch_events,
                            max_errors=limits.max_listed_errors)
     runner = runners[f"/v1/{EVENTS_OP}"] = _batch_runner(batch, events, auth)
+    batch_responses = {status: answer for status, answer in responses.items()
+                       if status != 409}
+    batch_responses[413] = {"model": ErrorBody, "description": "the batch's body is larger "
+                                                               "than `large_body_bytes`"}
+    batch_responses[422] = {"model": ErrorBody, "description": "an item fails validation, "
+                                                               "or the batch carries more "
+                                                               "than `max_batch_events`; "
+                                                               "`errors` name the item and "
+                                                               "field (`events.3.node`); "
+                                                               "nothing was applied"}
     route_args = dict(methods=["POST"], response_model=EventsAnswer,
-                      response_model_exclude_none=True, responses=responses,
+                      response_model_exclude_none=True, responses=batch_responses,
                       tags=["sessions"], summary="events (a batch)",
                       description=inspect.getdoc(events) or "")
     app.add_api_route(f"/v1/{EVENTS_OP}", _endpoint(EVENTS_OP, runner),

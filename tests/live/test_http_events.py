@@ -174,3 +174,5 @@ def test_batches_are_counted_in_the_metrics_and_described_in_openapi(http_api: A
     answer = post["responses"]["200"]["content"]["application/json"]["schema"]["$ref"]
     assert answer.endswith("/EventsAnswer")
     assert {"401", "403", "413", "422"} <= set(post["responses"])
+    assert "409" not in post["responses"]  # no request ids in a batch
+    assert "large_body_bytes" in post["responses"]["413"]["description"]
