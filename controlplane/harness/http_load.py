@@ -163,16 +163,29 @@ class _Connection:
 class _Batches:
     """The finishes of ``http-batch``: queued by the callers and sent in batches of up to
     ``size`` (``POST /v1/events``) by the caller that fills one, by a flusher every
-    ``FLUSH_S``, and before a session whose finish is queued is routed again (its finish
-    goes first, as one gateway's events would)."""
+    ``FLUSH_S``, and before a session whose finish is queued is routed again; that route
+    waits until the batch carrying the finish is answered (its finish goes first, as one
+    gateway's events would)."""
 
     def __init__(self, size: int, conn: _Connection) -> None:
         self.size = size
         self.conn = conn
         self.pending: list[dict[str, Any]] = []
+        #: Sessions with a finish queued, and those whose finish is in a batch on its
+        #: way (done when the batch is answered).
         self.sessions: set[str] = set()
+        self.sending: dict[str, asyncio.Future[None]] = {}
         self.lost = 0
         self.batches = 0
+
+    async def settle(self, sid: str, http: _Connection) -> None:
+        """Return once no finish of ``sid`` is queued or on its way (sending the queue on
+        ``http`` where one is queued)."""
+        if sid in self.sessions:
+            await self.send(http)
+        done = self.sending.get(sid)
+        if done is not None:
+            await done
 
     def queue(self, finish: dict[str, Any]) -> bool:
         """Queue a finish; True when a batch is full (the caller sends it)."""
@@ -184,8 +197,18 @@ class _Batches:
         """Send what is queued (on ``http``), counting the finishes not accepted."""
         while self.pending:
             batch, self.pending = self.pending[:self.size], self.pending[self.size:]
-            self.sessions.difference_update(e["session_id"] for e in batch)
-            status, answer = await http.post("/v1/events", {"events": batch})
+            sids = [e["session_id"] for e in batch]
+            self.sessions.difference_update(sids)
+            done = asyncio.get_running_loop().create_future()
+            for sid in sids:
+                self.sending[sid] = done
+            try:
+                status, answer = await http.post("/v1/events", {"events": batch})
+            finally:
+                for sid in sids:
+                    if self.sending.get(sid) is done:
+                        del self.sending[sid]
+                done.set_result(None)
             self.batches += 1
             if status != 200 or not isinstance(answer, dict):
                 self.lost += len(batch)
@@ -203,8 +226,8 @@ async def _turn(http: _Connection, sid: str, play: Play, routes: list[float] | N
     """One turn: route, then finish on the node it answered (queued in ``batches`` where
     given). Returns the events lost (a queued finish's loss is counted when sent)."""
     inp, reused, out, stop = play
-    if batches is not None and sid in batches.sessions:
-        await batches.send(http)
+    if batches is not None:
+        await batches.settle(sid, http)
     body = {"session_id": sid, "input_tokens": inp, "reused_tokens": reused}
     began = time.perf_counter()
     status, answer = await http.post("/v1/route", body)
