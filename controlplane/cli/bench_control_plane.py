@@ -20,7 +20,10 @@ modes:
            connections) loop route then request_finished on their own sessions; a row
            per count (the mode's own figures are the last count's); the server
            side's CPU per event (the actor's process and this one) is printed below
-  http-actor  the same with the API served in the scheduler actor's own process
+  http-batch  http with the load process queueing the finishes and sending them in
+           batches of up to 64 (POST /v1/events, also every 5 ms and before a session
+           with a queued finish is routed again); the routes one call each
+  http-actor  http with the API served in the scheduler actor's own process
            (serve's http.front_end: scheduler): no Ray hop per call
   http-threaded  the http server calling the actor from its thread pool
   ray-1    one scheduler actor on a local Ray runtime (started here) through the
@@ -73,7 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = EPILOG
     parser.add_argument("--modes", default="inproc,service,ray-1",
-                        help="comma-separated: inproc, service, http, http-actor, "
+                        help="comma-separated: inproc, service, http, http-batch, "
+                        "http-actor, "
                         "http-threaded, ray-1, ray-1-sync, ray-2, ray-4 (default: inproc, "
                         "service, ray-1)")
     parser.add_argument("--sessions", type=int, default=2_000,

@@ -7,7 +7,9 @@ callers, each on its own persistent HTTP/1.1 connection (a lean client of asynci
 streams, so that the generator takes as little of the shared cores as it can), each
 looping over its own sessions (caller ``c`` of ``n`` plays sessions ``c, c + n, ...``):
 ``POST /v1/route`` then ``POST /v1/request_finished`` on the node it answered, closed
-loop (the next call leaves when the previous one answered). Before the first count every
+loop (the next call leaves when the previous one answered). With ``batch_events`` the
+finishes are queued instead and go in batches (``POST /v1/events``, see
+:class:`_Batches`), as a gateway batching its events sends them. Before the first count every
 session plays its first turn (not measured). A session replays a trace session's turns
 (``plays``: input, reused, output tokens and stop reason per turn), cycling.
 
@@ -35,6 +37,9 @@ from kvprefetch.controlplane.base.errors import ConfigError
 Play = tuple[int, int, int, str | None]
 #: Callers of the populate pass (not measured).
 POPULATE_CALLERS = 32
+#: ``http-batch``: finishes per batch at most, and how often the queued ones are sent.
+BATCH_EVENTS = 64
+FLUSH_S = 0.005
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +55,8 @@ class LevelResult:
     lost_events: int
     #: CPU seconds of the load generator's process while measuring, per wall second.
     generator_cores: float
+    #: ``POST /v1/events`` calls that carried the finishes (0: each finish a call).
+    event_batches: int = 0
 
 
 def quantile(values: Sequence[float], q: float) -> float:
@@ -62,17 +69,21 @@ def quantile(values: Sequence[float], q: float) -> float:
 
 def drive(base_url: str, *, callers: Sequence[int], events: int, sessions: int,
           plays: Sequence[Sequence[Play]], seed: int = 0, timeout_s: float = 30.0,
-          token: str | None = None) -> list[LevelResult]:
+          token: str | None = None, batch_events: int = 0) -> list[LevelResult]:
     """Run the load generator in a child process against ``base_url`` (see the module
-    docstring); one result per caller count, in order. Raises :class:`ConfigError` for
-    bad arguments and RuntimeError when the child fails."""
+    docstring); one result per caller count, in order. ``batch_events`` > 0: the finishes
+    go in batches of up to that many (``POST /v1/events``). Raises :class:`ConfigError`
+    for bad arguments and RuntimeError when the child fails."""
     if not callers or min(callers) < 1 or max(callers) > sessions:
         raise ConfigError(f"callers must be 1..{sessions} (the sessions), got {list(callers)}")
     if events < 2 or not plays or not all(plays):
         raise ConfigError("events must be >= 2 and every trace session needs a turn")
+    if batch_events < 0:
+        raise ConfigError(f"batch_events must be >= 0, got {batch_events}")
     spec = {"base_url": base_url, "callers": list(callers), "events": events,
             "sessions": sessions, "plays": [list(map(list, p)) for p in plays],
-            "seed": seed, "timeout_s": timeout_s, "token": token}
+            "seed": seed, "timeout_s": timeout_s, "token": token,
+            "batch_events": batch_events}
     budget_s = 600.0 + events * len(callers) * 0.05
     proc = subprocess.run([sys.executable, "-m", __name__], input=json.dumps(spec),
                           capture_output=True, text=True, timeout=budget_s, check=False)
@@ -149,9 +160,74 @@ class _Connection:
         self._reader = self._writer = None
 
 
-async def _turn(http: _Connection, sid: str, play: Play, routes: list[float] | None) -> int:
-    """One turn: route, then finish on the node it answered. Returns the events lost."""
+class _Batches:
+    """The finishes of ``http-batch``: queued by the callers and sent in batches of up to
+    ``size`` (``POST /v1/events``) by the caller that fills one, by a flusher every
+    ``FLUSH_S``, and before a session whose finish is queued is routed again; that route
+    waits until the batch carrying the finish is answered (its finish goes first, as one
+    gateway's events would)."""
+
+    def __init__(self, size: int, conn: _Connection) -> None:
+        self.size = size
+        self.conn = conn
+        self.pending: list[dict[str, Any]] = []
+        #: Sessions with a finish queued, and those whose finish is in a batch on its
+        #: way (done when the batch is answered).
+        self.sessions: set[str] = set()
+        self.sending: dict[str, asyncio.Future[None]] = {}
+        self.lost = 0
+        self.batches = 0
+
+    async def settle(self, sid: str, http: _Connection) -> None:
+        """Return once no finish of ``sid`` is queued or on its way (sending the queue on
+        ``http`` where one is queued)."""
+        if sid in self.sessions:
+            await self.send(http)
+        done = self.sending.get(sid)
+        if done is not None:
+            await done
+
+    def queue(self, finish: dict[str, Any]) -> bool:
+        """Queue a finish; True when a batch is full (the caller sends it)."""
+        self.pending.append({"op": "request_finished", **finish})
+        self.sessions.add(finish["session_id"])
+        return len(self.pending) >= self.size
+
+    async def send(self, http: _Connection) -> None:
+        """Send what is queued (on ``http``), counting the finishes not accepted."""
+        while self.pending:
+            batch, self.pending = self.pending[:self.size], self.pending[self.size:]
+            sids = [e["session_id"] for e in batch]
+            self.sessions.difference_update(sids)
+            done = asyncio.get_running_loop().create_future()
+            for sid in sids:
+                self.sending[sid] = done
+            try:
+                status, answer = await http.post("/v1/events", {"events": batch})
+            finally:
+                for sid in sids:
+                    if self.sending.get(sid) is done:
+                        del self.sending[sid]
+                done.set_result(None)
+            self.batches += 1
+            if status != 200 or not isinstance(answer, dict):
+                self.lost += len(batch)
+            else:
+                self.lost += len(batch) - int(answer.get("accepted", 0))
+
+    async def flusher(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await asyncio.sleep(FLUSH_S)
+            await self.send(self.conn)
+
+
+async def _turn(http: _Connection, sid: str, play: Play, routes: list[float] | None,
+                batches: _Batches | None = None) -> int:
+    """One turn: route, then finish on the node it answered (queued in ``batches`` where
+    given). Returns the events lost (a queued finish's loss is counted when sent)."""
     inp, reused, out, stop = play
+    if batches is not None:
+        await batches.settle(sid, http)
     body = {"session_id": sid, "input_tokens": inp, "reused_tokens": reused}
     began = time.perf_counter()
     status, answer = await http.post("/v1/route", body)
@@ -164,13 +240,19 @@ async def _turn(http: _Connection, sid: str, play: Play, routes: list[float] | N
                               "output_tokens": out}
     if stop is not None:
         finish["stop_reason"] = stop
+    if batches is not None:
+        if batches.queue(finish):
+            await batches.send(http)
+        return 0
     status, answer = await http.post("/v1/request_finished", finish)
     return 0 if status == 200 and isinstance(answer, dict) and answer.get("accepted") else 1
 
 
 async def _level(conns: list[_Connection], turns: _Sessions, n: int, total_turns: int,
-                 sessions: int, seed: int, routes: list[float] | None) -> int:
-    """``total_turns`` turns over ``n`` callers; the events lost."""
+                 sessions: int, seed: int, routes: list[float] | None,
+                 batches: _Batches | None = None) -> int:
+    """``total_turns`` turns over ``n`` callers (their finishes in ``batches`` where
+    given, every one sent before this returns); the events lost."""
     left = [total_turns]
     lost = [0]
 
@@ -180,10 +262,21 @@ async def _level(conns: list[_Connection], turns: _Sessions, n: int, total_turns
         while left[0] > 0:
             left[0] -= 1
             i = mine[rng.randrange(len(mine))]
-            lost[0] += await _turn(conns[c], f"bench-{i}", turns.next(i), routes)
+            lost[0] += await _turn(conns[c], f"bench-{i}", turns.next(i), routes, batches)
 
-    await asyncio.gather(*(caller(c) for c in range(n)))
-    return lost[0]
+    if batches is None:
+        await asyncio.gather(*(caller(c) for c in range(n)))
+        return lost[0]
+    stop = asyncio.Event()
+    flusher = asyncio.ensure_future(batches.flusher(stop))
+    lost_before = batches.lost
+    try:
+        await asyncio.gather(*(caller(c) for c in range(n)))
+    finally:
+        stop.set()
+        await flusher
+    await batches.send(batches.conn)
+    return lost[0] + batches.lost - lost_before
 
 
 async def _populate(conns: list[_Connection], turns: _Sessions, sessions: int) -> None:
@@ -209,16 +302,21 @@ async def _run(spec: dict[str, Any]) -> list[dict[str, Any]]:
     url = urlsplit(spec["base_url"])
     host, port = url.hostname or "127.0.0.1", url.port or 80
     conns = [_Connection(host, port, headers)
-             for _ in range(max(max(callers), POPULATE_CALLERS))]
+             for _ in range(max(max(callers), POPULATE_CALLERS) + 1)]
+    size = int(spec.get("batch_events") or 0)
+    # The flusher's connection is the last one (no caller's).
+    batches = _Batches(size, conns[-1]) if size else None
     out = []
     try:
         await asyncio.wait_for(_populate(conns, turns, sessions), spec["timeout_s"] * sessions)
         for n in callers:
             routes: list[float] = []
             total_turns = spec["events"] // 2
+            sent = batches.batches if batches is not None else 0
             cpu = time.process_time()
             began = time.perf_counter()
-            lost = await _level(conns, turns, n, total_turns, sessions, spec["seed"], routes)
+            lost = await _level(conns, turns, n, total_turns, sessions, spec["seed"], routes,
+                                batches)
             seconds = time.perf_counter() - began
             cpu = time.process_time() - cpu
             result = LevelResult(
@@ -226,7 +324,8 @@ async def _run(spec: dict[str, Any]) -> list[dict[str, Any]]:
                 events_per_s=round(2 * total_turns / seconds, 1) if seconds > 0 else 0.0,
                 route_p50_ms=round(quantile(routes, 0.5) * 1e3, 3),
                 route_p99_ms=round(quantile(routes, 0.99) * 1e3, 3), lost_events=lost,
-                generator_cores=round(cpu / seconds, 2) if seconds > 0 else 0.0)
+                generator_cores=round(cpu / seconds, 2) if seconds > 0 else 0.0,
+                event_batches=(batches.batches if batches is not None else 0) - sent)
             out.append(asdict(result))
     finally:
         for conn in conns:

@@ -25,6 +25,8 @@ through
   one HTTP round trip per event. Server and generator share this process (and its GIL),
   so its figures are the whole path's cost on one interpreter, a floor for a server of
   its own;
+* ``http-batch``: ``http`` with the finishes queued by the load process and sent in
+  batches (``POST /v1/events``), the routes one call each;
 * ``http-actor``: the HTTP API served in the scheduler actor's own process
   (:mod:`~kvprefetch.controlplane.live.scheduler_http`), the load from a separate process
   as for ``http``.
@@ -66,10 +68,10 @@ from kvprefetch.controlplane.base.types import EventKind, SessionEvent, Trace
 #: Seconds after a killed shard answers again before its routes count as "settled".
 SETTLE_S = 2.0
 #: Modes this generator knows, in the order a table lists them.
-MODES: tuple[str, ...] = ("inproc", "service", "http", "http-actor", "http-threaded",
-                          "ray-1", "ray-1-sync", "ray-2", "ray-4")
+MODES: tuple[str, ...] = ("inproc", "service", "http", "http-batch", "http-actor",
+                          "http-threaded", "ray-1", "ray-1-sync", "ray-2", "ray-4")
 #: Modes whose load comes from a separate process over HTTP (:mod:`.http_load`).
-HTTP_MODES: tuple[str, ...] = ("http", "http-actor", "http-threaded")
+HTTP_MODES: tuple[str, ...] = ("http", "http-batch", "http-actor", "http-threaded")
 
 
 @dataclass(frozen=True, slots=True)
@@ -585,7 +587,7 @@ def _service_config(fleet: FleetConfig, spec: LoadSpec) -> Any:
 def _run_http(mode: str, trace: Trace, fleet: FleetConfig, spec: LoadSpec) -> ModeResult:
     """An ``http`` mode: the server as ``kvprefetch serve`` runs it (:class:`HttpTarget`),
     the load from a child process at each of ``spec.callers`` (:mod:`.http_load`)."""
-    from kvprefetch.controlplane.harness.http_load import drive
+    from kvprefetch.controlplane.harness.http_load import BATCH_EVENTS, drive
 
     spec.check_http()
 
@@ -607,7 +609,8 @@ def _run_http(mode: str, trace: Trace, fleet: FleetConfig, spec: LoadSpec) -> Mo
         actor_cpu, own_cpu = target.cpu_s()[0], time.process_time()
         levels = drive(target.url, callers=spec.callers, events=spec.events,
                        sessions=spec.sessions, plays=plays, seed=spec.seed,
-                       timeout_s=spec.timeout_s)
+                       timeout_s=spec.timeout_s,
+                       batch_events=BATCH_EVENTS if mode == "http-batch" else 0)
         lost = sum(level.lost_events for level in levels) + target.settle()
         # The server side's CPU over the whole drive (populating included): the actor's
         # process, and this one (the HTTP API's in http and http-threaded; idle in

@@ -13,9 +13,22 @@ POST /v1/request_finished  :class:`~api.RequestFinished`  :class:`~api.Ack`
 POST /v1/hint              :class:`~api.HintCall`         :class:`~api.Ack`
 POST /v1/session_closed    :class:`~api.SessionClosed`    :class:`~api.Ack`
 POST /v1/session_state     ``SessionQuery``               ``SessionState``
+POST /v1/events            ``{"events": [...]}``          :class:`EventsAnswer`
 GET  /metrics              Prometheus text exposition format
 GET  /healthz              ``{"status": "ok"}`` (503 when the scheduler is unreachable)
 =====================  =========================  ==================================
+
+``/v1/events`` carries up to ``max_batch_events`` fire-and-forget events in a body of at
+most ``large_body_bytes``, each ``{"op": <request_started | request_finished | hint |
+session_closed>, ...that endpoint's body}``, applied in order: a batch with an invalid
+item is refused whole (422, each error's ``loc`` naming the item, ``events.3.node``), as is
+one naming a tenant the token may not act for (403); otherwise each item is answered in
+``acks`` as its own call would be, or with the typed error it met.
+
+The operations are answered by a plain ASGI layer inside the edge guard
+(:class:`_Operations`): no router, dependency or response-model pass of FastAPI per call,
+the answer serialized once by pydantic; FastAPI serves the rest (``/metrics``,
+``/healthz``, ``/nodes``, the OpenAPI document, 404 and 405).
 
 Who calls (:mod:`kvprefetch.controlplane.live.tenants`): with tenant tokens configured, the bearer
 token says whose call it is; ``tenant`` may be left out of the body, and a body naming
@@ -79,7 +92,7 @@ import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 from fastapi import Depends, FastAPI, Request, Response
 from fastapi.concurrency import run_in_threadpool
@@ -95,7 +108,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from pydantic import BaseModel, Field, create_model
+from pydantic import BaseModel, Field, TypeAdapter, create_model
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvprefetch.controlplane import __version__
@@ -114,7 +127,7 @@ from kvprefetch.controlplane.base.names import (
 )
 from kvprefetch.controlplane.live.batching import EventBatching
 from kvprefetch.controlplane.live.client import Client, InProcessTransport
-from kvprefetch.controlplane.live.http_body import BigList, BodyValidator, Invalid
+from kvprefetch.controlplane.live.http_body import BatchValidator, BigList, BodyValidator, Invalid
 from kvprefetch.controlplane.live.http_conn import (
     ConnectionGate,
     ConnectionTracker,
@@ -148,6 +161,11 @@ ANSWERS: dict[str, type[BaseModel]] = {
     "request_finished": api.Ack, "hint": api.Ack, "session_closed": api.Ack,
     "session_state": SessionState,
 }
+#: The batched events endpoint: ``POST /v1/events`` carries items of these operations.
+EVENT_OPS: tuple[str, ...] = ("request_started", "request_finished", "hint", "session_closed")
+EVENTS_OP = "events"
+#: The ``op`` label values of the API's own metrics.
+LABELLED_OPS = frozenset({*OPERATIONS, EVENTS_OP})
 HTTP_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 #: Where ``/metrics`` reads the scheduler's measurements: a registry, an object holding one
@@ -168,6 +186,29 @@ class ErrorBody(BaseModel):
     error: str
     detail: str
     errors: list[FieldError] | None = None
+
+
+class EventAck(BaseModel):
+    """One item's answer in a batch of events: as the event's own call answers
+    (``accepted``, ``timed_out``), or the typed error it met (``error`` names its type,
+    ``detail`` says why; the items after it are still applied)."""
+
+    accepted: bool = True
+    timed_out: bool = False
+    error: str | None = None
+    detail: str | None = None
+
+
+class EventsAnswer(BaseModel):
+    """The answer to ``POST /v1/events``: ``acks``, one per item in order; ``accepted``
+    and ``not_accepted`` count them."""
+
+    accepted: int
+    not_accepted: int
+    acks: list[EventAck]
+
+
+_EVENT_ACCEPTED = EventAck()
 
 
 class Health(BaseModel):
@@ -332,12 +373,23 @@ class _HttpMetrics:
                                  "HTTP API call latency (server side)", ["op"],
                                  buckets=HTTP_BUCKETS_S, registry=self.registry)
 
+        #: The labelled children already looked up: a call costs two dict reads, not
+        #: prometheus_client's label resolution under its lock.
+        self._counts: dict[tuple[str, int], Any] = {}
+        self._latencies: dict[str, Any] = {}
+
     def observe(self, path: str, status: int, seconds: float) -> None:
-        op = path.removeprefix("/v1/") if path.startswith("/v1/") else None
-        if op not in OPERATIONS:
+        op = path[4:] if path.startswith("/v1/") else None
+        if op not in LABELLED_OPS:
             return  # only the operations: unknown paths must not grow the label set
-        self.requests.labels(op, str(status)).inc()
-        self.latency.labels(op).observe(seconds)
+        count = self._counts.get((op, status))
+        if count is None:
+            count = self._counts[(op, status)] = self.requests.labels(op, str(status))
+        latency = self._latencies.get(op)
+        if latency is None:
+            latency = self._latencies[op] = self.latency.labels(op)
+        count.inc()
+        latency.observe(seconds)
 
 
 class _Measured:
@@ -475,9 +527,14 @@ def create_app(scheduler: GatewayAPI | Client, *, bearer_token: str | None = Non
         body = ErrorBody(error=name, detail=detail, errors=fields)
         return JSONResponse(body.model_dump(), status_code=422)
 
+    #: Path -> the operation's runner, answered by the _Operations layer (filled below).
+    runners: dict[str, _Runner] = {}
+    # Innermost: the edge guard has read the body and authenticated the caller.
+    app.add_middleware(_Operations, runners=runners)
     # Inside the metrics middleware below, so that its refusals are counted too.
     app.add_middleware(EdgeGuard, auth=auth, limits=limits,
-                       operations=[f"/v1/{op}" for op in OPERATIONS])
+                       operations=[f"/v1/{op}" for op in OPERATIONS],
+                       batches=[f"/v1/{EVENTS_OP}"])
     app.state.limits = limits  # HttpServer reads max_connections here
 
     app.add_middleware(_Measured, metrics=http_metrics)
@@ -557,6 +614,34 @@ def create_app(scheduler: GatewayAPI | Client, *, bearer_token: str | None = Non
         "request_finished": request_finished, "hint": hint,
         "session_closed": session_closed, "session_state": session_state,
     }
+
+    async def events(items: list[tuple[str, Any]]) -> EventsAnswer:
+        """Several fire-and-forget events in one call, applied in order: each item is
+        `{"op": <operation>, ...}` with the body of `/v1/request_started`,
+        `/v1/request_finished`, `/v1/hint` or `/v1/session_closed`, at most
+        `max_batch_events` items in a body of at most `large_body_bytes`. A batch with
+        any invalid item is refused whole (422; `errors` name the item, as
+        `events.3.node`), as is one naming a tenant the token may not act for (403);
+        otherwise each item is answered in `acks`, in order, as its own call would be:
+        `accepted`, `timed_out`, or the typed `error` it met (with `detail`), the items
+        after it still applied."""
+        acks: list[EventAck] = []
+        accepted = 0
+        for op, payload in items:
+            try:
+                ack: api.Ack = await handlers[op](payload)
+            except ServiceError as exc:
+                acks.append(EventAck(accepted=False, error=type(exc).__name__,
+                                     detail=str(exc)))
+                continue
+            if ack.accepted and not ack.timed_out:
+                acks.append(_EVENT_ACCEPTED)
+                accepted += 1
+            else:
+                acks.append(EventAck(accepted=ack.accepted, timed_out=ack.timed_out))
+                accepted += ack.accepted
+        return EventsAnswer(accepted=accepted, not_accepted=len(acks) - accepted, acks=acks)
+
     lists = {"token_ids": BigList(Annotated[int, Field(ge=0, le=limits.max_token_id)],
                                   limits.max_token_ids, (0, limits.max_token_id)),
              "chunk_hashes": BigList(_HASH, limits.max_chunk_hashes)}
@@ -568,10 +653,34 @@ def create_app(scheduler: GatewayAPI | Client, *, bearer_token: str | None = Non
             description=inspect.getdoc(handle) or "")
         validator = BodyValidator(models[op], lists, large_body_bytes=limits.large_body_bytes,
                                   max_errors=limits.max_listed_errors)
-        app.add_api_route(f"/v1/{op}", _endpoint(op, validator, handle, auth),
-                          include_in_schema=False, **route_args)
+        runner = runners[f"/v1/{op}"] = _runner(op, validator, handle, auth, ANSWERS[op])
+        app.add_api_route(f"/v1/{op}", _endpoint(op, runner), include_in_schema=False,
+                          **route_args)
         documented.append(APIRoute(f"/v1/{op}", _documented(op, models[op], authenticate),
                                    **route_args))
+    batch = BatchValidator({op: models[op] for op in EVENT_OPS},
+                           max_items=limits.max_batch_events,
+                           max_errors=limits.max_listed_errors)
+    runner = runners[f"/v1/{EVENTS_OP}"] = _batch_runner(batch, events, auth)
+    batch_responses = {status: answer for status, answer in responses.items()
+                       if status != 409}
+    batch_responses[413] = {"model": ErrorBody, "description": "the batch's body is larger "
+                                                               "than `large_body_bytes`"}
+    batch_responses[422] = {"model": ErrorBody, "description": "an item fails validation, "
+                                                               "or the batch carries more "
+                                                               "than `max_batch_events`; "
+                                                               "`errors` name the item and "
+                                                               "field (`events.3.node`); "
+                                                               "nothing was applied"}
+    route_args = dict(methods=["POST"], response_model=EventsAnswer,
+                      response_model_exclude_none=True, responses=batch_responses,
+                      tags=["sessions"], summary="events (a batch)",
+                      description=inspect.getdoc(events) or "")
+    app.add_api_route(f"/v1/{EVENTS_OP}", _endpoint(EVENTS_OP, runner),
+                      include_in_schema=False, **route_args)
+    documented.append(APIRoute(f"/v1/{EVENTS_OP}", _documented(
+        EVENTS_OP, _batch_model({op: models[op] for op in EVENT_OPS}, limits),
+        authenticate, EventsAnswer), **route_args))
 
     # ------------------------------------------------------------------ operations' side
     @app.get("/metrics", tags=["ops"], response_class=Response,
@@ -635,28 +744,134 @@ def create_app(scheduler: GatewayAPI | Client, *, bearer_token: str | None = Non
     return app
 
 
-def _endpoint(op: str, validator: BodyValidator, handle: Callable[[Any], Awaitable[Any]],
-              auth: TenantAuth) -> Callable[..., Any]:
-    """The endpoint of ``op``: the caller (authenticated by the edge guard before the body
-    was read), its body validated in bounded time (422 listing the first errors), the
-    tenant taken from the token (or the body where the caller may name it, within
-    ``auth.max_named_tenants``), then ``handle`` awaited with the scheduler's record."""
+#: An operation's runner: (the caller, the body, its content type) -> the answer, as
+#: JSON bytes, or a response (a refusal).
+_Runner = Callable[[Principal, bytes, "str | None"], Awaitable["bytes | Response"]]
 
-    async def endpoint(request: Request) -> Any:
-        principal: Principal = getattr(request.state, PRINCIPAL_STATE)
-        checked = await validator.validate(await request.body(),
-                                           request.headers.get("content-type"))
+
+def _runner(op: str, validator: BodyValidator, handle: Callable[[Any], Awaitable[Any]],
+            auth: TenantAuth, answer: type[BaseModel]) -> _Runner:
+    """The call ``op``: the caller (authenticated by the edge guard before the body was
+    read), its body validated in bounded time (422 listing the first errors), the tenant
+    taken from the token (or the body where the caller may name it, within
+    ``auth.max_named_tenants``), then ``handle`` awaited with the scheduler's record; its
+    answer serialized once, as ``answer``."""
+    dump = TypeAdapter(answer).dump_json
+
+    async def run(principal: Principal, body: bytes, content_type: str | None
+                  ) -> bytes | Response:
+        checked = await validator.validate(body, content_type)
         if isinstance(checked, Invalid):
             return _invalid_body(op, checked)
         tenant = auth.tenant_for(principal, getattr(checked, "tenant", None))
-        return await handle(_as_call(op, checked, tenant))
+        return dump(await handle(_as_call(op, checked, tenant)))
+
+    return run
+
+
+def _batch_runner(validator: BatchValidator,
+                  handle: Callable[[list[tuple[str, Any]]], Awaitable[EventsAnswer]],
+                  auth: TenantAuth) -> _Runner:
+    """``POST /v1/events``: the batch validated (422 naming the item and field), every
+    item's tenant admitted (403 for any: nothing applied), then ``handle`` awaited with
+    the scheduler's records, in order."""
+
+    async def run(principal: Principal, body: bytes, content_type: str | None
+                  ) -> bytes | Response:
+        checked = validator.validate(body, content_type)
+        if isinstance(checked, Invalid):
+            return _invalid_body(EVENTS_OP, checked)
+        calls = [(op, _as_call(op, item, auth.tenant_for(principal,
+                                                           getattr(item, "tenant", None))))
+                 for op, item in checked]
+        answer = await handle(calls)
+        return answer.__pydantic_serializer__.to_json(answer, exclude_none=True)
+
+    return run
+
+
+def _endpoint(op: str, run: _Runner) -> Callable[..., Any]:
+    """``op``'s endpoint on FastAPI's router (the calls :class:`_Operations` does not
+    answer itself take this path): ``run`` with the request's caller and body."""
+
+    async def endpoint(request: Request) -> Any:
+        principal: Principal = getattr(request.state, PRINCIPAL_STATE)
+        answer = await run(principal, await request.body(),
+                           request.headers.get("content-type"))
+        if isinstance(answer, bytes):
+            return Response(answer, media_type="application/json")
+        return answer
 
     endpoint.__name__ = op
     return endpoint
 
 
+class _Operations:
+    """ASGI middleware, inside the edge guard: a ``POST`` to an operation's path is run
+    here (``runners``), without the router, dependency and response-model layers of
+    FastAPI (the edge guard has read the body and authenticated the caller; the answer is
+    serialized once, by pydantic); the typed errors answer as the app's exception
+    handlers do. Any other call goes on to the app."""
+
+    def __init__(self, app: Any, *, runners: dict[str, _Runner]) -> None:
+        self.app = app
+        self.runners = runners
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        run = (self.runners.get(scope["path"])
+               if scope["type"] == "http" and scope["method"] == "POST" else None)
+        if run is None:
+            await self.app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away: nobody to answer
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        content_type = None
+        for name, value in scope["headers"]:
+            if name == b"content-type":
+                content_type = value.decode("latin-1")
+                break
+        try:
+            answer = await run(scope["state"][PRINCIPAL_STATE], b"".join(chunks),
+                               content_type)
+        except ServiceError as exc:
+            answer = _error(exc, exc.http_status)
+        except KvPrefetchError as exc:
+            log.warning("POST %s: %s", scope["path"], exc)
+            answer = _error(exc, 500)
+        if isinstance(answer, bytes):
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-length", b"%d" % len(answer)),
+                                    (b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": answer})
+            return
+        await answer(scope, receive, send)
+
+
+def _batch_model(models: dict[str, type[BaseModel]], limits: RequestLimits
+                 ) -> type[BaseModel]:
+    """The body of ``POST /v1/events`` for the OpenAPI document: ``events``, a list of
+    the event operations' bodies told apart by ``op``."""
+    items = []
+    for op, model in models.items():
+        tag: Any = (Literal[op], Field(description="the operation"))
+        items.append(create_model(f"{model.__name__}Item", __base__=model,
+                                  __doc__=model.__doc__, op=tag))
+    item: Any = Annotated[Union[tuple(items)], Field(discriminator="op")]  # noqa: UP007
+    batch: type[BaseModel] = create_model(
+        "EventBatch", __doc__="Fire-and-forget events, applied in order.",
+        events=(list[item], Field(min_length=1, max_length=limits.max_batch_events)))
+    return batch
+
+
 def _documented(op: str, model: type[BaseModel],
-                authenticate: Callable[..., Principal]) -> Callable[..., Any]:
+                authenticate: Callable[..., Principal],
+                answer: type[BaseModel] | None = None) -> Callable[..., Any]:
     """A stand-in of ``op``'s endpoint, for the OpenAPI document only: its body is
     ``model``, its token the bearer scheme (FastAPI reads both from the signature, which is
     built here because ``model`` is made per app)."""
@@ -669,7 +884,7 @@ def _documented(op: str, model: type[BaseModel],
         [inspect.Parameter("call_", param, annotation=model),
          inspect.Parameter("principal", param, annotation=Principal,
                            default=Depends(authenticate))],
-        return_annotation=ANSWERS[op])
+        return_annotation=answer or ANSWERS[op])
     endpoint.__name__ = op
     return endpoint
 
@@ -677,7 +892,8 @@ def _documented(op: str, model: type[BaseModel],
 def _invalid_body(op: str, invalid: Invalid) -> JSONResponse:
     """The 422 of a body that fails validation: its first errors, and whether it has more."""
     model = OPERATIONS.get(op)
-    what = model.__name__ if model is not None else "request"
+    what = (model.__name__ if model is not None
+            else "batch of events" if op == EVENTS_OP else "request")
     fields = [FieldError(loc=p.loc, msg=p.msg, type=p.type) for p in invalid.problems]
     detail = f"invalid {what}: " + "; ".join(f"{f.loc}: {f.msg}" for f in fields)
     if invalid.more:

@@ -242,6 +242,79 @@ class BodyValidator:
             errors.add(f"{name}.{index}", _message(exc), _kind(exc))
 
 
+class BatchValidator:
+    """Validates a batch of calls, ``{"events": [{"op": <operation>, ...its body}, ...]}``
+    (a body of at most ``large_body_bytes``, as the edge guard reads a batch): 1 to
+    ``max_items`` items, each an object whose ``op`` is one of ``models`` and whose other
+    members are that operation's body, validated by its model. The errors name the item
+    (``events.3.node``); a batch with any bad item is refused whole, listing at most
+    ``max_errors`` errors."""
+
+    def __init__(self, models: Mapping[str, type[BaseModel]], *, max_items: int,
+                 max_errors: int) -> None:
+        self.models = dict(models)
+        self.max_items = max_items
+        self.max_errors = max_errors
+
+    def validate(self, body: bytes, content_type: str | None
+                 ) -> list[tuple[str, BaseModel]] | Invalid:
+        """The items as (operation, model instance), in order, or why the batch is
+        refused."""
+        errors = _Errors(self.max_errors)
+        if not _is_json(content_type):
+            errors.add("", "Input should be a valid dictionary or object to extract fields "
+                           "from", "model_attributes_type")
+            return errors.result()
+        try:
+            value = json.loads(body) if body else None
+        except json.JSONDecodeError as exc:
+            errors.add(str(exc.pos), f"JSON decode error: {exc.msg}", "json_invalid")
+            return errors.result()
+        except UnicodeDecodeError as exc:
+            errors.add("", f"invalid body: {exc.reason} (expected JSON in UTF-8)",
+                       "json_invalid")
+            return errors.result()
+        if not isinstance(value, dict):
+            errors.add("", "Input should be an object with the member events", "dict_type")
+            return errors.result()
+        for name in value:
+            if name != "events":
+                errors.add(str(name)[:64], "Extra inputs are not permitted", "extra_forbidden")
+        items = value.get("events")
+        if not isinstance(items, list):
+            errors.add("events", "Input should be a valid list" if "events" in value
+                       else "Field required", "list_type" if "events" in value else "missing")
+            return errors.result()
+        if not 1 <= len(items) <= self.max_items:
+            errors.add("events", f"a batch carries 1 to {self.max_items} events "
+                                 f"(max_batch_events), not {len(items)}",
+                       "too_short" if not items else "too_long")
+            return errors.result()
+        out: list[tuple[str, BaseModel]] = []
+        for index, item in enumerate(items):
+            if errors.full:
+                errors.more = True
+                break
+            op = item.get("op") if isinstance(item, dict) else None
+            model = self.models.get(op) if isinstance(op, str) else None
+            if model is None or not isinstance(op, str):
+                if not isinstance(item, dict):
+                    errors.add(f"events.{index}", "Input should be an object", "dict_type")
+                else:
+                    errors.add(f"events.{index}.op", "Input should be one of: "
+                               + ", ".join(self.models), "literal_error"
+                               if "op" in item else "missing")
+                continue
+            try:
+                out.append((op, model.model_validate(
+                    {k: v for k, v in item.items() if k != "op"})))
+            except ValidationError as exc:
+                errors.add_pydantic(exc, ("events", str(index)))
+        if errors.items:
+            return errors.result()
+        return out
+
+
 def _fail_fast_list(item: Any) -> Any:
     """``list[item]`` that stops at its first bad item."""
     return Annotated[list[item], FailFast()]

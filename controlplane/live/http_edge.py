@@ -6,7 +6,8 @@
    passes it is proven (:mod:`~kvprefetch.controlplane.live.http_conn`).
 2. The caller's rate (``rate_limit_calls_per_s``, a token bucket per caller; see
    :class:`CallRate`): a call past it is answered 429 with ``Retry-After``, unread.
-3. The body's declared length against ``max_body_bytes`` (413).
+3. The body's declared length against ``max_body_bytes`` (413); a batch of calls
+   (``/v1/events``) against ``large_body_bytes``, so that a batch is never large.
 4. A large body of a caller whose refused bodies have spent its budget is answered 429
    (with ``Retry-After``) from its headers, unread; see :class:`RefusalBudget`.
 5. A large body (over ``large_body_bytes``, or of unknown length) waits for one of its
@@ -17,7 +18,8 @@
    ``min_body_rate_bytes_per_s`` or faster (408 otherwise), never past
    ``max_body_bytes`` (413), and while it arrives its commas, brackets and braces are
    counted: a body with more list items or nested values than any valid call carries is
-   refused (422) without reading the rest; so is a body with a run of more than
+   refused (422) without reading the rest (a batch may nest :data:`BATCH_ITEM_NESTING`
+   values per item, for ``max_batch_events`` items); so is a body with a run of more than
    :data:`MAX_NUMBER_DIGITS` digits (a number no field takes, and one whose decoding alone
    would cost time quadratic in its length), naming the field.
 
@@ -56,6 +58,9 @@ _DIGIT_RUN = b"d" * (MAX_NUMBER_DIGITS + 1)
 #: Digits as ``d``, anything else as a space: a long digit run is then one ``bytes.find``.
 _DIGITS_AS_D = bytes(0x64 if 0x30 <= b <= 0x39 else 0x20 for b in range(256))
 _KEY_BEFORE = re.compile(rb'"([A-Za-z_][A-Za-z0-9_]{0,63})"\s*:')
+#: Nested lists and objects one item of a batch has at most (the item, its hint, its
+#: ``token_ids`` or ``chunk_hashes``), with one to spare.
+BATCH_ITEM_NESTING = 4
 #: Where the principal is handed on to the app (``request.state.principal``).
 PRINCIPAL_STATE = "principal"
 #: Answers that refuse a body the edge or the endpoint has read (in part): a large one is
@@ -154,12 +159,16 @@ class EdgeGuard:
     per caller)."""
 
     def __init__(self, app: Any, *, auth: TenantAuth, limits: RequestLimits,
-                 operations: Collection[str]) -> None:
+                 operations: Collection[str], batches: Collection[str] = ()) -> None:
         self.app = app
         self.auth = auth
         self.limits = limits
-        self.operations = frozenset(operations)
+        self.operations = frozenset(operations) | frozenset(batches)
+        #: Operations whose body is a batch of calls: at most ``large_body_bytes`` (so
+        #: never large) and up to ``max_batch_events`` objects of a few nested values.
+        self.batches = frozenset(batches)
         self.max_items = limits.max_token_ids + limits.max_chunk_hashes + STRUCTURE_SLACK
+        self.max_batch_nesting = STRUCTURE_SLACK + BATCH_ITEM_NESTING * limits.max_batch_events
         self._turns: dict[str, asyncio.Semaphore] = {}
         self._budgets: dict[str, RefusalBudget] = {}
         self._rates: dict[str, CallRate | None] = {}
@@ -169,13 +178,16 @@ class EdgeGuard:
             await self.app(scope, receive, send)
             return
         headers = scope.get("headers", ())
-        operation = scope["path"] in self.operations
+        path = scope["path"]
+        operation = path in self.operations
+        batch = path in self.batches
+        cap = self.limits.large_body_bytes if batch else self.limits.max_body_bytes
         try:
-            principal = self._authenticate(scope["path"], headers)
+            principal = self._authenticate(path, headers)
             if operation:
                 scope.setdefault("state", {})[PROVEN_STATE] = True
                 self._take_call(principal)
-            declared = self._declared_length(headers)
+            declared = self._declared_length(headers, cap, batch)
         except _Refused as refusal:
             await _answer(send, refusal)
             return
@@ -206,7 +218,7 @@ class EdgeGuard:
         size = [0]
         try:
             try:
-                body = await self._read(receive, size)
+                body = await self._read(receive, size, cap, batch)
             except _Refused as refusal:
                 if budget is not None:
                     budget.charge(declared or size[0], asyncio.get_running_loop().time())
@@ -278,27 +290,30 @@ class EdgeGuard:
         except UnauthorizedError as exc:
             raise _Refused(401, "UnauthorizedError", str(exc)) from None
 
-    def _declared_length(self, headers: Any) -> int | None:
+    def _declared_length(self, headers: Any, cap: int, batch: bool) -> int | None:
         for name, value in headers:
             if name == b"content-length":
                 try:
                     declared = int(value)
                 except ValueError:
                     return None
-                if declared > self.limits.max_body_bytes:
-                    raise _Refused(413, "RequestTooLargeError", _too_large(
-                        declared, "", self.limits.max_body_bytes))
+                if declared > cap:
+                    raise _Refused(413, "RequestTooLargeError",
+                                   _too_large(declared, "", cap, batch))
                 return declared
         return None
 
-    async def _read(self, receive: Any, read: list[int]) -> bytes | None:
-        """The whole body within the limits (None: the client disconnected);
-        ``read[0]``: the bytes read so far."""
+    async def _read(self, receive: Any, read: list[int], cap: int,
+                    batch: bool) -> bytes | None:
+        """The whole body within the limits (None: the client disconnected), at most
+        ``cap`` bytes; ``read[0]``: the bytes read so far. ``batch``: the body is a batch
+        of calls (more nested objects allowed)."""
         limits = self.limits
         loop = asyncio.get_running_loop()
         started = loop.time()
         chunks: list[bytes] = []
         size = commas = nesting = 0
+        max_nesting = self.max_batch_nesting if batch else STRUCTURE_SLACK
         digits = b""  # the digits that end the body so far (a run may span chunks)
         while True:
             deadline = started + limits.body_read_timeout_s
@@ -306,7 +321,9 @@ class EdgeGuard:
                 deadline = min(deadline, started + limits.body_rate_grace_s
                                + size / limits.min_body_rate_bytes_per_s)
             try:
-                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+                # A timeout scope, not wait_for: no task per message on Python 3.11.
+                async with asyncio.timeout_at(max(deadline, loop.time())):
+                    message = await receive()
             except TimeoutError:
                 raise _Refused(408, "RequestTimeoutError", _too_slow(
                     size, loop.time() - started, limits)) from None
@@ -315,14 +332,14 @@ class EdgeGuard:
             chunk = message.get("body", b"")
             size += len(chunk)
             read[0] = size
-            if size > limits.max_body_bytes:
+            if size > cap:
                 raise _Refused(413, "RequestTooLargeError", _too_large(
-                    size, "at least ", limits.max_body_bytes))
+                    size, "at least ", cap, batch))
             commas += chunk.count(b",")
             nesting += chunk.count(b"[") + chunk.count(b"{")
-            if commas > self.max_items or nesting > STRUCTURE_SLACK:
+            if commas > self.max_items or nesting > max_nesting:
                 what = (f"more than {self.max_items} list items" if commas > self.max_items
-                        else f"more than {STRUCTURE_SLACK} nested lists or objects")
+                        else f"more than {max_nesting} nested lists or objects")
                 raise _Refused(422, "InvalidRequestError",
                                f"invalid body: {what} (no valid call has as many)",
                                [{"loc": "(root)", "msg": f"the body has {what}",
@@ -354,7 +371,10 @@ def _long_number(chunks: list[bytes], chunk: bytes, at: int) -> _Refused:
                     [{"loc": field, "msg": msg, "type": "too_long"}])
 
 
-def _too_large(size: int, at_least: str, limit: int) -> str:
+def _too_large(size: int, at_least: str, limit: int, batch: bool = False) -> str:
+    if batch:
+        return (f"a batch body of {at_least}{size} bytes is larger than the limit of "
+                f"{limit} bytes (large_body_bytes): send fewer events per batch")
     return (f"request body of {at_least}{size} bytes is larger than the limit of {limit} "
             "bytes (max_body_bytes)")
 

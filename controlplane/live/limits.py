@@ -84,6 +84,9 @@ class RequestLimits(BaseModel):
     refused_body_bytes_per_s: int = Field(1 * MIB, ge=1)
     #: Field errors a 422 lists (validation stops collecting after them).
     max_listed_errors: int = Field(20, ge=1, le=1000)
+    #: Events one ``POST /v1/events`` batch carries at most (422 above it); its body is
+    #: at most ``large_body_bytes`` (413 above it).
+    max_batch_events: int = Field(256, ge=1, le=10_000)
 
     @model_validator(mode="after")
     def _fits(self) -> RequestLimits:

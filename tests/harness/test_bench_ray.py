@@ -47,19 +47,20 @@ def test_bench_control_plane_ray_1_tiny(tmp_path: Path, capsys: pytest.CaptureFi
 
 def test_bench_control_plane_http_from_a_separate_process(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """``--modes http,http-actor,http-threaded``: the API as serve runs it (in its own
-    process or the scheduler actor's), the load from a child process at each caller
-    count; every event arrives, each count has its row, and the server side's CPU per
-    event is reported."""
+    """``--modes http,http-batch,http-actor,http-threaded``: the API as serve runs it (in
+    its own process or the scheduler actor's), the load from a child process at each
+    caller count (``http-batch``: the finishes in batches); every event arrives, each
+    count has its row, and the server side's CPU per event is reported."""
     out = tmp_path / "cp.json"
-    assert main(["bench", "control-plane", "--modes", "http,http-actor,http-threaded",
+    assert main(["bench", "control-plane", "--modes",
+                 "http,http-batch,http-actor,http-threaded",
                  "--sessions",
                  "40", "--events", "200", "--callers", "1,8", "--json", str(out),
                  "--no-progress"]) == 0
     table = capsys.readouterr().out
     result = json.loads(out.read_text())
     assert result["callers"] == [1, 8]
-    for name in ("http", "http-actor", "http-threaded"):
+    for name in ("http", "http-batch", "http-actor", "http-threaded"):
         m = result["modes"][name]
         assert set(m["cpu_s"]) == {"shard-0", "serve-process"}
         assert m["server_events"] == 80 + 400 and m["server_cpu_ms_per_event"] > 0
@@ -72,6 +73,14 @@ def test_bench_control_plane_http_from_a_separate_process(
             assert level["events_per_s"] > 0 and level["generator_cores"] >= 0
         assert m["events_per_s"] == m["callers"]["8"]["events_per_s"]  # the last count's
         assert f"{name} x8 " in table
+    # http-batch's finishes went in batches (from 8 callers, fewer calls than finishes:
+    # their routes are answered together), http's one each.
+    for level in result["modes"]["http-batch"]["callers"].values():
+        assert 1 <= level["event_batches"] <= level["events"] // 2
+    eight = result["modes"]["http-batch"]["callers"]["8"]
+    assert eight["event_batches"] < eight["events"] // 2
+    assert all(level["event_batches"] == 0
+               for level in result["modes"]["http"]["callers"].values())
     # Only the async path queues events and coalesces routes.
     assert result["modes"]["http"]["batching"]["queued"] > 0
     assert result["modes"]["http-threaded"]["batching"] == {}

@@ -92,3 +92,25 @@ def test_a_finish_on_no_node_is_not_accepted_although_events_are_queued(
                         json={"session_id": "n", "node": None, "input_tokens": 100}).json()
     assert ack["accepted"] is False
     assert transport.batcher.stats.queued == queued  # nothing queued for it
+
+
+def test_a_batch_of_events_is_queued_and_reaches_the_scheduler_before_the_next_route(
+        api: tuple[str, Any]) -> None:
+    url, transport = api
+    queued = transport.batcher.stats.queued
+    with httpx.Client(base_url=url, timeout=30) as http:
+        nodes = [http.post("/v1/route", json={"session_id": f"b-{i}", "input_tokens": 800}
+                           ).json()["node"] for i in range(3)]
+        batch = [{"op": "request_finished", "session_id": f"b-{i}", "node": node,
+                  "input_tokens": 800, "output_tokens": 200} for i, node in enumerate(nodes)]
+        batch.append({"op": "request_finished", "session_id": "b-0", "node": None,
+                      "input_tokens": 800})
+        answer = http.post("/v1/events", json={"events": batch}).json()
+        assert answer["accepted"] == 3 and answer["not_accepted"] == 1
+        assert [a["accepted"] for a in answer["acks"]] == [True, True, True, False]
+        # queued, one each (the finish on no node is not), not calls of their own
+        assert transport.batcher.stats.queued == queued + 3
+        assert http.post("/v1/route", json={"session_id": "b-1", "input_tokens": 1100}
+                         ).status_code == 200
+        state = http.post("/v1/session_state", json={"session_id": "b-1"}).json()
+    assert state["turns"] == 2 and state["context_tokens"] == 1000
