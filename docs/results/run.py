@@ -66,7 +66,7 @@ RUNS: dict[str, list[str]] = {
     "yardstick-vllm-lmcache-hints": _yardstick("vllm-lmcache", hints=True),
     "bench-control-plane": [
         "kvprefetch", "bench", "control-plane", "--modes",
-        "inproc,service,ray-1,http,http-actor,http-threaded", "--sessions", "1000",
+        "inproc,service,ray-1,http,http-batch,http-actor,http-threaded", "--sessions", "1000",
         "--events", "4000", "--callers", "1,8,32,128", "--no-progress",
         "--json", "docs/results/data/bench-control-plane.json",
     ],
