@@ -116,6 +116,9 @@ class RouterConfig(_Frozen):
     #: instead of all going to the lowest-numbered one, and a session tied again goes
     #: where it went before. 0: exact ties only.
     tie_share: float = Field(0.01, ge=0, lt=1)
+    #: Salt of the sessions' order of the nodes: fleets with other salts spread the same
+    #: sessions over other nodes (the yardstick's noise floor replays a cell with several).
+    tie_salt: str = Field("", max_length=64)
 
 
 class PlannerConfig(_Frozen):

@@ -76,7 +76,7 @@ class Router:
     the scheduler per event). The same float operations in the same order as the formula
     in the module doc, so the same estimates bit for bit."""
 
-    __slots__ = ("_bpt", "_decode_s", "_fleet", "_h2d", "_margin", "_tie")
+    __slots__ = ("_bpt", "_decode_s", "_fleet", "_h2d", "_margin", "_salt", "_tie")
 
     def __init__(self, fleet: FleetConfig) -> None:
         self._fleet = fleet
@@ -85,6 +85,7 @@ class Router:
         self._decode_s = fleet.model.decode_s_per_token
         self._margin = fleet.router.affinity_margin_s
         self._tie = 1.0 + fleet.router.tie_share
+        self._salt = fleet.router.tie_salt
 
     def estimates(self, req: RouteRequest, nodes: Sequence[NodeNumbers]) -> list[float]:
         """Estimated TTFT of ``req`` on each node."""
@@ -123,8 +124,9 @@ class Router:
         if len(tied) == 1:
             best = tied[0]
         else:
-            sid = req.session_id
-            best = max(tied, key=lambda i: (session_rank(sid, nodes[i][0]), -nodes[i][0]))
+            sid, salt = req.session_id, self._salt
+            best = max(tied, key=lambda i: (session_rank(sid, nodes[i][0], salt),
+                                            -nodes[i][0]))
         if req.home_node is not None:
             for i, numbers in enumerate(nodes):
                 if numbers[0] == req.home_node:
@@ -134,9 +136,11 @@ class Router:
         return RouteDecision(nodes[best][0], estimates[best], tuple(estimates))
 
 
-def session_rank(session_id: str, node: int) -> int:
+def session_rank(session_id: str, node: int, salt: str = "") -> int:
     """The session's preference for ``node`` among tied nodes (higher first): a 64-bit
-    BLAKE2b hash of both, the same in every process (unlike :func:`hash` of a
-    string) and, unlike a CRC, with no linear relation between two nodes' ranks."""
-    digest = hashlib.blake2b(f"{node}:{session_id}".encode(), digest_size=8).digest()
+    BLAKE2b hash of both (and of ``salt``, ``router.tie_salt``, when given), the same in
+    every process (unlike :func:`hash` of a string) and, unlike a CRC, with no linear
+    relation between two nodes' ranks."""
+    key = f"{node}:{session_id}" if not salt else f"{salt}:{node}:{session_id}"
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big")

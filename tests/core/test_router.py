@@ -82,3 +82,13 @@ def test_home_affinity_still_wins_a_tie() -> None:
     for i in range(20):
         req = RouteRequest(f"s{i}", 2_000, 0, 3, 0, 1e-9, 0.001)
         assert router.decide(req, _idle(4)).node == 3
+
+
+def test_tie_salt_gives_another_order_of_the_nodes() -> None:
+    fleet = default_fleet("8b", 4)
+    salted = fleet.model_copy(update={"router": RouterConfig(tie_salt="noise-1")})
+    plain = [Router(fleet).decide(_new(f"s{i}"), _idle(4)).node for i in range(100)]
+    other = [Router(salted).decide(_new(f"s{i}"), _idle(4)).node for i in range(100)]
+    # Each order spreads the sessions; the salted one puts most of them elsewhere.
+    assert len(set(other)) == 4
+    assert sum(a != b for a, b in zip(plain, other, strict=True)) > 50
