@@ -43,7 +43,7 @@ import logging
 import os
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -97,8 +97,9 @@ class GatewayConfig(BaseModel):
     #: The ``deployment`` label of the gateway's latency histograms.
     deployment: str = "default"
     #: Follow the scheduler's node registry, read this often (seconds): nodes that join
-    #: get traffic, lost ones none, a new engine address is used (:mod:`~kvprefetch.
-    #: controlplane.live.node_registry`). 0: the configured upstreams only.
+    #: get traffic once their engine answers, lost ones none, a new engine address is used
+    #: (:mod:`~kvprefetch.controlplane.live.node_registry`). 0: the configured upstreams
+    #: only.
     nodes_refresh_s: float = Field(default=5.0, ge=0)
 
 
@@ -127,6 +128,7 @@ class Gateway:
         self._tokens = tokens
         #: Node -> engine URL, following the scheduler's node registry once started.
         self.nodes = UpstreamDirectory(config.upstreams)
+        self._follow: asyncio.Task[None] | None = None
         self._in_flight: Counter[int] = Counter()
         #: The turn of the next tie among idle nodes for a call without a session.
         self._turn = -1
@@ -134,6 +136,7 @@ class Gateway:
         #: An httpx transport for the upstream calls (tests: an ASGI app); None = network.
         self._transport = transport
         self.metrics = GatewayMetrics(config.deployment)
+        self.metrics.follow_nodes(self.nodes.states)
         self.registry = self.metrics.registry
 
     # -- lifecycle --------------------------------------------------------------------
@@ -144,16 +147,55 @@ class Gateway:
         if self._http is None:
             self._http = httpx.AsyncClient(timeout=self.config.upstream_timeout_s,
                                            transport=self._transport)
-        scheduler: Any = self._scheduler
-        if self.config.nodes_refresh_s > 0 and hasattr(scheduler, "nodes"):
-            self.nodes.follow(lambda: scheduler.nodes(
-                timeout_s=self.config.scheduler_timeout_s), self.config.nodes_refresh_s)
+        if (self.config.nodes_refresh_s > 0 and hasattr(self._scheduler, "nodes")
+                and self._follow is None):
+            self._follow = asyncio.ensure_future(self._follow_nodes())
 
     async def close(self) -> None:
-        self.nodes.close()
+        if self._follow is not None:
+            self._follow.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._follow
+            self._follow = None
         if self._http is not None:
             await self._http.aclose()
             self._http = None
+
+    # -- the node set -----------------------------------------------------------------
+
+    async def _follow_nodes(self) -> None:
+        """Read the scheduler's node registry every ``nodes_refresh_s`` until closed."""
+        while True:
+            await self.refresh_nodes()
+            await asyncio.sleep(self.config.nodes_refresh_s)
+
+    async def refresh_nodes(self) -> bool:
+        """One read of the scheduler's node registry, applied to :attr:`nodes`: a node it
+        newly routes to is routed to once its engine answers (:meth:`engine_answers`);
+        whether a listing came (a failed read is counted, and the last listing holds)."""
+        try:
+            listing = await self._call("nodes", timeout_s=self.config.scheduler_timeout_s)
+        except Exception as exc:  # the scheduler is unreachable: the last listing holds
+            self.nodes.failed(exc)
+            return False
+        pending = self.nodes.pending(listing)
+        answers = await asyncio.gather(*(self.engine_answers(url) for _, url in pending))
+        self.nodes.apply(listing, unready={n for (n, _), ok in zip(pending, answers,
+                                                                   strict=True) if not ok})
+        return True
+
+    async def engine_answers(self, url: str) -> bool:
+        """Whether the engine at ``url`` serves requests: ``GET /health`` answered with a
+        status below 500 (an engine without the endpoint answers 404; one still loading
+        refuses the connection or answers 503)."""
+        import httpx
+
+        try:
+            response = await self._http.get(f"{url}/health",
+                                            timeout=self.config.scheduler_timeout_s)
+        except httpx.HTTPError:
+            return False
+        return response.status_code < 500
 
     # -- the phases of one request ----------------------------------------------------
 
@@ -175,7 +217,10 @@ class Gateway:
         spread: a session's tie goes to the node its name hashes to among the tied ones
         (an idle fleet sends a session's turns to one node, where its prefix is cached);
         a call without a session takes the tied nodes in turn."""
-        nodes = self.nodes.routable() or tuple(range(len(self.config.upstreams)))
+        return self._pick(self.nodes.routable() or tuple(range(len(self.config.upstreams))),
+                          session)
+
+    def _pick(self, nodes: Sequence[int], session: str | None) -> int:
         fewest = min(self._in_flight[n] for n in nodes)
         tied = sorted(n for n in nodes if self._in_flight[n] == fewest)
         if session is None:
@@ -183,9 +228,19 @@ class Gateway:
             return tied[self._turn % len(tied)]
         return tied[_stable_hash(session) % len(tied)]
 
+    def instead_of(self, tried: Collection[int], session: str | None = None) -> int | None:
+        """The least-loaded routable node not in ``tried`` (as :meth:`least_loaded`), for
+        a request whose node's engine refused the connection; None when none is left."""
+        nodes = [n for n in self.nodes.routable() if n not in tried]
+        return self._pick(nodes, session) if nodes else None
+
     def upstream(self, node: int) -> str:
-        """Node ``node``'s engine URL (its configured one when the registry has none)."""
-        return self.nodes.url(node) or self.config.upstreams[node]
+        """Node ``node``'s engine URL: the one it has, or had last when a listing took it
+        out after the request was routed there."""
+        url = self.nodes.last_url(node)
+        if url is None:
+            raise KeyError(f"node {node}: no engine URL known")
+        return url
 
     async def token_ids(self, endpoint: Endpoint, body: dict[str, Any]) -> list[int]:
         """The prompt's token ids as the engine sees them (its chat template included)."""
@@ -202,8 +257,10 @@ class Gateway:
                     request[key] = body[key]
         else:
             request["prompt"] = prompt
-        response = await self._http.post(
-            f"{self.upstream(self.least_loaded())}/tokenize", json=request)
+        async def send(n: int) -> Any:
+            return await self._http.post(f"{self.upstream(n)}/tokenize", json=request)
+
+        _, response = await self._connect(self.least_loaded(), None, send, in_flight=False)
         response.raise_for_status()
         return [int(t) for t in response.json()["tokens"]]
 
@@ -318,42 +375,87 @@ class Gateway:
             return body
         return {**body, "cache_salt": self._salt}
 
-    async def forward(self, endpoint: Endpoint, node: int, body: dict[str, Any]
-                      ) -> tuple[int, dict[str, Any]]:
-        """A non-streaming request: the upstream's status and JSON body."""
-        self._enter(node)
-        try:
-            response = await self._http.post(
-                f"{self.upstream(node)}/v1/{endpoint}", json=self.salted(body))
-        finally:
-            self._leave(node)
-        return response.status_code, response.json()
+    async def _connect(self, node: int, session: str | None,
+                       send: Callable[[int], Awaitable[Any]], *, in_flight: bool = True
+                       ) -> tuple[int, Any]:
+        """``send(node)``; ``in_flight``: counted in flight on the node it returns with
+        (the caller leaves it). An engine that refuses the connection got nothing: the
+        request goes to another routable node (:meth:`instead_of`; counted in
+        ``kvprefetch_gateway_failovers_total``), until none is left (the error is raised).
+        A node that leaves the fleet answers so until the next node listing."""
+        import httpx
 
-    async def stream(self, endpoint: Endpoint, node: int, body: dict[str, Any],
-                     outcome: dict[str, Any]) -> AsyncIterator[bytes]:
-        """A streaming request's server-sent events, forwarded as they come. Usage is asked
-        of the upstream (to count output tokens) and its usage-only event dropped unless
-        the caller asked for it; ``outcome`` gets status, finish reason and token count."""
-        wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        tried: list[int] = []
+        while True:
+            if in_flight:
+                self._enter(node)
+            try:
+                return node, await send(node)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                if in_flight:
+                    self._leave(node)
+                tried.append(node)
+                other = self.instead_of(tried, session)
+                if other is None:
+                    raise
+                self.metrics.failovers.inc()
+                log.warning("node %d: its engine refused the connection (%s); the request "
+                            "goes to node %d", node, exc, other)
+                node = other
+            except BaseException:
+                if in_flight:
+                    self._leave(node)
+                raise
+
+    async def forward(self, endpoint: Endpoint, node: int, body: dict[str, Any],
+                      session: str | None = None) -> tuple[int, int, dict[str, Any]]:
+        """A non-streaming request: the node it ran on (another one when ``node``'s
+        engine refused the connection, see :meth:`_connect`), the upstream's status and
+        JSON body."""
+        async def send(n: int) -> Any:
+            return await self._http.post(f"{self.upstream(n)}/v1/{endpoint}",
+                                         json=self.salted(body))
+
+        node, response = await self._connect(node, session, send)
+        self._leave(node)
+        return node, response.status_code, response.json()
+
+    async def open_stream(self, endpoint: Endpoint, node: int, body: dict[str, Any],
+                          session: str | None = None) -> tuple[int, Any]:
+        """A streaming request sent: the node it runs on (as :meth:`forward`) and the
+        upstream's response, its body not read yet (:meth:`stream` reads and closes it).
+        Usage is asked of the upstream, to count output tokens."""
         upstream_body = {**self.salted(body),
                          "stream_options": {**(body.get("stream_options") or {}),
                                             "include_usage": True}}
-        self._enter(node)
+
+        async def send(n: int) -> Any:
+            request = self._http.build_request("POST", f"{self.upstream(n)}/v1/{endpoint}",
+                                               json=upstream_body)
+            return await self._http.send(request, stream=True)
+
+        return await self._connect(node, session, send)
+
+    async def stream(self, node: int, response: Any, body: dict[str, Any],
+                     outcome: dict[str, Any]) -> AsyncIterator[bytes]:
+        """The server-sent events of a response :meth:`open_stream` opened on ``node``,
+        forwarded as they come; the upstream's usage-only event is dropped unless the
+        caller asked for it (``body``'s ``stream_options``); ``outcome`` gets status, finish
+        reason and token count."""
+        wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         try:
-            async with self._http.stream(
-                    "POST", f"{self.upstream(node)}/v1/{endpoint}",
-                    json=upstream_body) as response:
-                outcome["status"] = response.status_code
-                if response.status_code != 200:
-                    yield await response.aread()
-                    return
-                async for line in response.aiter_lines():
-                    if not line:
-                        continue
-                    forward = _observe_event(line, outcome)
-                    if forward or wants_usage:
-                        yield (line + "\n\n").encode()
+            outcome["status"] = response.status_code
+            if response.status_code != 200:
+                yield await response.aread()
+                return
+            async for line in response.aiter_lines():
+                if not line:
+                    continue
+                forward = _observe_event(line, outcome)
+                if forward or wants_usage:
+                    yield (line + "\n\n").encode()
         finally:
+            await response.aclose()
             self._leave(node)
 
 
@@ -436,19 +538,29 @@ def build_app(gateway: Gateway) -> Any:
         returning = gateway.returning(session)
         body = engine_body(body, SessionKey(gateway.metrics_tenant(), session))
 
-        def first_token() -> None:
-            gateway.metrics.ttft(time.perf_counter() - arrival, node=routed.node,
+        def first_token(node: int) -> None:
+            gateway.metrics.ttft(time.perf_counter() - arrival, node=node,
                                  tenant=gateway.metrics_tenant(), returning=returning)
 
+        try:
+            if body.get("stream"):
+                node, upstream = await gateway.open_stream(endpoint, routed.node, body,
+                                                           session)
+            else:
+                node, status, answer = await gateway.forward(endpoint, routed.node, body,
+                                                             session)
+        except httpx.HTTPError as exc:
+            gateway.metrics.requests.labels(endpoint, "upstream_unreachable").inc()
+            return JSONResponse({"error": {"message": f"node {routed.node}: {exc}"}}, 502)
         if body.get("stream"):
             outcome: dict[str, Any] = {}
 
             async def events() -> AsyncIterator[bytes]:
                 first = True
                 try:
-                    async for chunk in gateway.stream(endpoint, routed.node, body, outcome):
+                    async for chunk in gateway.stream(node, upstream, body, outcome):
                         if first and outcome.get("status") == 200:
-                            first_token()
+                            first_token(node)
                         first = False
                         yield chunk
                 finally:
@@ -456,30 +568,25 @@ def build_app(gateway: Gateway) -> Any:
                     gateway.metrics.requests.labels(
                         endpoint, "ok" if ok else "upstream_error").inc()
                     if ok:
-                        await gateway.finished(session, routed.node, ids,
+                        await gateway.finished(session, node, ids,
                                                outcome.get("output_tokens", 0),
                                                outcome.get("finish_reason"),
                                                outcome.get("cached_tokens"))
 
             return StreamingResponse(events(), media_type="text/event-stream",
                                      headers={"X-Session-ID": session,
-                                              "X-KVP-Node": str(routed.node)})
-        try:
-            status, answer = await gateway.forward(endpoint, routed.node, body)
-        except httpx.HTTPError as exc:
-            gateway.metrics.requests.labels(endpoint, "upstream_unreachable").inc()
-            return JSONResponse({"error": {"message": f"node {routed.node}: {exc}"}}, 502)
+                                              "X-KVP-Node": str(node)})
         gateway.metrics.requests.labels(
             endpoint, "ok" if status == 200 else "upstream_error").inc()
         if status == 200:
-            first_token()  # not streamed: the caller's first token comes with the answer
+            first_token(node)  # not streamed: the caller's first token comes with the answer
             choices = answer.get("choices") or [{}]
             usage = answer.get("usage") or {}
-            await gateway.finished(session, routed.node, ids,
+            await gateway.finished(session, node, ids,
                                    int(usage.get("completion_tokens", 0)),
                                    choices[0].get("finish_reason"), cached_tokens(usage))
         return JSONResponse(answer, status, headers={"X-Session-ID": session,
-                                                     "X-KVP-Node": str(routed.node)})
+                                                     "X-KVP-Node": str(node)})
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

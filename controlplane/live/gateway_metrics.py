@@ -10,8 +10,10 @@ Called from the gateway's event loop only (one request's phases, in order)."""
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 from kvprefetch.controlplane.base.types import SessionKey
 from kvprefetch.controlplane.live.metrics import LabelCap
@@ -70,6 +72,10 @@ class GatewayMetrics:
             "kvprefetch_gateway_route_deadline",
             "Requests routed by load because the scheduler's route did not answer within "
             "route_deadline_s (the late answer dropped)", registry=r)
+        self.failovers = Counter(
+            "kvprefetch_gateway_failovers",
+            "Requests sent to another node because the engine of the node they were routed "
+            "to refused the connection (it left the fleet, or restarts)", registry=r)
         self.token_store_errors = Counter("kvprefetch_gateway_token_store_errors",
                                           "Token ids that could not be stored", registry=r)
         self.in_flight = Gauge("kvprefetch_gateway_in_flight", "Requests in flight per node",
@@ -90,6 +96,23 @@ class GatewayMetrics:
                      f"Sessions remembered to tell returning turns (at most {max_sessions})",
                      registry=r)
         seen.set_function(lambda: len(self._seen))
+        #: Each known node -> whether the gateway routes to it now (read at scrape time).
+        self._nodes: Callable[[], Mapping[int, bool]] = dict
+        r.register(_ScrapeTime(self._node_families))
+
+    def follow_nodes(self, nodes: Callable[[], Mapping[int, bool]]) -> None:
+        """Where ``kvprefetch_gateway_node_routable`` reads the node set: each node the
+        gateway knows -> whether it routes to it now."""
+        self._nodes = nodes
+
+    def _node_families(self) -> Iterator[Metric]:
+        routable = GaugeMetricFamily(
+            "kvprefetch_gateway_node_routable",
+            "1 for each node the gateway routes to now (in the scheduler's fleet, its engine "
+            "answering), 0 for each other node it knows", labels=["node"])
+        for node, up in sorted(self._nodes().items()):
+            routable.add_metric([str(node)], 1.0 if up else 0.0)
+        yield routable
 
     def returning(self, key: SessionKey) -> bool:
         """Whether ``key`` had an earlier turn at this gateway; remembers this one."""
@@ -102,3 +125,10 @@ class GatewayMetrics:
     def route_time(self, seconds: float, *, node: int, tenant: str) -> None:
         self._route.labels(self.deployment, str(node),
                            self._tenant_label(tenant)).observe(seconds)
+
+
+class _ScrapeTime:
+    """A collector whose families are made when the registry is scraped."""
+
+    def __init__(self, families: Callable[[], Iterator[Metric]]) -> None:
+        self.collect = families

@@ -10,18 +10,22 @@ address (a pod rescheduled with a new IP). :func:`node_listing` is that registry
 
 :class:`UpstreamDirectory` is the gateway's side: the node -> engine URL map it forwards
 by, seeded from its configured upstreams (node ``i`` = the ``i``-th) and then following the
-scheduler's listing (:meth:`UpstreamDirectory.follow` polls it every ``interval_s``): a
-node that joined gets traffic, a node out of the fleet gets none, a new address is used
-from the next request on. A listing that fails to arrive changes nothing (the last one
-holds); a node that is in the fleet but names no engine URL keeps its configured upstream.
-Thread-safe; I/O only in the source the caller gives :meth:`follow`.
+scheduler's listing (the gateway polls it every ``nodes_refresh_s``, see
+:class:`~kvprefetch.controlplane.live.gateway.Gateway`): a node that joined gets traffic
+once its engine answers, a node out of the fleet gets none, a new address is used from the
+next request on. A node the listing newly routes to (joined, back, or at a new address) is
+:meth:`UpstreamDirectory.pending` until the caller has seen its engine answer: an agent says
+hello as soon as its node is up, minutes before a large model is loaded, and a request
+routed to an engine that is not listening yet fails. A listing that fails to arrive changes
+nothing (the last one holds); a node that is in the fleet but names no engine URL keeps its
+configured upstream. Thread-safe; no I/O.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
@@ -80,8 +84,8 @@ class UpstreamDirectory:
         self._urls: dict[int, str] = dict(enumerate(upstreams))
         self._configured = dict(self._urls)
         self._routable: tuple[int, ...] = tuple(sorted(self._urls))
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        #: Nodes in the fleet whose engine has not answered yet, with the URL asked.
+        self._waiting: dict[int, str] = {}
         self.listings = 0
         self.failures = 0
 
@@ -90,10 +94,21 @@ class UpstreamDirectory:
         with self._lock:
             return self._urls.get(node) if node in self._routable else None
 
+    def last_url(self, node: int) -> str | None:
+        """The engine URL ``node`` had last, routed to now or not (a request routed there
+        just before a listing took the node out still goes there); None if never known."""
+        with self._lock:
+            return self._urls.get(node)
+
     def routable(self) -> tuple[int, ...]:
         """The nodes routed to now, in order."""
         with self._lock:
             return self._routable
+
+    def states(self) -> dict[int, bool]:
+        """Every node with a known engine URL -> whether it is routed to now."""
+        with self._lock:
+            return {n: n in self._routable for n in self._urls}
 
     def any_url(self) -> str:
         """An engine to ask for what every engine answers alike (tokenize, models)."""
@@ -101,17 +116,42 @@ class UpstreamDirectory:
             nodes = self._routable or tuple(self._urls)
             return self._urls[nodes[0]]
 
-    def apply(self, listing: NodeListing) -> None:
+    def _wanted(self, listing: NodeListing) -> list[tuple[int, str]]:
+        """The nodes the listing routes to (in the fleet, an engine URL known), with URLs."""
+        wanted = []
+        for entry in listing.nodes:
+            url = entry.engine_url or self._configured.get(entry.node, "")
+            if entry.in_fleet and url:
+                wanted.append((entry.node, url))
+        return wanted
+
+    def pending(self, listing: NodeListing) -> list[tuple[int, str]]:
+        """The nodes ``listing`` would newly route to (not routed to now, or at another
+        URL), with their engine URLs: the caller asks each engine before :meth:`apply`."""
+        with self._lock:
+            return [(n, url) for n, url in self._wanted(listing)
+                    if n not in self._routable or self._urls.get(n) != url]
+
+    def apply(self, listing: NodeListing, unready: Collection[int] = ()) -> None:
         """Follow the scheduler's registry: nodes in the fleet with an engine URL (or a
-        configured one) are routed to; every other node is not."""
+        configured one) are routed to, except those in ``unready`` (a node of
+        :meth:`pending` whose engine did not answer: asked again at the next listing);
+        every other node is not."""
         with self._lock:
             routable = []
             for entry in listing.nodes:
                 url = entry.engine_url or self._configured.get(entry.node, "")
-                if url:
+                if url and entry.node not in unready:
                     self._urls[entry.node] = url
-                if entry.in_fleet and url:
-                    routable.append(entry.node)
+            for node, url in self._wanted(listing):
+                if node in unready:
+                    if self._waiting.get(node) != url:
+                        log.info("gateway: node %d is in the fleet; its engine at %s does "
+                                 "not answer yet", node, url)
+                    self._waiting[node] = url
+                    continue
+                self._waiting.pop(node, None)
+                routable.append(node)
             changed = tuple(routable) != self._routable
             self._routable = tuple(routable)
             self.listings += 1
@@ -119,39 +159,21 @@ class UpstreamDirectory:
             log.info("gateway: routing to nodes %s", ", ".join(
                 f"{n} ({self._urls[n]})" for n in routable) or "none")
 
-    def follow(self, source: Callable[[], NodeListing], interval_s: float) -> None:
-        """Poll ``source`` (the scheduler's listing) every ``interval_s`` on a thread of
-        its own, applying each listing; a failed poll is logged and counted, and the
-        last listing holds. Returns at once; :meth:`close` stops it."""
-        if interval_s <= 0:
-            raise ValueError("interval_s must be positive")
-
-        def loop() -> None:
-            while True:
-                self.refresh(source)
-                if self._stop.wait(interval_s):
-                    return
-
-        if self._thread is None:
-            self._thread = threading.Thread(target=loop, name="kvp-gateway-nodes", daemon=True)
-            self._thread.start()
-
     def refresh(self, source: Callable[[], NodeListing]) -> bool:
-        """One poll; whether a listing came."""
+        """One poll of ``source`` applied as it is (no engine asked); whether a listing
+        came. A failed poll is logged and counted, and the last listing holds."""
         try:
             listing = source()
         except Exception as exc:  # the scheduler is unreachable: the last listing holds
-            self.failures += 1
-            log.warning("gateway: the scheduler's node listing failed: %s", exc)
+            self.failed(exc)
             return False
         self.apply(listing)
         return True
 
-    def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(5.0)
-            self._thread = None
+    def failed(self, exc: BaseException) -> None:
+        """A listing that did not arrive: counted and logged; the last one holds."""
+        self.failures += 1
+        log.warning("gateway: the scheduler's node listing failed: %s", exc)
 
 
 __all__ = ["NodeEntry", "NodeListing", "NodeRegistryAPI", "UpstreamDirectory", "node_listing"]

@@ -68,6 +68,29 @@ def test_the_directory_follows_joins_losses_and_new_addresses() -> None:
     assert d.routable() == (0, 1)  # node 2 is in the fleet, but nobody says where
 
 
+def test_a_node_newly_routed_to_waits_for_its_engine() -> None:
+    d = UpstreamDirectory(["http://a:8000"])
+    joined = NodeListing(nodes=[NodeEntry(node=0, name="a", in_fleet=True),
+                                NodeEntry(node=1, name="b", in_fleet=True,
+                                          engine_url="http://b:8000")])
+    assert d.pending(joined) == [(1, "http://b:8000")]  # node 0 is routed to already
+    d.apply(joined, unready={1})  # its engine does not answer yet
+    assert d.routable() == (0,) and d.states() == {0: True}
+    assert d.pending(joined) == [(1, "http://b:8000")]  # asked again next time
+    d.apply(joined)
+    assert d.routable() == (0, 1) and d.pending(joined) == []
+    assert d.states() == {0: True, 1: True}
+    moved = NodeListing(nodes=[NodeEntry(node=0, name="a", in_fleet=False),
+                               NodeEntry(node=1, name="b", in_fleet=True,
+                                         engine_url="http://c:8000")])
+    assert d.pending(moved) == [(1, "http://c:8000")]  # a new address is asked too
+    d.apply(moved, unready={1})
+    assert d.routable() == () and d.states() == {0: False, 1: False}
+    # a request routed to a node just before it went out still reaches its engine
+    assert d.url(0) is None and d.last_url(0) == "http://a:8000"
+    assert d.last_url(1) == "http://b:8000" and d.last_url(2) is None
+
+
 def test_a_listing_that_fails_leaves_the_last_one() -> None:
     d = UpstreamDirectory(["http://a", "http://b"])
     d.apply(NodeListing(nodes=[NodeEntry(node=0, name="a", in_fleet=False),
@@ -133,6 +156,75 @@ def test_a_node_that_joins_gets_requests_and_a_lost_one_none() -> None:
         assert svc.summary()["nodes_lost"] == 1
         # routed by the scheduler, never by load: the registry and the routes agree
         assert gateway.metrics.routed.labels("load")._value.get() == 0
+
+
+def _loading(app: Any, hosts: set[str]) -> Any:
+    """``app``, but ``GET /health`` answers 503 for the engines named in ``hosts`` (still
+    loading) and 200 for the others."""
+    async def asgi(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] == "/health":
+            host = dict(scope["headers"]).get(b"host", b"").decode()
+            await send({"type": "http.response.start", "status": 503 if host in hosts else 200,
+                        "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        await app(scope, receive, send)
+
+    return asgi
+
+
+def test_a_joined_node_gets_requests_once_its_engine_answers() -> None:
+    seen: list[tuple[str, dict[str, Any]]] = []
+    loading = {"node1"}
+    cfg = ServiceConfig(fleet=FLEET, initial_nodes=1, node_names=("gpu-0", "gpu-1"))
+    with SchedulerService(cfg).start() as svc:
+        svc.agent_hello(AgentHello(0, "agent-0", "gpu-0", engine_url="http://node0"))
+        gateway = Gateway(GatewayConfig(upstreams=["http://node0"], tenant="t",
+                                        nodes_refresh_s=0.05, route_deadline_s=2.0),
+                          scheduler=connect(service=svc, tenant="t"),
+                          transport=httpx.ASGITransport(app=_loading(_fake_engine(seen),
+                                                                     loading)))
+        app = build_app(gateway)
+
+        def routable() -> dict[str, float]:
+            return {s.labels["node"]: s.value for m in gateway.registry.collect()
+                    if m.name == "kvprefetch_gateway_node_routable" for s in m.samples}
+
+        async def scenario() -> None:
+            await gateway.start()
+            try:
+                async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                             base_url="http://gateway") as client:
+                    async def ask(session: str) -> str:
+                        r = await client.post("/v1/completions",
+                                              json={"model": "m", "prompt": [1, 2, 3]},
+                                              headers={"X-Session-ID": session})
+                        assert r.status_code == 200, r.text
+                        return seen[-1][0]
+
+                    # node 1 joins while its engine loads: the scheduler routes new
+                    # sessions there, the gateway does not
+                    svc.agent_hello(AgentHello(1, "agent-1", "gpu-1",
+                                               engine_url="http://node1"))
+                    listings = gateway.nodes.listings
+                    assert await asyncio.to_thread(
+                        _until, lambda: gateway.nodes.listings >= listings + 3)
+                    assert gateway.nodes.routable() == (0,)
+                    assert routable() == {"0": 1.0}
+                    assert {await ask(f"s{i}") for i in range(4)} == {"node0"}
+                    loading.clear()  # its engine answers
+                    assert await asyncio.to_thread(
+                        _until, lambda: gateway.nodes.routable() == (0, 1))
+                    assert routable() == {"0": 1.0, "1": 1.0}
+                    # sessions that arrive together spread over both
+                    before = len(seen)
+                    await asyncio.gather(*(ask(f"new-{i}") for i in range(8)))
+                    hosts = {host for host, _ in seen[before:]}
+                    assert "node1" in hosts, hosts
+            finally:
+                await gateway.close()
+
+        asyncio.run(scenario())
 
 
 def test_nodes_refresh_s_0_keeps_the_configured_upstreams() -> None:
@@ -288,3 +380,82 @@ def test_on_ray_a_raylet_that_joins_gets_requests_and_a_removed_one_none(
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+class _Refusing(httpx.AsyncBaseTransport):
+    """``inner``, but the engines named in ``hosts`` refuse the connection (gone)."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport, hosts: set[str]) -> None:
+        self.inner = inner
+        self.hosts = hosts
+        self.refused = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.host in self.hosts:
+            self.refused += 1
+            raise httpx.ConnectError("connection refused", request=request)
+        return await self.inner.handle_async_request(request)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_whose_engine_refuses_the_connection_runs_on_another_node(
+        stream: bool) -> None:
+    seen: list[tuple[str, dict[str, Any]]] = []
+    transport = _Refusing(httpx.ASGITransport(app=_fake_engine(seen)), {"node1"})
+    # no node listing: node 1 stays routable though its engine is gone
+    gateway = Gateway(GatewayConfig(upstreams=["http://node0", "http://node1"],
+                                    nodes_refresh_s=0), transport=transport)
+    app = build_app(gateway)
+
+    async def scenario() -> list[httpx.Response]:
+        await gateway.start()
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                         base_url="http://gateway") as client:
+                answers = []
+                for i in range(8):
+                    if stream:
+                        body = {"model": "m", "stream": True,
+                                "messages": [{"role": "user", "content": "hi"}]}
+                        r = await client.post("/v1/chat/completions", json=body,
+                                              headers={"X-Session-ID": f"s{i}"})
+                    else:
+                        r = await client.post("/v1/completions", json={
+                            "model": "m", "prompt": [1, 2, 3]},
+                            headers={"X-Session-ID": f"s{i}"})
+                    answers.append(r)
+                return answers
+        finally:
+            await gateway.close()
+
+    answers = asyncio.run(scenario())
+    assert [r.status_code for r in answers] == [200] * 8
+    assert {r.headers["x-kvp-node"] for r in answers} == {"0"}
+    assert {host for host, _ in seen} == {"node0"} and len(seen) == 8
+    # some sessions were routed to node 1 (their name hashes there) and went to node 0
+    assert transport.refused >= 1
+    assert gateway.metrics.failovers._value.get() == transport.refused
+    assert gateway.metrics.in_flight.labels("1")._value.get() == 0
+    assert gateway.metrics.in_flight.labels("0")._value.get() == 0
+
+
+def test_a_request_fails_when_every_engine_refuses() -> None:
+    seen: list[tuple[str, dict[str, Any]]] = []
+    transport = _Refusing(httpx.ASGITransport(app=_fake_engine(seen)), {"node0", "node1"})
+    gateway = Gateway(GatewayConfig(upstreams=["http://node0", "http://node1"],
+                                    nodes_refresh_s=0), transport=transport)
+    app = build_app(gateway)
+
+    async def scenario() -> httpx.Response:
+        await gateway.start()
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                         base_url="http://gateway") as client:
+                return await client.post("/v1/completions",
+                                         json={"model": "m", "prompt": [1, 2, 3]})
+        finally:
+            await gateway.close()
+
+    answer = asyncio.run(scenario())
+    assert answer.status_code == 502 and "refused" in answer.text
+    assert transport.refused == 2 and seen == []

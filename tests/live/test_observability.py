@@ -59,6 +59,7 @@ LEVELS = {
     "kvprefetch_tenant_live_sessions", "kvprefetch_orders_in_flight",
     "kvprefetch_node_tier_quota_bytes", "kvprefetch_tenant_local_tier_bytes",
     "kvprefetch_gateway_in_flight", "kvprefetch_gateway_seen_sessions",
+    "kvprefetch_gateway_node_routable",
 }
 
 
