@@ -4,7 +4,8 @@
 
 * ``AgentActor``: one per GPU node (named ``kvprefetch-agent-<node>``), restarted by Ray
   when it dies; on every (re)start it greets the scheduler with its incarnation and the
-  keys its tier still holds, so orders sent to a dead predecessor are re-planned; every
+  keys its tier still holds, so orders sent to a dead predecessor are re-planned (once its
+  engine can take warm orders: a node that joins the fleet is warmed at once); every
   ``status_interval_s`` it reports its tier's capacity and occupancy to every shard
   (their quotas of the node follow it), and what its tier evicts by its own order (LMCache's
   L1: as its KV events tell) goes to the shards that own those sessions (their books drop
@@ -70,6 +71,8 @@ _R = TypeVar("_R")
 ENGINE_CALL_TIMEOUT_S = 10.0
 #: Longest wait of the agent's eviction sender for the tier's next evictions (seconds).
 EVICTIONS_WAIT_S = 0.5
+#: How often an agent whose engine has not registered yet asks again (seconds).
+ENGINE_READY_POLL_S = 1.0
 
 
 class _SchedulerRef:
@@ -129,12 +132,35 @@ class _AgentActor:
         self.agent = PrefetchAgent(config, reporter=self._report)
         self.agent.start()
         self._closed = threading.Event()
-        self.greet()
+        if self._engine_ready():
+            self.greet()
+        else:
+            log.info("agent %d: its engine has not registered yet; saying hello once it has",
+                     config.node)
+            threading.Thread(target=self._greet_when_engine_ready,
+                             name=f"agent-{config.node}-hello", daemon=True).start()
         if config.status_interval_s > 0:
             threading.Thread(target=self._send_status, args=(config.status_interval_s,),
                              name=f"agent-{config.node}-status", daemon=True).start()
         threading.Thread(target=self._send_evictions, name=f"agent-{config.node}-evicted",
                          daemon=True).start()
+
+    def _engine_ready(self) -> bool:
+        try:
+            return self.agent.backend.engine_ready()
+        except Exception as exc:  # its server restarts: ask again
+            log.debug("agent %d: engine readiness not known: %s", self.agent.node, exc)
+            return False
+
+    def _greet_when_engine_ready(self) -> None:
+        """The first greeting, once the node's engine can take warm orders
+        (:meth:`~kvprefetch.agents.backends.base.NodeBackend.engine_ready`, asked every
+        ``ENGINE_READY_POLL_S``): the hello of a node out of the fleet joins it, and the
+        scheduler warms it at once."""
+        while not self._closed.wait(ENGINE_READY_POLL_S):
+            if self._engine_ready():
+                self.greet()
+                return
 
     def _send_evictions(self) -> None:
         """What the tier evicted by its own order, to the shards that own the sessions

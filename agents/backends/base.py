@@ -119,6 +119,13 @@ class NodeBackend(Protocol):
         """The tier's (used bytes, capacity bytes, keys held)."""
         ...
 
+    def engine_ready(self) -> bool:
+        """Whether the node's engine can take warm orders now (LMCache: an engine
+        registered the model's KV layout with the node's server). The agent's actor says
+        hello, and so joins the fleet, once it can: a node that joins while its engine
+        still loads would fail its warm-up."""
+        ...
+
     def events(self) -> object | None:
         """The engine's KV-event subscription counters, in the engine integration's own
         record (LMCache's :class:`~kvprefetch.agents.lmcache.kv_events.KVEventStats`);

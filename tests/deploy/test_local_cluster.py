@@ -14,8 +14,15 @@ hint with a short ETA makes the scheduler order the warm back from L2, displacin
 other session (its user is typing: it is needed later); and turn two, routed to the same
 node, is served from L1 with no L2 load, by vLLM's and LMCache's own counters.
 
+Then the fleet changes under callers that keep calling through the gateway: a third GPU
+node (127.0.0.5) joins the running cluster; ``serve``'s node watcher gives it a free node
+slot and an agent, the gateway routes to it once its vLLM answers, its agent warms it with
+a session whose KV was local nowhere, and its vLLM serves routed requests. A GPU node's
+Ray node then goes (its raylet ends, its vLLM still answers): the scheduler takes it out
+of the fleet and its vLLM receives none of the following requests. No caller gets an error.
+
 Needs vLLM's CPU build (``make test-vllm`` runs it in .venv-vllm); a few minutes on 2 cores,
-most of it the two vLLM start-ups.
+most of it the three vLLM start-ups.
 """
 
 from __future__ import annotations
@@ -43,7 +50,10 @@ pytestmark = [pytest.mark.servers, pytest.mark.slow, pytest.mark.live, pytest.ma
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "deploy" / "kvprefetch-node.sh"
 HEAD_IP, WORKER_IPS = "127.0.0.2", ("127.0.0.3", "127.0.0.4")
+#: The GPU node that joins the running cluster.
+JOINED_IP = "127.0.0.5"
 MIB = 1 << 20
+RAY_ARGS = f"--num-cpus=1 --object-store-memory={80 * MIB} --memory={1 << 30}"
 CHUNK = 256
 PROMPT_TOKENS = 2048
 #: The other session's prompt: 7 chunks and a tail, so that one session's room on a node
@@ -121,8 +131,9 @@ class LocalCluster:
     def _serve_config(self, valkey: EmbeddedValkey, s3: EmbeddedS3) -> dict[str, Any]:
         doc: dict[str, Any] = yaml.safe_load((ROOT / "examples" / "serve.yaml").read_text())
         doc["ray"] = {"address": f"{HEAD_IP}:{self.ray_port}", "namespace": "kvp-deploy-test"}
-        doc["placement"] = {"resource": "kv_node", "min_nodes": 2, "wait_for_nodes_s": 600,
-                            "watch_interval_s": 0}
+        # a slot for the node that joins; lost nodes found within seconds
+        doc["placement"] = {"resource": "kv_node", "min_nodes": 2, "max_nodes": 3,
+                            "wait_for_nodes_s": 600, "watch_interval_s": 1}
         bpt = SPEC.kv_bytes_per_token
         doc["fleet"]["model"] = tiny_model_profile(SPEC)
         # HBM smaller than a session: after its turn the model keeps it in L1 / L2 only
@@ -158,24 +169,51 @@ class LocalCluster:
         assert done.returncode == 0, f"{role}: {done.stdout}\n{done.stderr}"
 
     def start(self) -> None:
-        common = f"--num-cpus=1 --object-store-memory={80 * MIB} --memory={1 << 30}"
         self.run("head", self.role_env(
             "head", KVP_NODE_IP=HEAD_IP, KVP_RAY_ADDRESS=f"{HEAD_IP}:{self.ray_port}",
-            KVP_RAY_ARGS=f"{common} --include-dashboard=false --temp-dir={self.ray_temp}",
+            KVP_RAY_ARGS=f"{RAY_ARGS} --include-dashboard=false --temp-dir={self.ray_temp}",
             KVP_API_URL=f"http://{HEAD_IP}:{self.api_port}", KVP_GATEWAY_HOST="127.0.0.1",
             KVP_GATEWAY_PORT=str(self.gateway_port), KVP_VLLM_PORT=str(self.vllm_port),
             # routes must reach the scheduler on a machine also running vLLM's CPU engine
             KVP_ROUTE_DEADLINE_S="2"))
         for i, ip in enumerate(WORKER_IPS):
-            self.run("gpu", self.role_env(
-                f"gpu{i}", KVP_NODE_IP=ip, KVP_HEAD_IP=HEAD_IP, KVP_RAY_ARGS=common,
-                KVP_RAY_RESOURCES='{"kv_node": 1}', KVP_LMCACHE_HOST=ip,
-                KVP_LMCACHE_PORT=str(self.lmcache_port),
-                KVP_LMCACHE_HTTP_PORT=str(self.lmcache_http_port), KVP_LMCACHE_L1_GB="0.5",
-                KVP_LMCACHE_ARGS=f"--prometheus-port {free_port()} --shm-name kvpdeploy{i}",
-                KVP_VLLM_MODEL=str(self.model), KVP_VLLM_HOST=ip,
-                KVP_VLLM_PORT=str(self.vllm_port), KVP_VLLM_ENTRY="module",
-                KVP_VLLM_ARGS="--max-model-len 4096 --dtype bfloat16"))
+            self.start_gpu(i, ip)
+
+    def start_gpu(self, i: int, ip: str) -> None:
+        """The script's gpu role on ``ip``: a raylet with ``kv_node``, its LMCache server
+        and its vLLM (role folder ``gpu<i>``)."""
+        self.run("gpu", self.role_env(
+            f"gpu{i}", KVP_NODE_IP=ip, KVP_HEAD_IP=HEAD_IP, KVP_RAY_ARGS=RAY_ARGS,
+            KVP_RAY_RESOURCES='{"kv_node": 1}', KVP_LMCACHE_HOST=ip,
+            KVP_LMCACHE_PORT=str(self.lmcache_port),
+            KVP_LMCACHE_HTTP_PORT=str(self.lmcache_http_port), KVP_LMCACHE_L1_GB="0.5",
+            KVP_LMCACHE_ARGS=f"--prometheus-port {free_port()} --shm-name kvpdeploy{i}",
+            KVP_VLLM_MODEL=str(self.model), KVP_VLLM_HOST=ip,
+            KVP_VLLM_PORT=str(self.vllm_port), KVP_VLLM_ENTRY="module",
+            KVP_VLLM_ARGS="--max-model-len 4096 --dtype bfloat16"))
+
+    def end_ray_node(self, ip: str) -> list[int]:
+        """End the Ray processes of the node at ``ip`` (its raylet, workers and agents;
+        SIGTERM, as an instance's shutdown sends): the Ray node leaves the cluster, its
+        kvprefetch agent with it. Its LMCache server and vLLM keep running."""
+        sys.path.insert(0, str(ROOT / "tests" / "live"))
+        from raycluster import _end
+
+        gcs = f"{HEAD_IP}:{self.ray_port}"
+        pids = []
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            try:
+                args = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            except OSError:
+                continue
+            if any(gcs in a for a in args) and any(
+                    a.endswith(f"node_ip_address={ip}") or a.endswith(f"node-ip-address={ip}")
+                    for a in args):
+                pids.append(int(proc.name))
+        _end(pids)
+        return pids
 
     def stop(self) -> None:
         for env in reversed(self.roles):
@@ -205,19 +243,21 @@ def cluster() -> Iterator[LocalCluster]:
     from kvprefetch.agents.vllm.tiny_model import generate
 
     base = Path(tempfile.mkdtemp(prefix="kvp-deploy-"))
-    model = generate(base / "tiny-llama")
-    with EmbeddedValkey() as valkey, EmbeddedS3(backend="seaweedfs") as s3:
-        c = LocalCluster(base, valkey, s3, model)
-        try:
-            c.start()
-            for ip in WORKER_IPS:
-                _wait(lambda ip=ip: _get(f"http://{ip}:{c.vllm_port}/health"),
-                      f"vLLM on {ip}", 600, base)
-            _wait(lambda: _get(f"{c.gateway_url}/metrics"), "the gateway", 180, base)
-            yield c
-        finally:
-            c.stop()
-            shutil.rmtree(base, ignore_errors=True)
+    try:
+        model = generate(base / "tiny-llama")
+        with EmbeddedValkey() as valkey, EmbeddedS3(backend="seaweedfs") as s3:
+            c = LocalCluster(base, valkey, s3, model)
+            try:
+                c.start()
+                for ip in WORKER_IPS:
+                    _wait(lambda ip=ip: _get(f"http://{ip}:{c.vllm_port}/health"),
+                          f"vLLM on {ip}", 600, base)
+                _wait(lambda: _get(f"{c.gateway_url}/metrics"), "the gateway", 180, base)
+                yield c
+            finally:
+                c.stop()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def _complete(c: LocalCluster, session: str, prompt: list[int]) -> int:
@@ -308,3 +348,159 @@ def test_a_two_turn_session_is_warmed_on_its_node_and_read_from_lmcache_l1(
     status = subprocess.run(["bash", str(SCRIPT), "status"], env=c.roles[0],
                             capture_output=True, text=True, check=True).stdout
     assert "serve: running" in status and "gateway: running" in status
+
+
+def _nodes(c: LocalCluster) -> dict[str, tuple[int, bool]]:
+    """The scheduler's node registry (``GET /nodes``): engine host -> (node, in the fleet)."""
+    import httpx
+
+    response = httpx.get(f"http://{HEAD_IP}:{c.api_port}/nodes", timeout=10,
+                         headers={"Authorization": f"Bearer {TOKEN}"})
+    response.raise_for_status()
+    return {str(httpx.URL(e["engine_url"]).host): (e["node"], e["in_fleet"])
+            for e in response.json()["nodes"] if e["engine_url"]}
+
+
+def _gateway_routes_to(c: LocalCluster) -> dict[int, bool]:
+    """The gateway's ``kvprefetch_gateway_node_routable``: node -> routed to now."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{c.gateway_url}/metrics", timeout=10).text
+    return {int(s.labels["node"]): s.value == 1.0
+            for family in text_string_to_metric_families(text)
+            if family.name == "kvprefetch_gateway_node_routable" for s in family.samples}
+
+
+def _engine_requests(c: LocalCluster, ip: str) -> int:
+    """Requests the node's vLLM finished, by its own counter."""
+    import httpx
+
+    from kvprefetch.agents.vllm.server import parse_counters
+
+    return parse_counters(httpx.get(f"http://{ip}:{c.vllm_port}/metrics", timeout=10).text
+                          ).requests
+
+
+class Callers:
+    """Turns through the gateway, as the callers see them: each one's status and node."""
+
+    def __init__(self, c: LocalCluster) -> None:
+        self.c = c
+        self.rng = random.Random(11)
+        self.answers: list[tuple[str, int, int | None]] = []
+        self.count = 0
+
+    def turn(self, session: str | None = None, tokens: int = CHUNK) -> int | None:
+        import httpx
+
+        if session is None:
+            self.count += 1
+            session = f"deploy-fleet-{self.count}"
+        prompt = [self.rng.randrange(256) for _ in range(tokens)]
+        response = httpx.post(f"{self.c.gateway_url}/v1/completions", timeout=300.0, json={
+            "model": str(self.c.model), "prompt": prompt, "max_tokens": 1,
+            "temperature": 0.0}, headers={"X-Session-ID": session})
+        node = int(response.headers["x-kvp-node"]) if "x-kvp-node" in response.headers \
+            else None
+        self.answers.append((session, response.status_code, node))
+        return node
+
+    def together(self, n: int) -> list[int | None]:
+        """``n`` new sessions' turns at once (routed while the others are in flight)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(n) as pool:
+            return list(pool.map(lambda _: self.turn(), range(n)))
+
+    def until(self, predicate: Callable[[], bool], what: str, timeout_s: float) -> None:
+        """A turn every two seconds until ``predicate`` holds (callers keep calling while
+        the fleet changes)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with contextlib.suppress(Exception):
+                if predicate():
+                    return
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            self.turn()
+            time.sleep(2.0)
+
+    def errors(self) -> list[tuple[str, int, int | None]]:
+        return [a for a in self.answers if a[1] != 200]
+
+
+def test_a_node_that_joins_gets_routed_requests_and_a_removed_one_none(
+        cluster: LocalCluster) -> None:
+    """The fleet changes under running callers: a GPU node joins (the script's gpu role on
+    a new address), the scheduler's node watcher gives it an agent, which warms it; the
+    gateway routes to it once its vLLM answers, and its vLLM serves routed requests. Then
+    another GPU node's Ray node goes (its raylet ends; its vLLM still answers): the
+    scheduler takes it out of the fleet, and its vLLM receives none of the following
+    requests, its sessions' next turns included. No caller gets an error."""
+    from kvprefetch.agents.lmcache.warm import LMCacheWarmClient
+
+    c = cluster
+    callers = Callers(c)
+    start = _nodes(c)
+    assert {ip for ip, (_, up) in start.items() if up} == set(WORKER_IPS), start
+
+    # A session whose KV is local nowhere when the node joins (its node's tier made room
+    # for a later one; L2 keeps it): the joined node is warmed with it.
+    first = callers.turn("deploy-adrift", PROMPT_TOKENS)
+    for i in range(4):
+        if callers.turn(f"deploy-adrift-next{i}", OTHER_PROMPT_TOKENS) == first:
+            break
+    ip_of = {node: ip for ip, (node, _) in start.items()}
+    first_tier = LMCacheWarmClient(f"http://{ip_of[first]}:{c.lmcache_http_port}")
+    _wait(lambda: first_tier.l2_write_backlog() == 0, "LMCache's write to L2", 60)
+
+    c.start_gpu(2, JOINED_IP)
+    # callers keep calling while its vLLM starts: its agent says hello (the node joins
+    # the fleet) once the engine registered with its LMCache, and the gateway routes
+    # there once the engine answers
+    callers.until(lambda: _nodes(c).get(JOINED_IP, (0, False))[1],
+                  "the joined node in the fleet", 600)
+    joined = _nodes(c)[JOINED_IP][0]
+    assert joined not in ip_of
+    callers.until(lambda: _gateway_routes_to(c).get(joined, False),
+                  "the gateway to route to the joined node", 120)
+    assert callers.errors() == [], callers.errors()
+    # its agent takes the scheduler's prefetch orders: the session that was local nowhere
+    # (7 or 8 chunks) lands in its LMCache's L1 (once its vLLM registered there), brought
+    # by the agent: its vLLM served no request (at most one chunk each)
+    joined_tier = LMCacheWarmClient(f"http://{JOINED_IP}:{c.lmcache_http_port}")
+    served_there = len([a for a in callers.answers if a[2] == joined])
+    _wait(lambda: joined_tier.l1_usage().object_count >= OTHER_PROMPT_TOKENS // CHUNK
+          + served_there, "the joined node's warm-up", 120, c.base)
+    assert _engine_requests(c, JOINED_IP) == served_there
+
+    # sessions that arrive together spread over the fleet, the joined node included
+    served = callers.together(6)
+    assert joined in served, served
+    on_joined = [a for a in callers.answers if a[2] == joined]
+    _wait(lambda: _engine_requests(c, JOINED_IP) == len(on_joined),
+          f"{len(on_joined)} requests at the joined node's vLLM", 30)
+
+    # a node goes: its Ray node ends (the agent with it); its vLLM still answers
+    removed_ip = WORKER_IPS[1]
+    removed = start[removed_ip][0]
+    its_sessions = sorted({s for s, status, node in callers.answers
+                           if node == removed and status == 200})
+    assert c.end_ray_node(removed_ip)
+    callers.until(lambda: not _nodes(c)[removed_ip][1], "the scheduler to take the node "
+                  "out of the fleet", 120)
+    callers.until(lambda: not _gateway_routes_to(c)[removed], "the gateway to stop "
+                  "routing to the removed node", 60)
+    remaining = (WORKER_IPS[0], JOINED_IP)
+    before = {ip: _engine_requests(c, ip) for ip in (*remaining, removed_ip)}
+    mark = len(callers.answers)
+    callers.together(6)
+    for session in its_sessions[:3]:  # where their KV was: a node no longer in the fleet
+        callers.turn(session)
+    after = callers.answers[mark:]
+    assert [a for a in after if a[2] == removed] == [], after
+    # the other nodes' engines served every one of them, the removed node's none
+    _wait(lambda: sum(_engine_requests(c, ip) - before[ip] for ip in remaining)
+          == len(after), f"{len(after)} requests at the remaining nodes' vLLMs", 30)
+    assert _engine_requests(c, removed_ip) == before[removed_ip]
+    assert callers.errors() == [], callers.errors()

@@ -308,3 +308,81 @@ def test_a_raylet_that_joins_gets_an_agent_and_is_warmed(
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.servers
+def test_an_agent_joins_once_its_engine_registered_with_lmcache(
+        valkey_server: Any, s3_server: Any, tiers: list[Path]) -> None:
+    """A raylet joins whose LMCache server has no engine yet (its vLLM still loads): its
+    agent starts but says no hello, so the node stays out of the fleet (no route, no
+    warm-up that LMCache would refuse); once an engine registers the model's KV layout
+    (a real ``lmcache server``, an emulated engine worker) the agent says hello and the
+    node joins."""
+    ray = pytest.importorskip("ray")
+    from kvptest.live_fleet import remote_config
+    from ray.cluster_utils import Cluster
+
+    from kvprefetch.agents.agent import AgentConfig
+    from kvprefetch.agents.backends.lmcache.warmer import LMCacheBackendConfig
+    from kvprefetch.agents.lmcache.l2.adapter import plugin_adapter_json
+    from kvprefetch.agents.lmcache.mp_client import KVLayout, LMCacheMPClient
+    from kvprefetch.agents.lmcache.server import LMCacheServer
+    from kvprefetch.agents.stores.local import LocalTierConfig
+    from kvprefetch.controlplane.base.actors import agent_name
+    from kvprefetch.controlplane.live.ray_app import (
+        NodeCandidate,
+        Placement,
+        deploy,
+        ray_node_candidates,
+    )
+
+    prefix = uuid.uuid4().hex[:8]
+    remote = remote_config(valkey_server, s3_server, prefix)
+    layout = KVLayout(model_name=f"kvp-join-{prefix}")
+    lm_chunk = 256
+    with LMCacheServer(l2_adapter=plugin_adapter_json(valkey=remote.valkey, s3=remote.s3),
+                       chunk_size=lm_chunk, l1_size_gb=0.1,
+                       transfer_mode="engine_driven") as server:
+        def agent(slot: int, candidate: NodeCandidate | None = None) -> AgentConfig:
+            if slot == 0:
+                tiers.append(Path("/dev/shm") / f"kvp-join-{prefix}-0")
+                return AgentConfig(node=0, node_name="gpu-0", remote=remote,
+                                   dram=LocalTierConfig(path=str(tiers[-1]),
+                                                        capacity_bytes=16 * MIB))
+            return AgentConfig(node=slot, node_name=f"gpu-{slot}", backend="lmcache-mp",
+                               remote=remote, status_interval_s=0,
+                               lmcache=LMCacheBackendConfig(
+                                   http_url=server.http_url, model_name=layout.model_name,
+                                   chunk_size=lm_chunk,
+                                   chunk_bytes=layout.chunk_bytes(lm_chunk)))
+
+        cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 1, "object_store_memory": 80 * MIB, "include_dashboard": False})
+        try:
+            first = cluster.add_node(num_cpus=0, object_store_memory=80 * MIB,
+                                     resources={"gpu_node": 1})
+            ray.init(address=cluster.address, namespace="kvprefetch", log_to_driver=False)
+            svc = ServiceConfig(fleet=FLEET, initial_nodes=1)
+            dep = deploy(svc, [agent(0)], [Placement(node_id=first.node_id)])
+            try:
+                dep.watch_nodes(lambda: ray_node_candidates(resource="gpu_node"), agent,
+                                interval_s=0.5)
+                cluster.add_node(num_cpus=0, object_store_memory=80 * MIB,
+                                 resources={"gpu_node": 1})
+                assert _wait(lambda: ray.get_actor(agent_name(1), namespace="kvprefetch"),
+                             60), "no agent for node 1"
+                assert _wait(lambda: dep.watcher is not None and dep.watcher.joined == 1, 60)
+                time.sleep(3.0)  # the agent asks its server every second
+                summary = ray.get(dep.scheduler.summary.remote())
+                assert summary["nodes_joined"] == 0 and summary["nodes_out"] == ["node-1"]
+                with LMCacheMPClient(server.host, server.port, layout, chunk_size=lm_chunk):
+                    assert _wait(lambda: ray.get(dep.scheduler.summary.remote())[
+                        "nodes_joined"] == 1, 30), ray.get(dep.scheduler.summary.remote())
+                summary = ray.get(dep.scheduler.summary.remote())
+                assert summary["nodes_out"] == []
+            finally:
+                dep.shutdown()
+        finally:
+            ray.shutdown()
+            cluster.shutdown()

@@ -68,5 +68,8 @@ class LMCacheBackend:
         used, capacity = self._warmer.usage()
         return used, capacity, len(self._warmer.warm_keys())
 
+    def engine_ready(self) -> bool:
+        return self._warmer.engine_ready()
+
     def events(self) -> KVEventStats | None:
         return self._warmer.event_stats()

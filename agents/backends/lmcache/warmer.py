@@ -182,6 +182,12 @@ class LMCacheWarmer(OrderPool):
             self._events = None
         self._client.close()
 
+    def engine_ready(self) -> bool:
+        """Whether an engine registered the model's KV layout (``model_name``,
+        ``world_size``) with the server: until then every warm answers 503."""
+        cfg = self.config
+        return (cfg.model_name, cfg.world_size) in self._client.registered_layouts()
+
     def event_stats(self) -> KVEventStats | None:
         """The KV-event subscription's counters (None when not following)."""
         return self._events.stats() if self._events is not None else None

@@ -94,6 +94,9 @@ class LocalBackend:
         tier, _ = self._started()
         return tier.used_bytes, tier.capacity_bytes, len(tier.keys())
 
+    def engine_ready(self) -> bool:
+        return True  # the tier is there once started
+
     def events(self) -> None:
         """The local tier follows no engine's events."""
         return None

@@ -84,6 +84,9 @@ class SGLangBackend:
         tier, warmer = self._started()
         return tier.used_bytes, tier.capacity_bytes, len(warmer.warm_keys())
 
+    def engine_ready(self) -> bool:
+        return True  # the tier is there once started
+
     def events(self) -> None:
         """SGLang's events are not followed."""
         return None
