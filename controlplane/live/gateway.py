@@ -130,6 +130,8 @@ class Gateway:
         self.nodes = UpstreamDirectory(config.upstreams)
         self._follow: asyncio.Task[None] | None = None
         self._in_flight: Counter[int] = Counter()
+        #: Streaming responses opened and not released yet (:meth:`release`).
+        self._open_streams: set[Any] = set()
         #: The turn of the next tie among idle nodes for a call without a session.
         self._turn = -1
         self._http: Any = None
@@ -434,7 +436,19 @@ class Gateway:
                                                json=upstream_body)
             return await self._http.send(request, stream=True)
 
-        return await self._connect(node, session, send)
+        node, response = await self._connect(node, session, send)
+        self._open_streams.add(response)
+        return node, response
+
+    async def release(self, node: int, response: Any) -> None:
+        """Close a response :meth:`open_stream` opened on ``node`` and count its request
+        out of flight, once (later calls do nothing): after its last event, or when the
+        caller went before the first."""
+        if response not in self._open_streams:
+            return
+        self._open_streams.discard(response)
+        self._leave(node)
+        await response.aclose()
 
     async def stream(self, node: int, response: Any, body: dict[str, Any],
                      outcome: dict[str, Any]) -> AsyncIterator[bytes]:
@@ -455,8 +469,7 @@ class Gateway:
                 if forward or wants_usage:
                     yield (line + "\n\n").encode()
         finally:
-            await response.aclose()
-            self._leave(node)
+            await self.release(node, response)
 
 
 def _stable_hash(text: str) -> int:
@@ -509,6 +522,7 @@ def build_app(gateway: Gateway) -> Any:
     from fastapi import FastAPI, Response
     from fastapi.responses import JSONResponse, StreamingResponse
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+    from starlette.background import BackgroundTask
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -573,9 +587,13 @@ def build_app(gateway: Gateway) -> Any:
                                                outcome.get("finish_reason"),
                                                outcome.get("cached_tokens"))
 
+            # the upstream is released after the last event, or here when the caller went
+            # before the first one was read
             return StreamingResponse(events(), media_type="text/event-stream",
                                      headers={"X-Session-ID": session,
-                                              "X-KVP-Node": str(node)})
+                                              "X-KVP-Node": str(node)},
+                                     background=BackgroundTask(gateway.release, node,
+                                                               upstream))
         gateway.metrics.requests.labels(
             endpoint, "ok" if status == 200 else "upstream_error").inc()
         if status == 200:

@@ -459,3 +459,26 @@ def test_a_request_fails_when_every_engine_refuses() -> None:
     answer = asyncio.run(scenario())
     assert answer.status_code == 502 and "refused" in answer.text
     assert transport.refused == 2 and seen == []
+
+
+def test_a_stream_the_caller_never_read_is_released_once() -> None:
+    seen: list[tuple[str, dict[str, Any]]] = []
+    gateway = Gateway(GatewayConfig(upstreams=["http://node0"], nodes_refresh_s=0),
+                      transport=httpx.ASGITransport(app=_fake_engine(seen)))
+
+    async def scenario() -> tuple[float, float, bool]:
+        await gateway.start()
+        try:
+            body = {"model": "m", "stream": True,
+                    "messages": [{"role": "user", "content": "hi"}]}
+            node, response = await gateway.open_stream("chat/completions", 0, body)
+            in_flight = gateway.metrics.in_flight.labels("0")._value.get()
+            # the caller went before the first event: the response's background releases
+            await gateway.release(node, response)
+            await gateway.release(node, response)  # the stream's own end: nothing more
+            return in_flight, gateway.metrics.in_flight.labels("0")._value.get(), \
+                response.is_closed
+        finally:
+            await gateway.close()
+
+    assert asyncio.run(scenario()) == (1.0, 0.0, True)
