@@ -41,6 +41,22 @@ _WS = re.compile(rb"[ \t\n\r]*")
 _KEY = re.compile(rb'"(?:[^"\\\x00-\x1f]|\\.){0,256}"')
 
 
+#: What :func:`_json_value` answers for a body that is not JSON.
+_UNDECODED = object()
+
+
+def _json_value(body: bytes, errors: _Errors) -> Any:
+    """The JSON value of ``body``, or :data:`_UNDECODED` with the reason added to
+    ``errors``."""
+    try:
+        return json.loads(body)
+    except json.JSONDecodeError as exc:
+        errors.add(str(exc.pos), f"JSON decode error: {exc.msg}", "json_invalid")
+    except UnicodeDecodeError as exc:
+        errors.add("", f"invalid body: {exc.reason} (expected JSON in UTF-8)", "json_invalid")
+    return _UNDECODED
+
+
 @dataclass(frozen=True, slots=True)
 class FieldProblem:
     """One validation error: ``loc`` dotted (``token_ids.7``; ``(root)`` for the body)."""
@@ -143,14 +159,8 @@ class BodyValidator:
         return await self._large(body, errors)
 
     def _small(self, body: bytes, errors: _Errors) -> BaseModel | Invalid:
-        try:
-            value = json.loads(body)
-        except json.JSONDecodeError as exc:
-            errors.add(str(exc.pos), f"JSON decode error: {exc.msg}", "json_invalid")
-            return errors.result()
-        except UnicodeDecodeError as exc:
-            errors.add("", f"invalid body: {exc.reason} (expected JSON in UTF-8)",
-                       "json_invalid")
+        value = _json_value(body, errors)
+        if value is _UNDECODED:
             return errors.result()
         try:
             return self.model.model_validate(value)
@@ -265,14 +275,8 @@ class BatchValidator:
             errors.add("", "Input should be a valid dictionary or object to extract fields "
                            "from", "model_attributes_type")
             return errors.result()
-        try:
-            value = json.loads(body) if body else None
-        except json.JSONDecodeError as exc:
-            errors.add(str(exc.pos), f"JSON decode error: {exc.msg}", "json_invalid")
-            return errors.result()
-        except UnicodeDecodeError as exc:
-            errors.add("", f"invalid body: {exc.reason} (expected JSON in UTF-8)",
-                       "json_invalid")
+        value = _json_value(body, errors) if body else None
+        if value is _UNDECODED:
             return errors.result()
         if not isinstance(value, dict):
             errors.add("", "Input should be an object with the member events", "dict_type")
