@@ -187,7 +187,7 @@ class HintedPredictor:
         return ArrivalForecast(sid, base.last_finish_s, q,
                                curve.p_within(elapsed, window),
                                elapsed + window, confidence, conditioned=True,
-                               survival=curve)
+                               survival=curve, hinted=True)
 
     # -- training and artifacts delegate to the wrapped model --------------------------------
     def fit(self, trace: Trace, **kwargs: Any) -> Self:

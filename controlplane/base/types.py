@@ -213,6 +213,11 @@ class ArrivalForecast:
     conditioned exactly on the silence so far, and ignore the knots and ``p_return``
     (which a predictor still fills, from the same curve, for the readers of quantiles).
     When absent they use the parametric law of :class:`_GapLaw` between the knots.
+
+    ``hinted``: the law is a client's word about this idle period (a tool running with its
+    ETA, a user typing: :mod:`kvprefetch.predictors.hinted`), not a forecast from the
+    session's history. The session is on its way; its silence since the hint only
+    conditions that law, which a plan made on it already knew.
     """
 
     session_id: str
@@ -224,6 +229,7 @@ class ArrivalForecast:
     levels: tuple[float, ...] = field(default=FORECAST_LEVELS)
     conditioned: bool = False
     survival: SurvivalCurve | None = None
+    hinted: bool = False
 
     def gap_at(self, level: float) -> float:
         """Gap quantile at ``level``, linearly interpolated between the stored levels."""

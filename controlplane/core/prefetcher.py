@@ -38,8 +38,8 @@ __all__ = ["MAX_PREFETCHES_PER_IDLE", "MAX_REPLANS", "REPLAN_SLACK_S", "Prefetch
 
 #: Prefetches of one session per idle period, so that eviction ping-pong cannot loop.
 MAX_PREFETCHES_PER_IDLE = 2
-#: A prefetch whose forecast moved later by more than this (seconds) is re-armed, not
-#: started; at most ``MAX_REPLANS`` times in a row.
+#: A prefetch whose forecast from history moved later by more than this (seconds) is
+#: re-armed, not started; at most ``MAX_REPLANS`` times in a row.
 REPLAN_SLACK_S = 1.0
 MAX_REPLANS = 4
 
@@ -119,7 +119,10 @@ class Prefetcher:
     def start(self, order: PrefetchOrder, now_s: float) -> None:
         """An armed prefetch's start time came: re-check it and start the load, re-arm it
         (its forecast moved later), or drop it (superseded, the session is back, or no
-        room)."""
+        room). A forecast from history moves later as the session's silence grows, and the
+        order waits for it; a hint's does too (its law conditioned on that silence), but
+        the hint says the session is coming, which the plan already knew: an order on a
+        hint starts when planned (a newer hint plans a new order)."""
         sid = order.session_id
         s = self._sessions.get(sid)
         if s is None or s.pending is not order or s.in_flight:
@@ -127,7 +130,7 @@ class Prefetcher:
         self.due_dirty.add(sid)
         forecast = self._forecasts.forecast(sid, now_s)
         cfg = self._planner
-        if forecast is not None and s.replans < MAX_REPLANS:
+        if forecast is not None and not forecast.hinted and s.replans < MAX_REPLANS:
             later = forecast.arrival_at(cfg.arrival_quantile)
             if later - order.deadline_s > REPLAN_SLACK_S:
                 s.replans += 1

@@ -274,6 +274,8 @@ class _SetForecasts:
     def __init__(self) -> None:
         self.laws: dict[str, tuple[tuple[float, float, float], float]] = {}
         self.finish: dict[str, float] = {}
+        #: Sessions whose forecast is a client's hint (``ArrivalForecast.hinted``).
+        self.hinted: set[str] = set()
 
     def observe(self, event: SessionEvent) -> None:
         if event.kind is EventKind.REQUEST_FINISHED:
@@ -287,7 +289,33 @@ class _SetForecasts:
             return None
         q, confidence = self.laws[session_id]
         return ArrivalForecast(session_id, self.finish[session_id], q, 0.95, 3600.0,
-                               confidence, conditioned=True)
+                               confidence, conditioned=True,
+                               hinted=session_id in self.hinted)
+
+
+@pytest.mark.parametrize("hinted", [False, True])
+def test_an_order_on_a_hint_starts_when_planned_and_one_from_history_follows_its_forecast(
+        hinted: bool) -> None:
+    # c's KV leaves node 0 at 5 s; its forecast says q10 at 31 s: an order is armed for it.
+    # When the order's time comes, the forecast (conditioned on c's silence) says 46 s.
+    pred = _SetForecasts()
+    if hinted:
+        pred.hinted.add("c")
+    core = SchedulerCore(two_node_fleet(), POLICIES["predictive"], pred, FakeFleet())  # type: ignore[arg-type]
+    for bucket in itertools.product((False, True), range(LEAD_BINS + 1)):
+        core._prefetcher.bets.records[bucket] = BetRecord(wins=20)
+    pred.laws["c"] = ((30.0, 40.0, 60.0), 0.5)
+    finish_turn(core, "c", 0.0, node=0, ctx=40_000)
+    (order,) = core.reconcile(0, lambda sid, tokens: sid != "c", 5.0).orders
+    assert order.deadline_s == 31.0 and 5.0 < order.start_at_s < 31.0
+    pred.laws["c"] = ((45.0, 55.0, 80.0), 0.5)
+    out = core.start_prefetch(order, order.start_at_s)
+    if hinted:  # the hint said c is coming: its silence since changes nothing the plan knew
+        assert [(t.session_id, t.prefetch) for t in out.loads] == [("c", True)]
+        assert out.orders == ()
+    else:  # a forecast from history that moved later: the order waits for it
+        (later,) = out.orders
+        assert out.loads == () and later.deadline_s == 46.0
 
 
 def _hinted_prefetch_over(b_gap_s: float, confidence: float, *,

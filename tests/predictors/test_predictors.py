@@ -333,9 +333,11 @@ def test_hinted_folds_in_hints(trained, trace):
     ids, fin = idle_sessions(model, trace)
     sid, t = ids[0], fin[0]
     base = model.forecast(sid, t)
-    assert base == trained["empirical"].forecast(sid, t)
+    assert base == trained["empirical"].forecast(sid, t) and base is not None
+    assert not base.hinted
     model.observe(SessionEvent(EventKind.HINT, sid, t + 1, hint=HintKind.TOOL_RUNNING, eta_s=20))
     fc = model.forecast(sid, t + 1)
+    assert fc is not None and fc.hinted  # the client's word, not the history's
     # The gap is log-normal around hint + ETA (21 s from the finish), conditioned on the
     # silence: its median stays at ~21 s (1 s of silence removes almost no mass).
     assert fc is not None and fc.conditioned and fc.gap_quantiles_s[1] == pytest.approx(21.0,
