@@ -3,9 +3,13 @@
 * ``session_closed`` (event or hint): the session will not return: ``p_return = 0``.
 * ``tool_running`` (or ``user_typing``) with ``eta_s`` = expected time to the next request
   D: the gap is log-normal around (hint time + D) with :data:`ETA_SIGMA`.
-* ``user_typing`` without an ETA: a person is composing the next turn: the gap is
-  log-normal around (hint time + :data:`TYPING_MEDIAN_S`) with :data:`TYPING_SIGMA`, too
-  vague to start a prefetch (:data:`TYPING_CONFIDENCE`) but enough to keep the session.
+* ``user_typing`` without an ETA: a person is composing the next turn: the gap is the
+  hint time plus a log-normal wait, too vague to start a prefetch on its own
+  (:data:`TYPING_CONFIDENCE`: its prefetches keep the record of forecasts from history)
+  but enough to keep the session. The wait's median and sigma are those of the traffic at
+  hand (:class:`TypingLaw`: the waits from typing hint to request seen so far, once there
+  are :data:`TYPING_MIN_SAMPLES`); until then :data:`TYPING_MEDIAN_S` and
+  :data:`TYPING_SIGMA`.
 
 Either way the session returns at all with :data:`HINT_P_RETURN`, and the forecast carries
 the law as a survival curve conditioned on the silence so far (``conditioned=True``): a
@@ -28,6 +32,7 @@ the trained model in FILE (whatever its kind); in code, ``HintedPredictor(inner)
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +81,12 @@ HINT_CONFIDENCE = 0.9
 TYPING_CONFIDENCE = 0.5
 #: Probability that a hinted session returns at all (an abandoned reply, a cancelled tool).
 HINT_P_RETURN = 0.95
+#: The waits from typing hint to request :class:`TypingLaw` keeps: the most recent ones.
+TYPING_WINDOW = 512
+#: ... and how many it needs before their law replaces the prior one.
+TYPING_MIN_SAMPLES = 32
+#: The narrowest typing law it fits (q90 / q50 of 1.14).
+MIN_TYPING_SIGMA = 0.1
 
 
 @dataclass(slots=True)
@@ -104,6 +115,42 @@ def lognormal_law(centre_s: float, sigma: float = ETA_SIGMA,
     return SurvivalCurve.from_knots(knots)
 
 
+class TypingLaw:
+    """How long after its "user typing" hint a request comes on the traffic at hand: the
+    log-normal through the median and the q90 of the last ``window`` waits seen (from a
+    typing hint without an ETA to the session's next request), once there are
+    ``min_samples``; before that the prior :data:`TYPING_QUANTILES_S`. A typing hint that
+    no request follows gives no wait (:data:`HINT_P_RETURN` covers it). It learns from
+    what has happened only, so a deployment and its simulated twin learn it alike."""
+
+    def __init__(self, window: int = TYPING_WINDOW,
+                 min_samples: int = TYPING_MIN_SAMPLES) -> None:
+        self._waits: deque[float] = deque(maxlen=window)
+        self._min_samples = min_samples
+        self._law = (TYPING_MEDIAN_S, TYPING_SIGMA)
+        self._stale = False
+
+    def observe(self, wait_s: float) -> None:
+        """A request came ``wait_s`` after its session's typing hint."""
+        self._waits.append(max(MIN_LAW_CENTRE_S, wait_s))
+        self._stale = True
+
+    @property
+    def samples(self) -> int:
+        """Waits held."""
+        return len(self._waits)
+
+    def law(self) -> tuple[float, float]:
+        """``(median_s, sigma)`` of the log-normal wait after a typing hint."""
+        if self._stale and len(self._waits) >= self._min_samples:
+            waits = sorted(self._waits)
+            median = waits[len(waits) // 2]
+            q90 = waits[min(len(waits) - 1, int(0.9 * len(waits)))]
+            self._law = (median, max(MIN_TYPING_SIGMA, math.log(q90 / median) / 1.2816))
+            self._stale = False
+        return self._law
+
+
 class HintedPredictor:
     """Hints first, then the wrapped model."""
 
@@ -117,6 +164,8 @@ class HintedPredictor:
         self.inner = inner
         self._hints: dict[str, _Hint] = {}
         self._closed: set[str] = set()
+        #: The waits from typing hint to request on this traffic.
+        self.typing = TypingLaw()
 
     @property
     def fitted(self) -> bool:
@@ -130,7 +179,9 @@ class HintedPredictor:
     def observe(self, event: SessionEvent) -> None:
         sid = event.session_id
         if event.kind is EventKind.REQUEST_STARTED:
-            self._hints.pop(sid, None)
+            hint = self._hints.pop(sid, None)
+            if hint is not None and hint.kind is HintKind.USER_TYPING and hint.eta_s is None:
+                self.typing.observe(event.time_s - hint.time_s)
         elif event.kind is EventKind.SESSION_CLOSED or event.hint is HintKind.SESSION_CLOSED:
             self._closed.add(sid)
         elif event.kind is EventKind.HINT and event.hint is not None:
@@ -173,7 +224,7 @@ class HintedPredictor:
             centre, sigma = max(0.0, hint.eta_s), ETA_SIGMA
             confidence = HINT_CONFIDENCE
         elif hint.kind is HintKind.USER_TYPING:
-            centre, sigma = TYPING_MEDIAN_S, TYPING_SIGMA
+            centre, sigma = self.typing.law()
             confidence = TYPING_CONFIDENCE
         else:  # a tool is running, duration unknown: the model's view stands
             return base

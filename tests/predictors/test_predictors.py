@@ -372,6 +372,42 @@ def test_hinted_folds_in_hints(trained, trace):
     assert plain.name == "hinted"
 
 
+def test_the_typing_law_is_learned_from_the_waits_the_traffic_shows():
+    model = HintedPredictor(registry.load("last-gap"))
+
+    def typed(sid: str, t: float, wait_s: float, *, eta_s: float | None = None) -> None:
+        """sid finishes at t, its user starts typing 1 s later, and it sends wait_s on."""
+        model.observe(SessionEvent(EventKind.REQUEST_STARTED, sid, t - 5.0, input_tokens=100))
+        model.observe(SessionEvent(EventKind.REQUEST_FINISHED, sid, t, input_tokens=100))
+        model.observe(SessionEvent(EventKind.HINT, sid, t + 1.0, hint=HintKind.USER_TYPING,
+                                   eta_s=eta_s))
+        if wait_s > 0:
+            model.observe(SessionEvent(EventKind.REQUEST_STARTED, sid, t + 1.0 + wait_s,
+                                       input_tokens=200))
+
+    def typing_median(t: float) -> float:
+        model.observe(SessionEvent(EventKind.REQUEST_FINISHED, "probe", t, input_tokens=100))
+        model.observe(SessionEvent(EventKind.HINT, "probe", t, hint=HintKind.USER_TYPING))
+        fc = model.forecast("probe", t)
+        assert fc is not None and fc.hinted
+        model.forget("probe")
+        return fc.gap_at(0.5)
+
+    # The prior until 32 waits are in: a typing spell of a Claude Code prompt (70 s).
+    for i in range(31):
+        typed(f"s{i}", 1000.0 * i, 200.0 + i)
+    typed("eta", 40_000.0, 5.0, eta_s=5.0)  # a hint with an ETA is not a typing wait
+    typed("gone", 41_000.0, 0.0)  # nor one no request follows
+    assert model.typing.samples == 31
+    assert typing_median(50_000.0) == pytest.approx(70.0, rel=0.03)
+    # Then the law of the waits seen: their median (216 s), their spread (here the floor).
+    typed("s31", 60_000.0, 231.0)
+    assert model.typing.samples == 32
+    assert typing_median(70_000.0) == pytest.approx(216.0, rel=0.03)
+    median_s, sigma = model.typing.law()
+    assert median_s == 216.0 and sigma == 0.1
+
+
 # -- evaluation and timing ---------------------------------------------------------------------
 
 
