@@ -154,8 +154,17 @@ PEER_POLICIES: dict[str, PolicySpec] = {
     )
 }
 
-#: Every policy the simulator runs: the core policies, then the peers.
-SIM_POLICIES: dict[str, PolicySpec] = POLICIES | PEER_POLICIES
+#: `predictive`'s mechanisms fed the true gap laws of synthetic traffic (simulator only,
+#: :mod:`kvprefetch.controlplane.sim.true_law`): the bound of what forecasts from a
+#: session's history can buy, between ``reactive`` (none) and ``perfect`` (the future). It
+#: reads no hints (they are not history).
+TRUE_LAW_POLICY = replace(PREDICTIVE, name="true-law", predictor="true-law", reads_hints=False,
+                          modelled_on="kvprefetch, forecasts from the true gap laws")
+
+#: Every policy the simulator runs: the core policies, then the peers, then the bound that
+#: only synthetic traffic has.
+SIM_POLICIES: dict[str, PolicySpec] = POLICIES | PEER_POLICIES | {
+    TRUE_LAW_POLICY.name: TRUE_LAW_POLICY}
 
 #: What ``all`` runs, in report order: the references without a remote store, the
 #: baselines (the engine's own loads, the peers, ``reactive``), ``predictive`` and

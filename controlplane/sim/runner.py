@@ -31,6 +31,7 @@ from .hints import HintConfig, HintCounts, PlannedHint, hint_kind_names, plan_hi
 from .metrics import summarize, working_set_peak_bytes, yardstick
 from .report import HintsMeta, PolicySummary, SimMeta, SimReport
 from .simulator import PolicyRun, Simulation
+from .true_law import TRUE_LAW, true_law_predictor
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +79,8 @@ def run_policy(trace: Trace, fleet: FleetConfig, policy: PolicySpec, predictor_s
     """One policy's replay on ``engine``. ``hints``: the planned client hints
     (:func:`plan_hints`), which also turns the predictor's hint reading on (even when
     empty); None = no hints."""
-    predictor = load_predictor(policy.predictor or predictor_spec, trace=trace)
+    predictor = (true_law_predictor(trace) if policy.predictor == TRUE_LAW
+                 else load_predictor(policy.predictor or predictor_spec, trace=trace))
     if hints is not None:
         predictor = hinted_predictor(policy, predictor)
     sim = Simulation(trace, fleet, policy, predictor, clear_tiers_at_s=clear_tiers_at_s,

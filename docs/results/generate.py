@@ -266,7 +266,8 @@ def _headline(name: str) -> str:
     if name.startswith("yardstick-"):
         total = report["summary"]["all"]
         leaders = ", ".join(f"{p} {n}" for p, n in total.get("leaders", {}).items()) or "none"
-        return (f"{total['cells']} cells: predictive / best baseline returning mean geomean "
+        subject = report["meta"].get("subject", "predictive")
+        return (f"{total['cells']} cells: {subject} / best baseline returning mean geomean "
                 f"{_num(total['ratio_mean_best_geomean'], 3)}, p90 "
                 f"{_num(total['ratio_p90_best_geomean'], 3)}; cells a baseline leads on the "
                 f"mean: {total['worse_than_best']} ({leaders}); median forecast gap closure "
@@ -300,6 +301,7 @@ PAGES = {
     "yardstick-vllm-lmcache": "yardstick.md",
     "yardstick-vllm-lmcache-lazy": "yardstick.md",
     "yardstick-vllm-lmcache-hints": "yardstick.md",
+    "yardstick-true-law": "yardstick.md",
     "bench-control-plane": "control-plane.md",
     "bench-store": "data-plane.md",
 }
@@ -332,6 +334,8 @@ WHAT = {
     "yardstick-vllm-lmcache-hints": "`kvprefetch sim-grid --engine vllm-lmcache --hints "
                                     "user_typing,tool_running`: the same grid, every "
                                     "client hinting",
+    "yardstick-true-law": "`kvprefetch sim-grid --policies ...,true-law --subject true-law`: "
+                          "the four synthetic profiles, forecasts from their true gap laws",
     "bench-control-plane": "`kvprefetch bench control-plane`: scheduler events per second",
     "bench-store": "`kvprefetch bench store`: one session's KV into the local tier",
 }
@@ -401,6 +405,32 @@ def grids_table(_name: str) -> list[str]:
                    "predictive / reactive (geomean, worst cell)",
                    "cells a baseline leads by > 1%", "closure median",
                    "predictive prefetched (wasted)", "perfect prefetched"], rows)
+
+
+def true_law_table(name: str) -> list[str]:
+    """Per trace, each forecasting policy's returning mean over ``reactive``'s (geometric
+    mean over the cells, and over those at pressure >= 2), then the grid's own tables."""
+    cells = _load(name)["cells"]
+    rows = []
+    for trace in [*sorted({c["trace"] for c in cells}), "all"]:
+        sel = [c for c in cells if trace in ("all", c["trace"])]
+        busy = [c for c in sel if c["pressure_ratio"] >= 2]
+
+        def vs_reactive(policy: str, group: list[dict[str, Any]]) -> str:
+            return _num(_geomean([_mean_s(c, policy) / _mean_s(c, "reactive") for c in group]))
+
+        rows.append([f"`{trace}`" if trace != "all" else "**all**", str(len(sel)),
+                     *(vs_reactive(p, sel) for p in ("true-law", "predictive", "perfect")),
+                     str(len(busy)),
+                     *(vs_reactive(p, busy) for p in ("true-law", "predictive", "perfect"))])
+    return [
+        "Returning mean over `reactive`'s, geometric mean over the cells (below 1: ahead):",
+        "",
+        *_table(["trace", "cells", "true-law", "predictive", "perfect", "cells at pressure >= 2",
+                 "true-law", "predictive", "perfect"], rows),
+        "",
+        *grid_table(name),
+    ]
 
 
 #: The demos the "simulated vs live" page shows, with how each is described.
@@ -520,6 +550,7 @@ RENDERERS: dict[str, Callable[[str], list[str]]] = {
     "yardstick-vllm-lmcache": grid_table,
     "yardstick-vllm-lmcache-lazy": grid_table,
     "yardstick-vllm-lmcache-hints": grid_table,
+    "yardstick-true-law": true_law_table,
     "bench-control-plane": control_plane_table,
     "bench-store": store_table,
 }

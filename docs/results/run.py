@@ -64,6 +64,17 @@ RUNS: dict[str, list[str]] = {
     **{f"yardstick-{engine}": _yardstick(engine)
        for engine in ("vllm-lmcache", "vllm-lmcache-lazy")},
     "yardstick-vllm-lmcache-hints": _yardstick("vllm-lmcache", hints=True),
+    # The bound of forecasts from history: synthetic traffic only (its laws are known).
+    "yardstick-true-law": [
+        "kvprefetch", "sim-grid",
+        "--traces", "synthetic:agentic,synthetic:agentic-nostop,synthetic:chat,"
+        "synthetic:research",
+        "--nodes", "2,4,8", "--loads", "0.5,1,2", "--seeds", "0,1,2",
+        "--engine", "vllm-lmcache",
+        "--policies", "ondemand,reactive,true-law,predictive,perfect", "--subject", "true-law",
+        "--workers", "2", "--no-progress",
+        "--json", "docs/results/data/yardstick-true-law.json",
+    ],
     "bench-control-plane": [
         "kvprefetch", "bench", "control-plane", "--modes",
         "inproc,service,ray-1,http,http-batch,http-actor,http-threaded", "--sessions", "1000",
