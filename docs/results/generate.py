@@ -334,8 +334,9 @@ WHAT = {
     "yardstick-vllm-lmcache-hints": "`kvprefetch sim-grid --engine vllm-lmcache --hints "
                                     "user_typing,tool_running`: the same grid, every "
                                     "client hinting",
-    "yardstick-true-law": "`kvprefetch sim-grid --policies ...,true-law --subject true-law`: "
-                          "the four synthetic profiles, forecasts from their true gap laws",
+    "yardstick-true-law": "`kvprefetch sim-grid` with `true-law` as the subject: the four "
+                          "synthetic profiles x 2/4/8 nodes x 3 loads x 3 seeds, forecasts "
+                          "from their true gap laws",
     "bench-control-plane": "`kvprefetch bench control-plane`: scheduler events per second",
     "bench-store": "`kvprefetch bench store`: one session's KV into the local tier",
 }
@@ -460,7 +461,8 @@ def _per_seed_lines(report: dict[str, Any]) -> list[str]:
         ond = seeds["ondemand"].get(seed)
         if ond is None:
             continue
-        lower += pred["ttft_mean_s"] < ond["ttft_mean_s"] and pred["ttft_p90_s"] < ond["ttft_p90_s"]
+        if pred["ttft_mean_s"] < ond["ttft_mean_s"] and pred["ttft_p90_s"] < ond["ttft_p90_s"]:
+            lower += 1
         parts.append(f"seed {seed} {pred['ttft_mean_s']:.3f} / {pred['ttft_p90_s']:.3f} against "
                      f"{ond['ttft_mean_s']:.3f} / {ond['ttft_p90_s']:.3f}")
     if not parts:
