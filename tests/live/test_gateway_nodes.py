@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import httpx
 import pytest
+from kvptest.ray_cluster import MIB, add_gpu_node, gpu_cluster, wait_for
 from test_vllm_gateway import _fake_engine
 
 from kvprefetch.controlplane.base.config import fleet_from_dict
@@ -46,6 +48,29 @@ def _until(check: Callable[[], bool], timeout_s: float = 5.0) -> bool:
             return True
         time.sleep(0.02)
     return False
+
+
+@asynccontextmanager
+async def _asking(gateway: Gateway, seen: list[tuple[str, dict[str, Any]]],
+                  prompt: list[int] | None = None
+                  ) -> AsyncIterator[Callable[[str], Awaitable[str]]]:
+    """The gateway started, and ``ask(session)``: one completion through it, answered 200,
+    returning the host of the engine that served it (the last one ``seen``)."""
+    app = build_app(gateway)
+    await gateway.start()
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://gateway") as client:
+            async def ask(session: str) -> str:
+                r = await client.post("/v1/completions",
+                                      json={"model": "m", "prompt": prompt or [1, 2, 3]},
+                                      headers={"X-Session-ID": session})
+                assert r.status_code == 200, r.text
+                return seen[-1][0]
+
+            yield ask
+    finally:
+        await gateway.close()
 
 
 # -- the directory (pure) ----------------------------------------------------------------
@@ -104,50 +129,42 @@ def test_a_listing_that_fails_leaves_the_last_one() -> None:
 
 # -- the gateway in front of the scheduler's registry ---------------------------------------
 
-def test_a_node_that_joins_gets_requests_and_a_lost_one_none() -> None:
-    seen: list[tuple[str, dict[str, Any]]] = []
+@contextmanager
+def _node0_up(engines: Any) -> Iterator[tuple[SchedulerService, Gateway]]:
+    """A scheduler service with node 1's slot out of the fleet and node 0's agent greeted
+    (its engine at ``http://node0``), and a gateway configured with node 0 alone that
+    reads the service's node registry every 50 ms, in front of the ASGI app ``engines``."""
     cfg = ServiceConfig(fleet=FLEET, initial_nodes=1, node_names=("gpu-0", "gpu-1"))
     with SchedulerService(cfg).start() as svc:
         svc.agent_hello(AgentHello(0, "agent-0", "gpu-0", engine_url="http://node0"))
-        gateway = Gateway(GatewayConfig(upstreams=["http://node0"], tenant="t",
-                                        nodes_refresh_s=0.05, route_deadline_s=2.0),
-                          scheduler=connect(service=svc, tenant="t"),
-                          transport=httpx.ASGITransport(app=_fake_engine(seen)))
-        app = build_app(gateway)
+        yield svc, Gateway(GatewayConfig(upstreams=["http://node0"], tenant="t",
+                                         nodes_refresh_s=0.05, route_deadline_s=2.0),
+                           scheduler=connect(service=svc, tenant="t"),
+                           transport=httpx.ASGITransport(app=engines))
+
+
+def test_a_node_that_joins_gets_requests_and_a_lost_one_none() -> None:
+    seen: list[tuple[str, dict[str, Any]]] = []
+    with _node0_up(_fake_engine(seen)) as (svc, gateway):
 
         async def scenario() -> None:
-            await gateway.start()
-            try:
-                async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                             base_url="http://gateway") as client:
-                    async def ask(session: str) -> str:
-                        r = await client.post("/v1/completions",
-                                              json={"model": "m", "prompt": [1, 2, 3]},
-                                              headers={"X-Session-ID": session})
-                        assert r.status_code == 200, r.text
-                        return seen[-1][0]
-
-                    assert await ask("a") == "node0"
-                    # node 1's agent says hello: it joins, and names its engine
-                    svc.agent_hello(AgentHello(1, "agent-1", "gpu-1",
-                                               engine_url="http://node1"))
-                    assert await asyncio.to_thread(
-                        _until, lambda: gateway.nodes.routable() == (0, 1))
-                    # node 0 is lost: nothing more goes there, session a included
-                    svc.node_left(0)
-                    assert await asyncio.to_thread(
-                        _until, lambda: gateway.nodes.routable() == (1,))
-                    before = len(seen)
-                    hosts = [await ask(s) for s in ("a", "b", "c", "d")]
-                    assert hosts == ["node1"] * 4 and len(seen) == before + 4
-                    # node 1's agent comes back elsewhere (a rescheduled pod)
-                    svc.agent_hello(AgentHello(1, "agent-1b", "gpu-1",
-                                               engine_url="http://node1b"))
-                    assert await asyncio.to_thread(
-                        _until, lambda: gateway.nodes.url(1) == "http://node1b")
-                    assert await ask("e") == "node1b"
-            finally:
-                await gateway.close()
+            async with _asking(gateway, seen) as ask:
+                assert await ask("a") == "node0"
+                # node 1's agent says hello: it joins, and names its engine
+                svc.agent_hello(AgentHello(1, "agent-1", "gpu-1", engine_url="http://node1"))
+                assert await asyncio.to_thread(
+                    _until, lambda: gateway.nodes.routable() == (0, 1))
+                # node 0 is lost: nothing more goes there, session a included
+                svc.node_left(0)
+                assert await asyncio.to_thread(_until, lambda: gateway.nodes.routable() == (1,))
+                before = len(seen)
+                hosts = [await ask(s) for s in ("a", "b", "c", "d")]
+                assert hosts == ["node1"] * 4 and len(seen) == before + 4
+                # node 1's agent comes back elsewhere (a rescheduled pod)
+                svc.agent_hello(AgentHello(1, "agent-1b", "gpu-1", engine_url="http://node1b"))
+                assert await asyncio.to_thread(
+                    _until, lambda: gateway.nodes.url(1) == "http://node1b")
+                assert await ask("e") == "node1b"
 
         asyncio.run(scenario())
         listing = svc.nodes()
@@ -176,53 +193,32 @@ def _loading(app: Any, hosts: set[str]) -> Any:
 def test_a_joined_node_gets_requests_once_its_engine_answers() -> None:
     seen: list[tuple[str, dict[str, Any]]] = []
     loading = {"node1"}
-    cfg = ServiceConfig(fleet=FLEET, initial_nodes=1, node_names=("gpu-0", "gpu-1"))
-    with SchedulerService(cfg).start() as svc:
-        svc.agent_hello(AgentHello(0, "agent-0", "gpu-0", engine_url="http://node0"))
-        gateway = Gateway(GatewayConfig(upstreams=["http://node0"], tenant="t",
-                                        nodes_refresh_s=0.05, route_deadline_s=2.0),
-                          scheduler=connect(service=svc, tenant="t"),
-                          transport=httpx.ASGITransport(app=_loading(_fake_engine(seen),
-                                                                     loading)))
-        app = build_app(gateway)
+    with _node0_up(_loading(_fake_engine(seen), loading)) as (svc, gateway):
 
         def routable() -> dict[str, float]:
             return {s.labels["node"]: s.value for m in gateway.registry.collect()
                     if m.name == "kvprefetch_gateway_node_routable" for s in m.samples}
 
         async def scenario() -> None:
-            await gateway.start()
-            try:
-                async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                             base_url="http://gateway") as client:
-                    async def ask(session: str) -> str:
-                        r = await client.post("/v1/completions",
-                                              json={"model": "m", "prompt": [1, 2, 3]},
-                                              headers={"X-Session-ID": session})
-                        assert r.status_code == 200, r.text
-                        return seen[-1][0]
-
-                    # node 1 joins while its engine loads: the scheduler routes new
-                    # sessions there, the gateway does not
-                    svc.agent_hello(AgentHello(1, "agent-1", "gpu-1",
-                                               engine_url="http://node1"))
-                    listings = gateway.nodes.listings
-                    assert await asyncio.to_thread(
-                        _until, lambda: gateway.nodes.listings >= listings + 3)
-                    assert gateway.nodes.routable() == (0,)
-                    assert routable() == {"0": 1.0}
-                    assert {await ask(f"s{i}") for i in range(4)} == {"node0"}
-                    loading.clear()  # its engine answers
-                    assert await asyncio.to_thread(
-                        _until, lambda: gateway.nodes.routable() == (0, 1))
-                    assert routable() == {"0": 1.0, "1": 1.0}
-                    # sessions that arrive together spread over both
-                    before = len(seen)
-                    await asyncio.gather(*(ask(f"new-{i}") for i in range(8)))
-                    hosts = {host for host, _ in seen[before:]}
-                    assert "node1" in hosts, hosts
-            finally:
-                await gateway.close()
+            async with _asking(gateway, seen) as ask:
+                # node 1 joins while its engine loads: the scheduler routes new sessions
+                # there, the gateway does not
+                svc.agent_hello(AgentHello(1, "agent-1", "gpu-1", engine_url="http://node1"))
+                listings = gateway.nodes.listings
+                assert await asyncio.to_thread(
+                    _until, lambda: gateway.nodes.listings >= listings + 3)
+                assert gateway.nodes.routable() == (0,)
+                assert routable() == {"0": 1.0}
+                assert {await ask(f"s{i}") for i in range(4)} == {"node0"}
+                loading.clear()  # its engine answers
+                assert await asyncio.to_thread(
+                    _until, lambda: gateway.nodes.routable() == (0, 1))
+                assert routable() == {"0": 1.0, "1": 1.0}
+                # sessions that arrive together spread over both
+                before = len(seen)
+                await asyncio.gather(*(ask(f"new-{i}") for i in range(8)))
+                hosts = {host for host, _ in seen[before:]}
+                assert "node1" in hosts, hosts
 
         asyncio.run(scenario())
 
@@ -276,25 +272,12 @@ def test_the_http_api_serves_the_registry(token: str | None) -> None:
 
 # -- on Ray: raylets that join and go ------------------------------------------------------
 
-def _wait(pred: Callable[[], Any], timeout_s: float) -> bool:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        try:
-            if pred():
-                return True
-        except Exception:  # an actor starting answers with an error for a while
-            pass
-        time.sleep(0.2)
-    return False
-
-
 @pytest.mark.slow
 @pytest.mark.servers
 def test_on_ray_a_raylet_that_joins_gets_requests_and_a_removed_one_none(
         valkey_server: Any, s3_server: Any, tmp_path: Any) -> None:
     ray = pytest.importorskip("ray")
     from kvptest.live_fleet import remote_config
-    from ray.cluster_utils import Cluster
 
     from kvprefetch.agents.agent import AgentConfig
     from kvprefetch.agents.stores.local import LocalTierConfig
@@ -305,7 +288,6 @@ def test_on_ray_a_raylet_that_joins_gets_requests_and_a_removed_one_none(
         ray_node_candidates,
     )
 
-    MIB = 1 << 20
     remote = remote_config(valkey_server, s3_server, f"gwn-{time.time_ns()}")
 
     def agent(slot: int, candidate: NodeCandidate | None = None) -> AgentConfig:
@@ -315,12 +297,7 @@ def test_on_ray_a_raylet_that_joins_gets_requests_and_a_removed_one_none(
                            engine_url=f"http://node{slot}", status_interval_s=0)
 
     seen: list[tuple[str, dict[str, Any]]] = []
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "object_store_memory": 80 * MIB, "include_dashboard": False})
-    try:
-        first = cluster.add_node(num_cpus=0, object_store_memory=80 * MIB,
-                                 resources={"gpu_node": 1})
-        ray.init(address=cluster.address, namespace="kvprefetch", log_to_driver=False)
+    with gpu_cluster() as (cluster, first):
         svc = ServiceConfig(fleet=FLEET, initial_nodes=1, node_names=("gpu-0", "gpu-1"))
         # the scheduler stays on the head, as `kvprefetch serve` places it: removing a
         # GPU node must not take the scheduler with it
@@ -333,42 +310,28 @@ def test_on_ray_a_raylet_that_joins_gets_requests_and_a_removed_one_none(
                                             nodes_refresh_s=0.2, route_deadline_s=2.0),
                               scheduler=connect(cluster.address, timeout_s=10, tenant="t"),
                               transport=httpx.ASGITransport(app=_fake_engine(seen)))
-            app = build_app(gateway)
 
             async def scenario() -> None:
-                await gateway.start()
-                try:
-                    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                                 base_url="http://gateway") as client:
-                        async def ask(session: str) -> str:
-                            r = await client.post("/v1/completions",
-                                                  json={"model": "m", "prompt": [1, 2]},
-                                                  headers={"X-Session-ID": session})
-                            assert r.status_code == 200, r.text
-                            return seen[-1][0]
-
-                        assert await ask("a") == "node0"
-                        cluster.add_node(num_cpus=0, object_store_memory=80 * MIB,
-                                         resources={"gpu_node": 1})
-                        assert await asyncio.to_thread(
-                            _wait, lambda: gateway.nodes.routable() == (0, 1), 60), \
-                            ray.get(dep.scheduler.nodes.remote())
-                        # the joined node gets requests: new sessions that arrive
-                        # together spread over both (each one routed adds to its node's
-                        # queue until it finishes)
-                        before = len(seen)
-                        await asyncio.gather(*(ask(f"new-{i}") for i in range(8)))
-                        hosts = {host for host, _ in seen[before:]}
-                        assert "node1" in hosts, hosts
-                        cluster.remove_node(first)
-                        assert await asyncio.to_thread(
-                            _wait, lambda: gateway.nodes.routable() == (1,), 60), \
-                            ray.get(dep.scheduler.nodes.remote())
-                        before = len(seen)
-                        hosts_after = [await ask(s) for s in ("a", "new-0", "b", "c")]
-                        assert hosts_after == ["node1"] * 4 and len(seen) == before + 4
-                finally:
-                    await gateway.close()
+                async with _asking(gateway, seen, prompt=[1, 2]) as ask:
+                    assert await ask("a") == "node0"
+                    add_gpu_node(cluster)
+                    assert await asyncio.to_thread(
+                        wait_for, lambda: gateway.nodes.routable() == (0, 1), 60), \
+                        ray.get(dep.scheduler.nodes.remote())
+                    # the joined node gets requests: new sessions that arrive
+                    # together spread over both (each one routed adds to its node's
+                    # queue until it finishes)
+                    before = len(seen)
+                    await asyncio.gather(*(ask(f"new-{i}") for i in range(8)))
+                    hosts = {host for host, _ in seen[before:]}
+                    assert "node1" in hosts, hosts
+                    cluster.remove_node(first)
+                    assert await asyncio.to_thread(
+                        wait_for, lambda: gateway.nodes.routable() == (1,), 60), \
+                        ray.get(dep.scheduler.nodes.remote())
+                    before = len(seen)
+                    hosts_after = [await ask(s) for s in ("a", "new-0", "b", "c")]
+                    assert hosts_after == ["node1"] * 4 and len(seen) == before + 4
 
             asyncio.run(scenario())
             assert dep.watcher is not None and dep.watcher.lost == 1
@@ -377,9 +340,6 @@ def test_on_ray_a_raylet_that_joins_gets_requests_and_a_removed_one_none(
             assert gateway.metrics.routed.labels("load")._value.get() == 0
         finally:
             dep.shutdown()
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 class _Refusing(httpx.AsyncBaseTransport):

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from kvptest.live_fleet import RecordingPort
+from kvptest.ray_cluster import add_gpu_node, gpu_cluster, wait_for
 
 from kvprefetch.controlplane.base.config import fleet_from_dict
 from kvprefetch.controlplane.base.wire import AgentHello
@@ -201,25 +202,12 @@ def tiers() -> Iterator[list[Path]]:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def _wait(pred: Any, timeout_s: float) -> bool:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        try:
-            if pred():
-                return True
-        except Exception:  # an actor starting answers with an error for a while
-            pass
-        time.sleep(0.2)
-    return False
-
-
 @pytest.mark.slow
 @pytest.mark.servers
 def test_a_raylet_that_joins_gets_an_agent_and_is_warmed(
         valkey_server: Any, s3_server: Any, tiers: list[Path]) -> None:
     ray = pytest.importorskip("ray")
     from kvptest.live_fleet import remote_config
-    from ray.cluster_utils import Cluster
 
     from kvprefetch.agents.agent import AgentConfig
     from kvprefetch.agents.stores.local import LocalTierConfig
@@ -255,12 +243,7 @@ def test_a_raylet_that_joins_gets_an_agent_and_is_warmed(
         store.close()
 
     t0 = time.monotonic()
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "object_store_memory": 80 * MIB, "include_dashboard": False})
-    try:
-        first = cluster.add_node(num_cpus=0, object_store_memory=80 * MIB,
-                                 resources={"gpu_node": 1})
-        ray.init(address=cluster.address, namespace="kvprefetch", log_to_driver=False)
+    with gpu_cluster() as (cluster, first):
         # No prefetch before the join (the sessions' forecasts are below this confidence):
         # the sessions node 0 lost are adrift when node 1 joins.
         fleet = FLEET.model_copy(update={"planner": FLEET.planner.model_copy(
@@ -276,19 +259,18 @@ def test_a_raylet_that_joins_gets_an_agent_and_is_warmed(
                 assert client.route(sid, input_tokens=3 * CHUNK, tenant="t").node == 0
                 client.request_finished(sid, node=0, input_tokens=3 * CHUNK, tenant="t")
             ray.get(dep.agents[0].greet.remote())
-            assert _wait(lambda: ray.get(dep.scheduler.summary.remote())["events"] == 6, 10)
+            assert wait_for(lambda: ray.get(dep.scheduler.summary.remote())["events"] == 6, 10)
             setup_s = time.monotonic() - t0
 
-            joined = cluster.add_node(num_cpus=0, object_store_memory=80 * MIB,
-                                      resources={"gpu_node": 1})
+            joined = add_gpu_node(cluster)
             t_join = time.monotonic()
-            assert _wait(lambda: ray.get_actor(agent_name(1), namespace="kvprefetch"), 30), \
+            assert wait_for(lambda: ray.get_actor(agent_name(1), namespace="kvprefetch"), 30), \
                 "no agent for node 1"
             new_agent = ray.get_actor(agent_name(1), namespace="kvprefetch")
             where = ray.get(new_agent.where.remote(), timeout=30)
             assert where["node_id"] == joined.node_id and where["node"] == 1
             all_keys = [k for ks in keys.values() for k in ks]
-            assert _wait(lambda: all(ray.get(new_agent.has.remote(all_keys))), 30), \
+            assert wait_for(lambda: all(ray.get(new_agent.has.remote(all_keys))), 30), \
                 ray.get(dep.scheduler.summary.remote())
             warm_s = time.monotonic() - t_join
             summary = ray.get(dep.scheduler.summary.remote())
@@ -305,9 +287,6 @@ def test_a_raylet_that_joins_gets_an_agent_and_is_warmed(
         finally:
             dep.shutdown()
             assert dep.watcher is not None and not dep.watcher.running
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 @pytest.mark.slow
@@ -321,7 +300,6 @@ def test_an_agent_joins_once_its_engine_registered_with_lmcache(
     node joins."""
     ray = pytest.importorskip("ray")
     from kvptest.live_fleet import remote_config
-    from ray.cluster_utils import Cluster
 
     from kvprefetch.agents.agent import AgentConfig
     from kvprefetch.agents.backends.lmcache.warmer import LMCacheBackendConfig
@@ -357,32 +335,23 @@ def test_an_agent_joins_once_its_engine_registered_with_lmcache(
                                    chunk_size=lm_chunk,
                                    chunk_bytes=layout.chunk_bytes(lm_chunk)))
 
-        cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 1, "object_store_memory": 80 * MIB, "include_dashboard": False})
-        try:
-            first = cluster.add_node(num_cpus=0, object_store_memory=80 * MIB,
-                                     resources={"gpu_node": 1})
-            ray.init(address=cluster.address, namespace="kvprefetch", log_to_driver=False)
+        with gpu_cluster() as (cluster, first):
             svc = ServiceConfig(fleet=FLEET, initial_nodes=1)
             dep = deploy(svc, [agent(0)], [Placement(node_id=first.node_id)])
             try:
                 dep.watch_nodes(lambda: ray_node_candidates(resource="gpu_node"), agent,
                                 interval_s=0.5)
-                cluster.add_node(num_cpus=0, object_store_memory=80 * MIB,
-                                 resources={"gpu_node": 1})
-                assert _wait(lambda: ray.get_actor(agent_name(1), namespace="kvprefetch"),
+                add_gpu_node(cluster)
+                assert wait_for(lambda: ray.get_actor(agent_name(1), namespace="kvprefetch"),
                              60), "no agent for node 1"
-                assert _wait(lambda: dep.watcher is not None and dep.watcher.joined == 1, 60)
+                assert wait_for(lambda: dep.watcher is not None and dep.watcher.joined == 1, 60)
                 time.sleep(3.0)  # the agent asks its server every second
                 summary = ray.get(dep.scheduler.summary.remote())
                 assert summary["nodes_joined"] == 0 and summary["nodes_out"] == ["node-1"]
                 with LMCacheMPClient(server.host, server.port, layout, chunk_size=lm_chunk):
-                    assert _wait(lambda: ray.get(dep.scheduler.summary.remote())[
+                    assert wait_for(lambda: ray.get(dep.scheduler.summary.remote())[
                         "nodes_joined"] == 1, 30), ray.get(dep.scheduler.summary.remote())
                 summary = ray.get(dep.scheduler.summary.remote())
                 assert summary["nodes_out"] == []
             finally:
                 dep.shutdown()
-        finally:
-            ray.shutdown()
-            cluster.shutdown()
